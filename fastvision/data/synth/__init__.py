@@ -1,0 +1,24 @@
+"""Synthetic data generators, one module per kind, written in real file formats.
+
+``fastvision data synth KIND OUT`` calls ``SYNTH.get(KIND)(Path(OUT), seed=..., **options)``.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ...registry import Registry
+
+SYNTH = Registry("synthetic data kind")
+
+# Importing a kind's module registers it.
+_KINDS = ("microscopy", "imagenet", "coco", "medical", "pathology")
+
+
+def load_all() -> Registry:
+    for name in _KINDS:
+        try:
+            importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:  # a kind not written yet
+            if e.name != f"{__name__}.{name}":
+                raise
+    return SYNTH

@@ -1,0 +1,18 @@
+"""User-facing errors: the CLI prints these as one line and exits with code 2.
+
+Raise a subclass of :class:`FastvisionError` for anything the user can fix (a bad path, a wrong
+config key, a corrupt file). Its message must name the file or key. Programming errors stay
+ordinary exceptions and keep their traceback.
+"""
+
+
+class FastvisionError(Exception):
+    """Base class for errors caused by user input; message is shown without a traceback."""
+
+
+class ConfigError(FastvisionError):
+    """A recipe, override or argument is unknown or has the wrong type."""
+
+
+class DataError(FastvisionError):
+    """A data path is missing, unreadable, corrupt or inconsistent."""

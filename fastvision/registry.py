@@ -1,0 +1,131 @@
+"""Name -> builder registries for models, datasets, tasks and losses.
+
+Builders are plain functions (or classes). ``Registry.build`` checks keyword arguments against the
+builder's signature, so a typo in a recipe becomes a one-line error listing the valid keys instead
+of a ``TypeError`` deep inside a constructor.
+"""
+from __future__ import annotations
+
+import inspect
+import typing
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+
+class Registry:
+    """A named collection of builders.
+
+    Args:
+        kind: what the entries are, used in error messages ("model", "dataset", ...).
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Callable[..., Any]] = {}
+
+    def register(self, name: str | None = None) -> Callable[[Callable], Callable]:
+        """Decorator storing a builder under ``name`` (default: the function name, ``_`` -> ``-``)."""
+
+        def deco(fn: Callable) -> Callable:
+            key = name or fn.__name__.replace("_", "-")
+            if key in self._entries and self._entries[key] is not fn:
+                raise ValueError(f"{self.kind} {key!r} registered twice")
+            self._entries[key] = fn
+            return fn
+
+        return deco
+
+    def get(self, name: str) -> Callable[..., Any]:
+        if name not in self._entries:
+            raise ConfigError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}")
+        return self._entries[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def defaults(self, name: str) -> dict[str, Any]:
+        """Keyword defaults of a builder, for saving a fully resolved config."""
+        out = {}
+        for p in _params(self.get(name)):
+            if p.default is not inspect.Parameter.empty:
+                out[p.name] = p.default
+        return out
+
+    def build(self, name: str, kwargs: dict[str, Any] | None = None, where: str = "", **extra: Any) -> Any:
+        """Call builder ``name`` with ``kwargs`` after checking names and simple types.
+
+        Args:
+            name: registered name.
+            kwargs: user-supplied arguments (from a recipe); checked strictly.
+            where: config path used in errors, e.g. ``"model.args"``.
+            **extra: arguments supplied by code (not checked against user typos).
+        """
+        fn = self.get(name)
+        kwargs = dict(kwargs or {})
+        check_kwargs(fn, kwargs, where or f"{self.kind}.args", exclude=set(extra))
+        return fn(**kwargs, **extra)
+
+
+def _params(fn: Callable) -> list[inspect.Parameter]:
+    sig = inspect.signature(fn)
+    return [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def check_kwargs(fn: Callable, kwargs: dict[str, Any], where: str, exclude: set[str] = frozenset()) -> None:
+    """Raise ConfigError for unknown keys or values whose type contradicts the annotation."""
+    params = {p.name: p for p in _params(fn) if p.name not in exclude}
+    try:
+        hints = typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
+    except Exception:  # unresolvable annotations: check names only
+        hints = {}
+    for key, value in kwargs.items():
+        if key not in params:
+            raise ConfigError(f"unknown key {where}.{key}; valid keys: {', '.join(sorted(params))}")
+        if key in hints and not type_ok(value, hints[key]):
+            raise ConfigError(f"{where}.{key}: expected {type_name(hints[key])}, got {value!r}")
+
+
+def type_ok(value: Any, hint: Any) -> bool:
+    """Loose runtime check of ``value`` against a type hint (int accepted where float is expected)."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return True
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+        return any(type_ok(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in args
+    if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(args) == len(value) and all(type_ok(v, a) for v, a in zip(value, args))
+        inner = args[0] if args else Any
+        return all(type_ok(v, inner) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def type_name(hint: Any) -> str:
+    if isinstance(hint, type):
+        return hint.__name__
+    return str(hint).replace("typing.", "")
+
+
+MODELS = Registry("model")
+DATASETS = Registry("dataset")
+TASKS = Registry("task")
+LOSSES = Registry("loss")

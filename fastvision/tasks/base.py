@@ -1,0 +1,83 @@
+"""The seam between the generic engine and a problem (segmentation, classification, detection).
+
+The engine never asks "is this detection?": it asks the task to collate, move, augment, compute a
+loss and accumulate metrics. A task is built from the recipe's ``task`` section through the
+``TASKS`` registry; its builder receives the loss module and the device.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import default_collate
+
+
+class Evaluator:
+    """Accumulates validation statistics as sums, so ranks can be combined by one all-reduce.
+
+    Subclasses keep their running sums in ``self.sums`` (a 1-D float64 tensor on the device) or
+    override :meth:`state` / :meth:`load_state` for non-tensor state (e.g. COCO detections).
+    """
+
+    def update(self, outputs: Any, batch: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def state(self) -> Tensor:
+        """1-D float64 tensor that is summed across ranks."""
+        return self.sums
+
+    def load_state(self, state: Tensor) -> None:
+        self.sums = state
+
+    def compute(self) -> dict[str, float]:
+        raise NotImplementedError
+
+
+class Task:
+    """Base task: stacked dict batches, ``image`` input, no augmentation.
+
+    Attributes:
+        primary_metric: metric name used for the best checkpoint and ``--target`` (e.g. "iou").
+        higher_is_better: direction of ``primary_metric``.
+        input_key: batch key fed to the model.
+    """
+
+    primary_metric: str = "loss"
+    higher_is_better: bool = True
+    input_key: str = "image"
+
+    def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        return default_collate(items)
+
+    def to_device(self, batch: dict[str, Any], device: torch.device, channels_last: bool = False) -> dict[str, Any]:
+        """Non-blocking copy of every tensor in the batch; the input gets the memory format."""
+        out = {}
+        for k, v in batch.items():
+            if isinstance(v, Tensor):
+                v = v.to(device, non_blocking=True)
+                if channels_last and k == self.input_key and v.dim() in (4, 5):
+                    v = v.contiguous(memory_format=torch.channels_last if v.dim() == 4 else torch.channels_last_3d)
+            out[k] = v
+        return out
+
+    def augment(self, batch: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
+        """Batched random augmentation on the batch's device (training only). Identity here."""
+        return batch
+
+    def forward(self, model: nn.Module, batch: dict[str, Any]) -> Any:
+        return model(batch[self.input_key])
+
+    def loss(self, outputs: Any, batch: dict[str, Any]) -> Tensor:
+        """Scalar training loss from model outputs; called inside autocast."""
+        raise NotImplementedError
+
+    def evaluator(self) -> Evaluator:
+        raise NotImplementedError
+
+    def synthetic_batch(self, batch_size: int, device: torch.device) -> dict[str, Any]:
+        """A random batch shaped like real data, for benchmark mode."""
+        raise NotImplementedError
+
+    def batch_size(self, batch: dict[str, Any]) -> int:
+        return int(batch[self.input_key].shape[0])
