@@ -1,0 +1,284 @@
+"""Tests for fastvision.dist: launch-environment table, samplers, and real 2-rank gloo jobs.
+
+The multi-process tests start this very file as the worker (``python tests/test_dist.py OUT``)
+under ``torch.distributed.run --standalone`` and under hand-made SLURM variables, so the code path
+is the one a user's job takes. Each worker checks DDP's averaged gradient against plain autograd on
+the concatenated global batch, and the reduced metric sums against the whole-set sums.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fastvision import dist  # noqa: E402
+from fastvision.errors import ConfigError  # noqa: E402
+
+# --------------------------------------------------------------------------- environment table
+
+ENV_CASES = [
+    ("single", {}, dist.DistEnv()),
+    ("torchrun", {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"},
+     dist.DistEnv(3, 1, 4, 2, "torchrun", "10.0.0.5", 1234)),
+    # torchrun inside a SLURM allocation: torchrun's variables win
+    ("torchrun-in-slurm", {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5",
+                           "SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"},
+     dist.DistEnv(1, 1, 2, 2, "torchrun", "h", 5)),
+    ("srun", {"SLURM_JOB_ID": "123456", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+              "SLURM_STEP_ID": "0", "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "2(x4)",
+              "SLURM_NODELIST": "node[01-03,07]"},
+     dist.DistEnv(5, 1, 8, 2, "slurm", "node01", 12000 + 123456 % 20000)),
+    ("srun-step-vars", {"SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "16",
+                        "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEPID": "1", "SLURM_NODEID": "1",
+                        "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "gpu-a,gpu-b",
+                        "SLURM_JOB_NODELIST": "gpu-[a-z]"},
+     dist.DistEnv(0, 0, 3, 1, "slurm", "gpu-a", 12009)),
+    ("srun-overrides", {"SLURM_JOB_ID": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2",
+                        "SLURM_STEP_ID": "0", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "40000"},
+     dist.DistEnv(1, 1, 2, 2, "slurm", "127.0.0.1", 40000)),
+    # one-task allocation run straight from the batch script: a legitimate single process
+    ("sbatch-one-task", {"SLURM_JOB_ID": "5", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+                         "SLURM_NODELIST": "n1"}, dist.DistEnv()),
+]
+
+
+@pytest.mark.parametrize("name,environ,expected", ENV_CASES, ids=[c[0] for c in ENV_CASES])
+def test_detect_env(name, environ, expected):
+    assert dist.detect_env(environ) == expected
+
+
+@pytest.mark.parametrize("environ", [
+    {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "4", "SLURM_NODELIST": "n[1-2]"},  # salloc shell, no srun
+    # inside the batch script, Slurm marks the batch step with id 4294967294 (SLURM_BATCH_SCRIPT)
+    {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_ID": "4294967294"},
+])
+def test_slurm_without_srun_is_an_actionable_error(environ):
+    with pytest.raises(ConfigError, match="srun"):
+        dist.detect_env(environ)
+
+
+@pytest.mark.parametrize("bad", [{"RANK": "x", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "2.5"}])
+def test_malformed_variables_name_the_key(bad):
+    with pytest.raises(ConfigError, match="RANK|WORLD_SIZE"):
+        dist.detect_env(bad)
+
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("localhost", ["localhost"]),
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+    ("gpu[08-10]", ["gpu08", "gpu09", "gpu10"]),
+    ("r[1-2]n[3,5]", ["r1n3", "r1n5", "r2n3", "r2n5"]),
+    ("x[9-10]-ib", ["x9-ib", "x10-ib"]),
+    ("n[1-2],m[003-004]", ["n1", "n2", "m003", "m004"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert dist.expand_nodelist(nodelist) == hosts
+
+
+def test_single_process_helpers_are_identities():
+    t = torch.tensor([1.0, 2.0])
+    assert dist.all_reduce_sum(t) is t and t.tolist() == [1.0, 2.0]
+    assert dist.gather_objects({"a": 1}) == [{"a": 1}]
+    assert dist.broadcast_object(7) == 7
+    assert (dist.rank(), dist.world_size(), dist.is_main()) == (0, 1, True)
+    env, dev = dist.init("cpu")
+    assert env == dist.DistEnv() and dev == torch.device("cpu")
+    m = torch.nn.Linear(2, 2)
+    assert dist.wrap_model(m, dev) is m and dist.unwrap(m) is m
+    with dist.no_sync(m):
+        pass
+    dist.barrier()
+    dist.shutdown()
+
+
+def test_unwrap_strips_compile_wrapper():
+    m = torch.nn.Linear(2, 2)
+    fake_compiled = torch.nn.Module()
+    fake_compiled._orig_mod = m  # the attribute torch.compile's OptimizedModule exposes
+    assert dist.unwrap(fake_compiled) is m
+
+
+# --------------------------------------------------------------------------- samplers
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 7, 10, 13])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_eval_sampler_covers_every_index_once(n, world):
+    shards = [list(dist.EvalSampler(n, num_replicas=world, rank=r)) for r in range(world)]
+    assert sorted(i for s in shards for i in s) == list(range(n))
+    lengths = [len(s) for s in shards]
+    assert max(lengths) - min(lengths) <= 1
+    assert lengths == [len(dist.EvalSampler(n, num_replicas=world, rank=r)) for r in range(world)]
+    # contiguous: concatenation in rank order is the natural order
+    assert [i for s in shards for i in s] == list(range(n))
+
+
+def test_eval_sampler_hand_case():
+    assert [list(dist.EvalSampler(7, num_replicas=3, rank=r)) for r in range(3)] == [[0, 1], [2, 3], [4, 5, 6]]
+
+
+@pytest.mark.parametrize("n,world", [(8, 2), (12, 4), (7, 2), (5, 4), (3, 4), (10, 3)])
+def test_train_sampler_shards(n, world):
+    shards = [list(dist.TrainSampler(n, num_replicas=world, rank=r, seed=3)) for r in range(world)]
+    per_rank = -(-n // world)
+    assert all(len(s) == per_rank for s in shards)
+    flat = [i for s in shards for i in s]
+    assert set(flat) == set(range(n))  # every sample seen
+    if n % world == 0:
+        assert len(set(flat)) == len(flat)  # disjoint
+    else:
+        assert len(flat) - len(set(flat)) == per_rank * world - n  # only the wrap-around repeats
+
+
+@pytest.mark.parametrize("n,world", [(10, 2), (12, 3)])
+def test_train_sampler_deterministic_in_seed_and_epoch(n, world):
+    def shards(seed, epoch):
+        out = []
+        for r in range(world):
+            s = dist.TrainSampler(n, num_replicas=world, rank=r, seed=seed)
+            s.set_epoch(epoch)
+            out.append(list(s))
+        return out
+
+    assert shards(0, 1) == shards(0, 1)
+    assert shards(0, 1) != shards(0, 2)
+    assert shards(0, 1) != shards(1, 1)
+    assert shards(0, 1) != shards(1, 0)  # seed + epoch would collide here
+
+
+@pytest.mark.parametrize("n,world,batch", [(16, 2, 4), (24, 4, 3), (18, 3, 2)])
+def test_train_sampler_global_batches_match_one_process(n, world, batch):
+    """Ranks' k-th batches together form the k-th batch of one process with world x the batch."""
+    one = dist.TrainSampler(n, num_replicas=1, rank=0, seed=11)
+    one.set_epoch(4)
+    ref = list(one)
+    per_rank = []
+    for r in range(world):
+        s = dist.TrainSampler(n, num_replicas=world, rank=r, seed=11)
+        s.set_epoch(4)
+        per_rank.append(list(s))
+    for k in range(n // (batch * world)):
+        together = sorted(i for s in per_rank for i in s[k * batch:(k + 1) * batch])
+        assert together == sorted(ref[k * batch * world:(k + 1) * batch * world])
+
+
+def test_train_sampler_drop_last_and_no_shuffle():
+    s = [list(dist.TrainSampler(7, num_replicas=2, rank=r, shuffle=False, drop_last=True)) for r in range(2)]
+    assert s == [[0, 2, 4], [1, 3, 5]]
+
+
+# --------------------------------------------------------------------------- real 2-rank jobs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                       "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def _check_results(out: Path, world: int, launcher: str) -> None:
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, res in enumerate(results):
+        assert res["env"]["rank"] == r and res["env"]["world_size"] == world
+        assert res["env"]["launcher"] == launcher
+        assert res["sum"] == sum(range(1, world + 1))
+        assert res["gathered"] == [f"r{i}" for i in range(world)]
+        assert res["broadcast"] == "from-0"
+        assert res["grad_max_err"] < 1e-6
+        assert res["eval_sums"] == res["eval_sums_ref"]
+    assert results[0]["weights"] == results[1]["weights"]  # DDP keeps replicas identical
+
+
+@pytest.mark.dist
+def test_two_rank_torchrun_gloo(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).resolve()), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_results(tmp_path, 2, "torchrun")
+
+
+@pytest.mark.dist
+def test_two_rank_slurm_srun_variables(tmp_path):
+    port = _free_port()
+    procs = []
+    for r in range(2):
+        env = _clean_env()
+        env.update(SLURM_JOB_ID="4242", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
+                   SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(tmp_path)], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        errs.append(err)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    _check_results(tmp_path, 2, "slurm")
+
+
+def _worker(out: Path) -> None:
+    """One rank of a real job: collectives, a DDP step, an EvalSampler-sharded metric."""
+    torch.set_num_threads(1)
+    env, device = dist.init("cpu", timeout_s=60)
+    r, w = dist.rank(), dist.world_size()
+    res: dict = {"env": {"rank": env.rank, "world_size": env.world_size, "launcher": env.launcher}}
+    res["sum"] = dist.all_reduce_sum(torch.tensor([float(r + 1)], dtype=torch.float64)).item()
+    res["gathered"] = dist.gather_objects(f"r{r}")
+    res["broadcast"] = dist.broadcast_object("from-0" if r == 0 else "wrong", src=0)
+
+    # DDP gradient == plain autograd on the concatenated global batch (equal per-rank batches).
+    g = torch.Generator().manual_seed(0)
+    x_all, y_all = torch.randn(4 * w, 3, generator=g), torch.randn(4 * w, 2, generator=g)
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(3, 2)
+    model = dist.wrap_model(torch.nn.Linear(3, 2), device, bucket_cap_mb=1.0)
+    dist.unwrap(model).load_state_dict(ref.state_dict())
+    idx = list(dist.TrainSampler(4 * w, shuffle=False))
+    torch.nn.functional.mse_loss(model(x_all[idx]), y_all[idx]).backward()
+    torch.nn.functional.mse_loss(ref(x_all), y_all).backward()
+    res["grad_max_err"] = max((a.grad - b.grad).abs().max().item()
+                              for a, b in zip(dist.unwrap(model).parameters(), ref.parameters()))
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    res["weights"] = [p.detach().tolist() for p in dist.unwrap(model).parameters()]
+
+    # Odd-sized validation set: per-rank sums reduced == whole-set sums (no padding duplicates).
+    n_val = 7
+    vals = torch.arange(n_val, dtype=torch.float64)
+    sums = torch.zeros(2, dtype=torch.float64)
+    for i in dist.EvalSampler(n_val):
+        sums += torch.stack([vals[i], torch.ones((), dtype=torch.float64)])
+    res["eval_sums"] = dist.all_reduce_sum(sums).tolist()
+    res["eval_sums_ref"] = [vals.sum().item(), float(n_val)]
+
+    dist.barrier()
+    (out / f"rank{r}.json").write_text(json.dumps(res))
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
