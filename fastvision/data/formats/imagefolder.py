@@ -1,0 +1,199 @@
+"""ImageFolder / ImageNet layout (``train/<class>/*.JPEG``, ``val/<class>/*.JPEG``) for classification.
+
+Decoding is Pillow with ``Image.draft``: a JPEG can be decoded directly at 1/2, 1/4 or 1/8 scale
+by the DCT, so a 4000x3000 photo headed for a 224 crop never gets decoded at full size. The
+crop and the resize are then one ``Image.resize(..., box=...)`` call. Training items get a
+random-resized crop (area 8-100 %, aspect 3/4-4/3) and a horizontal flip; evaluation items get
+the shorter side resized to 256 and a 224 centre crop (seed 004).
+
+Items are ``{"image": uint8 (3, S, S), "label": int64 scalar, "id": str}``: uint8 crosses the
+host-to-device link at a quarter of float32's bytes and the task normalises on the device.
+Randomness comes from ``torch``'s global generator, which the DataLoader seeds per worker.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+from ...errors import DataError
+from ...registry import DATASETS
+from . import DatasetSplits
+
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".tif", ".tiff", ".webp")
+
+
+def find_classes(root: Path) -> list[str]:
+    """Sorted class folder names under ``root``; DataError if ``root`` is missing or has none."""
+    if not root.is_dir():
+        raise DataError(f"image folder not found: {root}")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise DataError(f"{root}: no class folders (expected {root}/<class>/<image>)")
+    return classes
+
+
+def list_samples(root: Path, classes: list[str], extensions: tuple[str, ...] = EXTENSIONS) -> list[tuple[str, int]]:
+    """``(path, class index)`` for every image under ``root/<class>/``, in sorted order.
+
+    Raises:
+        DataError: a class folder is missing or holds no image with one of ``extensions``.
+    """
+    samples = []
+    for idx, name in enumerate(classes):
+        d = root / name
+        if not d.is_dir():
+            raise DataError(f"{d}: class folder missing (classes come from the training split)")
+        files = sorted(str(p) for p in d.iterdir() if p.suffix.lower() in extensions and p.is_file())
+        if not files:
+            raise DataError(f"{d}: no images with extensions {', '.join(extensions)}")
+        samples += [(f, idx) for f in files]
+    return samples
+
+
+def open_image(path: str, draft_size: tuple[int, int] | None = None) -> Image.Image:
+    """Open an image as RGB, decoding JPEGs at the smallest DCT scale still >= ``draft_size``.
+
+    Args:
+        path: image file.
+        draft_size: (width, height) the *whole* image must keep after reduced decoding, or None.
+    """
+    try:
+        img = Image.open(path)
+        if draft_size is not None and img.format == "JPEG":
+            img.draft("RGB", draft_size)
+        return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot decode image ({e})") from e
+
+
+def random_resized_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float]) -> tuple[float, float, float, float]:
+    """A random crop box ``(left, top, right, bottom)`` with area fraction in ``scale`` and aspect
+    (w/h) log-uniform in ``ratio``; falls back to the largest centred box of clamped aspect."""
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        u = torch.rand(4).tolist()
+        target = area * (scale[0] + u[0] * (scale[1] - scale[0]))
+        aspect = math.exp(log_lo + u[1] * (log_hi - log_lo))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            left = int(u[2] * (width - w + 1))
+            top = int(u[3] * (height - h + 1))
+            return float(left), float(top), float(left + w), float(top + h)
+    aspect = width / height
+    if aspect < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif aspect > ratio[1]:
+        w, h = round(height * ratio[1]), height
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return float(left), float(top), float(left + w), float(top + h)
+
+
+def center_box(width: int, height: int, resize: int, crop: int) -> tuple[float, float, float, float]:
+    """The box of the original image that "shorter side -> ``resize``, centre crop ``crop``" keeps."""
+    s = min(width, height) / resize  # original pixels per resized pixel
+    cw, ch = min(crop * s, width), min(crop * s, height)
+    left, top = (width - cw) / 2, (height - ch) / 2
+    return left, top, left + cw, top + ch
+
+
+def load_crop(path: str, train: bool, size: int, resize: int, scale: tuple[float, float],
+              ratio: tuple[float, float], hflip: float) -> np.ndarray:
+    """Decode, crop and resize one image to a ``(size, size, 3)`` uint8 array."""
+    try:
+        with Image.open(path) as probe:  # header only: the size decides the crop and the draft scale
+            width, height = probe.size
+    except (UnidentifiedImageError, OSError) as e:
+        raise DataError(f"{path}: cannot decode image ({e})") from e
+    if train:
+        box = random_resized_box(width, height, scale, ratio)
+    else:
+        box = center_box(width, height, resize, size)
+    # keep at least `size` output pixels per box side after the DCT-scale reduction
+    f = max((box[2] - box[0]) / size, (box[3] - box[1]) / size, 1.0)
+    img = open_image(path, (math.ceil(width / f), math.ceil(height / f)))
+    sx, sy = img.width / width, img.height / height
+    box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+    img = img.resize((size, size), Image.BILINEAR, box=box)
+    if train and hflip > 0 and torch.rand(()).item() < hflip:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy needs one
+
+
+class ImageFolderDataset(Dataset):
+    """Classification items from ``(path, class index)`` pairs.
+
+    Args:
+        samples: ``(path, label)`` list (see :func:`list_samples`).
+        train: random-resized crop + flip if True, resize + centre crop otherwise.
+        image_size: output side S (224 for ImageNet).
+        resize_size: evaluation shorter side before the centre crop (256 for ImageNet).
+        scale: training crop area fraction range.
+        ratio: training crop aspect (w/h) range.
+        hflip: probability of a horizontal flip in training.
+    """
+
+    def __init__(self, samples: list[tuple[str, int]], train: bool, image_size: int = 224, resize_size: int = 256,
+                 scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3),
+                 hflip: float = 0.5):
+        self.samples = samples
+        self.train = train
+        self.image_size = image_size
+        self.resize_size = resize_size
+        self.scale = tuple(scale)
+        self.ratio = tuple(ratio)
+        self.hflip = hflip
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        path, label = self.samples[i]
+        try:
+            arr = load_crop(path, self.train, self.image_size, self.resize_size, self.scale, self.ratio, self.hflip)
+        except (UnidentifiedImageError, OSError) as e:  # truncated data surfaces at resize time
+            raise DataError(f"{path}: cannot decode image ({e})") from e
+        image = torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+        return {"image": image, "label": torch.tensor(label, dtype=torch.int64), "id": path}
+
+
+@DATASETS.register("imagefolder")
+def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_size: int = 224,
+          resize_size: int = 256, scale: tuple[float, float] = (0.08, 1.0),
+          ratio: tuple[float, float] = (0.75, 4 / 3), hflip: float = 0.5) -> DatasetSplits:
+    """ImageFolder train/val splits.
+
+    Args:
+        path: root holding ``train_dir`` and ``val_dir``, each with one folder per class.
+        train_dir: training split folder name.
+        val_dir: validation split folder name (ImageNet's ``val`` must be sorted into classes).
+        image_size: crop side S of the items (3, S, S).
+        resize_size: evaluation shorter side before centre-cropping ``image_size``.
+        scale: random-resized-crop area range (seed 004: 0.08-1.0).
+        ratio: random-resized-crop aspect range.
+        hflip: horizontal flip probability in training.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"dataset folder not found: {root}")
+    classes = find_classes(root / train_dir)
+    train = list_samples(root / train_dir, classes)
+    val_root = root / val_dir
+    val_classes = find_classes(val_root)
+    extra = sorted(set(val_classes) - set(classes))
+    if extra:
+        raise DataError(f"{val_root}: classes not in {train_dir}/: {', '.join(extra[:5])}")
+    # labels index the training class list, even when val lacks a class
+    index = {c: i for i, c in enumerate(classes)}
+    val = [(p, index[val_classes[j]]) for p, j in list_samples(val_root, val_classes)]
+    kw = dict(image_size=image_size, resize_size=resize_size, scale=scale, ratio=ratio, hflip=hflip)
+    info = {"classes": classes, "num_classes": len(classes), "train_images": len(train), "val_images": len(val)}
+    return DatasetSplits(ImageFolderDataset(train, True, **kw), ImageFolderDataset(val, False, **kw), info)

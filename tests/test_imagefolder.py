@@ -1,0 +1,139 @@
+"""ImageFolder format and the ``imagenet`` synthetic generator: layout, item shapes/dtypes,
+crop geometry against hand-computed slices, draft decoding, and DataError on bad layouts."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastvision.data.formats import imagefolder as F
+from fastvision.data.synth import imagenet as S
+from fastvision.errors import DataError
+from fastvision.registry import DATASETS
+
+
+def _digest(root):
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.JPEG")):
+        h.update(p.relative_to(root).as_posix().encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def synth_root(tmp_path_factory):
+    return S.synth(tmp_path_factory.mktemp("inet"), seed=3, classes=3, per_class=4, val_per_class=2, size=48)
+
+
+def test_synth_layout_and_determinism(synth_root, tmp_path):
+    files = sorted(p.relative_to(synth_root).as_posix() for p in synth_root.rglob("*.JPEG"))
+    assert len(files) == 3 * (4 + 2)
+    assert "train/class002/00003.JPEG" in files and "val/class000/00001.JPEG" in files
+    with Image.open(synth_root / files[0]) as im:
+        assert im.format == "JPEG" and im.size == (48, 48) and im.mode == "RGB"
+    again = S.synth(tmp_path, seed=3, classes=3, per_class=4, val_per_class=2, size=48)
+    assert _digest(again) == _digest(synth_root)
+
+
+def test_synth_classes_differ_in_colour(tmp_path):
+    # mean hue of the object differs between classes: the dominant channel of the brightest pixels
+    root = S.synth(tmp_path, seed=0, classes=3, per_class=6, val_per_class=1, size=48)
+    dominant = []
+    for c in range(3):
+        arrs = [np.asarray(Image.open(p)).astype(float) for p in sorted((root / "train" / f"class{c:03d}").iterdir())]
+        sat = [a[(a.max(-1) - a.min(-1)) > 90] for a in arrs]  # saturated pixels = the object
+        dominant.append(int(np.concatenate(sat).mean(0).argmax()))
+    assert dominant == [0, 1, 2]  # hues 0, 1/3, 2/3: red, green, blue
+
+
+def test_build_items(synth_root):
+    splits = DATASETS.build("imagefolder", {"path": str(synth_root), "image_size": 32, "resize_size": 40})
+    assert splits.info["classes"] == ["class000", "class001", "class002"]
+    assert (splits.info["train_images"], splits.info["val_images"]) == (12, 6)
+    torch.manual_seed(0)
+    for ds in (splits.train, splits.val):
+        item = ds[len(ds) - 1]
+        assert item["image"].dtype == torch.uint8 and item["image"].shape == (3, 32, 32)
+        assert item["label"].dtype == torch.int64 and item["label"].shape == () and item["label"].item() == 2
+        assert item["id"].endswith(".JPEG")
+    # evaluation is deterministic
+    assert torch.equal(splits.val[0]["image"], splits.val[0]["image"])
+
+
+def _write_png(path, arr):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).save(path)
+
+
+def test_center_crop_is_exact_slice(tmp_path):
+    rng = np.random.default_rng(0)
+    arr = rng.integers(0, 256, size=(40, 80, 3), dtype=np.uint8)  # H=40, W=80
+    _write_png(tmp_path / "a.png", arr)
+    # shorter side 40 -> resize 40 (no scaling), centre crop 32: rows 4..36, cols 24..56
+    out = F.load_crop(str(tmp_path / "a.png"), False, 32, 40, (0.08, 1.0), (0.75, 4 / 3), 0.0)
+    np.testing.assert_array_equal(out, arr[4:36, 24:56])
+    # shorter side 40 -> 20 halves everything: crop 16 covers original rows 4..36, cols 24..56
+    assert F.center_box(80, 40, 20, 16) == (24.0, 4.0, 56.0, 36.0)
+
+
+def test_train_full_box_and_flip(tmp_path):
+    rng = np.random.default_rng(1)
+    arr = rng.integers(0, 256, size=(24, 24, 3), dtype=np.uint8)
+    _write_png(tmp_path / "b.png", arr)
+    out = F.load_crop(str(tmp_path / "b.png"), True, 24, 24, (1.0, 1.0), (1.0, 1.0), hflip=1.0)
+    np.testing.assert_array_equal(out, arr[:, ::-1])
+
+
+def test_random_resized_box_ranges():
+    torch.manual_seed(0)
+    for _ in range(200):
+        left, top, right, bottom = F.random_resized_box(300, 200, (0.08, 1.0), (3 / 4, 4 / 3))
+        w, h = right - left, bottom - top
+        assert 0 <= left and 0 <= top and right <= 300 and bottom <= 200
+        # rounding of w and h to whole pixels widens the ranges slightly
+        assert 0.08 * 0.9 <= w * h / 60000 <= 1.0
+        assert 0.75 * 0.9 <= w / h <= 4 / 3 * 1.1
+    # impossible aspect -> centred fallback with clamped aspect
+    assert F.random_resized_box(100, 10, (0.9, 1.0), (1.0, 1.0)) == (45.0, 0.0, 55.0, 10.0)
+
+
+def test_draft_decoding_of_large_jpeg(tmp_path):
+    yy, xx = np.mgrid[0:768, 0:1024]
+    arr = np.stack([xx % 256, yy % 256, (xx + yy) % 256], -1).astype(np.uint8)
+    path = tmp_path / "big.jpg"
+    Image.fromarray(arr).save(path, quality=95)
+    assert F.open_image(str(path), (256, 192)).size == (256, 192)  # DCT scale 1/4
+    assert F.open_image(str(path), (300, 200)).size == (512, 384)  # 1/4 would be too small
+    out = F.load_crop(str(path), False, 64, 64, (0.08, 1.0), (0.75, 4 / 3), 0.0)
+    full = np.asarray(Image.open(path).convert("RGB").resize((64, 64), Image.BILINEAR, box=(128, 0, 896, 768)))
+    assert out.shape == (64, 64, 3)
+    assert np.abs(out.astype(int) - full.astype(int)).mean() < 12  # same picture, reduced decode
+
+
+def test_bad_layouts(tmp_path):
+    with pytest.raises(DataError, match="nope"):
+        DATASETS.build("imagefolder", {"path": str(tmp_path / "nope")})
+    (tmp_path / "train").mkdir()
+    with pytest.raises(DataError, match="no class folders"):
+        DATASETS.build("imagefolder", {"path": str(tmp_path)})
+    (tmp_path / "train" / "cat").mkdir()
+    with pytest.raises(DataError, match="cat: no images"):
+        DATASETS.build("imagefolder", {"path": str(tmp_path)})
+    _write_png(tmp_path / "train" / "cat" / "1.png", np.zeros((8, 8, 3), np.uint8))
+    with pytest.raises(DataError, match="val"):
+        DATASETS.build("imagefolder", {"path": str(tmp_path)})
+    _write_png(tmp_path / "val" / "dog" / "1.png", np.zeros((8, 8, 3), np.uint8))
+    with pytest.raises(DataError, match="dog"):
+        DATASETS.build("imagefolder", {"path": str(tmp_path)})
+
+
+def test_unreadable_image_names_path(tmp_path):
+    for split in ("train", "val"):
+        _write_png(tmp_path / split / "cat" / "ok.png", np.zeros((8, 8, 3), np.uint8))
+    (tmp_path / "train" / "cat" / "broken.JPEG").write_bytes(b"\xff\xd8\xff garbage")
+    splits = DATASETS.build("imagefolder", {"path": str(tmp_path), "image_size": 8, "resize_size": 8})
+    broken = [i for i, (p, _) in enumerate(splits.train.samples) if p.endswith("broken.JPEG")][0]
+    with pytest.raises(DataError, match="broken.JPEG"):
+        splits.train[broken]
