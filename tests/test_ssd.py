@@ -1,0 +1,117 @@
+"""SSD320 model, loss and post-processing: hand-computed losses, shapes, gradients, edge cases."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastvision.models.ssd import FrozenBatchNorm2d, freeze_batchnorm, postprocess, ssd_loss
+from fastvision.ops import BoxCoder
+from fastvision.registry import MODELS
+
+
+def focal_by_hand(x: float, t: float, alpha=0.25, gamma=2.0) -> float:
+    p = 1 / (1 + math.exp(-x))
+    ce = -math.log(p) if t == 1 else -math.log(1 - p)
+    p_t = p if t == 1 else 1 - p
+    a_t = alpha if t == 1 else 1 - alpha
+    return a_t * (1 - p_t) ** gamma * ce
+
+
+def crafted_outputs():
+    anchors = torch.tensor([[0, 0, 10, 10], [50, 50, 60, 60], [100, 100, 104, 104]], dtype=torch.float32)
+    logits = torch.tensor([[[2.0, -1.0], [0.5, -3.0], [4.0, 4.0]]])
+    codes = torch.tensor([[[0.5, -2.0, 0.1, 0.0], [9.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]]])
+    return {"cls_logits": logits, "box_codes": codes, "anchors": anchors}
+
+
+def test_loss_equals_hand_formula():
+    out = crafted_outputs()
+    # gt0 coincides with anchor 0 (class 1); a crowd box swallows anchor 2; last row is padding.
+    boxes = torch.tensor([[[0, 0, 10, 10], [90, 90, 130, 130], [0, 0, 0, 0]]], dtype=torch.float32)
+    labels = torch.tensor([[1, 0, -1]])
+    crowd = torch.tensor([[False, True, False]])
+    got = ssd_loss(out, boxes, labels, crowd)
+    cls = (focal_by_hand(2.0, 0) + focal_by_hand(-1.0, 1)  # anchor 0: class 1 positive
+           + focal_by_hand(0.5, 0) + focal_by_hand(-3.0, 0))  # anchor 1: background; anchor 2 ignored
+    box = 0.5 * 0.5**2 + (2.0 - 0.5) + 0.5 * 0.1**2 + 0.0  # smooth-L1 against zero targets
+    assert got["num_matches"].item() == 1
+    assert got["cls_loss"].item() == pytest.approx(cls, rel=1e-5)
+    assert got["box_loss"].item() == pytest.approx(box, rel=1e-5)
+    assert got["loss"].item() == pytest.approx(cls + box, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["empty", "crowd_only"])
+def test_loss_without_positives_is_finite(case):
+    out = crafted_outputs()
+    out = {k: v.expand(2, *v.shape[1:]).clone() if k != "anchors" else v for k, v in out.items()}
+    out["cls_logits"].requires_grad_(True)
+    if case == "empty":
+        boxes, labels, crowd = torch.zeros(2, 0, 4), torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool)
+    else:
+        boxes = torch.tensor([[[0.0, 0, 200, 200]]] * 2)
+        labels, crowd = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool)
+    got = ssd_loss(out, boxes, labels, crowd)
+    assert torch.isfinite(got["loss"]) and got["box_loss"].item() == 0.0
+    if case == "crowd_only":  # every anchor is inside the crowd box: nothing to learn
+        assert got["cls_loss"].item() == 0.0
+    else:
+        expected = sum(focal_by_hand(x, 0) for x in out["cls_logits"][0].flatten().tolist()) * 2
+        assert got["cls_loss"].item() == pytest.approx(expected, rel=1e-5)
+    got["loss"].backward()
+
+
+def test_postprocess_decodes_thresholds_and_suppresses():
+    anchors = torch.tensor([[0, 0, 10, 10], [1, 0, 11, 10], [40, 40, 60, 60], [0, 0, 10, 10]], dtype=torch.float32)
+    target = torch.tensor([[2, 2, 12, 12], [2, 2, 12, 12], [40, 40, 60, 60], [0, 0, 10, 10]], dtype=torch.float32)
+    codes = BoxCoder().encode(target, anchors)[None]
+    logit = lambda p: math.log(p / (1 - p))  # noqa: E731
+    cls = torch.full((1, 4, 3), -20.0)
+    cls[0, 0, 1], cls[0, 1, 1] = logit(0.9), logit(0.8)  # same box, same class: the 0.8 one goes
+    cls[0, 2, 0] = logit(0.7)
+    cls[0, 3, 2] = logit(0.6)  # overlaps anchor 0's box but another class: kept
+    det = postprocess({"cls_logits": cls, "box_codes": codes, "anchors": anchors}, (64, 64),
+                      score_threshold=0.5, max_detections=5)
+    assert det["boxes"].shape == (1, 5, 4) and det["labels"].shape == (1, 5)
+    torch.testing.assert_close(det["scores"][0, :3], torch.tensor([0.9, 0.7, 0.6]))
+    assert det["labels"][0].tolist() == [1, 0, 2, -1, -1]
+    torch.testing.assert_close(det["boxes"][0, :3], target[[0, 2, 3]], atol=1e-4, rtol=0)
+    assert det["scores"][0, 3:].eq(0).all()
+
+
+def test_frozen_batchnorm_matches_eval_bn_and_has_no_parameters():
+    bn = torch.nn.BatchNorm2d(4, eps=1e-3)
+    bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2)
+    torch.nn.init.uniform_(bn.weight), torch.nn.init.uniform_(bn.bias)
+    model = torch.nn.Sequential(bn)
+    x = torch.randn(2, 4, 5, 5)
+    ref = bn.eval()(x)
+    freeze_batchnorm(model)
+    assert isinstance(model[0], FrozenBatchNorm2d) and not list(model.parameters())
+    torch.testing.assert_close(model.train()(x), ref)
+
+
+@pytest.mark.parametrize("name,size,batch,classes", [("ssd320-small", 128, 2, 3), ("ssd320", 320, 1, 90)])
+def test_forward_backward(name, size, batch, classes):
+    torch.manual_seed(0)
+    model = MODELS.build(name, {"num_classes": classes, "frozen_bn": name == "ssd320"})
+    x = torch.randn(batch, 3, size, size)
+    out = model(x)
+    A = 6 * sum(math.ceil(size / 2**l) ** 2 for l in range(3, 8))
+    assert out["cls_logits"].shape == (batch, A, classes) and out["box_codes"].shape == (batch, A, 4)
+    assert out["anchors"].shape == (A, 4)
+    if size == 320:
+        assert A == 12804
+    # Class bias -4.6: every initial score is near the 0.01 prior.
+    assert out["cls_logits"].sigmoid().mean().item() == pytest.approx(0.01, abs=0.005)
+    boxes = torch.tensor([[[10.0, 20, 60, 90], [0, 0, 0, 0]]] * batch)
+    labels = torch.tensor([[classes - 1, -1]] * batch)
+    loss = ssd_loss(out, boxes, labels, torch.zeros_like(labels, dtype=torch.bool))["loss"]
+    loss.backward()
+    assert torch.isfinite(loss)
+    head_grad = model.head.cls_pred.weight.grad
+    assert head_grad is not None and head_grad.abs().sum() > 0
+    assert model.backbone.conv1.weight.grad.abs().sum() > 0
+    det = postprocess({k: v.detach() for k, v in out.items()}, (size, size))
+    assert det["boxes"].shape == (batch, 100, 4)
