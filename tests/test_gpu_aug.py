@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from fastvision.data.gpu_aug import _shift_hue, affine, build_augment
+from fastvision.data.gpu_aug import affine, build_augment
+from fastvision.data.gpu_aug_intensity import _shift_hue
 from fastvision.errors import ConfigError
 
 FULL = {
