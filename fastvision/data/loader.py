@@ -1,0 +1,243 @@
+"""Batch loaders: a thread loader (default), the process DataLoader, and a device prefetcher.
+
+With cached data the per-item work is small, and worker processes only add pickling, IPC and the
+copy-on-read memory growth MONAI users report (pytorch#13246). :class:`ThreadLoader` builds whole
+batches in background threads and keeps a bounded window of them ready, in order. Batch order is a
+function of (seed, epoch) and the sampler only, never of ``num_workers`` or thread timing.
+:class:`DevicePrefetcher` copies the next batch to the GPU on a side stream while the current one
+trains. ``build_loader`` picks between ``data.loader: threads|processes``.
+"""
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator, Literal
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from ..errors import ConfigError
+
+
+class EpochSampler(Sampler[int]):
+    """All indices, shuffled by (seed, epoch) when ``shuffle``; ``set_epoch`` picks the epoch."""
+
+    def __init__(self, n: int, shuffle: bool, seed: int = 0):
+        self.n, self.shuffle, self.seed, self.epoch = n, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.n))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _batches(indices: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
+    stop = len(indices) - len(indices) % batch_size if drop_last else len(indices)
+    return [indices[i:i + batch_size] for i in range(0, stop, batch_size)]
+
+
+def _pin(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.pin_memory()
+    if isinstance(x, dict):
+        return {k: _pin(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_pin(v) for v in x)
+    return x
+
+
+class ThreadLoader:
+    """Batches built by background threads, delivered in sampler order.
+
+    Args:
+        dataset: map-style dataset of dict items.
+        batch_size: items per batch.
+        sampler: index order (e.g. a rank's shard with ``set_epoch``); default :class:`EpochSampler`.
+        collate_fn: list of items -> batch (default ``default_collate``).
+        num_workers: threads building batches (0 still uses one background thread).
+        drop_last: drop a final short batch.
+        repeats: yield each batch this many times ("data echoing"; MONAI ``ThreadDataLoader``).
+        prefetch: batches kept ready per thread; bounds memory.
+        pin_memory: pin batches in the worker thread so the device copy can be asynchronous.
+    """
+
+    def __init__(self, dataset: Dataset, *, batch_size: int, sampler: Iterable[int] | None = None,
+                 shuffle: bool = False, seed: int = 0, collate_fn: Callable | None = None,
+                 num_workers: int = 2, drop_last: bool = False, repeats: int = 1, prefetch: int = 2,
+                 pin_memory: bool = False):
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = sampler if sampler is not None else EpochSampler(len(dataset), shuffle, seed)
+        self.collate_fn = collate_fn or default_collate
+        self.num_workers = max(1, num_workers)
+        self.drop_last = drop_last
+        self.repeats = repeats
+        self.window = self.num_workers * max(1, prefetch)
+        self.pin_memory = pin_memory
+
+    def set_epoch(self, epoch: int) -> None:
+        for obj in (self.sampler, self.dataset):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        batches = n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return batches * self.repeats
+
+    def _make(self, idx: list[int]) -> Any:
+        batch = self.collate_fn([self.dataset[i] for i in idx])
+        return _pin(batch) if self.pin_memory else batch
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = _batches(list(self.sampler), self.batch_size, self.drop_last)
+        pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="fastvision-loader")
+        pending: collections.deque[Future] = collections.deque()
+        try:
+            nxt = 0
+            while nxt < len(batches) or pending:
+                # Keep a bounded window submitted: threads run ahead, memory stays bounded.
+                while nxt < len(batches) and len(pending) < self.window:
+                    pending.append(pool.submit(self._make, batches[nxt]))
+                    nxt += 1
+                batch = pending.popleft().result()
+                for _ in range(self.repeats):
+                    yield batch
+        finally:
+            for f in pending:
+                f.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ProcessLoader:
+    """torch ``DataLoader`` with worker processes behind the same interface (len, set_epoch)."""
+
+    def __init__(self, dataset: Dataset, *, batch_size: int, sampler: Iterable[int] | None = None,
+                 shuffle: bool = False, seed: int = 0, collate_fn: Callable | None = None,
+                 num_workers: int = 2, drop_last: bool = False, repeats: int = 1, pin_memory: bool = False):
+        self.dataset = dataset
+        self.sampler = sampler if sampler is not None else EpochSampler(len(dataset), shuffle, seed)
+        self.repeats = repeats
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
+                                 collate_fn=collate_fn or default_collate, num_workers=num_workers,
+                                 drop_last=drop_last, pin_memory=pin_memory,
+                                 persistent_workers=num_workers > 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.repeats
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            for _ in range(self.repeats):
+                yield batch
+
+
+def build_loader(dataset: Dataset, *, batch_size: int, shuffle: bool = False, sampler: Iterable[int] | None = None,
+                 collate_fn: Callable | None = None, loader: Literal["threads", "processes"] = "threads",
+                 num_workers: int = 2, drop_last: bool = False, seed: int = 0, repeats: int = 1,
+                 pin_memory: bool = False) -> ThreadLoader | ProcessLoader:
+    """A loader with ``len()``, ``set_epoch(epoch)`` and ``.sampler``; batch order depends only on
+    (seed, epoch) or the sampler, not on ``num_workers``.
+
+    Args:
+        dataset: map-style dataset of dict items.
+        batch_size: items per batch.
+        shuffle: shuffle by (seed, epoch) when no sampler is given.
+        sampler: explicit index order (e.g. a distributed shard); overrides ``shuffle``.
+        collate_fn: items -> batch.
+        loader: ``threads`` (default) or ``processes`` (torch DataLoader workers).
+        num_workers: threads or processes.
+        drop_last: drop a final short batch.
+        seed: shuffle seed.
+        repeats: yield each batch this many times.
+        pin_memory: pin batches for asynchronous host-to-device copies.
+    """
+    if batch_size < 1 or repeats < 1 or num_workers < 0:
+        raise ConfigError(f"loader: batch_size and repeats must be >= 1, num_workers >= 0 "
+                          f"(got {batch_size}, {repeats}, {num_workers})")
+    kw = dict(batch_size=batch_size, sampler=sampler, shuffle=shuffle, seed=seed, collate_fn=collate_fn,
+              num_workers=num_workers, drop_last=drop_last, repeats=repeats, pin_memory=pin_memory)
+    if loader == "threads":
+        return ThreadLoader(dataset, **kw)
+    if loader == "processes":
+        return ProcessLoader(dataset, **kw)
+    raise ConfigError(f"data.loader must be 'threads' or 'processes', got {loader!r}")
+
+
+class DevicePrefetcher:
+    """Iterate ``loader`` with each batch already on ``device``: on CUDA the copy of batch k+1 runs
+    on a side stream while batch k computes (pin the batches for it to be asynchronous).
+
+    Args:
+        loader: any iterable of batches (with ``len`` and optionally ``set_epoch``).
+        device: target device.
+        to_device: ``(batch, device) -> batch`` (e.g. ``Task.to_device``); default moves every tensor.
+    """
+
+    def __init__(self, loader: Any, device: torch.device, to_device: Callable[[Any, torch.device], Any] | None = None):
+        self.loader, self.device = loader, torch.device(device)
+        self.to_device = to_device or _move
+        self.sampler = getattr(loader, "sampler", None)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.loader, "set_epoch"):
+            self.loader.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.device.type != "cuda":
+            for batch in self.loader:
+                yield self.to_device(batch, self.device)
+            return
+        stream = torch.cuda.Stream(self.device)
+        it = iter(self.loader)
+
+        def ahead() -> Any:
+            try:
+                host = next(it)
+            except StopIteration:
+                return None
+            with torch.cuda.stream(stream):
+                return self.to_device(host, self.device)
+
+        nxt = ahead()
+        while nxt is not None:
+            cur = nxt
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            _record(cur, torch.cuda.current_stream(self.device))  # memory made on the side stream
+            nxt = ahead()
+            yield cur
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _move(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_move(v, device) for v in batch)
+    return batch
+
+
+def _record(batch: Any, stream: torch.cuda.Stream) -> None:
+    if isinstance(batch, torch.Tensor):
+        batch.record_stream(stream)
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            _record(v, stream)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            _record(v, stream)
