@@ -1,0 +1,34 @@
+"""Model registry glue: importing this package registers every model in ``fastvision.registry.MODELS``.
+
+``create_model("unet3d-nonewnet", out_channels=3)`` builds a registered model after checking the
+keyword arguments against the builder's signature; ``list_models()`` names them all.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch import nn
+
+from ..registry import MODELS
+
+
+def create_model(name: str, **kwargs: Any) -> nn.Module:
+    """Build registered model ``name``; unknown or mistyped keywords raise ``ConfigError``."""
+    return MODELS.build(name, kwargs, where=f"model {name}")
+
+
+def list_models() -> list[str]:
+    """Sorted names of all registered models."""
+    return MODELS.names()
+
+
+# Importing a module registers its models. Modules owned by other engineers may not exist yet.
+_MODULES = ("unet", "segresnet", "resnet", "ssd")
+
+for _name in _MODULES:
+    try:
+        importlib.import_module(f"{__name__}.{_name}")
+    except ModuleNotFoundError as _e:  # a model module not written yet
+        if _e.name != f"{__name__}.{_name}":
+            raise

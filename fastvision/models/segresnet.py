@@ -1,0 +1,144 @@
+"""SegResNet: the residual encoder-decoder of Myronenko 2018, as in MONAI's BraTS recipe (seed 003).
+
+Design (same layer shapes as ``monai.networks.nets.SegResNet``, written here independently):
+
+* a 3x3 stem conv to ``init_filters`` (F), then optional dropout;
+* encoder level ``i`` (width F * 2^i): a stride-2 3x3 conv for ``i > 0``, then ``blocks_down[i]``
+  pre-activation residual blocks (norm, act, conv, norm, act, conv, + identity);
+* decoder level ``j``: 1x1 conv halving the width, 2x up-sampling ("nontrainable" trilinear, or
+  "deconv" 2x2 stride-2 transposed conv), **addition** of the encoder feature, ``blocks_up[j]``
+  residual blocks;
+* head: norm, act, 1x1 conv with bias to ``out_channels``.
+
+Convs inside the network have no bias (a norm always follows them).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import Tensor, nn
+
+from ..registry import MODELS
+from .layers import ActName, NormName, act, conv, conv_transpose, dropout, norm
+
+
+class ResBlock(nn.Module):
+    """Pre-activation residual block keeping width and size: x + conv(act(norm(conv(act(norm(x)))))).
+
+    Shapes:
+        (B, C, *S) -> (B, C, *S).
+    """
+
+    def __init__(self, spatial_dims: int, channels: int, norm_name: NormName, act_name: ActName, groups: int):
+        super().__init__()
+        self.norm1 = norm(norm_name, spatial_dims, channels, groups=groups)
+        self.conv1 = conv(spatial_dims)(channels, channels, 3, padding=1, bias=False)
+        self.norm2 = norm(norm_name, spatial_dims, channels, groups=groups)
+        self.conv2 = conv(spatial_dims)(channels, channels, 3, padding=1, bias=False)
+        # in place is safe: each act input is a fresh norm output, never the identity branch
+        self.act = act(act_name, inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.conv1(self.act(self.norm1(x)))
+        return x + self.conv2(self.act(self.norm2(y)))
+
+
+class SegResNet(nn.Module):
+    """Residual encoder-decoder with additive skips.
+
+    Args:
+        spatial_dims: 2 or 3.
+        in_channels: input channels (4 MRI modalities for BraTS).
+        out_channels: outputs (3 nested BraTS regions TC / WT / ET, sigmoid).
+        init_filters: width F of the first level; level i has F * 2^i channels.
+        blocks_down: residual blocks per encoder level (its length sets the depth).
+        blocks_up: residual blocks per decoder level (one fewer than ``blocks_down``).
+        dropout_prob: whole-channel dropout after the stem (0 disables it).
+        norm_name: "group", "batch" or "instance".
+        norm_groups: groups for group norm.
+        act_name: activation.
+        upsample: "nontrainable" ((bi/tri)linear, align_corners=False) or "deconv".
+
+    Shapes:
+        (B, in_channels, *S) -> (B, out_channels, *S); S divisible by 2^(len(blocks_down) - 1).
+    """
+
+    def __init__(
+        self,
+        spatial_dims: int = 3,
+        in_channels: int = 4,
+        out_channels: int = 3,
+        init_filters: int = 16,
+        blocks_down: tuple[int, ...] = (1, 2, 2, 4),
+        blocks_up: tuple[int, ...] = (1, 1, 1),
+        dropout_prob: float = 0.2,
+        norm_name: NormName = "group",
+        norm_groups: int = 8,
+        act_name: ActName = "relu",
+        upsample: Literal["nontrainable", "deconv"] = "nontrainable",
+    ):
+        super().__init__()
+        if len(blocks_up) != len(blocks_down) - 1:
+            raise ValueError(f"blocks_up {blocks_up} needs one entry fewer than blocks_down {blocks_down}")
+        self.divisor = 2 ** (len(blocks_down) - 1)
+        conv_t, f = conv(spatial_dims), init_filters
+        self.stem = conv_t(in_channels, f, 3, padding=1, bias=False)
+        self.dropout = dropout(dropout_prob, spatial_dims)
+
+        def res(c: int, n: int) -> list[nn.Module]:
+            return [ResBlock(spatial_dims, c, norm_name, act_name, norm_groups) for _ in range(n)]
+
+        self.down = nn.ModuleList()
+        for i, n in enumerate(blocks_down):
+            c = f * 2**i
+            pre = [conv_t(c // 2, c, 3, stride=2, padding=1, bias=False)] if i > 0 else []
+            self.down.append(nn.Sequential(*pre, *res(c, n)))
+        self.up_samples = nn.ModuleList()
+        self.up = nn.ModuleList()
+        for j, n in enumerate(blocks_up):
+            c = f * 2 ** (len(blocks_up) - j)  # width arriving from below
+            if upsample == "deconv":
+                resize: nn.Module = conv_transpose(spatial_dims)(c // 2, c // 2, 2, stride=2)
+            else:
+                mode = ("linear", "bilinear", "trilinear")[spatial_dims - 1]
+                resize = nn.Upsample(scale_factor=2, mode=mode, align_corners=False)
+            self.up_samples.append(nn.Sequential(conv_t(c, c // 2, 1, bias=False), resize))
+            self.up.append(nn.Sequential(*res(c // 2, n)))
+        self.head = nn.Sequential(
+            norm(norm_name, spatial_dims, f, groups=norm_groups),
+            act(act_name, inplace=True),
+            conv_t(f, out_channels, 1, bias=True),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits (B, out_channels, *S) for images (B, in_channels, *S)."""
+        if any(s % self.divisor for s in x.shape[2:]):
+            raise ValueError(f"SegResNet input sizes {tuple(x.shape[2:])} must be divisible by {self.divisor}")
+        x = self.dropout(self.stem(x))
+        skips = []
+        for level in self.down:
+            x = level(x)
+            skips.append(x)
+        for j, (resize, blocks) in enumerate(zip(self.up_samples, self.up)):
+            x = blocks(resize(x) + skips[-2 - j])
+        return self.head(x)
+
+
+@MODELS.register("segresnet")
+def segresnet(
+    *,
+    spatial_dims: int = 3,
+    in_channels: int = 4,
+    out_channels: int = 3,
+    init_filters: int = 16,
+    blocks_down: tuple[int, ...] = (1, 2, 2, 4),
+    blocks_up: tuple[int, ...] = (1, 1, 1),
+    dropout_prob: float = 0.2,
+    norm: NormName = "group",
+    norm_groups: int = 8,
+    act: ActName = "relu",
+    upsample: Literal["nontrainable", "deconv"] = "nontrainable",
+) -> SegResNet:
+    """MONAI BraTS SegResNet (16 filters, blocks 1-2-2-4 / 1-1-1, dropout 0.2, 4 in, 3 region outputs)."""
+    return SegResNet(spatial_dims, in_channels, out_channels, init_filters, tuple(blocks_down), tuple(blocks_up),
+                     dropout_prob, norm, norm_groups, act, upsample)

@@ -1,0 +1,237 @@
+"""One N-d U-Net (2-D and 3-D) and its registered variants.
+
+A U-Net here is a list of encoder stages (stage ``i`` down-samples by ``strides[i]``; the last one is
+the bottleneck), then decoder stages that each take ``cat(skip_i, ups[i](x))``, then a head. Two
+layouts share the same forward code; only what the stages contain differs:
+
+* classic (``residual=False``, seeds 000/001, nnU-Net): stage = ``n_convs`` x (conv + norm + act);
+  the up-sampling (transposed conv or interpolation + 1x1 conv) acts on the deeper features before
+  the concatenation; a separate output conv (kernel 1 or 3) makes the logits.
+* residual (``residual=True``, MONAI ``UNet`` with ``num_res_units``): stage = a residual unit with
+  ``n_convs`` sub-units; the bottleneck keeps the resolution (``strides[-1] == 1``) and the
+  up-sampling acts on the concatenation, followed by a one-layer residual unit; the top decoder
+  stage emits the logits itself.
+
+Variants: ``unet`` (all options), ``unet2d``, ``unet3d``, ``unet2d-seed001``, ``unet3d-nonewnet``,
+``unet3d-spleen``.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..registry import MODELS
+from .layers import ActName, ConvNormAct, NormName, ResidualUnit, conv, pool
+
+
+class UNet(nn.Module):
+    """Configurable N-d U-Net.
+
+    Args:
+        spatial_dims: 2 or 3.
+        in_channels: input channels C_in.
+        out_channels: output channels (classes or regions).
+        filters: width of each encoder stage, top to bottom; the last entry is the bottleneck.
+        strides: down-sampling factor into each stage (len == len(filters)); default
+            ``(1, 2, ..., 2)`` (classic) or ``(2, ..., 2, 1)`` (residual).
+        n_convs: convs per stage (classic) or sub-units per encoder residual unit (residual).
+        kernel_size: conv kernel (odd).
+        norm: "batch", "instance", "group" or "none".
+        act: "relu", "leakyrelu", "prelu", "relu6", "gelu".
+        act_slope: leakyrelu negative slope.
+        norm_groups: groups for group norm.
+        bias: conv bias; ``None`` = only where no norm follows.
+        down: "maxpool" (pool, then stride-1 convs) or "stride" (the stage's first conv is strided).
+        up: "transpose" (transposed conv) or "interp" ((bi/tri)linear resize + conv).
+        up_kernel: transposed-conv kernel (2 for the classic 2x2x2 stride-2 up-conv, 3 in MONAI).
+        head_kernel: kernel of the classic output conv (1 or 3); unused when ``residual``.
+        dropout: dropout probability after each norm (0 disables it).
+        residual: use the residual layout described in the module docstring.
+        init: "default" (PyTorch) or "xavier" (Glorot uniform weights, zero bias, as seed 000).
+
+    Shapes:
+        (B, C_in, *S) -> (B, out_channels, *S); every size in S must be divisible by ``prod(strides)``.
+    """
+
+    def __init__(
+        self,
+        spatial_dims: int,
+        in_channels: int,
+        out_channels: int,
+        filters: tuple[int, ...] | list[int],
+        *,
+        strides: tuple[int, ...] | list[int] | None = None,
+        n_convs: int = 2,
+        kernel_size: int = 3,
+        norm: NormName = "batch",
+        act: ActName = "relu",
+        act_slope: float = 0.01,
+        norm_groups: int = 8,
+        bias: bool | None = None,
+        down: Literal["maxpool", "stride"] = "maxpool",
+        up: Literal["transpose", "interp"] = "transpose",
+        up_kernel: int = 2,
+        head_kernel: int = 1,
+        dropout: float = 0.0,
+        residual: bool = False,
+        init: Literal["default", "xavier"] = "default",
+    ):
+        super().__init__()
+        if len(filters) < 2:
+            raise ValueError("filters needs at least one encoder width and a bottleneck width")
+        depth = len(filters) - 1
+        if strides is None:
+            strides = (2,) * depth + (1,) if residual else (1,) + (2,) * depth
+        if len(strides) != len(filters):
+            raise ValueError(f"strides {tuple(strides)} must have one entry per filter {tuple(filters)}")
+        if residual and strides[-1] != 1:
+            raise ValueError("residual layout: the bottleneck is concatenated with the last skip, so strides[-1] must be 1")
+        self.spatial_dims, self.filters, self.strides = spatial_dims, tuple(filters), tuple(strides)
+        self.divisor = math.prod(strides)
+        opts = dict(norm=norm, act=act, act_slope=act_slope, norm_groups=norm_groups, bias=bias, dropout=dropout)
+
+        def block(cin: int, cout: int, stride: int, subunits: int = n_convs, last_conv_only: bool = False) -> nn.Module:
+            """One stage body: a residual unit, or ``subunits`` ConvNormAct with the stride on the first."""
+            if residual:
+                return ResidualUnit(spatial_dims, cin, cout, kernel_size, stride, subunits=subunits,
+                                    last_conv_only=last_conv_only, **opts)
+            return nn.Sequential(*[ConvNormAct(spatial_dims, cin if j == 0 else cout, cout, kernel_size,
+                                               stride if j == 0 else 1, **opts) for j in range(subunits)])
+
+        def encoder(cin: int, cout: int, stride: int) -> nn.Module:
+            if stride > 1 and down == "maxpool":
+                return nn.Sequential(pool("max", spatial_dims)(stride), block(cin, cout, 1))
+            return block(cin, cout, stride)
+
+        def resample(cin: int, cout: int, stride: int) -> nn.Module:
+            """Up-sample by ``stride`` and map cin -> cout; classic: bare (bias, no norm/act)."""
+            o = opts if residual else dict(opts, norm="none", act="none", dropout=0.0, bias=True)
+            if stride == 1:
+                return ConvNormAct(spatial_dims, cin, cout, kernel_size if residual else 1, **o)
+            if up == "transpose":
+                return ConvNormAct(spatial_dims, cin, cout, up_kernel, stride, transposed=True, **o)
+            mode = ("linear", "bilinear", "trilinear")[spatial_dims - 1]
+            return nn.Sequential(nn.Upsample(scale_factor=stride, mode=mode, align_corners=False),
+                                 ConvNormAct(spatial_dims, cin, cout, kernel_size if residual else 1, **o))
+
+        chans = (in_channels, *filters)
+        self.encoders = nn.ModuleList(encoder(chans[i], chans[i + 1], strides[i]) for i in range(depth + 1))
+        self.ups = nn.ModuleList()
+        self.decoders = nn.ModuleList()
+        for i in range(depth):
+            if residual:
+                below = filters[i + 1] if i == depth - 1 else filters[i]
+                cout = filters[i - 1] if i > 0 else out_channels
+                self.ups.append(nn.Identity())
+                self.decoders.append(nn.Sequential(
+                    resample(filters[i] + below, cout, strides[i]),
+                    block(cout, cout, 1, subunits=1, last_conv_only=i == 0),
+                ))
+            else:
+                self.ups.append(resample(filters[i + 1], filters[i], strides[i + 1]))
+                self.decoders.append(block(2 * filters[i], filters[i], 1))
+        self.head: nn.Module = (
+            nn.Identity() if residual
+            else conv(spatial_dims)(filters[0], out_channels, head_kernel, padding=(head_kernel - 1) // 2)
+        )
+        if init == "xavier":
+            for m in self.modules():
+                if isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+                    nn.init.xavier_uniform_(m.weight)
+                    if m.bias is not None:
+                        nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits (B, out_channels, *S) for images (B, C_in, *S)."""
+        if any(s % self.divisor for s in x.shape[2:]):
+            raise ValueError(f"U-Net input sizes {tuple(x.shape[2:])} must be divisible by {self.divisor}")
+        skips = []
+        for enc in self.encoders[:-1]:
+            x = enc(x)
+            skips.append(x)
+        x = self.encoders[-1](x)
+        for i in reversed(range(len(self.decoders))):
+            x = self.decoders[i](torch.cat([skips[i], self.ups[i](x)], dim=1))
+        return self.head(x)
+
+
+@MODELS.register("unet")
+def unet(
+    *,
+    spatial_dims: int = 2,
+    in_channels: int = 1,
+    out_channels: int = 2,
+    filters: tuple[int, ...] = (32, 64, 128, 256, 512),
+    strides: tuple[int, ...] | None = None,
+    n_convs: int = 2,
+    kernel_size: int = 3,
+    norm: NormName = "batch",
+    act: ActName = "relu",
+    act_slope: float = 0.01,
+    norm_groups: int = 8,
+    bias: bool | None = None,
+    down: Literal["maxpool", "stride"] = "maxpool",
+    up: Literal["transpose", "interp"] = "transpose",
+    up_kernel: int = 2,
+    head_kernel: int = 1,
+    dropout: float = 0.0,
+    residual: bool = False,
+    init: Literal["default", "xavier"] = "default",
+) -> UNet:
+    """Generic U-Net with every option (see :class:`UNet`)."""
+    kw = dict(locals())
+    return UNet(kw.pop("spatial_dims"), kw.pop("in_channels"), kw.pop("out_channels"), kw.pop("filters"), **kw)
+
+
+def _with_dims(spatial_dims: int):
+    """``unet`` with ``spatial_dims`` fixed; signature (the recipe schema) is ``unet``'s minus that key."""
+
+    def build(**kw) -> UNet:
+        return unet(spatial_dims=spatial_dims, **kw)
+
+    sig = inspect.signature(unet)
+    build.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "spatial_dims"])
+    build.__annotations__ = {k: v for k, v in unet.__annotations__.items() if k != "spatial_dims"}
+    build.__doc__ = f"{spatial_dims}-D U-Net with every option of ``unet``."
+    return build
+
+
+unet2d = MODELS.register("unet2d")(_with_dims(2))
+unet3d = MODELS.register("unet3d")(_with_dims(3))
+
+
+@MODELS.register("unet2d-seed001")
+def unet2d_seed001(
+    *, in_channels: int = 1, out_channels: int = 1, filters: tuple[int, ...] = (8, 16, 32, 64, 128),
+    dropout: float = 0.0,
+) -> UNet:
+    """Seed 001's 2-D U-Net: (conv3x3 + bias + BN + ReLU) x2, 2x2 max-pool, 2x2 stride-2 up-conv, 1x1 head."""
+    return UNet(2, in_channels, out_channels, filters, norm="batch", act="relu", bias=True, down="maxpool",
+                up="transpose", up_kernel=2, head_kernel=1, dropout=dropout)
+
+
+@MODELS.register("unet3d-nonewnet")
+def unet3d_nonewnet(
+    *, in_channels: int = 4, out_channels: int = 4, filters: tuple[int, ...] = (32, 64, 128, 256, 320, 320),
+    norm: NormName = "instance", dropout: float = 0.0,
+) -> UNet:
+    """Seed 000's 3D U-Net (No New-Net): stride-2 conv down, 2^3 up-conv, InstanceNorm, LeakyReLU 0.01, 3^3 head.
+
+    Convs before a norm have no bias; group norm uses 16 groups as in the seed.
+    """
+    return UNet(3, in_channels, out_channels, filters, norm=norm, act="leakyrelu", act_slope=0.01, norm_groups=16,
+                bias=None, down="stride", up="transpose", up_kernel=2, head_kernel=3, dropout=dropout, init="xavier")
+
+
+@MODELS.register("unet3d-spleen")
+def unet3d_spleen(
+    *, in_channels: int = 1, out_channels: int = 2, filters: tuple[int, ...] = (32, 64, 128, 256, 512),
+    n_convs: int = 2, norm: NormName = "batch", act: ActName = "prelu", dropout: float = 0.2,
+) -> UNet:
+    """MONAI fast-training spleen net: ``UNet(3, 1, 2, (32..512), strides 2, num_res_units=2, BATCH, 0.2)``."""
+    return UNet(3, in_channels, out_channels, filters, n_convs=n_convs, norm=norm, act=act, bias=True,
+                down="stride", up="transpose", up_kernel=3, dropout=dropout, residual=True)
