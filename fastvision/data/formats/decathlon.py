@@ -1,0 +1,231 @@
+"""Medical Segmentation Decathlon layout (``dataset.json``, imagesTr/labelsTr/imagesTs) as a dataset.
+
+Also holds what every 3-D volume format shares: deterministic k-fold splits and
+:class:`VolumeDataset`, which preprocesses each case once (in parallel, with a progress bar) and
+serves dict items.
+
+Items: ``{"image": float32 (C, X, Y, Z), "label": int64 (X, Y, Z), "id": str}`` where X, Y, Z are
+the NIfTI voxel axes after reorientation to RAS (MONAI's order; see ``data/preprocess3d.py``).
+Task01 BrainTumour channels are FLAIR, T1w, T1gd, T2w (the 4-D file's order). Its labels are
+renumbered from the MSD ids (1 edema, 2 non-enhancing tumour, 3 enhancing tumour, as the
+``labels`` of dataset.json name them) to the BraTS ids used everywhere in fastvision
+(1 necrotic/non-enhancing core, 2 edema, 3 enhancing; see ``formats/brats.py``), so the same case
+loads identically from either layout.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from ...errors import ConfigError, DataError
+from ...registry import DATASETS
+from ..preprocess3d import PreprocessParams, preprocess_case
+from . import DatasetSplits
+
+log = logging.getLogger(__name__)
+
+# Class names of the BraTS ids 0..3, as seed 000 names its per-label Dice.
+BRATS_CLASS_NAMES = ["background", "tumor_core", "peritumoral_edema", "enhancing_tumor"]
+_MSD_BRAIN_LABELS = {"edema": 2, "non-enhancing tumor": 1, "enhancing tumour": 3}
+
+
+def kfold_split(ids: Sequence[str], fold: int, num_folds: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """Deterministic k-fold split: sort, shuffle with ``seed``, cut into ``num_folds`` near-equal parts.
+
+    Seed 000 splits the unsorted ``os.listdir`` order, which differs between file systems; sorting
+    first makes fold k the same cases everywhere.
+
+    Returns:
+        (train ids, val ids) with val = part ``fold``; disjoint and together all of ``ids``.
+    """
+    if num_folds < 2:
+        raise ConfigError(f"data.args.num_folds must be >= 2, got {num_folds}")
+    if not 0 <= fold < num_folds:
+        raise ConfigError(f"data.args.fold must be in [0, {num_folds}), got {fold}")
+    if len(ids) < num_folds:
+        raise DataError(f"{len(ids)} cases cannot be split into {num_folds} folds")
+    order = sorted(ids)
+    perm = np.random.default_rng(seed).permutation(len(order))
+    parts = np.array_split(perm, num_folds)
+    val = set(parts[fold].tolist())
+    return [order[i] for i in sorted(set(perm.tolist()) - val)], [order[i] for i in sorted(val)]
+
+
+def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], pos_fraction: float,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Crop a ``size`` patch centred on a foreground voxel with probability ``pos_fraction``.
+
+    Otherwise the centre is uniform, as MONAI's ``RandCropByPosNegLabel`` does. Volumes smaller than
+    ``size`` are zero-padded first.
+
+    Args:
+        image: (C, *S) float tensor; label: (*S) integer tensor.
+        size: patch shape (len(S),).
+
+    Returns:
+        (image (C, *size), label (*size)).
+    """
+    pad = [max(0, s - n) for s, n in zip(size, label.shape)]
+    if any(pad):
+        spec = [p for d in reversed(pad) for p in (d // 2, d - d // 2)]
+        image, label = F.pad(image, spec), F.pad(label, spec)
+    shape = label.shape
+    centre = None
+    if float(torch.rand((), generator=generator)) < pos_fraction:
+        fg = torch.nonzero(label > 0)
+        if len(fg):
+            centre = fg[int(torch.randint(len(fg), (), generator=generator))].tolist()
+    if centre is None:
+        centre = [int(torch.randint(n, (), generator=generator)) for n in shape]
+    start = [min(max(0, c - s // 2), n - s) for c, s, n in zip(centre, size, shape)]
+    sl = tuple(slice(a, a + s) for a, s in zip(start, size))
+    return image[(slice(None),) + sl], label[sl]
+
+
+class VolumeDataset(Dataset):
+    """3-D cases preprocessed once and held in memory (shared with forked loader workers).
+
+    Args:
+        cases: ``[{"id": str, "image": [paths], "label": path or None}]``.
+        params: preprocessing settings.
+        patch_size: if set, every item is a random foreground-biased patch of this shape
+            (training); otherwise the whole preprocessed volume (validation, prediction).
+        pos_fraction: probability that a patch is centred on a foreground voxel.
+        workers: threads preprocessing cases in parallel (NIfTI decompression releases the GIL).
+        compute: ``compute(paths, params) -> dict``; the persistent disk cache wraps
+            :func:`preprocess_case` here.
+    """
+
+    def __init__(self, cases: list[dict[str, Any]], params: PreprocessParams, *,
+                 patch_size: Sequence[int] | None = None, pos_fraction: float = 0.5, workers: int = 4,
+                 compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]] = preprocess_case):
+        self.cases = cases
+        self.patch_size = tuple(patch_size) if patch_size else None
+        self.pos_fraction = pos_fraction
+        self.items = _run_all(cases, lambda c: compute({"image": c["image"], "label": c.get("label")}, params), workers)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def meta(self, index: int) -> dict[str, Any]:
+        """Geometry of case ``index`` for :func:`~fastvision.data.preprocess3d.restore_to_input`."""
+        return self.items[index]["meta"]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        item = self.items[index]
+        image = item["image"]
+        label = item["label"].long() if "label" in item else torch.zeros(image.shape[1:], dtype=torch.long)
+        if self.patch_size:
+            image, label = random_patch(image, label, self.patch_size, self.pos_fraction)
+        return {"image": image, "label": label, "id": self.cases[index]["id"]}
+
+
+def _run_all(cases: list[dict[str, Any]], fn: Callable[[dict[str, Any]], Any], workers: int) -> list[Any]:
+    """Map ``fn`` over ``cases`` in a thread pool with a progress bar on a terminal."""
+    from rich.progress import Progress
+
+    out: list[Any] = [None] * len(cases)
+    with Progress(transient=True, disable=not sys.stderr.isatty()) as bar, \
+            ThreadPoolExecutor(max(1, workers)) as pool:
+        task = bar.add_task("preprocessing", total=len(cases))
+        futures = {pool.submit(fn, c): i for i, c in enumerate(cases)}
+        for fut, i in futures.items():
+            out[i] = fut.result()
+            bar.advance(task)
+    log.info("preprocessed %d cases", len(cases))
+    return out
+
+
+def read_dataset_json(root: str | Path) -> dict[str, Any]:
+    """Parse ``root/dataset.json`` and resolve its paths.
+
+    Returns:
+        ``{"meta": dict, "training": [{"id", "image": [path], "label": path}], "test": [path]}``.
+    """
+    root = Path(root)
+    f = root / "dataset.json"
+    if not f.is_file():
+        raise DataError(f"{f} not found: a Decathlon folder holds dataset.json, imagesTr/, labelsTr/")
+    try:
+        meta = json.loads(f.read_text())
+        training = [
+            {"id": _case_id(e["image"]), "image": [root / e["image"]], "label": root / e["label"]}
+            for e in meta["training"]
+        ]
+        test = [root / (e["image"] if isinstance(e, dict) else e) for e in meta.get("test", [])]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DataError(f"{f}: not a Decathlon dataset.json ({e})") from e
+    for case in training:
+        for p in case["image"] + [case["label"]]:
+            if not p.is_file():
+                raise DataError(f"{f} lists {p}, which does not exist")
+    return {"meta": meta, "training": training, "test": test}
+
+
+def _case_id(path: str) -> str:
+    name = Path(path).name
+    return name[: -len(".nii.gz")] if name.endswith(".nii.gz") else Path(name).stem
+
+
+def build_splits(cases: list[dict[str, Any]], params: PreprocessParams, info: dict[str, Any], *, fold: int,
+                 num_folds: int, split_seed: int, patch_size: Sequence[int] | None, pos_fraction: float,
+                 workers: int) -> DatasetSplits:
+    """Split ``cases`` by fold and wrap both parts in :class:`VolumeDataset`."""
+    train_ids, val_ids = kfold_split([c["id"] for c in cases], fold, num_folds, split_seed)
+    by_id = {c["id"]: c for c in cases}
+    train = VolumeDataset([by_id[i] for i in train_ids], params, patch_size=patch_size,
+                          pos_fraction=pos_fraction, workers=workers)
+    val = VolumeDataset([by_id[i] for i in val_ids], params, workers=workers)
+    info = {**info, "train_cases": len(train), "val_cases": len(val), "fold": fold, "num_folds": num_folds,
+            "spatial_dims": 3, "axis_order": "C,X,Y,Z (RAS voxel axes)"}
+    return DatasetSplits(train, val, info)
+
+
+@DATASETS.register("decathlon")
+def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int = 0,
+                    target_spacing: tuple[float, float, float] | None = None, intensity: str = "auto",
+                    window: tuple[float, float, float, float] = (-57.0, 164.0, 0.0, 1.0),
+                    crop_foreground: bool = True, crop_margin: int = 0,
+                    patch_size: tuple[int, int, int] | None = None, pos_fraction: float = 0.5,
+                    workers: int = 4) -> DatasetSplits:
+    """Decathlon task folder -> train/val of fold ``fold`` (of ``num_folds``).
+
+    Args:
+        path: folder with dataset.json (e.g. ``Task09_Spleen``).
+        fold, num_folds, split_seed: cross-validation split (:func:`kfold_split`).
+        target_spacing: resample to this voxel size in mm (spleen recipe: 1.5, 1.5, 2.0).
+        intensity: "ct", "mri", "none" or "auto" (ct when dataset.json's modality is CT).
+        window: CT window a_min, a_max, b_min, b_max.
+        crop_foreground, crop_margin: crop to the foreground box.
+        patch_size: training patch shape; None trains on whole volumes.
+        pos_fraction: share of patches centred on foreground.
+        workers: preprocessing threads.
+    """
+    found = read_dataset_json(path)
+    meta = found["meta"]
+    modalities = [str(m) for _, m in sorted(meta.get("modality", {}).items(), key=lambda kv: int(kv[0]))]
+    if intensity == "auto":
+        intensity = "ct" if [m.upper() for m in modalities] == ["CT"] else "mri"
+    names = {int(k): str(v).lower() for k, v in meta.get("labels", {}).items()}
+    label_map: tuple[tuple[int, int], ...] = ()
+    class_names = [names[k] for k in sorted(names)]
+    if set(_MSD_BRAIN_LABELS) <= set(names.values()):  # Task01: renumber to BraTS ids
+        label_map = tuple((k, _MSD_BRAIN_LABELS[v]) for k, v in names.items() if v in _MSD_BRAIN_LABELS)
+        class_names = BRATS_CLASS_NAMES
+    params = PreprocessParams(
+        target_spacing=tuple(map(float, target_spacing)) if target_spacing else None, intensity=intensity,
+        window=tuple(map(float, window)), crop_foreground=crop_foreground, crop_margin=crop_margin,
+        label_map=label_map)
+    info = {"num_classes": len(class_names), "class_names": class_names, "in_channels": max(1, len(modalities)),
+            "channels": modalities, "regions": ["wt", "tc", "et"] if label_map else None, "test_images": [str(p) for p in found["test"]], "preprocess": params.key()}
+    return build_splits(found["training"], params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
+                        patch_size=patch_size, pos_fraction=pos_fraction, workers=workers)
