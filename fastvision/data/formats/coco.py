@@ -1,0 +1,221 @@
+"""COCO detection format: ``annotations/instances_<split>.json`` + ``<split>/`` image folder.
+
+Annotations are read through pycocotools. Category ids map to contiguous class indices in id
+order (``cat_ids[k]`` maps back for results). Crowd boxes are kept with ``iscrowd`` set (the
+matcher ignores anchors inside them); images without boxes are kept (they teach negatives).
+
+Training items go through the seed's augmentation on the CPU workers, because a crop changes
+the number of boxes per image: SSD random crop (area 0.75-1.0 of the image, aspect 0.75-3.0)
+that clips boxes and drops degenerate ones, horizontal flip, optional colour jitter; every item
+is then resized to a square ``image_size``. Items follow CONTRACTS.md (detection) and
+:func:`collate_detection` pads them into a batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from ...errors import ConfigError, DataError
+from ...registry import DATASETS
+from . import DatasetSplits
+
+
+def load_coco(ann_file: str | Path):
+    """A ``pycocotools.coco.COCO`` index of ``ann_file`` (its progress prints are swallowed)."""
+    try:
+        from pycocotools.coco import COCO
+    except ImportError as e:  # optional dependency
+        raise ConfigError("the coco dataset needs pycocotools: pip install 'fastvision[detection]'") from e
+    ann_file = Path(ann_file)
+    if not ann_file.is_file():
+        raise DataError(f"COCO annotation file not found: {ann_file}")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return COCO(str(ann_file))
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{ann_file}: not a COCO instances file ({e})") from e
+
+
+def sample_crop(width: int, height: int, area: tuple[float, float] = (0.75, 1.0),
+                aspect: tuple[float, float] = (0.75, 3.0), attempts: int = 100) -> tuple[int, int, int, int]:
+    """TF ``random_crop_image`` window: a fraction of the image area and a width/height ratio.
+
+    Returns:
+        ``(x0, y0, x1, y1)`` integer pixels; the whole image when no sample fits.
+    """
+    for _ in range(attempts):
+        a = float(torch.empty(()).uniform_(*area)) * width * height
+        r = float(torch.empty(()).uniform_(*aspect))
+        cw, ch = int(round(math.sqrt(a * r))), int(round(math.sqrt(a / r)))
+        if 0 < cw <= width and 0 < ch <= height:
+            x0 = int(torch.randint(0, width - cw + 1, ()))
+            y0 = int(torch.randint(0, height - ch + 1, ()))
+            return x0, y0, x0 + cw, y0 + ch
+    return 0, 0, width, height
+
+
+def crop_boxes(boxes: Tensor, window: tuple[int, int, int, int]) -> tuple[Tensor, Tensor]:
+    """Shift ``(N, 4)`` xyxy boxes into ``window`` and clip them.
+
+    Returns:
+        ``(boxes (N', 4), keep (N,) bool)``: clipped boxes with positive width and height.
+    """
+    x0, y0, x1, y1 = window
+    shifted = boxes - torch.tensor([x0, y0, x0, y0], dtype=boxes.dtype)
+    shifted[:, 0::2] = shifted[:, 0::2].clamp(0, x1 - x0)
+    shifted[:, 1::2] = shifted[:, 1::2].clamp(0, y1 - y0)
+    keep = (shifted[:, 2] > shifted[:, 0]) & (shifted[:, 3] > shifted[:, 1])
+    return shifted[keep], keep
+
+
+def color_jitter(image: Tensor, strength: float) -> Tensor:
+    """Random brightness, contrast and saturation factors in ``[1 - s, 1 + s]`` on ``(3, H, W)`` uint8."""
+    x = image.float()
+    f = torch.empty(3).uniform_(1 - strength, 1 + strength)
+    x = x * f[0]
+    x = (x - x.mean()) * f[1] + x.mean()
+    grey = x.mean(dim=0, keepdim=True)
+    x = (x - grey) * f[2] + grey
+    return x.round().clamp(0, 255).to(torch.uint8)
+
+
+class CocoDetection(Dataset):
+    """Items ``{"image", "boxes", "labels", "iscrowd", "image_id", "orig_size"}`` of one split.
+
+    Args:
+        ann_file: ``instances_<split>.json``.
+        image_dir: folder of the split's images.
+        image_size: side of the square network input (pixels).
+        train: apply random crop / flip / jitter.
+        crop, flip: enable those augmentations (training only).
+        jitter: colour-jitter strength (0 disables).
+        cat_ids: category ids in class order (default: this file's, sorted).
+    """
+
+    def __init__(self, ann_file: str | Path, image_dir: str | Path, image_size: int = 320, train: bool = False,
+                 crop: bool = True, flip: bool = True, jitter: float = 0.0, cat_ids: list[int] | None = None):
+        self.coco = load_coco(ann_file)
+        self.image_dir = Path(image_dir)
+        if not self.image_dir.is_dir():
+            raise DataError(f"COCO image folder not found: {self.image_dir}")
+        self.cat_ids = list(cat_ids) if cat_ids is not None else sorted(self.coco.getCatIds())
+        self.class_of = {c: k for k, c in enumerate(self.cat_ids)}
+        unknown = set(self.coco.getCatIds()) - set(self.class_of)
+        if unknown:
+            raise DataError(f"{ann_file}: category ids {sorted(unknown)} are not in the training categories")
+        self.ids = sorted(self.coco.getImgIds())
+        self.image_size, self.train = image_size, train
+        self.crop, self.flip, self.jitter = crop, flip, jitter
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def targets(self, image_id: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Original-pixel ``(boxes (N, 4) xyxy, labels (N,), iscrowd (N,))``; empty boxes dropped."""
+        anns = self.coco.loadAnns(self.coco.getAnnIds(imgIds=image_id))
+        anns = [a for a in anns if a["bbox"][2] > 0 and a["bbox"][3] > 0]
+        boxes = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
+        boxes[:, 2:] += boxes[:, :2]
+        labels = torch.tensor([self.class_of[a["category_id"]] for a in anns], dtype=torch.int64)
+        crowd = torch.tensor([bool(a.get("iscrowd", 0)) for a in anns], dtype=torch.bool)
+        return boxes, labels, crowd
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        image_id = self.ids[i]
+        info = self.coco.imgs[image_id]
+        path = self.image_dir / info["file_name"]
+        try:
+            img = Image.open(path).convert("RGB")
+        except OSError as e:
+            raise DataError(f"cannot read image {path}: {e}") from e
+        w, h = img.size
+        boxes, labels, crowd = self.targets(image_id)
+        window = (0, 0, w, h)
+        if self.train and self.crop:
+            window = sample_crop(w, h)
+            boxes, keep = crop_boxes(boxes, window)
+            labels, crowd = labels[keep], crowd[keep]
+        S = self.image_size
+        # One resampling step does crop and resize (PIL's ``box`` argument).
+        img = img.resize((S, S), Image.BILINEAR, box=window)
+        cw, ch = window[2] - window[0], window[3] - window[1]
+        boxes = boxes * torch.tensor([S / cw, S / ch, S / cw, S / ch])
+        image = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).contiguous()
+        if self.train and self.flip and bool(torch.rand(()) < 0.5):
+            image = image.flip(-1)
+            boxes = torch.stack([S - boxes[:, 2], boxes[:, 1], S - boxes[:, 0], boxes[:, 3]], dim=1)
+        if self.train and self.jitter > 0:
+            image = color_jitter(image, self.jitter)
+        return {"image": image, "boxes": boxes, "labels": labels, "iscrowd": crowd, "image_id": int(image_id),
+                "orig_size": (h, w)}
+
+
+def collate_detection(items: list[dict[str, Any]], max_boxes: int | None = None) -> dict[str, Tensor]:
+    """Stack images and pad per-image targets to the batch's largest box count.
+
+    Args:
+        items: dataset items (same image size).
+        max_boxes: pad to this fixed count instead (static shapes for compiled models); extra
+            boxes beyond it are dropped.
+
+    Returns:
+        ``image (B, 3, H, W) uint8``, ``boxes (B, M, 4) float32``, ``labels (B, M) int64`` with -1
+        padding, ``iscrowd (B, M) bool``, ``image_id (B,) int64``, ``orig_size (B, 2) int64`` (h, w).
+    """
+    B = len(items)
+    M = max_boxes if max_boxes is not None else max(1, max(len(it["labels"]) for it in items))
+    boxes = torch.zeros(B, M, 4)
+    labels = torch.full((B, M), -1, dtype=torch.int64)
+    crowd = torch.zeros(B, M, dtype=torch.bool)
+    for b, it in enumerate(items):
+        n = min(M, len(it["labels"]))
+        boxes[b, :n], labels[b, :n], crowd[b, :n] = it["boxes"][:n], it["labels"][:n], it["iscrowd"][:n]
+    return {
+        "image": torch.stack([it["image"] for it in items]),
+        "boxes": boxes,
+        "labels": labels,
+        "iscrowd": crowd,
+        "image_id": torch.tensor([it["image_id"] for it in items], dtype=torch.int64),
+        "orig_size": torch.tensor([list(it["orig_size"]) for it in items], dtype=torch.int64),
+    }
+
+
+@DATASETS.register("coco")
+def build(*, path: str, train_split: str = "train2017", val_split: str = "val2017", image_size: int = 320,
+          crop: bool = True, flip: bool = True, color_jitter: float = 0.0) -> DatasetSplits:
+    """COCO-layout folder ``path`` with ``annotations/instances_<split>.json`` and ``<split>/``.
+
+    Args:
+        path: dataset root.
+        train_split, val_split: split names (file and folder names).
+        image_size: square network input side (pixels); 320 for SSD320.
+        crop, flip: training augmentations of the seed config.
+        color_jitter: brightness/contrast/saturation strength (0 = off, as the seed configs).
+
+    Returns:
+        Splits; ``info`` holds ``num_classes``, ``cat_ids``, ``class_names``, ``val_ann_file`` and
+        ``image_size`` for the model, the evaluator and result files.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"COCO dataset folder not found: {root}")
+    ann = root / "annotations"
+    train = CocoDetection(ann / f"instances_{train_split}.json", root / train_split, image_size, train=True,
+                          crop=crop, flip=flip, jitter=color_jitter)
+    val = CocoDetection(ann / f"instances_{val_split}.json", root / val_split, image_size, train=False,
+                        cat_ids=train.cat_ids)
+    names = [train.coco.cats[c]["name"] for c in train.cat_ids]
+    return DatasetSplits(train, val, {
+        "num_classes": len(train.cat_ids), "cat_ids": train.cat_ids, "class_names": names,
+        "val_ann_file": str(ann / f"instances_{val_split}.json"), "image_size": image_size,
+        "train_images": len(train), "val_images": len(val),
+    })
