@@ -1,0 +1,266 @@
+"""Tumour / normal patches for pathology (seed 003's metastasis example), from two layouts.
+
+* Patch folders: ``PATH/{train,val}/{normal,tumor}/*.png|jpg|tif``.
+* Whole slides: ``PATH/{train,val}/images/NAME.tif`` (tiled RGB TIFF) with optional lesion masks
+  ``PATH/{train,val}/masks/NAME.tif`` (tiled uint8, non-zero = tumour, same size; no mask = a
+  normal slide). Slides are cut into a grid of ``patch_size`` patches: tumour when at least half
+  of the patch's central region is lesion, normal when the patch holds no lesion pixel at all
+  (border patches are ambiguous and skipped), normals subsampled to ``normal_per_tumor``.
+
+Slides are never decoded whole: :class:`TiledTiff` reads only the TIFF tiles a region touches,
+so a 100k x 200k slide costs the memory of a patch. Items are
+``{"image": uint8 (3, P, P), "label": int64 (0 normal, 1 tumour), "id": str}``; colour jitter
+runs batched on the device in the task (seed 003: CPU colour jitter was the bottleneck).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import tifffile
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from ...errors import DataError
+from ...registry import DATASETS
+from . import DatasetSplits
+
+CLASSES = ("normal", "tumor")
+PATCH_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff")
+
+
+class TiledTiff:
+    """Region reader for the first page of a (tiled) TIFF.
+
+    Args:
+        path: TIFF file; tiled pages are read tile by tile, stripped pages are read once.
+
+    Attributes:
+        shape: ``(H, W, C)`` of the page (C = 1 for greyscale).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        try:
+            self.tif = tifffile.TiffFile(self.path)
+            self.page = self.tif.pages[0]
+        except Exception as e:  # tifffile raises several types for non-TIFF or truncated files
+            raise DataError(f"{self.path}: cannot read TIFF ({e})") from e
+        shape = self.page.shape
+        self.shape = (shape[0], shape[1], shape[2] if len(shape) == 3 else 1)
+        self.dtype = self.page.dtype
+        self._whole = None if self.page.is_tiled else self.page.asarray().reshape(self.shape)
+
+    def close(self) -> None:
+        self.tif.close()
+
+    def _tile(self, ty: int, tx: int) -> np.ndarray:
+        p = self.page
+        index = ty * (-(-self.shape[1] // p.tilewidth)) + tx
+        fh = self.tif.filehandle
+        fh.seek(p.dataoffsets[index])
+        data = fh.read(p.databytecounts[index])
+        seg, _, _ = p.decode(data, index, jpegtables=p.jpegtables)
+        return seg.reshape(p.tilelength, p.tilewidth, self.shape[2])
+
+    def read_region(self, y: int, x: int, h: int, w: int) -> np.ndarray:
+        """Pixels ``[y:y+h, x:x+w]`` as ``(h, w, C)``, zero outside the image."""
+        out = np.zeros((h, w, self.shape[2]), self.dtype)
+        y0, x0, y1, x1 = max(y, 0), max(x, 0), min(y + h, self.shape[0]), min(x + w, self.shape[1])
+        if y0 >= y1 or x0 >= x1:
+            return out
+        if self._whole is not None:
+            out[y0 - y:y1 - y, x0 - x:x1 - x] = self._whole[y0:y1, x0:x1]
+            return out
+        th, tw = self.page.tilelength, self.page.tilewidth
+        for ty in range(y0 // th, (y1 - 1) // th + 1):
+            for tx in range(x0 // tw, (x1 - 1) // tw + 1):
+                tile = self._tile(ty, tx)
+                ya, yb = max(y0, ty * th), min(y1, (ty + 1) * th)
+                xa, xb = max(x0, tx * tw), min(x1, (tx + 1) * tw)
+                out[ya - y:yb - y, xa - x:xb - x] = tile[ya - ty * th:yb - ty * th, xa - tx * tw:xb - tx * tw]
+        return out
+
+
+def grid_labels(mask: TiledTiff | None, height: int, width: int, patch: int) -> list[tuple[int, int, int]]:
+    """``(y, x, label)`` for every grid patch that is clearly tumour (1) or clearly normal (0).
+
+    Reads the mask one strip of patch rows at a time.
+    """
+    out = []
+    q = patch // 4  # central region: the middle half of the patch in each direction
+    for y in range(0, height - patch + 1, patch):
+        strip = None if mask is None else mask.read_region(y, 0, patch, width)[..., 0] > 0
+        for x in range(0, width - patch + 1, patch):
+            if strip is None:
+                out.append((y, x, 0))
+                continue
+            p = strip[:, x:x + patch]
+            if p[q:patch - q, q:patch - q].mean() >= 0.5:
+                out.append((y, x, 1))
+            elif not p.any():
+                out.append((y, x, 0))
+    return out
+
+
+def slide_samples(split_dir: Path, patch: int, normal_per_tumor: float, rng: np.random.Generator) -> list[tuple]:
+    """``(slide path, y, x, label)`` for the slides under ``split_dir/images``."""
+    images = sorted((split_dir / "images").glob("*.tif*"))
+    if not images:
+        raise DataError(f"{split_dir / 'images'}: no .tif slides")
+    samples = []
+    for img_path in images:
+        slide = TiledTiff(img_path)
+        h, w = slide.shape[:2]
+        slide.close()
+        mask_path = split_dir / "masks" / img_path.name
+        mask = TiledTiff(mask_path) if mask_path.is_file() else None
+        if mask is not None and mask.shape[:2] != (h, w):
+            raise DataError(f"{mask_path}: mask size {mask.shape[:2]} differs from slide {(h, w)}")
+        grid = grid_labels(mask, h, w, patch)
+        if mask is not None:
+            mask.close()
+        samples += [(str(img_path), y, x, lab) for y, x, lab in grid]
+    tumour = [s for s in samples if s[3] == 1]
+    normal = [s for s in samples if s[3] == 0]
+    if normal_per_tumor > 0 and tumour:
+        keep = min(len(normal), int(round(normal_per_tumor * len(tumour))))
+        normal = [normal[i] for i in sorted(rng.choice(len(normal), keep, replace=False))]
+    return tumour + normal
+
+
+def folder_samples(split_dir: Path) -> list[tuple]:
+    """``(patch path, label)`` from ``split_dir/{normal,tumor}/``."""
+    samples = []
+    for label, name in enumerate(CLASSES):
+        d = split_dir / name
+        if not d.is_dir():
+            raise DataError(f"{d}: missing (patch layout needs {split_dir}/normal and {split_dir}/tumor)")
+        files = sorted(str(p) for p in d.iterdir() if p.suffix.lower() in PATCH_EXTENSIONS)
+        if not files:
+            raise DataError(f"{d}: no patch images")
+        samples += [(f, label) for f in files]
+    return samples
+
+
+class PathologyPatches(Dataset):
+    """Patch items from patch files or slide regions.
+
+    Args:
+        samples: ``(file, label)`` for patch files or ``(slide, y, x, label)`` for slide regions.
+        patch_size: side P of the items; patch files of another size are resized.
+    """
+
+    def __init__(self, samples: list[tuple], patch_size: int):
+        self.samples = samples
+        self.patch_size = patch_size
+        self._slides: dict[str, TiledTiff] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _slide(self, path: str) -> TiledTiff:
+        # a forked DataLoader worker must not share the parent's file offsets
+        if os.getpid() != self._pid:
+            self._slides, self._pid = {}, os.getpid()
+        if path not in self._slides:
+            self._slides[path] = TiledTiff(path)
+        return self._slides[path]
+
+    def __getitem__(self, i: int) -> dict:
+        s = self.samples[i]
+        p = self.patch_size
+        if len(s) == 4:
+            path, y, x, label = s
+            arr = self._slide(path).read_region(y, x, p, p)[..., :3]
+            ident = f"{path}@{y},{x}"
+        else:
+            path, label = s
+            try:
+                img = Image.open(path).convert("RGB")
+            except OSError as e:
+                raise DataError(f"{path}: cannot decode patch ({e})") from e
+            if img.size != (p, p):
+                img = img.resize((p, p), Image.BILINEAR)
+            arr, ident = np.array(img, dtype=np.uint8), path
+        image = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1).contiguous()
+        return {"image": image, "label": torch.tensor(label, dtype=torch.int64), "id": ident}
+
+
+@DATASETS.register("pathology")
+def build(*, path: str, patch_size: int = 224, normal_per_tumor: float = 1.0, seed: int = 0,
+          train_dir: str = "train", val_dir: str = "val") -> DatasetSplits:
+    """Tumour/normal patch splits from patch folders or slides + lesion masks.
+
+    Args:
+        path: dataset root holding ``train_dir`` and ``val_dir``.
+        patch_size: patch side P in pixels (level 0).
+        normal_per_tumor: slide layout only: normal patches kept per tumour patch (<= 0 keeps all).
+        seed: seed of the normal-patch subsampling.
+        train_dir: training split folder name.
+        val_dir: validation split folder name.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"dataset folder not found: {root}")
+    splits = []
+    for k, name in enumerate((train_dir, val_dir)):
+        d = root / name
+        if (d / "images").is_dir():
+            samples = slide_samples(d, patch_size, normal_per_tumor, np.random.default_rng([seed, k]))
+        elif d.is_dir():
+            samples = folder_samples(d)
+        else:
+            raise DataError(f"{d}: missing (expected {name}/images + {name}/masks, or {name}/normal + {name}/tumor)")
+        if not any(s[-1] == 1 for s in samples) and k == 0:
+            raise DataError(f"{d}: no tumour patches found")
+        splits.append(PathologyPatches(samples, patch_size))
+    info = {"classes": list(CLASSES), "num_classes": 2,
+            "train_patches": len(splits[0]), "val_patches": len(splits[1]),
+            "train_tumor": sum(s[-1] for s in splits[0].samples), "val_tumor": sum(s[-1] for s in splits[1].samples)}
+    return DatasetSplits(splits[0], splits[1], info)
+
+
+def slide_heatmap(slide_path: str | Path, predict, patch_size: int, stride: int | None = None,
+                  batch_size: int = 64) -> np.ndarray:
+    """Tumour probability map of a whole slide, patch by patch.
+
+    Args:
+        slide_path: tiled RGB TIFF.
+        predict: callable mapping uint8 patches ``(B, 3, P, P)`` to tumour probabilities ``(B,)``.
+        patch_size: P.
+        stride: grid step in pixels (default P); heat-map pixel (i, j) covers the patch at
+            ``(i * stride, j * stride)``.
+        batch_size: patches per ``predict`` call.
+
+    Returns:
+        float32 ``(H // stride, W // stride)`` probabilities (only full patches are scored).
+    """
+    stride = stride or patch_size
+    slide = TiledTiff(slide_path)
+    h, w = slide.shape[:2]
+    ny, nx = (h - patch_size) // stride + 1, (w - patch_size) // stride + 1
+    heat = np.zeros((h // stride, w // stride), np.float32)
+    coords = [(i, j) for i in range(ny) for j in range(nx)]
+    for k in range(0, len(coords), batch_size):
+        chunk = coords[k:k + batch_size]
+        arr = np.stack([slide.read_region(i * stride, j * stride, patch_size, patch_size)[..., :3] for i, j in chunk])
+        probs = predict(torch.from_numpy(arr).permute(0, 3, 1, 2).contiguous())
+        probs = probs.detach().float().cpu().numpy()  # one transfer per batch, not per patch
+        for (i, j), pr in zip(chunk, probs):
+            heat[i, j] = pr
+    slide.close()
+    return heat
+
+
+def write_heatmap(heat: np.ndarray, out_stem: str | Path) -> tuple[Path, Path]:
+    """Write ``OUT.tif`` (float32 probabilities) and ``OUT.png`` (8-bit, 255 = probability 1)."""
+    out_stem = Path(out_stem)
+    out_stem.parent.mkdir(parents=True, exist_ok=True)
+    tif, png = out_stem.with_suffix(".tif"), out_stem.with_suffix(".png")
+    tifffile.imwrite(tif, heat.astype(np.float32), photometric="minisblack")
+    Image.fromarray(np.clip(np.rint(heat * 255), 0, 255).astype(np.uint8)).save(png)
+    return tif, png
