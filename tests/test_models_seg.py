@@ -160,7 +160,8 @@ def test_nonewnet_channel_plan_and_parameter_count():
         assert not any(isinstance(x, (nn.InstanceNorm3d, nn.LeakyReLU)) for x in m.ups[level].modules())
         convs = [c for c in m.decoders[level].modules() if isinstance(c, nn.Conv3d)]
         assert [(c.in_channels, c.out_channels) for c in convs] == [(2 * w, w), (w, w)]
-        total += conv_p(below, w, 2, dims) + conv_p(2 * w, w, 3, dims, False) + 2 * w + conv_p(w, w, 3, dims, False) + 2 * w
+        total += conv_p(below, w, 2, dims)
+        total += conv_p(2 * w, w, 3, dims, False) + 2 * w + conv_p(w, w, 3, dims, False) + 2 * w
     assert m.head.kernel_size == (3,) * 3 and (m.head.in_channels, m.head.out_channels) == (32, 4)
     total += conv_p(32, 4, 3, dims)
     assert n_params(m) == total == 31_196_196
@@ -244,3 +245,8 @@ def test_channels_last_input(name, kw, shape):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     model.train()
     model(x.contiguous(memory_format=fmt)).mean().backward()
+
+
+def test_residual_layout_rejects_strided_bottleneck():
+    with pytest.raises(ValueError, match=r"strides\[-1\] == 1"):
+        create_model("unet", residual=True, filters=(8, 16), strides=(2, 2))

@@ -214,7 +214,8 @@ class ResidualUnit(nn.Module):
         self.residual: nn.Module = nn.Identity()
         if stride != 1 or in_channels != out_channels:
             k = kernel_size if stride != 1 else 1
-            self.residual = conv(spatial_dims)(in_channels, out_channels, k, stride, (k - 1) // 2, bias=bias is not False)
+            pad = (k - 1) // 2
+            self.residual = conv(spatial_dims)(in_channels, out_channels, k, stride, pad, bias=bias is not False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.conv(x) + self.residual(x)

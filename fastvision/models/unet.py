@@ -89,7 +89,8 @@ class UNet(nn.Module):
         if len(strides) != len(filters):
             raise ValueError(f"strides {tuple(strides)} must have one entry per filter {tuple(filters)}")
         if residual and strides[-1] != 1:
-            raise ValueError("residual layout: the bottleneck is concatenated with the last skip, so strides[-1] must be 1")
+            # the bottleneck output is concatenated with the last skip at the same resolution
+            raise ValueError(f"residual layout needs strides[-1] == 1, got {tuple(strides)}")
         self.spatial_dims, self.filters, self.strides = spatial_dims, tuple(filters), tuple(strides)
         self.divisor = math.prod(strides)
         opts = dict(norm=norm, act=act, act_slope=act_slope, norm_groups=norm_groups, bias=bias, dropout=dropout)
