@@ -117,6 +117,28 @@ def sliding_window(predict: Predictor, x: Tensor, roi: Sequence[int], *, overlap
     return out[(slice(None), slice(None)) + crop]
 
 
+def sliding_window_inference(inputs: Tensor, model: Predictor, roi_size: Sequence[int], *, overlap: float = 0.25,
+                             mode: str = "gaussian", sigma_scale: float = 0.125, sw_batch_size: int = 1,
+                             device: torch.device | str | None = None, tta_flips: Sequence[int] = ()) -> Tensor:
+    """Keyword form used by recipes (``task.args.sliding_window``): :func:`sliding_window` of ``model``.
+
+    Args:
+        inputs: (B, C, *S); model: (N, C, *R) -> (N, K, *R); roi_size, overlap, mode, sigma_scale,
+            sw_batch_size, device: as :func:`sliding_window`.
+        tta_flips: spatial axes (0-based, of *S) to mirror for :func:`flip_tta`; empty = no TTA.
+
+    Returns:
+        (B, K, *S) blended logits.
+    """
+    def run(x: Tensor) -> Tensor:
+        return sliding_window(model, x, roi_size, overlap=overlap, mode=mode, sigma_scale=sigma_scale,
+                              sw_batch_size=sw_batch_size, device=device)
+
+    if tta_flips:
+        return flip_tta(run, inputs, dims=[2 + d for d in tta_flips])
+    return run(inputs)
+
+
 def flip_tta(predict: Predictor, x: Tensor, dims: Sequence[int] = (2, 3, 4)) -> Tensor:
     """Average ``predict`` over the input mirrored along every subset of ``dims``.
 

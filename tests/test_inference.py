@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
-from fastvision.inference import flip_tta, save_segmentation, sliding_window, window_starts, write_nifti
+from fastvision.inference import (flip_tta, save_segmentation, sliding_window, sliding_window_inference, window_starts,
+                                  write_nifti)
 
 monai_inferers = pytest.importorskip("monai.inferers")
 
@@ -127,3 +128,13 @@ def test_save_segmentation_returns_to_input_space(tmp_path):
     want = np.where(label == 3, 4, label)
     np.testing.assert_array_equal(np.asarray(back.dataobj), want)
     np.testing.assert_allclose(back.affine, affine, atol=1e-6)
+
+
+def test_keyword_form_with_tta_matches_monai_average():
+    net = _net(3)
+    x = torch.randn(1, 2, 9, 8, 7)
+    got = sliding_window_inference(x, net, (5, 5, 5), overlap=0.5, mode="gaussian", sw_batch_size=2, tta_flips=(0,))
+    with torch.no_grad():
+        a = monai_inferers.sliding_window_inference(x, (5, 5, 5), 2, net, overlap=0.5, mode="gaussian")
+        b = monai_inferers.sliding_window_inference(x.flip(2), (5, 5, 5), 2, net, overlap=0.5, mode="gaussian").flip(2)
+    torch.testing.assert_close(got, torch.as_tensor((a + b) / 2), atol=1e-5, rtol=0)
