@@ -37,13 +37,9 @@ def _no_autocast(x: Tensor) -> torch.autocast:
 
 
 def _reduce(x: Tensor, reduction: str) -> Tensor:
-    if reduction == "mean":
-        return x.mean()
-    if reduction == "sum":
-        return x.sum()
-    if reduction == "none":
-        return x
-    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    return x.mean() if reduction == "mean" else x.sum() if reduction == "sum" else x
 
 
 def sigmoid_focal_loss(
@@ -184,15 +180,10 @@ class DiceLoss(nn.Module):
     def __init__(
         self,
         *,
-        include_background: bool = True,
-        sigmoid: bool = False,
-        softmax: bool = False,
-        squared_pred: bool = False,
-        jaccard: bool = False,
+        include_background: bool = True, sigmoid: bool = False, softmax: bool = False,
+        squared_pred: bool = False, jaccard: bool = False,
         reduction: Reduction = "mean",
-        smooth_nr: float = 1e-5,
-        smooth_dr: float = 1e-5,
-        batch: bool = False,
+        smooth_nr: float = 1e-5, smooth_dr: float = 1e-5, batch: bool = False,
         weight: list[float] | float | None = None,
     ):
         super().__init__()
@@ -253,16 +244,8 @@ class FocalLoss(nn.Module):
         use_softmax: softmax focal loss over classes instead of independent sigmoids.
     """
 
-    def __init__(
-        self,
-        *,
-        include_background: bool = True,
-        gamma: float = 2.0,
-        alpha: float | list[float] | None = None,
-        weight: list[float] | float | None = None,
-        reduction: Reduction = "mean",
-        use_softmax: bool = False,
-    ):
+    def __init__(self, *, include_background: bool = True, gamma: float = 2.0, alpha: float | list[float] | None = None,
+                 weight: list[float] | float | None = None, reduction: Reduction = "mean", use_softmax: bool = False):
         super().__init__()
         _reduce(torch.zeros(()), reduction)
         self.include_background, self.gamma = include_background, float(gamma)
@@ -326,15 +309,10 @@ class DiceCELoss(nn.Module):
     def __init__(
         self,
         *,
-        include_background: bool = True,
-        sigmoid: bool = False,
-        softmax: bool = False,
-        squared_pred: bool = False,
-        jaccard: bool = False,
+        include_background: bool = True, sigmoid: bool = False, softmax: bool = False,
+        squared_pred: bool = False, jaccard: bool = False,
         reduction: Literal["mean", "sum"] = "mean",
-        smooth_nr: float = 1e-5,
-        smooth_dr: float = 1e-5,
-        batch: bool = False,
+        smooth_nr: float = 1e-5, smooth_dr: float = 1e-5, batch: bool = False,
         weight: list[float] | None = None,
         lambda_dice: float = 1.0,
         lambda_ce: float = 1.0,
@@ -346,11 +324,9 @@ class DiceCELoss(nn.Module):
         if lambda_dice < 0 or lambda_ce < 0:
             raise ValueError("lambda_dice and lambda_ce must be >= 0")
         dice_weight = weight[1:] if weight is not None and not include_background else weight
-        self.dice = DiceLoss(
-            include_background=include_background, sigmoid=sigmoid, softmax=softmax, squared_pred=squared_pred,
-            jaccard=jaccard, reduction=reduction, smooth_nr=smooth_nr, smooth_dr=smooth_dr, batch=batch,
-            weight=dice_weight,
-        )
+        self.dice = DiceLoss(include_background=include_background, sigmoid=sigmoid, softmax=softmax,
+                             squared_pred=squared_pred, jaccard=jaccard, reduction=reduction, smooth_nr=smooth_nr,
+                             smooth_dr=smooth_dr, batch=batch, weight=dice_weight)
         _weight_buffer(self, "weight", weight)
         self.reduction, self.sigmoid = reduction, sigmoid
         self.lambda_dice, self.lambda_ce, self.label_smoothing = float(lambda_dice), float(lambda_ce), float(label_smoothing)
@@ -392,15 +368,10 @@ class DiceFocalLoss(nn.Module):
     def __init__(
         self,
         *,
-        include_background: bool = True,
-        sigmoid: bool = False,
-        softmax: bool = False,
-        squared_pred: bool = False,
-        jaccard: bool = False,
+        include_background: bool = True, sigmoid: bool = False, softmax: bool = False,
+        squared_pred: bool = False, jaccard: bool = False,
         reduction: Reduction = "mean",
-        smooth_nr: float = 1e-5,
-        smooth_dr: float = 1e-5,
-        batch: bool = False,
+        smooth_nr: float = 1e-5, smooth_dr: float = 1e-5, batch: bool = False,
         gamma: float = 2.0,
         weight: list[float] | float | None = None,
         lambda_dice: float = 1.0,
@@ -410,13 +381,11 @@ class DiceFocalLoss(nn.Module):
         super().__init__()
         if lambda_dice < 0 or lambda_focal < 0:
             raise ValueError("lambda_dice and lambda_focal must be >= 0")
-        self.dice = DiceLoss(
-            include_background=include_background, sigmoid=sigmoid, softmax=softmax, squared_pred=squared_pred,
-            jaccard=jaccard, reduction=reduction, smooth_nr=smooth_nr, smooth_dr=smooth_dr, batch=batch, weight=weight,
-        )
-        self.focal = FocalLoss(
-            include_background=include_background, gamma=gamma, alpha=alpha, weight=weight, reduction=reduction
-        )
+        self.dice = DiceLoss(include_background=include_background, sigmoid=sigmoid, softmax=softmax,
+                             squared_pred=squared_pred, jaccard=jaccard, reduction=reduction, smooth_nr=smooth_nr,
+                             smooth_dr=smooth_dr, batch=batch, weight=weight)
+        self.focal = FocalLoss(include_background=include_background, gamma=gamma, alpha=alpha, weight=weight,
+                               reduction=reduction)
         self.lambda_dice, self.lambda_focal = float(lambda_dice), float(lambda_focal)
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
@@ -437,14 +406,8 @@ class CrossEntropyLoss(nn.Module):
         reduction: ``"mean"`` (weighted mean over counted elements), ``"sum"`` or ``"none"``.
     """
 
-    def __init__(
-        self,
-        *,
-        weight: list[float] | None = None,
-        label_smoothing: float = 0.0,
-        ignore_index: int = -100,
-        reduction: Reduction = "mean",
-    ):
+    def __init__(self, *, weight: list[float] | None = None, label_smoothing: float = 0.0, ignore_index: int = -100,
+                 reduction: Reduction = "mean"):
         super().__init__()
         _weight_buffer(self, "weight", weight)
         self.label_smoothing, self.ignore_index, self.reduction = float(label_smoothing), ignore_index, reduction
