@@ -23,9 +23,11 @@ import logging
 import math
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Sized
+from typing import Any, Iterator, Mapping, Sequence, Sized
 
 import torch
 import torch.distributed as dist
@@ -332,6 +334,51 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def launch_local(nproc: int, cmd: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
+    """Run ``cmd`` as ``nproc`` workers on this node through torch's own launcher; return its exit code.
+
+    ``torch.distributed.run --standalone`` picks a free rendezvous port, sets ``RANK``/``LOCAL_RANK``/
+    ``WORLD_SIZE`` for each worker and, if one worker dies, stops the others and names the failed
+    rank, so a crash never leaves a job hanging in a collective.
+
+    Args:
+        nproc: number of worker processes.
+        cmd: what torchrun runs, e.g. ``["-m", "fastvision.cli", "train", "unet2d-microscopy"]``.
+        environ: environment for the workers (default: this process's).
+    """
+    env = dict(os.environ if environ is None else environ)
+    # Without this torchrun sets 1 thread per worker and warns; share the cores instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd]
+    log.info("launching %d local workers: %s", nproc, " ".join(args))
+    return subprocess.run(args, env=env).returncode
+
+
+def strip_option(argv: Sequence[str], option: str, takes_value: bool = True) -> list[str]:
+    """``argv`` without ``option`` (``--opt V`` or ``--opt=V``), to re-run a command under a launcher."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = takes_value
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
+def horovod() -> Any:
+    """``horovod.torch``, or a ConfigError that says how to get it and that DDP is the default."""
+    try:
+        import horovod.torch as hvd  # optional: built by `make horovod`
+    except ImportError as e:
+        raise ConfigError(
+            "--backend horovod: horovod is not installed (it is optional; build it with `make horovod`). "
+            f"The default backend, ddp (torch.distributed), needs nothing extra. ({e})"
+        ) from None
+    return hvd
+
+
 # --------------------------------------------------------------------------- model wrapping
 
 
@@ -435,18 +482,27 @@ class TrainSampler(Sampler[int]):
         seed: permutation seed, shared by all ranks.
         shuffle: permute (else the natural order).
         drop_last: drop the tail instead of padding.
+        emulate_workers: in one process, order the indices as the micro-batches of this many
+            workers (``--emulate-workers``); each emulated worker's partial last batch is dropped,
+            as a training loader with ``drop_last`` does on a real rank.
+        batch_size: per-worker batch, needed only when emulating.
     """
 
     def __init__(self, data: Sized | int, *, num_replicas: int | None = None, rank: int | None = None,
-                 seed: int = 0, shuffle: bool = True, drop_last: bool = False):
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = False, emulate_workers: int = 1,
+                 batch_size: int = 1):
         self.n = _length(data)
         self.num_replicas, self.rank = _group(num_replicas, rank)
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.emulate, self.batch_size = emulate_workers, batch_size
+        if emulate_workers > 1 and self.num_replicas != 1:
+            raise ConfigError("emulated workers run in one process; do not combine with several ranks")
         self.epoch = 0
+        shards = self.num_replicas * self.emulate
         if drop_last:
-            self.total = (self.n // self.num_replicas) * self.num_replicas
+            self.total = (self.n // shards) * shards
         else:
-            self.total = math.ceil(self.n / self.num_replicas) * self.num_replicas
+            self.total = math.ceil(self.n / shards) * shards
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -464,9 +520,19 @@ class TrainSampler(Sampler[int]):
         return order[: self.total]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.permutation()[self.rank :: self.num_replicas])
+        order = self.permutation()
+        if self.emulate == 1:
+            return iter(order[self.rank :: self.num_replicas])
+        # Emulation: worker w's j-th batch comes right after worker w-1's j-th batch, so a loader
+        # with ``batch_size`` and ``emulate`` x accumulation steps sees exactly the micro-batches
+        # the ranks of a real ``emulate``-process job would see (same BatchNorm batches).
+        shards = [order[w :: self.emulate] for w in range(self.emulate)]
+        b, full = self.batch_size, len(shards[0]) // self.batch_size
+        return iter([i for j in range(full) for shard in shards for i in shard[j * b:(j + 1) * b]])
 
     def __len__(self) -> int:
+        if self.emulate > 1:
+            return (self.total // self.emulate // self.batch_size) * self.batch_size * self.emulate
         return self.total // self.num_replicas
 
 

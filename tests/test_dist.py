@@ -241,6 +241,97 @@ def test_two_rank_slurm_srun_variables(tmp_path):
     _check_results(tmp_path, 2, "slurm")
 
 
+def _launch(tmp_path: Path, mode: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``dist.launch_local`` (the code behind ``--nproc``) running this file's ``mode`` worker."""
+    code = ("import sys; from fastvision import dist; "
+            f"sys.exit(dist.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(tmp_path)!r}, {mode!r}]))")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.dist
+def test_launch_local_two_workers(tmp_path):
+    proc = _launch(tmp_path, "basic")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_results(tmp_path, 2, "torchrun")
+
+
+@pytest.mark.dist
+def test_emulated_workers_match_two_rank_ddp(tmp_path):
+    proc = _launch(tmp_path, "emulate")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "emu0.json").read_text())
+    assert res["emulated_rel"] <= 1e-5
+    # the same global batch through one BatchNorm is a different model: emulation is not a no-op
+    assert res["naive_rel"] > 1e-3
+
+
+@pytest.mark.dist
+def test_dead_rank_fails_the_job_naming_it(tmp_path):
+    proc = _launch(tmp_path, "die", timeout=60)  # TimeoutExpired (a hang) fails the test
+    assert proc.returncode != 0
+    assert "rank: 1" in proc.stderr and "exitcode: 7" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.dist
+def test_dead_rank_under_srun_variables_does_not_hang(tmp_path):
+    """No torchrun watchdog here: gloo itself must raise on the survivor when its peer vanishes."""
+    port = _free_port()
+    procs = []
+    for r in range(2):
+        env = _clean_env()
+        env.update(SLURM_JOB_ID="7", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
+                   SLURM_STEP_ID="0", SLURM_NODELIST="localhost", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(tmp_path), "die"],
+                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    codes = []
+    for p in procs:
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("surviving rank hung after its peer died")
+        codes.append(p.returncode)
+    assert codes[1] == 7 and codes[0] != 0
+
+
+def test_horovod_missing_is_an_actionable_error():
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="make horovod.*ddp"):
+            dist.horovod()
+    else:
+        pytest.skip("horovod is installed")
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["train", "r", "--nproc", "2", "--set", "a=1"], ["train", "r", "--set", "a=1"]),
+    (["train", "--nproc=4", "r"], ["train", "r"]),
+    (["train", "r"], ["train", "r"]),
+])
+def test_strip_option(argv, expected):
+    assert dist.strip_option(argv, "--nproc") == expected
+
+
+@pytest.mark.parametrize("n,workers,b", [(11, 2, 2), (16, 4, 2), (9, 3, 1)])
+def test_emulation_order_matches_rank_batches(n, workers, b):
+    """Emulated micro-batch (j, w) is rank w's j-th batch of a real job with the same seed."""
+    emu = dist.TrainSampler(n, num_replicas=1, rank=0, seed=1, emulate_workers=workers, batch_size=b)
+    emu.set_epoch(3)
+    got = list(emu)
+    assert len(got) == len(emu)
+    real = []
+    for r in range(workers):
+        s = dist.TrainSampler(n, num_replicas=workers, rank=r, seed=1)
+        s.set_epoch(3)
+        real.append(list(s))
+    full = len(real[0]) // b
+    want = [i for j in range(full) for w in range(workers) for i in real[w][j * b:(j + 1) * b]]
+    assert got == want
+
+
 def _worker(out: Path) -> None:
     """One rank of a real job: collectives, a DDP step, an EvalSampler-sharded metric."""
     torch.set_num_threads(1)
@@ -280,5 +371,69 @@ def _worker(out: Path) -> None:
     dist.shutdown()
 
 
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3, padding=1), torch.nn.BatchNorm2d(3), torch.nn.ReLU(),
+                               torch.nn.Flatten(), torch.nn.Linear(3 * 16, 2))
+
+
+def _bn_data(n: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    return torch.randn(n, 1, 4, 4, generator=g), torch.randn(n, 2, generator=g)
+
+
+def _sgd_epochs(model, batches_per_step, x, y, epochs_batches) -> list[list]:
+    """Plain training: each step averages ``batches_per_step`` micro-batch losses, then SGD."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for batches in epochs_batches:
+        for k in range(0, len(batches) - batches_per_step + 1, batches_per_step):
+            for idx in batches[k:k + batches_per_step]:
+                (torch.nn.functional.mse_loss(model(x[idx]), y[idx]) / batches_per_step).backward()
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in dist.unwrap(model).parameters()]
+
+
+def _batches(sampler, epoch: int, b: int) -> list[list[int]]:
+    sampler.set_epoch(epoch)
+    idx = list(sampler)
+    return [idx[i:i + b] for i in range(0, len(idx) - b + 1, b)]
+
+
+def _emulation_worker(out: Path) -> None:
+    """2-rank DDP training of a BatchNorm model vs --emulate-workers 2 (and vs a naive big batch)."""
+    torch.set_num_threads(1)
+    env, device = dist.init("cpu", timeout_s=60)
+    x, y, b = *_bn_data(), 2
+    ddp = dist.wrap_model(_bn_model(), device)
+    sampler = dist.TrainSampler(len(x), seed=5)
+    ddp_w = _sgd_epochs(ddp, 1, x, y, [_batches(sampler, e, b) for e in range(2)])
+    res = {}
+    if env.rank == 0:
+        emu = dist.TrainSampler(len(x), num_replicas=1, rank=0, seed=5, emulate_workers=2, batch_size=b)
+        emu_w = _sgd_epochs(_bn_model(), 2, x, y, [_batches(emu, e, b) for e in range(2)])
+        one = dist.TrainSampler(len(x), num_replicas=1, rank=0, seed=5)
+        naive_w = _sgd_epochs(_bn_model(), 1, x, y, [_batches(one, e, 2 * b) for e in range(2)])
+        rel = lambda ws: max(((a - c).norm() / c.norm()).item() for a, c in zip(ws, ddp_w))  # noqa: E731
+        res = {"emulated_rel": rel(emu_w), "naive_rel": rel(naive_w)}
+    (out / f"emu{env.rank}.json").write_text(json.dumps(res))
+    dist.barrier()  # rank 1 must not tear down gloo while rank 0 is still running the references
+    dist.shutdown()
+
+
+def _dying_worker(out: Path) -> None:
+    """Rank 1 dies after the first collective; rank 0 keeps reducing and must not hang."""
+    torch.set_num_threads(1)
+    env, _ = dist.init("cpu", timeout_s=600)  # longer than the test allows: failure must come sooner
+    dist.all_reduce_sum(torch.ones(1))
+    if env.rank == 1:
+        os._exit(7)
+    for _ in range(10_000):
+        dist.all_reduce_sum(torch.ones(1))
+        import time
+        time.sleep(0.01)
+
+
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    {"basic": _worker, "emulate": _emulation_worker, "die": _dying_worker}[sys.argv[2] if len(sys.argv) > 2
+                                                                           else "basic"](Path(sys.argv[1]))
