@@ -1,0 +1,203 @@
+"""Image classification (ResNet on ImageNet / ImageFolder, pathology tumour patches).
+
+Batches arrive as uint8 ``(B, 3, H, W)``: a quarter of float32's bytes on the host-to-device
+link. ``to_device`` turns them into float in [0, 1] on the device (what the batched colour jitter
+of :mod:`fastvision.data.gpu_aug` expects); ``forward`` normalises with the seed-004 mean/std
+(DALI's CropMirrorNormalize values, in 0-255 units). MixUp (seed 004's 250-epoch recipe) mixes
+each sample with the batch reversed, with a per-sample Beta(a, a) weight drawn on the device.
+
+Metrics are sums (top-k hits, count, loss, and for binary tasks score histograms giving AUC), so
+one all-reduce gives exact whole-set values across ranks.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..metrics import topk_correct
+from ..registry import TASKS
+from .base import Evaluator, Task
+
+AUC_BINS = 1000
+
+
+def beta_symmetric(n: int, alpha: float, generator: torch.Generator | None, device: torch.device,
+                   tries: int = 16) -> Tensor:
+    """``n`` samples of Beta(alpha, alpha) without a host sync (Johnk's method, vectorised).
+
+    ``X = U^(1/a), Y = V^(1/a)``; given ``X + Y <= 1``, ``X / (X + Y)`` is Beta(a, a). Each sample
+    gets ``tries`` candidate pairs and keeps the first accepted one (for a <= 1 a pair is accepted
+    with probability >= pi/4, so all 16 failing has probability < 1e-10; then 0.5 is used).
+    """
+    u = torch.rand(2, n, tries, generator=generator, device=device).pow(1.0 / alpha)
+    s = u[0] + u[1]
+    ok = s <= 1
+    first = ok.float().argmax(1, keepdim=True)  # index of the first accepted pair
+    lam = (u[0] / s.clamp_min(1e-12)).gather(1, first).squeeze(1)
+    return torch.where(ok.any(1), lam, torch.full_like(lam, 0.5))
+
+
+@TASKS.register("classification")
+class ClassificationTask(Task):
+    """Single-label classification.
+
+    Args:
+        num_classes: number of classes C.
+        mixup: MixUp Beta parameter (seed 004: 0.2 for 250 epochs); 0 disables.
+        image_size: side of the synthetic benchmark images.
+        mean: per-channel mean in 0-255 units.
+        std: per-channel std in 0-255 units.
+        auc: also report the ROC AUC of class 1 (binary tasks, e.g. tumour vs normal).
+        heatmap_patch: ``predict`` on a tiled TIFF writes a heat map with this patch size; 0 off.
+        heatmap_stride: heat-map grid step in pixels (default the patch size).
+        loss: the loss module, called with int64 labels ``(B,)`` or MixUp soft targets ``(B, C)``.
+        augment: batched augmentation ``(image, None, generator) -> (image, None)`` or None.
+    """
+
+    primary_metric = "top1"
+    higher_is_better = True
+
+    def __init__(self, *, num_classes: int = 1000, mixup: float = 0.0, image_size: int = 224,
+                 mean: list[float] = (123.68, 116.28, 103.53), std: list[float] = (58.395, 57.12, 57.385),
+                 auc: bool = False, heatmap_patch: int = 0, heatmap_stride: int = 0,
+                 loss: nn.Module, augment=None):
+        self.num_classes, self.mixup, self.image_size = num_classes, float(mixup), image_size
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) / 255
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1) / 255
+        self.auc, self.heatmap_patch, self.heatmap_stride = auc, heatmap_patch, heatmap_stride or heatmap_patch
+        self.loss_fn, self.augment_fn = loss, augment
+
+    # -- input ---------------------------------------------------------------------
+    def to_device(self, batch: dict[str, Any], device: torch.device, channels_last: bool = False) -> dict[str, Any]:
+        """uint8 images travel as uint8 and become float [0, 1] on the device."""
+        batch = super().to_device(batch, device, False)
+        image = batch["image"]
+        if image.dtype == torch.uint8:
+            image = image.float().div_(255)
+        if channels_last:
+            image = image.contiguous(memory_format=torch.channels_last)
+        return {**batch, "image": image}
+
+    def normalise(self, image: Tensor) -> Tensor:
+        """(B, 3, H, W) float in [0, 1] -> normalised; keeps the memory format."""
+        return (image - self.mean.to(image.device)) / self.std.to(image.device)
+
+    def augment(self, batch: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
+        image = batch["image"]
+        if self.augment_fn is not None:
+            image, _ = self.augment_fn(image, None, generator)
+        out = {**batch, "image": image}
+        if self.mixup > 0:
+            lam = beta_symmetric(image.shape[0], self.mixup, generator, image.device)
+            w = lam.view(-1, 1, 1, 1).to(image.dtype)
+            out["image"] = w * image + (1 - w) * image.flip(0)
+            onehot = nn.functional.one_hot(batch["label"], self.num_classes).float()
+            out["soft_label"] = lam.view(-1, 1) * onehot + (1 - lam.view(-1, 1)) * onehot.flip(0)
+        return out
+
+    # -- model ---------------------------------------------------------------------
+    def forward(self, model: nn.Module, batch: dict[str, Any]) -> Tensor:
+        return model(self.normalise(batch["image"]))
+
+    def eval_forward(self, model: nn.Module, batch: dict[str, Any]) -> Tensor:
+        return self.forward(model, batch)
+
+    def loss(self, outputs: Tensor, batch: dict[str, Any]) -> Tensor:
+        return self.loss_fn(outputs, batch.get("soft_label", batch["label"]))
+
+    def evaluator(self) -> Evaluator:
+        return ClassEvaluator(self)
+
+    def synthetic_batch(self, batch_size: int, device: torch.device) -> dict[str, Any]:
+        """A batch as ``to_device`` leaves it: float [0, 1] images and int64 labels."""
+        s = self.image_size
+        return {"image": torch.rand(batch_size, 3, s, s, device=device),
+                "label": torch.randint(0, self.num_classes, (batch_size,), device=device)}
+
+    # -- prediction on files ---------------------------------------------------------
+    @torch.no_grad()
+    def predict_files(self, model: nn.Module, files: list[Path], out_dir: Path, cfg, device) -> list[Path]:
+        """Tiled TIFF slides -> heat maps (``heatmap_patch`` > 0); other images -> ``predictions.csv``.
+
+        Images are prepared as evaluation items are (resize + centre crop per ``data.args``).
+        """
+        from ..data.formats.imagefolder import load_crop
+        from ..data.formats.pathology import slide_heatmap, write_heatmap
+
+        model.eval()
+        args = cfg.data.args
+        size = int(args.get("image_size", args.get("patch_size", self.image_size)))
+        resize = int(args.get("resize_size", size))
+
+        def probs(x: Tensor) -> Tensor:
+            logits = self.forward(model, self.to_device({"image": x}, device))
+            return logits.float().softmax(1)
+
+        written, rows = [], []
+        for f in files:
+            if self.heatmap_patch and f.suffix.lower() in (".tif", ".tiff"):
+                heat = slide_heatmap(f, lambda x: probs(x)[:, 1], self.heatmap_patch, self.heatmap_stride)
+                written += list(write_heatmap(heat, out_dir / f"{f.stem}_heatmap"))
+                continue
+            arr = load_crop(str(f), False, size, resize, (1.0, 1.0), (1.0, 1.0), 0.0)
+            p = probs(torch.from_numpy(arr).permute(2, 0, 1)[None].contiguous())[0].cpu()
+            top = int(p.argmax())
+            rows.append([str(f), top, f"{float(p[top]):.6f}"])
+        if rows:
+            path = out_dir / "predictions.csv"
+            with open(path, "w", newline="") as fh:
+                csv.writer(fh).writerows([["file", "class", "probability"], *rows])
+            written.append(path)
+        return written
+
+
+class ClassEvaluator(Evaluator):
+    """Sums: [top-1 hits, top-5 hits, count, loss * count] (+ two AUC score histograms).
+
+    The sums live on the device of the first batch, so updates never copy to the host.
+    """
+
+    def __init__(self, task: ClassificationTask):
+        self.task = task
+        self._size = 4 + (2 * AUC_BINS if task.auc else 0)
+        self.sums = torch.zeros(self._size, dtype=torch.float64)
+
+    def update(self, outputs: Tensor, batch: dict[str, Any]) -> None:
+        label = batch["label"]
+        if self.sums.device != label.device:
+            self.sums = self.sums.to(label.device)  # first batch: nothing accumulated yet
+        n = label.shape[0]
+        hits = topk_correct(outputs, label, (1, 5)).double()
+        loss = self.task.loss_fn(outputs.float(), label).detach().double()
+        head = torch.stack([hits[0], hits[1], loss.new_tensor(float(n)), loss * n])
+        self.sums[:4] += head
+        if self.task.auc:
+            score = outputs.float().softmax(1)[:, 1]
+            bins = (score * AUC_BINS).long().clamp_(0, AUC_BINS - 1) + AUC_BINS * (label == 1).long()
+            self.sums[4:] += torch.bincount(bins, minlength=2 * AUC_BINS).double()
+
+    def compute(self) -> dict[str, float]:
+        s = self.sums.cpu()
+        n = float(s[2])
+        out = {"top1": float(s[0]) / n if n else float("nan"), "top5": float(s[1]) / n if n else float("nan"),
+               "val_loss": float(s[3]) / n if n else float("nan")}
+        if self.task.auc:
+            out["auc"] = histogram_auc(s[4:4 + AUC_BINS].numpy(), s[4 + AUC_BINS:].numpy())
+        return out
+
+
+def histogram_auc(neg: np.ndarray, pos: np.ndarray) -> float:
+    """ROC AUC from score histograms: P(score_pos > score_neg) + P(same bin) / 2.
+
+    Equals the Mann-Whitney AUC exactly when no two scores of different classes share a bin.
+    """
+    n_neg, n_pos = neg.sum(), pos.sum()
+    if n_neg == 0 or n_pos == 0:
+        return float("nan")
+    below = np.cumsum(neg) - neg  # negatives in strictly lower bins
+    return float((pos * (below + 0.5 * neg)).sum() / (n_neg * n_pos))
