@@ -115,3 +115,44 @@ def test_forward_backward(name, size, batch, classes):
     assert model.backbone.conv1.weight.grad.abs().sum() > 0
     det = postprocess({k: v.detach() for k, v in out.items()}, (size, size))
     assert det["boxes"].shape == (batch, 100, 4)
+
+
+# -- the detection task (fastvision/tasks/detect.py) ------------------------------------------
+def test_detection_task_end_to_end(tmp_path):
+    import json
+
+    from PIL import Image
+
+    from fastvision.data.formats.coco import build
+    from fastvision.data.synth.coco import synth
+    from fastvision.tasks.detect import DetectionTask
+
+    root = synth(tmp_path / "shapes", seed=1, train=4, val=6)
+    splits = build(path=str(root), image_size=96)
+    task = DetectionTask(image_size=96, num_classes=4, info=splits.info, results_path=str(tmp_path / "res.json"))
+    torch.manual_seed(0)
+    model = MODELS.build("ssd320-small", {"num_classes": 4})
+    batch = task.collate([splits.train[i] for i in range(4)])
+    loss = task.loss(task.forward(model, batch), batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+    model.eval()
+    ev = task.evaluator()
+    val = task.collate([splits.val[i] for i in range(6)])
+    det = task.eval_forward(model, val)
+    assert det["boxes"].shape == (6, 100, 4)
+    ev.update(det, val)
+    ev.load_state(ev.state())
+    m = ev.compute()
+    assert set(m) >= {"map", "ap50", "ap75"} and m["images"] == 6
+    ids = {r["category_id"] for r in json.loads((tmp_path / "res.json").read_text())}
+    assert ids <= {1, 3, 5, 8}
+    pngs = task.save_examples(det, val, tmp_path / "ex", 2, min_score=0.0)
+    assert len(pngs) == 2 and Image.open(pngs[0]).size == (96, 96)
+    files = sorted((root / "val2017").iterdir())[:2]
+    out = task.predict_files(model, files, tmp_path / "pred", None, torch.device("cpu"))
+    assert out[0].name == "detections.json" and all(p.is_file() for p in out)
+    w, h = Image.open(files[0]).size
+    assert Image.open(out[1]).size == (w, h)  # drawn on the original image
+    syn = task.synthetic_batch(2, torch.device("cpu"))
+    assert torch.isfinite(task.loss(task.forward(model.train(), syn), syn))

@@ -1,0 +1,192 @@
+"""Object detection (SSD320, seed 002): padded box batches in, focal + smooth-L1 loss, COCO mAP out.
+
+Batches come from :func:`fastvision.data.formats.coco.collate_detection`: ``image (B, 3, S, S)``
+uint8, padded ``boxes / labels / iscrowd`` and the ids and original sizes that map detections
+back to COCO results. Images are normalised on the device. Validation post-processes on the
+device (score threshold, batched NMS, top 100) and scores the whole set with pycocotools.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..coco_eval import COCOEvaluator, to_coco_results, write_results
+from ..data.formats.coco import collate_detection
+from ..errors import ConfigError, DataError
+from ..models.ssd import postprocess, ssd_loss
+from ..registry import TASKS
+from .base import Evaluator, Task
+
+# ImageNet statistics, as the ResNet backbone expects.
+MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
+           (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212)]
+
+
+@TASKS.register("detection")
+class DetectionTask(Task):
+    """Single-shot detection with sigmoid focal loss and COCO evaluation.
+
+    Args:
+        image_size: square network input side (pixels); must match ``data.args.image_size``.
+        num_classes: foreground classes (for benchmark batches; the model has its own).
+        alpha, gamma: focal loss parameters (seed: 0.25, 2).
+        match_iou: argmax matcher threshold (seed: 0.5).
+        score_threshold, nms_iou, max_detections: post-processing (seed: 1e-8, 0.6, 100).
+        max_boxes: pad targets to this fixed count (static shapes for ``--compile``); None: per batch.
+        ann_file: validation ``instances_*.json``; default from the dataset's ``info``.
+        cat_ids: COCO category id per class index; default from the dataset's ``info``.
+        results_path: write the validation results JSON here.
+        loss: unused (the detection loss is built in); accepted because the engine passes it.
+        augment: unused (crop and flip change box counts, so they run in the dataset).
+        info: the dataset's ``info`` (``val_ann_file``, ``cat_ids``, ``class_names``).
+    """
+
+    primary_metric = "map"
+    higher_is_better = True
+
+    def __init__(self, *, image_size: int = 320, num_classes: int = 90, alpha: float = 0.25, gamma: float = 2.0,
+                 match_iou: float = 0.5, score_threshold: float = 1e-8, nms_iou: float = 0.6,
+                 max_detections: int = 100, max_boxes: int | None = None, ann_file: str | None = None,
+                 cat_ids: list[int] | None = None, results_path: str | None = None,
+                 loss: nn.Module | None = None, augment: Any = None, info: dict | None = None):
+        info = info or {}
+        self.image_size, self.num_classes = image_size, num_classes
+        self.alpha, self.gamma, self.match_iou = alpha, gamma, match_iou
+        self.post = {"score_threshold": score_threshold, "iou_threshold": nms_iou, "max_detections": max_detections}
+        self.max_boxes = max_boxes
+        self.ann_file = ann_file or info.get("val_ann_file")
+        self.cat_ids = list(cat_ids or info.get("cat_ids") or range(1, num_classes + 1))
+        self.class_names = list(info.get("class_names") or [str(c) for c in self.cat_ids])
+        self.results_path = results_path
+        if info.get("image_size") not in (None, image_size):
+            raise ConfigError(f"task.args.image_size={image_size} but data.args.image_size={info['image_size']}")
+
+    # -- batches -------------------------------------------------------------------
+    def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        return collate_detection(items, self.max_boxes)
+
+    def normalise(self, image: Tensor) -> Tensor:
+        """uint8 ``(B, 3, H, W)`` -> float ImageNet-normalised, keeping the memory format."""
+        mean = torch.tensor(MEAN, device=image.device).view(1, 3, 1, 1)
+        std = torch.tensor(STD, device=image.device).view(1, 3, 1, 1)
+        return (image.float() - mean) / std
+
+    def forward(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Tensor]:
+        return model(self.normalise(batch["image"]))
+
+    def loss(self, outputs: dict[str, Tensor], batch: dict[str, Any]) -> Tensor:
+        return ssd_loss(outputs, batch["boxes"], batch["labels"], batch["iscrowd"], self.alpha, self.gamma,
+                        self.match_iou)["loss"]
+
+    # -- evaluation ----------------------------------------------------------------
+    def eval_forward(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Tensor]:
+        """Detections ``{"boxes" (B, D, 4), "scores" (B, D), "labels" (B, D)}`` in input pixels."""
+        out = self.forward(model, batch)
+        return postprocess(out, tuple(batch["image"].shape[-2:]), **self.post)
+
+    def evaluator(self) -> Evaluator:
+        if not self.ann_file:
+            raise ConfigError("detection needs the validation annotations: set task.args.ann_file or use the coco dataset")
+        return COCOEvaluator(self.ann_file, self.cat_ids, (self.image_size, self.image_size),
+                             postprocess=lambda o: postprocess(o, (self.image_size, self.image_size), **self.post),
+                             results_path=self.results_path)
+
+    def synthetic_batch(self, batch_size: int, device: torch.device) -> dict[str, Any]:
+        """Random images with 8 random boxes each (a COCO-like count), for benchmark mode."""
+        S, M = self.image_size, 8
+        g = torch.Generator(device="cpu").manual_seed(0)
+        xy = torch.rand(batch_size, M, 2, generator=g) * S * 0.7
+        wh = torch.rand(batch_size, M, 2, generator=g) * S * 0.3 + 8
+        return {
+            "image": torch.randint(0, 256, (batch_size, 3, S, S), dtype=torch.uint8, generator=g).to(device),
+            "boxes": torch.cat([xy, xy + wh], -1).to(device),
+            "labels": torch.randint(0, self.num_classes, (batch_size, M), generator=g).to(device),
+            "iscrowd": torch.zeros(batch_size, M, dtype=torch.bool, device=device),
+            "image_id": torch.arange(batch_size, device=device),
+            "orig_size": torch.full((batch_size, 2), S, dtype=torch.int64, device=device),
+        }
+
+    # -- pictures and prediction -----------------------------------------------------
+    def save_examples(self, outputs: dict[str, Tensor], batch: dict[str, Any], out_dir: Path, limit: int,
+                      min_score: float = 0.3) -> list[Path]:
+        """PNGs of validation images: ground truth in thin white, detections in class colours."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for i in range(min(limit, batch["image"].shape[0])):
+            gt = batch["boxes"][i][batch["labels"][i] >= 0]
+            name = f"{int(batch['image_id'][i])}_boxes.png"
+            paths.append(draw_detections(batch["image"][i], outputs["boxes"][i], outputs["scores"][i],
+                                         outputs["labels"][i], self.class_names, out_dir / name, min_score, gt))
+        return paths
+
+    @torch.no_grad()
+    def predict_files(self, model: nn.Module, files: list[Path], out_dir: Path, cfg: Any, device: torch.device,
+                      min_score: float = 0.3) -> list[Path]:
+        """Images -> ``detections.json`` (COCO results, original pixels) + one ``<name>_boxes.png`` each.
+
+        Image ids in the JSON are the files' positions in ``files``; category ids follow the
+        dataset's mapping when the task knows it.
+        """
+        from PIL import Image
+
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        S = self.image_size
+        model.eval()
+        results, written = [], []
+        for k, f in enumerate(files):
+            try:
+                img = Image.open(f).convert("RGB")
+            except OSError as e:
+                raise DataError(f"cannot read image {f}: {e}") from e
+            w, h = img.size
+            x = torch.from_numpy(np.asarray(img.resize((S, S), Image.BILINEAR)).copy())
+            x = x.permute(2, 0, 1)[None].to(device)
+            det = self.eval_forward(model, {"image": x})
+            sizes = torch.tensor([[h, w]])
+            results += to_coco_results(det["boxes"], det["scores"], det["labels"], torch.tensor([k]), sizes,
+                                       (S, S), self.cat_ids)
+            scale = torch.tensor([w / S, h / S, w / S, h / S], device=det["boxes"].device)
+            original = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
+            written.append(draw_detections(original, det["boxes"][0] * scale, det["scores"][0], det["labels"][0],
+                                           self.class_names, out_dir / f"{Path(f).stem}_boxes.png", min_score))
+        written.insert(0, write_results(results, out_dir / "detections.json"))
+        return written
+
+
+def draw_detections(image: Tensor, boxes: Tensor, scores: Tensor, labels: Tensor, names: list[str], path: Path,
+                    min_score: float = 0.3, gt_boxes: Tensor | None = None) -> Path:
+    """Draw boxes on a ``(3, H, W)`` uint8 image and save a PNG.
+
+    Args:
+        image: ``(3, H, W)`` uint8.
+        boxes: ``(D, 4)`` xyxy pixels of ``image``.
+        scores: ``(D,)``; boxes under ``min_score`` are skipped.
+        labels: ``(D,)`` class indices (-1: empty slot).
+        names: class names by index.
+        gt_boxes: ``(N, 4)`` ground truth, drawn thin white.
+    """
+    from PIL import Image, ImageDraw
+
+    pil = Image.fromarray(image.detach().cpu().permute(1, 2, 0).contiguous().numpy())
+    draw = ImageDraw.Draw(pil)
+    if gt_boxes is not None:
+        for b in gt_boxes.detach().cpu().tolist():
+            draw.rectangle(b, outline=(255, 255, 255), width=1)
+    for b, s, c in zip(boxes.detach().cpu().tolist(), scores.detach().cpu().tolist(), labels.detach().cpu().tolist()):
+        if c < 0 or s < min_score:
+            continue
+        colour = PALETTE[c % len(PALETTE)]
+        draw.rectangle(b, outline=colour, width=2)
+        name = names[c] if c < len(names) else str(c)
+        draw.text((b[0] + 2, max(0.0, b[1] - 11)), f"{name} {s:.2f}", fill=colour)
+    path = Path(path)
+    pil.save(path)
+    return path
