@@ -1,0 +1,99 @@
+"""Deterministic item transforms and their signatures, the unit the caches key on.
+
+A pipeline is a list of callables ``item dict -> item dict``. Its *deterministic prefix* (every
+transform before the first one marked ``random = True``) is what the caches in
+:mod:`fastvision.data.cache` run once. Unlike MONAI, a plain function does not silently end the
+prefix: it counts as deterministic unless marked, and the cache reports where the prefix ends.
+
+The signature of a transform names its class and parameters (dataclass fields or ``__dict__``), or
+for a plain function its qualified name and source; a persistent cache is keyed on it, so changing a
+parameter or the code of a function invalidates old entries.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+from typing import Any, Callable, Sequence
+
+Item = dict[str, Any]
+TransformFn = Callable[[Item], Item]
+
+
+class Transform:
+    """Optional base class: set ``random = True`` on transforms that must not be cached."""
+
+    random: bool = False
+
+    def __call__(self, item: Item) -> Item:
+        raise NotImplementedError
+
+    def signature(self) -> str:
+        return _default_signature(self)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
+    if callable(v):
+        return signature(v)
+    return repr(v)
+
+
+def _default_signature(t: Any) -> str:
+    cls = type(t)
+    params = ({f.name: getattr(t, f.name) for f in dataclasses.fields(t)} if dataclasses.is_dataclass(t)
+              else {k: v for k, v in vars(t).items() if not k.startswith("_")})
+    return f"{cls.__module__}.{cls.__qualname__}{json.dumps(_jsonable(params), sort_keys=True)}"
+
+
+def signature(t: Any) -> str:
+    """A string that changes when the transform's class, parameters or function code change."""
+    if hasattr(t, "signature") and callable(t.signature):
+        return t.signature()
+    if isinstance(t, functools.partial):
+        return f"partial({signature(t.func)}, {_jsonable(list(t.args))}, {_jsonable(t.keywords)})"
+    if inspect.isfunction(t) or inspect.ismethod(t):
+        try:
+            code = inspect.getsource(t)
+        except (OSError, TypeError):  # no source (REPL): fall back to the bytecode
+            code = t.__code__.co_code.hex()
+        return f"{t.__module__}.{t.__qualname__}:{hashlib.sha256(code.encode()).hexdigest()[:16]}"
+    return _default_signature(t)
+
+
+def is_random(t: Any) -> bool:
+    return bool(getattr(t, "random", False))
+
+
+def split(pipeline: Sequence[TransformFn]) -> tuple[list[TransformFn], list[TransformFn]]:
+    """(deterministic prefix, rest): the prefix ends at the first transform marked random."""
+    for i, t in enumerate(pipeline):
+        if is_random(t):
+            return list(pipeline[:i]), list(pipeline[i:])
+    return list(pipeline), []
+
+
+def pipeline_signature(transforms: Sequence[TransformFn]) -> str:
+    """sha256 hex over the signatures of ``transforms`` in order."""
+    h = hashlib.sha256()
+    for t in transforms:
+        h.update(signature(t).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def apply(transforms: Sequence[TransformFn], item: Item) -> Item:
+    for t in transforms:
+        item = t(item)
+    return item
+
+
+def name(t: Any) -> str:
+    return getattr(t, "__qualname__", None) or type(t).__name__
