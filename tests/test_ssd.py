@@ -156,3 +156,22 @@ def test_detection_task_end_to_end(tmp_path):
     assert Image.open(out[1]).size == (w, h)  # drawn on the original image
     syn = task.synthetic_batch(2, torch.device("cpu"))
     assert torch.isfinite(task.loss(task.forward(model.train(), syn), syn))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["ssd320-small-shapes", "ssd320-coco"])
+def test_recipe_two_step_smoke(recipe, tmp_path):
+    engine = pytest.importorskip("fastvision.engine")
+    from fastvision.config import from_dict, merge, read_yaml, recipe_path
+    from fastvision.data.synth.coco import synth
+
+    root = synth(tmp_path / "shapes", seed=0, train=4, val=4)
+    ann = str(root / "annotations/instances_val2017.json")
+    over = {"data": {"args": {"path": str(root), "image_size": 96}, "num_workers": 0, "loader": "threads",
+                     "val_batch_size": 4},
+            "task": {"args": {"image_size": 96, "num_classes": 4, "ann_file": ann, "cat_ids": [1, 3, 5, 8]}},
+            "model": {"args": {"num_classes": 4}},
+            "train": {"epochs": 1, "steps_per_epoch": 2, "batch_size": 2, "val_every": 1, "amp": "off", "target": None},
+            "examples": 0}
+    summary = engine.fit(from_dict(merge(read_yaml(recipe_path(recipe)), over)), tmp_path / "run", progress=False)
+    assert 0.0 <= summary["map"] <= 1.0

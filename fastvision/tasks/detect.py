@@ -42,7 +42,8 @@ class DetectionTask(Task):
         ann_file: validation ``instances_*.json``; default from the dataset's ``info``.
         cat_ids: COCO category id per class index; default from the dataset's ``info``.
         results_path: write the validation results JSON here.
-        loss: unused (the detection loss is built in); accepted because the engine passes it.
+        loss: the recipe's loss module; a ``focal`` loss supplies ``alpha`` and ``gamma`` (the box
+            matching, smooth-L1 and normalisation by matches are built in).
         augment: unused (crop and flip change box counts, so they run in the dataset).
         info: the dataset's ``info`` (``val_ann_file``, ``cat_ids``, ``class_names``).
     """
@@ -58,6 +59,10 @@ class DetectionTask(Task):
         info = info or {}
         self.image_size, self.num_classes = image_size, num_classes
         self.alpha, self.gamma, self.match_iou = alpha, gamma, match_iou
+        if loss is not None and hasattr(loss, "gamma"):  # the recipe's ``loss: focal`` section wins
+            a = getattr(loss, "alpha", None)
+            self.gamma = float(loss.gamma)
+            self.alpha = -1.0 if a is None else float(a.reshape(-1)[0]) if torch.is_tensor(a) else float(a)
         self.post = {"score_threshold": score_threshold, "iou_threshold": nms_iou, "max_detections": max_detections}
         self.max_boxes = max_boxes
         self.ann_file = ann_file or info.get("val_ann_file")
