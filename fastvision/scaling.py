@@ -345,3 +345,131 @@ def with_link(link: Link, bandwidth_gbps: float | None = None, latency_us: float
     """``link`` with measured bandwidth / latency substituted where given."""
     changes = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}
     return replace(link, name=link.name + ("*" if changes else ""), **changes)
+
+
+# --------------------------------------------------------------------------- runs and CLI
+
+
+def read_run(run_dir: Path, metric: str | None = None) -> dict[str, Any]:
+    """Time per epoch, images/s and the final metric of a finished run, from its ``metrics.jsonl``.
+
+    The first epoch is dropped from the timing when there are more (warm-up: allocator, caches).
+    ``metric`` defaults to the summary's ``best_<name>`` key. Gradient bytes come from the last
+    checkpoint (floating-point tensors that are not BatchNorm statistics).
+    """
+    run_dir = Path(run_dir)
+    epochs, summary = [], {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        ev = json.loads(line)
+        if isinstance(ev.get("step"), list) and len(ev["step"]) == 1:
+            epochs.append(ev["data"])
+        elif ev.get("step") == []:
+            summary = ev["data"]
+    if not epochs:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no epoch events")
+    timed = epochs[1:] if len(epochs) > 1 else epochs
+    if metric is None:
+        metric = next((k[5:] for k in summary if k.startswith("best_")), None)
+    last_metric = next((e[metric] for e in reversed(epochs) if metric and e.get(metric) is not None), None)
+    out = {"time_per_epoch_s": statistics.median(e["epoch_time_s"] for e in timed),
+           "images_per_s": statistics.median(e["images_per_s"] for e in timed),
+           "metric_name": metric or "", "metric": last_metric}
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    if ckpt.exists():
+        import torch
+
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)["model"]
+        out["grad_bytes"] = sum(t.numel() * t.element_size() for k, t in state.items()
+                                if t.is_floating_point() and not k.endswith(("running_mean", "running_var")))
+    return out
+
+
+def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "weak", epochs: int = 2,
+          repeats: int = 1, backends: Sequence[str] = ("ddp",), extra: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Train ``recipe`` at every worker count (``fastvision train --nproc N``) and collect results.
+
+    Strong mode keeps the 1-worker global batch: the per-worker batch is divided by ``N``.
+    """
+    import subprocess
+    import sys
+
+    from .config import load
+
+    batch = load(recipe).train.batch_size
+    results = []
+    for backend in backends:
+        for n in workers:
+            if mode == "strong" and batch % n:
+                log.warning("strong scaling: batch %d does not split over %d workers; skipped", batch, n)
+                continue
+            per_worker = batch if mode == "weak" else batch // n
+            for rep in range(repeats):
+                run_dir = Path(out_dir) / f"{backend}-{n}-r{rep}"
+                cmd = [sys.executable, "-m", "fastvision.cli", "train", recipe, "--nproc", str(n),
+                       "--out", str(run_dir), "--epochs", str(epochs), "--batch-size", str(per_worker), *extra]
+                if backend != "ddp":
+                    cmd += ["--backend", backend]
+                log.info("scale: %s", " ".join(cmd))
+                if subprocess.run(cmd).returncode != 0:
+                    raise RuntimeError(f"run failed: {' '.join(cmd)}")
+                results.append({"backend": backend, "mode": mode, "workers": n, "global_batch": per_worker * n,
+                                **read_run(run_dir)})
+    return results
+
+
+def add_cli(subparsers) -> None:
+    """``fastvision scale``: a world-size sweep of a recipe, or the simulator alone."""
+    p = subparsers.add_parser("scale", help="data-parallel scaling study: sweep world sizes, or --simulate")
+    p.add_argument("recipe", nargs="?", help="recipe to sweep (not needed with --simulate and --compute-ms)")
+    p.add_argument("--workers", default="1,2", help="comma-separated world sizes (default 1,2)")
+    p.add_argument("--mode", choices=["weak", "strong"], default="weak")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--backends", default="ddp", help="comma-separated: ddp,horovod")
+    p.add_argument("--out", type=Path, default=Path("runs/scaling"))
+    p.add_argument("--simulate", action="store_true", help="predict speed-up for 1..1024 GPUs")
+    p.add_argument("--compute-ms", type=float, help="measured forward+backward ms per step (simulate only)")
+    p.add_argument("--batch", type=int, default=16, help="per-worker batch of --compute-ms")
+    p.add_argument("--grad-mb", type=float, help="gradient MB (1e6 bytes) per step (simulate only)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size in MiB")
+    p.add_argument("--links", default="nvlink,infiniband,ethernet", help=f"presets: {', '.join(LINKS)}")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    from .errors import ConfigError
+
+    out = Path(args.out)
+    workers = [int(w) for w in args.workers.split(",")]
+    links = []
+    for name in args.links.split(","):
+        if name not in LINKS:
+            raise ConfigError(f"--links: unknown link {name!r}; valid: {', '.join(LINKS)}")
+        links.append(LINKS[name])
+    results = []
+    if args.recipe and not (args.simulate and args.compute_ms):
+        results = sweep(args.recipe, workers, out, mode=args.mode, epochs=args.epochs, repeats=args.repeats,
+                        backends=args.backends.split(","))
+    if args.simulate:
+        if args.compute_ms and args.grad_mb:
+            compute, batch, grad = args.compute_ms / 1e3, args.batch, args.grad_mb * 1e6
+        else:
+            one = [r for r in results if r["workers"] == 1 and r.get("grad_bytes")]
+            if not one:
+                raise ConfigError("--simulate needs --compute-ms and --grad-mb, or a sweep that includes 1 worker")
+            batch = one[0]["global_batch"]
+            compute, grad = batch / one[0]["images_per_s"], one[0]["grad_bytes"]
+        prof = StepProfile(compute_s=compute, batch=batch, grad_bytes=grad, buckets=bucket_count(grad, args.bucket_mb))
+        rows = [r for link in links for r in simulate(prof, link, mode=args.mode, gpus_per_node=args.gpus_per_node)]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "simulation.md").write_text(simulation_markdown(rows))
+        (out / "simulation.json").write_text(json.dumps({"profile": prof.__dict__, "rows": rows}, indent=2))
+        pred = {r["workers"]: r["speedup"] for r in rows if r["link"] == links[0].name}
+        for r in results:
+            r["predicted_speedup"] = pred.get(r["workers"])
+        plot_simulation(rows, out / "simulation.png", measured=summarize(results) if results else ())
+    if results:
+        paths = write_report(results, out, title=f"{args.recipe} {args.mode} scaling")
+        print(paths["md"].read_text())  # the CLI's output, not library logging
+    return 0

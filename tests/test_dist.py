@@ -1,7 +1,7 @@
 """Tests for fastvision.dist: launch-environment table, samplers, and real 2-rank gloo jobs.
 
 The multi-process tests start this very file as the worker (``python tests/test_dist.py OUT``)
-under ``torch.distributed.run --standalone`` and under hand-made SLURM variables, so the code path
+under ``torch.distributed.run --standalone`` (through ``dist.launch_local``) and under hand-made SLURM variables, so the code path
 is the one a user's job takes. Each worker checks DDP's averaged gradient against plain autograd on
 the concatenated global batch, and the reduced metric sums against the whole-set sums.
 """
@@ -207,15 +207,6 @@ def _check_results(out: Path, world: int, launcher: str) -> None:
         assert res["grad_max_err"] < 1e-6
         assert res["eval_sums"] == res["eval_sums_ref"]
     assert results[0]["weights"] == results[1]["weights"]  # DDP keeps replicas identical
-
-
-@pytest.mark.dist
-def test_two_rank_torchrun_gloo(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).resolve()), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_results(tmp_path, 2, "torchrun")
 
 
 @pytest.mark.dist

@@ -159,3 +159,36 @@ def test_write_report_files(tmp_path):
 def test_summarize_rejects_incomplete_results():
     with pytest.raises(ValueError, match="images_per_s"):
         scaling.summarize([{"workers": 1}])
+
+
+def test_read_run_parses_dllogger_events_and_checkpoint(tmp_path):
+    import torch
+
+    events = [{"step": "PARAMETER", "data": {}},
+              {"step": [0, 1], "data": {"loss": 1.0}},
+              {"step": [0], "data": {"epoch_time_s": 9.0, "images_per_s": 5.0, "iou": 0.5}},
+              {"step": [1], "data": {"epoch_time_s": 4.0, "images_per_s": 11.0, "iou": 0.7}},
+              {"step": [2], "data": {"epoch_time_s": 6.0, "images_per_s": 9.0, "iou": 0.8}},
+              {"step": [], "data": {"best_iou": 0.8, "epochs": 3}}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"type": "LOG", **e}) for e in events) + "\n")
+    (tmp_path / "checkpoints").mkdir()
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))
+    torch.save({"model": model.state_dict()}, tmp_path / "checkpoints" / "last.pt")
+    r = scaling.read_run(tmp_path)
+    # epoch 0 is warm-up: medians of epochs 1-2
+    assert r == {"time_per_epoch_s": 5.0, "images_per_s": 10.0, "metric_name": "iou", "metric": 0.8,
+                 "grad_bytes": 4 * (4 * 9 + 4 + 4 + 4)}  # conv w+b, bn w+b; running stats excluded
+
+
+def test_cli_simulate_from_numbers(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    scaling.add_cli(parser.add_subparsers())
+    args = parser.parse_args(["scale", "--simulate", "--compute-ms", "100", "--grad-mb", "100", "--batch", "8",
+                              "--links", "infiniband,ethernet", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    data = json.loads((tmp_path / "simulation.json").read_text())
+    assert data["profile"]["buckets"] == 4  # ceil(100e6 / 25 MiB)
+    assert [r["link"] for r in data["rows"]] == ["infiniband"] * 11 + ["ethernet"] * 11
+    assert (tmp_path / "simulation.md").exists() and (tmp_path / "simulation.png").exists()
