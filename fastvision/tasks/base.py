@@ -68,6 +68,10 @@ class Task:
     def forward(self, model: nn.Module, batch: dict[str, Any]) -> Any:
         return model(batch[self.input_key])
 
+    def eval_forward(self, model: nn.Module, batch: dict[str, Any]) -> Any:
+        """Validation forward (e.g. sliding window or test-time augmentation); plain forward here."""
+        return self.forward(model, batch)
+
     def loss(self, outputs: Any, batch: dict[str, Any]) -> Tensor:
         """Scalar training loss from model outputs; called inside autocast."""
         raise NotImplementedError

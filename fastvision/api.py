@@ -1,0 +1,160 @@
+"""What the CLI and the notebook API share: overrides, run directories, train / evaluate / predict.
+
+An existing run directory is never silently overwritten: a new run needs a new (or empty)
+directory, and continuing one needs ``--resume``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from . import checkpoint, config, dist
+from .config import RunConfig
+from .errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+# Flat option -> dotted config key (the CLI's common flags and train(**kwargs) names).
+FLAT_KEYS = {
+    "data": "data.args.path", "epochs": "train.epochs", "batch_size": "train.batch_size", "lr": "optim.lr",
+    "amp": "train.amp", "tf32": "train.tf32", "compile": "train.compile", "channels_last": "train.channels_last",
+    "device": "train.device", "seed": "train.seed", "target": "train.target", "tensorboard": "tensorboard",
+}
+
+
+def overrides_to_dicts(overrides: dict[str, Any]) -> list[dict[str, Any]]:
+    """``{"epochs": 3, "optim.lr": 0.1}`` -> nested override mappings, flat names translated."""
+    out = []
+    for key, value in overrides.items():
+        dotted = FLAT_KEYS.get(key, key)
+        node: dict[str, Any] = {}
+        cur = node
+        parts = dotted.split(".")
+        for p in parts[:-1]:
+            cur[p] = {}
+            cur = cur[p]
+        cur[parts[-1]] = value
+        out.append(node)
+    return out
+
+
+def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tuple[Path, Path | None]:
+    """Choose the run directory and the checkpoint to resume from (if any).
+
+    Rules: ``--out`` that exists and is non-empty needs ``--resume``; ``--resume auto`` without
+    ``--out`` continues the newest ``runs/<recipe>-*`` that has a last checkpoint (else starts a
+    new run); ``--resume PATH`` continues that checkpoint's run directory.
+    """
+    if resume and resume != "auto":
+        ckpt = Path(resume)
+        if not ckpt.is_file():
+            raise DataError(f"--resume: checkpoint not found: {ckpt}")
+        run_dir = Path(out) if out else ckpt.resolve().parent.parent
+        return run_dir, ckpt
+    if out:
+        run_dir = Path(out)
+        if run_dir.exists() and any(run_dir.iterdir()):
+            found = checkpoint.find_resume(run_dir)
+            if resume == "auto" and found:
+                return run_dir, found
+            if resume == "auto":
+                raise DataError(f"{run_dir}: exists but holds no checkpoints/last.pt to resume")
+            raise DataError(f"{run_dir}: run directory already exists; pass --resume auto to continue it "
+                            "or choose another --out")
+        return run_dir, None
+    runs = Path("runs")
+    if resume == "auto":
+        candidates = sorted((p for p in runs.glob(f"{recipe_name}-*") if checkpoint.find_resume(p)),
+                            key=lambda p: p.stat().st_mtime)
+        if candidates:
+            return candidates[-1], checkpoint.find_resume(candidates[-1])
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = runs / f"{recipe_name}-{stamp}"
+    n = 1
+    while run_dir.exists():
+        n += 1
+        run_dir = runs / f"{recipe_name}-{stamp}-{n}"
+    return run_dir, None
+
+
+def run_training(recipe: str, out: str | None = None, resume: str | None = None,
+                 overrides: dict[str, Any] | None = None, extra: list[dict[str, Any]] = (),
+                 progress: bool | None = None) -> dict[str, Any]:
+    """Load the recipe with overrides, prepare the run directory, train; returns the summary."""
+    from .engine import fit
+
+    cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
+    env, _ = dist.init(cfg.train.device)
+    # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
+    run_dir, ckpt = dist.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
+    summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
+    if env.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def load_run(path: str | Path, device: str = "auto"):
+    """A run directory or checkpoint -> (Run with the checkpoint's weights loaded, checkpoint path)."""
+    from .engine import build
+
+    path = Path(path)
+    if path.is_dir():
+        ckpt_path = next((p for p in (path / "checkpoints" / "best.pt", path / "checkpoints" / "last.pt")
+                          if p.is_file()), None)
+        if ckpt_path is None:
+            raise DataError(f"{path}: no checkpoints/best.pt or checkpoints/last.pt")
+    else:
+        ckpt_path = path
+    ckpt = checkpoint.load(ckpt_path)
+    cfg = config.from_dict(ckpt["config"])
+    cfg.train.device = device
+    cfg.train.compile = False
+    run = build(cfg)
+    run.model.load_state_dict(ckpt["model"])
+    run.model.eval()
+    return run, ckpt_path
+
+
+def evaluate_path(path: str | Path, device: str = "auto", data: str | None = None) -> dict[str, Any]:
+    """Validation metrics of a run's best (else last) checkpoint, on its validation split."""
+    from . import runtime
+    from .engine import evaluate, make_loader
+
+    run, ckpt_path = _load_for(path, device, data)
+    loader = make_loader(run.val_set, run.task, run.cfg, run.cfg.data.val_batch_size or run.cfg.train.batch_size,
+                         False, run.device)
+    precision = runtime.Precision(run.cfg.train.amp, run.device)
+    metrics = evaluate(run.model, run.task, loader, run.device, precision, run.cfg.train.channels_last)
+    return {"checkpoint": str(ckpt_path), "items": len(run.val_set), **metrics}
+
+
+def _load_for(path, device: str, data: str | None):
+    if data is None:
+        return load_run(path, device)
+    from .engine import build
+
+    run, ckpt_path = load_run(path, device)
+    run.cfg.data.args["path"] = data
+    weights = run.model.state_dict()
+    run = build(run.cfg)
+    run.model.load_state_dict(weights)
+    run.model.eval()
+    return run, ckpt_path
+
+
+def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: str = "auto") -> list[Path]:
+    """Write one prediction per input file (format chosen by the task) into ``out_dir``."""
+    run, _ = load_run(ckpt, device)
+    if not hasattr(run.task, "predict_files"):
+        raise ConfigError(f"task {run.cfg.task.name!r} has no file prediction")
+    files = [Path(p) for p in inputs]
+    for f in files:
+        if not f.exists():
+            raise DataError(f"{f}: input not found")
+    expanded = [p for f in files for p in (sorted(f.iterdir()) if f.is_dir() else [f])]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return run.task.predict_files(run.model, expanded, out, run.cfg, run.device)

@@ -1,0 +1,206 @@
+"""``fastvision`` command line: parses arguments, then calls library functions.
+
+User errors (bad paths, unknown keys, corrupt files) print one line naming the file or key and
+exit with code 2; ``--debug`` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, FastvisionError
+
+# Feature modules that add their own subcommands through ``add_cli(subparsers)``.
+EXTENSIONS = ("fastvision.benchmark", "fastvision.scaling", "fastvision.profiling", "fastvision.crossval",
+              "fastvision.export")
+
+
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("common options (override the recipe)")
+    g.add_argument("--data", help="dataset folder (data.args.path); default: the recipe's built-in sample")
+    g.add_argument("--out", help="run directory (default runs/<recipe>-<time>); never overwritten")
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--batch-size", type=int, help="per-worker batch size")
+    g.add_argument("--lr", type=float, help="learning rate at the recipe's reference batch")
+    g.add_argument("--amp", choices=["off", "fp16", "bf16"], help="mixed precision (fp16 needs CUDA)")
+    g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None, help="TF32 matmul/conv (Ampere+)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--resume", help="'auto' (continue the last checkpoint) or a checkpoint path")
+    g.add_argument("--target", help="stop when METRIC=VALUE is reached, e.g. iou=0.9; logs time to target")
+    g.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config key, dotted, e.g. --set optim.weight_decay=1e-4 (repeatable)")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .api import run_training
+    from .config import parse_override
+
+    flat = {k: getattr(args, k) for k in ("data", "epochs", "batch_size", "lr", "amp", "tf32", "compile",
+                                          "channels_last", "device", "seed", "target", "tensorboard")
+            if getattr(args, k) is not None}  # only the flags the user gave
+    summary = run_training(args.recipe, out=args.out, resume=args.resume, overrides=flat,
+                           extra=[parse_override(s) for s in args.set])
+    _print_result(summary)
+    return 0
+
+
+def _print_result(summary: dict[str, Any]) -> None:
+    keys = [k for k in ("iou", "dice", "top1", "map", "ap50") if isinstance(summary.get(k), float)]
+    if keys:
+        print("final " + "  ".join(f"{k} {summary[k]:.4f}" for k in keys))
+    print(f"run directory: {summary['run_dir']}")
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from .api import evaluate_path
+
+    result = evaluate_path(args.run, device=args.device, data=args.data)
+    for k, v in result.items():
+        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from .api import predict
+
+    written = predict(args.checkpoint, args.inputs, args.out, device=args.device)
+    print(f"wrote {len(written)} files to {args.out}")
+    return 0
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from .config import list_recipes, recipe_path
+
+    if args.name:
+        print(recipe_path(args.name).read_text(), end="")
+    else:
+        for name in list_recipes():
+            print(name)
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace, extra: list[str]) -> int:
+    from .data.synth import load_all
+    from .registry import check_kwargs
+
+    synth = load_all().get(args.kind)
+    options = _parse_options(extra)
+    check_kwargs(synth, options, f"data synth {args.kind}", exclude={"out"})
+    out = synth(Path(args.out), seed=args.seed, **options)
+    print(f"wrote {args.kind} sample to {out}")
+    return 0
+
+
+def _parse_options(extra: list[str]) -> dict[str, Any]:
+    """``--per-class 100 --size 64`` -> ``{"per_class": 100, "size": 64}`` (values parsed as YAML)."""
+    import yaml
+
+    out, i = {}, 0
+    while i < len(extra):
+        tok = extra[i]
+        if not tok.startswith("--") or i + 1 >= len(extra):
+            raise ConfigError(f"data synth: expected --option VALUE pairs, got {tok!r}")
+        out[tok[2:].replace("-", "_")] = yaml.safe_load(extra[i + 1])
+        i += 2
+    return out
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .data.inspect import inspect_path, print_report
+
+    print_report(inspect_path(Path(args.path)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="fastvision", description="Train image models fast: CPU, one GPU, many nodes.")
+    parser.add_argument("--version", action="version", version=f"fastvision {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a recipe", description="Train a recipe (name or YAML path).")
+    p.add_argument("recipe", help="shipped recipe name (see `fastvision recipes`) or a YAML file")
+    _common_flags(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("evaluate", help="validation metrics of a run or checkpoint")
+    p.add_argument("run", help="run directory (uses best.pt, else last.pt) or checkpoint file")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--data", help="evaluate on another dataset folder of the same format")
+    p.add_argument("--json", help="also write the metrics to this JSON file")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("predict", help="predict files with a checkpoint")
+    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("inputs", nargs="+", help="input files or folders")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("recipes", help="list shipped recipes, or show one")
+    p.add_argument("name", nargs="?")
+    p.set_defaults(func=cmd_recipes)
+
+    data = sub.add_parser("data", help="synthetic data and dataset inspection")
+    dsub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    p = dsub.add_parser("synth", help="write a synthetic dataset in a real format",
+                        description="Write a synthetic dataset. Extra --option VALUE pairs go to the generator.")
+    p.add_argument("kind", help="microscopy, imagenet, coco, brats, spleen, pathology")
+    p.add_argument("out", help="output folder (must not exist or be empty)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_synth, takes_extra=True)
+    p = dsub.add_parser("inspect", help="counts, shapes, dtypes, intensity range, class balance")
+    p.add_argument("path")
+    p.set_defaults(func=cmd_inspect)
+
+    for name in EXTENSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:  # feature module not present in this build
+            if e.name != name:
+                raise
+            continue
+        if hasattr(module, "add_cli"):  # a feature module may offer only a library API
+            module.add_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .log import setup_logging
+
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    setup_logging(debug)
+    try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(args, "takes_extra", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args.func(args, extra) if getattr(args, "takes_extra", False) else args.func(args)
+    except FastvisionError as e:
+        if debug:
+            raise
+        print(f"fastvision: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fastvision: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        logging.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Typed run configuration: code defaults, then a YAML recipe, then ``--set a.b=c`` overrides.
+
+The tree is plain dataclasses. Pluggable parts (task, model, loss, dataset) are a ``name`` plus an
+``args`` mapping that the registry checks against the builder's signature, so every key anywhere
+in a recipe is validated. Unknown keys and wrong types raise :class:`ConfigError` listing the
+valid keys. The resolved tree (with builder defaults filled in) is saved as ``config.yaml`` in
+every run directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import ConfigError
+from .registry import type_name, type_ok
+
+
+@dataclass
+class Component:
+    """A registered builder and its keyword arguments."""
+
+    name: str = ""
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    name: str = "microscopy"
+    args: dict = field(default_factory=dict)  # dataset builder arguments (path, image_size, ...)
+    loader: Literal["threads", "processes"] = "threads"
+    num_workers: int = 2
+    augment: dict = field(default_factory=dict)  # batched on-device augmentation spec
+    val_batch_size: int | None = None
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["sgd", "adam", "adamw", "novograd"] = "adam"
+    lr: float = 1e-3  # learning rate at ``ref_batch`` images per step
+    ref_batch: int | None = None  # linear scaling: lr * global_batch / ref_batch; None: no scaling
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    nesterov: bool = False
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    no_decay_norm_bias: bool = True  # no weight decay on norm weights and biases
+
+
+@dataclass
+class SchedConfig:
+    name: Literal["constant", "cosine", "step", "poly", "piecewise"] = "cosine"
+    warmup_epochs: float = 0.0
+    warmup_start_factor: float = 0.0  # lr multiplier at the first warm-up step
+    min_lr_factor: float = 0.0  # cosine / poly floor as a fraction of the peak lr
+    milestones: list[float] = field(default_factory=list)  # epochs, for step / piecewise
+    gamma: float = 0.1  # step decay factor
+    factors: list[float] = field(default_factory=list)  # piecewise multipliers, len(milestones)+1
+    power: float = 0.9  # poly exponent
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    batch_size: int = 16  # per worker
+    accum_steps: int = 1
+    clip_grad: float | None = None  # max global grad norm
+    amp: Literal["off", "fp16", "bf16"] = "off"
+    tf32: bool = True
+    compile: bool = False
+    channels_last: bool = False
+    device: str = "auto"
+    seed: int = 0
+    deterministic: bool = False
+    val_every: int = 1
+    log_every: int = 10
+    target: str | None = None  # "iou=0.9": stop once reached and record the time to target
+    check_finite: bool = True  # skip non-finite steps (one host sync per step; fp16 scaler does its own)
+    max_nonfinite: int = 20  # consecutive skipped steps before the run stops
+    steps_per_epoch: int | None = None  # cap on steps per epoch (smoke tests, benchmarks)
+
+
+@dataclass
+class RunConfig:
+    recipe: str = ""
+    task: Component = field(default_factory=lambda: Component("segmentation"))
+    model: Component = field(default_factory=lambda: Component("unet2d-seed001"))
+    loss: Component = field(default_factory=lambda: Component("dice_ce"))
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tensorboard: bool = False
+    examples: int = 4  # prediction overlays written at the end of a run
+
+
+# ---------------------------------------------------------------------------- building
+def from_dict(data: dict[str, Any], cls: type = RunConfig, where: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested mapping, strictly."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(f"unknown key {path}; valid keys: {', '.join(sorted(names))}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = from_dict(value, hint, path)
+        else:
+            value = _coerce(value, hint)
+            if not type_ok(value, hint):
+                raise ConfigError(f"{path}: expected {type_name(hint)}, got {value!r}")
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """YAML reads 1e-3 as a string and ``off`` as False; accept what the field means."""
+    if isinstance(value, bool) and typing.get_origin(hint) is typing.Literal:
+        word = {False: "off", True: "on"}[value]
+        return word if word in typing.get_args(hint) else value
+    if isinstance(value, str) and _wants_float(hint):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _wants_float(hint: Any) -> bool:
+    return hint is float or float in typing.get_args(hint)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; ``over`` wins. Lists and scalars are replaced, not merged."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``"a.b.c=1e-3"`` -> ``{"a": {"b": {"c": 0.001}}}``; the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.epochs=5")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    node: dict[str, Any] = {}
+    cur = node
+    parts = key.split(".")
+    for p in parts[:-1]:
+        cur[p] = {}
+        cur = cur[p]
+    cur[parts[-1]] = value
+    return node
+
+
+# ---------------------------------------------------------------------------- recipes
+def recipe_dir() -> Path:
+    return Path(str(resources.files("fastvision") / "recipes"))
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in recipe_dir().glob("*.yaml"))
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """A shipped recipe name (``unet2d-microscopy``) or a path to a YAML file."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise ConfigError(f"recipe file not found: {p}")
+        return p
+    shipped = recipe_dir() / f"{name_or_path}.yaml"
+    if not shipped.is_file():
+        raise ConfigError(f"unknown recipe {name_or_path!r}; valid: {', '.join(list_recipes())}")
+    return shipped
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read YAML ({str(e).splitlines()[0]})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping of sections")
+    return data
+
+
+def load(recipe: str, overrides: list[dict[str, Any]] = ()) -> RunConfig:
+    """Defaults <- recipe YAML <- each override mapping, in order."""
+    path = recipe_path(recipe)
+    data = read_yaml(path)
+    data.setdefault("recipe", path.stem)
+    for over in overrides:
+        data = merge(data, over)
+    return from_dict(data)
+
+
+def save(cfg: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
