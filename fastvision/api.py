@@ -22,6 +22,7 @@ FLAT_KEYS = {
     "data": "data.args.path", "epochs": "train.epochs", "batch_size": "train.batch_size", "lr": "optim.lr",
     "amp": "train.amp", "tf32": "train.tf32", "compile": "train.compile", "channels_last": "train.channels_last",
     "device": "train.device", "seed": "train.seed", "target": "train.target", "tensorboard": "tensorboard",
+    "emulate_workers": "train.emulate_workers", "backend": "train.backend",
 }
 
 

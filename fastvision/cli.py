@@ -36,16 +36,25 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", help="'auto' (continue the last checkpoint) or a checkpoint path")
     g.add_argument("--target", help="stop when METRIC=VALUE is reached, e.g. iou=0.9; logs time to target")
     g.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
+    g = p.add_argument_group("data parallelism")
+    g.add_argument("--nproc", type=int, default=1, help="start N local workers through torch.distributed.run")
+    g.add_argument("--emulate-workers", type=int, help="one process trains as N data-parallel workers would")
+    g.add_argument("--backend", choices=["ddp", "horovod"], help="gradient all-reduce (default ddp)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key, dotted, e.g. --set optim.weight_decay=1e-4 (repeatable)")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from . import dist
     from .api import run_training
     from .config import parse_override
 
+    if args.nproc > 1 and dist.detect_env().launcher == "single":
+        # Re-run this very command under torch's launcher, one process per worker.
+        return dist.launch_local(args.nproc, ["-m", "fastvision.cli", *dist.strip_option(args.argv, "--nproc")])
     flat = {k: getattr(args, k) for k in ("data", "epochs", "batch_size", "lr", "amp", "tf32", "compile",
-                                          "channels_last", "device", "seed", "target", "tensorboard")
+                                          "channels_last", "device", "seed", "target", "tensorboard",
+                                          "emulate_workers", "backend")
             if getattr(args, k) is not None}  # only the flags the user gave
     summary = run_training(args.recipe, out=args.out, resume=args.resume, overrides=flat,
                            extra=[parse_override(s) for s in args.set])
@@ -187,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
+        args.argv = list(argv)
         if extra and not getattr(args, "takes_extra", False):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.func(args, extra) if getattr(args, "takes_extra", False) else args.func(args)

@@ -37,6 +37,12 @@ class DataConfig:
     num_workers: int = 2
     augment: dict = field(default_factory=dict)  # batched on-device augmentation spec
     val_batch_size: int | None = None
+    repeats: int = 1  # yield each training batch this many times (data echoing)
+    cache: Literal["none", "ram", "disk", "shared", "smart", "gpu"] = "none"  # training-set cache
+    cache_rate: float = 1.0  # share of items cached (ram, gpu)
+    cache_dir: str | None = None  # disk cache folder (default: under FASTVISION_CACHE)
+    cache_num: int | None = None  # smart cache: items resident per epoch
+    replace_rate: float = 0.1  # smart cache: share replaced per epoch
 
 
 @dataclass
@@ -83,6 +89,11 @@ class TrainConfig:
     check_finite: bool = True  # skip non-finite steps (one host sync per step; fp16 scaler does its own)
     max_nonfinite: int = 20  # consecutive skipped steps before the run stops
     steps_per_epoch: int | None = None  # cap on steps per epoch (smoke tests, benchmarks)
+    emulate_workers: int = 1  # one process trains as N data-parallel workers would (same global batch)
+    backend: Literal["ddp", "horovod"] = "ddp"
+    sync_bn: bool = False  # SyncBatchNorm across ranks
+    ddp_bucket_mb: float = 25.0
+    ddp_static_graph: bool = False
 
 
 @dataclass

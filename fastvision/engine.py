@@ -102,15 +102,35 @@ def _spatial_dims(dataset) -> int:
 
 
 def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device):
-    """DataLoader over a rank's shard: deterministic per (seed, epoch) for training."""
+    """Loader over a rank's shard: deterministic per (seed, epoch) for training.
+
+    A dataset that is already this rank's partition (GPU cache under DDP: ``rank_local``) is read
+    whole by its rank; every other dataset is sharded here.
+    """
     if train:
-        sampler = dist.TrainSampler(dataset, seed=cfg.train.seed, shuffle=True)
-        drop_last = len(sampler) >= batch_size
+        emulate = cfg.train.emulate_workers
+        local = getattr(dataset, "rank_local", False)
+        sampler = dist.TrainSampler(dataset, seed=cfg.train.seed, shuffle=True, emulate_workers=emulate,
+                                    batch_size=batch_size, **({"num_replicas": 1, "rank": 0} if local else {}))
+        drop_last = emulate > 1 or len(sampler) >= batch_size
     else:
         sampler, drop_last = dist.EvalSampler(dataset), False
     return build_loader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=task.collate,
                         loader=cfg.data.loader, num_workers=cfg.data.num_workers, drop_last=drop_last,
-                        seed=cfg.train.seed, pin_memory=device.type == "cuda")
+                        seed=cfg.train.seed, repeats=cfg.data.repeats if train else 1,
+                        pin_memory=device.type == "cuda")
+
+
+def _cached(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.device):
+    """The training set behind the configured cache (``data.cache``); unchanged for ``none``."""
+    if cfg.data.cache == "none":
+        return dataset
+    from .data.cache_select import wrap_train_set
+
+    d = cfg.data
+    return wrap_train_set(dataset, cache=d.cache, cache_rate=d.cache_rate, cache_dir=d.cache_dir,
+                          cache_num=d.cache_num, replace_rate=d.replace_rate, env=env, device=device,
+                          seed=cfg.train.seed)
 
 
 def parse_target(target: str | None) -> tuple[str, float] | None:
@@ -135,19 +155,26 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     """Train ``cfg`` into ``run_dir`` (created by the caller); returns the run summary."""
     run = build(cfg)
     tc, env, device, task, model = cfg.train, run.env, run.device, run.task, run.model
-    if tc.accum_steps < 1:
-        raise ConfigError("train.accum_steps must be >= 1")
-    global_batch = tc.batch_size * tc.accum_steps * env.world_size
+    if tc.accum_steps < 1 or tc.emulate_workers < 1:
+        raise ConfigError("train.accum_steps and train.emulate_workers must be >= 1")
+    if tc.emulate_workers > 1 and env.world_size > 1:
+        raise ConfigError("--emulate-workers runs in one process; do not combine it with --nproc or a launcher")
+    if tc.backend == "horovod":
+        dist.horovod()  # a clear error when horovod is not installed
+        raise ConfigError("--backend horovod: training through horovod is not available in this build; use ddp")
+    micro_steps = tc.accum_steps * tc.emulate_workers  # micro-batches per optimizer step
+    global_batch = tc.batch_size * micro_steps * env.world_size
     lr = optim.effective_lr(cfg.optim, global_batch)
     optimizer = optim.build_optimizer(model, cfg.optim, lr)
-    train_loader = make_loader(run.train_set, task, cfg, tc.batch_size, True, device)
+    train_set = _cached(run.train_set, cfg, env, device)
+    train_loader = make_loader(train_set, task, cfg, tc.batch_size, True, device)
     val_loader = make_loader(run.val_set, task, cfg, cfg.data.val_batch_size or tc.batch_size, False, device)
-    steps_per_epoch = len(train_loader) // tc.accum_steps
+    steps_per_epoch = len(train_loader) // micro_steps
     if tc.steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, tc.steps_per_epoch)
     if steps_per_epoch == 0:
-        raise ConfigError(f"train.batch_size {tc.batch_size} x accum_steps {tc.accum_steps} is larger than "
-                          f"the {len(run.train_set)} training items")
+        raise ConfigError(f"train.batch_size {tc.batch_size} x {micro_steps} micro-steps is larger than "
+                          f"the {len(run.train_set)} training items of this rank")
     scheduler = optim.build_scheduler(optimizer, cfg.sched, steps_per_epoch, tc.epochs)
     precision = runtime.Precision(tc.amp, device)
     generator = torch.Generator(device=device)
@@ -159,7 +186,9 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
         state = _restore(checkpoint.load(resume, device), model, optimizer, scheduler, precision, generator)
         log.info("resumed from %s at epoch %d", resume, state["epoch"] + 1)
 
-    train_model = runtime.maybe_compile(dist.wrap_model(model, device), tc.compile)
+    ddp = dist.wrap_model(model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
+                          static_graph=tc.ddp_static_graph)
+    train_model = runtime.maybe_compile(ddp, tc.compile)
     if env.is_main:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     logger = RunLogger(run_dir, enabled=env.is_main, tensorboard=cfg.tensorboard, progress=progress)
@@ -175,7 +204,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
             train_loader.set_epoch(epoch)
             t0 = time.perf_counter()
             stats = train_one_epoch(train_model, task, train_loader, optimizer, scheduler, precision, generator,
-                                    tc, epoch, steps_per_epoch, state, logger)
+                                    tc, micro_steps, epoch, steps_per_epoch, state, logger)
             state["train_time"] += time.perf_counter() - t0
             row = {"train_loss": stats["loss"], "lr": optimizer.param_groups[0]["lr"],
                    "images_per_s": stats["images_per_s"], "epoch_time_s": stats["time_s"]}
@@ -227,7 +256,9 @@ def _finish(run: Run, val_loader, precision, logger: RunLogger, summary: dict, r
 
 
 def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: runtime.Precision,
-                    generator, tc, epoch: int, steps: int, state: dict, logger: RunLogger) -> dict[str, float]:
+                    generator, tc, micro_steps: int, epoch: int, steps: int, state: dict,
+                    logger: RunLogger) -> dict[str, float]:
+    """One epoch of ``steps`` optimizer steps, each over ``micro_steps`` micro-batches."""
     model.train()
     logger.start_epoch(epoch, tc.epochs, steps)
     device = precision.device
@@ -238,16 +269,16 @@ def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: 
     it = iter(loader)
     while step_in_epoch < steps:
         micro_losses = []
-        for micro in range(tc.accum_steps):
+        for micro in range(micro_steps):
             t0 = time.perf_counter()
             batch = next(it)
             t1 = time.perf_counter()
             data_time += t1 - t0
             batch = task.augment(task.to_device(batch, device, tc.channels_last), generator)
-            with dist.no_sync(model, micro + 1 < tc.accum_steps):
+            with dist.no_sync(model, micro + 1 < micro_steps):
                 with precision.autocast():
                     loss = task.loss(task.forward(model, batch), batch)
-                precision.scaler.scale(loss / tc.accum_steps).backward()
+                precision.scaler.scale(loss / micro_steps).backward()
             micro_losses.append(loss.detach())
             images += task.batch_size(batch)
             compute_time += time.perf_counter() - t1
@@ -281,8 +312,8 @@ def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: 
             now = time.perf_counter()
             values = {"loss": float(loss), "lr": optimizer.param_groups[0]["lr"],
                       "images_per_s": images * dist.world_size() / max(now - t_start, 1e-9),
-                      "data_time_s": data_time / max(1, step_in_epoch * tc.accum_steps),
-                      "compute_time_s": compute_time / max(1, step_in_epoch * tc.accum_steps)}
+                      "data_time_s": data_time / max(1, step_in_epoch * micro_steps),
+                      "compute_time_s": compute_time / max(1, step_in_epoch * micro_steps)}
             logger.step(epoch, step_in_epoch, state["step"], values)
     elapsed = time.perf_counter() - t_start
     mean_loss = float(loss_sum) / loss_count if loss_count else math.nan  # one sync per epoch
