@@ -173,6 +173,11 @@ def parse_override(text: str) -> dict[str, Any]:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     node: dict[str, Any] = {}
     cur = node
     parts = key.split(".")

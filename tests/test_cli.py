@@ -1,0 +1,140 @@
+"""The command line: every kind of bad input is one line naming the file or key, exit code 2."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fastvision.cli import main
+from tests.conftest import tiny_overrides
+
+TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.args.image_size=[32,32]",
+        "--set", "model.args.filters=[4,8,16]"]
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture
+def data(tiny_microscopy, tmp_path):
+    return _copy(tiny_microscopy, tmp_path / "data")
+
+
+def _assert_one_line_error(code, err, *needles):
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line.startswith("fastvision: error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert str(n) in lines[0], (n, lines[0])
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "no_mask", "shape_mismatch", "corrupt", "empty", "bad_mask_values"])
+def test_bad_data_exits_2_naming_the_file(case, data, tmp_path, capsys):
+    if case == "missing_dir":
+        target, named = tmp_path / "nope", tmp_path / "nope"
+    elif case == "no_mask":
+        (data / "masks" / "img_0003.png").unlink()
+        target, named = data, data / "images" / "img_0003.png"
+    elif case == "shape_mismatch":
+        Image.fromarray(np.zeros((20, 32), np.uint8)).save(data / "masks" / "img_0004.png")
+        target, named = data, "img_0004.png"
+    elif case == "corrupt":
+        (data / "images" / "img_0005.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+        target, named = data, data / "images" / "img_0005.png"
+    elif case == "empty":
+        for f in (data / "images").iterdir():
+            f.unlink()
+        target, named = data, data / "images"
+    else:
+        Image.fromarray(np.full((32, 32), 7, np.uint8)).save(data / "masks" / "img_0006.png")
+        target, named = data, data / "masks" / "img_0006.png"
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", str(target), "--out",
+                           str(tmp_path / "run"), *TINY)
+    _assert_one_line_error(code, err, named)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "no-such-recipe"], "unknown recipe 'no-such-recipe'"),
+    (["train", "unet2d-microscopy", "--set", "train.epoks=3"], "unknown key train.epoks; valid keys:"),
+    (["train", "unet2d-microscopy", "--set", "train.epochs=three"], "train.epochs: expected int"),
+    (["train", "unet2d-microscopy", "--set", "model.args.widths=[1]"], "unknown key model.args.widths"),
+    (["train", "unet2d-microscopy", "--set", "loss.name=dicee"], "unknown loss 'dicee'"),
+    (["train", "unet2d-microscopy", "--set", "optim.name=lion"], "optim.name: expected"),
+    (["train", "unet2d-microscopy", "--target", "iou"], "--target 'iou'"),
+    (["train", "unet2d-microscopy", "--amp", "fp16", "--device", "cpu"], "fp16 needs a CUDA device"),
+    (["evaluate", "/no/such/run.pt"], "/no/such/run.pt"),
+    (["data", "synth", "imaginary", "/tmp/x"], "unknown synthetic data kind 'imaginary'"),
+    (["data", "inspect", "/no/such/folder"], "/no/such/folder"),
+])
+def test_bad_arguments_exit_2(argv, needle, tiny_microscopy, tmp_path, capsys):
+    if argv[0] == "train":
+        argv = [*argv, "--data", str(tiny_microscopy), "--out", str(tmp_path / "r"), *TINY]
+    code, _, err = run_cli(capsys, *argv)
+    _assert_one_line_error(code, err, needle)
+
+
+def test_corrupt_checkpoint_exits_2(tmp_path, capsys):
+    bad = tmp_path / "last.pt"
+    bad.write_bytes(b"truncated")
+    code, _, err = run_cli(capsys, "evaluate", str(bad))
+    _assert_one_line_error(code, err, bad)
+
+
+def test_debug_shows_the_traceback(capsys):
+    from fastvision.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        main(["--debug", "train", "no-such-recipe"])
+
+
+def test_train_evaluate_predict_roundtrip(tiny_microscopy, tmp_path, capsys):
+    run = tmp_path / "run"
+    code, out, _ = run_cli(capsys, "train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(run),
+                           *TINY)
+    assert code == 0 and f"run directory: {run}" in out and "final iou" in out
+    code, out, _ = run_cli(capsys, "evaluate", str(run))
+    assert code == 0 and "iou:" in out
+    code, out, _ = run_cli(capsys, "predict", str(run / "checkpoints" / "best.pt"),
+                           str(tiny_microscopy / "images" / "img_0000.png"), "--out", str(tmp_path / "p"))
+    assert code == 0 and (tmp_path / "p" / "img_0000_mask.png").is_file()
+    # a second train into the same directory must not overwrite it
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(run),
+                           *TINY)
+    _assert_one_line_error(code, err, run, "--resume auto")
+
+
+def test_recipes_list_and_show(capsys):
+    code, out, _ = run_cli(capsys, "recipes")
+    assert code == 0 and "unet2d-microscopy" in out.split()
+    code, out, _ = run_cli(capsys, "recipes", "unet2d-microscopy")
+    assert code == 0 and "unet2d-seed001" in out
+
+
+def test_data_synth_and_inspect(tmp_path, capsys):
+    out = tmp_path / "m"
+    code, _, _ = run_cli(capsys, "data", "synth", "microscopy", str(out), "--count", "3", "--size", "24")
+    assert code == 0 and len(list((out / "images").glob("*.png"))) == 3
+    code, text, _ = run_cli(capsys, "data", "inspect", str(out))
+    assert code == 0 and "pairs" in text and "(24, 24)" in text and "uint8" in text
+    code, _, err = run_cli(capsys, "data", "synth", "microscopy", str(tmp_path / "n"), "--colour", "red")
+    _assert_one_line_error(code, err, "colour")
+
+
+def test_python_api_train_returns_summary(tiny_microscopy, tmp_path):
+    import fastvision
+
+    summary = fastvision.train("unet2d-microscopy", out=str(tmp_path / "api"), **tiny_overrides(tiny_microscopy))
+    assert summary["epochs"] == 2 and (tmp_path / "api" / "config.yaml").is_file()
+    assert "unet2d-seed001" in fastvision.list_models()
+    assert sum(p.numel() for p in fastvision.create_model("unet2d-seed001").parameters()) == 487_145
