@@ -45,7 +45,7 @@ def _batches(indices: list[int], batch_size: int, drop_last: bool) -> list[list[
 
 def _pin(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.pin_memory()
+        return x.pin_memory() if x.device.type == "cpu" else x  # a GPU cache's batches are already there
     if isinstance(x, dict):
         return {k: _pin(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -131,8 +131,11 @@ class ProcessLoader:
                                  persistent_workers=num_workers > 0)
 
     def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
+        # The dataset here is the main process's copy: with workers only the sampler's epoch
+        # reaches them, which is why main-process caches refuse worker processes.
+        for obj in (self.sampler, self.dataset):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.loader) * self.repeats
@@ -166,6 +169,9 @@ def build_loader(dataset: Dataset, *, batch_size: int, shuffle: bool = False, sa
     if batch_size < 1 or repeats < 1 or num_workers < 0:
         raise ConfigError(f"loader: batch_size and repeats must be >= 1, num_workers >= 0 "
                           f"(got {batch_size}, {repeats}, {num_workers})")
+    reason = getattr(dataset, "main_process_only", None)
+    if reason and loader == "processes" and num_workers > 0:
+        raise ConfigError(f"{reason}: set data.loader: threads (or data.num_workers: 0)")
     kw = dict(batch_size=batch_size, sampler=sampler, shuffle=shuffle, seed=seed, collate_fn=collate_fn,
               num_workers=num_workers, drop_last=drop_last, repeats=repeats, pin_memory=pin_memory)
     if loader == "threads":
