@@ -138,3 +138,102 @@ def test_keyword_form_with_tta_matches_monai_average():
         a = monai_inferers.sliding_window_inference(x, (5, 5, 5), 2, net, overlap=0.5, mode="gaussian")
         b = monai_inferers.sliding_window_inference(x.flip(2), (5, 5, 5), 2, net, overlap=0.5, mode="gaussian").flip(2)
     torch.testing.assert_close(got, torch.as_tensor((a + b) / 2), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------ NIfTI prediction (fastvision predict)
+from fastvision.config import RunConfig  # noqa: E402
+from fastvision.data.formats.brats import regions_to_labels  # noqa: E402
+from fastvision.data.synth import load_all  # noqa: E402
+from fastvision.errors import ConfigError  # noqa: E402
+from fastvision.inference import (prediction_cases, prediction_preprocessing, predict_nifti_files,  # noqa: E402
+                                  regions_to_classes)
+from fastvision.tasks.segment import SegmentationTask  # noqa: E402
+
+BRATS_REGIONS = [[1, 2, 3], [1, 3], [3]]
+
+
+class _CTThreshold(nn.Module):
+    """Class 1 where the windowed CT value exceeds 0.05 (HU > -57 + 0.05 * 221 = -45.95: the body)."""
+
+    def forward(self, x):
+        return torch.cat([torch.zeros_like(x), x - 0.05], 1)
+
+
+class _FirstChannels(nn.Module):
+    """Region logits = the first three z-scored channels: region r is on where channel r > its mean."""
+
+    def forward(self, x):
+        return x[:, :3]
+
+
+def _cfg(name: str, **args) -> RunConfig:
+    cfg = RunConfig()
+    cfg.data.name, cfg.data.args = name, args
+    return cfg
+
+
+def test_regions_to_classes_matches_brats_post_processing():
+    g = torch.Generator().manual_seed(0)
+    masks = torch.rand(2, 3, 5, 6, 4, generator=g) > 0.5
+    want = torch.stack([regions_to_labels(m) for m in masks])
+    assert torch.equal(regions_to_classes(masks, BRATS_REGIONS), want)
+    with pytest.raises(ConfigError):
+        regions_to_classes(masks[:, :2], [[1, 2], [2, 3]])  # overlapping, not nested
+
+
+@pytest.mark.parametrize("spacing", [None, [6.0, 6.0, 7.0]])
+def test_predict_nifti_ct_keeps_input_grid_and_affine(tmp_path, spacing):
+    data = load_all().get("spleen")(tmp_path / "Task09", seed=1, cases=2, test_cases=1, size=20, zoom=3.0)
+    image = sorted((data / "imagesTs").glob("*.nii.gz"))[0]
+    task = SegmentationTask(num_classes=2, sample_shape=[1, 12, 12, 12], loss=nn.MSELoss(),
+                            sliding_window={"roi_size": [12, 12, 12], "overlap": 0.5, "mode": "gaussian"})
+    cfg = _cfg("decathlon", path=str(data), intensity="auto", target_spacing=spacing, crop_foreground=True)
+    task.sliding_window["roi_size"] = [12, 12, 12] if spacing is None else [8, 8, 8]
+    (out,) = predict_nifti_files(task, _CTThreshold(), [image], tmp_path / "pred", cfg, torch.device("cpu"))
+    assert out.name == image.name
+    ref, got = nib.load(str(image)), nib.load(str(out))
+    np.testing.assert_allclose(got.affine, ref.affine, atol=1e-6)
+    np.testing.assert_allclose(got.header.get_zooms(), ref.header.get_zooms(), atol=1e-6)
+    pred, want = np.asarray(got.dataobj), (np.asarray(ref.dataobj) > -45.95).astype(np.uint8)
+    assert pred.shape == want.shape and 0.2 < want.mean() < 0.8  # the body boundary is in view
+    if spacing is None:  # no resampling: the threshold is exact, voxel for voxel
+        np.testing.assert_array_equal(pred, want)
+    else:  # resampled there and back: only the boundary may move
+        assert 2 * (pred & want).sum() / (pred.sum() + want.sum()) > 0.95
+
+
+def test_predict_raw_brats_folder_regions_to_brats_ids(tmp_path):
+    root = load_all().get("brats")(tmp_path / "raw", seed=2, cases=1, size=16, layout="brats")
+    folder = next(p for p in root.rglob("*") if p.is_dir() and list(p.glob("*_flair.nii.gz")))
+    task = SegmentationTask(num_classes=4, mode="regions", regions=BRATS_REGIONS, sample_shape=[4, 8, 8, 8],
+                            loss=nn.MSELoss(), sliding_window={"roi_size": [8, 8, 8], "overlap": 0.25, "mode": "constant"})
+    cfg = _cfg("brats", path=str(root))
+    (out,) = predict_nifti_files(task, _FirstChannels(), [folder], tmp_path / "a", cfg, torch.device("cpu"))
+    assert out.name == f"{folder.name}.nii.gz"
+    # By hand, on the stored (LPS) arrays: z-score > 0 <=> value above the mean of the non-zero voxels.
+    on = []
+    for mod in ("flair", "t1", "t1ce"):
+        v = np.asarray(nib.load(str(folder / f"{folder.name}_{mod}.nii.gz")).dataobj).astype(np.float64)
+        on.append((v != 0) & (v > v[v != 0].mean()))
+    want = np.where(on[2], 4, np.where(on[1], 1, np.where(on[0], 2, 0)))
+    got = nib.load(str(out))
+    np.testing.assert_array_equal(np.asarray(got.dataobj), want)
+    np.testing.assert_allclose(got.affine, nib.load(str(folder / f"{folder.name}_flair.nii.gz")).affine, atol=1e-6)
+    assert {0, 2, 4} <= set(np.unique(want).tolist())
+    # The folder expanded into its files (as `fastvision predict` expands folders) is the same one case.
+    (again,) = predict_nifti_files(task, _FirstChannels(), sorted(folder.iterdir()), tmp_path / "b", cfg,
+                                   torch.device("cpu"))
+    np.testing.assert_array_equal(np.asarray(nib.load(str(again)).dataobj), want)
+
+
+def test_prediction_preprocessing_from_run_args(tmp_path):
+    task = SegmentationTask(num_classes=4, sample_shape=[4, 8, 8, 8], loss=nn.MSELoss())
+    dec = load_all().get("brats")(tmp_path / "Task01", seed=0, cases=1, test_cases=1, size=12)
+    params, brats = prediction_preprocessing(task, "decathlon", {"path": str(dec), "intensity": "auto", "crop_margin": 2})
+    assert (params.intensity, params.crop_margin, brats) == ("mri", 2, True)
+    spl = load_all().get("spleen")(tmp_path / "Task09", seed=0, cases=1, test_cases=0, size=12)
+    params, brats = prediction_preprocessing(task, "decathlon", {"path": str(spl), "target_spacing": [1.5, 1.5, 2]})
+    assert (params.intensity, params.target_spacing, brats) == ("ct", (1.5, 1.5, 2.0), False)
+    with pytest.raises(ConfigError, match="dataset.json"):
+        prediction_preprocessing(task, "decathlon", {"path": str(tmp_path / "moved")})
+    assert [c["id"] for c in prediction_cases(sorted((dec / "imagesTs").iterdir()))] == ["BRATS_002"]

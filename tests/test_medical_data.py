@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import nibabel as nib
 import numpy as np
@@ -19,6 +20,14 @@ from fastvision.errors import ConfigError
 from fastvision.registry import DATASETS
 
 SYNTH = load_all()
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """Datasets cache preprocessed cases under FASTVISION_CACHE: keep them out of the user's cache."""
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "fastvision-cache"))
+
+
 monai_transforms = pytest.importorskip("monai.transforms")
 
 
@@ -182,3 +191,53 @@ def test_synth_is_deterministic(tmp_path):
     f = "imagesTr/BRATS_001.nii.gz"
     np.testing.assert_array_equal(nib.load(str(a / f)).get_fdata(), nib.load(str(b / f)).get_fdata())
     assert nib.load(str(a / f)).shape == (16, 16, 16, 4)
+
+
+# ------------------------------------------------------------------ persistent cache of preprocessed cases
+from fastvision.data.formats.decathlon import VolumeDataset, default_cache_dir, read_dataset_json  # noqa: E402
+
+
+def _counting():
+    calls = []
+
+    def compute(paths, params):
+        calls.append(params)
+        return preprocess_case(paths, params)
+
+    return compute, calls
+
+
+def _same_items(a: VolumeDataset, b: VolumeDataset) -> None:
+    for i in range(len(a)):
+        assert torch.equal(a[i]["image"], b[i]["image"]) and torch.equal(a[i]["label"], b[i]["label"])
+        ma, mb = a.meta(i), b.meta(i)
+        assert ma.keys() == mb.keys() and ma["crop_box"] == mb["crop_box"]
+        torch.testing.assert_close(ma["affine"], mb["affine"], atol=0, rtol=0)
+        torch.testing.assert_close(ma["input_affine"], mb["input_affine"], atol=0, rtol=0)
+
+
+def test_persistent_cache_reads_back_and_invalidates(tmp_path, brats_pair):
+    cases = read_dataset_json(brats_pair[0])["training"]
+    params = PreprocessParams(intensity="mri", label_map=((1, 2), (2, 1)))
+    compute, calls = _counting()
+    first = VolumeDataset(cases, params, workers=2, compute=compute, cache_dir=tmp_path)
+    assert len(calls) == 4 and len(list(tmp_path.glob("*.fvc"))) == 4
+    second = VolumeDataset(cases, params, workers=2, compute=compute, cache_dir=tmp_path)
+    assert len(calls) == 4  # every case read from disk
+    _same_items(second, VolumeDataset(cases, params, workers=1))  # equal to preprocessing without a cache
+    _same_items(first, second)
+    VolumeDataset(cases, PreprocessParams(intensity="mri", crop_margin=2), workers=2, compute=compute, cache_dir=tmp_path)
+    assert len(calls) == 8  # a changed parameter recomputes every case
+    st = cases[1]["label"].stat()
+    os.utime(cases[1]["label"], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a label file replaced in place
+    VolumeDataset(cases, params, workers=2, compute=compute, cache_dir=tmp_path)
+    assert len(calls) == 9
+
+
+def test_dataset_cache_dir_arg_default_and_off(tmp_path, brats_pair, monkeypatch):
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "fvcache"))
+    assert default_cache_dir() == tmp_path / "fvcache" / "volumes"
+    DATASETS.build("brats", {"path": str(brats_pair[1]), "num_folds": 2, "workers": 1})
+    assert len(list(default_cache_dir().glob("*.fvc"))) == 4
+    DATASETS.build("decathlon", {"path": str(brats_pair[0]), "num_folds": 2, "workers": 1, "cache_dir": "none"})
+    assert len(list(default_cache_dir().glob("*.fvc"))) == 4  # no entries written with the cache off

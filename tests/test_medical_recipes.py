@@ -9,6 +9,13 @@ engine = pytest.importorskip("fastvision.engine")
 from fastvision import config  # noqa: E402
 from fastvision.data.synth import load_all  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """Datasets cache preprocessed cases under FASTVISION_CACHE: keep them out of the user's cache."""
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "fastvision-cache"))
+
+
 CASES = [  # recipe, synthetic kind, patch edge (No New-Net needs 64: its 6th level must be > 1 voxel)
     ("segresnet-brats", "brats", 32),
     ("unet3d-spleen-fast", "spleen", 32),

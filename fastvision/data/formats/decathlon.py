@@ -14,8 +14,11 @@ loads identically from either layout.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import logging
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +31,9 @@ from torch.utils.data import Dataset
 
 from ...errors import ConfigError, DataError
 from ...registry import DATASETS
+from ..cache import PersistentDataset
 from ..preprocess3d import PreprocessParams, preprocess_case
+from ..transforms import Transform
 from . import DatasetSplits
 
 log = logging.getLogger(__name__)
@@ -101,17 +106,26 @@ class VolumeDataset(Dataset):
             (training); otherwise the whole preprocessed volume (validation, prediction).
         pos_fraction: probability that a patch is centred on a foreground voxel.
         workers: threads preprocessing cases in parallel (NIfTI decompression releases the GIL).
-        compute: ``compute(paths, params) -> dict``; the persistent disk cache wraps
-            :func:`preprocess_case` here.
+        compute: ``compute(paths, params) -> dict``, :func:`preprocess_case` unless a test counts calls.
+        cache_dir: persistent disk cache of the preprocessed cases (None: none). Entries are keyed
+            by the files' identity (path, size, mtime) and the preprocessing signature (params and
+            the code of ``compute``'s module), so a second run reads them and a changed parameter or
+            file recomputes.
     """
 
     def __init__(self, cases: list[dict[str, Any]], params: PreprocessParams, *,
                  patch_size: Sequence[int] | None = None, pos_fraction: float = 0.5, workers: int = 4,
-                 compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]] = preprocess_case):
+                 compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]] = preprocess_case,
+                 cache_dir: str | Path | None = None):
         self.cases = cases
         self.patch_size = tuple(patch_size) if patch_size else None
         self.pos_fraction = pos_fraction
-        self.items = _run_all(cases, lambda c: compute({"image": c["image"], "label": c.get("label")}, params), workers)
+        if cache_dir is None:
+            self.items = _run_all(cases, lambda c: compute({"image": c["image"], "label": c.get("label")}, params),
+                                  workers)
+        else:
+            disk = PersistentDataset(_CaseFiles(cases), [_Preprocess(params, compute)], cache_dir)
+            self.items = _run_all(list(range(len(cases))), lambda i: _unpack(disk[i]), workers)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -129,7 +143,72 @@ class VolumeDataset(Dataset):
         return {"image": image, "label": label, "id": self.cases[index]["id"]}
 
 
-def _run_all(cases: list[dict[str, Any]], fn: Callable[[dict[str, Any]], Any], workers: int) -> list[Any]:
+def default_cache_dir() -> Path:
+    """``$FASTVISION_CACHE/volumes`` (default ``~/.cache/fastvision/volumes``, XDG_CACHE_HOME honoured)."""
+    root = os.environ.get("FASTVISION_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastvision"
+    return Path(root) / "volumes"
+
+
+def resolve_cache_dir(cache_dir: str | None) -> Path | None:
+    """Dataset arg ``cache_dir``: "auto" -> :func:`default_cache_dir`, None / "" / "none" -> no cache."""
+    if cache_dir is None or str(cache_dir).lower() in ("", "none", "off"):
+        return None
+    return default_cache_dir() if cache_dir == "auto" else Path(cache_dir)
+
+
+class _CaseFiles(Dataset):
+    """Base dataset of the disk cache: item i is case i's file paths; identity names the files' state."""
+
+    def __init__(self, cases: list[dict[str, Any]]):
+        self.cases = cases
+
+    def __len__(self) -> int:
+        return len(self.cases)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        c = self.cases[i]
+        return {"image": list(c["image"]), "label": c.get("label")}
+
+    def identity(self, i: int) -> str:
+        c = self.cases[i]
+        files = [*c["image"], *([c["label"]] if c.get("label") else [])]
+        # Size and mtime catch a file replaced in place under the same name.
+        return "|".join(f"{Path(p).resolve()}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}" for p in files)
+
+
+class _Preprocess(Transform):
+    """The cached step; its signature covers the params and the source of ``compute``'s module."""
+
+    def __init__(self, params: PreprocessParams, compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]]):
+        self.params, self.compute = params, compute
+
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        return _pack(self.compute(item, self.params))
+
+    def signature(self) -> str:
+        module = inspect.getmodule(self.compute)
+        try:
+            code = inspect.getsource(module) if module else ""
+        except (OSError, TypeError):  # no source file: fall back to the function's bytecode
+            code = self.compute.__code__.co_code.hex()
+        return json.dumps({"params": self.params.key(), "compute": getattr(self.compute, "__qualname__", ""),
+                           "code": hashlib.sha256(code.encode()).hexdigest()}, sort_keys=True)
+
+
+def _pack(item: dict[str, Any]) -> dict[str, Any]:
+    """Cache entries hold tensors and JSON only: the meta's affines become nested lists."""
+    meta = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in item["meta"].items()}
+    return {**item, "meta": meta}
+
+
+def _unpack(item: dict[str, Any]) -> dict[str, Any]:
+    meta = dict(item["meta"])
+    for k in ("input_affine", "affine"):
+        meta[k] = torch.tensor(meta[k], dtype=torch.float64)
+    return {**item, "meta": meta}
+
+
+def _run_all(cases: Sequence[Any], fn: Callable[[Any], Any], workers: int) -> list[Any]:
     """Map ``fn`` over ``cases`` in a thread pool with a progress bar on a terminal."""
     from rich.progress import Progress
 
@@ -178,13 +257,15 @@ def _case_id(path: str) -> str:
 
 def build_splits(cases: list[dict[str, Any]], params: PreprocessParams, info: dict[str, Any], *, fold: int,
                  num_folds: int, split_seed: int, patch_size: Sequence[int] | None, pos_fraction: float,
-                 workers: int) -> DatasetSplits:
-    """Split ``cases`` by fold and wrap both parts in :class:`VolumeDataset`."""
+                 workers: int, cache_dir: str | None = "auto") -> DatasetSplits:
+    """Split ``cases`` by fold and wrap both parts in :class:`VolumeDataset` (disk-cached, see
+    :func:`resolve_cache_dir`)."""
+    cache = resolve_cache_dir(cache_dir)
     train_ids, val_ids = kfold_split([c["id"] for c in cases], fold, num_folds, split_seed)
     by_id = {c["id"]: c for c in cases}
     train = VolumeDataset([by_id[i] for i in train_ids], params, patch_size=patch_size,
-                          pos_fraction=pos_fraction, workers=workers)
-    val = VolumeDataset([by_id[i] for i in val_ids], params, workers=workers)
+                          pos_fraction=pos_fraction, workers=workers, cache_dir=cache)
+    val = VolumeDataset([by_id[i] for i in val_ids], params, workers=workers, cache_dir=cache)
     info = {**info, "train_cases": len(train), "val_cases": len(val), "fold": fold, "num_folds": num_folds,
             "spatial_dims": 3, "axis_order": "C,X,Y,Z (RAS voxel axes)"}
     return DatasetSplits(train, val, info)
@@ -196,7 +277,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
                     window: tuple[float, float, float, float] = (-57.0, 164.0, 0.0, 1.0),
                     crop_foreground: bool = True, crop_margin: int = 0,
                     patch_size: tuple[int, int, int] | None = None, pos_fraction: float = 0.5,
-                    workers: int = 4) -> DatasetSplits:
+                    workers: int = 4, cache_dir: str | None = "auto") -> DatasetSplits:
     """Decathlon task folder -> train/val of fold ``fold`` (of ``num_folds``).
 
     Args:
@@ -209,6 +290,8 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         patch_size: training patch shape; None trains on whole volumes.
         pos_fraction: share of patches centred on foreground.
         workers: preprocessing threads.
+        cache_dir: persistent cache of preprocessed cases: "auto" (under FASTVISION_CACHE), a
+            folder, or "none".
     """
     found = read_dataset_json(path)
     meta = found["meta"]
@@ -228,4 +311,4 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     info = {"num_classes": len(class_names), "class_names": class_names, "in_channels": max(1, len(modalities)),
             "channels": modalities, "regions": ["wt", "tc", "et"] if label_map else None, "test_images": [str(p) for p in found["test"]], "preprocess": params.key()}
     return build_splits(found["training"], params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
-                        patch_size=patch_size, pos_fraction=pos_fraction, workers=workers)
+                        patch_size=patch_size, pos_fraction=pos_fraction, workers=workers, cache_dir=cache_dir)

@@ -164,7 +164,8 @@ def spleen_volume(rng: np.random.Generator, shape: tuple[int, int, int], spacing
 
 
 @SYNTH.register("spleen")
-def synth_spleen(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 2, size: int = 64) -> Path:
+def synth_spleen(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 2, size: int = 64,
+                 zoom: float = 1.0) -> Path:
     """Write synthetic spleen CT in the Decathlon Task09 layout.
 
     In-plane spacing is drawn in [1.2, 1.8] mm and slice spacing in [1.5, 3.0] mm per case; the
@@ -175,6 +176,8 @@ def synth_spleen(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 
         seed: random seed.
         cases: labelled cases; test_cases: unlabelled cases in ``imagesTs``.
         size: in-plane edge in voxels.
+        zoom: multiplies every spacing: the anatomy is fixed in mm (body about 92 x 68 mm), so
+            small volumes need ``zoom`` about 64 / size to show the whole body and spleen.
 
     Returns:
         ``out``.
@@ -183,7 +186,7 @@ def synth_spleen(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 
     rng = np.random.default_rng(seed)
     training, test = [], []
     for n in range(cases + test_cases):
-        spacing = np.array([rng.uniform(1.2, 1.8)] * 2 + [rng.uniform(1.5, 3.0)])
+        spacing = np.array([rng.uniform(1.2, 1.8)] * 2 + [rng.uniform(1.5, 3.0)]) * zoom
         shape = (size, size, max(8, int(round(1.5 * size / spacing[2]))))
         image, label = spleen_volume(rng, shape, spacing)
         # Stored LPS (x and y flipped), as CT converted from DICOM usually is.
