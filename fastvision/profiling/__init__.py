@@ -1,0 +1,104 @@
+"""Profiling: ``fastvision profile`` (time per training phase and a verdict) and ``fastvision
+monitor`` (NVML utilisation and memory to CSV and PNG). Library API: :func:`profile`,
+:func:`render`, :func:`~fastvision.profiling.monitor.record`, :func:`~fastvision.profiling.monitor.plot_csv`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .monitor import plot_csv, read_csv, record
+from .profiler import PHASES, advice, percentiles_ms, profile
+
+__all__ = ["profile", "render", "record", "plot_csv", "read_csv", "advice", "percentiles_ms", "add_cli"]
+
+_LABELS = {"data": "data wait", "h2d": "host-to-device", "augment": "augment (batched)", "forward": "forward",
+           "backward": "backward", "optimizer": "optimizer", "comm": "communication"}
+
+
+def render(report: dict[str, Any]) -> Any:
+    """The report as a rich Table (phase, p50/p90/p99 ms, share of the step) with a caption."""
+    from rich.table import Table
+
+    step = report["step_ms"]["p50"]
+    t = Table(title=f"{report['config']['recipe']} on {report['device']}: {report['steps']} steps x "
+                    f"{report['global_batch']} images")
+    t.add_column("phase")
+    for c in ("p50 ms", "p90 ms", "p99 ms", "share of p50 step"):
+        t.add_column(c, justify="right")
+    for p in PHASES:
+        ms = report["phases"][p]
+        t.add_row(_LABELS[p], f"{ms['p50']:.2f}", f"{ms['p90']:.2f}", f"{ms['p99']:.2f}",
+                  f"{100 * ms['p50'] / max(step, 1e-9):.0f}%")
+    s = report["step_ms"]
+    t.add_row("[bold]step[/bold]", f"{s['p50']:.2f}", f"{s['p90']:.2f}", f"{s['p99']:.2f}", "100%")
+    gpu = report.get("gpu") or {}
+    util = f"GPU util {gpu['util_mean']:.0f}%, " if gpu.get("util_mean") is not None else ""
+    mem = f"peak {gpu['torch_peak_allocated_mib']:.0f} MiB allocated; " if "torch_peak_allocated_mib" in gpu else ""
+    t.caption = (f"{report['images_per_s']:.1f} images/s; {util}{mem}pipeline: {report['pipeline']}\n"
+                 f"verdict: [bold]{report['verdict']}[/bold] -> {report['advice']}")
+    return t
+
+
+def _cmd_profile(args) -> int:
+    from rich.console import Console
+
+    from .. import config, dist
+    from ..api import overrides_to_dicts
+
+    flat = {k: v for k, v in {"data": args.data, "device": args.device, "batch_size": args.batch_size,
+                              "amp": args.amp}.items() if v is not None}
+    cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])
+    report = profile(cfg, steps=args.steps, warmup=args.warmup, nvtx=args.nvtx, trace=args.trace,
+                     synthetic=args.synthetic)
+    if not dist.detect_env().is_main:
+        return 0
+    out = Path(args.out or f"runs/profile-{Path(cfg.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(report, indent=2))
+    console = Console(record=True)
+    console.print(render(report))
+    (out / "profile.txt").write_text(console.export_text())
+    print(f"report: {out / 'profile.json'}")
+    return 0
+
+
+def _cmd_monitor(args) -> int:
+    if args.replot:
+        print(plot_csv(args.replot, args.plot or Path(args.replot).with_suffix(".png")))
+        return 0
+    csv_path = record(args.out, interval=args.interval, duration=args.duration, index=args.gpu)
+    print(f"readings: {csv_path}")
+    if args.plot:
+        print(f"plot: {plot_csv(csv_path, args.plot)}")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """``fastvision profile RECIPE`` and ``fastvision monitor``."""
+    p = subparsers.add_parser("profile", help="time every training phase and name the bottleneck",
+                              description="Run --warmup then --steps training steps of RECIPE and report "
+                                          "time per phase (p50/p90/p99), images/s, GPU use and a verdict.")
+    p.add_argument("recipe")
+    p.add_argument("--steps", type=int, default=20, help="profiled steps (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="steps run first and not counted (default 5)")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges per phase, transform and augment op (nsys)")
+    p.add_argument("--trace", metavar="DIR", help="write a torch.profiler Chrome trace into DIR")
+    p.add_argument("--synthetic", action="store_true", help="device-resident synthetic batches (no data pipeline)")
+    p.add_argument("--out", help="report folder (default runs/profile-<recipe>-<time>)")
+    p.add_argument("--data", help="dataset folder (data.args.path)")
+    p.add_argument("--device")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--amp", choices=["off", "fp16", "bf16"])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key, dotted")
+    p.set_defaults(func=_cmd_profile)
+    p = subparsers.add_parser("monitor", help="record GPU utilisation and memory (NVML) to CSV and PNG")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between readings (default 1)")
+    p.add_argument("--out", default="gpu.csv", help="CSV to append to (default gpu.csv)")
+    p.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl-C)")
+    p.add_argument("--plot", help="also write this PNG")
+    p.add_argument("--gpu", type=int, default=0, help="GPU index (default 0)")
+    p.add_argument("--replot", metavar="CSV", help="only plot an existing CSV (to --plot or CSV.png)")
+    p.set_defaults(func=_cmd_monitor)

@@ -1,0 +1,282 @@
+"""``fastvision profile``: time every phase of the training step and name the bottleneck.
+
+The step is the engine's (:func:`fastvision.engine.build`, ``make_loader``, ``runtime.Precision``,
+the DDP wrap), cut at phase boundaries: data wait, host-to-device, augment, forward, backward,
+optimizer, and communication. Host phases use the wall clock; on CUDA the device phases use CUDA
+events read once after the last step, so profiling adds no host sync per step. Communication is
+the exposed all-reduce time: backward with gradient sync minus backward under ``no_sync``
+(measured on extra steps after the profiled ones; 0 in one process).
+
+The verdict is the largest share of the median step: ``input-bound`` (data wait),
+``communication-bound``, ``host-sync-bound`` (CUDA only: the GPU waits for the host, seen as low
+NVML utilisation or as launch time close to device time) or ``compute-bound``, each with the
+recipe switch to try first.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from .. import dist, engine, optim, runtime
+from ..config import RunConfig
+from .monitor import NvmlSampler
+
+log = logging.getLogger(__name__)
+
+PHASES = ("data", "h2d", "augment", "forward", "backward", "optimizer", "comm")
+DEVICE_PHASES = ("h2d", "augment", "forward", "backward", "optimizer")
+
+
+class _Clock:
+    """Phase boundaries of one step: host times always, CUDA events on a CUDA device."""
+
+    def __init__(self, device: torch.device, nvtx: bool):
+        self.cuda = device.type == "cuda"
+        self.nvtx = nvtx and self.cuda
+        self.host: list[tuple[str, float]] = []
+        self.events: list[tuple[str, Any]] = []
+
+    def mark(self, phase: str) -> None:
+        """Start ``phase`` (``"end"`` closes the step)."""
+        if self.nvtx and self.host:
+            torch.cuda.nvtx.range_pop()
+        self.host.append((phase, time.perf_counter()))
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.events.append((phase, ev))
+        if self.nvtx and phase != "end":
+            torch.cuda.nvtx.range_push(phase)
+
+    def durations(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(host seconds, device seconds) per phase; device equals host off CUDA."""
+        host = {a: t1 - t0 for (a, t0), (_, t1) in zip(self.host, self.host[1:])}
+        if not self.cuda:
+            return host, dict(host)
+        dev = {a: e0.elapsed_time(e1) / 1e3 for (a, e0), (_, e1) in zip(self.events, self.events[1:])}
+        return host, dev
+
+
+def _ranged(name: str, fn: Callable) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        torch.cuda.nvtx.range_push(name)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.nvtx.range_pop()
+    return call
+
+
+def add_nvtx_ranges(train_set: Any, task: Any) -> None:
+    """NVTX ranges around every per-access transform of a cache and every batched augmentation op."""
+    for holder in (train_set, getattr(train_set, "source", None)):
+        if holder is not None and hasattr(holder, "suffix"):
+            holder.suffix = [_ranged(f"transform:{getattr(t, '__qualname__', type(t).__name__)}", t)
+                             for t in holder.suffix]
+    aug = getattr(task, "augment_fn", None)
+    if aug is not None and hasattr(aug, "ops"):
+        aug.ops = [(n, _ranged(f"augment:{n}", op)) for n, op in aug.ops]
+
+
+class _NvtxItems(torch.utils.data.Dataset):
+    """Dataset view that puts an NVTX range around every item read (the whole per-item pipeline)."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        self._name = f"item:{type(dataset).__name__}"
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        with torch.cuda.nvtx.range(self._name):
+            return self.dataset[i]
+
+    def __getattr__(self, name: str) -> Any:  # rank_local, set_epoch, main_process_only...
+        return getattr(self.__dict__["dataset"], name)
+
+
+def _batches(loader: Any, start_epoch: int = 0) -> Iterator[Any]:
+    """Loader batches across epoch boundaries (``set_epoch`` at each), forever."""
+    epoch = start_epoch
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float]:
+    """p50 / p90 / p99 / mean of ``values`` in milliseconds."""
+    a = np.asarray(values, dtype=np.float64) * 1e3 if values else np.zeros(1)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
+
+
+def profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 5, nvtx: bool = False, trace: str | Path | None = None,
+            synthetic: bool = False) -> dict[str, Any]:
+    """Run ``warmup`` + ``steps`` training steps of ``cfg`` and report time per phase.
+
+    Args:
+        cfg: resolved run config (recipe + overrides).
+        steps: profiled steps.
+        warmup: steps run first and not counted (allocator, cudnn autotune, compile, cache fill).
+        nvtx: emit NVTX ranges per phase, transform and augmentation op (CUDA only).
+        trace: folder for a torch.profiler Chrome trace of the profiled steps.
+        synthetic: feed ``task.synthetic_batch`` already on the device (no data pipeline).
+
+    Returns:
+        ``{"phases": {name: {p50, p90, p99, mean} ms}, "step_ms", "images_per_s", "shares",
+        "verdict", "advice", "gpu", "config"}``.
+    """
+    run = engine.build(cfg)
+    tc, env, device, task, model = cfg.train, run.env, run.device, run.task, run.model
+    global_batch = tc.batch_size * env.world_size
+    optimizer = optim.build_optimizer(model, cfg.optim, optim.effective_lr(cfg.optim, global_batch))
+    precision = runtime.Precision(tc.amp, device)
+    generator = torch.Generator(device=device).manual_seed(tc.seed * 1_000_003 + env.rank)
+    train_model = runtime.maybe_compile(dist.wrap_model(model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
+                                                        static_graph=tc.ddp_static_graph), tc.compile)
+    if synthetic:
+        fixed = task.synthetic_batch(tc.batch_size, device)
+        batches: Iterator[Any] = iter(lambda: fixed, None)
+        cache_line = "synthetic batches on the device (no data pipeline)"
+    else:
+        train_set = engine._cached(run.train_set, cfg, env, device)
+        from ..data.cache_select import describe
+
+        cache_line = describe(train_set)
+        if nvtx and device.type == "cuda":
+            add_nvtx_ranges(train_set, task)
+            train_set = _NvtxItems(train_set)
+        batches = _batches(engine.make_loader(train_set, task, cfg, tc.batch_size, True, device))
+    model.train()
+
+    def step(clock: _Clock, sync_grads: bool = True, update: bool = True) -> None:
+        clock.mark("data")
+        batch = next(batches)
+        clock.mark("h2d")
+        batch = task.to_device(batch, device, tc.channels_last)
+        clock.mark("augment")
+        batch = task.augment(batch, generator)
+        clock.mark("forward")
+        with precision.autocast():
+            loss = task.loss(task.forward(train_model, batch), batch)
+        clock.mark("backward")
+        with dist.no_sync(train_model, not sync_grads):
+            precision.scaler.scale(loss).backward()
+        clock.mark("optimizer")
+        if update:
+            # Same host sync as the engine's non-finite check, so host-sync costs show up here.
+            if tc.check_finite and precision.mode != "fp16" and not bool(torch.isfinite(loss)):
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                precision.scaler.step(optimizer)
+                precision.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        clock.mark("end")
+
+    for _ in range(warmup):
+        step(_Clock(device, False))
+    sampler = NvmlSampler(device) if device.type == "cuda" else None
+    prof = _trace_context(trace, device)
+    clocks: list[_Clock] = []
+    starts: list[float] = []
+    with prof, (sampler or contextlib.nullcontext()):
+        for _ in range(steps):
+            starts.append(time.perf_counter())
+            clocks.append(_Clock(device, nvtx))
+            step(clocks[-1])
+            if hasattr(prof, "step"):
+                prof.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # once: read every event recorded above
+        starts.append(time.perf_counter())
+    no_sync_bwd = []
+    if env.world_size > 1:  # backward without the all-reduce, to isolate its exposed time
+        extra = [_Clock(device, False) for _ in range(min(steps, 5))]
+        for c in extra:
+            step(c, sync_grads=False, update=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        no_sync_bwd = [c.durations()[1]["backward"] for c in extra]
+    if trace:
+        Path(trace).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(trace) / f"trace_rank{env.rank}.json"))
+    return _report(cfg, clocks, np.diff(starts).tolist(), no_sync_bwd, global_batch, device, sampler, cache_line)
+
+
+def _trace_context(trace: str | Path | None, device: torch.device) -> Any:
+    if not trace:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return torch_profile(activities=acts, record_shapes=False)
+
+
+def _report(cfg: RunConfig, clocks: list[_Clock], walls: list[float], no_sync_bwd: list[float], global_batch: int,
+            device: torch.device, sampler: Any, cache_line: str) -> dict[str, Any]:
+    per: dict[str, list[float]] = {p: [] for p in PHASES}
+    launch = []  # host seconds spent issuing device work (CUDA: excludes waiting at the sync)
+    base_bwd = float(np.median(no_sync_bwd)) if no_sync_bwd else None
+    for c in clocks:
+        host, dev = c.durations()
+        per["data"].append(host["data"])
+        for p in DEVICE_PHASES:
+            per[p].append(dev[p])
+        comm = max(0.0, dev["backward"] - base_bwd) if base_bwd is not None else 0.0
+        per["comm"].append(comm)
+        per["backward"][-1] -= comm
+        launch.append(sum(host[p] for p in ("h2d", "augment", "forward", "backward")))
+    phases = {p: percentiles_ms(v) for p, v in per.items()}
+    step_s = float(np.median(walls))
+    shares = {"input": float(np.median(per["data"])) / step_s, "communication": float(np.median(per["comm"])) / step_s}
+    device_s = sum(float(np.median(per[p])) for p in DEVICE_PHASES)
+    gpu = sampler.summary() if sampler is not None else None
+    if device.type == "cuda":
+        busy = gpu["util_mean"] / 100 if gpu and gpu.get("util_mean") is not None else None
+        # GPU starved by the host: low measured utilisation, or launching takes as long as running.
+        starved = (1 - busy) if busy is not None else min(1.0, float(np.median(launch)) / max(device_s, 1e-9))
+        shares["host-sync"] = max(0.0, starved * (1 - shares["input"] - shares["communication"]))
+    shares["compute"] = max(0.0, 1 - sum(shares.values()))
+    verdict = max(shares, key=shares.get)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        gpu = {**(gpu or {}), "torch_peak_allocated_mib": peak}
+    return {"verdict": f"{verdict}-bound", "advice": advice(verdict, cfg, device), "shares": shares,
+            "phases": phases, "step_ms": percentiles_ms(walls), "images_per_s": global_batch / step_s,
+            "steps": len(walls), "global_batch": global_batch, "device": str(device), "gpu": gpu,
+            "pipeline": cache_line,
+            "config": {"recipe": cfg.recipe, "data.cache": cfg.data.cache, "data.loader": cfg.data.loader,
+                       "data.num_workers": cfg.data.num_workers, "train.amp": cfg.train.amp,
+                       "train.batch_size": cfg.train.batch_size, "train.compile": cfg.train.compile}}
+
+
+def advice(verdict: str, cfg: RunConfig, device: torch.device) -> str:
+    """The recipe switch to try first for a verdict, given what the recipe already sets."""
+    d, t = cfg.data, cfg.train
+    if verdict == "input":
+        if d.cache == "none":
+            cache = "shared" if dist.world_size() > 1 else "ram"
+            return f"set data.cache: {cache} and data.loader: threads (cache the deterministic preprocessing once)"
+        if d.loader == "processes":
+            return "set data.loader: threads (no pickling or IPC of cached items)"
+        gpu = "; or data.cache: gpu with data.augment on the device" if device.type == "cuda" and d.cache != "gpu" else ""
+        return (f"raise data.num_workers (now {d.num_workers}), move random transforms into data.augment, "
+                f"or set data.repeats: 2{gpu}")
+    if verdict == "communication":
+        return ("raise train.accum_steps (fewer all-reduces per image), set train.amp: bf16 (half the gradient "
+                f"bytes), raise train.ddp_bucket_mb (now {t.ddp_bucket_mb:g}) or train.batch_size")
+    if verdict == "host-sync":
+        return ("set train.check_finite: false (one host sync per step), raise train.batch_size, and set "
+                "train.compile: true (fewer kernel launches)")
+    if device.type == "cuda":
+        return "set train.amp: bf16, train.channels_last: true and train.compile: true"
+    return ("the model is the cost: set train.amp: bf16, train.compile: true, a smaller model or image size, "
+            "or run on a GPU (--device cuda)")

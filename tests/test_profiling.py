@@ -1,0 +1,114 @@
+"""fastvision profile: input-bound with a deliberately slow dataset, compute-bound on in-memory and
+synthetic data; report files; monitor CSV -> PNG on a hand-written CSV; NVML missing is one line."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from fastvision import cli
+from fastvision.data.formats import DatasetSplits
+from fastvision.profiling import percentiles_ms, plot_csv, read_csv
+from fastvision.registry import DATASETS
+
+
+class Blobs(Dataset):
+    """In-memory segmentation items; ``delay`` seconds of sleep per read stands in for a slow transform."""
+
+    def __init__(self, n: int, size: int, delay: float):
+        g = torch.Generator().manual_seed(0)
+        self.images = torch.rand(n, 1, size, size, generator=g)
+        self.labels = (self.images[:, 0] > 0.5).long()
+        self.delay = delay
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        if self.delay:
+            time.sleep(self.delay)
+        return {"image": self.images[i], "label": self.labels[i], "id": str(i)}
+
+
+if "profile-blobs" not in DATASETS.names():
+    @DATASETS.register("profile-blobs")
+    def _blobs(*, image_size: list[int] = (32, 32), val_fraction: float = 0.2, split_seed: int = 0,
+               delay: float = 0.0, count: int = 24) -> DatasetSplits:
+        return DatasetSplits(Blobs(count, image_size[0], delay), Blobs(4, image_size[0], 0.0), {})
+
+
+def _profile(tmp_path, name, *extra):
+    out = tmp_path / name
+    argv = ["profile", "unet2d-microscopy", "--steps", "6", "--warmup", "2", "--device", "cpu", "--batch-size", "4",
+            "--out", str(out), "--set", "data.name=profile-blobs", "--set", "model.args.filters=[4,8,16]",
+            "--set", "data.num_workers=2", *extra]
+    assert cli.main(argv) == 0
+    report = json.loads((out / "profile.json").read_text())
+    assert "verdict:" in (out / "profile.txt").read_text()
+    return report
+
+
+def test_slow_transform_is_input_bound(tmp_path):
+    report = _profile(tmp_path, "slow", "--set", "data.args.delay=0.05", "--set", "data.args.image_size=[16,16]")
+    assert report["verdict"] == "input-bound"
+    assert report["advice"].startswith("set data.cache: ram and data.loader: threads")
+    # two threads each sleep 4 x 50 ms per batch (~100 ms per step) while compute takes ~15 ms
+    assert report["phases"]["data"]["mean"] > 40
+    assert report["shares"]["input"] > 0.5 and report["phases"]["comm"]["p99"] == 0.0
+
+
+@pytest.mark.parametrize("extra", [(), ("--synthetic", "--set", "task.args.sample_shape=[1,64,64]")])
+def test_in_memory_data_is_compute_bound(tmp_path, extra):
+    report = _profile(tmp_path, "fast", "--set", "data.args.image_size=[64,64]",
+                      "--set", "model.args.filters=[8,16,32]", *extra)
+    assert report["verdict"] == "compute-bound", report["shares"]
+    ph = report["phases"]
+    assert ph["forward"]["p50"] > 0 and ph["backward"]["p50"] > 0 and ph["optimizer"]["p50"] > 0
+    assert ph["data"]["p50"] < 0.2 * report["step_ms"]["p50"]
+    assert report["images_per_s"] == pytest.approx(4 / (report["step_ms"]["p50"] / 1e3), rel=1e-6)
+    assert report["phases"]["data"]["p50"] <= report["phases"]["data"]["p90"] <= report["phases"]["data"]["p99"]
+
+
+def test_percentiles_by_hand():
+    out = percentiles_ms([0.001 * v for v in range(1, 101)])  # 1..100 ms
+    assert out["p50"] == pytest.approx(50.5) and out["p90"] == pytest.approx(90.1)
+    assert out["p99"] == pytest.approx(99.01) and out["mean"] == pytest.approx(50.5)
+
+
+def test_monitor_plots_a_hand_written_seed_style_csv(tmp_path):
+    csv = tmp_path / "nvidia_smi.csv"  # seed 003's tab-separated columns
+    rows = ["time\tgpu_util\tused\ttotal\tratio"]
+    for t in range(20):
+        util = 0.0 if t % 5 == 4 else 95.0  # utilisation drops at every "epoch end"
+        rows.append(f"{t:.6f}\t{util:.5f}\t{20000 + 100 * t:.5f}\t81920.00000\t{(20000 + 100 * t) / 819.2:.5f}")
+    csv.write_text("\n".join(rows) + "\n")
+    cols = read_csv(csv)
+    assert cols["time_s"][:3] == [0.0, 1.0, 2.0] and cols["gpu_util"][4] == 0.0
+    assert cols["mem_used_mib"][-1] == 21900.0 and cols["mem_total_mib"][0] == 81920.0
+    png = plot_csv(csv, tmp_path / "gpu.png")
+    img = np.asarray(Image.open(png).convert("L"))
+    assert img.shape == (462, 770) and img.min() < 100 and img.max() == 255  # drawn lines on white
+    assert cli.main(["monitor", "--replot", str(csv), "--plot", str(tmp_path / "b.png")]) == 0
+    assert (tmp_path / "b.png").stat().st_size > 5000
+
+
+def test_monitor_csv_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time_s,gpu_util,mem_used_mib\n0,1\n")
+    assert cli.main(["monitor", "--replot", str(bad)]) == 2
+
+
+def test_monitor_without_nvml_is_one_line_error(tmp_path, capsys):
+    try:
+        import pynvml  # noqa: F401
+        pytest.skip("NVML bindings installed here")
+    except ImportError:
+        pass
+    assert cli.main(["monitor", "--out", str(tmp_path / "gpu.csv"), "--duration", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "NVML is not available" in err[0]
