@@ -41,15 +41,19 @@ def _jsonable(v: Any) -> Any:
         return [_jsonable(x) for x in v]
     if isinstance(v, dict):
         return {str(k): _jsonable(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
-    if callable(v):
+    if isinstance(v, type) or (callable(v) and not hasattr(v, "__dict__")):  # classes, builtins, ufuncs
+        return f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__qualname__)}"
+    if callable(v) or hasattr(v, "__dict__"):  # nested transforms / objects: their own parameters
         return signature(v)
-    return repr(v)
+    text = repr(v)
+    # A default repr holds a memory address, which would change the signature in every process.
+    return f"{type(v).__module__}.{type(v).__qualname__}" if " at 0x" in text else text
 
 
 def _default_signature(t: Any) -> str:
     cls = type(t)
     params = ({f.name: getattr(t, f.name) for f in dataclasses.fields(t)} if dataclasses.is_dataclass(t)
-              else {k: v for k, v in vars(t).items() if not k.startswith("_")})
+              else {k: v for k, v in getattr(t, "__dict__", {}).items() if not k.startswith("_")})
     return f"{cls.__module__}.{cls.__qualname__}{json.dumps(_jsonable(params), sort_keys=True)}"
 
 
