@@ -18,7 +18,7 @@ from fastvision.coco_eval import (
 )
 from fastvision.data.formats.coco import CocoDetection, build, collate_detection, crop_boxes, sample_crop
 from fastvision.data.synth.coco import synth
-from fastvision.errors import DataError
+from fastvision.errors import ConfigError, DataError
 from fastvision.models.ssd import ssd_loss
 from fastvision.registry import MODELS
 
@@ -47,6 +47,19 @@ def test_synth_is_deterministic_real_coco_with_crowd_and_empty(root, gt_json, tm
     assert min(areas) < 32**2 < max(areas)  # both COCO small and medium/large objects
     for img in coco.loadImgs(coco.getImgIds()):
         assert (root / "val2017" / img["file_name"]).is_file()
+
+
+def test_synth_object_size_and_count_options(tmp_path):
+    root = synth(tmp_path / "big", seed=3, train=1, val=20, min_size=30, max_size=40, max_objects=2)
+    coco = COCO(str(root / "annotations" / "instances_val2017.json"))
+    for image_id in coco.getImgIds():
+        anns = [a for a in coco.loadAnns(coco.getAnnIds(imgIds=image_id)) if not a["iscrowd"]]
+        assert len(anns) <= 2
+        for a in anns:  # every shape spans 1.6 (square) to 2 (disk, cross) half-sizes, a little more rotated
+            assert 1.6 * 30 - 1 <= max(a["bbox"][2:]) <= 2.3 * 40
+    for bad in ({"min_size": 0}, {"min_size": 50, "max_size": 40}, {"max_objects": 0}):
+        with pytest.raises(ConfigError, match="min_size|max_objects"):
+            synth(tmp_path / "bad", **bad)
 
 
 def test_val_items_are_resized_ground_truth(root, gt_json):

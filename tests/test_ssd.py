@@ -117,6 +117,15 @@ def test_forward_backward(name, size, batch, classes):
     assert det["boxes"].shape == (batch, 100, 4)
 
 
+@pytest.mark.parametrize("anchor_scale,side", [(4.0, 32.0), (2.0, 16.0)])
+def test_small_model_anchor_scale(anchor_scale, side):
+    model = MODELS.build("ssd320-small", {"num_classes": 2, "anchor_scale": anchor_scale})
+    out = model.eval()(torch.zeros(1, 3, 128, 128))
+    # 128 px: grids 16, 8, 4, 2, 1 with 6 anchors each; the first P3 anchor is centred at (4, 4).
+    assert out["anchors"].shape == (6 * (256 + 64 + 16 + 4 + 1), 4)
+    torch.testing.assert_close(out["anchors"][0], torch.tensor([4 - side / 2, 4 - side / 2, 4 + side / 2, 4 + side / 2]))
+
+
 # -- the detection task (fastvision/tasks/detect.py) ------------------------------------------
 def test_detection_task_end_to_end(tmp_path):
     import json

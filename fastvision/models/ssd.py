@@ -283,12 +283,12 @@ def postprocess(outputs: dict[str, Tensor], image_size: tuple[int, int], score_t
 
 
 def build_ssd(depth_resnet: int, num_classes: int, depth: int, head_layers: int, frozen_bn: bool,
-              backbone_weights: str | None) -> SSD:
+              backbone_weights: str | None, anchor_scale: float = 4.0) -> SSD:
     """ResNet-``depth_resnet`` backbone (optionally from a local state dict) + FPN + head."""
     backbone = build_resnet(depth_resnet, num_classes=0, pretrained=backbone_weights)
     if frozen_bn:
         freeze_batchnorm(backbone)
-    return SSD(backbone, num_classes, depth, head_layers)
+    return SSD(backbone, num_classes, depth, head_layers, anchor_scale=anchor_scale)
 
 
 @MODELS.register("ssd320")
@@ -302,6 +302,11 @@ def ssd320(num_classes: int = 90, frozen_bn: bool = False, backbone_weights: str
 
 
 @MODELS.register("ssd320-small")
-def ssd320_small(num_classes: int = 90, frozen_bn: bool = False, backbone_weights: str | None = None) -> SSD:
-    """CPU-sized variant: ResNet-18, FPN/head depth 64, 2-layer towers, same anchors and loss."""
-    return build_ssd(18, num_classes, 64, 2, frozen_bn, backbone_weights)
+def ssd320_small(num_classes: int = 90, frozen_bn: bool = False, backbone_weights: str | None = None,
+                 anchor_scale: float = 4.0) -> SSD:
+    """CPU-sized variant: ResNet-18, FPN/head depth 64, 2-layer towers, same anchor layout and loss.
+
+    ``anchor_scale`` sets the P3 anchor side (``anchor_scale * 8`` px): smaller inputs want a
+    smaller one (4 gives 32 px, 10% of a 320 input; 2 gives 16 px, 12.5% of a 128 input).
+    """
+    return build_ssd(18, num_classes, 64, 2, frozen_bn, backbone_weights, anchor_scale)

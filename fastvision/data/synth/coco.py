@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ...errors import ConfigError
 from . import SYNTH
 
 CATEGORIES = [(1, "disk", 0.0), (3, "square", 0.33), (5, "triangle", 0.62), (8, "cross", 0.8)]
@@ -62,7 +63,8 @@ def _colour(hue: float, rng: np.random.Generator) -> tuple[int, int, int]:
     return int(r * 255), int(g * 255), int(b * 255)
 
 
-def _image(image_id: int, rng: np.random.Generator, ann_id: list[int]) -> tuple[Image.Image, dict, list[dict]]:
+def _image(image_id: int, rng: np.random.Generator, ann_id: list[int], sizes: tuple[float, float],
+           max_objects: int) -> tuple[Image.Image, dict, list[dict]]:
     from pycocotools import mask as mask_utils
 
     w, h = SIZES[rng.integers(len(SIZES))]
@@ -74,7 +76,7 @@ def _image(image_id: int, rng: np.random.Generator, ann_id: list[int]) -> tuple[
     if kind < 0.1:
         n = 0  # empty image: kept by the loader, gives only negatives
     else:
-        n = int(rng.integers(1, 6))
+        n = int(rng.integers(1, max_objects + 1))
     if 0.1 <= kind < 0.2:  # a crowd: many tiny disks in one region, annotated once
         cw, ch = rng.uniform(60, 120), rng.uniform(40, 90)
         x0, y0 = rng.uniform(0, w - cw), rng.uniform(0, h - ch)
@@ -94,8 +96,8 @@ def _image(image_id: int, rng: np.random.Generator, ann_id: list[int]) -> tuple[
     placed: list[list[float]] = [a["bbox"] for a in anns]
     for _ in range(n):
         for _attempt in range(20):
-            # log-uniform half-size: 6-90 px spans COCO small (< 32^2), medium and large areas
-            r = float(math.exp(rng.uniform(math.log(6), math.log(min(90, min(w, h) * 0.3)))))
+            # log-uniform half-size; the default 14-90 px spans COCO small (< 32^2), medium and large
+            r = float(math.exp(rng.uniform(math.log(sizes[0]), math.log(min(sizes[1], min(w, h) * 0.3)))))
             cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
             cat, shape, hue = CATEGORIES[rng.integers(len(CATEGORIES))]
             poly = _polygon(shape, cx, cy, r, rng.uniform(-0.3, 0.3))
@@ -116,12 +118,13 @@ def _image(image_id: int, rng: np.random.Generator, ann_id: list[int]) -> tuple[
     return img, info, anns
 
 
-def _write_split(out: Path, split: str, count: int, first_id: int, rng: np.random.Generator) -> None:
+def _write_split(out: Path, split: str, count: int, first_id: int, rng: np.random.Generator,
+                 sizes: tuple[float, float], max_objects: int) -> None:
     folder = out / split
     folder.mkdir(parents=True, exist_ok=True)
     images, annotations, ann_id = [], [], [1]
     for i in range(count):
-        img, info, anns = _image(first_id + i, rng, ann_id)
+        img, info, anns = _image(first_id + i, rng, ann_id, sizes, max_objects)
         img.save(folder / info["file_name"], quality=92)
         images.append(info)
         annotations += anns
@@ -139,20 +142,31 @@ def _write_split(out: Path, split: str, count: int, first_id: int, rng: np.rando
 
 
 @SYNTH.register("coco")
-def synth(out: Path, *, seed: int = 0, train: int = 240, val: int = 60) -> Path:
+def synth(out: Path, *, seed: int = 0, train: int = 240, val: int = 60, min_size: float = 14.0,
+          max_size: float = 90.0, max_objects: int = 4) -> Path:
     """Write the shapes dataset to ``out`` (deterministic under ``seed``).
+
+    The default object sizes suit the CPU recipe ``ssd320-small-shapes`` (160 px inputs, whose
+    smallest anchors are 32 px): at that input a 14 px half-size still spans about 14 px, and
+    smaller objects would be matched only by the forced matches.
 
     Args:
         out: output folder (created).
         seed: random seed.
         train: number of training images.
         val: number of validation images.
+        min_size, max_size: range of object half-sizes in image pixels (log-uniform; images are
+            256-400 px wide, so ``max_size`` is also capped at 0.3 of the shorter side).
+        max_objects: objects per non-empty image are drawn from 1..max_objects.
 
     Returns:
         ``out``.
     """
+    if not 0 < min_size <= max_size or max_objects < 1:
+        raise ConfigError(f"data synth coco: need 0 < min_size <= max_size and max_objects >= 1, got "
+                          f"{min_size}, {max_size}, {max_objects}")
     out = Path(out)
     rng = np.random.default_rng(seed)
-    _write_split(out, "train2017", train, 1, rng)
-    _write_split(out, "val2017", val, 100000, rng)
+    _write_split(out, "train2017", train, 1, rng, (min_size, max_size), max_objects)
+    _write_split(out, "val2017", val, 100000, rng, (min_size, max_size), max_objects)
     return out
