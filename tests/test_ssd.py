@@ -160,9 +160,11 @@ def test_detection_task_end_to_end(tmp_path):
     assert len(pngs) == 2 and Image.open(pngs[0]).size == (96, 96)
     files = sorted((root / "val2017").iterdir())[:2]
     out = task.predict_files(model, files, tmp_path / "pred", None, torch.device("cpu"))
-    assert out[0].name == "detections.json" and all(p.is_file() for p in out)
+    assert [p.name for p in out[:2]] == ["detections.json", "images.json"] and all(p.is_file() for p in out)
     w, h = Image.open(files[0]).size
-    assert Image.open(out[1]).size == (w, h)  # drawn on the original image
+    index = json.loads(out[1].read_text())
+    assert index[0] == {"id": 0, "file_name": str(files[0]), "width": w, "height": h}
+    assert Image.open(out[2]).size == (w, h)  # drawn on the original image
     syn = task.synthetic_batch(2, torch.device("cpu"))
     assert torch.isfinite(task.loss(task.forward(model.train(), syn), syn))
 

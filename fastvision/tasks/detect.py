@@ -136,8 +136,8 @@ class DetectionTask(Task):
                       min_score: float = 0.3) -> list[Path]:
         """Images -> ``detections.json`` (COCO results, original pixels) + one ``<name>_boxes.png`` each.
 
-        Image ids in the JSON are the files' positions in ``files``; category ids follow the
-        dataset's mapping when the task knows it.
+        Image ids in the JSON are the files' positions in ``files``; ``images.json`` maps them to
+        the files (a COCO ``images`` list). Category ids follow the dataset's mapping.
         """
         from PIL import Image
 
@@ -145,13 +145,14 @@ class DetectionTask(Task):
         out_dir.mkdir(parents=True, exist_ok=True)
         S = self.image_size
         model.eval()
-        results, written = [], []
+        results, written, images = [], [], []
         for k, f in enumerate(files):
             try:
                 img = Image.open(f).convert("RGB")
             except OSError as e:
                 raise DataError(f"cannot read image {f}: {e}") from e
             w, h = img.size
+            images.append({"id": k, "file_name": str(f), "width": w, "height": h})
             x = torch.from_numpy(np.asarray(img.resize((S, S), Image.BILINEAR)).copy())
             x = x.permute(2, 0, 1)[None].to(device)
             det = self.eval_forward(model, {"image": x})
@@ -162,6 +163,7 @@ class DetectionTask(Task):
             original = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
             written.append(draw_detections(original, det["boxes"][0] * scale, det["scores"][0], det["labels"][0],
                                            self.class_names, out_dir / f"{Path(f).stem}_boxes.png", min_score))
+        written.insert(0, write_results(images, out_dir / "images.json"))
         written.insert(0, write_results(results, out_dir / "detections.json"))
         return written
 
