@@ -116,6 +116,15 @@ class MicroscopyDataset(Dataset):
     def __len__(self) -> int:
         return len(self.pairs)
 
+    def identity(self, i: int) -> str:
+        """Stable key of item ``i`` for disk caches: both files' paths, sizes and mtimes, and the
+        preparation parameters, so an edited file or a new ``image_size`` is a new entry."""
+        parts = [self.fit, str(self.size), str(self.channels), str(self.num_classes)]
+        for p in self.pairs[i]:
+            st = p.stat()
+            parts += [str(p.resolve()), str(st.st_size), str(st.st_mtime_ns)]
+        return "|".join(parts)
+
     def __getitem__(self, i: int) -> dict:
         img_path, mask_path = self.pairs[i]
         img = to_unit_float(read_array(img_path))
