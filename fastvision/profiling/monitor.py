@@ -111,6 +111,7 @@ def plot_csv(path: str | Path, png: str | Path, title: str | None = None) -> Pat
     if "mem_total_mib" in cols:
         ax2.axhline(max(cols["mem_total_mib"]) / 1024, color="grey", ls="--", lw=1, label="total")
     ax2.set_ylabel("memory GiB")
+    ax2.set_ylim(bottom=0)
     ax2.set_xlabel("time (s)")
     ax2.legend(loc="lower right", fontsize=8, frameon=False)
     ax2.grid(alpha=0.3)
