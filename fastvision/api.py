@@ -28,18 +28,7 @@ FLAT_KEYS = {
 
 def overrides_to_dicts(overrides: dict[str, Any]) -> list[dict[str, Any]]:
     """``{"epochs": 3, "optim.lr": 0.1}`` -> nested override mappings, flat names translated."""
-    out = []
-    for key, value in overrides.items():
-        dotted = FLAT_KEYS.get(key, key)
-        node: dict[str, Any] = {}
-        cur = node
-        parts = dotted.split(".")
-        for p in parts[:-1]:
-            cur[p] = {}
-            cur = cur[p]
-        cur[parts[-1]] = value
-        out.append(node)
-    return out
+    return [config.nested(FLAT_KEYS.get(key, key), value) for key, value in overrides.items()]
 
 
 def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tuple[Path, Path | None]:

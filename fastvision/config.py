@@ -178,9 +178,14 @@ def parse_override(text: str) -> dict[str, Any]:
             value = float(value)
         except ValueError:
             pass
+    return nested(key, value)
+
+
+def nested(dotted: str, value: Any) -> dict[str, Any]:
+    """``nested("a.b.c", 1)`` -> ``{"a": {"b": {"c": 1}}}``."""
     node: dict[str, Any] = {}
     cur = node
-    parts = key.split(".")
+    parts = dotted.split(".")
     for p in parts[:-1]:
         cur[p] = {}
         cur = cur[p]

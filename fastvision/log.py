@@ -87,6 +87,9 @@ class RunLogger:
         if self._progress is None:
             text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items())
             print(f"epoch {epoch} step {it}: {text}", flush=True)
+        elif self._task is not None:  # the bar shows the latest loss and throughput
+            info = {k: values[k] for k in ("loss", "images_per_s") if k in values}
+            self._progress.update(self._task, info="  ".join(f"{k} {_fmt(v)}" for k, v in info.items()))
 
     def epoch_end(self, epoch: int, values: dict[str, float]) -> None:
         if not self.enabled:

@@ -46,18 +46,9 @@ def files_identity(paths: Sequence[str | Path]) -> str:
     return "|".join(parts)
 
 
-# Datasets that predate ``identity(i)``: how to name item i from their attributes.
-_IDENTITY_ADAPTERS: dict[str, Callable[[Any, int], str]] = {
-    "MicroscopyDataset": lambda ds, i: files_identity(ds.pairs[i]),
-}
-
-
 def item_identity(dataset: Any) -> Callable[[int], str] | None:
-    """``i -> str`` naming item ``i`` by its source files, or None when the dataset cannot say."""
-    if callable(getattr(dataset, "identity", None)):
-        return dataset.identity
-    adapter = _IDENTITY_ADAPTERS.get(type(dataset).__name__)
-    return (lambda i: adapter(dataset, i)) if adapter else None
+    """``i -> str`` naming item ``i`` by its source files (the dataset's ``identity``), or None."""
+    return dataset.identity if callable(getattr(dataset, "identity", None)) else None
 
 
 def _scalar(v: Any) -> bool:

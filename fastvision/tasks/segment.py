@@ -126,6 +126,10 @@ class SegmentationTask(Task):
         scaling, channels, resize or pad to ``data.args.image_size``); logits are mapped back to
         the original size before the argmax, so masks match the input pixel for pixel.
         """
+        if any(f.is_dir() or f.name.endswith((".nii", ".nii.gz")) for f in files):  # volumes: 3-D path
+            from ..inference import predict_nifti_files
+
+            return predict_nifti_files(self, model, files, out_dir, cfg, device)
         from ..data.formats.microscopy import IMAGE_EXTS, _to_channels, fit_size, read_array, to_unit_float
         from ..errors import DataError
         from ..viz import overlay_png

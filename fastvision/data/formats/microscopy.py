@@ -117,13 +117,10 @@ class MicroscopyDataset(Dataset):
         return len(self.pairs)
 
     def identity(self, i: int) -> str:
-        """Stable key of item ``i`` for disk caches: both files' paths, sizes and mtimes, and the
-        preparation parameters, so an edited file or a new ``image_size`` is a new entry."""
-        parts = [self.fit, str(self.size), str(self.channels), str(self.num_classes)]
-        for p in self.pairs[i]:
-            st = p.stat()
-            parts += [str(p.resolve()), str(st.st_size), str(st.st_mtime_ns)]
-        return "|".join(parts)
+        """Item ``i``'s files (path, size, mtime): the disk cache's key (settings are keyed separately)."""
+        from ..cache_select import files_identity
+
+        return files_identity(self.pairs[i])
 
     def __getitem__(self, i: int) -> dict:
         img_path, mask_path = self.pairs[i]
