@@ -389,13 +389,18 @@ def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "we
     """Train ``recipe`` at every worker count (``fastvision train --nproc N``) and collect results.
 
     Strong mode keeps the 1-worker global batch: the per-worker batch is divided by ``N``.
+    ``extra`` holds ``fastvision train`` options as ``--flag value`` pairs (``--set``, ``--data``).
     """
     import subprocess
     import sys
 
-    from .config import load
+    from .config import load, parse_override
 
-    batch = load(recipe).train.batch_size
+    # The per-worker batch comes from the recipe with the caller's --set overrides; a --set of
+    # train.batch_size is consumed here, else it would override the --batch-size given to each run.
+    pairs = list(zip(extra[::2], extra[1::2]))
+    batch = load(recipe, [parse_override(v) for k, v in pairs if k == "--set"]).train.batch_size
+    extra = [a for k, v in pairs if not (k == "--set" and v.startswith("train.batch_size=")) for a in (k, v)]
     results = []
     for backend in backends:
         for n in workers:
@@ -427,6 +432,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--backends", default="ddp", help="comma-separated: ddp,horovod")
     p.add_argument("--out", type=Path, default=Path("runs/scaling"))
+    p.add_argument("--data", help="dataset folder for every run (data.args.path)")
+    p.add_argument("--device", help="device for every run: auto, cpu, cuda")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override passed to every run, as in `fastvision train --set` (repeatable)")
     p.add_argument("--simulate", action="store_true", help="predict speed-up for 1..1024 GPUs")
     p.add_argument("--compute-ms", type=float, help="measured forward+backward ms per step (simulate only)")
     p.add_argument("--batch", type=int, default=16, help="per-worker batch of --compute-ms")
@@ -435,6 +444,12 @@ def add_cli(subparsers) -> None:
     p.add_argument("--links", default="nvlink,infiniband,ethernet", help=f"presets: {', '.join(LINKS)}")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.set_defaults(func=_cli)
+
+
+def train_args(args) -> list[str]:
+    """The ``fastvision train`` options a ``scale`` command passes on to every run."""
+    out = [a for flag in ("data", "device") if getattr(args, flag) for a in (f"--{flag}", getattr(args, flag))]
+    return out + [a for s in args.set for a in ("--set", s)]
 
 
 def _cli(args) -> int:
@@ -450,7 +465,7 @@ def _cli(args) -> int:
     results = []
     if args.recipe and not (args.simulate and args.compute_ms):
         results = sweep(args.recipe, workers, out, mode=args.mode, epochs=args.epochs, repeats=args.repeats,
-                        backends=args.backends.split(","))
+                        backends=args.backends.split(","), extra=train_args(args))
     if args.simulate:
         if args.compute_ms and args.grad_mb:
             compute, batch, grad = args.compute_ms / 1e3, args.batch, args.grad_mb * 1e6

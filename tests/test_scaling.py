@@ -192,3 +192,44 @@ def test_cli_simulate_from_numbers(tmp_path):
     assert data["profile"]["buckets"] == 4  # ceil(100e6 / 25 MiB)
     assert [r["link"] for r in data["rows"]] == ["infiniband"] * 11 + ["ethernet"] * 11
     assert (tmp_path / "simulation.md").exists() and (tmp_path / "simulation.png").exists()
+
+
+def test_scale_cli_passes_train_options_through():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    scaling.add_cli(parser.add_subparsers())
+    args = parser.parse_args(["scale", "r", "--data", "d", "--set", "a.b=1", "--set", "c=[2,3]"])
+    assert scaling.train_args(args) == ["--data", "d", "--set", "a.b=1", "--set", "c=[2,3]"]
+
+
+@pytest.mark.dist
+def test_scale_sweep_end_to_end(tmp_path, tiny_microscopy):
+    """`fastvision scale --workers 1,2 --mode strong --simulate` on tiny data: real runs, every report file."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    sets = ["data.args.image_size=[32,32]", "model.args.filters=[4,8,16]", "data.num_workers=0", "examples=0",
+            "train.batch_size=4"]
+    cmd = [sys.executable, "-m", "fastvision.cli", "scale", "unet2d-microscopy", "--workers", "1,2",
+           "--mode", "strong", "--epochs", "2", "--simulate", "--links", "ethernet", "--device", "cpu",
+           "--data", str(tiny_microscopy), "--out", str(tmp_path), *[a for s in sets for a in ("--set", s)]]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, cwd=root, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("scaling.csv", "scaling.json", "scaling.md", "scaling.png", "simulation.json"):
+        assert (tmp_path / name).is_file(), name
+    with open(tmp_path / "scaling.csv", newline="") as f:
+        rows = {int(r["workers"]): r for r in csv.DictReader(f)}
+    assert sorted(rows) == [1, 2]
+    # strong scaling of the overridden batch: 4 images per step either way
+    assert float(rows[1]["global_batch"]) == float(rows[2]["global_batch"]) == 4
+    assert float(rows[2]["predicted_speedup"]) > 0 and rows[2]["metric"] != ""
+    for n, per_worker in ((1, 4), (2, 2)):
+        import yaml
+
+        cfg = yaml.safe_load((tmp_path / f"ddp-{n}-r0" / "config.yaml").read_text())
+        assert cfg["data"]["args"]["image_size"] == [32, 32] and cfg["model"]["args"]["filters"] == [4, 8, 16]
+        assert cfg["train"]["batch_size"] == per_worker and cfg["data"]["args"]["path"] == str(tiny_microscopy)
