@@ -126,6 +126,14 @@ def test_small_model_anchor_scale(anchor_scale, side):
     torch.testing.assert_close(out["anchors"][0], torch.tensor([4 - side / 2, 4 - side / 2, 4 + side / 2, 4 + side / 2]))
 
 
+@pytest.mark.parametrize("args,momentum", [({}, 0.1), ({"bn_momentum": 0.003}, 0.003)])
+def test_small_model_bn_momentum(args, momentum):
+    model = MODELS.build("ssd320-small", {"num_classes": 2, **args})
+    head_bns = [m for m in [*model.fpn.modules(), *model.head.modules()] if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(head_bns) == 4 + 2 * 5 * 2 and all(m.momentum == momentum for m in head_bns)  # FPN 4 + towers 2x5x2
+    assert model.backbone.bn1.momentum == 0.1  # the backbone keeps its own
+
+
 # -- the detection task (fastvision/tasks/detect.py) ------------------------------------------
 def test_detection_task_end_to_end(tmp_path):
     import json

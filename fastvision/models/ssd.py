@@ -166,11 +166,14 @@ class SSD(nn.Module):
         depth: FPN and head channels.
         head_layers: conv layers per tower.
         anchor_scale, aspect_ratios, scales_per_octave: anchor generator settings.
+        bn_momentum: running-statistics momentum of the FPN and head BatchNorms (TF's decay 0.997
+            is 0.003: right for 12,500 steps, but a few hundred steps leave the eval statistics
+            near their initial values, so short runs want PyTorch's 0.1).
     """
 
     def __init__(self, backbone: nn.Module, num_classes: int, depth: int = 256, head_layers: int = 4,
                  anchor_scale: float = 4.0, aspect_ratios: tuple[float, ...] = (1.0, 2.0, 0.5),
-                 scales_per_octave: int = 2):
+                 scales_per_octave: int = 2, bn_momentum: float = BN_MOMENTUM):
         super().__init__()
         self.backbone = backbone
         self.fpn = FPN(tuple(backbone.feature_channels), depth)
@@ -178,6 +181,9 @@ class SSD(nn.Module):
                                 scales_per_octave=scales_per_octave)
         num_anchors = len(aspect_ratios) * scales_per_octave
         self.head = SharedHead(depth, num_anchors, num_classes, head_layers, len(LEVELS))
+        for m in [*self.fpn.modules(), *self.head.modules()]:
+            if isinstance(m, nn.BatchNorm2d):
+                m.momentum = bn_momentum
         self.num_classes = num_classes
         self._anchor_cache: dict[tuple, Tensor] = {}
 
@@ -283,12 +289,12 @@ def postprocess(outputs: dict[str, Tensor], image_size: tuple[int, int], score_t
 
 
 def build_ssd(depth_resnet: int, num_classes: int, depth: int, head_layers: int, frozen_bn: bool,
-              backbone_weights: str | None, anchor_scale: float = 4.0) -> SSD:
+              backbone_weights: str | None, anchor_scale: float = 4.0, bn_momentum: float = BN_MOMENTUM) -> SSD:
     """ResNet-``depth_resnet`` backbone (optionally from a local state dict) + FPN + head."""
     backbone = build_resnet(depth_resnet, num_classes=0, pretrained=backbone_weights)
     if frozen_bn:
         freeze_batchnorm(backbone)
-    return SSD(backbone, num_classes, depth, head_layers, anchor_scale=anchor_scale)
+    return SSD(backbone, num_classes, depth, head_layers, anchor_scale=anchor_scale, bn_momentum=bn_momentum)
 
 
 @MODELS.register("ssd320")
@@ -303,10 +309,11 @@ def ssd320(num_classes: int = 90, frozen_bn: bool = False, backbone_weights: str
 
 @MODELS.register("ssd320-small")
 def ssd320_small(num_classes: int = 90, frozen_bn: bool = False, backbone_weights: str | None = None,
-                 anchor_scale: float = 4.0) -> SSD:
+                 anchor_scale: float = 4.0, bn_momentum: float = 0.1) -> SSD:
     """CPU-sized variant: ResNet-18, FPN/head depth 64, 2-layer towers, same anchor layout and loss.
 
     ``anchor_scale`` sets the P3 anchor side (``anchor_scale * 8`` px): smaller inputs want a
     smaller one (4 gives 32 px, 10% of a 320 input; 2 gives 16 px, 12.5% of a 128 input).
+    ``bn_momentum`` defaults to PyTorch's 0.1: CPU runs last a few hundred steps (see :class:`SSD`).
     """
-    return build_ssd(18, num_classes, 64, 2, frozen_bn, backbone_weights, anchor_scale)
+    return build_ssd(18, num_classes, 64, 2, frozen_bn, backbone_weights, anchor_scale, bn_momentum)
