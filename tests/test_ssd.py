@@ -123,7 +123,8 @@ def test_small_model_anchor_scale(anchor_scale, side):
     out = model.eval()(torch.zeros(1, 3, 128, 128))
     # 128 px: grids 16, 8, 4, 2, 1 with 6 anchors each; the first P3 anchor is centred at (4, 4).
     assert out["anchors"].shape == (6 * (256 + 64 + 16 + 4 + 1), 4)
-    torch.testing.assert_close(out["anchors"][0], torch.tensor([4 - side / 2, 4 - side / 2, 4 + side / 2, 4 + side / 2]))
+    half = side / 2
+    torch.testing.assert_close(out["anchors"][0], torch.tensor([4 - half, 4 - half, 4 + half, 4 + half]))
 
 
 @pytest.mark.parametrize("args,momentum", [({}, 0.1), ({"bn_momentum": 0.003}, 0.003)])
