@@ -103,7 +103,7 @@ def load_run(path: str | Path, device: str = "auto"):
     cfg.train.device = device
     cfg.train.compile = False
     run = build(cfg)
-    run.model.load_state_dict(ckpt["model"])
+    run.model.load_state_dict(ckpt.get("eval_model", ckpt["model"]))  # EMA weights when trained with EMA
     run.model.eval()
     return run, ckpt_path
 

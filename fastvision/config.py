@@ -89,6 +89,7 @@ class TrainConfig:
     check_finite: bool = True  # skip non-finite steps (one host sync per step; fp16 scaler does its own)
     max_nonfinite: int = 20  # consecutive skipped steps before the run stops
     steps_per_epoch: int | None = None  # cap on steps per epoch (smoke tests, benchmarks)
+    ema_decay: float | None = None  # exponential moving average of the weights, used for validation
     emulate_workers: int = 1  # one process trains as N data-parallel workers would (same global batch)
     backend: Literal["ddp", "horovod"] = "ddp"
     sync_bn: bool = False  # SyncBatchNorm across ranks

@@ -181,9 +181,10 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     generator.manual_seed(tc.seed * 1_000_003 + env.rank)
     target = parse_target(tc.target)
 
+    ema = make_ema(model, tc.ema_decay)
     state = {"epoch": -1, "step": 0, "best": None, "train_time": 0.0, "history": []}
     if resume is not None:
-        state = _restore(checkpoint.load(resume, device), model, optimizer, scheduler, precision, generator)
+        state = _restore(checkpoint.load(resume, device), model, optimizer, scheduler, precision, generator, ema)
         log.info("resumed from %s at epoch %d", resume, state["epoch"] + 1)
 
     ddp = dist.wrap_model(model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
@@ -204,19 +205,19 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
             train_loader.set_epoch(epoch)
             t0 = time.perf_counter()
             stats = train_one_epoch(train_model, task, train_loader, optimizer, scheduler, precision, generator,
-                                    tc, micro_steps, epoch, steps_per_epoch, state, logger)
+                                    tc, micro_steps, epoch, steps_per_epoch, state, logger, ema)
             state["train_time"] += time.perf_counter() - t0
             row = {"train_loss": stats["loss"], "lr": optimizer.param_groups[0]["lr"],
                    "images_per_s": stats["images_per_s"], "epoch_time_s": stats["time_s"]}
             if (epoch + 1) % tc.val_every == 0 or epoch + 1 == tc.epochs:
-                row.update(evaluate(model, task, val_loader, device, precision, tc.channels_last))
+                row.update(evaluate(eval_model(model, ema), task, val_loader, device, precision, tc.channels_last))
             logger.epoch_end(epoch, row)
             state["epoch"], state["history"] = epoch, logger.history
             improved = _improved(task, row, state["best"])
             if improved:
                 state["best"] = row[task.primary_metric]
             if env.is_main:
-                ckpt = _checkpoint(model, optimizer, scheduler, precision, generator, state, resolved)
+                ckpt = _checkpoint(model, optimizer, scheduler, precision, generator, state, resolved, ema)
                 checkpoint.atomic_save(ckpt, run_dir / "checkpoints" / "last.pt")
                 if improved:
                     checkpoint.atomic_save(ckpt, run_dir / "checkpoints" / "best.pt")
@@ -233,19 +234,20 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
                         f"best_{task.primary_metric}": state["best"],
                         **{k: v for k, v in last.items() if k != "epoch"}})
         if env.is_main:
-            _finish(run, val_loader, precision, logger, summary, run_dir)
+            _finish(run, eval_model(model, ema), val_loader, precision, logger, summary, run_dir)
     finally:
         logger.close()
     return summary
 
 
-def _finish(run: Run, val_loader, precision, logger: RunLogger, summary: dict, run_dir: Path) -> None:
+def _finish(run: Run, model: nn.Module, val_loader, precision, logger: RunLogger, summary: dict,
+            run_dir: Path) -> None:
     """Prediction overlays of a few validation images, curves.png, the summary event and table."""
     if run.cfg.examples and hasattr(run.task, "save_examples"):
         batch = run.task.to_device(next(iter(val_loader)), run.device, run.cfg.train.channels_last)
-        run.model.eval()
+        model.eval()
         with torch.no_grad(), precision.autocast():
-            out = run.task.eval_forward(run.model, batch)
+            out = run.task.eval_forward(model, batch)
         out = out.float() if torch.is_tensor(out) else out
         if run.task.save_examples(out, batch, run_dir / "examples", run.cfg.examples):
             summary["examples"] = str(run_dir / "examples")
@@ -257,7 +259,7 @@ def _finish(run: Run, val_loader, precision, logger: RunLogger, summary: dict, r
 
 def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: runtime.Precision,
                     generator, tc, micro_steps: int, epoch: int, steps: int, state: dict,
-                    logger: RunLogger) -> dict[str, float]:
+                    logger: RunLogger, ema=None) -> dict[str, float]:
     """One epoch of ``steps`` optimizer steps, each over ``micro_steps`` micro-batches."""
     model.train()
     logger.start_epoch(epoch, tc.epochs, steps)
@@ -301,6 +303,8 @@ def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: 
         else:
             bad_streak = 0
             scheduler.step()
+            if ema is not None:
+                ema.update_parameters(dist.unwrap(model))
             loss_sum += loss
             loss_count += 1
         state["step"] += 1
@@ -360,16 +364,37 @@ def _reached(task: Task, name: str, value: float, goal: float) -> bool:
     return value >= goal if higher else value <= goal
 
 
-def _checkpoint(model, optimizer, scheduler, precision, generator, state, resolved) -> dict[str, Any]:
-    return {"model": checkpoint.strip_prefixes(dist.unwrap(model).state_dict()),
+def make_ema(model: nn.Module, decay: float | None):
+    """An exponential moving average of the weights (and buffers), or None."""
+    if decay is None:
+        return None
+    if not 0.0 < decay < 1.0:
+        raise ConfigError(f"train.ema_decay must be in (0, 1), got {decay}")
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+
+def eval_model(model: nn.Module, ema) -> nn.Module:
+    """The weights that are validated and that ``predict`` uses: the EMA when there is one."""
+    return ema.module if ema is not None else model
+
+
+def _checkpoint(model, optimizer, scheduler, precision, generator, state, resolved, ema=None) -> dict[str, Any]:
+    extra = {"ema": ema.state_dict(), "eval_model": ema.module.state_dict()} if ema is not None else {}
+    return {**extra, "model": checkpoint.strip_prefixes(dist.unwrap(model).state_dict()),
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "scaler": precision.scaler.state_dict(), "epoch": state["epoch"], "step": state["step"],
             "best": state["best"], "train_time": state["train_time"], "history": state["history"],
             "rng": runtime.rng_state(generator), "config": resolved, "fastvision": __version__}
 
 
-def _restore(ckpt, model, optimizer, scheduler, precision, generator) -> dict[str, Any]:
+def _restore(ckpt, model, optimizer, scheduler, precision, generator, ema=None) -> dict[str, Any]:
     model.load_state_dict(ckpt["model"])
+    if ema is not None:
+        if "ema" not in ckpt:
+            raise ConfigError("train.ema_decay is set but the checkpoint has no EMA weights to resume")
+        ema.load_state_dict(ckpt["ema"])
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
     precision.scaler.load_state_dict(ckpt["scaler"])

@@ -133,3 +133,19 @@ def test_checkpoint_with_pickled_code_is_refused(tmp_path):
     torch.save({"model": {}, "x": _Payload()}, path)
     with pytest.raises(DataError, match="evil.pt"):
         checkpoint.load(path)
+
+
+def test_ema_weights_are_validated_saved_and_resumed(tiny_microscopy, tmp_path):
+    """The EMA is updated once per optimizer step, is what evaluation loads, and continues on resume."""
+    over = tiny_overrides(tiny_microscopy, epochs=1, **{"train.ema_decay": 0.5})
+    fastvision.train("unet2d-microscopy", out=str(tmp_path / "ema"), **over)
+    ckpt = checkpoint.load(tmp_path / "ema" / "checkpoints" / "last.pt")
+    assert int(ckpt["ema"]["n_averaged"]) == 3  # one update per optimizer step
+    name = "encoders.0.0.conv.weight"
+    assert not torch.equal(ckpt["eval_model"][name], ckpt["model"][name])
+    run, _ = api.load_run(tmp_path / "ema", device="cpu")
+    assert torch.equal(run.model.state_dict()[name], ckpt["eval_model"][name])
+    summary = fastvision.train("unet2d-microscopy", out=str(tmp_path / "ema"), resume="auto",
+                               **{**over, "epochs": 2})
+    assert summary["epochs"] == 2
+    assert int(checkpoint.load(tmp_path / "ema" / "checkpoints" / "last.pt")["ema"]["n_averaged"]) == 6
