@@ -4,7 +4,10 @@ One process, ``torchrun`` (one node or many) and ``srun`` under SLURM share one 
 :func:`detect_env` turns the environment into a :class:`DistEnv`, :func:`init` starts the process
 group (NCCL on CUDA, gloo on CPU) only when there is more than one process, and everything else
 (reductions, the DDP wrap, samplers) degrades to a no-op or an identity in a single process, so
-the engine never branches on the world size.
+the engine never branches on the world size. With ``backend="horovod"`` the same functions go
+through ``horovod.torch`` instead (:func:`wrap_optimizer`, :func:`broadcast_state`,
+:func:`synchronized` are the horovod-only steps, identities under DDP). Environment parsing lives in
+:mod:`fastvision.dist_env`, the samplers in :mod:`fastvision.samplers`; both are re-exported here.
 
 Samplers follow two different rules on purpose:
 
@@ -20,205 +23,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
-import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Sequence, Sized
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.data import Sampler
 
+from .dist_env import DEFAULT_PORT, SLURM_PORT_BASE, SLURM_PORT_SPAN, DistEnv, detect_env, expand_nodelist  # noqa: F401
 from .errors import ConfigError
+from .samplers import EvalSampler, TrainSampler, _mix_seed  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 29500
-# Port derived from a SLURM job id lands in [SLURM_PORT_BASE, SLURM_PORT_BASE + SLURM_PORT_SPAN):
-# above the common service ports and below the Linux ephemeral range (32768+), so two jobs sharing a
-# node rarely collide and an outgoing connection never holds the port.
-SLURM_PORT_BASE = 12000
-SLURM_PORT_SPAN = 20000
-# Slurm's id for the batch-script step (SLURM_BATCH_SCRIPT): not a task launched by srun.
-_SLURM_BATCH_STEP = "4294967294"
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this process sits in the job.
-
-    Attributes:
-        rank: global rank in ``[0, world_size)``.
-        local_rank: rank among the processes on this node (selects the GPU).
-        world_size: number of processes in the job.
-        local_world_size: number of processes on this node.
-        launcher: ``"single"``, ``"torchrun"`` or ``"slurm"``.
-        master_addr: host of rank 0 (rendezvous address).
-        master_port: TCP port of the rendezvous store.
-    """
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    launcher: str = "single"
-    master_addr: str = "127.0.0.1"
-    master_port: int = DEFAULT_PORT
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-# --------------------------------------------------------------------------- environment
-
-
-def _int(environ: Mapping[str, str], key: str) -> int:
-    try:
-        return int(environ[key])
-    except ValueError:
-        raise ConfigError(f"environment variable {key}={environ[key]!r} is not an integer") from None
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM host list such as ``"node[01-03,07],gpu5"`` into host names.
-
-    Zero padding of range bounds is kept (``[08-10]`` -> ``08, 09, 10``); several bracket groups in
-    one name expand to their product (``r[1-2]n[1-2]`` -> ``r1n1, r1n2, r2n1, r2n2``).
-    """
-    hosts: list[str] = []
-    for item in _split_top_level(nodelist.strip()):
-        expanded = [""]
-        for literal, group in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
-            if not literal and not group:
-                continue
-            parts = [literal]
-            if group:
-                parts = [literal + n for n in _expand_range_group(group, nodelist)]
-            expanded = [prefix + p for prefix in expanded for p in parts]
-        hosts.extend(h for h in expanded if h)
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split on commas that are not inside brackets."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    items.append(text[start:])
-    return [s.strip() for s in items if s.strip()]
-
-
-def _expand_range_group(group: str, nodelist: str) -> list[str]:
-    out = []
-    for part in group.split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ConfigError(f"cannot parse SLURM node list {nodelist!r} (range {part!r})")
-        if not hi:
-            out.append(lo)
-            continue
-        width = len(lo) if lo.startswith("0") else 0
-        out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
-    return out
-
-
-def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
-    """Tasks on node ``node_id`` from a SLURM spec such as ``"2(x3),1"``."""
-    counts: list[int] = []
-    for part in tasks_per_node.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if not m:
-            raise ConfigError(f"cannot parse SLURM tasks-per-node {tasks_per_node!r}")
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-    return counts[min(node_id, len(counts) - 1)]
-
-
-def _slurm_port(environ: Mapping[str, str]) -> int:
-    if "MASTER_PORT" in environ:
-        return _int(environ, "MASTER_PORT")
-    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "0"
-    digits = re.sub(r"\D", "", job) or "0"
-    return SLURM_PORT_BASE + int(digits) % SLURM_PORT_SPAN
-
-
-def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
-    """Read the launch environment.
-
-    Precedence: torchrun variables (``RANK``/``WORLD_SIZE``, also set by ``torchrun`` inside a SLURM
-    job), then a task started by ``srun``, then a single process.
-
-    Args:
-        environ: the environment to read (a plain dict in tests).
-
-    Returns:
-        The process's place in the job.
-
-    Raises:
-        ConfigError: a multi-task SLURM allocation entered without ``srun`` (every task would think
-            it is alone and train on the whole data set), or malformed variables.
-    """
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        world = _int(environ, "WORLD_SIZE")
-        return DistEnv(
-            rank=_int(environ, "RANK"),
-            local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
-            world_size=world,
-            local_world_size=_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world,
-            launcher="torchrun",
-            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_PORT,
-        )
-
-    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
-    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
-    under_srun = "SLURM_PROCID" in environ and step is not None and step != _SLURM_BATCH_STEP
-    if job_id is not None and under_srun:
-        world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
-        world = _int(environ, world_key) if world_key in environ else 1
-        node_id = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
-        per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-        nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-                    or environ.get("SLURM_NODELIST"))
-        if "MASTER_ADDR" in environ:
-            master = environ["MASTER_ADDR"]
-        elif nodelist:
-            master = expand_nodelist(nodelist)[0]
-        else:
-            master = "127.0.0.1"
-        return DistEnv(
-            rank=_int(environ, "SLURM_PROCID"),
-            local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
-            world_size=world,
-            local_world_size=_tasks_on_node(per_node, node_id) if per_node else world,
-            launcher="slurm",
-            master_addr=master,
-            master_port=_slurm_port(environ),
-        )
-
-    if job_id is not None:
-        ntasks = _int(environ, "SLURM_NTASKS") if "SLURM_NTASKS" in environ else 1
-        if ntasks > 1:
-            raise ConfigError(
-                f"SLURM job {job_id} has {ntasks} tasks (SLURM_NTASKS) but this process was not started by "
-                "srun (no SLURM_PROCID/SLURM_STEP_ID): launch with `srun fastvision train ...` "
-                "(see scripts/slurm/train.sbatch), or with torchrun"
-            )
-    return DistEnv()
-
+# horovod.torch once init(backend="horovod") ran: the collectives below then go through it.
+_hvd: Any = None
 
 # --------------------------------------------------------------------------- process group
 
@@ -240,18 +62,22 @@ def _resolve_device(device: str, env: DistEnv) -> torch.device:
     return dev
 
 
-def init(device: str = "auto", timeout_s: float = 300) -> tuple[DistEnv, torch.device]:
+def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> tuple[DistEnv, torch.device]:
     """Detect the launch environment, pick the device and join the process group.
 
     Args:
         device: ``"auto"`` (``cuda:local_rank`` when CUDA is available, else ``cpu``), ``"cpu"``,
             ``"cuda"`` or ``"cuda:N"``.
         timeout_s: collective timeout in seconds; a hung peer fails the job after this long.
+        backend: ``"ddp"`` (torch.distributed) or ``"horovod"`` (``horovod.torch``, started by
+            ``horovodrun``; every collective of this module then goes through horovod).
 
     Returns:
         ``(env, device)``. The process group is started (NCCL on CUDA, gloo otherwise) only when
         ``env.world_size > 1``; calling again after a successful init is harmless.
     """
+    if backend == "horovod":
+        return _init_horovod(device)
     env = detect_env()
     dev = _resolve_device(device, env)
     if env.world_size > 1 and not dist.is_initialized():
@@ -272,16 +98,22 @@ def init(device: str = "auto", timeout_s: float = 300) -> tuple[DistEnv, torch.d
 
 
 def _active() -> bool:
+    if _hvd is not None:
+        return _hvd.size() > 1
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def rank() -> int:
     """Global rank of this process (0 without a process group)."""
+    if _hvd is not None:
+        return _hvd.rank()
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def world_size() -> int:
     """Number of processes (1 without a process group)."""
+    if _hvd is not None:
+        return _hvd.size()
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -292,7 +124,9 @@ def is_main() -> bool:
 
 def all_reduce_sum(t: Tensor) -> Tensor:
     """Sum ``t`` across ranks in place and return it (identity in one process)."""
-    if _active():
+    if _active() and _hvd is not None:
+        _hvd.allreduce_(t, op=_hvd.Sum)
+    elif _active():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
@@ -308,6 +142,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank (``obj`` itself in one process)."""
     if not _active():
         return obj
+    if _hvd is not None:
+        return _hvd.broadcast_object(obj, root_rank=src)
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
@@ -317,6 +153,8 @@ def gather_objects(obj: Any) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order, on every rank (e.g. detections for COCO eval)."""
     if not _active():
         return [obj]
+    if _hvd is not None:
+        return _hvd.allgather_object(obj)
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -324,34 +162,55 @@ def gather_objects(obj: Any) -> list[Any]:
 
 def barrier() -> None:
     """Wait for every rank (no-op in one process)."""
-    if _active():
+    if _active() and _hvd is not None:
+        _hvd.barrier()
+    elif _active():
         dist.barrier()
 
 
 def shutdown() -> None:
     """Leave the process group, if one was started."""
+    global _hvd
+    if _hvd is not None:
+        _hvd.shutdown()
+        _hvd = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-def launch_local(nproc: int, cmd: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
-    """Run ``cmd`` as ``nproc`` workers on this node through torch's own launcher; return its exit code.
+def launch_local(nproc: int, cmd: Sequence[str], environ: Mapping[str, str] | None = None,
+                 backend: str = "ddp") -> int:
+    """Run ``cmd`` as ``nproc`` workers on this node; return the launcher's exit code.
 
-    ``torch.distributed.run --standalone`` picks a free rendezvous port, sets ``RANK``/``LOCAL_RANK``/
-    ``WORLD_SIZE`` for each worker and, if one worker dies, stops the others and names the failed
-    rank, so a crash never leaves a job hanging in a collective.
+    ``ddp``: ``torch.distributed.run --standalone`` picks a free rendezvous port, sets ``RANK``/
+    ``LOCAL_RANK``/``WORLD_SIZE`` for each worker and, if one worker dies, stops the others and names
+    the failed rank, so a crash never leaves a job hanging in a collective. ``horovod``:
+    ``horovodrun --gloo`` on localhost (horovod's own rendezvous; it also stops the job on a failure).
 
     Args:
         nproc: number of worker processes.
-        cmd: what torchrun runs, e.g. ``["-m", "fastvision.cli", "train", "unet2d-microscopy"]``.
+        cmd: what each worker runs after ``python``, e.g. ``["-m", "fastvision.cli", "train", "r"]``.
         environ: environment for the workers (default: this process's).
+        backend: ``"ddp"`` or ``"horovod"``.
     """
     env = dict(os.environ if environ is None else environ)
     # Without this torchrun sets 1 thread per worker and warns; share the cores instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd]
+    if backend == "horovod":
+        args = [*horovodrun_command(nproc), sys.executable, *cmd]
+    else:
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd]
     log.info("launching %d local workers: %s", nproc, " ".join(args))
     return subprocess.run(args, env=env).returncode
+
+
+def horovodrun_command(nproc: int, hosts: str | None = None) -> list[str]:
+    """``horovodrun`` arguments for ``nproc`` gloo workers (``hosts`` like ``"n1:4,n2:4"``; default localhost)."""
+    horovod()  # the actionable error when horovod is absent
+    exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    if not os.path.exists(exe):
+        exe = "horovodrun"
+    return [exe, "--gloo", "-np", str(nproc), "-H", hosts or f"localhost:{nproc}"]
 
 
 def strip_option(argv: Sequence[str], option: str, takes_value: bool = True) -> list[str]:
@@ -379,6 +238,70 @@ def horovod() -> Any:
     return hvd
 
 
+def _init_horovod(device: str) -> tuple[DistEnv, torch.device]:
+    """``hvd.init()``; rank, size and local rank come from horovod (horovodrun sets them)."""
+    global _hvd
+    hvd = horovod()
+    if _hvd is None:
+        hvd.init()
+        _hvd = hvd
+    env = DistEnv(rank=hvd.rank(), local_rank=hvd.local_rank(), world_size=hvd.size(),
+                  local_world_size=hvd.local_size(), launcher="horovod")
+    dev = _resolve_device(device, env)
+    if env.rank == 0:
+        log.info("horovod: %d processes (%s)", env.world_size, "gloo" if hvd.gloo_enabled() else "mpi")
+    return env, dev
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
+                   backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+    """Horovod: ``hvd.DistributedOptimizer`` averaging gradients over ranks; otherwise ``optimizer``.
+
+    Call it before building the LR scheduler: horovod returns a new optimizer object (same
+    parameter groups). Gradients are all-reduced once per ``backward_passes_per_step`` backward
+    passes (the accumulation micro-steps), as DDP does under :func:`no_sync`.
+
+    Args:
+        optimizer: the torch optimizer over ``model``'s parameters.
+        model: the bare model (its parameter names name the all-reduces).
+        backward_passes_per_step: micro-batches per optimizer step.
+    """
+    if _hvd is None:
+        return optimizer
+    return _hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=backward_passes_per_step, op=_hvd.Average)
+
+
+def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Horovod: copy rank 0's weights, buffers and (non-empty) optimizer state to every rank.
+
+    DDP does the same when it wraps the model; call this after a resume has loaded a checkpoint.
+    A fresh optimizer is not broadcast: horovod would first take a zero-gradient step to create its
+    state, which moves weights under weight decay and counts a step in Adam's bias correction.
+    """
+    if _hvd is None or _hvd.size() == 1:
+        return
+    _hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if optimizer.state_dict()["state"]:
+        _hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+
+@contextlib.contextmanager
+def synchronized(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Finish the gradient all-reduce now, then step without a second one (horovod); no-op for DDP.
+
+    Wrap everything between the last backward and ``zero_grad`` in it, so that clipping, the AMP
+    scaler's unscale and finiteness checks see the averaged gradients (horovod reduces them in the
+    background until ``synchronize()``; DDP has finished by the end of ``backward``).
+    """
+    if _hvd is None or not hasattr(optimizer, "skip_synchronize"):
+        yield
+        return
+    optimizer.synchronize()
+    with optimizer.skip_synchronize():
+        yield
+
+
 # --------------------------------------------------------------------------- model wrapping
 
 
@@ -398,8 +321,10 @@ def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False,
         The model itself in one process, else a ``DistributedDataParallel`` wrapper.
     """
     model = model.to(device)
-    if not _active():
-        return model
+    if _hvd is not None and sync_bn:
+        raise ConfigError("train.sync_bn is not supported with --backend horovod; use ddp")
+    if _hvd is not None or not _active():
+        return model  # horovod reduces in its optimizer (wrap_optimizer)
     if sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return nn.parallel.DistributedDataParallel(
@@ -435,130 +360,3 @@ def no_sync(model: nn.Module, skip: bool = True) -> contextlib.AbstractContextMa
     if skip and isinstance(inner, nn.parallel.DistributedDataParallel):
         return inner.no_sync()
     return contextlib.nullcontext()
-
-
-# --------------------------------------------------------------------------- samplers
-
-
-def _length(data: Sized | int) -> int:
-    return data if isinstance(data, int) else len(data)
-
-
-def _group(num_replicas: int | None, rank_: int | None) -> tuple[int, int]:
-    n = world_size() if num_replicas is None else num_replicas
-    r = rank() if rank_ is None else rank_
-    if not 0 <= r < n:
-        raise ValueError(f"rank {r} outside [0, {n})")
-    return n, r
-
-
-def _mix_seed(seed: int, epoch: int) -> int:
-    """A 32-bit generator seed from ``(seed, epoch)`` by splitmix64 finalisation.
-
-    ``seed + epoch`` would make (0, 1) and (1, 0) the same epoch; and torch's CPU generator keeps
-    only the low 32 bits of its seed, so the two numbers are mixed rather than concatenated.
-    """
-    mask = (1 << 64) - 1
-    z = ((seed & 0xFFFFFFFF) << 32 | (epoch & 0xFFFFFFFF)) & mask
-    z = (z + 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return (z ^ (z >> 31)) & 0xFFFFFFFF
-
-
-class TrainSampler(Sampler[int]):
-    """This rank's share of a permutation that depends only on ``(seed, epoch)``.
-
-    Every rank yields ``ceil(n / world)`` indices (or ``floor`` with ``drop_last``); the permutation
-    is padded by wrapping around so all ranks run the same number of steps. Rank ``r`` takes
-    positions ``r, r + world, ...``, so with per-rank batch ``b`` the ranks' ``k``-th batches together
-    are positions ``[k*b*world, (k+1)*b*world)`` of the permutation: the same global batch as one
-    process with batch ``b*world``. Call :meth:`set_epoch` before every epoch.
-
-    Args:
-        data: the dataset (anything with ``len``) or its length.
-        num_replicas: world size (default: the process group's).
-        rank: this rank (default: the process group's).
-        seed: permutation seed, shared by all ranks.
-        shuffle: permute (else the natural order).
-        drop_last: drop the tail instead of padding.
-        emulate_workers: in one process, order the indices as the micro-batches of this many
-            workers (``--emulate-workers``); each emulated worker's partial last batch is dropped,
-            as a training loader with ``drop_last`` does on a real rank.
-        batch_size: per-worker batch, needed only when emulating.
-    """
-
-    def __init__(self, data: Sized | int, *, num_replicas: int | None = None, rank: int | None = None,
-                 seed: int = 0, shuffle: bool = True, drop_last: bool = False, emulate_workers: int = 1,
-                 batch_size: int = 1):
-        self.n = _length(data)
-        self.num_replicas, self.rank = _group(num_replicas, rank)
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
-        self.emulate, self.batch_size = emulate_workers, batch_size
-        if emulate_workers > 1 and self.num_replicas != 1:
-            raise ConfigError("emulated workers run in one process; do not combine with several ranks")
-        self.epoch = 0
-        shards = self.num_replicas * self.emulate
-        if drop_last:
-            self.total = (self.n // shards) * shards
-        else:
-            self.total = math.ceil(self.n / shards) * shards
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def permutation(self) -> list[int]:
-        """The whole (padded) permutation of this epoch, identical on every rank."""
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(_mix_seed(self.seed, self.epoch))
-            order = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
-        if self.total > self.n and self.n > 0:
-            order = (order * math.ceil(self.total / self.n))[: self.total]
-        return order[: self.total]
-
-    def __iter__(self) -> Iterator[int]:
-        order = self.permutation()
-        if self.emulate == 1:
-            return iter(order[self.rank :: self.num_replicas])
-        # Emulation: worker w's j-th batch comes right after worker w-1's j-th batch, so a loader
-        # with ``batch_size`` and ``emulate`` x accumulation steps sees exactly the micro-batches
-        # the ranks of a real ``emulate``-process job would see (same BatchNorm batches).
-        shards = [order[w :: self.emulate] for w in range(self.emulate)]
-        b, full = self.batch_size, len(shards[0]) // self.batch_size
-        return iter([i for j in range(full) for shard in shards for i in shard[j * b:(j + 1) * b]])
-
-    def __len__(self) -> int:
-        if self.emulate > 1:
-            return (self.total // self.emulate // self.batch_size) * self.batch_size * self.emulate
-        return self.total // self.num_replicas
-
-
-class EvalSampler(Sampler[int]):
-    """A contiguous, unpadded shard of ``range(n)``: every index on exactly one rank.
-
-    Shard lengths differ by at most one. Metric sums from all ranks add up to the whole-set sums, so
-    a reduced IoU/Dice is exact (DistributedSampler's padding would count some samples twice).
-
-    Args:
-        data: the dataset (anything with ``len``) or its length.
-        num_replicas: world size (default: the process group's).
-        rank: this rank (default: the process group's).
-    """
-
-    def __init__(self, data: Sized | int, *, num_replicas: int | None = None, rank: int | None = None):
-        self.n = _length(data)
-        self.num_replicas, self.rank = _group(num_replicas, rank)
-        self.start = self.rank * self.n // self.num_replicas
-        self.stop = (self.rank + 1) * self.n // self.num_replicas
-
-    def set_epoch(self, epoch: int) -> None:  # same order every epoch; present for a uniform loop
-        pass
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.start, self.stop))
-
-    def __len__(self) -> int:
-        return self.stop - self.start
