@@ -211,3 +211,84 @@ def test_froc_itc_and_scaled_mask():
     # by hand: thresholds 0.2 0.3 0.6 0.7 0.9 -> FPs 1, 2/3, 2/3, 1/3, 0, 0; sens 1, 1, 1/2, 1/2, 1/2, 0
     # @1/4: between (0, 1/2) and (1/3, 1/2) -> 1/2 ; @1/2 -> 1/2 ; @1.. -> 1  => (1 + 4) / 6
     assert out["froc"] == pytest.approx(5 / 6)
+
+
+# ---------------------------------------------------------------- `fastvision froc` CLI
+
+def _froc_cli(argv, monkeypatch):
+    from fastvision import cli
+
+    if "fastvision.froc" not in cli.EXTENSIONS:  # until cli.EXTENSIONS lists it
+        monkeypatch.setattr(cli, "EXTENSIONS", (*cli.EXTENSIONS, "fastvision.froc"))
+    return cli.main(argv)
+
+
+def _write_hand_case(tmp_path, fmt, up=2, pad=0):
+    """The hand case on disk: heat maps as predict names them, masks `up` x larger (+ `pad` rows/cols),
+    slide_002 (normal) without a mask."""
+    heat, mask = _hand_case()
+    hd, md = tmp_path / "heat", tmp_path / "masks"
+    md.mkdir()
+    for i, (h, m) in enumerate(zip(heat, mask)):
+        tif, png = P.write_heatmap(h.astype(np.float32), hd / f"slide_{i:03d}_heatmap")
+        (png if fmt == "tif" else tif).unlink()
+        if m is not None:
+            big = np.pad(np.kron(m, np.ones((up, up), np.uint8)), ((0, pad), (0, pad)))
+            tifffile.imwrite(md / f"slide_{i:03d}.tif", big, tile=(16, 16), photometric="minisblack")
+    return hd, md
+
+
+@pytest.mark.parametrize("fmt,up,pad,flags", [
+    ("tif", 2, 0, []),
+    ("png", 2, 0, []),                                  # 8-bit heat maps keep the order of the peaks
+    ("tif", 2, 5, []),                                  # slide not a multiple of the stride: 37 // 16 = 2
+    ("tif", 4, 3, ["--stride", "4", "--mask-downsample", "2"]),
+    ("tif", 2, 0, ["--mask-downsample", "2"]),
+])
+def test_froc_cli_hand_case(tmp_path, monkeypatch, capsys, fmt, up, pad, flags):
+    import json
+
+    hd, md = _write_hand_case(tmp_path, fmt, up, pad)
+    rc = _froc_cli(["froc", str(hd), str(md), "--threshold", "0.05", "--json", str(tmp_path / "f.json"), *flags],
+                   monkeypatch)
+    assert rc == 0
+    out = json.loads((tmp_path / "f.json").read_text())
+    assert out["froc"] == pytest.approx(8 / 9)  # the hand computation of test_froc_hand_computed
+    assert (out["slides"], out["tumour_slides"], out["lesions"]) == (3, 2, 3)
+    assert "FROC 0.8889" in capsys.readouterr().out
+
+
+def test_froc_cli_itc_in_mask_pixels(tmp_path, monkeypatch):
+    import json
+
+    # masks 2x the heat map: L3 is 6x6 mask px, major axis 4 sqrt(35/12) = 6.83 px; ITC below 7 px
+    # -> the hand value 5/6 of test_froc_itc_and_scaled_mask; below 6.5 px it still counts (8/9)
+    hd, md = _write_hand_case(tmp_path, "tif")
+    for limit, want in ((7.0, 5 / 6), (6.5, 8 / 9)):
+        assert _froc_cli(["froc", str(hd), str(md), "--threshold", "0.05", "--itc-max-px", str(limit),
+                          "--json", str(tmp_path / "f.json")], monkeypatch) == 0
+        assert json.loads((tmp_path / "f.json").read_text())["froc"] == pytest.approx(want)
+
+
+def test_camelyon16_distances():
+    # Evaluation_FROC.py at level 5 of a 0.243 um/px slide: 75 / (0.243 * 32 * 2), 275 / (0.243 * 32)
+    d, i = FR.camelyon16_distances(0.243 * 2 ** 5)
+    assert d == pytest.approx(4.8225, abs=1e-4) and i == pytest.approx(35.365, abs=1e-3)
+
+
+def test_froc_cli_errors(tmp_path, monkeypatch, capsys):
+    hd, md = _write_hand_case(tmp_path, "tif")
+    (tmp_path / "empty").mkdir()
+    assert _froc_cli(["froc", str(tmp_path / "empty"), str(md)], monkeypatch) == 2
+    assert "no heat maps" in capsys.readouterr().err
+    for p in md.iterdir():
+        p.rename(md / f"other_{p.name}")
+    assert _froc_cli(["froc", str(hd), str(md)], monkeypatch) == 2
+    assert "no mask is named like a heat map" in capsys.readouterr().err
+    assert _froc_cli(["froc", str(hd), str(tmp_path / "nope")], monkeypatch) == 2
+    assert "folder not found" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tifffile.imwrite(bad / "s.tif", np.full((4, 4), 2.0, np.float32))
+    assert _froc_cli(["froc", str(bad), str(tmp_path / "empty")], monkeypatch) == 2
+    assert "probabilities in [0, 1]" in capsys.readouterr().err
