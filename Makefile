@@ -5,27 +5,34 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test venv clean horovod
 
-$(STAMP): pyproject.toml
+$(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch, sys; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 4))" 2>/dev/null \
-	  || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
-	touch $(STAMP)
+	  || $(PIP) "$(TORCH)"
+	touch $@
 
-venv: $(STAMP)
+$(VENV)/.base: $(VENV)/.torch pyproject.toml
+	$(PIP) -e .
+	touch $@
 
-demo: $(STAMP)
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.base
+
+demo: $(VENV)/.base
 	$(VENV)/bin/fastvision train unet2d-microscopy
 
-test: $(STAMP)
+test: $(VENV)/.test
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .cache
+	rm -rf $(VENV) runs
 
 # Opt-in (about 8 min on 2 cores): horovod 0.28.1, its last release, built from source into $(VENV)
 # for CPU with gloo and no MPI, so `--backend horovod` and `scale --backends ddp,horovod` work.
@@ -34,7 +41,8 @@ clean:
 # rejects its CMakeLists) and --no-build-isolation so the build sees the installed torch.
 HOROVOD ?= horovod==0.28.1
 HVD_CXX := $(abspath $(VENV))/bin/cxx17-for-horovod
-horovod: $(STAMP)
+
+horovod: $(VENV)/.base
 	$(PY) -m pip install -q "cmake>=3.13,<4" wheel setuptools
 	printf '%s\n' '#!/bin/sh' \
 	  '# written by `make horovod`: rewrite -std=c++14 to C++17 (torch headers need it)' \
