@@ -77,7 +77,7 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
     from .engine import fit
 
     cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
-    env, _ = dist.init(cfg.train.device)
+    env, _ = dist.init(cfg.train.device, backend=cfg.train.backend)
     # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
     run_dir, ckpt = dist.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
     summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
@@ -102,6 +102,7 @@ def load_run(path: str | Path, device: str = "auto"):
     cfg = config.from_dict(ckpt["config"])
     cfg.train.device = device
     cfg.train.compile = False
+    cfg.train.backend = "ddp"  # evaluation is one process: no horovod needed for a horovod-trained run
     run = build(cfg)
     run.model.load_state_dict(ckpt.get("eval_model", ckpt["model"]))  # EMA weights when trained with EMA
     run.model.eval()

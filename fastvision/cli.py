@@ -51,7 +51,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.nproc > 1 and dist.detect_env().launcher == "single":
         # Re-run this very command under torch's launcher, one process per worker.
-        return dist.launch_local(args.nproc, ["-m", "fastvision.cli", *dist.strip_option(args.argv, "--nproc")])
+        return dist.launch_local(args.nproc, ["-m", "fastvision.cli", *dist.strip_option(args.argv, "--nproc")],
+                                 backend=args.backend or "ddp")
     flat = {k: getattr(args, k) for k in ("data", "epochs", "batch_size", "lr", "amp", "tf32", "compile",
                                           "channels_last", "device", "seed", "target", "tensorboard",
                                           "emulate_workers", "backend")

@@ -52,7 +52,7 @@ class Run:
 def build(cfg: RunConfig) -> Run:
     """Resolve the device, then data, loss, task and model from their registries."""
     import_components()
-    env, device = dist.init(cfg.train.device)
+    env, device = dist.init(cfg.train.device, backend=cfg.train.backend)
     runtime.set_tf32(cfg.train.tf32)
     runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
     splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
@@ -159,13 +159,12 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
         raise ConfigError("train.accum_steps and train.emulate_workers must be >= 1")
     if tc.emulate_workers > 1 and env.world_size > 1:
         raise ConfigError("--emulate-workers runs in one process; do not combine it with --nproc or a launcher")
-    if tc.backend == "horovod":
-        dist.horovod()  # a clear error when horovod is not installed
-        raise ConfigError("--backend horovod: training through horovod is not available in this build; use ddp")
     micro_steps = tc.accum_steps * tc.emulate_workers  # micro-batches per optimizer step
     global_batch = tc.batch_size * micro_steps * env.world_size
     lr = optim.effective_lr(cfg.optim, global_batch)
     optimizer = optim.build_optimizer(model, cfg.optim, lr)
+    # horovod: DistributedOptimizer (a new object, so before the scheduler); DDP: unchanged
+    optimizer = dist.wrap_optimizer(optimizer, model, backward_passes_per_step=micro_steps)
     train_set = _cached(run.train_set, cfg, env, device)
     train_loader = make_loader(train_set, task, cfg, tc.batch_size, True, device)
     val_loader = make_loader(run.val_set, task, cfg, cfg.data.val_batch_size or tc.batch_size, False, device)
@@ -186,6 +185,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     if resume is not None:
         state = _restore(checkpoint.load(resume, device), model, optimizer, scheduler, precision, generator, ema)
         log.info("resumed from %s at epoch %d", resume, state["epoch"] + 1)
+    dist.broadcast_state(model, optimizer)  # horovod: rank 0's weights (+ resumed optimizer state); DDP: no-op
 
     ddp = dist.wrap_model(model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
                           static_graph=tc.ddp_static_graph)
@@ -285,19 +285,20 @@ def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: 
             images += task.batch_size(batch)
             compute_time += time.perf_counter() - t1
         loss = torch.stack(micro_losses).mean()
-        # Deliberate host sync: a non-finite loss must skip this update (fp16: the scaler checks).
-        if tc.check_finite and precision.mode != "fp16" and not bool(torch.isfinite(loss)):
+        with dist.synchronized(optimizer):  # horovod: all-reduce done before the checks, clip and step
+            # Deliberate host sync: a non-finite loss must skip this update (fp16: the scaler checks).
+            if tc.check_finite and precision.mode != "fp16" and not _finite_everywhere(loss):
+                optimizer.zero_grad(set_to_none=True)
+                bad_streak = _bad_step(bad_streak, tc, state, "loss is not finite")
+                step_in_epoch += 1
+                continue
+            if tc.clip_grad:
+                precision.scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad)
+            scale_before = precision.scaler.get_scale() if precision.mode == "fp16" else None
+            precision.scaler.step(optimizer)
+            precision.scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            bad_streak = _bad_step(bad_streak, tc, state, "loss is not finite")
-            step_in_epoch += 1
-            continue
-        if tc.clip_grad:
-            precision.scaler.unscale_(optimizer)
-            nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad)
-        scale_before = precision.scaler.get_scale() if precision.mode == "fp16" else None
-        precision.scaler.step(optimizer)
-        precision.scaler.update()
-        optimizer.zero_grad(set_to_none=True)
         if scale_before is not None and precision.scaler.get_scale() < scale_before:  # fp16 overflow: skipped
             bad_streak = _bad_step(bad_streak, tc, state, "fp16 gradients overflowed", quiet=bad_streak < 3)
         else:
@@ -320,8 +321,17 @@ def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: 
                       "compute_time_s": compute_time / max(1, step_in_epoch * micro_steps)}
             logger.step(epoch, step_in_epoch, state["step"], values)
     elapsed = time.perf_counter() - t_start
-    mean_loss = float(loss_sum) / loss_count if loss_count else math.nan  # one sync per epoch
+    # one sync and one collective per epoch: the mean loss over every rank's steps
+    totals = dist.all_reduce_sum(torch.stack([loss_sum.double(), loss_sum.new_tensor(loss_count).double()]))
+    mean_loss = float(totals[0] / totals[1]) if float(totals[1]) else math.nan
     return {"loss": mean_loss, "images_per_s": images * dist.world_size() / max(elapsed, 1e-9), "time_s": elapsed}
+
+
+def _finite_everywhere(loss: torch.Tensor) -> bool:
+    """Whether the loss is finite on every rank (a rank alone skipping a step would let the others
+    apply its all-reduced NaN gradients and the replicas drift apart)."""
+    bad = (~torch.isfinite(loss)).to(torch.float32).reshape(1)
+    return not bool(dist.all_reduce_sum(bad) > 0)
 
 
 def _bad_step(streak: int, tc, state: dict, why: str, quiet: bool = False) -> int:
