@@ -159,3 +159,37 @@ def test_resnet18_imagefolder_reaches_90_top1(tmp_path):
     s = run_training("resnet18-imagefolder", out=str(tmp_path / "run"), extra=extra + [{"train": {"device": "cpu"}}],
                      progress=False)
     assert s["target_reached"] and s["top1"] >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(config.TrainConfig(), "ema_decay"), reason="train.ema_decay not wired in the engine")
+def test_ema_weights_follow_the_hand_formula(tmp_path):
+    """Three one-step epochs, each resumed from the last checkpoint: the saved EMA must be
+    e1 = w1, e_k = d e_(k-1) + (1 - d) w_k over the raw weights w_k (floats: parameters and BN
+    statistics), and evaluate/predict must load the EMA weights."""
+    from fastvision.api import load_run, run_training
+    from fastvision.checkpoint import load
+    from fastvision.data.synth.imagenet import synth
+
+    d = 0.6
+    data = synth(tmp_path / "d", classes=3, per_class=2, val_per_class=1, size=36)
+    sets = [f"data.args.path={data}", "data.args.image_size=32", "data.args.resize_size=36", "task.args.num_classes=3",
+            "model.args.num_classes=3", "model.args.zero_init_residual=false", "train.steps_per_epoch=1",
+            "train.batch_size=2", "train.target=null", "optim.lr=25.6", "sched.name=constant",
+            "sched.warmup_epochs=0", f"train.ema_decay={d}", "examples=0"]
+    ckpts, resume = [], None
+    for k in (1, 2, 3):
+        extra = [config.parse_override(s) for s in (*sets, f"train.epochs={k}")] + [{"train": {"device": "cpu"}}]
+        run_training("resnet18-imagefolder", out=str(tmp_path / f"r{k}"), resume=resume, extra=extra, progress=False)
+        resume = str(tmp_path / f"r{k}" / "checkpoints" / "last.pt")
+        ckpts.append(load(resume))
+    w = [c["model"] for c in ckpts]
+    floats = [k for k, v in w[0].items() if v.is_floating_point()]
+    want = {k: d * d * w[0][k] + d * (1 - d) * w[1][k] + (1 - d) * w[2][k] for k in floats}
+    got = ckpts[2]["eval_model"]
+    assert max((got[k] - w[2][k]).abs().max().item() for k in floats) > 1e-3  # EMA differs from raw weights
+    for k in floats:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    run, _ = load_run(tmp_path / "r3" / "checkpoints" / "last.pt", device="cpu")
+    for k, v in run.model.state_dict().items():
+        torch.testing.assert_close(v, got[k])
