@@ -199,7 +199,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     logger.parameters(resolved, {**environment(env, device), "global_batch": global_batch,
                                  "base_lr": cfg.optim.lr, "effective_lr": lr, "data": run.info})
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "target_reached": None}
+    summary: dict[str, Any] = {"run_dir": str(run_dir)}
     try:
         for epoch in range(state["epoch"] + 1, tc.epochs):
             train_loader.set_epoch(epoch)

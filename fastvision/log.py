@@ -139,16 +139,16 @@ class RunLogger:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         ep = [h["epoch"] + 1 for h in self.history if "train_loss" in h]
-        ax.plot(ep, [h["train_loss"] for h in self.history if "train_loss" in h], "o-", label="train loss")
+        handles = ax.plot(ep, [h["train_loss"] for h in self.history if "train_loss" in h], "o-", label="train loss")
         ax.set_xlabel("epoch")
-        ax.set_ylabel("loss")
+        ax.set_ylabel("train loss")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         val = [(h["epoch"] + 1, h[metric]) for h in self.history if metric in h]
         if val:
             ax2 = ax.twinx()
-            ax2.plot(*zip(*val), "s-", color="tab:orange", label=f"val {metric}")
-            ax2.set_ylabel(f"val {metric}")
-            ax2.legend(loc="center right")
-        ax.legend(loc="upper right")
+            handles += ax2.plot(*zip(*val), "s-", color="tab:orange", label=f"validation {metric}")
+            ax2.set_ylabel(f"validation {metric}")
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         out = self.run_dir / "curves.png"

@@ -31,5 +31,6 @@ def overlay_png(image: torch.Tensor, label: torch.Tensor | None, pred: torch.Ten
     rgb[_outline(p)] = (255, 40, 40)
     if label is not None:
         rgb[_outline(label.detach().cpu().numpy() > 0)] = (40, 255, 40)
-    Image.fromarray(rgb.astype(np.uint8)).save(path)
+    zoom = max(1, 256 // max(rgb.shape[:2]))  # small images are enlarged (nearest) to be legible
+    Image.fromarray(rgb.astype(np.uint8)).resize((rgb.shape[1] * zoom, rgb.shape[0] * zoom), Image.NEAREST).save(path)
     return path
