@@ -32,6 +32,14 @@ def test_synth_layout_tiled_and_deterministic(slides, tmp_path):
     np.testing.assert_array_equal(tifffile.imread(again / "train" / "images" / "slide_000.tif"), tifffile.imread(img))
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_synth_lesions_are_whole_blobs(seed):
+    # each drawn blob is one lesion (overlapping blobs may merge), not a lesion plus frayed specks
+    for n in (1, 3):
+        mask = S.lesion_mask(512, n, np.random.default_rng(seed))
+        assert 1 <= FR.label_components(mask > 0).max() <= n
+
+
 @pytest.mark.parametrize("y,x,h,w", [(0, 0, 64, 64), (10, 50, 100, 30), (200, 230, 80, 40), (-5, -7, 20, 20), (300, 0, 4, 4)])
 def test_read_region_matches_whole_read(slides, y, x, h, w):
     path = slides / "train" / "images" / "slide_000.tif"
