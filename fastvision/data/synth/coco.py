@@ -96,7 +96,7 @@ def _image(image_id: int, rng: np.random.Generator, ann_id: list[int], sizes: tu
     placed: list[list[float]] = [a["bbox"] for a in anns]
     for _ in range(n):
         for _attempt in range(20):
-            # log-uniform half-size; the default 14-90 px spans COCO small (< 32^2), medium and large
+            # log-uniform half-size; the default 16-90 px spans COCO small (< 32^2), medium and large
             r = float(math.exp(rng.uniform(math.log(sizes[0]), math.log(min(sizes[1], min(w, h) * 0.3)))))
             cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
             cat, shape, hue = CATEGORIES[rng.integers(len(CATEGORIES))]
@@ -142,13 +142,13 @@ def _write_split(out: Path, split: str, count: int, first_id: int, rng: np.rando
 
 
 @SYNTH.register("coco")
-def synth(out: Path, *, seed: int = 0, train: int = 240, val: int = 60, min_size: float = 14.0,
+def synth(out: Path, *, seed: int = 0, train: int = 240, val: int = 60, min_size: float = 16.0,
           max_size: float = 90.0, max_objects: int = 4) -> Path:
     """Write the shapes dataset to ``out`` (deterministic under ``seed``).
 
-    The default object sizes suit the CPU recipe ``ssd320-small-shapes`` (160 px inputs, whose
-    smallest anchors are 32 px): at that input a 14 px half-size still spans about 14 px, and
-    smaller objects would be matched only by the forced matches.
+    The default object sizes suit the CPU recipe ``ssd320-small-shapes`` (128 px inputs, smallest
+    anchors 16 px): a 16 px half-size spans about 13 px there (still a COCO "small" object in
+    the original pixels); smaller objects would be matched only by the forced matches.
 
     Args:
         out: output folder (created).
