@@ -193,3 +193,49 @@ def test_ema_weights_follow_the_hand_formula(tmp_path):
     run, _ = load_run(tmp_path / "r3" / "checkpoints" / "last.pt", device="cpu")
     for k, v in run.model.state_dict().items():
         torch.testing.assert_close(v, got[k])
+
+
+def test_cli_predict_and_evaluate_imagefolder(tmp_path):
+    """`fastvision predict RUN folder` writes class index + name + probability equal to the model's
+    softmax on the validation items of the same files; `fastvision evaluate --json` reports the
+    metrics the run logged for its best checkpoint."""
+    import csv
+    import json
+
+    from fastvision.api import load_run
+    from fastvision.cli import main
+    from fastvision.data.synth.imagenet import synth
+
+    data = synth(tmp_path / "d", classes=3, per_class=2, val_per_class=2, size=40)
+    s = _smoke("resnet18-imagefolder", data, tmp_path, "data.args.image_size=32", "data.args.resize_size=36",
+               "task.args.num_classes=3", "model.args.num_classes=3")
+    run_dir = tmp_path / "run"
+    assert main(["predict", str(run_dir), str(data / "val" / "class001"), str(data / "val" / "class002" / "00000.JPEG"),
+                 "--out", str(tmp_path / "p"), "--device", "cpu"]) == 0
+    with open(tmp_path / "p" / "predictions.csv") as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == ["file", "class", "class_name", "probability"] and len(rows) == 4
+    run, _ = load_run(run_dir, device="cpu")
+    by_id = {run.val_set[i]["id"]: run.val_set[i] for i in range(len(run.val_set))}
+    for path, cls, name, prob in rows[1:]:
+        item = next(v for k, v in by_id.items() if k.endswith(path.split("/val/")[1]))
+        with torch.no_grad():
+            ref = run.task.forward(run.model, run.task.to_device({"image": item["image"][None]}, torch.device("cpu")))
+        ref = ref.softmax(1)[0]
+        assert int(cls) == int(ref.argmax()) and name == f"class{int(cls):03d}"
+        assert float(prob) == pytest.approx(float(ref.max()), abs=1e-5)
+    assert main(["evaluate", str(run_dir), "--device", "cpu", "--json", str(tmp_path / "e.json")]) == 0
+    ev = json.loads((tmp_path / "e.json").read_text())
+    assert ev["items"] == 6 and ev["top1"] == pytest.approx(s["top1"]) and ev["val_loss"] == pytest.approx(s["val_loss"])
+
+
+def test_dataset_with_more_classes_than_the_task_is_a_config_error(tmp_path):
+    from fastvision.api import run_training
+    from fastvision.data.synth.imagenet import synth
+    from fastvision.errors import ConfigError
+
+    data = synth(tmp_path / "d", classes=4, per_class=1, val_per_class=1, size=36)
+    extra = [config.parse_override(f"data.args.path={data}"), config.parse_override("task.args.num_classes=3")]
+    with pytest.raises(ConfigError, match="task.args.num_classes is 3 but the dataset has 4 classes"):
+        run_training("resnet18-imagefolder", out=str(tmp_path / "run"), extra=extra + [{"train": {"device": "cpu"}}],
+                     progress=False)

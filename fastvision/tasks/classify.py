@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..errors import ConfigError
 from ..metrics import topk_correct
 from ..registry import TASKS
 from .base import Evaluator, Task
@@ -57,6 +58,11 @@ class ClassificationTask(Task):
         heatmap_stride: heat-map grid step in pixels (default the patch size).
         loss: the loss module, called with int64 labels ``(B,)`` or MixUp soft targets ``(B, C)``.
         augment: batched augmentation ``(image, None, generator) -> (image, None)`` or None.
+        info: the dataset's ``info`` (``classes``: names by index, ``num_classes``), when built
+            with a dataset; gives ``predict`` its class names.
+
+    Raises:
+        ConfigError: the dataset has more classes than ``num_classes`` (labels out of range).
     """
 
     primary_metric = "top1"
@@ -65,12 +71,17 @@ class ClassificationTask(Task):
     def __init__(self, *, num_classes: int = 1000, mixup: float = 0.0, image_size: int = 224,
                  mean: list[float] = (123.68, 116.28, 103.53), std: list[float] = (58.395, 57.12, 57.385),
                  auc: bool = False, heatmap_patch: int = 0, heatmap_stride: int = 0,
-                 loss: nn.Module, augment=None):
+                 loss: nn.Module, augment=None, info: dict | None = None):
         self.num_classes, self.mixup, self.image_size = num_classes, float(mixup), image_size
         self.mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) / 255
         self.std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1) / 255
         self.auc, self.heatmap_patch, self.heatmap_stride = auc, heatmap_patch, heatmap_stride or heatmap_patch
         self.loss_fn, self.augment_fn = loss, augment
+        info = info or {}
+        if info.get("num_classes", 0) > num_classes:
+            raise ConfigError(f"task.args.num_classes is {num_classes} but the dataset has {info['num_classes']} "
+                              f"classes; set task.args.num_classes and model.args.num_classes to {info['num_classes']}")
+        self.class_names = [str(c) for c in info.get("classes", [])] or [str(c) for c in range(num_classes)]
 
     # -- input ---------------------------------------------------------------------
     def to_device(self, batch: dict[str, Any], device: torch.device, channels_last: bool = False) -> dict[str, Any]:
@@ -122,7 +133,8 @@ class ClassificationTask(Task):
     # -- prediction on files ---------------------------------------------------------
     @torch.no_grad()
     def predict_files(self, model: nn.Module, files: list[Path], out_dir: Path, cfg, device) -> list[Path]:
-        """Tiled TIFF slides -> heat maps (``heatmap_patch`` > 0); other images -> ``predictions.csv``.
+        """Tiled TIFF slides -> heat maps (``heatmap_patch`` > 0); other images -> ``predictions.csv``
+        (file, class index, class name, probability of that class).
 
         Images are prepared as evaluation items are (resize + centre crop per ``data.args``).
         """
@@ -147,11 +159,12 @@ class ClassificationTask(Task):
             arr = load_crop(str(f), False, size, resize, (1.0, 1.0), (1.0, 1.0), 0.0)
             p = probs(torch.from_numpy(arr).permute(2, 0, 1)[None].contiguous())[0].cpu()
             top = int(p.argmax())
-            rows.append([str(f), top, f"{float(p[top]):.6f}"])
+            name = self.class_names[top] if top < len(self.class_names) else str(top)
+            rows.append([str(f), top, name, f"{float(p[top]):.6f}"])
         if rows:
             path = out_dir / "predictions.csv"
             with open(path, "w", newline="") as fh:
-                csv.writer(fh).writerows([["file", "class", "probability"], *rows])
+                csv.writer(fh).writerows([["file", "class", "class_name", "probability"], *rows])
             written.append(path)
         return written
 
