@@ -129,20 +129,31 @@ def test_recipe_resnet18_imagefolder_two_steps(tmp_path):
     assert 0 <= s["top1"] <= 1 and s["top5"] >= s["top1"] and np.isfinite(s["train_loss"])
 
 
-def test_recipe_resnet18_pathology_two_steps_and_heatmap(tmp_path):
-    from fastvision.api import predict
+def test_recipe_resnet18_pathology_two_steps_heatmap_and_froc(tmp_path, monkeypatch):
+    """Two training steps, then from the CLI: `predict` on the validation slides writes heat maps,
+    and `froc` scores them against the masks (slide_000 is a tumour slide, slide_001 normal)."""
+    import json
+
+    import tifffile
+
+    from fastvision import cli
     from fastvision.data.synth.pathology import synth
 
     data = synth(tmp_path / "d", slides=2, val_slides=2, size=256, tile=64)
     s = _smoke("resnet18-pathology", data, tmp_path, "data.args.patch_size=32", "task.args.heatmap_patch=32")
     assert 0 <= s["auc"] <= 1 and 0 <= s["top1"] <= 1
-    slide = data / "val" / "images" / "slide_000.tif"
-    written = predict(tmp_path / "run", [str(slide)], tmp_path / "pred", device="cpu")
-    assert sorted(p.name for p in written) == ["slide_000_heatmap.png", "slide_000_heatmap.tif"]
-    import tifffile
-
+    assert cli.main(["predict", str(tmp_path / "run"), str(data / "val" / "images"), "--out", str(tmp_path / "pred"),
+                     "--device", "cpu"]) == 0
+    assert sorted(p.name for p in (tmp_path / "pred").iterdir()) == [
+        "slide_000_heatmap.png", "slide_000_heatmap.tif", "slide_001_heatmap.png", "slide_001_heatmap.tif"]
     heat = tifffile.imread(tmp_path / "pred" / "slide_000_heatmap.tif")
     assert heat.shape == (8, 8) and (heat >= 0).all() and (heat <= 1).all()
+    if "fastvision.froc" not in cli.EXTENSIONS:  # until cli.EXTENSIONS lists it
+        monkeypatch.setattr(cli, "EXTENSIONS", (*cli.EXTENSIONS, "fastvision.froc"))
+    assert cli.main(["froc", str(tmp_path / "pred"), str(data / "val" / "masks"), "--threshold", "0",
+                     "--json", str(tmp_path / "froc.json")]) == 0
+    out = json.loads((tmp_path / "froc.json").read_text())
+    assert (out["slides"], out["tumour_slides"]) == (2, 1) and out["lesions"] >= 1 and 0 <= out["froc"] <= 1
 
 
 @pytest.mark.slow
