@@ -17,7 +17,7 @@ from .errors import ConfigError, FastvisionError
 
 # Feature modules that add their own subcommands through ``add_cli(subparsers)``.
 EXTENSIONS = ("fastvision.benchmark", "fastvision.scaling", "fastvision.profiling", "fastvision.crossval",
-              "fastvision.export")
+              "fastvision.export", "fastvision.froc")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,7 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", help="'auto' (continue the last checkpoint) or a checkpoint path")
     g.add_argument("--target", help="stop when METRIC=VALUE is reached, e.g. iou=0.9; logs time to target")
     g.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
+    g.add_argument("--pretrained", help="initial weights: a torchvision-layout state dict (model.args.pretrained)")
     g = p.add_argument_group("data parallelism")
     g.add_argument("--nproc", type=int, default=1, help="start N local workers through torch.distributed.run")
     g.add_argument("--emulate-workers", type=int, help="one process trains as N data-parallel workers would")
@@ -53,6 +54,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         # Re-run this very command under torch's launcher, one process per worker.
         return dist.launch_local(args.nproc, ["-m", "fastvision.cli", *dist.strip_option(args.argv, "--nproc")],
                                  backend=args.backend or "ddp")
+    if args.pretrained:
+        args.set.append(f"model.args.pretrained={args.pretrained}")
     flat = {k: getattr(args, k) for k in ("data", "epochs", "batch_size", "lr", "amp", "tf32", "compile",
                                           "channels_last", "device", "seed", "target", "tensorboard",
                                           "emulate_workers", "backend")

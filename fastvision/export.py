@@ -165,7 +165,7 @@ def load_model(path: Path) -> tuple[nn.Module, Task, Path]:
         raise DataError(f"{ckpt_path}: not a fastvision checkpoint (needs 'config' and 'model')")
     cfg = config.from_dict(ckpt["config"])
     model, task = build_model_and_task(cfg, torch.device("cpu"))
-    model.load_state_dict(ckpt["model"])
+    model.load_state_dict(ckpt.get("eval_model", ckpt["model"]))  # EMA weights when trained with EMA
     return model.eval(), task, ckpt_path
 
 
