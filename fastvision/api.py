@@ -86,8 +86,12 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
     return summary
 
 
-def load_run(path: str | Path, device: str = "auto"):
-    """A run directory or checkpoint -> (Run with the checkpoint's weights loaded, checkpoint path)."""
+def load_run(path: str | Path, device: str = "auto", with_data: bool = True):
+    """A run directory or checkpoint -> (Run with the checkpoint's weights loaded, checkpoint path).
+
+    ``with_data=False`` rebuilds model and task from the checkpoint alone (its config and saved
+    dataset facts), so prediction works after the training data has moved.
+    """
     from .engine import build
 
     path = Path(path)
@@ -103,7 +107,7 @@ def load_run(path: str | Path, device: str = "auto"):
     cfg.train.device = device
     cfg.train.compile = False
     cfg.train.backend = "ddp"  # evaluation is one process: no horovod needed for a horovod-trained run
-    run = build(cfg)
+    run = build(cfg, data_info=None if with_data else ckpt.get("data_info", {}))
     run.model.load_state_dict(ckpt.get("eval_model", ckpt["model"]))  # EMA weights when trained with EMA
     run.model.eval()
     return run, ckpt_path
@@ -138,7 +142,7 @@ def _load_for(path, device: str, data: str | None):
 
 def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: str = "auto") -> list[Path]:
     """Write one prediction per input file (format chosen by the task) into ``out_dir``."""
-    run, _ = load_run(ckpt, device)
+    run, _ = load_run(ckpt, device, with_data=False)
     if not hasattr(run.task, "predict_files"):
         raise ConfigError(f"task {run.cfg.task.name!r} has no file prediction")
     files = [Path(p) for p in inputs]

@@ -7,6 +7,7 @@ step through the scaler, schedule, log. Host syncs happen only where commented.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import platform
@@ -21,6 +22,7 @@ from torch import nn
 
 from . import __version__, checkpoint, dist, optim, runtime
 from .config import RunConfig, to_dict
+from .data.formats import DatasetSplits
 from .data.loader import build_loader
 from .errors import ConfigError, FastvisionError
 from .log import RunLogger
@@ -49,16 +51,26 @@ class Run:
     info: dict
 
 
-def build(cfg: RunConfig) -> Run:
-    """Resolve the device, then data, loss, task and model from their registries."""
+def build(cfg: RunConfig, data_info: dict | None = None) -> Run:
+    """Resolve the device, then data, loss, task and model from their registries.
+
+    Args:
+        cfg: the run configuration.
+        data_info: build without touching the dataset (prediction, export): the dataset facts the
+            task needs, as saved in a checkpoint. ``train_set``/``val_set`` are then None and there
+            is no training augmentation.
+    """
     import_components()
     env, device = dist.init(cfg.train.device, backend=cfg.train.backend)
     runtime.set_tf32(cfg.train.tf32)
     runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
-    splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
+    if data_info is None:
+        splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
+    else:
+        splits = DatasetSplits(None, None, data_info)
     loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args")
     augment = None
-    if cfg.data.augment:
+    if cfg.data.augment and splits.train is not None:
         from .data.gpu_aug import build_augment
 
         augment = build_augment(_spatial_dims(splits.train), **cfg.data.augment)
@@ -107,6 +119,9 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
     A dataset that is already this rank's partition (GPU cache under DDP: ``rank_local``) is read
     whole by its rank; every other dataset is sharded here.
     """
+    if hasattr(dataset, "make_loader"):  # a dataset with its own sharding loader (DALI)
+        return dataset.make_loader(batch_size=batch_size, shard_id=dist.rank(), num_shards=dist.world_size(),
+                                   seed=cfg.train.seed, device=device)
     if train:
         emulate = cfg.train.emulate_workers
         local = getattr(dataset, "rank_local", False)
@@ -131,6 +146,11 @@ def _cached(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.device):
     return wrap_train_set(dataset, cache=d.cache, cache_rate=d.cache_rate, cache_dir=d.cache_dir,
                           cache_num=d.cache_num, replace_rate=d.replace_rate, env=env, device=device,
                           seed=cfg.train.seed)
+
+
+def plain(info: dict) -> dict:
+    """Dataset facts as JSON-able plain types (checkpoints must load with ``weights_only``)."""
+    return json.loads(json.dumps(info, default=str))
 
 
 def parse_target(target: str | None) -> tuple[str, float] | None:
@@ -181,7 +201,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     target = parse_target(tc.target)
 
     ema = make_ema(model, tc.ema_decay)
-    state = {"epoch": -1, "step": 0, "best": None, "train_time": 0.0, "history": []}
+    state = {"epoch": -1, "step": 0, "best": None, "train_time": 0.0, "history": [], "data_info": plain(run.info)}
     if resume is not None:
         state = _restore(checkpoint.load(resume, device), model, optimizer, scheduler, precision, generator, ema)
         log.info("resumed from %s at epoch %d", resume, state["epoch"] + 1)
@@ -396,7 +416,8 @@ def _checkpoint(model, optimizer, scheduler, precision, generator, state, resolv
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "scaler": precision.scaler.state_dict(), "epoch": state["epoch"], "step": state["step"],
             "best": state["best"], "train_time": state["train_time"], "history": state["history"],
-            "rng": runtime.rng_state(generator), "config": resolved, "fastvision": __version__}
+            "rng": runtime.rng_state(generator), "config": resolved, "data_info": state["data_info"],
+            "fastvision": __version__}
 
 
 def _restore(ckpt, model, optimizer, scheduler, precision, generator, ema=None) -> dict[str, Any]:
@@ -409,4 +430,4 @@ def _restore(ckpt, model, optimizer, scheduler, precision, generator, ema=None) 
     scheduler.load_state_dict(ckpt["scheduler"])
     precision.scaler.load_state_dict(ckpt["scaler"])
     runtime.set_rng_state(ckpt["rng"], generator)
-    return {k: ckpt[k] for k in ("epoch", "step", "best", "train_time", "history")}
+    return {k: ckpt[k] for k in ("epoch", "step", "best", "train_time", "history", "data_info")}

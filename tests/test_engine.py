@@ -149,3 +149,18 @@ def test_ema_weights_are_validated_saved_and_resumed(tiny_microscopy, tmp_path):
                                **{**over, "epochs": 2})
     assert summary["epochs"] == 2
     assert int(checkpoint.load(tmp_path / "ema" / "checkpoints" / "last.pt")["ema"]["n_averaged"]) == 6
+
+
+def test_predict_needs_only_the_checkpoint(tiny_microscopy, tmp_path):
+    """Training data moved or deleted: predict rebuilds model and task from the checkpoint alone."""
+    import shutil
+
+    data = shutil.copytree(tiny_microscopy, tmp_path / "data")
+    fastvision.train("unet2d-microscopy", out=str(tmp_path / "run"), **tiny_overrides(data, epochs=1))
+    image = tmp_path / "one.png"
+    shutil.copy(data / "images" / "img_0001.png", image)
+    shutil.rmtree(data)
+    written = api.predict(tmp_path / "run", [str(image)], tmp_path / "pred", device="cpu")
+    assert (tmp_path / "pred" / "one_mask.png") in written
+    with pytest.raises(DataError, match=str(data)):  # evaluation does need the data, and says which
+        api.evaluate_path(tmp_path / "run", device="cpu")

@@ -137,3 +137,20 @@ def test_unreadable_image_names_path(tmp_path):
     broken = [i for i, (p, _) in enumerate(splits.train.samples) if p.endswith("broken.JPEG")][0]
     with pytest.raises(DataError, match="broken.JPEG"):
         splits.train[broken]
+
+
+def test_dali_backend_without_dali_is_one_clear_error(tmp_path):
+    """The optional DALI backend: where DALI (or CUDA) is missing, a ConfigError saying what to do."""
+    try:
+        import nvidia.dali  # noqa: F401
+
+        pytest.skip("DALI is installed here")
+    except ImportError:
+        pass
+    from fastvision.data.synth.imagenet import synth
+    from fastvision.errors import ConfigError
+    from fastvision.registry import DATASETS
+
+    root = synth(tmp_path / "inet", classes=2, per_class=2, val_per_class=1, size=32)
+    with pytest.raises(ConfigError, match="backend=dali needs NVIDIA DALI"):
+        DATASETS.build("imagefolder", {"path": str(root), "backend": "dali"})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -168,7 +169,8 @@ class ImageFolderDataset(Dataset):
 @DATASETS.register("imagefolder")
 def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_size: int = 224,
           resize_size: int = 256, scale: tuple[float, float] = (0.08, 1.0),
-          ratio: tuple[float, float] = (0.75, 4 / 3), hflip: float = 0.5) -> DatasetSplits:
+          ratio: tuple[float, float] = (0.75, 4 / 3), hflip: float = 0.5,
+          backend: Literal["pillow", "dali"] = "pillow") -> DatasetSplits:
     """ImageFolder train/val splits.
 
     Args:
@@ -180,6 +182,7 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
         scale: random-resized-crop area range (seed 004: 0.08-1.0).
         ratio: random-resized-crop aspect range.
         hflip: horizontal flip probability in training.
+        backend: ``pillow`` (default) or ``dali`` (GPU JPEG decoding; needs NVIDIA DALI and CUDA).
     """
     root = Path(path)
     if not root.is_dir():
@@ -196,4 +199,8 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
     val = [(p, index[val_classes[j]]) for p, j in list_samples(val_root, val_classes)]
     kw = dict(image_size=image_size, resize_size=resize_size, scale=scale, ratio=ratio, hflip=hflip)
     info = {"classes": classes, "num_classes": len(classes), "train_images": len(train), "val_images": len(val)}
+    if backend == "dali":
+        from ..dali import DaliImageFolder
+
+        return DatasetSplits(DaliImageFolder(train, train=True, **kw), DaliImageFolder(val, train=False, **kw), info)
     return DatasetSplits(ImageFolderDataset(train, True, **kw), ImageFolderDataset(val, False, **kw), info)
