@@ -226,11 +226,24 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def load(recipe: str, overrides: list[dict[str, Any]] = ()) -> RunConfig:
-    """Defaults <- recipe YAML <- each override mapping, in order."""
-    path = recipe_path(recipe)
+def read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe's mapping; ``extends: NAME_OR_PATH`` layers it on top of another recipe."""
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: recipes extend each other in a cycle")
     data = read_yaml(path)
-    data.setdefault("recipe", path.stem)
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: extends must name one recipe")
+    return merge(read_recipe(recipe_path(base), (*seen, path.resolve())), data)
+
+
+def load(recipe: str, overrides: list[dict[str, Any]] = ()) -> RunConfig:
+    """Defaults <- recipe YAML (and the recipes it extends) <- each override mapping, in order."""
+    path = recipe_path(recipe)
+    data = read_recipe(path)
+    data["recipe"] = path.stem
     for over in overrides:
         data = merge(data, over)
     return from_dict(data)

@@ -113,3 +113,15 @@ def test_every_shipped_recipe_is_valid(recipe):
         check_kwargs(reg.get(comp.name), comp.args, f"{section}.args", exclude={"loss", "augment", "info"})
     check_kwargs(DATASETS.get(cfg.data.name), cfg.data.args, "data.args")
     assert cfg.train.epochs >= 1 and not math.isnan(cfg.optim.lr)
+
+
+def test_recipe_extends_another(tmp_path):
+    cfg = config.load("resnet50-imagenet-250ep")
+    assert cfg.recipe == "resnet50-imagenet-250ep" and cfg.train.epochs == 250
+    assert cfg.task.args == {"num_classes": 1000, "image_size": 224, "mixup": 0.2}  # merged, not replaced
+    assert cfg.optim.momentum == 0.875  # inherited
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(f"extends: {b}\n")
+    b.write_text(f"extends: {a}\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        config.load(str(a))
