@@ -143,7 +143,9 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not _active():
         return obj
     if _hvd is not None:
-        return _hvd.broadcast_object(obj, root_rank=src)
+        # horovod matches collectives by name, and its default name is the object's type, which
+        # differs between the sending rank (the object) and the others (None): name it explicitly
+        return _hvd.broadcast_object(obj, root_rank=src, name="fastvision.broadcast_object")
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
@@ -154,7 +156,7 @@ def gather_objects(obj: Any) -> list[Any]:
     if not _active():
         return [obj]
     if _hvd is not None:
-        return _hvd.allgather_object(obj)
+        return _hvd.allgather_object(obj, name="fastvision.gather_objects")
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out

@@ -308,7 +308,7 @@ def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: 
         with dist.synchronized(optimizer):  # horovod: all-reduce done before the checks, clip and step
             # Deliberate host sync: a non-finite loss must skip this update (fp16: the scaler checks).
             if tc.check_finite and precision.mode != "fp16" and not _finite_everywhere(loss):
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad()  # set_to_none by default (torch >= 2); horovod takes no argument
                 bad_streak = _bad_step(bad_streak, tc, state, "loss is not finite")
                 step_in_epoch += 1
                 continue
@@ -318,7 +318,7 @@ def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: 
             scale_before = precision.scaler.get_scale() if precision.mode == "fp16" else None
             precision.scaler.step(optimizer)
             precision.scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()  # set_to_none by default (torch >= 2); horovod takes no argument
         if scale_before is not None and precision.scaler.get_scale() < scale_before:  # fp16 overflow: skipped
             bad_streak = _bad_step(bad_streak, tc, state, "fp16 gradients overflowed", quiet=bad_streak < 3)
         else:
