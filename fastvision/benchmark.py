@@ -86,7 +86,7 @@ def build_model_and_task(cfg: RunConfig, device: torch.device, channels_last: bo
     from .registry import LOSSES, MODELS, TASKS
 
     import_components()
-    loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args")
+    loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args").to(device)
     extra = {"info": {}} if "info" in inspect.signature(TASKS.get(cfg.task.name)).parameters else {}
     task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, **extra)
     if cfg.data.augment:

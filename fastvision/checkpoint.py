@@ -10,21 +10,23 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 
 from .errors import DataError
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` via temp file + fsync + rename (also fsyncs the directory)."""
+def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> Any:
+    """Call ``write(file)`` on a unique temp file beside ``path``, fsync, rename over ``path``, fsync
+    the directory. Readers see the old file or the new one, never a partial one; concurrent writers
+    (threads or processes) never share a temp file. Returns what ``write`` returned."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            result = write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -36,6 +38,12 @@ def atomic_save(obj: Any, path: Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    return result
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` atomically (see :func:`atomic_write`)."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from . import dist
+from .checkpoint import atomic_write
 from .data.formats.coco import load_coco
 from .tasks.base import Evaluator
 
@@ -55,15 +56,9 @@ def to_coco_results(boxes: Tensor, scores: Tensor, labels: Tensor, image_ids: Te
 
 
 def write_results(results: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write a COCO results JSON atomically (temp file in the same folder, then ``os.replace``)."""
+    """Write a COCO results JSON atomically (temp file in the same folder, fsync, rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(results, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(json.dumps(results).encode()))
     return path
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from . import __version__, checkpoint, dist, optim, runtime
 from .config import RunConfig, to_dict
 from .data.formats import DatasetSplits
-from .data.loader import build_loader
+from .data.loader import DevicePrefetcher, build_loader
 from .errors import ConfigError, FastvisionError
 from .log import RunLogger
 from .models import create_model  # noqa: F401  (imports register every model)
@@ -68,7 +68,7 @@ def build(cfg: RunConfig, data_info: dict | None = None) -> Run:
         splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
     else:
         splits = DatasetSplits(None, None, data_info)
-    loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args")
+    loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args").to(device)  # class-weight buffers
     augment = None
     if cfg.data.augment and splits.train is not None:
         from .data.gpu_aug import build_augment
@@ -136,7 +136,7 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
                         pin_memory=device.type == "cuda")
 
 
-def _cached(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.device):
+def cached_train_set(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.device):
     """The training set behind the configured cache (``data.cache``); unchanged for ``none``."""
     if cfg.data.cache == "none":
         return dataset
@@ -185,15 +185,19 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     optimizer = optim.build_optimizer(model, cfg.optim, lr)
     # horovod: DistributedOptimizer (a new object, so before the scheduler); DDP: unchanged
     optimizer = dist.wrap_optimizer(optimizer, model, backward_passes_per_step=micro_steps)
-    train_set = _cached(run.train_set, cfg, env, device)
+    train_set = cached_train_set(run.train_set, cfg, env, device)
     train_loader = make_loader(train_set, task, cfg, tc.batch_size, True, device)
+    if device.type == "cuda" and not hasattr(train_set, "make_loader"):
+        # copy batch k+1 to the GPU on a side stream while batch k computes
+        train_loader = DevicePrefetcher(train_loader, device,
+                                        lambda b, d: task.to_device(b, d, tc.channels_last))
     val_loader = make_loader(run.val_set, task, cfg, cfg.data.val_batch_size or tc.batch_size, False, device)
     steps_per_epoch = len(train_loader) // micro_steps
     if tc.steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, tc.steps_per_epoch)
     if steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size {tc.batch_size} x {micro_steps} micro-steps is larger than "
-                          f"the {len(run.train_set)} training items of this rank")
+                          f"the {len(run.train_set)} training items")
     scheduler = optim.build_scheduler(optimizer, cfg.sched, steps_per_epoch, tc.epochs)
     precision = runtime.Precision(tc.amp, device)
     generator = torch.Generator(device=device)
@@ -203,7 +207,8 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     ema = make_ema(model, tc.ema_decay)
     state = {"epoch": -1, "step": 0, "best": None, "train_time": 0.0, "history": [], "data_info": plain(run.info)}
     if resume is not None:
-        state = _restore(checkpoint.load(resume, device), model, optimizer, scheduler, precision, generator, ema)
+        # RNG states must stay CPU tensors; load_state_dict moves weights and optimizer state itself
+        state = _restore(checkpoint.load(resume, "cpu"), model, optimizer, scheduler, precision, generator, ema)
         log.info("resumed from %s at epoch %d", resume, state["epoch"] + 1)
     dist.broadcast_state(model, optimizer)  # horovod: rank 0's weights (+ resumed optimizer state); DDP: no-op
 
@@ -257,6 +262,8 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
             _finish(run, eval_model(model, ema), val_loader, precision, logger, summary, run_dir)
     finally:
         logger.close()
+        if hasattr(train_set, "shutdown"):  # smart cache: stop its replacement threads
+            train_set.shutdown()
     return summary
 
 
@@ -307,14 +314,17 @@ def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: 
         loss = torch.stack(micro_losses).mean()
         with dist.synchronized(optimizer):  # horovod: all-reduce done before the checks, clip and step
             # Deliberate host sync: a non-finite loss must skip this update (fp16: the scaler checks).
-            if tc.check_finite and precision.mode != "fp16" and not _finite_everywhere(loss):
+            if tc.check_finite and precision.mode != "fp16" and not finite_everywhere(loss):
                 optimizer.zero_grad()  # set_to_none by default (torch >= 2); horovod takes no argument
                 bad_streak = _bad_step(bad_streak, tc, state, "loss is not finite")
                 step_in_epoch += 1
+                logger.advance()
                 continue
             if tc.clip_grad:
                 precision.scaler.unscale_(optimizer)
                 nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad)
+            # fp16: GradScaler.step already syncs to decide whether to skip; reading the scale
+            # before and after (two small syncs) tells us it did
             scale_before = precision.scaler.get_scale() if precision.mode == "fp16" else None
             precision.scaler.step(optimizer)
             precision.scaler.update()
@@ -347,7 +357,7 @@ def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: 
     return {"loss": mean_loss, "images_per_s": images * dist.world_size() / max(elapsed, 1e-9), "time_s": elapsed}
 
 
-def _finite_everywhere(loss: torch.Tensor) -> bool:
+def finite_everywhere(loss: torch.Tensor) -> bool:
     """Whether the loss is finite on every rank (a rank alone skipping a step would let the others
     apply its all-reduced NaN gradients and the replicas drift apart)."""
     bad = (~torch.isfinite(loss)).to(torch.float32).reshape(1)

@@ -118,7 +118,7 @@ def dense_target(logits: Tensor, target: Tensor) -> Tensor:
     """The target as a float32 tensor shaped like ``logits`` ``(B, C, *S)``.
 
     Integer indices are one-hot encoded by comparison with ``arange(C)`` rather than
-    ``F.one_hot``, which validates the value range and so waits on the device every step. An index
+    ``F.one_hot``, which may validate the value range (a device sync on CUDA). An index
     outside ``[0, C)`` therefore gives an all-zero row. With ``C == 1`` indices are a 0/1 map.
     """
     if target.is_floating_point():

@@ -9,7 +9,6 @@ share the page cache, which is what the node-shared cache relies on.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import zlib
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ..checkpoint import atomic_write
 
 MAGIC = b"FVC1"
 _ALIGN = 64
@@ -59,14 +60,7 @@ def write_item(path: Path, item: dict[str, Any]) -> int:
     header = json.dumps({"fields": fields, "crc": crc, "size": offset}).encode()
     head = MAGIC + struct.pack("<Q", len(header)) + header
     head += b"\0" * (-len(head) % _ALIGN)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(head)
-        for b in blobs:
-            f.write(b)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: [f.write(b) for b in (head, *blobs)])
     return len(head) + offset
 
 

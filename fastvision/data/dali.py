@@ -67,7 +67,8 @@ class DaliLoader:
         files = [str(p) for p, _ in data.samples]
         labels = [int(y) for _, y in data.samples]
 
-        @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed)
+        # a seed per shard: ranks draw different crops and flips for their samples
+        @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id, seed=seed + shard_id)
         def pipe():
             jpegs, label = fn.readers.file(files=files, labels=labels, random_shuffle=data.train,
                                            shard_id=shard_id, num_shards=num_shards, pad_last_batch=not data.train,

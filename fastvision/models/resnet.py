@@ -203,13 +203,9 @@ def _unwrap_state_dict(obj: object, path: Path) -> dict[str, Tensor]:
                 break
     if not isinstance(obj, dict) or not all(isinstance(v, Tensor) for v in obj.values()):
         raise DataError(f"{path}: not a state dict of tensors")
-    out = {}
-    for k, v in obj.items():
-        for prefix in ("module.", "_orig_mod."):  # DDP and torch.compile wrappers
-            if k.startswith(prefix):
-                k = k[len(prefix):]
-        out[k] = v
-    return out
+    from ..checkpoint import strip_prefixes
+
+    return strip_prefixes(obj)
 
 
 def load_pretrained(model: nn.Module, path: str | Path, strict_head: bool = False) -> dict[str, list[str]]:

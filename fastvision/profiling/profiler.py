@@ -147,7 +147,7 @@ def profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 5, nvtx: bool = Fa
         batches: Iterator[Any] = iter(lambda: fixed, None)
         cache_line = "synthetic batches on the device (no data pipeline)"
     else:
-        train_set = engine._cached(run.train_set, cfg, env, device)
+        train_set = engine.cached_train_set(run.train_set, cfg, env, device)
         from ..data.cache_select import describe
 
         cache_line = describe(train_set)
@@ -172,8 +172,8 @@ def profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 5, nvtx: bool = Fa
             precision.scaler.scale(loss).backward()
         clock.mark("optimizer")
         if update:
-            # Same host sync as the engine's non-finite check, so host-sync costs show up here.
-            if tc.check_finite and precision.mode != "fp16" and not bool(torch.isfinite(loss)):
+            # The engine's non-finite check (agreed across ranks), so its host-sync cost shows up here.
+            if tc.check_finite and precision.mode != "fp16" and not engine.finite_everywhere(loss):
                 optimizer.zero_grad(set_to_none=True)
             else:
                 precision.scaler.step(optimizer)

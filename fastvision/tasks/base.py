@@ -13,6 +13,24 @@ from torch import Tensor, nn
 from torch.utils.data import default_collate
 
 
+class DeviceConstants:
+    """Small constant tensors made once on the host and copied once to each device.
+
+    Copying pageable host memory to a GPU blocks until the copy is done, so building or moving
+    a constant inside a training step is a host sync per step; this keeps one copy per device.
+    """
+
+    def __init__(self, **tensors: Tensor):
+        self._host = tensors
+        self._on: dict[tuple[str, torch.device], Tensor] = {}
+
+    def get(self, name: str, device: torch.device) -> Tensor:
+        key = (name, device)
+        if key not in self._on:
+            self._on[key] = self._host[name].to(device)
+        return self._on[key]
+
+
 class Evaluator:
     """Accumulates validation statistics as sums, so ranks can be combined by one all-reduce.
 

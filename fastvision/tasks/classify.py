@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ..errors import ConfigError
 from ..metrics import topk_correct
 from ..registry import TASKS
-from .base import Evaluator, Task
+from .base import DeviceConstants, Evaluator, Task
 
 AUC_BINS = 1000
 
@@ -73,8 +73,8 @@ class ClassificationTask(Task):
                  auc: bool = False, heatmap_patch: int = 0, heatmap_stride: int = 0,
                  loss: nn.Module, augment=None, info: dict | None = None):
         self.num_classes, self.mixup, self.image_size = num_classes, float(mixup), image_size
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) / 255
-        self.std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1) / 255
+        self.consts = DeviceConstants(mean=torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) / 255,
+                                      std=torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1) / 255)
         self.auc, self.heatmap_patch, self.heatmap_stride = auc, heatmap_patch, heatmap_stride or heatmap_patch
         self.loss_fn, self.augment_fn = loss, augment
         info = info or {}
@@ -96,7 +96,8 @@ class ClassificationTask(Task):
 
     def normalise(self, image: Tensor) -> Tensor:
         """(B, 3, H, W) float in [0, 1] -> normalised; keeps the memory format."""
-        return (image - self.mean.to(image.device)) / self.std.to(image.device)
+        c, d = self.consts, image.device
+        return (image - c.get("mean", d)) / c.get("std", d)
 
     def augment(self, batch: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
         image = batch["image"]

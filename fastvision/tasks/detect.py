@@ -19,11 +19,12 @@ from ..data.formats.coco import collate_detection
 from ..errors import ConfigError, DataError
 from ..models.ssd import postprocess, ssd_loss
 from ..registry import TASKS
-from .base import Evaluator, Task
+from .base import DeviceConstants, Evaluator, Task
 
 # ImageNet statistics, as the ResNet backbone expects.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+_CONSTS = DeviceConstants(mean=torch.tensor(MEAN).view(1, 3, 1, 1), std=torch.tensor(STD).view(1, 3, 1, 1))
 PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
            (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212)]
 
@@ -78,9 +79,8 @@ class DetectionTask(Task):
 
     def normalise(self, image: Tensor) -> Tensor:
         """uint8 ``(B, 3, H, W)`` -> float ImageNet-normalised, keeping the memory format."""
-        mean = torch.tensor(MEAN, device=image.device).view(1, 3, 1, 1)
-        std = torch.tensor(STD, device=image.device).view(1, 3, 1, 1)
-        return (image.float() - mean) / std
+        d = image.device
+        return (image.float() - _CONSTS.get("mean", d)) / _CONSTS.get("std", d)
 
     def forward(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Tensor]:
         return model(self.normalise(batch["image"]))

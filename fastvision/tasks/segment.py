@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..metrics import ConfusionMatrix, RegionCounts, dice_per_class, iou_per_class
 from ..registry import TASKS
-from .base import Evaluator, Task
+from .base import DeviceConstants, Evaluator, Task
 
 
 @TASKS.register("segmentation")
@@ -48,6 +48,10 @@ class SegmentationTask(Task):
             raise ConfigError("task.args.regions is required with task.args.mode=regions")
         if mode == "regions":
             self.primary_metric = "dice"
+            lut = torch.zeros(max(256, 1 + max(max(r) for r in self.regions)), len(self.regions), dtype=torch.bool)
+            for i, r in enumerate(self.regions):
+                lut[r, i] = True
+            self.consts = DeviceConstants(region_lut=lut)
         self.sample_shape = tuple(sample_shape)
         self.sliding_window = dict(sliding_window) if sliding_window else None
 
@@ -67,8 +71,8 @@ class SegmentationTask(Task):
         return self.region_masks(label).float()
 
     def region_masks(self, label: Tensor) -> Tensor:
-        """(B, *S) labels -> (B, R, *S) bool region masks."""
-        return torch.stack([torch.isin(label, torch.tensor(r, device=label.device)) for r in self.regions], 1)
+        """(B, *S) labels -> (B, R, *S) bool region masks, by a (label id -> regions) lookup table."""
+        return self.consts.get("region_lut", label.device)[label].movedim(-1, 1)
 
     def loss(self, outputs: Tensor, batch: dict[str, Any]) -> Tensor:
         return self.loss_fn(outputs, self.target(batch["label"]))

@@ -15,12 +15,12 @@ from __future__ import annotations
 import colorsys
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ...checkpoint import atomic_write
 from ...errors import ConfigError
 from . import SYNTH
 
@@ -135,10 +135,7 @@ def _write_split(out: Path, split: str, count: int, first_id: int, rng: np.rando
         "categories": [{"id": c, "name": n, "supercategory": "shape"} for c, n, _ in CATEGORIES],
     }
     path = out / "annotations" / f"instances_{split}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(json.dumps(data).encode()))
 
 
 @SYNTH.register("coco")
