@@ -23,6 +23,7 @@ Recipe form (``data.augment``), one dict per op, applied in this order::
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -35,6 +36,13 @@ from ..errors import ConfigError
 from ..registry import check_kwargs
 from .gpu_aug_intensity import (Brightness, ColorJitter, Contrast, Gamma, Intensity, Label, Noise,
                                 _bshape, _select)
+
+@functools.lru_cache(maxsize=64)
+def _const(values: tuple, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A small constant vector on ``device``, copied there once: a host-to-device copy of pageable
+    memory inside the step would be a host sync. Callers must not modify it in place."""
+    return torch.tensor(values, dtype=dtype).to(device)
+
 
 class _Rng:
     """Per-call random source: per-sample parameters on the generator's device, moved to ``device``."""
@@ -85,8 +93,8 @@ class Crop:
         image, label = _pad_to(image, label, self.size)
         spatial = image.shape[2:]
         B = image.shape[0]
-        size = torch.tensor(self.size, device=image.device)
-        room = torch.tensor(spatial, device=image.device) - size + 1
+        size = _const(tuple(self.size), image.device, torch.int64)
+        room = _const(tuple(spatial), image.device, torch.int64) - size + 1
         u_axes = rng.uniform(0.0, 1.0, nd)
         u_pos, u_pick = rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0)
         start = (u_axes * room).long().clamp_max(room - 1)  # (B, nd) uniform crop
@@ -221,7 +229,7 @@ def affine(image: Tensor, label: Label, angles: Tensor, zoom: Tensor, mask: Tens
     """
     nd = image.dim() - 2
     rot = _rotation(angles.float(), nd)  # (B, nd, nd) in (x, y[, z]) order
-    half = torch.tensor(image.shape[2:][::-1], device=image.device, dtype=torch.float32) / 2
+    half = _const(tuple(image.shape[2:][::-1]), image.device, torch.float32) / 2
     # Sampling maps output -> input: n_in = D^-1 Z^-1 R^T D n_out, D = half-size, Z = zoom.
     lin = rot.transpose(1, 2) * half[None, None, :] / half[None, :, None] / zoom.float()[:, :, None]
     theta = torch.cat([lin, torch.zeros_like(lin[:, :, :1])], 2)

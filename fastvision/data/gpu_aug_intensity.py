@@ -157,6 +157,6 @@ def _shift_hue(x: Tensor, shift: Tensor) -> Tensor:
     h = torch.where(c > 0, h / 6, torch.zeros_like(h))
     h = (h + _bshape(h, shift)) % 1.0
     # HSV -> RGB: channel n gets v - c * clamp(min(k, 4 - k), 0, 1), k = (n + 6h) mod 6, n = 5, 3, 1
-    n = torch.tensor([5.0, 3.0, 1.0], device=x.device, dtype=x.dtype).reshape(1, 3, *([1] * (x.dim() - 2)))
+    n = torch.arange(5, 0, -2, device=x.device, dtype=x.dtype).reshape(1, 3, *([1] * (x.dim() - 2)))  # 5, 3, 1
     k = (n + 6 * h.unsqueeze(1)) % 6
     return v.unsqueeze(1) - c.unsqueeze(1) * torch.minimum(k, 4 - k).clamp(0, 1)
