@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, FastvisionError
+from .errors import ConfigError, DataError, FastvisionError
 
 # Feature modules that add their own subcommands through ``add_cli(subparsers)``.
 EXTENSIONS = ("fastvision.benchmark", "fastvision.scaling", "fastvision.profiling", "fastvision.crossval",
@@ -110,7 +110,10 @@ def cmd_synth(args: argparse.Namespace, extra: list[str]) -> int:
     synth = load_all().get(args.kind)
     options = _parse_options(extra)
     check_kwargs(synth, options, f"data synth {args.kind}", exclude={"out"})
-    out = synth(Path(args.out), seed=args.seed, **options)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"{out}: exists and is not an empty folder; choose a new output folder")
+    out = synth(out, seed=args.seed, **options)
     print(f"wrote {args.kind} sample to {out}")
     return 0
 

@@ -236,6 +236,9 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
                    "images_per_s": stats["images_per_s"], "epoch_time_s": stats["time_s"]}
             if (epoch + 1) % tc.val_every == 0 or epoch + 1 == tc.epochs:
                 row.update(evaluate(eval_model(model, ema), task, val_loader, device, precision, tc.channels_last))
+                if target and target[0] not in row:  # checked at the first validation: metrics are task-defined
+                    raise ConfigError(f"--target {target[0]}: not a metric of this run; valid: "
+                                      f"{', '.join(k for k in row if k not in ('lr', 'epoch_time_s'))}")
             logger.epoch_end(epoch, row)
             state["epoch"], state["history"] = epoch, logger.history
             improved = _improved(task, row, state["best"])

@@ -395,6 +395,7 @@ def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "we
     import sys
 
     from .config import load, parse_override
+    from .errors import FastvisionError
 
     # The per-worker batch comes from the recipe with the caller's --set overrides; a --set of
     # train.batch_size is consumed here, else it would override the --batch-size given to each run.
@@ -415,8 +416,8 @@ def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "we
                 if backend != "ddp":
                     cmd += ["--backend", backend]
                 log.info("scale: %s", " ".join(cmd))
-                if subprocess.run(cmd).returncode != 0:
-                    raise RuntimeError(f"run failed: {' '.join(cmd)}")
+                if subprocess.run(cmd).returncode != 0:  # the run printed its own error above
+                    raise FastvisionError(f"scale: the {backend} run with {n} worker(s) failed: {' '.join(cmd)}")
                 results.append({"backend": backend, "mode": mode, "workers": n, "global_batch": per_worker * n,
                                 **read_run(run_dir)})
     return results
@@ -456,7 +457,12 @@ def _cli(args) -> int:
     from .errors import ConfigError
 
     out = Path(args.out)
-    workers = [int(w) for w in args.workers.split(",")]
+    try:
+        workers = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        raise ConfigError(f"--workers {args.workers!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
+    if any(w < 1 for w in workers):
+        raise ConfigError(f"--workers {args.workers!r}: world sizes must be >= 1")
     links = []
     for name in args.links.split(","):
         if name not in LINKS:
@@ -484,6 +490,8 @@ def _cli(args) -> int:
         for r in results:
             r["predicted_speedup"] = pred.get(r["workers"])
         plot_simulation(rows, out / "simulation.png", measured=summarize(results) if results else ())
+        print((out / "simulation.md").read_text())  # the CLI's output, not library logging
+        print(f"simulation: {out / 'simulation.json'}, {out / 'simulation.png'}")
     if results:
         paths = write_report(results, out, title=f"{args.recipe} {args.mode} scaling")
         print(paths["md"].read_text())  # the CLI's output, not library logging

@@ -156,3 +156,18 @@ def test_microscopy_items_are_named_by_their_files(tiny_microscopy):
     finally:
         os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert pipeline[0](base[2])["id"] == train[2]["id"]
+
+
+def test_volume_dataset_has_a_disk_cache_identity(tmp_path, monkeypatch):
+    """3-D datasets cache through cache_pipeline(); their file identity must still reach the disk cache."""
+    from fastvision.data.cache_select import cache_source
+    from fastvision.data.synth.medical import synth_spleen
+    from fastvision.engine import import_components
+    from fastvision.registry import DATASETS
+
+    import_components()
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
+    root = synth_spleen(tmp_path / "spleen", cases=5, test_cases=0, size=24)
+    splits = DATASETS.build("decathlon", {"path": str(root), "patch_size": None, "workers": 1})
+    _, _, identity = cache_source(splits.train)
+    assert identity is not None and str(root) in identity(0)

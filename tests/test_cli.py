@@ -138,3 +138,34 @@ def test_python_api_train_returns_summary(tiny_microscopy, tmp_path):
     assert summary["epochs"] == 2 and (tmp_path / "api" / "config.yaml").is_file()
     assert "unet2d-seed001" in fastvision.list_models()
     assert sum(p.numel() for p in fastvision.create_model("unet2d-seed001").parameters()) == 487_145
+
+
+def test_unknown_target_metric_is_an_error(tiny_microscopy, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out",
+                           str(tmp_path / "r"), "--target", "accuracy=0.9", *TINY)
+    _assert_one_line_error(code, err, "--target accuracy", "iou")
+
+
+def test_synth_refuses_a_non_empty_folder(tmp_path, capsys):
+    out = tmp_path / "full"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    for kind in ("microscopy", "imagenet", "coco"):
+        code, _, err = run_cli(capsys, "data", "synth", kind, str(out))
+        _assert_one_line_error(code, err, out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize("kind,options,needles", [
+    ("imagenet", ["--classes", "3", "--per-class", "4", "--val-per-class", "2", "--size", "32"],
+     ["imagefolder dataset", "train images", "12", "class002: 4"]),
+    ("coco", ["--train", "6", "--val", "3"], ["coco dataset", "train2017 images", "val2017 boxes"]),
+    ("spleen", ["--cases", "3", "--test-cases", "1", "--size", "24"], ["decathlon dataset", "Spleen", "training cases"]),
+])
+def test_inspect_other_layouts(kind, options, needles, tmp_path, capsys):
+    out = tmp_path / kind
+    assert run_cli(capsys, "data", "synth", kind, str(out), *options)[0] == 0
+    code, text, _ = run_cli(capsys, "data", "inspect", str(out))
+    assert code == 0
+    for n in needles:
+        assert n in text, (n, text)

@@ -233,3 +233,11 @@ def test_scale_sweep_end_to_end(tmp_path, tiny_microscopy):
         cfg = yaml.safe_load((tmp_path / f"ddp-{n}-r0" / "config.yaml").read_text())
         assert cfg["data"]["args"]["image_size"] == [32, 32] and cfg["model"]["args"]["filters"] == [4, 8, 16]
         assert cfg["train"]["batch_size"] == per_worker and cfg["data"]["args"]["path"] == str(tiny_microscopy)
+
+
+@pytest.mark.parametrize("workers", ["1,x", "0,2"])
+def test_scale_rejects_bad_worker_lists(workers, capsys):
+    from fastvision.cli import main
+
+    assert main(["scale", "unet2d-microscopy", "--workers", workers]) == 2
+    assert "--workers" in capsys.readouterr().err

@@ -128,7 +128,7 @@ def cache_source(dataset: Dataset, check: bool = True) -> tuple[Dataset, list[T.
     """
     if callable(getattr(dataset, "cache_pipeline", None)):
         base, pipeline = dataset.cache_pipeline()
-        return base, list(pipeline), item_identity(base)
+        return base, list(pipeline), item_identity(base) or item_identity(dataset)
     if check:
         check_deterministic(dataset)
     return _Indices(len(dataset)), [ReadItem(dataset)], item_identity(dataset)

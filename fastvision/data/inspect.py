@@ -68,3 +68,72 @@ def inspect_microscopy(path: Path) -> dict[str, Any]:
     return {"pairs": len(pairs), "image shapes": dict(shapes), "image dtypes": dict(dtypes),
             "intensity range": f"{lo:g} .. {hi:g}",
             "mask values (pixel share)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())}}
+
+
+@inspector("imagefolder", lambda p: (p / "train").is_dir() and any(d.is_dir() for d in (p / "train").iterdir()))
+def inspect_imagefolder(path: Path) -> dict[str, Any]:
+    from PIL import Image
+
+    from .formats.imagefolder import find_classes, list_samples
+
+    report: dict[str, Any] = {}
+    for split in ("train", "val"):
+        if not (path / split).is_dir():
+            continue
+        classes = find_classes(path / split)
+        samples = list_samples(path / split, classes)
+        per_class = Counter(classes[i] for _, i in samples)
+        sizes, modes = Counter(), Counter()
+        for p, _ in samples[:: max(1, len(samples) // 50)]:  # headers of up to ~50 images
+            with Image.open(p) as im:
+                sizes[f"{im.size[0]}x{im.size[1]}"] += 1
+                modes[im.mode] += 1
+        report[f"{split} images"] = len(samples)
+        report[f"{split} per class"] = dict(sorted(per_class.items())[:20])
+        report[f"{split} sizes (sample)"] = dict(sizes.most_common(5))
+        report[f"{split} modes (sample)"] = dict(modes)
+    return report
+
+
+@inspector("coco", lambda p: (p / "annotations").is_dir() and any((p / "annotations").glob("instances_*.json")))
+def inspect_coco(path: Path) -> dict[str, Any]:
+    import json
+
+    report: dict[str, Any] = {}
+    for ann in sorted((path / "annotations").glob("instances_*.json")):
+        try:
+            data = json.loads(ann.read_text())
+            images, anns, cats = data["images"], data["annotations"], data["categories"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DataError(f"{ann}: not a COCO instances file ({e})") from e
+        names = {c["id"]: c["name"] for c in cats}
+        with_boxes = {a["image_id"] for a in anns}
+        split = ann.stem.removeprefix("instances_")
+        report[f"{split} images (without boxes)"] = f"{len(images)} ({len(images) - len(with_boxes)})"
+        report[f"{split} boxes (crowd)"] = f"{len(anns)} ({sum(bool(a.get('iscrowd')) for a in anns)})"
+        report[f"{split} boxes per category"] = dict(Counter(names.get(a["category_id"], a["category_id"])
+                                                          for a in anns))
+    return report
+
+
+@inspector("decathlon", lambda p: (p / "dataset.json").is_file())
+def inspect_decathlon(path: Path) -> dict[str, Any]:
+    import nibabel as nib
+
+    from .formats.decathlon import read_dataset_json
+
+    ds = read_dataset_json(path)
+    meta = ds["meta"]
+    shapes, spacings, classes = Counter(), Counter(), Counter()
+    for case in ds["training"][:10]:  # the first cases: headers and label voxels
+        img = nib.load(str(case["image"][0]))
+        shapes[str(img.shape)] += 1
+        spacings[str(tuple(round(float(z), 2) for z in img.header.get_zooms()[:3]))] += 1
+        values, counts = np.unique(np.asarray(nib.load(str(case["label"])).dataobj), return_counts=True)
+        for v, c in zip(values.tolist(), counts.tolist()):
+            classes[int(v)] += c
+    total = sum(classes.values()) or 1
+    return {"name": meta.get("name", "?"), "modality": meta.get("modality", {}), "labels": meta.get("labels", {}),
+            "training cases": len(ds["training"]), "test cases": len(ds["test"]),
+            "shapes (first 10)": dict(shapes), "spacing mm (first 10)": dict(spacings),
+            "label voxels (first 10)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())}}

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..errors import DataError
 from .monitor import plot_csv, read_csv, record
 from .profiler import PHASES, advice, percentiles_ms, profile
 
@@ -67,6 +68,8 @@ def _cmd_profile(args) -> int:
 
 def _cmd_monitor(args) -> int:
     if args.replot:
+        if not Path(args.replot).is_file():
+            raise DataError(f"--replot: monitor CSV not found: {args.replot}")
         print(plot_csv(args.replot, args.plot or Path(args.replot).with_suffix(".png")))
         return 0
     csv_path = record(args.out, interval=args.interval, duration=args.duration, index=args.gpu)

@@ -130,6 +130,10 @@ class VolumeDataset(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
+    def identity(self, index: int) -> str:
+        """Case ``index``'s files (path, size, mtime), the key of ``data.cache: disk`` entries."""
+        return _CaseFiles(self.cases).identity(index)
+
     def meta(self, index: int) -> dict[str, Any]:
         """Geometry of case ``index`` for :func:`~fastvision.data.preprocess3d.restore_to_input`."""
         return self.items[index]["meta"]
