@@ -131,13 +131,6 @@ def all_reduce_sum(t: Tensor) -> Tensor:
     return t
 
 
-def reduce_evaluator(evaluator: Any) -> Any:
-    """Sum an :class:`~fastvision.tasks.base.Evaluator`'s state across ranks; returns it."""
-    if _active():
-        evaluator.load_state(all_reduce_sum(evaluator.state().clone()))
-    return evaluator
-
-
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank (``obj`` itself in one process)."""
     if not _active():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from fastvision.data.loader import DevicePrefetcher, EpochSampler, build_loader
+from fastvision.data.loader import DevicePrefetcher, build_loader, epoch_sampler
 from fastvision.errors import ConfigError
 
 
@@ -42,7 +42,7 @@ def test_order_matches_dataloader(kind, workers, shuffle, drop_last):
                         drop_last=drop_last, seed=7)
     for epoch in (0, 1):
         ours.set_epoch(epoch)
-        ref_sampler = EpochSampler(23, shuffle, seed=7)
+        ref_sampler = epoch_sampler(23, shuffle, seed=7)
         ref_sampler.set_epoch(epoch)
         ref = DataLoader(ds, batch_size=4, sampler=list(ref_sampler), drop_last=drop_last)
         got = list(ours)

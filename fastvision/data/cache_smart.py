@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from ..errors import ConfigError
 from . import transforms as T
 from .cache import _Cached, available_ram, fill, guard, item_nbytes
+from .loader import _move
 
 
 class SmartCacheDataset(_Cached):
@@ -100,14 +101,6 @@ def partitions(n: int, world_size: int, seed: int = 0) -> list[list[int]]:
     return [padded[p * per:(p + 1) * per] for p in range(world_size)]
 
 
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    return x
-
-
 class GPUCacheDataset(Dataset):
     """This rank's partition of ``source`` held on ``device``; ``set_epoch`` rotates partitions.
 
@@ -153,7 +146,7 @@ class GPUCacheDataset(Dataset):
         else:
             budget = int(available_ram() * self.memory_fraction)
         n = guard(len(idx), item_nbytes(first), budget, f"GPUCacheDataset on {self.device}")
-        self.items = [_to(self.source[i] if k else first, self.device) for k, i in enumerate(idx[:n])]
+        self.items = [_move(self.source[i] if k else first, self.device) for k, i in enumerate(idx[:n])]
         self.num_cached, self.part_id = n, pid
 
     def __len__(self) -> int:
@@ -162,4 +155,4 @@ class GPUCacheDataset(Dataset):
     def __getitem__(self, j: int) -> dict[str, Any]:
         if j < self.num_cached:
             return dict(self.items[j])
-        return _to(self.source[self.indices()[j]], self.device)
+        return _move(self.source[self.indices()[j]], self.device)

@@ -14,28 +14,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ..errors import ConfigError
+from ..samplers import TrainSampler
 
 
-class EpochSampler(Sampler[int]):
-    """All indices, shuffled by (seed, epoch) when ``shuffle``; ``set_epoch`` picks the epoch."""
-
-    def __init__(self, n: int, shuffle: bool, seed: int = 0):
-        self.n, self.shuffle, self.seed, self.epoch = n, shuffle, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        if not self.shuffle:
-            return iter(range(self.n))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
-
-    def __len__(self) -> int:
-        return self.n
+def epoch_sampler(n: int, shuffle: bool, seed: int = 0) -> TrainSampler:
+    """All ``n`` indices of one process, shuffled by (seed, epoch): a one-replica TrainSampler."""
+    return TrainSampler(n, num_replicas=1, rank=0, seed=seed, shuffle=shuffle)
 
 
 def _batches(indices: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
@@ -59,7 +46,7 @@ class ThreadLoader:
     Args:
         dataset: map-style dataset of dict items.
         batch_size: items per batch.
-        sampler: index order (e.g. a rank's shard with ``set_epoch``); default :class:`EpochSampler`.
+        sampler: index order (e.g. a rank's shard with ``set_epoch``); default :func:`epoch_sampler`.
         collate_fn: list of items -> batch (default ``default_collate``).
         num_workers: threads building batches (0 still uses one background thread).
         drop_last: drop a final short batch.
@@ -74,7 +61,7 @@ class ThreadLoader:
                  pin_memory: bool = False):
         self.dataset = dataset
         self.batch_size = batch_size
-        self.sampler = sampler if sampler is not None else EpochSampler(len(dataset), shuffle, seed)
+        self.sampler = sampler if sampler is not None else epoch_sampler(len(dataset), shuffle, seed)
         self.collate_fn = collate_fn or default_collate
         self.num_workers = max(1, num_workers)
         self.drop_last = drop_last
@@ -123,7 +110,7 @@ class ProcessLoader:
                  shuffle: bool = False, seed: int = 0, collate_fn: Callable | None = None,
                  num_workers: int = 2, drop_last: bool = False, repeats: int = 1, pin_memory: bool = False):
         self.dataset = dataset
-        self.sampler = sampler if sampler is not None else EpochSampler(len(dataset), shuffle, seed)
+        self.sampler = sampler if sampler is not None else epoch_sampler(len(dataset), shuffle, seed)
         self.repeats = repeats
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
                                  collate_fn=collate_fn or default_collate, num_workers=num_workers,
