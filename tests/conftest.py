@@ -1,8 +1,29 @@
 """Shared fixtures: tiny real datasets written to disk once per session, and GPU skipping."""
 from __future__ import annotations
 
+import os
+import socket
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(**more: str) -> dict[str, str]:
+    """This process's environment without launcher variables (torchrun, SLURM), one thread per
+    worker and the repo importable: the start of every multi-process test's child environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **more)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,6 @@ whichever rank produces them, and the mAP is well inside (0, 1).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +19,12 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # also run as a worker script
 
 from fastvision import dist  # noqa: E402
 from fastvision.coco_eval import METRIC_NAMES, COCOEvaluator, ground_truth_as_detections  # noqa: E402
 from fastvision.data.formats.coco import build, collate_detection  # noqa: E402
+from tests.conftest import clean_env  # noqa: E402
 
 S = 128  # network input side
 NUM_VAL = 13  # odd: the two shards differ in length
@@ -61,13 +61,6 @@ def evaluate_shard(root: Path, results_path: Path | None) -> dict[str, float]:
     return {**ev.compute(), "local_images": float(local), "reduced_images": float(ev.sums.item())}
 
 
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SLURM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                       "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return env
-
 
 @pytest.mark.dist
 def test_two_rank_coco_map_equals_single_process(tmp_path):
@@ -79,7 +72,7 @@ def test_two_rank_coco_map_equals_single_process(tmp_path):
 
     code = ("import sys; from fastvision import dist; "
             f"sys.exit(dist.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(root)!r}, {str(tmp_path)!r}]))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

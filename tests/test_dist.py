@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +17,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # also run as a worker script
 
 from fastvision import dist  # noqa: E402
 from fastvision.errors import ConfigError  # noqa: E402
+from tests.conftest import clean_env, free_port  # noqa: E402
 
 # --------------------------------------------------------------------------- environment table
 
@@ -182,18 +182,6 @@ def test_train_sampler_drop_last_and_no_shuffle():
 # --------------------------------------------------------------------------- real 2-rank jobs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SLURM_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                       "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return env
 
 
 def _check_results(out: Path, world: int, launcher: str) -> None:
@@ -211,10 +199,10 @@ def _check_results(out: Path, world: int, launcher: str) -> None:
 
 @pytest.mark.dist
 def test_two_rank_slurm_srun_variables(tmp_path):
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(2):
-        env = _clean_env()
+        env = clean_env()
         env.update(SLURM_JOB_ID="4242", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
                    SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
                    MASTER_PORT=str(port))
@@ -236,7 +224,7 @@ def _launch(tmp_path: Path, mode: str, timeout: float = 180) -> subprocess.Compl
     """``dist.launch_local`` (the code behind ``--nproc``) running this file's ``mode`` worker."""
     code = ("import sys; from fastvision import dist; "
             f"sys.exit(dist.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(tmp_path)!r}, {mode!r}]))")
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -267,10 +255,10 @@ def test_dead_rank_fails_the_job_naming_it(tmp_path):
 @pytest.mark.dist
 def test_dead_rank_under_srun_variables_does_not_hang(tmp_path):
     """No torchrun watchdog here: gloo itself must raise on the survivor when its peer vanishes."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(2):
-        env = _clean_env()
+        env = clean_env()
         env.update(SLURM_JOB_ID="7", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
                    SLURM_STEP_ID="0", SLURM_NODELIST="localhost", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(tmp_path), "die"],

@@ -8,7 +8,6 @@ the weights with plain autograd on the concatenated global batch in one process.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +16,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # also run as a worker script
 
 from fastvision import dist  # noqa: E402
 from fastvision.errors import ConfigError  # noqa: E402
+from tests.conftest import clean_env  # noqa: E402
 
 try:
     import horovod.torch  # noqa: F401
@@ -51,18 +51,12 @@ def test_horovod_steps_are_identities_under_ddp():
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def _env() -> dict[str, str]:
-    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in launch}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return env
-
 
 @needs_horovod
 @pytest.mark.dist
 def test_horovod_two_ranks_match_plain_autograd(tmp_path):
     cmd = [*dist.horovodrun_command(2), sys.executable, str(Path(__file__).resolve()), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, x in enumerate(res):
@@ -86,7 +80,7 @@ def test_horovod_cli_training_matches_ddp(tmp_path, tiny_microscopy):
     for backend in ("ddp", "horovod"):
         out = tmp_path / backend
         proc = subprocess.run([sys.executable, "-m", "fastvision.cli", "train", "unet2d-microscopy", *common,
-                               "--backend", backend, "--out", str(out)], cwd=ROOT, env=_env(),
+                               "--backend", backend, "--out", str(out)], cwd=ROOT, env=clean_env(),
                               capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[backend] = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"]

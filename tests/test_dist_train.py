@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,8 +34,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import ROOT, clean_env, free_port  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.dist
 
 TINY = ["--device", "cpu", "--lr", "0.05",
@@ -59,12 +58,6 @@ def data(tmp_path_factory) -> Path:
     return path
 
 
-def _env(**more: str) -> dict[str, str]:
-    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in launch}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **more)
-    return env
-
 
 def _cmd(data: Path, out: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "fastvision.cli", "train", "unet2d-microscopy", "--data", str(data),
@@ -72,7 +65,7 @@ def _cmd(data: Path, out: Path, *args: str) -> list[str]:
 
 
 def _train(data: Path, out: Path, *args: str, timeout: float = 120) -> Path:
-    proc = subprocess.run(_cmd(data, out, *args), cwd=ROOT, env=_env(), capture_output=True, text=True,
+    proc = subprocess.run(_cmd(data, out, *args), cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -100,11 +93,6 @@ def _events(run: Path) -> tuple[dict, list[dict]]:
     return params, epochs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path):
     one = _train(data, tmp_path / "one", "--epochs", "3", "--batch-size", "4", *NO_NORM)
@@ -128,10 +116,10 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path):
 
 def test_batchnorm_two_srun_tasks_equal_emulated_workers(data, tmp_path):
     """Two tasks with srun's variables (no launcher) == ``--emulate-workers 2``; != batch 4 in one BN."""
-    port, out = _free_port(), tmp_path / "srun"
+    port, out = free_port(), tmp_path / "srun"
     procs = []
     for r in range(2):
-        env = _env(SLURM_JOB_ID="31337", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
+        env = clean_env(SLURM_JOB_ID="31337", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
                    SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
                    MASTER_PORT=str(port))
         procs.append(subprocess.Popen(_cmd(data, out, "--epochs", "2", "--batch-size", "2"), cwd=ROOT, env=env,
@@ -174,7 +162,7 @@ def _worker_pid(tag: str, rank: int) -> int | None:
 def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path):
     out, tag, epochs = tmp_path / "run", uuid.uuid4().hex, 12
     proc = subprocess.Popen(_cmd(data, out, "--epochs", str(epochs), "--batch-size", "2", "--nproc", "2"),
-                            cwd=ROOT, env=_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL,
+                            cwd=ROOT, env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
         last = out / "checkpoints" / "last.pt"
@@ -194,7 +182,7 @@ def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path):
 
     # Continue in one process as 2 emulated workers (same global batch, another world size).
     res = subprocess.run(_cmd(data, out, "--epochs", str(epochs), "--batch-size", "2", "--emulate-workers", "2",
-                              "--resume", "auto"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+                              "--resume", "auto"), cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"at epoch {done + 1}" in res.stderr  # picked up after the last completed epoch
     summary = json.loads((out / "summary.json").read_text())
