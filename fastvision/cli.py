@@ -183,14 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
 
     for name in EXTENSIONS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:  # feature module not present in this build
-            if e.name != name:
-                raise
-            continue
-        if hasattr(module, "add_cli"):  # a feature module may offer only a library API
-            module.add_cli(sub)
+        importlib.import_module(name).add_cli(sub)
     return parser
 
 

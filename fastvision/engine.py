@@ -88,11 +88,7 @@ def import_components() -> None:
     for name in ("losses", "data.formats.microscopy", "tasks.segment", "tasks.classify", "tasks.detect",
                  "data.formats.imagefolder", "data.formats.coco", "data.formats.decathlon",
                  "data.formats.brats", "data.formats.pathology"):
-        try:
-            importlib.import_module(f"fastvision.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"fastvision.{name}":
-                raise
+        importlib.import_module(f"fastvision.{name}")
 
 
 def resolved_config(cfg: RunConfig) -> dict[str, Any]:

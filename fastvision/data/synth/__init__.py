@@ -16,9 +16,5 @@ _KINDS = ("microscopy", "imagenet", "coco", "medical", "pathology")
 
 def load_all() -> Registry:
     for name in _KINDS:
-        try:
-            importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:  # a kind not written yet
-            if e.name != f"{__name__}.{name}":
-                raise
+        importlib.import_module(f"{__name__}.{name}")
     return SYNTH
