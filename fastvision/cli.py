@@ -17,7 +17,7 @@ from .errors import ConfigError, DataError, FastvisionError
 
 # Feature modules that add their own subcommands through ``add_cli(subparsers)``.
 EXTENSIONS = ("fastvision.benchmark", "fastvision.scaling", "fastvision.profiling", "fastvision.crossval",
-              "fastvision.export", "fastvision.froc")
+              "fastvision.export", "fastvision.froc", "fastvision.plan")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
