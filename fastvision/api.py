@@ -77,7 +77,11 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
     from .engine import fit
 
     cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
-    env, _ = dist.init(cfg.train.device, backend=cfg.train.backend)
+    env, device = dist.init(cfg.train.device, backend=cfg.train.backend)
+    if cfg.train.batch_size == "auto":  # rank 0 searches; every rank trains with its answer
+        from .autobatch import resolve_auto_batch
+
+        cfg.train.batch_size = dist.broadcast_object(resolve_auto_batch(cfg, device) if env.is_main else None)
     # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
     run_dir, ckpt = dist.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
     summary = fit(cfg, run_dir, resume=ckpt, progress=progress)

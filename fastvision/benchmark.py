@@ -306,7 +306,8 @@ def add_cli(subparsers) -> None:
                                           "synthetic batches on the device, per batch size and precision.")
     p.add_argument("recipe", help="shipped recipe name or YAML file")
     p.add_argument("--mode", choices=["train", "inference"], default="train")
-    p.add_argument("--batch-sizes", help="comma-separated, e.g. 1,8,64,256 (default: the recipe's batch size)")
+    p.add_argument("--batch-sizes", help="comma-separated, e.g. 1,8,64,256, or auto: the largest that fits "
+                                         "(default: the recipe's batch size)")
     p.add_argument("--precision", help="comma-separated subset of fp32,tf32,fp16,bf16 "
                                        "(default: fp32 plus the recipe's AMP mode)")
     p.add_argument("--steps", type=int, default=50, help="timed steps per setting (default 50)")
@@ -332,7 +333,12 @@ def cmd_benchmark(args) -> int:
     env, device = dist.init(args.device)
     if env.world_size > 1:
         raise ConfigError("benchmark measures one device; run it without torchrun/srun (see `fastvision scale`)")
-    batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [cfg.train.batch_size]
+    if args.batch_sizes == "auto" or (not args.batch_sizes and cfg.train.batch_size == "auto"):
+        from .autobatch import resolve_auto_batch
+
+        batch_sizes = [resolve_auto_batch(cfg, device)]
+    else:
+        batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [cfg.train.batch_size]
     precisions = args.precision.split(",") if args.precision else \
         ["fp32"] + ([cfg.train.amp] if cfg.train.amp != "off" else [])
     channels_last = cfg.train.channels_last if args.channels_last is None else args.channels_last

@@ -25,7 +25,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", help="dataset folder (data.args.path); default: the recipe's built-in sample")
     g.add_argument("--out", help="run directory (default runs/<recipe>-<time>); never overwritten")
     g.add_argument("--epochs", type=int)
-    g.add_argument("--batch-size", type=int, help="per-worker batch size")
+    g.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v),
+                   help="per-worker batch size, or auto: the largest that fits on the device (LR scaled by the recipe)")
     g.add_argument("--lr", type=float, help="learning rate at the recipe's reference batch")
     g.add_argument("--amp", choices=["off", "fp16", "bf16"], help="mixed precision (fp16 needs CUDA)")
     g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None, help="TF32 matmul/conv (Ampere+)")

@@ -73,7 +73,7 @@ class SchedConfig:
 @dataclass
 class TrainConfig:
     epochs: int = 10
-    batch_size: int = 16  # per worker
+    batch_size: int | Literal["auto"] = 16  # per worker; "auto": largest that fits (fastvision.autobatch)
     accum_steps: int = 1
     clip_grad: float | None = None  # max global grad norm
     amp: Literal["off", "fp16", "bf16"] = "off"

@@ -1,0 +1,185 @@
+"""``--batch-size auto``: the largest per-device batch that trains on the real device.
+
+A bounded search with real training steps: double the batch from a start until a step runs out of
+memory (or a limit), then bisect between the last batch that ran and the first that did not.
+Memory is released between tries (the failed step's tensors dropped, ``gc.collect`` and
+``torch.cuda.empty_cache``), and a try that raises ``torch.OutOfMemoryError`` counts as "does not
+fit". On CPU there is no out-of-memory error worth waiting for, so tests and dry runs pass a
+:class:`MemoryCap`: live tensor bytes are counted and ``OutOfMemoryError`` raised above the cap.
+
+The learning rate then follows the recipe's rule (``optim.ref_batch`` linear scaling in
+:func:`fastvision.optim.effective_lr`), which ``fit`` applies to the resolved batch; the choice is
+logged.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+from typing import Callable
+
+import torch
+
+from .config import RunConfig
+from .errors import ConfigError
+from .plan_trace import LiveBytes
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 4096  # upper bound of the search
+
+
+class MemoryCap(LiveBytes):
+    """Live tensor bytes under this mode; ``torch.OutOfMemoryError`` once they pass ``cap_bytes``."""
+
+    def __init__(self, cap_bytes: int):
+        super().__init__()
+        self.cap = cap_bytes
+
+    def ignore(self, tensors) -> None:
+        """Storages that exist before the try (weights): known, so views of them count nothing."""
+        for t in tensors:
+            LiveBytes.track(self, t, "ignored")  # not the capped track: weights may exceed the cap
+            self.current -= t.untyped_storage().nbytes()
+        self.reset_peak()
+
+    def track(self, t: torch.Tensor, op: str) -> int:
+        serial = super().track(t, op)
+        if self.current > self.cap:
+            raise torch.OutOfMemoryError(f"artificial cap: {self.current} bytes live > {self.cap}")
+        return serial
+
+
+def release_memory() -> None:
+    """Drop what a failed try left behind before the next one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def search(fits: Callable[[int], bool], start: int = 1, limit: int = MAX_BATCH) -> int:
+    """Largest ``b`` in ``[1, limit]`` with ``fits(b)``, assuming fitting is monotone in ``b``.
+
+    Doubling from ``start`` (halving if ``start`` does not fit), then bisection: at most about
+    ``2 log2(limit)`` calls. Returns 0 if batch 1 does not fit.
+    """
+    start = max(1, min(start, limit))
+    if fits(start):
+        good, bad = start, None
+        while bad is None and good < limit:
+            b = min(good * 2, limit)
+            if fits(b):
+                good = b
+            else:
+                bad = b
+        if bad is None:
+            return good
+    else:
+        bad, good = start, 0
+        while good == 0 and bad > 1:
+            b = bad // 2
+            if fits(b):
+                good = b
+            else:
+                bad = b
+        if good == 0:
+            return 0
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def train_step(model, task, batch, optimizer, precision) -> None:
+    """The engine's step (autocast forward + loss, scaled backward, optimizer step, zero_grad);
+    point this at the engine's shared step once there is one."""
+    with precision.autocast():
+        loss = task.loss(task.forward(model, batch), batch)
+    precision.scaler.scale(loss).backward()
+    precision.scaler.step(optimizer)
+    precision.scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def recipe_builder(cfg: RunConfig, device: torch.device):
+    """The recipe's model (on ``device``), task and optimizer factory: the one place that builds
+    a recipe for the search (point it at the engine's shared build)."""
+    from . import optim
+    from .benchmark import build_model_and_task
+
+    def build():
+        model, task = build_model_and_task(cfg, device, cfg.train.channels_last)
+        return model, task, lambda m: optim.build_optimizer(m, cfg.optim, cfg.optim.lr)
+
+    return build
+
+
+def step_fits(build, device: torch.device, amp: str = "off", channels_last: bool = False, steps: int = 2,
+              cap: int | None = None) -> Callable[[int], bool]:
+    """A ``fits(batch)`` that runs ``steps`` real training steps on ``device``.
+
+    Args:
+        build: returns ``(model on device, task, make_optimizer(model))``.
+        device: where to run.
+        amp: "off", "fp16" or "bf16".
+        channels_last: NHWC / NDHWC inputs.
+        steps: steps per try (the second one holds the optimizer state).
+        cap: artificial memory cap in bytes (CPU tests): tensor bytes created by a try and live
+            at once (parameters excluded) above it count as out of memory.
+    """
+    from . import runtime
+
+    model, task, make_optimizer = build()
+    initial = copy.deepcopy(model.state_dict())
+    precision = runtime.Precision(amp, device)
+
+    def fits(b: int) -> bool:
+        model.load_state_dict(initial)
+        optimizer = batch = None
+        guard = contextlib.nullcontext()
+        if cap is not None:
+            guard = MemoryCap(cap)
+            guard.ignore([*model.parameters(), *model.buffers()])
+        try:
+            with guard:
+                optimizer = make_optimizer(model)
+                batch = task.to_device(task.synthetic_batch(b, device), device, channels_last)
+                for _ in range(steps):
+                    train_step(model, task, batch, optimizer, precision)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # deliberate: an OOM must surface inside this try
+            ok = True
+        except torch.OutOfMemoryError:
+            ok = False
+        finally:
+            model.zero_grad(set_to_none=True)
+            del optimizer, batch
+            release_memory()
+        log.info("batch-size auto: batch %d %s", b, "fits" if ok else "out of memory")
+        return ok
+
+    return fits
+
+
+def resolve_auto_batch(cfg: RunConfig, device: torch.device, cap: int | None = None,
+                       limit: int = MAX_BATCH) -> int:
+    """Replace ``cfg.train.batch_size == "auto"`` by the largest batch that trains on ``device``.
+
+    Returns the batch; the LR scaled by the recipe's rule is logged (``fit`` applies it).
+    """
+    from .optim import effective_lr
+
+    start = 2
+    fits = step_fits(recipe_builder(cfg, device), device, cfg.train.amp, cfg.train.channels_last, cap=cap)
+    b = search(fits, start=start, limit=limit)
+    if b == 0:
+        raise ConfigError(f"train.batch_size=auto: not even batch 1 of {cfg.recipe} fits on {device}")
+    cfg.train.batch_size = b
+    lr = effective_lr(cfg.optim, b)
+    log.info("batch-size auto: %d per device on %s; lr %.4g (optim.lr %.4g %s)", b, device, lr, cfg.optim.lr,
+             f"x {b}/{cfg.optim.ref_batch} per device" if cfg.optim.ref_batch else "unscaled: no optim.ref_batch")
+    return b
