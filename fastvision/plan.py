@@ -174,7 +174,7 @@ def text_report(plan: dict[str, Any]) -> str:
             ("step time", f"{_range(e['step_s'], 1e3)} ms (achieved {_range(plan['achieved'], 100, '{:.0f}')} % of "
                           f"peak, {plan['achieved_source']})"),
             ("items/s per GPU", _range([e["batch"] / e["step_s"][1], e["batch"] / e["step_s"][0]], 1, "{:.0f}")),
-            (f"scaling efficiency at {plan['gpus']}", _range(e["efficiency"][::-1], 100, "{:.0f}") + " %")]
+            (f"scaling efficiency at {plan['gpus']}", _range(sorted(e["efficiency"]), 100, "{:.0f}") + " %")]
     if "epoch_s" in e:
         rows += [("dataset", f"{plan['dataset_items']:,} items ({plan['dataset_source']})"),
                  ("epoch time", _duration(e["epoch_s"])),

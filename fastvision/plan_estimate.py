@@ -36,9 +36,11 @@ from .plan_trace import StepTrace, trace_step
 
 WORKSPACE_FRACTION = 0.05  # allocator block rounding and fragmentation, share of the tensor peak
 WORKSPACE_FIXED = 0.75 * 2**30  # CUDA context (~0.3-0.5 GiB) + cuBLAS/cuDNN workspaces
-# Achieved share of peak dense math for conv nets: MLPerf/DLE ResNet-50 reach 15-27 % MFU
-# (perf_anchors.md section 7) once the bandwidth term below is counted separately.
-DEFAULT_ACHIEVED = (0.25, 0.6)
+# Achieved share of peak dense math, with the bandwidth term counted separately. Chosen so that
+# the default range holds the published anchors (perf_anchors.md): ResNet-50 A100 AMP 2,470
+# (DLE PyTorch) and 3,411 img/s (MXNet), H100 7,160 img/s (MLPerf), 3-D U-Net A100 AMP bs 2
+# 17.9 vol/s (seed 000); docs/plan.md lists the check.
+DEFAULT_ACHIEVED = (0.15, 0.5)
 BANDWIDTH_EFFICIENCY = 0.8  # achievable share of spec memory bandwidth (HBM copy test: 87 %)
 
 # Training-set sizes the recipes state or imply (items per epoch before sharding).

@@ -10,8 +10,8 @@ rounding. FLOPs come from the same trace through torch's FLOP formulas
 (``torch.utils.flop_counter.flop_registry``, what ``FlopCounterMode`` uses; the mode itself adds
 module hooks that keep tensors alive and defeat activation checkpointing).
 
-Two steps run: the first creates the optimizer state (the steady-state step holds it), the peak is
-taken over both. Parts at the peak: parameters (and buffers), gradients, optimizer state, the
+The optimizer state is made first (one optimizer step on zero gradients), so the traced step is the
+steady-state one, as on step two and later of a run. Parts at the peak: parameters (and buffers), gradients, optimizer state, the
 input batch, and activations (everything else: tensors saved for backward and temporaries).
 
 Mixed precision is emulated with CPU autocast at the recipe's dtype; CPU and CUDA autocast cast the
@@ -138,14 +138,18 @@ def autocast_ctx(amp: str) -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=dtype)
 
 
-def train_step(model: nn.Module, task, batch: dict, optimizer: torch.optim.Optimizer, amp: str) -> None:
+def train_step(model: nn.Module, task, batch: dict, optimizer: torch.optim.Optimizer, amp: str,
+               after_forward: Callable[[], None] = lambda: None,
+               after_backward: Callable[[], None] = lambda: None) -> None:
     """The engine's training step (``engine.train_one_epoch``): autocast forward + loss, backward,
-    optimizer step, ``zero_grad(set_to_none=True)``. The fp16 loss scale is a scalar multiply and
-    an in-place unscale, which move no memory, so it is left out. Point this at the engine's
-    shared step once there is one."""
+    optimizer step, ``zero_grad(set_to_none=True)``; the hooks read the trace between phases.
+    The fp16 loss scale is a scalar multiply and an in-place unscale, which move no memory, so it
+    is left out. Point this at the engine's shared step once there is one."""
     with autocast_ctx(amp):
         loss = task.loss(task.forward(model, batch), batch)
+    after_forward()
     loss.backward()
+    after_backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -186,24 +190,31 @@ def _trace(model, task, make_optimizer, tracker: LiveBytes, batch_size: int, amp
     for t in params:
         tracker.track(t, "parameter")
     optimizer = make_optimizer(model)
+    # the optimizer state of the steady-state step, made by one step on zero gradients (cheaper
+    # to trace than a first forward and backward, and the same tensors)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     cpu = torch.device("cpu")
     batch = task.to_device(task.synthetic_batch(batch_size, cpu), cpu, channels_last)
-    train_step(model, task, batch, optimizer, amp)  # creates the optimizer state
     tracker.reset_peak()
     tracker.saved.clear()
     allocated_before, flops_before = tracker.allocated, tracker.flops
-    # the engine's step, inlined to read the gradients before zero_grad drops them
-    with autocast_ctx(amp):
-        loss = task.loss(task.forward(model, batch), batch)
-    fwd_flops = tracker.flops - flops_before
-    loss.backward()
-    with_grad = [p for p in model.parameters() if p.grad is not None]
-    grads = tracker.serials(p.grad for p in with_grad)
-    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in with_grad)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    del loss, with_grad
+    seen: dict[str, Any] = {}
+
+    def after_forward():
+        seen["fwd_flops"] = tracker.flops - flops_before
+
+    def after_backward():
+        with_grad = [p for p in model.parameters() if p.grad is not None]
+        seen["grads"] = tracker.serials(p.grad for p in with_grad)
+        seen["grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in with_grad)
+
+    train_step(model, task, batch, optimizer, amp, after_forward, after_backward)
     flops = tracker.flops - flops_before
+    fwd_flops, grads, grad_bytes = seen["fwd_flops"], seen["grads"], seen["grad_bytes"]
     traffic = tracker.allocated - allocated_before
     opt_keys = tracker.serials(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     param_keys, input_keys = tracker.serials(params), tracker.serials(batch.values())
