@@ -4,8 +4,9 @@ A bounded search with real training steps: double the batch from a start until a
 memory (or a limit), then bisect between the last batch that ran and the first that did not.
 Memory is released between tries (the failed step's tensors dropped, ``gc.collect`` and
 ``torch.cuda.empty_cache``), and a try that raises ``torch.OutOfMemoryError`` counts as "does not
-fit". On CPU there is no out-of-memory error worth waiting for, so tests and dry runs pass a
-:class:`MemoryCap`: live tensor bytes are counted and ``OutOfMemoryError`` raised above the cap.
+fit". On CPU there is no out-of-memory error worth waiting for, so tests and CPU runs pass a
+:class:`MemoryCap` (``FASTVISION_MEMORY_CAP_MB``): live tensor bytes are counted and
+``OutOfMemoryError`` raised above the cap.
 
 The learning rate then follows the recipe's rule (``optim.ref_batch`` linear scaling in
 :func:`fastvision.optim.effective_lr`), which ``fit`` applies to the resolved batch; the choice is
@@ -169,13 +170,21 @@ def resolve_auto_batch(cfg: RunConfig, device: torch.device, cap: int | None = N
                        limit: int = MAX_BATCH) -> int:
     """Replace ``cfg.train.batch_size == "auto"`` by the largest batch that trains on ``device``.
 
-    Returns the batch; the LR scaled by the recipe's rule is logged (``fit`` applies it).
+    Off CUDA there is no out-of-memory error to catch before the host swaps, so a cap is needed:
+    ``cap`` bytes or the environment variable ``FASTVISION_MEMORY_CAP_MB``. Returns the batch; the
+    LR scaled by the recipe's rule is logged (``fit`` applies it).
     """
+    import os
+
     from .optim import effective_lr
 
-    start = 2
+    if cap is None and os.environ.get("FASTVISION_MEMORY_CAP_MB"):
+        cap = int(float(os.environ["FASTVISION_MEMORY_CAP_MB"]) * 2**20)
+    if cap is None and device.type != "cuda":
+        raise ConfigError(f"train.batch_size=auto on {device}: needs a CUDA device, or a memory cap in "
+                          "FASTVISION_MEMORY_CAP_MB (see `fastvision plan` for an estimate without a device)")
     fits = step_fits(recipe_builder(cfg, device), device, cfg.train.amp, cfg.train.channels_last, cap=cap)
-    b = search(fits, start=start, limit=limit)
+    b = search(fits, start=2, limit=limit)
     if b == 0:
         raise ConfigError(f"train.batch_size=auto: not even batch 1 of {cfg.recipe} fits on {device}")
     cfg.train.batch_size = b

@@ -89,6 +89,7 @@ def test_memory_matches_hand_count(make, b, d, hidden, c, params):
     assert abs(t.peak_bytes - hand) / hand < 0.01
 
 
+@pytest.mark.slow
 def test_resnet50_forward_flops_match_published_macs():
     """torchvision lists ResNet-50 at 4.09 G multiply-adds per 224 px image: 8.18 GFLOPs."""
     cfg = config.load("resnet50-imagenet", [{"train": {"amp": "off", "channels_last": False}}])
@@ -106,6 +107,7 @@ def test_checkpointing_and_compile_lower_activation_memory():
 # Under a cap on the bytes a try creates (parameters excluded), the steady-state peak is
 # P (momentum) + x + W2 grad + three (b, H) tensors (see the hand count above), so the largest
 # batch under a cap halfway between batch 37 and 38 is 37.
+@pytest.mark.slow
 def test_batch_size_auto_finds_known_largest_batch_under_cap():
     d, h, c = 64, 1024, 4
     make = _mlp_make(d, h, c)
@@ -140,6 +142,7 @@ def test_gpu_table_names_and_aliases():
         get_gpu("H900")
 
 
+@pytest.mark.slow
 def test_plan_cli_table_json_png(tmp_path, capsys):
     from fastvision.cli import main
 
@@ -158,3 +161,31 @@ def test_plan_cli_table_json_png(tmp_path, capsys):
     assert e["cost"][0] == pytest.approx(e["gpu_hours"][0] * 0.5)
     assert (tmp_path / "plan.png").stat().st_size > 0
     assert main(["plan", "unet2d-microscopy", "--gpu", "H900"]) == 2
+
+
+@pytest.mark.slow
+def test_train_batch_size_auto_resolves_before_fit(tmp_path, monkeypatch, caplog):
+    """`train --batch-size auto` on CPU with a cap: the run trains at the batch the search found
+    and logs the LR the recipe's rule gives for it (Adam 3e-3 per 16 images)."""
+    import logging
+
+    import yaml
+
+    from fastvision.api import run_training
+
+    monkeypatch.setenv("FASTVISION_MEMORY_CAP_MB", "60")
+    with caplog.at_level(logging.INFO, logger="fastvision.autobatch"):
+        run_training("unet2d-microscopy", out=str(tmp_path / "run"), progress=False,
+                     overrides={"batch_size": "auto", "epochs": 1, "device": "cpu",
+                                "train.steps_per_epoch": 1, "examples": 0})
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["batch_size"]
+    assert isinstance(saved, int) and 1 <= saved < 4096
+    msg = next(r.getMessage() for r in caplog.records if "per device on" in r.getMessage())
+    assert f"auto: {saved} per device" in msg and f"lr {3e-3 * saved / 16:.4g}" in msg
+
+
+def test_batch_size_auto_on_cpu_without_cap_is_a_config_error(monkeypatch):
+    monkeypatch.delenv("FASTVISION_MEMORY_CAP_MB", raising=False)
+    cfg = config.load("unet2d-microscopy", [{"train": {"batch_size": "auto"}}])
+    with pytest.raises(ConfigError, match="FASTVISION_MEMORY_CAP_MB"):
+        autobatch.resolve_auto_batch(cfg, torch.device("cpu"))
