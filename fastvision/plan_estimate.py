@@ -8,8 +8,8 @@ the recipe). Units: bytes, seconds, FLOPs; GiB only in reports.
   the cuBLAS / cuDNN workspaces, which no tensor trace sees). ``torch.compile`` is modelled by
   dropping the saved elementwise and normalisation outputs that inductor recomputes.
 * Largest batch: activations and inputs grow linearly with the batch, parameters, gradients and
-  optimizer state do not; the line through two traces is solved for the device's memory and the
-  answer is checked with one more trace.
+  optimizer state do not; the line is solved for the device's memory and the answer is checked
+  with one more trace.
 * Step time: a roofline range, ``max(FLOPs / (peak x f_hi), traffic / bandwidth)`` to
   ``FLOPs / (peak x f_lo) + traffic / bandwidth``, with the achieved fraction ``f`` of peak dense
   math either the default range or calibrated from a measured ``fastvision benchmark`` JSON.
@@ -125,8 +125,11 @@ def linear_batch(t: StepTrace, gpu: GPU, compile: bool = False) -> int:
     return max(0, int(room / per_item)) if per_item > 0 else 0
 
 
-def largest_batch(cfg: RunConfig, gpu: GPU, first: StepTrace, compile: bool = False, max_traces: int = 4) -> int:
-    """Largest per-device batch that fits ``gpu``: a line through two traces, then checked.
+def largest_batch(cfg: RunConfig, gpu: GPU, first: StepTrace, compile: bool = False, max_traces: int = 3) -> int:
+    """Largest per-device batch that fits ``gpu``: the linear rule of one trace, then checked.
+
+    A trace at the predicted batch confirms it; if it does not fit, the line through the two
+    traces gives the next guess (at most ``max_traces`` extra traces).
 
     Args:
         cfg: the recipe.
@@ -135,26 +138,19 @@ def largest_batch(cfg: RunConfig, gpu: GPU, first: StepTrace, compile: bool = Fa
         compile: plan for ``torch.compile``.
         max_traces: extra traces allowed.
     """
-    def total(t):
-        return memory(t, compile).total
-
     cap = gpu.memory_gib * 2**30
-    b2 = first.batch * 2
-    second = trace(cfg, b2)
-    slope = (total(second) - total(first)) / (b2 - first.batch)
-    if slope <= 0:
-        return linear_batch(first, gpu, compile)
-    guess = int((cap - total(first)) / slope) + first.batch
-    lo_fit = first.batch if total(first) <= cap else 0
-    for _ in range(max_traces - 1):
-        if guess < 1:
-            return 0
+    best = first.batch if memory(first, compile).total <= cap else 0
+    guess = linear_batch(first, gpu, compile)
+    for _ in range(max_traces):
+        if guess < 1 or guess == best:
+            return max(best, guess) if guess >= 1 else best
         t = trace(cfg, guess)
-        if total(t) <= cap:
-            return max(guess, lo_fit)
-        slope = max(slope, (total(t) - total(first)) / max(1, guess - first.batch))
-        guess = int(guess - (total(t) - cap) / slope) - 1
-    return max(lo_fit, guess)
+        over = memory(t, compile).total - cap
+        if over <= 0:
+            return max(best, guess)
+        slope = (memory(t, compile).total - memory(first, compile).total) / max(1, guess - first.batch)
+        guess = int(guess - over / slope) - 1 if slope > 0 else guess // 2
+    return best
 
 
 # ------------------------------------------------------------------------------ time
