@@ -164,12 +164,12 @@ def text_report(plan: dict[str, Any]) -> str:
              f"{plan['gpus_per_node']} per node, {plan['link']} between nodes", ""]
     rows = [("per-GPU batch", f"{e['batch']} ({e['precision']}{', compile' if e['compile'] else ''}"
                               f"{', channels_last' if plan['channels_last'] else ''})"),
-            ("memory at that batch", f"{e['memory_gib']:.2f} GiB ({fit}): params {p['parameters']:.2f}, grads "
+            ("memory at that batch", f"{e['memory_gib']:.2f} GiB ({fit}); at the peak: params {p['parameters']:.2f}, grads "
                                      f"{p['gradients']:.2f}, optimizer {p['optimizer_state']:.2f}, inputs "
                                      f"{p['inputs']:.2f}, activations {p['activations']:.2f}, workspace "
                                      f"{p['workspace']:.2f}"),
             ("largest batch that fits", str(e["largest_batch"])),
-            ("FLOPs per step", f"{e['flops_per_step'] / 1e12:.3g} TFLOP ({e['flops_per_step'] / e['batch'] / 1e9:.3g} "
+            ("FLOPs per step", f"{e['flops_per_step'] / 1e12:.3g} TFLOP ({e['flops_per_step'] / e['batch'] / 1e9:,.1f} "
                                f"GFLOP per item)"),
             ("step time", f"{_range(e['step_s'], 1e3)} ms (achieved {_range(plan['achieved'], 100, '{:.0f}')} % of "
                           f"peak, {plan['achieved_source']})"),
