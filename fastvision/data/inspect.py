@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from rich.console import Console
@@ -39,12 +39,26 @@ def inspect_path(path: Path) -> dict[str, Any]:
 
 
 def print_report(report: dict[str, Any]) -> None:
+    """One row per fact; each anomaly kind gets its own row (count and first names or ids)."""
     table = Table(title=f"{report['layout']} dataset: {report['path']}", show_header=False)
+    table.add_row("detected layout", str(report.get("detected", report["layout"])))
     for k, v in report.items():
-        if k in ("layout", "path"):
+        if k in ("layout", "path", "detected", "anomalies"):
             continue
         table.add_row(k, ", ".join(f"{a}: {b}" for a, b in v.items()) if isinstance(v, dict) else str(v))
+    anomalies = report.get("anomalies") or {}
+    for kind, text in anomalies.items():
+        table.add_row(f"[yellow]anomaly[/yellow]: {kind}", text)
+    if not anomalies:
+        table.add_row("anomalies", "none found")
     Console().print(table)
+
+
+def anomaly_rows(found: dict[str, Sequence[Any]]) -> dict[str, str]:
+    """``{kind: [ids]}`` -> ``{kind: "count (first ids)"}`` for the report, empty kinds dropped."""
+    from .formats.anomalies import first_few
+
+    return {k: f"{len(v)} ({first_few(v)})" for k, v in found.items() if v}
 
 
 @inspector("microscopy", lambda p: (p / "images").is_dir() and (p / "masks").is_dir())
@@ -133,7 +147,37 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
         for v, c in zip(values.tolist(), counts.tolist()):
             classes[int(v)] += c
     total = sum(classes.values()) or 1
-    return {"name": meta.get("name", "?"), "modality": meta.get("modality", {}), "labels": meta.get("labels", {}),
+    labels = {str(v).lower() for v in meta.get("labels", {}).values()}
+    task01 = {"edema", "non-enhancing tumor", "enhancing tumour"} <= labels
+    return {"detected": "Medical Segmentation Decathlon" + (" Task01 (MSD label ids, loaded as BraTS ids)"
+                                                              if task01 else ""),
+            "name": meta.get("name", "?"), "modality": meta.get("modality", {}), "labels": meta.get("labels", {}),
             "training cases": len(ds["training"]), "test cases": len(ds["test"]),
             "shapes (first 10)": dict(shapes), "spacing mm (first 10)": dict(spacings),
-            "label voxels (first 10)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())}}
+            "label values (first 10)": sorted(classes),
+            "label voxels (first 10)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())},
+            "anomalies": anomaly_rows(ds["anomalies"])}
+
+
+def _looks_brats(path: Path) -> bool:
+    """Case files (``*_flair.nii*`` or ``*-t2f.nii*``) at most three folders down."""
+    return path.is_dir() and any(next(path.glob(depth + pattern), None) is not None
+                                 for pattern in ("*_flair.nii*", "*-t2f.nii*") for depth in ("", "*/", "*/*/", "*/*/*/"))
+
+
+@inspector("brats", _looks_brats)
+def inspect_brats(path: Path) -> dict[str, Any]:
+    import nibabel as nib
+
+    from .formats.brats_layouts import detect
+
+    layout = detect(path)
+    shapes, values = Counter(), set()
+    labelled = [c for c in layout.cases if c["label"] is not None]
+    for case in labelled[:10]:
+        shapes[str(nib.load(str(case["image"][0])).shape)] += 1
+        values |= set(np.unique(np.asarray(nib.load(str(case["label"])).dataobj)).tolist())
+    return {"detected": f"BraTS {layout.year} ({layout.name})", "cases": len(layout.cases),
+            "labelled cases": len(labelled), "label convention": layout.convention(),
+            "shapes (first 10)": dict(shapes), "label values (first 10)": sorted(int(v) for v in values),
+            "anomalies": anomaly_rows(layout.anomalies)}
