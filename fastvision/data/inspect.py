@@ -113,20 +113,37 @@ def inspect_imagefolder(path: Path) -> dict[str, Any]:
 def inspect_coco(path: Path) -> dict[str, Any]:
     import json
 
-    report: dict[str, Any] = {}
+    from .formats.coco_check import check_annotations, image_facts, missing_images
+
+    report: dict[str, Any] = {"detected": "COCO instances (annotations/instances_<split>.json + <split>/)"}
+    anomalies: dict[str, list[Any]] = {}
     for ann in sorted((path / "annotations").glob("instances_*.json")):
         try:
             data = json.loads(ann.read_text())
             images, anns, cats = data["images"], data["annotations"], data["categories"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise DataError(f"{ann}: not a COCO instances file ({e})") from e
-        names = {c["id"]: c["name"] for c in cats}
-        with_boxes = {a["image_id"] for a in anns}
         split = ann.stem.removeprefix("instances_")
-        report[f"{split} images (without boxes)"] = f"{len(images)} ({len(images) - len(with_boxes)})"
-        report[f"{split} boxes (crowd)"] = f"{len(anns)} ({sum(bool(a.get('iscrowd')) for a in anns)})"
-        report[f"{split} boxes per category"] = dict(Counter(names.get(a["category_id"], a["category_id"])
-                                                          for a in anns))
+        valid, bad = check_annotations(data)
+        usable = [a for a in anns if a.get("id") in valid]
+        names = {c["id"]: c["name"] for c in cats}
+        with_boxes = {a["image_id"] for a in usable}
+        report[f"{split} images (without boxes)"] = f"{len(images)} ({sum(im['id'] not in with_boxes for im in images)})"
+        report[f"{split} boxes (crowd)"] = f"{len(usable)} ({sum(bool(a.get('iscrowd')) for a in usable)})"
+        report[f"{split} boxes per category"] = dict(Counter(names[a["category_id"]] for a in usable))
+        for kind, ids in bad.items():
+            anomalies[f"{split}: annotations with {kind} (skipped; ids)"] = ids
+        image_dir = path / split
+        if not image_dir.is_dir():
+            anomalies[f"{split}: image folder missing"] = [str(image_dir)]
+            continue
+        anomalies[f"{split}: listed images missing on disk"] = missing_images(data, image_dir)
+        facts = image_facts(data, image_dir)
+        report[f"{split} image formats (headers of {facts['checked']})"] = facts["formats"]
+        report[f"{split} image modes"] = facts["modes"]
+        for kind, files in facts["anomalies"].items():
+            anomalies[f"{split}: {kind}"] = files
+    report["anomalies"] = anomaly_rows(anomalies)
     return report
 
 
