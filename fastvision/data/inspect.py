@@ -85,28 +85,63 @@ def inspect_microscopy(path: Path) -> dict[str, Any]:
 
 
 @inspector("imagefolder", lambda p: (p / "train").is_dir() and any(d.is_dir() for d in (p / "train").iterdir()))
-def inspect_imagefolder(path: Path) -> dict[str, Any]:
+def inspect_imagefolder(path: Path, header_limit: int = 5000) -> dict[str, Any]:
+    from .formats.imagefolder import EXTENSIONS, find_classes, list_samples
+    from .formats.imagenet_val import flat_val_samples, is_flat
+
+    report: dict[str, Any] = {"detected": "ImageFolder (train/<class>/*)"}
+    anomalies: dict[str, list[str]] = {}
+    classes = find_classes(path / "train")
+    for split in ("train", "val"):
+        d = path / split
+        if not d.is_dir():
+            continue
+        if split == "val" and is_flat(d, EXTENSIONS):
+            samples, how = flat_val_samples(d, classes, path, EXTENSIONS)
+            report["detected"] += f"; val: {how}"
+            names = classes
+        else:
+            names = find_classes(d)
+            samples = list_samples(d, names)
+        anomalies[f"{split}: macOS ._ companion files (ignored)"] = [
+            str(p.relative_to(path)) for p in sorted(d.rglob("._*"))][:1000]
+        per_class = Counter(names[i] for _, i in samples)
+        report[f"{split} images"] = len(samples)
+        report[f"{split} classes"] = len(per_class)
+        report[f"{split} per class (first 20)"] = dict(sorted(per_class.items())[:20])
+        sizes, modes, checked = _image_headers([p for p, _ in samples], header_limit, anomalies, split, path)
+        report[f"{split} sizes (headers of {checked})"] = dict(sizes.most_common(5))
+        report[f"{split} modes (headers of {checked})"] = dict(modes)
+    report["anomalies"] = anomaly_rows(anomalies)
+    return report
+
+
+def _image_headers(files: list[str], limit: int, anomalies: dict[str, list[str]], split: str,
+                   root: Path) -> tuple[Counter, Counter, int]:
+    """Sizes and modes of up to ``limit`` evenly spaced files; CMYK, PNG-named-JPEG and unreadable
+    files go to ``anomalies`` (they load: CMYK and PNG are converted to RGB, named here so you know)."""
     from PIL import Image
 
-    from .formats.imagefolder import find_classes, list_samples
-
-    report: dict[str, Any] = {}
-    for split in ("train", "val"):
-        if not (path / split).is_dir():
-            continue
-        classes = find_classes(path / split)
-        samples = list_samples(path / split, classes)
-        per_class = Counter(classes[i] for _, i in samples)
-        sizes, modes = Counter(), Counter()
-        for p, _ in samples[:: max(1, len(samples) // 50)]:  # headers of up to ~50 images
+    sizes, modes = Counter(), Counter()
+    picked = files[:: max(1, len(files) // limit)]
+    for p in picked:
+        rel = str(Path(p).relative_to(root))
+        try:
             with Image.open(p) as im:
                 sizes[f"{im.size[0]}x{im.size[1]}"] += 1
                 modes[im.mode] += 1
-        report[f"{split} images"] = len(samples)
-        report[f"{split} per class"] = dict(sorted(per_class.items())[:20])
-        report[f"{split} sizes (sample)"] = dict(sizes.most_common(5))
-        report[f"{split} modes (sample)"] = dict(modes)
-    return report
+                fmt, mode = im.format, im.mode
+        except Exception:  # any decoder failure
+            anomalies.setdefault(f"{split}: unreadable image files", []).append(rel)
+            continue
+        suffix = Path(p).suffix.lower()
+        if suffix in (".jpg", ".jpeg") and fmt != "JPEG":
+            anomalies.setdefault(f"{split}: {fmt} files named {Path(p).suffix} (decoded as {fmt})", []).append(rel)
+        if mode == "CMYK":
+            anomalies.setdefault(f"{split}: CMYK images (converted to RGB)", []).append(rel)
+        elif mode not in ("RGB",):
+            anomalies.setdefault(f"{split}: {mode} images (converted to RGB)", []).append(rel)
+    return sizes, modes, len(picked)
 
 
 @inspector("coco", lambda p: (p / "annotations").is_dir() and any((p / "annotations").glob("instances_*.json")))
