@@ -66,22 +66,40 @@ def inspect_microscopy(path: Path) -> dict[str, Any]:
     from .formats.microscopy import pair_files, read_array
 
     pairs = pair_files(path)
-    shapes, dtypes, classes = Counter(), Counter(), Counter()
+    shapes, dtypes, classes, encodings = Counter(), Counter(), Counter(), Counter()
+    anomalies: dict[str, list[str]] = {}
+    by_encoding: dict[str, list[str]] = {}
     lo, hi = np.inf, -np.inf
     for img_path, mask_path in pairs:
         img, mask = read_array(img_path), read_array(mask_path)
         if img.shape[:2] != mask.shape[:2]:
             raise DataError(f"{img_path}: image is {img.shape[:2]} but mask {mask_path} is {mask.shape[:2]}")
         shapes[str(tuple(img.shape))] += 1
-        dtypes[str(img.dtype)] += 1
+        dtypes[f"{img.dtype} / mask {mask.dtype}"] += 1
         lo, hi = min(lo, float(img.min())), max(hi, float(img.max()))
         values, counts = np.unique(mask if mask.ndim == 2 else mask[..., 0], return_counts=True)
         for v, c in zip(values.tolist(), counts.tolist()):
             classes[v] += c
+        enc = "/".join(str(v) for v in values.tolist()) if len(values) <= 3 else f"{len(values)} values"
+        encodings[enc] += 1
+        by_encoding.setdefault(enc, []).append(mask_path.name)
+        if img_path.suffix.lower() != mask_path.suffix.lower():
+            anomalies.setdefault("masks with another extension than their image (paired by stem)",
+                                 []).append(f"{img_path.name}+{mask_path.name}")
+        if len(values) > 3:
+            anomalies.setdefault("masks with more than 3 values (instance ids? data.args.binarize)",
+                                 []).append(mask_path.name)
+    if len([e for e in encodings if e.count("/") == 1]) > 1:  # e.g. 0/1 beside 0/255: each read as binary
+        common = encodings.most_common(1)[0][0]
+        anomalies["binary masks encoded differently from most (each read as 0/1)"] = [
+            f"{n} ({e})" for e, names in by_encoding.items() if e != common and e.count("/") == 1 for n in names]
     total = sum(classes.values())
-    return {"pairs": len(pairs), "image shapes": dict(shapes), "image dtypes": dict(dtypes),
-            "intensity range": f"{lo:g} .. {hi:g}",
-            "mask values (pixel share)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())}}
+    values = sorted(classes)
+    return {"detected": "microscopy images/ + masks/ (paired by file stem)", "pairs": len(pairs),
+            "image shapes": dict(shapes), "dtypes": dict(dtypes), "intensity range": f"{lo:g} .. {hi:g}",
+            "mask encodings (files)": dict(encodings),
+            "mask values (pixel share)": {v: f"{classes[v] / total:.2%}" for v in values[:20]},
+            "anomalies": anomaly_rows(anomalies)}
 
 
 @inspector("imagefolder", lambda p: (p / "train").is_dir() and any(d.is_dir() for d in (p / "train").iterdir()))

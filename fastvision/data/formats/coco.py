@@ -32,7 +32,7 @@ from ...errors import ConfigError, DataError
 from ...registry import DATASETS
 from . import DatasetSplits
 from .anomalies import drop_unreadable, first_few, handle_invalid, image_header
-from .coco_check import check_annotations, clip_box
+from .coco_check import check_annotations
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +153,10 @@ class CocoDetection(Dataset):
 
     def targets(self, image_id: int) -> tuple[Tensor, Tensor, Tensor]:
         """Original-pixel ``(boxes (N, 4) xyxy, labels (N,), iscrowd (N,))`` of the usable
-        annotations (invalid ones were reported when the dataset was built), clipped to the image."""
+        annotations (invalid ones were reported when the dataset was built)."""
         anns = self.coco.loadAnns(self.coco.getAnnIds(imgIds=image_id))
-        image = self.coco.imgs[image_id]
         anns = [a for a in anns if a["id"] in self.valid_ann_ids]
-        boxes = torch.tensor([clip_box(a["bbox"], image) for a in anns], dtype=torch.float64)
-        boxes = boxes.reshape(-1, 4).float()
+        boxes = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
         boxes[:, 2:] += boxes[:, :2]
         labels = torch.tensor([self.class_of[a["category_id"]] for a in anns], dtype=torch.int64)
         crowd = torch.tensor([bool(a.get("iscrowd", 0)) for a in anns], dtype=torch.bool)

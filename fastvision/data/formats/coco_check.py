@@ -65,17 +65,6 @@ def _problem(a: dict[str, Any], images: dict[Any, dict], cats: set[Any]) -> str 
     return None
 
 
-def clip_box(box: list[float], image: dict[str, Any]) -> list[float]:
-    """``[x, y, w, h]`` clipped to the image's ``width`` x ``height`` (real files overshoot by a pixel)."""
-    x, y, w, h = box
-    W, H = image.get("width"), image.get("height")
-    if not W or not H:
-        return [x, y, w, h]
-    x0, y0 = min(max(x, 0.0), W), min(max(y, 0.0), H)
-    x1, y1 = min(max(x + w, 0.0), W), min(max(y + h, 0.0), H)
-    return [x0, y0, x1 - x0, y1 - y0]
-
-
 def missing_images(dataset: dict[str, Any], image_dir: Path) -> list[str]:
     """File names listed in ``images`` that are not files under ``image_dir``."""
     return [im.get("file_name", "?") for im in dataset.get("images", [])
