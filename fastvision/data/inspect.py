@@ -251,3 +251,43 @@ def inspect_brats(path: Path) -> dict[str, Any]:
             "labelled cases": len(labelled), "label convention": layout.convention(),
             "shapes (first 10)": dict(shapes), "label values (first 10)": sorted(int(v) for v in values),
             "anomalies": anomaly_rows(layout.anomalies)}
+
+
+def _pathology_splits(path: Path) -> list[Path]:
+    from .formats.camelyon import is_slide_split
+
+    return [d for d in sorted(path.iterdir()) if d.is_dir() and not d.name.startswith(".")
+            and (is_slide_split(d) or ((d / "normal").is_dir() and (d / "tumor").is_dir()))] if path.is_dir() else []
+
+
+@inspector("pathology", lambda p: bool(_pathology_splits(p)))
+def inspect_pathology(path: Path) -> dict[str, Any]:
+    from .formats.asap import is_exclusion, read_polygons
+    from .formats.camelyon import find_slides, is_slide_split
+    from .formats.pathology import TiledTiff
+
+    report: dict[str, Any] = {}
+    anomalies: dict[str, list[str]] = {}
+    kinds = set()
+    for d in _pathology_splits(path):
+        split = d.name
+        if not is_slide_split(d):
+            kinds.add("patch folders (normal/, tumor/)")
+            for name in ("normal", "tumor"):
+                report[f"{split} {name} patches"] = sum(1 for p in (d / name).iterdir() if not p.name.startswith("."))
+            continue
+        kinds.add("Camelyon16 (tumor/, normal/, lesion_annotations/*.xml)" if (d / "lesion_annotations").is_dir()
+                  else "slides (images/ + masks/ or annotations/*.xml)")
+        slides, found = find_slides(d)
+        for kind, names in found.items():
+            anomalies[f"{split}: {kind}"] = names
+        report[f"{split} slides (with lesions)"] = f"{len(slides)} ({sum(s is not None for _, s in slides)})"
+        if slides:
+            t = TiledTiff(slides[0][0])
+            report[f"{split} levels (first slide)"] = ", ".join(f"{h}x{w}" for h, w in t.level_shapes)
+            t.close()
+        polys = [g for _, s in slides if s is not None and s.suffix.lower() == ".xml" for g, _ in read_polygons(s)]
+        if polys:
+            report[f"{split} lesion polygons (exclusions)"] = f"{len(polys)} ({sum(map(is_exclusion, polys))})"
+    report = {"detected": "pathology: " + "; ".join(sorted(kinds)), **report, "anomalies": anomaly_rows(anomalies)}
+    return report
