@@ -191,3 +191,12 @@ def test_find_cases_ignores_macos_companions(tmp_path):
     cases = find_cases(base)
     assert [c["id"] for c in cases] == ["BraTS2021_00000", "BraTS2021_00001"]
     assert all(not p.name.startswith("._") for c in cases for p in c["image"])
+
+
+@pytest.mark.parametrize("year,writes_4", [("2020", True), ("2023", False)])
+def test_predictions_use_the_training_release_ids(tmp_path, year, writes_4):
+    from fastvision.inference import prediction_preprocessing
+
+    base = make_brats(tmp_path, year, n=2)
+    _, brats_ids = prediction_preprocessing(None, "brats", {"path": str(base)})
+    assert brats_ids is writes_4

@@ -41,6 +41,8 @@ def inspect_path(path: Path) -> dict[str, Any]:
 def print_report(report: dict[str, Any]) -> None:
     """One row per fact; each anomaly kind gets its own row (count and first names or ids)."""
     table = Table(title=f"{report['layout']} dataset: {report['path']}", show_header=False)
+    table.add_column(overflow="fold")
+    table.add_column(overflow="fold")  # file names wrap rather than end in "..."
     table.add_row("detected layout", str(report.get("detected", report["layout"])))
     for k, v in report.items():
         if k in ("layout", "path", "detected", "anomalies"):
