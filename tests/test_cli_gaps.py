@@ -80,11 +80,15 @@ def test_predict_force_writes_into_a_non_empty_folder(tiny_microscopy, tmp_path,
     out = tmp_path / "pred"
     out.mkdir()
     (out / "earlier.txt").write_text("x")
-    image = str(tiny_microscopy / "images" / "img_0000.png")
+    inputs = tmp_path / "inputs"  # a folder as copied from a Mac: "._" companions beside the image
+    inputs.mkdir()
+    (inputs / "img_0000.png").write_bytes((tiny_microscopy / "images" / "img_0000.png").read_bytes())
+    (inputs / "._img_0000.png").write_bytes(b"\x00\x05\x16\x07" + bytes(60))
     capsys.readouterr()
-    assert main(["predict", str(run), image, "--out", str(out)]) == 2
-    assert main(["predict", str(run), image, "--out", str(out), "--force"]) == 0
-    assert (out / "img_0000_mask.png").is_file() and (out / "earlier.txt").is_file()
+    assert main(["predict", str(run), str(inputs), "--out", str(out)]) == 2
+    assert main(["predict", str(run), str(inputs), "--out", str(out), "--force"]) == 0
+    # the companion was not taken for an image (decoding it would have failed with exit 2)
+    assert sorted(p.name for p in out.iterdir()) == ["earlier.txt", "img_0000_mask.png", "img_0000_overlay.png"]
 
 
 @pytest.mark.parametrize("kind,options", [

@@ -200,3 +200,12 @@ def test_predictions_use_the_training_release_ids(tmp_path, year, writes_4):
     base = make_brats(tmp_path, year, n=2)
     _, brats_ids = prediction_preprocessing(None, "brats", {"path": str(base)})
     assert brats_ids is writes_4
+
+
+def test_wrong_reader_names_the_right_one(tmp_path, capsys):
+    base = make_brats(tmp_path, "2023", n=2)
+    task = make_task01(tmp_path / "msd", n=2)
+    with pytest.raises(Exception, match=r"dataset.json not found.*looks like a BraTS challenge folder"):
+        DATASETS.build("decathlon", {"path": str(base), "num_folds": 2})
+    with pytest.raises(Exception, match=r"no BraTS cases under .*use data.name=decathlon"):
+        DATASETS.build("brats", {"path": str(task), "num_folds": 2})

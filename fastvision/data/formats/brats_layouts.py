@@ -88,8 +88,9 @@ def detect(root: str | Path) -> Layout:
         schemes[m["case"]] = scheme
     kinds = set(schemes.values())
     if not groups or not kinds:
+        hint = "; it holds a dataset.json: use data.name=decathlon" if (root / "dataset.json").is_file() else ""
         raise DataError(f"no BraTS cases under {root} (expected CASE/CASE_flair.nii.gz or "
-                        f"CASE/CASE-t2f.nii.gz with the other modalities beside it)")
+                        f"CASE/CASE-t2f.nii.gz with the other modalities beside it){hint}")
     if len(kinds) > 1:
         old = next(c for c, s in schemes.items() if s == "old")
         new = next(c for c, s in schemes.items() if s == "new")

@@ -243,7 +243,11 @@ def read_dataset_json(root: str | Path) -> dict[str, Any]:
     root = Path(root)
     f = root / "dataset.json"
     if not f.is_file():
-        raise DataError(f"{f} not found: a Decathlon folder holds dataset.json, imagesTr/, labelsTr/")
+        hint = ""
+        if root.is_dir() and any(next(root.glob(d + p), None) for p in ("*_flair.nii*", "*-t2f.nii*")
+                                 for d in ("*/", "*/*/")):
+            hint = "; this looks like a BraTS challenge folder: --set data.name=brats"
+        raise DataError(f"{f} not found: a Decathlon folder holds dataset.json, imagesTr/, labelsTr/{hint}")
     try:
         meta = json.loads(f.read_text())
         training = [
