@@ -6,7 +6,6 @@ import logging
 import pytest
 
 from fastvision.cli import _format_value, main
-from tests.conftest import tiny_overrides  # noqa: F401 - the shared tiny-run settings live there
 
 TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.args.image_size=[32,32]",
         "--set", "model.args.filters=[4,8,16]"]
