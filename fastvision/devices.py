@@ -7,7 +7,7 @@ little less than the marketed GB for some boards. ``None`` means the precision h
 path on that GPU (V100 and T4 have no TF32 or bf16 tensor cores).
 
 Sources (spec sheets): NVIDIA H100 Tensor Core GPU datasheet (SXM5 and PCIe columns), NVIDIA H200
-datasheet, NVIDIA A100 datasheet (40 GB and 80 GB SXM4), NVIDIA L40S datasheet, NVIDIA V100
+datasheet, NVIDIA A100 datasheet (40 GB and 80 GB SXM4, 80 GB PCIe), NVIDIA L40S datasheet, NVIDIA V100
 datasheet (SXM2), NVIDIA T4 datasheet; cross-checked against /work/shared/reference/perf_anchors.md
 section 7 (A100 312/156 TFLOP/s, 1.555/2.039 TB/s; H100 SXM 989.4/494.7, 3.35 TB/s; H200 4.8 TB/s).
 """
@@ -57,7 +57,8 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
     GPU("H100-PCIe", 79.6, 51.2, 378.0, 756.0, 756.0, 2000, ("h100 pcie",)),
     GPU("H200", 140.4, 66.9, 494.7, 989.4, 989.4, 4800, ("h200",)),
     GPU("A100-40GB", 39.6, 19.5, 156.0, 312.0, 312.0, 1555, ("a100-sxm4-40gb", "a100-pcie-40gb", "a100 40gb")),
-    GPU("A100-80GB", 80.0, 19.5, 156.0, 312.0, 312.0, 2039, ("a100-sxm4-80gb", "a100 80gb")),
+    GPU("A100-80GB", 80.0, 19.5, 156.0, 312.0, 312.0, 2039, ("a100-sxm4-80gb", "a100 80gb hbm")),
+    GPU("A100-PCIe-80GB", 80.0, 19.5, 156.0, 312.0, 312.0, 1935, ("a100-pcie-80gb", "a100 80gb pcie")),
     GPU("L40S", 45.0, 91.6, 183.0, 362.0, 362.0, 864, ("l40s",)),
     GPU("V100-16GB", 15.8, 15.7, None, 125.0, None, 900, ("v100-sxm2-16gb", "v100-pcie-16gb", "v100 16gb")),
     GPU("V100-32GB", 31.7, 15.7, None, 125.0, None, 900, ("v100-sxm2-32gb", "v100-pcie-32gb", "v100 32gb")),

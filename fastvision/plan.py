@@ -27,8 +27,9 @@ def _gm(pair: tuple[float, float]) -> float:
     return math.sqrt(pair[0] * pair[1])
 
 
-def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: str, items: int | None,
-            achieved, calibrated: bool, compile: bool, batch: int, precision: str) -> dict[str, Any]:
+def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: str, hardware: str | None,
+            items: int | None, achieved, calibrated: bool, compile: bool, batch: int,
+            precision: str) -> dict[str, Any]:
     """Memory, step, epoch and train time of one configuration (one trace)."""
     mem = est.memory(t, compile)
     scale = 1 - t.recomputable / max(1, t.activations) if compile else 1.0
@@ -37,7 +38,7 @@ def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: st
                            "memory_gib": mem.total / 2**30, "fits": est.fits(mem.total, gpu),
                            "memory_parts_gib": mem.gib(), "largest_batch": est.linear_batch(t, gpu, compile),
                            "step_s": [fast, slow], "flops_per_step": t.flops, "traffic_bytes": t.traffic_bytes}
-    effs = [est.scaling_efficiency(s, batch, t.grad_bytes, gpus, gpus_per_node, link) for s in (fast, slow)]
+    effs = [est.scaling_efficiency(s, batch, t.grad_bytes, gpus, gpus_per_node, link, hardware) for s in (fast, slow)]
     row["efficiency"] = [e["efficiency"] for e in effs]
     if items:
         ep = [items / (batch * gpus * e["efficiency"] / s) for s, e in zip((fast, slow), effs)]
@@ -47,10 +48,10 @@ def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: st
     return row
 
 
-def make_plan(cfg: RunConfig, gpu: str, gpus: int = 1, nodes: int | None = None, link: str = "infiniband",
+def make_plan(cfg: RunConfig, gpu: str | None, gpus: int = 1, nodes: int | None = None, link: str = "infiniband",
               price: float | None = None, data: str | None = None, dataset_size: int | None = None,
               batch: int | None = None, achieved: tuple[float, float] | None = None,
-              calibrate: str | None = None, switches: bool = True) -> dict[str, Any]:
+              calibrate: str | None = None, switches: bool = True, hardware: str | None = None) -> dict[str, Any]:
     """The plan of ``cfg`` on ``gpus`` x ``gpu`` as a JSON-able dict (see the module docstring).
 
     Args:
@@ -58,16 +59,24 @@ def make_plan(cfg: RunConfig, gpu: str, gpus: int = 1, nodes: int | None = None,
         gpu: a :data:`fastvision.devices.GPUS` name.
         gpus: total GPUs; ``nodes`` splits them (default: up to 8 per node).
         link: inter-node link preset of the scaling simulator.
+        hardware: a node profile of the simulator (``dgx-h100``, ``pcie-node``, a YAML file);
+            sets GPUs per node, links and, when ``gpu`` is None, the GPU.
         price: price per GPU-hour, for the cost.
         data, dataset_size: the training set (else the recipe's stated size).
         batch: per-GPU batch (default: the recipe's).
         achieved: (low, high) share of peak dense math; ``calibrate``: a benchmark JSON instead.
         switches: also trace the what-if switches.
     """
-    spec = get_gpu(gpu)
+    hw = None
+    if hardware is not None:
+        from .simulator import load_hardware
+
+        hw = load_hardware(hardware)
+    spec = get_gpu(gpu or (hw.gpu if hw else "A100-80GB"))
     if gpus < 1 or (nodes is not None and (nodes < 1 or gpus % nodes)):
         raise ConfigError(f"--gpus {gpus} / --nodes {nodes}: GPUs must be >= 1 and split evenly over nodes")
-    per_node = gpus // nodes if nodes else min(gpus, 8)
+    per_node = hw.gpus_per_node if hw else gpus // nodes if nodes else min(gpus, 8)
+    link = hw.name if hw else link
     b = batch or cfg.train.batch_size
     precision = est.precision_of(cfg)
     notes = []
@@ -82,12 +91,12 @@ def make_plan(cfg: RunConfig, gpu: str, gpus: int = 1, nodes: int | None = None,
     items, items_source = est.dataset_items(cfg, data, dataset_size)
     if items is None:
         notes.append(f"dataset size {items_source}; epoch and train time left out")
-    args = dict(gpu=spec, gpus=gpus, gpus_per_node=per_node, link=link, items=items, achieved=achieved,
-                calibrated=calibrated)
+    args = dict(gpu=spec, gpus=gpus, gpus_per_node=per_node, link=link, hardware=hardware, items=items,
+                achieved=achieved, calibrated=calibrated)
     base = _option(cfg, t, compile=cfg.train.compile, batch=b, precision=precision, **args)
     base["largest_batch"] = est.largest_batch(cfg, spec, t, cfg.train.compile)
     plan = {"recipe": cfg.recipe, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib, "gpus": gpus,
-            "gpus_per_node": per_node, "link": link, "epochs": cfg.train.epochs, "dataset_items": items,
+            "gpus_per_node": per_node, "link": link, "hardware": hardware, "epochs": cfg.train.epochs, "dataset_items": items,
             "dataset_source": items_source, "achieved": list(achieved), "achieved_source": source,
             "price_per_gpu_hour": price, "params": t.param_count, "grad_bytes": t.grad_bytes,
             "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes}
@@ -95,7 +104,7 @@ def make_plan(cfg: RunConfig, gpu: str, gpus: int = 1, nodes: int | None = None,
         base["cost"] = [h * price for h in base["gpu_hours"]]
     if switches:
         plan["switches"] = _switches(cfg, t, base, spec, b, precision, price, args)
-    plan["curve"] = _curve(base, t, b, per_node, link, items, cfg.train.epochs, price, gpus)
+    plan["curve"] = _curve(base, t, b, per_node, link, hardware, items, cfg.train.epochs, price, gpus)
     return plan
 
 
@@ -128,13 +137,13 @@ def _switches(cfg, t, base, spec: GPU, b: int, precision: str, price, args) -> l
     return sorted(out, key=lambda r: -max(abs(r["change"]), abs(r["memory_change"])))
 
 
-def _curve(base, t, b, per_node, link, items, epochs, price, gpus) -> list[dict[str, Any]]:
+def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus) -> list[dict[str, Any]]:
     """Time to train and cost (middle of the range) against GPU count, for the PNG."""
     counts = [2**i for i in range(0, 11) if 2**i <= max(64, 4 * gpus)]
     step = _gm(base["step_s"])
     rows = []
     for n in counts:
-        e = est.scaling_efficiency(step, b, t.grad_bytes, n, min(n, per_node), link)["efficiency"]
+        e = est.scaling_efficiency(step, b, t.grad_bytes, n, min(n, per_node), link, hardware)["efficiency"]
         row = {"gpus": n, "efficiency": e}
         if items:
             row["train_h"] = est.train_time(step, b, n, e, items, epochs) / 3600
@@ -160,8 +169,9 @@ def text_report(plan: dict[str, Any]) -> str:
     e = plan["estimate"]
     p = e["memory_parts_gib"]
     fit = "fits" if e["fits"] else "DOES NOT FIT"
+    where = f"{plan['link']} nodes" if plan.get("hardware") else f"{plan['link']} between nodes"
     lines = [f"plan: {plan['recipe']} on {plan['gpus']} x {plan['gpu']} ({plan['gpu_memory_gib']:.0f} GiB), "
-             f"{plan['gpus_per_node']} per node, {plan['link']} between nodes", ""]
+             f"{plan['gpus_per_node']} per node, {where}", ""]
     rows = [("per-GPU batch", f"{e['batch']} ({e['precision']}{', compile' if e['compile'] else ''}"
                               f"{', channels_last' if plan['channels_last'] else ''})"),
             ("memory at that batch", f"{e['memory_gib']:.2f} GiB ({fit}); at the peak: params {p['parameters']:.2f}, grads "
@@ -224,10 +234,12 @@ def add_cli(subparsers) -> None:
                               description="Trace one training step of a recipe on fake tensors and size a run: "
                                           "memory by part, largest batch, step time, time to train and cost.")
     p.add_argument("recipe", help="shipped recipe name or YAML file")
-    p.add_argument("--gpu", default="A100-80GB", help=f"GPU model: {', '.join(GPUS)}")
+    p.add_argument("--gpu", help=f"GPU model: {', '.join(GPUS)} (default: the --hardware node's, else A100-80GB)")
     p.add_argument("--gpus", type=int, default=1, help="total GPUs (default 1)")
     p.add_argument("--nodes", type=int, help="nodes the GPUs are spread over (default: 8 GPUs per node)")
     p.add_argument("--link", default="infiniband", help="inter-node link preset: nvlink, infiniband, ethernet")
+    p.add_argument("--hardware", help="node profile for the scaling simulator instead of --link: dgx-a100, "
+                                      "dgx-h100, dgx1-v100, pcie-node or a YAML file (sets GPUs per node)")
     p.add_argument("--price-per-gpu-hour", type=float, help="price of one GPU-hour, for the cost")
     p.add_argument("--data", help="dataset folder: its training split sets the epoch size")
     p.add_argument("--dataset-size", type=int, help="training items per epoch (instead of --data)")
@@ -258,7 +270,7 @@ def cmd_plan(args) -> int:
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
     plan = make_plan(cfg, args.gpu, args.gpus, args.nodes, args.link, args.price_per_gpu_hour, args.data,
                      args.dataset_size, args.batch_size, _pair(args.achieved) if args.achieved else None,
-                     args.calibrate, switches=not args.no_switches)
+                     args.calibrate, switches=not args.no_switches, hardware=args.hardware)
     print(text_report(plan))  # the CLI's output, not library logging
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

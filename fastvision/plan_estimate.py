@@ -200,21 +200,34 @@ def step_time(t: StepTrace, gpu: GPU, precision: str, achieved: tuple[float, flo
 
 
 def scaling_efficiency(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_node: int,
-                       link: str) -> dict[str, float]:
+                       link: str, hardware: str | None = None) -> dict[str, float]:
     """Data-parallel efficiency at ``gpus`` from the scaling simulator (weak scaling).
 
-    The one adapter between planning and :mod:`fastvision.scaling`.
+    The one adapter between planning and :mod:`fastvision.simulator`.
+
+    Args:
+        step_s: single-GPU step time at ``batch``.
+        batch: per-GPU batch.
+        grad_bytes: gradient bytes all-reduced per step.
+        gpus: GPU count.
+        gpus_per_node, link: the node shape and inter-node link preset, when no ``hardware``.
+        hardware: a hardware profile (preset name or YAML file, ``fastvision/hardware/``).
 
     Returns:
         ``efficiency``, ``step_s`` (the multi-GPU step) and ``exposed_comm_s``.
     """
-    from .scaling import LINKS, StepProfile, bucket_count, predict_step_time
+    from .simulator import LINKS, StepProfile, bucket_count, load_hardware, predict_step_time
 
-    if link not in LINKS:
-        raise ConfigError(f"--link: unknown {link!r}; valid: {', '.join(LINKS)}")
+    if hardware is not None:
+        where = load_hardware(hardware)
+        extra = {}
+    else:
+        if link not in LINKS:
+            raise ConfigError(f"--link: unknown {link!r}; valid: {', '.join(LINKS)}")
+        where, extra = LINKS[link], {"gpus_per_node": gpus_per_node}
     prof = StepProfile(compute_s=step_s, batch=batch, grad_bytes=grad_bytes, buckets=bucket_count(grad_bytes))
-    one = predict_step_time(prof, 1, LINKS[link], gpus_per_node=gpus_per_node)
-    many = predict_step_time(prof, gpus, LINKS[link], gpus_per_node=gpus_per_node)
+    one = predict_step_time(prof, 1, where, **extra)
+    many = predict_step_time(prof, gpus, where, **extra)
     return {"efficiency": many["images_per_s"] / (one["images_per_s"] * gpus), "step_s": many["step_s"],
             "exposed_comm_s": many["exposed_comm_s"]}
 
