@@ -96,7 +96,8 @@ def make_plan(cfg: RunConfig, gpu: str | None, gpus: int = 1, nodes: int | None 
     base = _option(cfg, t, compile=cfg.train.compile, batch=b, precision=precision, **args)
     base["largest_batch"] = est.largest_batch(cfg, spec, t, cfg.train.compile)
     plan = {"recipe": cfg.recipe, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib, "gpus": gpus,
-            "gpus_per_node": per_node, "link": link, "hardware": hardware, "epochs": cfg.train.epochs, "dataset_items": items,
+            "gpus_per_node": per_node, "link": link, "hardware": hardware, "epochs": cfg.train.epochs,
+            "dataset_items": items,
             "dataset_source": items_source, "achieved": list(achieved), "achieved_source": source,
             "price_per_gpu_hour": price, "params": t.param_count, "grad_bytes": t.grad_bytes,
             "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes}

@@ -142,6 +142,22 @@ def test_gpu_table_names_and_aliases():
         get_gpu("H900")
 
 
+def test_every_simulator_hardware_preset_names_a_gpu_in_the_table():
+    from fastvision.simulator import hardware_presets, load_hardware
+
+    for name in hardware_presets():
+        assert get_gpu(load_hardware(name).gpu).name in GPUS
+
+
+def test_plan_with_a_hardware_preset_uses_its_node_shape():
+    from fastvision.plan import make_plan
+
+    cfg = config.load("unet2d-microscopy")
+    plan = make_plan(cfg, None, gpus=16, hardware="dgx-h100", switches=False)
+    assert plan["gpu"] == "H100-80GB" and plan["gpus_per_node"] == 8
+    assert all(0 < e <= 1 for e in plan["estimate"]["efficiency"])
+
+
 @pytest.mark.slow
 def test_plan_cli_table_json_png(tmp_path, capsys):
     from fastvision.cli import main
@@ -164,7 +180,7 @@ def test_plan_cli_table_json_png(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_train_batch_size_auto_resolves_before_fit(tmp_path, monkeypatch, caplog):
+def test_train_batch_size_auto_resolves_before_fit(tmp_path, monkeypatch):
     """`train --batch-size auto` on CPU with a cap: the run trains at the batch the search found
     and logs the LR the recipe's rule gives for it (Adam 3e-3 per 16 images)."""
     import logging
@@ -174,13 +190,23 @@ def test_train_batch_size_auto_resolves_before_fit(tmp_path, monkeypatch, caplog
     from fastvision.api import run_training
 
     monkeypatch.setenv("FASTVISION_MEMORY_CAP_MB", "60")
-    with caplog.at_level(logging.INFO, logger="fastvision.autobatch"):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # the CLI's logging setup may stop propagation to caplog
+    logger = logging.getLogger("fastvision.autobatch")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
         run_training("unet2d-microscopy", out=str(tmp_path / "run"), progress=False,
                      overrides={"batch_size": "auto", "epochs": 1, "device": "cpu",
                                 "train.steps_per_epoch": 1, "examples": 0})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["batch_size"]
     assert isinstance(saved, int) and 1 <= saved < 4096
-    msg = next(r.getMessage() for r in caplog.records if "per device on" in r.getMessage())
+    msg = next(r.getMessage() for r in records if "per device on" in r.getMessage())
     assert f"auto: {saved} per device" in msg and f"lr {3e-3 * saved / 16:.4g}" in msg
 
 
