@@ -193,10 +193,19 @@ def test_detection_task_end_to_end(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["ssd320-small-shapes", "ssd320-coco"])
-def test_recipe_two_step_smoke(recipe, tmp_path):
+def test_recipe_two_step_smoke(recipe, tmp_path, monkeypatch):
     engine = pytest.importorskip("fastvision.engine")
     from fastvision.config import from_dict, merge, read_yaml, recipe_path
     from fastvision.data.synth.coco import synth
+    from fastvision.models.resnet import IMAGENET_URLS, resnet50
+
+    # ssd320-coco starts from ImageNet weights (pretrained: imagenet): a torchvision-layout file in a
+    # private torch.hub cache stands in for torchvision's; nothing is downloaded
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setenv("FASTVISION_OFFLINE", "1")
+    hub = tmp_path / "torch" / "hub" / "checkpoints"
+    hub.mkdir(parents=True)
+    torch.save(resnet50().state_dict(), hub / IMAGENET_URLS[50].rsplit("/", 1)[1])
 
     root = synth(tmp_path / "shapes", seed=0, train=4, val=4)
     ann = str(root / "annotations/instances_val2017.json")
