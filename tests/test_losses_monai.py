@@ -124,3 +124,13 @@ def test_new_losses_registered_float32_under_bf16(name):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = loss(logits.bfloat16(), target)
     assert out.dtype == torch.float32 and out.dim() == 0 and torch.isfinite(out)
+
+
+def test_dice_ce_rejects_reduction_none_like_monai():
+    """MONAI's DiceCELoss has no "none" (its CE and Dice shapes differ); neither has ours."""
+    from fastvision.losses import DiceCELoss
+
+    with pytest.raises(ValueError):
+        monai_losses.DiceCELoss(reduction="none")
+    with pytest.raises(ValueError, match="reduction"):
+        DiceCELoss(reduction="none")

@@ -10,11 +10,28 @@ from fastvision import runtime
 from fastvision.errors import ConfigError
 
 
-def test_auto_on_cpu_keeps_fp32_and_logs_it(caplog):
-    with caplog.at_level(logging.INFO, logger="fastvision.runtime"):
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_auto_on_cpu_keeps_fp32_and_logs_it():
+    # a handler on the module's logger itself: the CLI may have stopped propagation to the root
+    logger, lines = logging.getLogger("fastvision.runtime"), _Lines()
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
         p = runtime.Precision("auto", torch.device("cpu"))
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
     assert p.mode == "off" and p.requested == "auto" and p.dtype is None and not p.scaler.is_enabled()
-    assert "precision: off (train.amp=auto" in caplog.text
+    assert any(line.startswith("precision: off (train.amp=auto") for line in lines.lines)
 
 
 @pytest.mark.parametrize("capability,bf16,want", [((7, 0), False, "fp16"), ((7, 5), False, "fp16"),
