@@ -102,6 +102,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--out", default="gpu.csv", help="CSV to append to (default gpu.csv)")
     p.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl-C)")
     p.add_argument("--plot", help="also write this PNG")
-    p.add_argument("--gpu", type=int, default=0, help="GPU index (default 0)")
+    p.add_argument("--gpu", type=int, default=0,
+                   help="CUDA device index as the job numbers it (CUDA_VISIBLE_DEVICES honoured; matched to NVML by UUID)")
     p.add_argument("--replot", metavar="CSV", help="only plot an existing CSV (to --plot or CSV.png)")
     p.set_defaults(func=_cmd_monitor)
