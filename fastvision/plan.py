@@ -9,6 +9,7 @@ Estimates are ranges; docs/plan.md says how each is made and how well memory mat
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -73,6 +74,9 @@ def make_plan(cfg: RunConfig, gpu: str | None, gpus: int = 1, nodes: int | None 
 
         hw = load_hardware(hardware)
     spec = get_gpu(gpu or (hw.gpu if hw else "A100-80GB"))
+    if cfg.train.amp == "auto":
+        cfg = copy.deepcopy(cfg)
+        cfg.train.amp = est.amp_for("auto", spec)
     if gpus < 1 or (nodes is not None and (nodes < 1 or gpus % nodes)):
         raise ConfigError(f"--gpus {gpus} / --nodes {nodes}: GPUs must be >= 1 and split evenly over nodes")
     per_node = hw.gpus_per_node if hw else gpus // nodes if nodes else min(gpus, 8)

@@ -79,8 +79,15 @@ def build_for(cfg: RunConfig):
 
 def trace(cfg: RunConfig, batch: int, *, amp: str | None = None, channels_last: bool | None = None,
           checkpoint: bool = False) -> StepTrace:
-    """One traced step of ``cfg`` at per-device ``batch`` (the recipe's switches unless given)."""
-    return trace_step(build_for(cfg), batch, amp=cfg.train.amp if amp is None else amp,
+    """One traced step of ``cfg`` at per-device ``batch`` (the recipe's switches unless given).
+
+    ``amp: auto`` left unresolved means what it means on the CPU the trace runs on (fp32);
+    :func:`fastvision.plan.make_plan` resolves it for the target GPU first.
+    """
+    from .runtime import resolve_amp
+
+    amp = resolve_amp(cfg.train.amp if amp is None else amp, torch.device("cpu"))[0]
+    return trace_step(build_for(cfg), batch, amp=amp,
                       channels_last=cfg.train.channels_last if channels_last is None else channels_last,
                       checkpoint_blocks=checkpoint)
 
@@ -268,6 +275,14 @@ def with_input_scale(cfg: RunConfig, scale: float) -> tuple[RunConfig, str] | No
         args["image_size"] = max(32, int(round(args["image_size"] * scale / 32)) * 32)
         return out, f"image {args['image_size']} px"
     return None
+
+
+def amp_for(amp: str, gpu: GPU) -> str:
+    """``train.amp`` on ``gpu``: ``auto`` is bf16 where the GPU has bf16 tensor cores, else fp16
+    (as :func:`fastvision.runtime.resolve_amp` decides on a real device)."""
+    if amp != "auto":
+        return amp
+    return "bf16" if gpu.bf16 else "fp16"
 
 
 def precision_of(cfg: RunConfig) -> str:

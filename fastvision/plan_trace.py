@@ -1,7 +1,7 @@
 """Trace one training step without the device: live tensor memory by part, and FLOPs.
 
-The recipe's model, task and loss are built inside a ``FakeTensorMode`` (tensors carry shape,
-dtype, strides and a storage size but no data), so a ResNet-50 step at batch 256 or a 3-D U-Net
+The recipe's model is built on the ``meta`` device and its weights become fake tensors of a
+``FakeTensorMode`` (shape, dtype, strides and a storage size, no data), so a ResNet-50 step at batch 256 or a 3-D U-Net
 at 128^3 traces in a second or two on any CPU. A ``TorchDispatchMode`` sees every aten op of the
 step (forward, loss, backward, optimizer step) and keeps the bytes of every live storage: a
 storage counts from the op that creates it until its last reference dies (a weak-reference
@@ -10,9 +10,10 @@ rounding. FLOPs come from the same trace through torch's FLOP formulas
 (``torch.utils.flop_counter.flop_registry``, what ``FlopCounterMode`` uses; the mode itself adds
 module hooks that keep tensors alive and defeat activation checkpointing).
 
-The optimizer state is made first (one optimizer step on zero gradients), so the traced step is the
-steady-state one, as on step two and later of a run. Parts at the peak: parameters (and buffers), gradients, optimizer state, the
-input batch, and activations (everything else: tensors saved for backward and temporaries).
+The optimizer state is made first (one optimizer step on zero gradients), so the traced step is
+the steady-state one, as on step two and later of a run. Parts at the peak: parameters (and
+buffers), gradients, optimizer state, the input batch, and activations (everything else: tensors
+saved for backward and temporaries).
 
 Mixed precision is emulated with CPU autocast at the recipe's dtype; CPU and CUDA autocast cast the
 same op families (convolutions and matmuls low, reductions and losses fp32). Memory a kernel
