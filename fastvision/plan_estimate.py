@@ -57,6 +57,8 @@ DATASET_FACTS: dict[str, tuple[int, str]] = {
 
 
 # ------------------------------------------------------------------------------ building
+_WEIGHT_ARGS = ("pretrained", "backbone_weights")
+
 def build_for(cfg: RunConfig):
     """The recipe's model (on the meta device), task and optimizer factory, for :func:`trace_step`.
 
@@ -70,8 +72,10 @@ def build_for(cfg: RunConfig):
         loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args")
         extra = {"info": {}} if "info" in inspect.signature(TASKS.get(cfg.task.name)).parameters else {}
         task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, **extra)
+        # weights files change values, not shapes: planning never reads or downloads them
+        args = {k: v for k, v in cfg.model.args.items() if k not in _WEIGHT_ARGS}
         with torch.device("meta"):
-            model = MODELS.build(cfg.model.name, cfg.model.args, where="model.args")
+            model = MODELS.build(cfg.model.name, args, where="model.args")
         return model, task, lambda m: optim.build_optimizer(m, cfg.optim, cfg.optim.lr)
 
     return build

@@ -215,3 +215,11 @@ def test_batch_size_auto_on_cpu_without_cap_is_a_config_error(monkeypatch):
     cfg = config.load("unet2d-microscopy", [{"train": {"batch_size": "auto"}}])
     with pytest.raises(ConfigError, match="FASTVISION_MEMORY_CAP_MB"):
         autobatch.resolve_auto_batch(cfg, torch.device("cpu"))
+
+
+def test_planning_builds_on_meta_without_reading_weights():
+    """ssd320-coco names ImageNet backbone weights; the planner's model is shapes only (no download)."""
+    cfg = config.load("ssd320-coco")
+    assert cfg.model.args.get("pretrained") == "imagenet"
+    model, _, _ = est.build_for(cfg)()
+    assert all(p.is_meta for p in model.parameters())
