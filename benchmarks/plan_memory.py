@@ -36,6 +36,7 @@ CPU_CASES = {
     "ssd320-coco": ((1, 2), {}),
     "ssd320-small-shapes": ((4, 8), {}),
     "unet2d-microscopy": ((4, 8), {}),
+    "unet2d-seed001": ((2, 4), {"task": {"args": {"sample_shape": [1, 256, 256]}}}),
     "unet3d-brats": ((1, 2), {"task": {"args": {"sample_shape": [4, 64, 64, 64]}}}),  # 32^3 leaves 1^3 at the bottom
     "unet3d-spleen-baseline": ((1, 2), {"task": {"args": {"sample_shape": [1, 32, 32, 32]}}}),
     "unet3d-spleen-fast": ((1, 2), {"task": {"args": {"sample_shape": [1, 32, 32, 32]}}}),
