@@ -110,7 +110,8 @@ def _spatial_dims(dataset) -> int:
 
 
 def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device):
-    """Loader over a rank's shard: deterministic per (seed, epoch) for training.
+    """Loader over a rank's shard: deterministic per (seed, epoch) for training. A validation set
+    is cached as it is first read when ``data.cache`` is not ``none``.
 
     A dataset that is already this rank's partition (GPU cache under DDP: ``rank_local``) is read
     whole by its rank; every other dataset is sharded here.
@@ -125,6 +126,10 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
                                     batch_size=batch_size, **({"num_replicas": 1, "rank": 0} if local else {}))
         drop_last = emulate > 1 or len(sampler) >= batch_size
     else:
+        if cfg.data.cache != "none":  # deterministic items: cached as first read (this rank's shard)
+            from .data.cache_select import wrap_val_set
+
+            dataset = wrap_val_set(dataset, cache=cfg.data.cache, cache_dir=cfg.data.cache_dir)
         sampler, drop_last = dist.EvalSampler(dataset), False
     return build_loader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=task.collate,
                         loader=cfg.data.loader, num_workers=cfg.data.num_workers, drop_last=drop_last,
@@ -133,9 +138,9 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
 
 
 def cached_train_set(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.device):
-    """The training set behind the configured cache (``data.cache``); unchanged for ``none``."""
-    if cfg.data.cache == "none":
-        return dataset
+    """The training set behind the configured cache (``data.cache``). Its random transforms run
+    per access with generators of (train.seed, epoch, sample index); with ``none`` a dataset
+    without random transforms is returned unchanged."""
     from .data.cache_select import wrap_train_set
 
     d = cfg.data

@@ -168,6 +168,6 @@ def test_volume_dataset_has_a_disk_cache_identity(tmp_path, monkeypatch):
     import_components()
     monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
     root = synth_spleen(tmp_path / "spleen", cases=5, test_cases=0, size=24)
-    splits = DATASETS.build("decathlon", {"path": str(root), "patch_size": None, "workers": 1})
+    splits = DATASETS.build("decathlon", {"path": str(root), "patch_size": None})
     _, _, identity = cache_source(splits.train)
     assert identity is not None and str(root) in identity(0)

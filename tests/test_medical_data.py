@@ -41,8 +41,8 @@ def brats_pair(tmp_path_factory):
 
 def test_decathlon_and_raw_brats_load_identically(brats_pair):
     dec, raw = brats_pair
-    a = DATASETS.build("decathlon", {"path": str(dec), "num_folds": 2, "workers": 2})
-    b = DATASETS.build("brats", {"path": str(raw), "num_folds": 2, "workers": 2})
+    a = DATASETS.build("decathlon", {"path": str(dec), "num_folds": 2})
+    b = DATASETS.build("brats", {"path": str(raw), "num_folds": 2})
     assert a.info["class_names"] == b.info["class_names"] and a.info["in_channels"] == b.info["in_channels"] == 4
     for da, db in ((a.train, b.train), (a.val, b.val)):
         assert len(da) == len(db) == 2
@@ -237,7 +237,7 @@ def test_persistent_cache_reads_back_and_invalidates(tmp_path, brats_pair):
 def test_dataset_cache_dir_arg_default_and_off(tmp_path, brats_pair, monkeypatch):
     monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "fvcache"))
     assert default_cache_dir() == tmp_path / "fvcache" / "volumes"
-    DATASETS.build("brats", {"path": str(brats_pair[1]), "num_folds": 2, "workers": 1})
+    DATASETS.build("brats", {"path": str(brats_pair[1]), "num_folds": 2})
     assert len(list(default_cache_dir().glob("*.fvc"))) == 4
     DATASETS.build("decathlon", {"path": str(brats_pair[0]), "num_folds": 2, "workers": 1, "cache_dir": "none"})
     assert len(list(default_cache_dir().glob("*.fvc"))) == 4  # no entries written with the cache off

@@ -90,7 +90,7 @@ def find_cases(root: str | Path) -> list[dict]:
 def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int = 0,
                 target_spacing: tuple[float, float, float] | None = None, crop_foreground: bool = True,
                 crop_margin: int = 0, patch_size: tuple[int, int, int] | None = None,
-                pos_fraction: float = 0.5, workers: int = 4, cache_dir: str | None = "auto") -> DatasetSplits:
+                pos_fraction: float = 0.5) -> DatasetSplits:
     """Raw BraTS folder -> train/val of fold ``fold``; MRI z-score on the foreground per channel.
 
     Args: as :func:`fastvision.data.formats.decathlon.build_decathlon` (no CT options).
@@ -105,4 +105,4 @@ def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int
     info = {"num_classes": 4, "class_names": BRATS_CLASS_NAMES, "in_channels": 4, "channels": list(MODALITIES),
             "regions": list(REGION_NAMES), "preprocess": params.key()}
     return build_splits(cases, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
-                        patch_size=patch_size, pos_fraction=pos_fraction, workers=workers, cache_dir=cache_dir)
+                        patch_size=patch_size, pos_fraction=pos_fraction)

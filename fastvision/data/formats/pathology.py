@@ -15,6 +15,7 @@ runs batched on the device in the task (seed 003: CPU colour jitter was the bott
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -162,13 +163,21 @@ class PathologyPatches(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def identity(self, i: int) -> str:
+        """Sample ``i``'s file (path, size, mtime) and region: the ``data.cache: disk`` key."""
+        s = self.samples[i]
+        st = os.stat(s[0])
+        return f"{Path(s[0]).resolve()}:{st.st_size}:{st.st_mtime_ns}@{s[1:-1]}"
+
     def _slide(self, path: str) -> TiledTiff:
-        # a forked DataLoader worker must not share the parent's file offsets
+        # a forked DataLoader worker must not share the parent's file offsets, nor may two loader
+        # or cache-filling threads seek one handle at once: one handle per (process, thread)
         if os.getpid() != self._pid:
             self._slides, self._pid = {}, os.getpid()
-        if path not in self._slides:
-            self._slides[path] = TiledTiff(path)
-        return self._slides[path]
+        key = f"{path}\0{threading.get_ident()}"
+        if key not in self._slides:
+            self._slides[key] = TiledTiff(path)
+        return self._slides[key]
 
     def __getitem__(self, i: int) -> dict:
         s = self.samples[i]
