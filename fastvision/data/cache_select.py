@@ -169,7 +169,9 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
         dataset: the registered training set (items are dicts).
         cache: none, ram, disk, shared, smart or gpu.
         cache_rate: share of items kept in RAM (ram, one process).
-        cache_dir: folder of the disk cache (default :func:`default_cache_dir`).
+        cache_dir: folder of the disk cache (None or "auto": :func:`default_cache_dir`). Given with
+            a memory cache (ram, shared, smart, gpu), that cache is filled through the disk cache,
+            so a second run reads the preprocessed items instead of computing them.
         cache_num, replace_rate: smart cache window and the share replaced per epoch.
         env: ``fastvision.dist.DistEnv`` (rank, local rank, world sizes); None: one process.
         device: where the gpu cache places tensors (the training device: also a CPU).
@@ -193,6 +195,8 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
         return out
     # A disk cache whose first entry exists was checked when it was written: reading nothing is its point.
     base, pipeline, identity = cache_source(dataset, check=cache != "disk")
+    if cache != "disk" and cache_dir:  # a memory cache filled from the persistent one: fast second runs
+        base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
     threads = min(8, os.cpu_count() or 1)
     progress = rank == 0 and sys.stderr.isatty()
     if cache == "ram":
@@ -210,8 +214,7 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
         if identity is None:
             raise ConfigError(f"data.cache: disk needs {type(dataset).__name__}.identity(i) (a stable name of "
                               "item i's files) to key its entries; use data.cache: ram")
-        out = PersistentDataset(base, pipeline, Path(cache_dir) if cache_dir else default_cache_dir(),
-                                identity=identity)
+        out = PersistentDataset(base, pipeline, disk_dir(cache_dir), identity=identity)
         if isinstance(pipeline[0], ReadItem) and len(out) and not out.path(0).exists():
             check_deterministic(dataset)
         log.info("%s; entries in %s", out.report(), out.dir)
@@ -233,14 +236,33 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
 
 def wrap_val_set(dataset: Dataset, *, cache: str, cache_dir: str | None = None) -> Dataset:
     """The validation set: deterministic items, cached as they are first read when ``cache`` is not
-    ``none`` (a rank keeps only its evaluation shard; ``disk`` reuses the persistent entries)."""
+    ``none`` (a rank keeps only its evaluation shard; ``disk``, or a ``data.cache_dir`` under a
+    memory cache, reuses the persistent entries)."""
     if cache == "none" or dataset is None:
         return dataset
     base, pipeline, identity = cache_source(dataset, check=False)
     if cache == "disk" and identity is not None:
-        return PersistentDataset(base, pipeline, Path(cache_dir) if cache_dir else default_cache_dir(),
-                                 identity=identity)
+        return PersistentDataset(base, pipeline, disk_dir(cache_dir), identity=identity)
+    if cache_dir:
+        base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
     return LazyCache(base, pipeline)
+
+
+def disk_dir(cache_dir: str | None) -> Path:
+    """``data.cache_dir``: a folder, or None / "auto" for :func:`default_cache_dir`."""
+    return default_cache_dir() if cache_dir in (None, "", "auto") else Path(cache_dir)
+
+
+def _through_disk(base: Dataset, pipeline: list, identity: Callable[[int], str] | None,
+                  cache_dir: str) -> tuple[Dataset, list]:
+    """``(persistent prefix, suffix)``: the deterministic prefix read from (or written to) the disk
+    cache, so a memory cache's fill reads entries instead of preprocessing again."""
+    prefix, suffix = T.split(pipeline)
+    if identity is None or not prefix:
+        return base, pipeline
+    disk = PersistentDataset(base, prefix, disk_dir(cache_dir), identity=identity)
+    log.info("data.cache_dir: the cached prefix is read through the disk cache in %s", disk.dir)
+    return disk, suffix
 
 
 def _gpu(base: Dataset, pipeline: list, device: torch.device | str, rank: int, local_rank: int, world: int,
