@@ -46,7 +46,7 @@ def fastvision_run(recipe: str, data: Path, out: Path, a: argparse.Namespace, fi
                          target=f"dice={a.target}", seed=a.seed, batch_size=batch, **{
                              "train.val_every": 1, "examples": 0, "model.args.filters": filters,
                              "data.args.target_spacing": a.spacing, "data.args.patch_size": a.patch,
-                             "data.args.workers": 2, "task.args.sliding_window.roi_size": a.patch,
+                             "task.args.sliding_window.roi_size": a.patch,
                              "task.args.sliding_window.sw_batch_size": 4,
                              **({"data.num_workers": 2} if recipe.endswith("baseline") else {})})
     return {"reached": bool(s.get("target_reached")), "train_s": s.get("time_to_target_s", s["train_time_s"]),

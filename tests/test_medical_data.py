@@ -264,3 +264,21 @@ def test_volume_items_are_deterministic_and_the_crop_draws_per_item(tmp_path, br
     first = [a[i]["image"] for i in range(len(ds))]
     a.set_epoch(1)
     assert any(not torch.equal(first[i], a[i]["image"]) for i in range(len(ds)))  # a new epoch, new crops
+
+
+@pytest.mark.parametrize("cache", ["ram", "gpu", "smart"], ids=["ram", "device-cache", "smart"])
+def test_memory_cache_fills_through_the_disk_cache(tmp_path, brats_pair, cache):
+    """With data.cache_dir a memory cache reads the persistent entries: a second run preprocesses nothing."""
+    from fastvision.data.cache_select import wrap_train_set
+
+    cases = read_dataset_json(brats_pair[0])["training"]
+    compute, calls = _counting()
+    crops = []
+    for _ in range(2):
+        ds = VolumeDataset(cases, PreprocessParams(intensity="mri"), patch_size=(8, 8, 8), compute=compute)
+        out = wrap_train_set(ds, cache=cache, cache_dir=str(tmp_path), cache_num=4, seed=1)
+        crops.append([out[i]["image"] for i in range(len(out))])
+        if hasattr(out, "shutdown"):
+            out.shutdown()
+    assert len(calls) == 4 and len(list(tmp_path.glob("*.fvc"))) == 4  # the second run read every case
+    assert all(torch.equal(a, b) for a, b in zip(*crops))

@@ -70,6 +70,7 @@ def _ranged(name: str, fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         finally:
             torch.cuda.nvtx.range_pop()
+    call.random = getattr(fn, "random", False)  # a random transform still gets its per-item generator
     return call
 
 
