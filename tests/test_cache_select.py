@@ -172,3 +172,17 @@ def test_volume_dataset_has_a_disk_cache_identity(tmp_path, monkeypatch):
     splits = DATASETS.build("decathlon", {"path": str(root), "patch_size": None})
     _, _, identity = cache_source(splits.train)
     assert identity is not None and str(root) in identity(0)
+
+
+def test_ddp_ram_cache_holds_only_this_ranks_partition():
+    """Under DDP data.cache: ram preprocesses and keeps one partition per rank; together they are the set."""
+    n, world, seen = 7, 2, []
+    for rank in range(world):
+        base = Counted(n=n)
+        ds = wrap_train_set(base, cache="ram", env=DistEnv(rank=rank, local_rank=0, world_size=world, local_world_size=1),
+                            seed=3)
+        reads = base.reads - 2  # cache_source reads item 0 twice to check determinism
+        assert ds.rank_local is True and len(ds) == 4 and reads == 4  # ceil(7 / 2): no other rank's items
+        seen += [ds[j]["id"] for j in range(len(ds))]
+        assert base.reads - 2 == 4  # served from the cache
+    assert set(seen) == {f"item{i}" for i in range(n)}

@@ -118,7 +118,8 @@ class SSDAugment(RandomTransform):
         self.image_size, self.crop, self.flip, self.jitter = image_size, crop, flip, jitter
 
     def __call__(self, item: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
-        image, boxes, labels, crowd = item["image"], item["boxes"], item["labels"], item["iscrowd"]
+        # a host transform (PIL resampling): items of a device cache come back to the host
+        image, boxes, labels, crowd = (item[k].cpu() for k in ("image", "boxes", "labels", "iscrowd"))
         h, w = image.shape[1:]
         window = (0, 0, w, h)
         if self.crop:

@@ -178,7 +178,7 @@ class RandomResizedCrop(RandomTransform):
 
     def __call__(self, item: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
         try:
-            arr = load_crop(item["data"].numpy().tobytes(), True, self.size, 0, self.scale, self.ratio,
+            arr = load_crop(item["data"].cpu().numpy().tobytes(), True, self.size, 0, self.scale, self.ratio,
                             self.hflip, generator, name=item["id"])
         except (UnidentifiedImageError, OSError) as e:  # truncated data surfaces at resize time
             raise DataError(f"{item['id']}: cannot decode image ({e})") from e
