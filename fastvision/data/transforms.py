@@ -101,7 +101,8 @@ def _mix(a: int, b: int) -> int:
 
 def item_seed(seed: int, epoch: int, index: int) -> int:
     """The seed of sample ``index``'s random draws in ``epoch`` of a run seeded ``seed``."""
-    return _mix(_mix(seed, epoch) & 0xFFFFFFFF ^ (_mix(seed, epoch) >> 32), index)
+    m = _mix(seed, epoch)
+    return _mix((m ^ (m >> 32)) & 0xFFFFFFFF, index)  # fold 63 bits to 32, then mix in the index
 
 
 def item_generator(seed: int, epoch: int, index: int) -> torch.Generator:

@@ -163,13 +163,6 @@ class VolumeDataset(Dataset):
         return {**item, "label": item["label"].long()}
 
 
-def default_cache_dir() -> Path:
-    """``$FASTVISION_CACHE/pipeline``: where ``data.cache: disk`` keeps preprocessed volumes."""
-    from ..cache_select import default_cache_dir as pipeline_dir
-
-    return pipeline_dir()
-
-
 class _CaseFiles(Dataset):
     """Base dataset of the caches: item i is case i's file paths; identity names the files' state."""
 
