@@ -258,7 +258,7 @@ class SharedCacheDataset(_Cached):
         super().__init__(base, pipeline)
         rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
         world = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world_size is None else local_world_size
-        self.dir = Path(root) / f"fastvision-{name}-{self.signature[:16]}-{len(base)}"
+        self.dir = Path(root) / f"fastvision-{name}-{self._content_key()}-{len(base)}"
         self.dir.mkdir(parents=True, exist_ok=True)
         if cleanup and rank == 0:
             atexit.register(shutil.rmtree, self.dir, True)
@@ -275,6 +275,16 @@ class SharedCacheDataset(_Cached):
         self.items = [self._map(i) for i in range(len(base))]
         self.num_cached = len(base)
         log.info(self.report())
+
+    def _content_key(self) -> str:
+        """What the entries hold: the prefix's signature, a cached base's own signature and every
+        item's identity, so two datasets of one job never share a folder."""
+        h = hashlib.sha256(self.signature.encode())
+        h.update(str(getattr(self.base, "signature", "")).encode())
+        identity = getattr(self.base, "identity", None)
+        for i in range(len(self.base) if callable(identity) else 0):
+            h.update(b"\0" + identity(i).encode())
+        return h.hexdigest()[:16]
 
     def _file(self, i: int) -> Path:
         return self.dir / f"{i}.fvc"

@@ -88,10 +88,13 @@ class ReadItem(T.Transform):
 
 
 class _Indices(Dataset):
-    """Base of a :class:`ReadItem` pipeline: item ``i`` is ``{"index": i}``."""
+    """Base of a :class:`ReadItem` pipeline: item ``i`` is ``{"index": i}`` (named by the
+    dataset's ``identity`` when it has one)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, identity: Callable[[int], str] | None = None):
         self.n = n
+        if identity is not None:
+            self.identity = identity
 
     def __len__(self) -> int:
         return self.n
@@ -131,7 +134,7 @@ def cache_source(dataset: Dataset, check: bool = True) -> tuple[Dataset, list[T.
         return base, list(pipeline), item_identity(base) or item_identity(dataset)
     if check:
         check_deterministic(dataset)
-    return _Indices(len(dataset)), [ReadItem(dataset)], item_identity(dataset)
+    return _Indices(len(dataset), item_identity(dataset)), [ReadItem(dataset)], item_identity(dataset)
 
 
 def default_cache_dir() -> Path:
