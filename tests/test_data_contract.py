@@ -106,6 +106,16 @@ def test_same_seed_same_weights_whatever_the_loader_threads(recipe, datasets, tm
         assert _identical(first, one)
 
 
+@pytest.mark.parametrize("recipe", ["unet3d-spleen-baseline", "ssd320-small-shapes"])
+def test_worker_processes_do_not_change_the_weights(recipe, datasets, tmp_path):
+    """The plain path's process loader: 1 or 3 worker processes, and threads, give one set of weights."""
+    base = ["train.epochs=2", "train.steps_per_epoch=2", "train.seed=11", "data.loader=processes"]
+    one = _train(recipe, datasets, tmp_path / "p1", *base, "data.num_workers=1")
+    assert _identical(one, _train(recipe, datasets, tmp_path / "p3", *base, "data.num_workers=3"))
+    assert _identical(one, _train(recipe, datasets, tmp_path / "t2", *base[:-1], "data.loader=threads",
+                                  "data.num_workers=2"))
+
+
 @pytest.mark.parametrize("recipe", ["unet3d-brats", "ssd320-small-shapes", "resnet18-imagefolder"])
 def test_resume_after_a_checkpoint_equals_the_uninterrupted_run(recipe, datasets, tmp_path):
     """Python API: stop after epoch 1 (epochs=1), continue to 3 with --resume auto."""
