@@ -339,8 +339,8 @@ def cmd_benchmark(args) -> int:
     if env.world_size > 1:
         raise ConfigError("benchmark measures one device; run it without torchrun/srun (see `fastvision scale`)")
     batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [cfg.train.batch_size]
-    precisions = args.precision.split(",") if args.precision else \
-        ["fp32"] + ([cfg.train.amp] if cfg.train.amp != "off" else [])
+    amp = runtime.resolve_amp(cfg.train.amp, device)[0]  # train.amp auto -> this device's precision
+    precisions = args.precision.split(",") if args.precision else ["fp32"] + ([amp] if amp != "off" else [])
     channels_last = cfg.train.channels_last if args.channels_last is None else args.channels_last
     report = run_benchmark(cfg, args.mode, batch_sizes, precisions, steps=args.steps, warmup=args.warmup,
                            compile=args.compile, channels_last=channels_last, augment=args.augment, device=device)
