@@ -38,6 +38,8 @@ SEG3 = ["task.args.sliding_window.roi_size=" + P3, "data.args.patch_size=" + P3,
         "data.val_batch_size=1"]
 RECIPES = {  # recipe -> (synth kind, tiny --set overrides)
     "unet2d-microscopy": ("microscopy", ["data.args.image_size=[32,32]", "model.args.filters=[4,8,16]"]),
+    "unet2d-seed001": ("microscopy", ["data.args.image_size=[32,32]", "model.args.filters=[4,8,16]",
+                                      "data.args.repeat=1", "data.num_workers=1"]),
     "unet3d-spleen-fast": ("spleen", SEG3 + ["model.args.filters=[4,8,16]", "data.args.target_spacing=null"]),
     "unet3d-spleen-baseline": ("spleen", SEG3 + ["model.args.filters=[4,8,16]", "data.args.target_spacing=null",
                                                  "data.num_workers=1"]),
@@ -48,6 +50,14 @@ RECIPES = {  # recipe -> (synth kind, tiny --set overrides)
     "resnet18-imagefolder": ("imagenet", ["data.args.image_size=32", "data.args.resize_size=36",
                                           "task.args.num_classes=3", "model.args.num_classes=3"]),
     "resnet18-pathology": ("pathology", ["data.args.patch_size=32", "task.args.heatmap_patch=32"]),
+    "resnet50-imagenet": ("imagenet", ["data.args.image_size=32", "data.args.resize_size=36",
+                                       "task.args.num_classes=3", "model.args.num_classes=3", "data.num_workers=1"]),
+    "resnet50-imagenet-250ep": ("imagenet", ["data.args.image_size=32", "data.args.resize_size=36",
+                                             "task.args.num_classes=3", "model.args.num_classes=3",
+                                             "data.num_workers=1"]),
+    "ssd320-coco": ("coco", ["data.args.image_size=64", "task.args.image_size=64", "task.args.num_classes=4",
+                             "model.args.num_classes=4", "model.args.pretrained=null", "data.num_workers=1",
+                             "data.val_batch_size=2"]),
 }
 
 
