@@ -19,7 +19,7 @@ import torch
 from ...errors import DataError
 from ...registry import DATASETS
 from ..preprocess3d import PreprocessParams, remap_labels
-from . import DatasetSplits
+from .base import DatasetSplits
 from .decathlon import BRATS_CLASS_NAMES, build_splits
 
 MODALITIES = ("flair", "t1", "t1ce", "t2")

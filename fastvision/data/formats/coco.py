@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from ...errors import ConfigError, DataError
 from ...registry import DATASETS
-from . import DatasetSplits
+from .base import DatasetSplits
 
 
 def load_coco(ann_file: str | Path):

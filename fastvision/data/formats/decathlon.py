@@ -34,7 +34,7 @@ from ...registry import DATASETS
 from ..cache import PersistentDataset
 from ..preprocess3d import PreprocessParams, preprocess_case
 from ..transforms import Transform
-from . import DatasetSplits
+from .base import DatasetSplits
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from ...errors import DataError
 from ...registry import DATASETS
-from . import DatasetSplits
+from .base import DatasetSplits
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".tif", ".tiff", ".webp")
 

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from ...errors import DataError
 from ...registry import DATASETS
-from . import DatasetSplits
+from .base import DatasetSplits
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = (".png", ".tif", ".tiff")

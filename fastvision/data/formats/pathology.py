@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from ...errors import DataError
 from ...registry import DATASETS
-from . import DatasetSplits
+from .base import DatasetSplits
 
 CLASSES = ("normal", "tumor")
 PATCH_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff")
