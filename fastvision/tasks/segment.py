@@ -32,6 +32,7 @@ class SegmentationTask(Task):
         sliding_window: validation by sliding window: ``{roi_size, overlap, mode, sw_batch_size}``.
         loss: the loss module (built by the engine from the recipe's ``loss`` section).
         augment: callable ``(image, label, generator) -> (image, label)`` or None.
+        info: the dataset's ``info`` (every task receives it; segmentation needs nothing from it).
     """
 
     primary_metric = "iou"
@@ -39,7 +40,7 @@ class SegmentationTask(Task):
 
     def __init__(self, *, num_classes: int = 2, mode: Literal["softmax", "sigmoid", "regions"] = "softmax",
                  regions: list[list[int]] | None = None, sample_shape: list[int] = (1, 256, 256),
-                 sliding_window: dict | None = None, loss: nn.Module, augment=None):
+                 sliding_window: dict | None = None, loss: nn.Module, augment=None, info: dict | None = None):
         self.num_classes, self.mode, self.loss_fn, self.augment_fn = num_classes, mode, loss, augment
         self.regions = [list(r) for r in regions] if regions else None
         if mode == "regions" and not self.regions:
