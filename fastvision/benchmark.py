@@ -1,11 +1,12 @@
 """Benchmark mode: training or inference throughput and latency of any recipe on synthetic batches.
 
-``fastvision benchmark RECIPE --mode train|inference`` builds the recipe's model, loss and task
-from the registries (no dataset: the task supplies a random batch already on the device, so the
-figures measure compute, not input), then for every (batch size, precision) setting runs warm-up
-steps and timed steps. A training step is the engine's step (autocast forward + loss, scaled
-backward, optimizer step through the same :class:`~fastvision.runtime.Precision` scaler); an
-inference step is the task's validation forward under ``no_grad``. Each timed step is bracketed
+``fastvision benchmark RECIPE --mode train|inference`` builds each (batch size, precision) setting
+with the engine's own :func:`~fastvision.engine.build` without a dataset (the task supplies a random
+batch already on the device, so the figures measure compute, not input), then runs warm-up steps
+and timed steps. A training step is :func:`fastvision.engine.train_step`, the step ``fit`` runs
+(accumulation, autocast, scaled backward, non-finite check, clipping, scaler step, schedule, EMA);
+an inference step is the task's validation forward under ``no_grad``. ``--mode data`` times the
+recipe's input path without the model (:mod:`fastvision.benchmark_data`). Each timed step is bracketed
 by ``torch.cuda.synchronize`` on GPU (the measurement's only host syncs). Reported: items/s
 (median over steps), latency mean / p50 / p90 / p95 / p99 in ms, peak GPU memory, and the
 speed-up of TF32 / AMP over FP32 (and AMP over TF32) at the same batch size.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
+import itertools
 import json
 import logging
 import math
@@ -24,12 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from . import __version__, optim, runtime
+from . import __version__, engine, runtime
 from .config import RunConfig
 from .errors import ConfigError
-from .tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -75,28 +74,18 @@ def step_stats(times_s: list[float], batch_size: int) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------ building
-def build_model_and_task(cfg: RunConfig, device: torch.device, channels_last: bool = False) -> tuple[nn.Module, Task]:
-    """The recipe's model (on ``device``) and task, built from the registries without a dataset.
-
-    Tasks that take the dataset's ``info`` (detection) get an empty one: synthetic batches need
-    only the task's own arguments. The recipe's batched augmentation is built for the spatial
-    dimensionality of the task's synthetic batch.
-    """
-    from .engine import import_components
-    from .registry import LOSSES, MODELS, TASKS
-
-    import_components()
-    loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args").to(device)
-    extra = {"info": {}} if "info" in inspect.signature(TASKS.get(cfg.task.name)).parameters else {}
-    task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, **extra)
-    if cfg.data.augment:
-        from .data.gpu_aug import build_augment
-
-        dims = task.synthetic_batch(1, torch.device("cpu"))[task.input_key].dim() - 2
-        augment = build_augment(dims, **cfg.data.augment)
-        task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=augment, **extra)
-    model = MODELS.build(cfg.model.name, cfg.model.args, where="model.args")
-    return runtime.prepare_model(model, device, channels_last), task
+def setting_config(cfg: RunConfig, batch_size: int, precision: str, *, compile: bool = False,
+                   channels_last: bool = False, augment: bool = False, device: torch.device | str = "cpu") -> RunConfig:
+    """The recipe's config for one measured setting (what :func:`fastvision.engine.build` receives)."""
+    out = copy.deepcopy(cfg)
+    t = out.train
+    t.batch_size, t.compile, t.channels_last, t.device = batch_size, compile, channels_last, str(device)
+    t.amp = precision if precision in ("fp16", "bf16") else "off"
+    # fp32 means true fp32; AMP runs keep the recipe's TF32 choice for their fp32 ops.
+    t.tf32 = precision == "tf32" or (precision in ("fp16", "bf16") and cfg.train.tf32)
+    if not augment:
+        out.data.augment = {}
+    return out
 
 
 def plan(precisions: list[str], device: torch.device) -> tuple[list[str], list[str]]:
@@ -144,29 +133,29 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
         raise ConfigError("--steps must be >= 1, --warmup >= 0 and every batch size >= 1")
     device = torch.device(device)
     todo, notes = plan(precisions, device)
-    runtime.seed_everything(cfg.train.seed)
-    model, task = build_model_and_task(cfg, device, channels_last)
-    initial = copy.deepcopy(model.state_dict())  # every setting starts from the same weights
     tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     rows = []
     try:
         for bs in batch_sizes:
             for prec in todo:
-                model.load_state_dict(initial)
-                # fp32 means true fp32; AMP runs keep the recipe's TF32 choice for their fp32 ops.
-                runtime.set_tf32(prec == "tf32" or (prec in ("fp16", "bf16") and cfg.train.tf32))
                 log.info("benchmark %s %s batch %d %s", cfg.recipe, mode, bs, prec)
                 row = {"batch_size": bs, "precision": prec}
+                if compile:
+                    torch._dynamo.reset()  # a fresh graph per setting: no recompilation inside the timed steps
+                # every setting is built afresh under the recipe's seed: the same initial weights
+                run = engine.build(setting_config(cfg, bs, prec, compile=compile, channels_last=channels_last,
+                                                  augment=augment, device=device),
+                                   data_info={}, train=mode == "train")
                 try:
-                    times, peak = _measure(model, task, cfg, mode, bs, prec, steps, warmup, compile,
-                                           channels_last, augment, device)
-                    row.update(step_stats(times, bs))
+                    times, peak = _measure(run, mode, steps, warmup)
+                    row.update(step_stats(times, bs * run.micro_steps))
                     if peak is not None:
                         row["peak_memory_mb"] = peak
                 except torch.cuda.OutOfMemoryError:
                     row["error"] = "out of memory"
                     torch.cuda.empty_cache()
                 rows.append(row)
+                del run
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
     add_speedups(rows)
@@ -178,32 +167,22 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
             "warmup": warmup, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "notes": notes, "results": rows}
 
 
-def _measure(model: nn.Module, task: Task, cfg: RunConfig, mode: str, bs: int, prec: str, steps: int,
-             warmup: int, compile: bool, channels_last: bool, augment: bool,
-             device: torch.device) -> tuple[list[float], float | None]:
+def _measure(run: engine.Run, mode: str, steps: int, warmup: int) -> tuple[list[float], float | None]:
     """Per-step seconds of ``steps`` timed steps after ``warmup``, and peak CUDA memory in MB."""
-    precision = runtime.Precision(prec if prec in ("fp16", "bf16") else "off", device)
-    batch = task.to_device(task.synthetic_batch(bs, device), device, channels_last)
-    model.train(mode == "train")
-    if compile:
-        torch._dynamo.reset()  # a fresh graph per setting: no recompilation inside the timed steps
-    net = runtime.maybe_compile(model, compile)
+    task, device, tc = run.task, run.device, run.cfg.train
+    batch = task.to_device(task.synthetic_batch(tc.batch_size, device), device, tc.channels_last)
     if mode == "train":
-        optimizer = optim.build_optimizer(model, cfg.optim, optim.effective_lr(cfg.optim, bs))
-        generator = torch.Generator(device=device)
-        generator.manual_seed(cfg.train.seed)
+        run.train_model.train()
+        batches = itertools.repeat(batch)
 
         def step() -> None:
-            b = task.augment(batch, generator) if augment else batch
-            with precision.autocast():
-                loss = task.loss(task.forward(net, b), b)
-            precision.scaler.scale(loss).backward()
-            precision.scaler.step(optimizer)
-            precision.scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            engine.train_step(run, batches)
     else:
+        net = runtime.maybe_compile(run.model, tc.compile)
+        net.eval()
+
         def step() -> None:
-            with torch.no_grad(), precision.autocast():
+            with torch.no_grad(), run.precision.autocast():
                 task.eval_forward(net, batch)
 
     cuda = device.type == "cuda"
