@@ -280,16 +280,24 @@ def _int_list(text: str) -> list[int]:
 
 def add_cli(subparsers) -> None:
     """``fastvision benchmark RECIPE``."""
-    p = subparsers.add_parser("benchmark", help="training / inference throughput and latency on synthetic batches",
-                              description="Throughput (items/s) and latency percentiles of a recipe's model on "
-                                          "synthetic batches on the device, per batch size and precision.")
+    p = subparsers.add_parser("benchmark", help="training / inference throughput on synthetic batches, "
+                                                "or the input path alone (--mode data)",
+                              description="train / inference: throughput (items/s) and latency percentiles of a "
+                                          "recipe's training step or validation forward on synthetic batches on the "
+                                          "device, per batch size and precision. data: items/s and ms/item of the "
+                                          "recipe's own input path (dataset, cache, loader, to device, batched "
+                                          "augmentation) with the model removed, per --cache mode, interleaved.")
     p.add_argument("recipe", help="shipped recipe name or YAML file")
-    p.add_argument("--mode", choices=["train", "inference"], default="train")
+    p.add_argument("--mode", choices=["train", "inference", "data"], default="train")
+    p.add_argument("--cache", help="data mode: comma-separated data.cache modes to compare, e.g. none,ram,gpu "
+                                   "(default: the recipe's)")
+    p.add_argument("--rounds", type=int, default=4, help="data mode: interleaved turns per cache mode (default 4)")
     p.add_argument("--batch-sizes", help="comma-separated, e.g. 1,8,64,256 (default: the recipe's batch size)")
     p.add_argument("--precision", help="comma-separated subset of fp32,tf32,fp16,bf16 "
                                        "(default: fp32 plus the recipe's AMP mode)")
-    p.add_argument("--steps", type=int, default=50, help="timed steps per setting (default 50)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps (data mode: batches) per setting (default 50)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 10; data mode: one epoch, which "
+                                              "fills the caches)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory format (default: the recipe's train.channels_last)")
@@ -311,11 +319,14 @@ def cmd_benchmark(args) -> int:
     env, device = dist.init(args.device)
     if env.world_size > 1:
         raise ConfigError("benchmark measures one device; run it without torchrun/srun (see `fastvision scale`)")
+    if args.mode == "data":
+        return _cmd_data(args, cfg, device)
     batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [cfg.train.batch_size]
     precisions = args.precision.split(",") if args.precision else \
         ["fp32"] + ([cfg.train.amp] if cfg.train.amp != "off" else [])
     channels_last = cfg.train.channels_last if args.channels_last is None else args.channels_last
-    report = run_benchmark(cfg, args.mode, batch_sizes, precisions, steps=args.steps, warmup=args.warmup,
+    report = run_benchmark(cfg, args.mode, batch_sizes, precisions, steps=args.steps,
+                           warmup=10 if args.warmup is None else args.warmup,
                            compile=args.compile, channels_last=channels_last, augment=args.augment, device=device)
     console = Console()
     console.print(rich_table(report))
@@ -324,3 +335,32 @@ def cmd_benchmark(args) -> int:
     json_path, md_path = write_reports(report, args.out or Path("runs/benchmark"))
     console.print(f"wrote {json_path} and {md_path}")
     return 0 if all("error" not in r for r in report["results"]) else 1
+
+
+def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .benchmark_data import markdown as data_markdown, run_data_benchmark
+
+    cfg.train.device = str(device)
+    if args.batch_sizes:
+        cfg.train.batch_size = _int_list(args.batch_sizes)[0]
+    caches = [c.strip() for c in args.cache.split(",") if c.strip()] if args.cache else [cfg.data.cache]
+    report = run_data_benchmark(cfg, caches, batches=args.steps, rounds=args.rounds, warmup=args.warmup)
+    table = Table(title=f"{report['recipe']} input path (model removed) on {report['device']}, "
+                        f"batch {report['batch_size']}")
+    for h in ("cache", "items/s", "ms/item", "x first", "pipeline"):
+        table.add_column(h, justify="left" if h in ("cache", "pipeline") else "right")
+    for r in report["results"]:
+        table.add_row(r["cache"], f"{r['items_per_s']:.1f}", f"{r['ms_per_item']:.2f}",
+                      f"{r['speedup_vs_first']:.2f}", r["pipeline"])
+    console = Console()
+    console.print(table)
+    out = args.out or Path("runs/benchmark")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{Path(report['recipe']).stem}-data"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(data_markdown(report))
+    console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')}")
+    return 0

@@ -153,10 +153,18 @@ def profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 5, nvtx: bool = Fa
         "verdict", "advice", "gpu", "config"}``.
     """
     run = engine.build(cfg, train=True, loaders=not synthetic, wrap_train_set=_nvtx_items if nvtx else None)
-    env, device, task = run.env, run.device, run.task
+    return profile_run(run, steps=steps, warmup=warmup, nvtx=nvtx, trace=trace)
+
+
+def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool = False,
+                trace: str | Path | None = None) -> dict[str, Any]:
+    """:func:`profile` of a run already built by ``engine.build(cfg, train=True)``: its training
+    loader, or synthetic batches on the device when it has none (built with ``loaders=False``).
+    The run trains on: its weights afterwards are those of ``warmup + steps`` training steps."""
+    cfg, env, device, task = run.cfg, run.env, run.device, run.task
     if nvtx and device.type == "cuda":
         add_nvtx_ranges(None, task)  # every batched augmentation op
-    if synthetic:
+    if run.train_loader is None:
         fixed = task.synthetic_batch(cfg.train.batch_size, device)
         batches: Iterator[Any] = iter(lambda: fixed, None)
         cache_line = "synthetic batches on the device (no data pipeline)"
