@@ -1,9 +1,9 @@
 """Export a trained model to ONNX or TorchScript, checked against the PyTorch model.
 
 ``fastvision export CKPT --format onnx|torchscript`` rebuilds the bare model from the checkpoint's
-saved config with the engine's :func:`~fastvision.engine.build` (no dataset needed), loads the weights, and exports it with
-the input the task feeds the model (e.g. normalised float images for classification), batch
-axis dynamic. The exported file is then run on a random input of another batch size -- ONNX with
+saved config with the engine's :func:`~fastvision.engine.build` (no dataset needed), loads the
+weights, and exports it with the input the task feeds the model (e.g. normalised float images for
+classification), batch axis dynamic. The exported file is then run on a random input of another batch size -- ONNX with
 onnxruntime when it is installed, TorchScript with ``torch.jit.load`` -- and the maximum absolute
 difference to the PyTorch output is reported (the export fails the check above ``tolerance``).
 

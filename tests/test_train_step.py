@@ -55,8 +55,8 @@ def test_train_step_matches_a_plain_torch_reference(tiny_microscopy):
                                    "sched.warmup_epochs": 0})
     run = engine.build(cfg, train=True, loaders=False, data_info={})
     g = torch.Generator().manual_seed(3)
-    micro = [{"image": torch.rand(4, 1, 32, 32, generator=g), "label": (torch.rand(4, 32, 32, generator=g) > 0.5).long()}
-             for _ in range(2)]
+    micro = [{"image": torch.rand(4, 1, 32, 32, generator=g),
+              "label": (torch.rand(4, 32, 32, generator=g) > 0.5).long()} for _ in range(2)]
     ref = {k: v.clone() for k, v in run.model.state_dict().items()}
     lr = run.optimizer.param_groups[0]["lr"]
     model = engine.build(cfg, loaders=False, data_info={}).model  # same seed: same initial weights

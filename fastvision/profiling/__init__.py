@@ -13,7 +13,8 @@ from ..errors import DataError
 from .monitor import plot_csv, read_csv, record
 from .profiler import PHASES, advice, percentiles_ms, profile, profile_run
 
-__all__ = ["profile", "profile_run", "render", "record", "plot_csv", "read_csv", "advice", "percentiles_ms", "add_profile_cli", "add_monitor_cli"]
+__all__ = ["profile", "profile_run", "render", "record", "plot_csv", "read_csv", "advice", "percentiles_ms",
+           "add_profile_cli", "add_monitor_cli"]
 
 _LABELS = {"data": "data wait", "h2d": "host-to-device", "augment": "augment (batched)", "forward": "forward",
            "backward": "backward", "optimizer": "optimizer", "comm": "communication"}
