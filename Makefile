@@ -35,7 +35,10 @@ clean:
 	rm -rf $(VENV) runs
 
 # Opt-in (about 8 min on 2 cores): horovod 0.28.1, its last release, built from source into $(VENV)
-# for CPU with gloo and no MPI, so `--backend horovod` and `scale --backends ddp,horovod` work.
+# with gloo and no MPI, so `--backend horovod` and `scale --backends ddp,horovod` work. Where the
+# venv's torch sees CUDA and nvcc is on PATH, GPU all-reduce is built with NCCL
+# (HOROVOD_GPU_OPERATIONS=NCCL, as every seed's Horovod runs on GPUs), using the NCCL that torch's
+# nvidia-nccl wheel ships unless HOROVOD_NCCL_HOME is set; otherwise CPU only (gloo).
 # 0.28.1 compiles with -std=c++14 but torch 2.x headers need C++17, and CXXFLAGS alone cannot
 # override it: $(HVD_CXX) is a compiler wrapper that rewrites the flag. It needs cmake 3.x (4.x
 # rejects its CMakeLists) and --no-build-isolation so the build sees the installed torch.
@@ -49,7 +52,14 @@ horovod: $(VENV)/.base
 	  'for a in "$$@"; do shift; case "$$a" in -std=c++14) a=-std=c++17;; -std=gnu++14) a=-std=gnu++17;; esac; set -- "$$@" "$$a"; done' \
 	  'exec $${HOROVOD_REAL_CXX:-c++} "$$@"' > $(HVD_CXX)
 	chmod +x $(HVD_CXX)
-	PATH="$(abspath $(VENV))/bin:$$PATH" CXX=$(HVD_CXX) HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 \
+	set -e; gpu=; \
+	if command -v nvcc >/dev/null && $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
+	  nccl=$${HOROVOD_NCCL_HOME:-$$($(PY) -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))" 2>/dev/null)}; \
+	  gpu="HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME=$$(dirname $$(dirname $$(command -v nvcc)))"; \
+	  [ -z "$$nccl" ] || gpu="$$gpu HOROVOD_NCCL_HOME=$$nccl HOROVOD_NCCL_LINK=SHARED"; \
+	  echo "building horovod with NCCL: $$gpu"; \
+	else echo "building horovod for CPU (gloo): no CUDA torch or no nvcc"; fi; \
+	env $$gpu PATH="$(abspath $(VENV))/bin:$$PATH" CXX=$(HVD_CXX) HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 \
 	  HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
 	  $(PY) -m pip install --no-build-isolation --no-cache-dir "$(HOROVOD)"
-	$(PY) -c "import horovod.torch as hvd; print('horovod.torch ok; gloo built:', hvd.gloo_built())"
+	$(PY) -c "import horovod.torch as hvd; print('horovod.torch ok; gloo built:', hvd.gloo_built(), '; nccl built:', hvd.nccl_built())"

@@ -31,6 +31,20 @@ def overrides_to_dicts(overrides: dict[str, Any]) -> list[dict[str, Any]]:
     return [config.nested(FLAT_KEYS.get(key, key), value) for key, value in overrides.items()]
 
 
+def refuse_overwrite(path: str | Path, force: bool, flag: str = "--out") -> None:
+    """Stop before writing to ``path`` if it holds something (a file, or a non-empty folder) and
+    ``force`` is not set, so predict / export / profile / benchmark never silently replace results.
+
+    Raises:
+        DataError: naming the path and the way out (``--force`` or another ``flag``).
+    """
+    p = Path(path)
+    if force or not p.exists() or (p.is_dir() and not any(p.iterdir())):
+        return
+    kind = "folder is not empty" if p.is_dir() else "file exists"
+    raise DataError(f"{p}: {kind}; pass --force to overwrite, or choose another {flag}")
+
+
 def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tuple[Path, Path | None]:
     """Choose the run directory and the checkpoint to resume from (if any).
 
@@ -149,7 +163,9 @@ def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: st
     for f in files:
         if not f.exists():
             raise DataError(f"{f}: input not found")
-    expanded = [p for f in files for p in (sorted(f.iterdir()) if f.is_dir() else [f])]
+    # macOS archives carry "._name" companions (AppleDouble metadata) beside every file: not inputs.
+    expanded = [p for f in files for p in (sorted(q for q in f.iterdir() if not q.name.startswith("."))
+                                           if f.is_dir() else [f])]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return run.task.predict_files(run.model, expanded, out, run.cfg, run.device)

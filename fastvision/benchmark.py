@@ -304,6 +304,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--augment", action="store_true", help="include the batched augmentation in training steps")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--out", type=Path, help="folder for <recipe>-<mode>.json and .md (default runs/benchmark)")
+    p.add_argument("--force", action="store_true", help="replace an existing <recipe>-<mode>.json / .md in --out")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="recipe override, e.g. --set task.args.image_size=128 (repeatable)")
     p.set_defaults(func=cmd_benchmark)
@@ -315,7 +316,12 @@ def cmd_benchmark(args) -> int:
     from . import dist
     from .config import load, parse_override
 
+    from .api import refuse_overwrite
+
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
+    out_dir = args.out or Path("runs/benchmark")
+    for suffix in (".json", ".md"):  # checked before the run: a refusal costs no benchmark time
+        refuse_overwrite(out_dir / f"{cfg.recipe}-{args.mode}{suffix}", args.force)
     env, device = dist.init(args.device)
     if env.world_size > 1:
         raise ConfigError("benchmark measures one device; run it without torchrun/srun (see `fastvision scale`)")
@@ -332,7 +338,7 @@ def cmd_benchmark(args) -> int:
     console.print(rich_table(report))
     for note in report["notes"]:
         console.print(f"note: {note}")
-    json_path, md_path = write_reports(report, args.out or Path("runs/benchmark"))
+    json_path, md_path = write_reports(report, out_dir)
     console.print(f"wrote {json_path} and {md_path}")
     return 0 if all("error" not in r for r in report["results"]) else 1
 
@@ -359,7 +365,7 @@ def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
     console.print(table)
     out = args.out or Path("runs/benchmark")
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{Path(report['recipe']).stem}-data"
+    stem = f"{report['recipe']}-data"  # the name cmd_benchmark checked with refuse_overwrite
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / f"{stem}.md").write_text(data_markdown(report))
     console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')}")

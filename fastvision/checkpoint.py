@@ -118,8 +118,12 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]
         raise DataError(f"checkpoint not found: {path}")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # corrupt, truncated, or contains non-tensor pickled objects
-        raise DataError(f"{path}: not a loadable fastvision checkpoint ({str(e).splitlines()[0][:200]})") from e
+    except Exception as e:  # corrupt, truncated, empty, or contains non-tensor pickled objects
+        # Some loaders raise with an empty message (an empty file gives EOFError("")): say what it was.
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if path.stat().st_size == 0:
+            reason = "the file is empty"
+        raise DataError(f"{path}: not a loadable fastvision checkpoint ({reason})") from e
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise DataError(f"{path}: not a fastvision checkpoint (no 'model' entry)")
     return ckpt

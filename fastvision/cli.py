@@ -87,15 +87,29 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     result = evaluate_path(args.run, device=args.device, data=args.data)
     for k, v in result.items():
-        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+        print(f"{k}: {_format_value(k, v)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
 
-def cmd_predict(args: argparse.Namespace) -> int:
-    from .api import predict
+# Metrics that count things (COCO's "images", the evaluated "items"): whole numbers, shown as such.
+_COUNT_KEYS = ("items", "images", "cases", "patches", "boxes")
 
+
+def _format_value(key: str, value: Any) -> str:
+    """Counts as integers (60, not 60.0000); other floats with four decimals."""
+    if isinstance(value, float):
+        if key in _COUNT_KEYS and value.is_integer():
+            return str(int(value))
+        return f"{value:.4f}"
+    return str(value)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from .api import predict, refuse_overwrite
+
+    refuse_overwrite(args.out, args.force)
     written = predict(args.checkpoint, args.inputs, args.out, device=args.device)
     print(f"wrote {len(written)} files to {args.out}")
     return 0
@@ -116,6 +130,11 @@ def cmd_synth(args: argparse.Namespace, extra: list[str]) -> int:
     from .data.synth import load_all
     from .registry import check_kwargs
 
+    if args.help or args.kind is None or args.out is None:
+        if not args.help:
+            raise ConfigError("data synth: give KIND and OUT, e.g. fastvision data synth microscopy data/micro")
+        print(args.parser.format_help() if args.kind is None else synth_help(args.kind), end="")
+        return 0
     synth = load_all().get(args.kind)
     options = _parse_options(extra)
     check_kwargs(synth, options, f"data synth {args.kind}", exclude={"out"})
@@ -125,6 +144,25 @@ def cmd_synth(args: argparse.Namespace, extra: list[str]) -> int:
     out = synth(out, seed=args.seed, **options)
     print(f"wrote {args.kind} sample to {out}")
     return 0
+
+
+def synth_help(kind: str) -> str:
+    """``data synth KIND --help``: the generator's keyword options (its signature) and docstring."""
+    import inspect
+
+    from .data.synth import load_all
+
+    synth = load_all().get(kind)
+    lines = [f"usage: fastvision data synth {kind} OUT [--seed N] [--OPTION VALUE ...]", ""]
+    lines.append(f"options of {kind} (defaults from the generator):")
+    for name, param in inspect.signature(synth).parameters.items():
+        if name in ("out", "seed") or param.kind is not inspect.Parameter.KEYWORD_ONLY:
+            continue
+        lines.append(f"  --{name.replace('_', '-'):<22} default {param.default!r}")
+    doc = inspect.getdoc(synth)
+    if doc:
+        lines += ["", doc]
+    return "\n".join(lines) + "\n"
 
 
 def _parse_options(extra: list[str]) -> dict[str, Any]:
@@ -171,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("predict", help="predict files with a checkpoint")
     p.add_argument("checkpoint", help="checkpoint file or run directory")
     p.add_argument("inputs", nargs="+", help="input files or folders")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", required=True, help="output folder (must be new or empty unless --force)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing files")
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_predict)
 
@@ -181,12 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="synthetic data and dataset inspection")
     dsub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
-    p = dsub.add_parser("synth", help="write a synthetic dataset in a real format",
-                        description="Write a synthetic dataset. Extra --option VALUE pairs go to the generator.")
-    p.add_argument("kind", help="microscopy, imagenet, coco, brats, spleen, pathology")
-    p.add_argument("out", help="output folder (must not exist or be empty)")
+    p = dsub.add_parser("synth", help="write a synthetic dataset in a real format", add_help=False,
+                        description="Write a synthetic dataset. Extra --option VALUE pairs go to the generator; "
+                                    "`fastvision data synth KIND --help` lists KIND's options.")
+    p.add_argument("-h", "--help", action="store_true", help="show this help (with KIND: its options) and exit")
+    p.add_argument("kind", nargs="?", help="microscopy, imagenet, coco, brats, spleen, pathology")
+    p.add_argument("out", nargs="?", help="output folder (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_synth, takes_extra=True)
+    p.set_defaults(func=cmd_synth, takes_extra=True, parser=p)
     p = dsub.add_parser("inspect", help="counts, shapes, dtypes, intensity range, class balance")
     p.add_argument("path")
     p.set_defaults(func=cmd_inspect)

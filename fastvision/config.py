@@ -122,7 +122,12 @@ def from_dict(data: dict[str, Any], cls: type = RunConfig, where: str = "") -> A
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
         if key not in names:
-            raise ConfigError(f"unknown key {path}; valid keys: {', '.join(sorted(names))}")
+            # Name the whole dotted key the user wrote (an override no.such=1 arrives here as
+            # {"no": {"such": 1}}) and the section it was looked up in.
+            full = _first_leaf(value, path)
+            section = f"section {where}" if where else "the top level of the config"
+            raise ConfigError(f"unknown key {full}: {section} has no {key!r}; "
+                              f"valid keys there: {', '.join(sorted(names))}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = from_dict(value, hint, path)
@@ -132,6 +137,14 @@ def from_dict(data: dict[str, Any], cls: type = RunConfig, where: str = "") -> A
                 raise ConfigError(f"{path}: expected {type_name(hint)}, got {value!r}")
             kwargs[key] = value
     return cls(**kwargs)
+
+
+def _first_leaf(value: Any, path: str) -> str:
+    """``({"such": 1}, "no")`` -> ``"no.such"``: the dotted key down to the first non-mapping value."""
+    while isinstance(value, dict) and len(value) == 1:
+        key, value = next(iter(value.items()))
+        path = f"{path}.{key}"
+    return path
 
 
 def _coerce(value: Any, hint: Any) -> Any:

@@ -214,6 +214,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("checkpoint", help="checkpoint file or run directory (best.pt, else last.pt)")
     p.add_argument("--format", choices=FORMATS, default="onnx")
     p.add_argument("--out", help="output file (default: next to the checkpoint)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.add_argument("--opset", type=int, help="ONNX opset (default: the exporter's, 18)")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max abs difference accepted (default 1e-4)")
     p.add_argument("--no-check", action="store_true", help="skip running the exported file")
@@ -221,6 +222,17 @@ def add_cli(subparsers) -> None:
 
 
 def cmd_export(args) -> int:
+    from .api import refuse_overwrite
+
+    out = args.out
+    if out is None:  # the default file beside the checkpoint (a run folder: best.pt, else last.pt)
+        ckpt = Path(args.checkpoint)
+        if ckpt.is_dir():
+            ckpt = next((c for c in (ckpt / "checkpoints" / "best.pt", ckpt / "checkpoints" / "last.pt")
+                         if c.is_file()), None)
+        out = ckpt.with_suffix(SUFFIX[args.format]) if ckpt is not None else None
+    if out is not None:
+        refuse_overwrite(out, args.force)
     result = export_checkpoint(args.checkpoint, args.format, args.out, args.opset, check=not args.no_check,
                                tolerance=args.tolerance)
     shape = "x".join(str(s) for s in result["input_shape"])

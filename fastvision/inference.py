@@ -251,6 +251,19 @@ def prediction_cases(files: Sequence[str | Path]) -> list[dict]:
     return cases
 
 
+def _brats_release_uses_4(data_args: dict) -> bool:
+    """Predictions go out in the training release's ids: 2017-2021 write enhancing tumour as 4,
+    2023-2024 GLI as 3. Decided from the training folder when it is still there (else 4)."""
+    from .data.formats.brats_layouts import detect
+    from .errors import DataError
+
+    path = data_args.get("path")
+    try:
+        return detect(path).name != "brats2023-gli" if path else True
+    except DataError:
+        return True
+
+
 def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any, bool]:
     """The run's preprocessing (from ``cfg.data.args``) and whether outputs use BraTS ids (3 -> 4).
 
@@ -273,7 +286,7 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
               "crop_foreground": bool(data_args.get("crop_foreground", True)),
               "crop_margin": int(data_args.get("crop_margin", 0))}
     if data_name == "brats":
-        return PreprocessParams(intensity="mri", **common), True
+        return PreprocessParams(intensity="mri", **common), _brats_release_uses_4(data_args)
     meta_file = Path(str(data_args.get("path", ""))) / "dataset.json"
     meta = json.loads(meta_file.read_text()) if data_args.get("path") and meta_file.is_file() else None
     intensity = data_args.get("intensity", "auto")

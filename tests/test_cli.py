@@ -66,7 +66,7 @@ def test_bad_data_exits_2_naming_the_file(case, data, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["train", "no-such-recipe"], "unknown recipe 'no-such-recipe'"),
-    (["train", "unet2d-microscopy", "--set", "train.epoks=3"], "unknown key train.epoks; valid keys:"),
+    (["train", "unet2d-microscopy", "--set", "train.epoks=3"], "unknown key train.epoks: section train has no 'epoks'; valid keys there:"),
     (["train", "unet2d-microscopy", "--set", "train.epochs=three"], "train.epochs: expected int"),
     (["train", "unet2d-microscopy", "--set", "model.args.widths=[1]"], "unknown key model.args.widths"),
     (["train", "unet2d-microscopy", "--set", "loss.name=dicee"], "unknown loss 'dicee'"),

@@ -54,3 +54,15 @@ def test_single_gpu_nccl_process_group(tiny_microscopy, tmp_path, monkeypatch):
         assert dist.rank() == 0
     finally:
         tdist.destroy_process_group()
+
+
+def test_monitor_matches_the_cuda_device_by_uuid():
+    """NVML counts GPUs in PCI order, CUDA after CUDA_VISIBLE_DEVICES: the handle must be the same GPU."""
+    pynvml = pytest.importorskip("pynvml")
+    from fastvision.profiling.monitor import nvml_handle
+
+    for index in range(torch.cuda.device_count()):
+        handle = nvml_handle(index)
+        got = pynvml.nvmlDeviceGetUUID(handle)
+        got = got.decode() if isinstance(got, bytes) else got
+        assert got == f"GPU-{torch.cuda.get_device_properties(index).uuid}"

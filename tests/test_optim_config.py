@@ -90,7 +90,7 @@ def test_yaml_off_means_off_and_strings_become_floats():
 
 
 @pytest.mark.parametrize("data,needle", [
-    ({"trian": {}}, "unknown key trian; valid keys:"),
+    ({"trian": {}}, "unknown key trian: the top level of the config has no 'trian'; valid keys there:"),
     ({"train": {"epochs": 2.5}}, "train.epochs: expected int"),
     ({"train": {"amp": "fp8"}}, "train.amp"),
     ({"optim": "adam"}, "optim: expected a mapping"),

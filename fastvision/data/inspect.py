@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from rich.console import Console
@@ -39,12 +39,28 @@ def inspect_path(path: Path) -> dict[str, Any]:
 
 
 def print_report(report: dict[str, Any]) -> None:
+    """One row per fact; each anomaly kind gets its own row (count and first names or ids)."""
     table = Table(title=f"{report['layout']} dataset: {report['path']}", show_header=False)
+    table.add_column(overflow="fold")
+    table.add_column(overflow="fold")  # file names wrap rather than end in "..."
+    table.add_row("detected layout", str(report.get("detected", report["layout"])))
     for k, v in report.items():
-        if k in ("layout", "path"):
+        if k in ("layout", "path", "detected", "anomalies"):
             continue
         table.add_row(k, ", ".join(f"{a}: {b}" for a, b in v.items()) if isinstance(v, dict) else str(v))
+    anomalies = report.get("anomalies") or {}
+    for kind, text in anomalies.items():
+        table.add_row(f"[yellow]anomaly[/yellow]: {kind}", text)
+    if not anomalies:
+        table.add_row("anomalies", "none found")
     Console().print(table)
+
+
+def anomaly_rows(found: dict[str, Sequence[Any]]) -> dict[str, str]:
+    """``{kind: [ids]}`` -> ``{kind: "count (first ids)"}`` for the report, empty kinds dropped."""
+    from .formats.anomalies import first_few
+
+    return {k: f"{len(v)} ({first_few(v)})" for k, v in found.items() if v}
 
 
 @inspector("microscopy", lambda p: (p / "images").is_dir() and (p / "masks").is_dir())
@@ -52,67 +68,137 @@ def inspect_microscopy(path: Path) -> dict[str, Any]:
     from .formats.microscopy import pair_files, read_array
 
     pairs = pair_files(path)
-    shapes, dtypes, classes = Counter(), Counter(), Counter()
+    shapes, dtypes, classes, encodings = Counter(), Counter(), Counter(), Counter()
+    anomalies: dict[str, list[str]] = {}
+    by_encoding: dict[str, list[str]] = {}
     lo, hi = np.inf, -np.inf
     for img_path, mask_path in pairs:
         img, mask = read_array(img_path), read_array(mask_path)
         if img.shape[:2] != mask.shape[:2]:
             raise DataError(f"{img_path}: image is {img.shape[:2]} but mask {mask_path} is {mask.shape[:2]}")
         shapes[str(tuple(img.shape))] += 1
-        dtypes[str(img.dtype)] += 1
+        dtypes[f"{img.dtype} / mask {mask.dtype}"] += 1
         lo, hi = min(lo, float(img.min())), max(hi, float(img.max()))
         values, counts = np.unique(mask if mask.ndim == 2 else mask[..., 0], return_counts=True)
         for v, c in zip(values.tolist(), counts.tolist()):
             classes[v] += c
+        enc = "/".join(str(v) for v in values.tolist()) if len(values) <= 3 else f"{len(values)} values"
+        encodings[enc] += 1
+        by_encoding.setdefault(enc, []).append(mask_path.name)
+        if img_path.suffix.lower() != mask_path.suffix.lower():
+            anomalies.setdefault("masks with another extension than their image (paired by stem)",
+                                 []).append(f"{img_path.name}+{mask_path.name}")
+        if len(values) > 3:
+            anomalies.setdefault("masks with more than 3 values (instance ids? data.args.binarize)",
+                                 []).append(mask_path.name)
+    if len([e for e in encodings if e.count("/") == 1]) > 1:  # e.g. 0/1 beside 0/255: each read as binary
+        common = encodings.most_common(1)[0][0]
+        anomalies["binary masks encoded differently from most (each read as 0/1)"] = [
+            f"{n} ({e})" for e, names in by_encoding.items() if e != common and e.count("/") == 1 for n in names]
     total = sum(classes.values())
-    return {"pairs": len(pairs), "image shapes": dict(shapes), "image dtypes": dict(dtypes),
-            "intensity range": f"{lo:g} .. {hi:g}",
-            "mask values (pixel share)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())}}
+    values = sorted(classes)
+    return {"detected": "microscopy images/ + masks/ (paired by file stem)", "pairs": len(pairs),
+            "image shapes": dict(shapes), "dtypes": dict(dtypes), "intensity range": f"{lo:g} .. {hi:g}",
+            "mask encodings (files)": dict(encodings),
+            "mask values (pixel share)": {v: f"{classes[v] / total:.2%}" for v in values[:20]},
+            "anomalies": anomaly_rows(anomalies)}
 
 
 @inspector("imagefolder", lambda p: (p / "train").is_dir() and any(d.is_dir() for d in (p / "train").iterdir()))
-def inspect_imagefolder(path: Path) -> dict[str, Any]:
+def inspect_imagefolder(path: Path, header_limit: int = 5000) -> dict[str, Any]:
+    from .formats.imagefolder import EXTENSIONS, find_classes, list_samples
+    from .formats.imagenet_val import flat_val_samples, is_flat
+
+    report: dict[str, Any] = {"detected": "ImageFolder (train/<class>/*)"}
+    anomalies: dict[str, list[str]] = {}
+    classes = find_classes(path / "train")
+    for split in ("train", "val"):
+        d = path / split
+        if not d.is_dir():
+            continue
+        if split == "val" and is_flat(d, EXTENSIONS):
+            samples, how = flat_val_samples(d, classes, path, EXTENSIONS)
+            report["detected"] += f"; val: {how}"
+            names = classes
+        else:
+            names = find_classes(d)
+            samples = list_samples(d, names)
+        anomalies[f"{split}: macOS ._ companion files (ignored)"] = [
+            str(p.relative_to(path)) for p in sorted(d.rglob("._*"))][:1000]
+        per_class = Counter(names[i] for _, i in samples)
+        report[f"{split} images"] = len(samples)
+        report[f"{split} classes"] = len(per_class)
+        report[f"{split} per class (first 20)"] = dict(sorted(per_class.items())[:20])
+        sizes, modes, checked = _image_headers([p for p, _ in samples], header_limit, anomalies, split, path)
+        report[f"{split} sizes (headers of {checked})"] = dict(sizes.most_common(5))
+        report[f"{split} modes (headers of {checked})"] = dict(modes)
+    report["anomalies"] = anomaly_rows(anomalies)
+    return report
+
+
+def _image_headers(files: list[str], limit: int, anomalies: dict[str, list[str]], split: str,
+                   root: Path) -> tuple[Counter, Counter, int]:
+    """Sizes and modes of up to ``limit`` evenly spaced files; CMYK, PNG-named-JPEG and unreadable
+    files go to ``anomalies`` (they load: CMYK and PNG are converted to RGB, named here so you know)."""
     from PIL import Image
 
-    from .formats.imagefolder import find_classes, list_samples
-
-    report: dict[str, Any] = {}
-    for split in ("train", "val"):
-        if not (path / split).is_dir():
-            continue
-        classes = find_classes(path / split)
-        samples = list_samples(path / split, classes)
-        per_class = Counter(classes[i] for _, i in samples)
-        sizes, modes = Counter(), Counter()
-        for p, _ in samples[:: max(1, len(samples) // 50)]:  # headers of up to ~50 images
+    sizes, modes = Counter(), Counter()
+    picked = files[:: max(1, len(files) // limit)]
+    for p in picked:
+        rel = str(Path(p).relative_to(root))
+        try:
             with Image.open(p) as im:
                 sizes[f"{im.size[0]}x{im.size[1]}"] += 1
                 modes[im.mode] += 1
-        report[f"{split} images"] = len(samples)
-        report[f"{split} per class"] = dict(sorted(per_class.items())[:20])
-        report[f"{split} sizes (sample)"] = dict(sizes.most_common(5))
-        report[f"{split} modes (sample)"] = dict(modes)
-    return report
+                fmt, mode = im.format, im.mode
+        except Exception:  # any decoder failure
+            anomalies.setdefault(f"{split}: unreadable image files", []).append(rel)
+            continue
+        suffix = Path(p).suffix.lower()
+        if suffix in (".jpg", ".jpeg") and fmt != "JPEG":
+            anomalies.setdefault(f"{split}: {fmt} files named {Path(p).suffix} (decoded as {fmt})", []).append(rel)
+        if mode == "CMYK":
+            anomalies.setdefault(f"{split}: CMYK images (converted to RGB)", []).append(rel)
+        elif mode not in ("RGB",):
+            anomalies.setdefault(f"{split}: {mode} images (converted to RGB)", []).append(rel)
+    return sizes, modes, len(picked)
 
 
 @inspector("coco", lambda p: (p / "annotations").is_dir() and any((p / "annotations").glob("instances_*.json")))
 def inspect_coco(path: Path) -> dict[str, Any]:
     import json
 
-    report: dict[str, Any] = {}
+    from .formats.coco_check import check_annotations, image_facts, missing_images
+
+    report: dict[str, Any] = {"detected": "COCO instances (annotations/instances_<split>.json + <split>/)"}
+    anomalies: dict[str, list[Any]] = {}
     for ann in sorted((path / "annotations").glob("instances_*.json")):
         try:
             data = json.loads(ann.read_text())
             images, anns, cats = data["images"], data["annotations"], data["categories"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise DataError(f"{ann}: not a COCO instances file ({e})") from e
-        names = {c["id"]: c["name"] for c in cats}
-        with_boxes = {a["image_id"] for a in anns}
         split = ann.stem.removeprefix("instances_")
-        report[f"{split} images (without boxes)"] = f"{len(images)} ({len(images) - len(with_boxes)})"
-        report[f"{split} boxes (crowd)"] = f"{len(anns)} ({sum(bool(a.get('iscrowd')) for a in anns)})"
-        report[f"{split} boxes per category"] = dict(Counter(names.get(a["category_id"], a["category_id"])
-                                                          for a in anns))
+        valid, bad = check_annotations(data)
+        usable = [a for a in anns if a.get("id") in valid]
+        names = {c["id"]: c["name"] for c in cats}
+        with_boxes = {a["image_id"] for a in usable}
+        report[f"{split} images (without boxes)"] = f"{len(images)} ({sum(im['id'] not in with_boxes for im in images)})"
+        report[f"{split} boxes (crowd)"] = f"{len(usable)} ({sum(bool(a.get('iscrowd')) for a in usable)})"
+        report[f"{split} boxes per category"] = dict(Counter(names[a["category_id"]] for a in usable))
+        for kind, ids in bad.items():
+            anomalies[f"{split}: annotations with {kind} (skipped; ids)"] = ids
+        image_dir = path / split
+        if not image_dir.is_dir():
+            anomalies[f"{split}: image folder missing"] = [str(image_dir)]
+            continue
+        anomalies[f"{split}: listed images missing on disk"] = missing_images(data, image_dir)
+        facts = image_facts(data, image_dir)
+        report[f"{split} image formats (headers of {facts['checked']})"] = facts["formats"]
+        report[f"{split} image modes"] = facts["modes"]
+        for kind, files in facts["anomalies"].items():
+            anomalies[f"{split}: {kind}"] = files
+    report["anomalies"] = anomaly_rows(anomalies)
     return report
 
 
@@ -133,7 +219,77 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
         for v, c in zip(values.tolist(), counts.tolist()):
             classes[int(v)] += c
     total = sum(classes.values()) or 1
-    return {"name": meta.get("name", "?"), "modality": meta.get("modality", {}), "labels": meta.get("labels", {}),
+    labels = {str(v).lower() for v in meta.get("labels", {}).values()}
+    task01 = {"edema", "non-enhancing tumor", "enhancing tumour"} <= labels
+    return {"detected": "Medical Segmentation Decathlon" + (" Task01 (MSD label ids, loaded as BraTS ids)"
+                                                              if task01 else ""),
+            "name": meta.get("name", "?"), "modality": meta.get("modality", {}), "labels": meta.get("labels", {}),
             "training cases": len(ds["training"]), "test cases": len(ds["test"]),
             "shapes (first 10)": dict(shapes), "spacing mm (first 10)": dict(spacings),
-            "label voxels (first 10)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())}}
+            "label values (first 10)": sorted(classes),
+            "label voxels (first 10)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())},
+            "anomalies": anomaly_rows(ds["anomalies"])}
+
+
+def _looks_brats(path: Path) -> bool:
+    """Case files (``*_flair.nii*`` or ``*-t2f.nii*``) at most three folders down."""
+    return path.is_dir() and any(next(path.glob(depth + pattern), None) is not None
+                                 for pattern in ("*_flair.nii*", "*-t2f.nii*") for depth in ("", "*/", "*/*/", "*/*/*/"))
+
+
+@inspector("brats", _looks_brats)
+def inspect_brats(path: Path) -> dict[str, Any]:
+    import nibabel as nib
+
+    from .formats.brats_layouts import detect
+
+    layout = detect(path)
+    shapes, values = Counter(), set()
+    labelled = [c for c in layout.cases if c["label"] is not None]
+    for case in labelled[:10]:
+        shapes[str(nib.load(str(case["image"][0])).shape)] += 1
+        values |= set(np.unique(np.asarray(nib.load(str(case["label"])).dataobj)).tolist())
+    return {"detected": f"BraTS {layout.year} ({layout.name})", "cases": len(layout.cases),
+            "labelled cases": len(labelled), "label convention": layout.convention(),
+            "shapes (first 10)": dict(shapes), "label values (first 10)": sorted(int(v) for v in values),
+            "anomalies": anomaly_rows(layout.anomalies)}
+
+
+def _pathology_splits(path: Path) -> list[Path]:
+    from .formats.camelyon import is_slide_split
+
+    return [d for d in sorted(path.iterdir()) if d.is_dir() and not d.name.startswith(".")
+            and (is_slide_split(d) or ((d / "normal").is_dir() and (d / "tumor").is_dir()))] if path.is_dir() else []
+
+
+@inspector("pathology", lambda p: bool(_pathology_splits(p)))
+def inspect_pathology(path: Path) -> dict[str, Any]:
+    from .formats.asap import is_exclusion, read_polygons
+    from .formats.camelyon import find_slides, is_slide_split
+    from .formats.pathology import TiledTiff
+
+    report: dict[str, Any] = {}
+    anomalies: dict[str, list[str]] = {}
+    kinds = set()
+    for d in _pathology_splits(path):
+        split = d.name
+        if not is_slide_split(d):
+            kinds.add("patch folders (normal/, tumor/)")
+            for name in ("normal", "tumor"):
+                report[f"{split} {name} patches"] = sum(1 for p in (d / name).iterdir() if not p.name.startswith("."))
+            continue
+        kinds.add("Camelyon16 (tumor/, normal/, lesion_annotations/*.xml)" if (d / "lesion_annotations").is_dir()
+                  else "slides (images/ + masks/ or annotations/*.xml)")
+        slides, found = find_slides(d)
+        for kind, names in found.items():
+            anomalies[f"{split}: {kind}"] = names
+        report[f"{split} slides (with lesions)"] = f"{len(slides)} ({sum(s is not None for _, s in slides)})"
+        if slides:
+            t = TiledTiff(slides[0][0])
+            report[f"{split} levels (first slide)"] = ", ".join(f"{h}x{w}" for h, w in t.level_shapes)
+            t.close()
+        polys = [g for _, s in slides if s is not None and s.suffix.lower() == ".xml" for g, _ in read_polygons(s)]
+        if polys:
+            report[f"{split} lesion polygons (exclusions)"] = f"{len(polys)} ({sum(map(is_exclusion, polys))})"
+    report = {"detected": "pathology: " + "; ".join(sorted(kinds)), **report, "anomalies": anomaly_rows(anomalies)}
+    return report

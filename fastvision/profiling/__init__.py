@@ -50,6 +50,10 @@ def _cmd_profile(args) -> int:
     from .. import config, dist
     from ..api import overrides_to_dicts
 
+    from ..api import refuse_overwrite
+
+    if args.out:  # checked before profiling: a refusal costs nothing
+        refuse_overwrite(args.out, args.force)
     flat = {k: v for k, v in {"data": args.data, "device": args.device, "batch_size": args.batch_size,
                               "amp": args.amp}.items() if v is not None}
     cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])
@@ -91,7 +95,8 @@ def add_profile_cli(subparsers) -> None:
     p.add_argument("--nvtx", action="store_true", help="NVTX ranges per phase, transform and augment op (nsys)")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler Chrome trace into DIR")
     p.add_argument("--synthetic", action="store_true", help="device-resident synthetic batches (no data pipeline)")
-    p.add_argument("--out", help="report folder (default runs/profile-<recipe>-<time>)")
+    p.add_argument("--out", help="report folder (default runs/profile-<recipe>-<time>); new or empty unless --force")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing its report")
     p.add_argument("--data", help="dataset folder (data.args.path)")
     p.add_argument("--device")
     p.add_argument("--batch-size", type=int)
@@ -107,6 +112,7 @@ def add_monitor_cli(subparsers) -> None:
     p.add_argument("--out", default="gpu.csv", help="CSV to append to (default gpu.csv)")
     p.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl-C)")
     p.add_argument("--plot", help="also write this PNG")
-    p.add_argument("--gpu", type=int, default=0, help="GPU index (default 0)")
+    p.add_argument("--gpu", type=int, default=0,
+                   help="CUDA device index as the job numbers it (CUDA_VISIBLE_DEVICES honoured; matched to NVML by UUID)")
     p.add_argument("--replot", metavar="CSV", help="only plot an existing CSV (to --plot or CSV.png)")
     p.set_defaults(func=_cmd_monitor)

@@ -21,8 +21,7 @@ from ..errors import FastvisionError
 COLUMNS = ("time_s", "gpu_util", "mem_util", "mem_used_mib", "mem_total_mib", "mem_ratio")
 
 
-def nvml_handle(index: int = 0) -> Any:
-    """NVML device handle; FastvisionError (one line) when NVML or the driver is missing."""
+def _pynvml() -> Any:
     try:
         import pynvml
     except ImportError:
@@ -30,9 +29,51 @@ def nvml_handle(index: int = 0) -> Any:
                               "driver)") from None
     try:
         pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        raise FastvisionError(f"monitor: NVML cannot start ({e})") from None
+    return pynvml
+
+
+def cuda_identity(index: int) -> tuple[str | None, str | None]:
+    """``(uuid, pci_bus_id)`` of CUDA device ``index`` as this process numbers it, in NVML's spelling.
+
+    CUDA numbers the devices that ``CUDA_VISIBLE_DEVICES`` leaves, in its own order (fastest first
+    unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``); NVML numbers every GPU of the machine in PCI order. The
+    two indices agree only by chance, so the device is matched by UUID (or PCI bus id) instead.
+    """
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None, None
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    uuid = f"GPU-{uuid}" if uuid is not None and not str(uuid).startswith(("GPU-", "MIG-")) else uuid
+    bus = getattr(props, "pci_bus_id", None)
+    pci = (f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+           if bus is not None else None)
+    return (str(uuid) if uuid is not None else None), pci
+
+
+def nvml_handle(index: int = 0) -> Any:
+    """NVML handle of CUDA device ``index`` (this process's numbering, ``CUDA_VISIBLE_DEVICES``
+    honoured), matched by UUID, else PCI bus id; without CUDA in this process (a monitor started
+    beside the job) ``index`` is NVML's own index, as ``nvidia-smi -i`` counts.
+
+    Raises:
+        FastvisionError: NVML or the driver is missing, or no GPU matches (one line).
+    """
+    pynvml = _pynvml()
+    uuid, pci = cuda_identity(index)
+    try:
+        if uuid is not None:
+            try:
+                return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            except pynvml.NVMLError:
+                if pci is None:
+                    raise
+        if pci is not None:
+            return pynvml.nvmlDeviceGetHandleByPciBusId(pci)
         return pynvml.nvmlDeviceGetHandleByIndex(index)
     except pynvml.NVMLError as e:
-        raise FastvisionError(f"monitor: NVML cannot open GPU {index} ({e})") from None
+        raise FastvisionError(f"monitor: NVML cannot open GPU {index} ({uuid or pci or 'by index'}: {e})") from None
 
 
 def sample(handle: Any) -> dict[str, float]:

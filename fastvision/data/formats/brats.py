@@ -1,8 +1,9 @@
 """Raw BraTS layout (one folder per case with four modalities and a segmentation) as a dataset.
 
-Layout: ``ROOT/**/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii.gz`` (BraTS 2019 puts cases under
-``HGG/`` and ``LGG/``; any nesting is accepted). Channels are stacked as FLAIR, T1, T1ce, T2, the
-order of MSD Task01, so a model trained on one layout runs on the other.
+Layout: ``ROOT/**/<case>/<case>_{flair,t1,t1ce,t2,seg}.nii.gz`` (2017-2021; BraTS 2019 puts cases
+under ``HGG/`` and ``LGG/``; any nesting is accepted) or ``<case>-{t2f,t1n,t1c,t2w,seg}`` (2023-2024
+GLI, labels already 0..3); :mod:`.brats_layouts` detects which. Channels are stacked as FLAIR, T1,
+T1ce, T2, the order of MSD Task01, so a model trained on one layout runs on the other.
 
 Labels. BraTS files use 0 background, 1 necrotic and non-enhancing tumour core (NCR/NET),
 2 peritumoral edema (ED), 4 GD-enhancing tumour (ET). On load 4 becomes 3, so classes are 0..3
@@ -19,7 +20,9 @@ import torch
 from ...errors import DataError
 from ...registry import DATASETS
 from ..preprocess3d import PreprocessParams, remap_labels
+from .anomalies import nifti_header, drop_unreadable
 from .base import DatasetSplits
+from .brats_layouts import detect
 from .decathlon import BRATS_CLASS_NAMES, build_splits
 
 MODALITIES = ("flair", "t1", "t1ce", "t2")
@@ -68,41 +71,35 @@ def regions_to_labels(regions: torch.Tensor) -> torch.Tensor:
 
 
 def find_cases(root: str | Path) -> list[dict]:
-    """All case folders under ``root`` as ``{"id", "image": [flair, t1, t1ce, t2], "label"}``."""
-    root = Path(root)
-    if not root.is_dir():
-        raise DataError(f"BraTS folder {root} does not exist")
-    cases = []
-    for flair in sorted(root.rglob("*_flair.nii*")):
-        case, ext = flair.name.rsplit("_flair", 1)
-        paths = [flair.parent / f"{case}_{m}{ext}" for m in MODALITIES]
-        for p in paths:
-            if not p.is_file():
-                raise DataError(f"BraTS case {flair.parent} lacks {p.name}")
-        seg = flair.parent / f"{case}_seg{ext}"
-        cases.append({"id": case, "image": paths, "label": seg if seg.is_file() else None})
-    if not cases:
-        raise DataError(f"no BraTS cases (*_flair.nii.gz) under {root}")
-    return cases
+    """All case folders under ``root`` as ``{"id", "image": [flair, t1, t1ce, t2], "label"}``.
+
+    Every release from 2017 to 2024 is recognised (see :mod:`.brats_layouts`).
+    """
+    return detect(root).cases
 
 
 @DATASETS.register("brats")
 def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int = 0,
                 target_spacing: tuple[float, float, float] | None = None, crop_foreground: bool = True,
                 crop_margin: int = 0, patch_size: tuple[int, int, int] | None = None,
-                pos_fraction: float = 0.5, workers: int = 4, cache_dir: str | None = "auto") -> DatasetSplits:
-    """Raw BraTS folder -> train/val of fold ``fold``; MRI z-score on the foreground per channel.
+                pos_fraction: float = 0.5, workers: int = 4, cache_dir: str | None = "auto",
+                skip_unreadable: bool = False) -> DatasetSplits:
+    """Raw BraTS folder (any release 2017-2024) -> train/val of fold ``fold``; MRI z-score on the
+    foreground per channel. The release's label convention is recorded in ``info``.
 
     Args: as :func:`fastvision.data.formats.decathlon.build_decathlon` (no CT options).
     """
-    cases = find_cases(path)
+    layout = detect(path)
+    cases = layout.cases
     unlabelled = [c["id"] for c in cases if c["label"] is None]
     if unlabelled:
-        raise DataError(f"{path}: training cases need *_seg.nii.gz; missing for {', '.join(unlabelled[:3])}")
+        raise DataError(f"{path}: training cases need a segmentation (*_seg.nii.gz); missing for "
+                        f"{len(unlabelled)} case(s): {', '.join(unlabelled[:3])}")
+    cases = drop_unreadable(cases, lambda c: [*c["image"], c["label"]], nifti_header, skip_unreadable, path)
     params = PreprocessParams(
         target_spacing=tuple(map(float, target_spacing)) if target_spacing else None, intensity="mri",
-        crop_foreground=crop_foreground, crop_margin=crop_margin, label_map=((4, 3),))
+        crop_foreground=crop_foreground, crop_margin=crop_margin, label_map=layout.label_map)
     info = {"num_classes": 4, "class_names": BRATS_CLASS_NAMES, "in_channels": 4, "channels": list(MODALITIES),
-            "regions": list(REGION_NAMES), "preprocess": params.key()}
+            "regions": list(REGION_NAMES), "preprocess": params.key(), "label_convention": layout.convention()}
     return build_splits(cases, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
                         patch_size=patch_size, pos_fraction=pos_fraction, workers=workers, cache_dir=cache_dir)

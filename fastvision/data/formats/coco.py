@@ -1,8 +1,11 @@
 """COCO detection format: ``annotations/instances_<split>.json`` + ``<split>/`` image folder.
 
 Annotations are read through pycocotools. Category ids map to contiguous class indices in id
-order (``cat_ids[k]`` maps back for results). Crowd boxes are kept with ``iscrowd`` set (the
-matcher ignores anchors inside them); images without boxes are kept (they teach negatives).
+order (``cat_ids[k]`` maps back for results). Crowd boxes (RLE segmentation) are kept with
+``iscrowd`` set (the matcher ignores anchors inside them); images without boxes are kept (they
+teach negatives). Invalid annotations (degenerate boxes, unknown image or category ids) are
+skipped with one warning, or refused (``invalid="error"``); see :mod:`.coco_check`. Grey, CMYK,
+palette and PNG images are decoded to RGB; pixels are used as stored (no EXIF rotation).
 
 Training items go through the seed's augmentation on the CPU workers, because a crop changes
 the number of boxes per image: SSD random crop (area 0.75-1.0 of the image, aspect 0.75-3.0)
@@ -14,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -27,6 +31,10 @@ from torch.utils.data import Dataset
 from ...errors import ConfigError, DataError
 from ...registry import DATASETS
 from .base import DatasetSplits
+from .anomalies import drop_unreadable, first_few, handle_invalid, image_header
+from .coco_check import check_annotations
+
+log = logging.getLogger(__name__)
 
 
 def load_coco(ann_file: str | Path):
@@ -99,30 +107,55 @@ class CocoDetection(Dataset):
         crop, flip: enable those augmentations (training only).
         jitter: colour-jitter strength (0 disables).
         cat_ids: category ids in class order (default: this file's, sorted).
+        invalid: "warn" (skip invalid annotations with one warning naming the file, the count and
+            the first ids) or "error" (stop with that line); see :mod:`.coco_check`.
+        skip_unreadable: skip (with one warning) images whose file is missing or does not
+            decode, instead of stopping with an error naming the file.
     """
 
     def __init__(self, ann_file: str | Path, image_dir: str | Path, image_size: int = 320, train: bool = False,
-                 crop: bool = True, flip: bool = True, jitter: float = 0.0, cat_ids: list[int] | None = None):
+                 crop: bool = True, flip: bool = True, jitter: float = 0.0, cat_ids: list[int] | None = None,
+                 invalid: str = "warn", skip_unreadable: bool = False):
         self.coco = load_coco(ann_file)
         self.image_dir = Path(image_dir)
         if not self.image_dir.is_dir():
             raise DataError(f"COCO image folder not found: {self.image_dir}")
+        self.valid_ann_ids, bad = check_annotations(self.coco.dataset)
+        handle_invalid(ann_file, bad, invalid)
         self.cat_ids = list(cat_ids) if cat_ids is not None else sorted(self.coco.getCatIds())
         self.class_of = {c: k for k, c in enumerate(self.cat_ids)}
         unknown = set(self.coco.getCatIds()) - set(self.class_of)
         if unknown:
             raise DataError(f"{ann_file}: category ids {sorted(unknown)} are not in the training categories")
-        self.ids = sorted(self.coco.getImgIds())
+        self.ids = self._usable_images(Path(ann_file), skip_unreadable)
         self.image_size, self.train = image_size, train
         self.crop, self.flip, self.jitter = crop, flip, jitter
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def _usable_images(self, ann_file: Path, skip_unreadable: bool) -> list[int]:
+        """Sorted image ids whose files exist (and, under ``skip_unreadable``, whose headers decode)."""
+        ids = sorted(self.coco.getImgIds())
+        missing = [i for i in ids if not (self.image_dir / self.coco.imgs[i]["file_name"]).is_file()]
+        if missing and not skip_unreadable:
+            names = [self.coco.imgs[i]["file_name"] for i in missing]
+            raise DataError(f"{self.image_dir / names[0]}: image listed in {ann_file.name} not found "
+                            f"({len(missing)} missing: {first_few(names)}; data.args.skip_unreadable=true skips them)")
+        gone = set(missing)
+        ids = [i for i in ids if i not in gone]
+        kept = drop_unreadable(ids, lambda i: [self.image_dir / self.coco.imgs[i]["file_name"]], image_header,
+                               skip_unreadable, self.image_dir)
+        if missing:
+            log.warning("%s: skipped %d images listed in %s but not found: %s", self.image_dir, len(missing),
+                        ann_file.name, first_few([self.coco.imgs[i]["file_name"] for i in missing]))
+        return kept
+
     def targets(self, image_id: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Original-pixel ``(boxes (N, 4) xyxy, labels (N,), iscrowd (N,))``; empty boxes dropped."""
+        """Original-pixel ``(boxes (N, 4) xyxy, labels (N,), iscrowd (N,))`` of the usable
+        annotations (invalid ones were reported when the dataset was built)."""
         anns = self.coco.loadAnns(self.coco.getAnnIds(imgIds=image_id))
-        anns = [a for a in anns if a["bbox"][2] > 0 and a["bbox"][3] > 0]
+        anns = [a for a in anns if a["id"] in self.valid_ann_ids]
         boxes = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
         boxes[:, 2:] += boxes[:, :2]
         labels = torch.tensor([self.class_of[a["category_id"]] for a in anns], dtype=torch.int64)
@@ -191,7 +224,8 @@ def collate_detection(items: list[dict[str, Any]], max_boxes: int | None = None)
 
 @DATASETS.register("coco")
 def build(*, path: str, train_split: str = "train2017", val_split: str = "val2017", image_size: int = 320,
-          crop: bool = True, flip: bool = True, color_jitter: float = 0.0) -> DatasetSplits:
+          crop: bool = True, flip: bool = True, color_jitter: float = 0.0, invalid: Literal["warn", "error"] = "warn",
+          skip_unreadable: bool = False) -> DatasetSplits:
     """COCO-layout folder ``path`` with ``annotations/instances_<split>.json`` and ``<split>/``.
 
     Args:
@@ -200,6 +234,9 @@ def build(*, path: str, train_split: str = "train2017", val_split: str = "val201
         image_size: square network input side (pixels); 320 for SSD320.
         crop, flip: training augmentations of the seed config.
         color_jitter: brightness/contrast/saturation strength (0 = off, as the seed configs).
+        invalid: invalid annotations (degenerate boxes, unknown image or category ids): "warn"
+            skips them with one warning per file, "error" stops.
+        skip_unreadable: skip missing or undecodable images with a warning instead of stopping.
 
     Returns:
         Splits; ``info`` holds ``num_classes``, ``cat_ids``, ``class_names``, ``val_ann_file`` and
@@ -209,10 +246,11 @@ def build(*, path: str, train_split: str = "train2017", val_split: str = "val201
     if not root.is_dir():
         raise DataError(f"COCO dataset folder not found: {root}")
     ann = root / "annotations"
+    checks = dict(invalid=invalid, skip_unreadable=skip_unreadable)
     train = CocoDetection(ann / f"instances_{train_split}.json", root / train_split, image_size, train=True,
-                          crop=crop, flip=flip, jitter=color_jitter)
+                          crop=crop, flip=flip, jitter=color_jitter, **checks)
     val = CocoDetection(ann / f"instances_{val_split}.json", root / val_split, image_size, train=False,
-                        cat_ids=train.cat_ids)
+                        cat_ids=train.cat_ids, **checks)
     names = [train.coco.cats[c]["name"] for c in train.cat_ids]
     return DatasetSplits(train, val, {
         "num_classes": len(train.cat_ids), "cat_ids": train.cat_ids, "class_names": names,

@@ -35,6 +35,7 @@ from ..cache import PersistentDataset
 from ..preprocess3d import PreprocessParams, preprocess_case
 from ..transforms import Transform
 from .base import DatasetSplits
+from .anomalies import drop_unreadable, first_few, nifti_header
 
 log = logging.getLogger(__name__)
 
@@ -231,13 +232,22 @@ def _run_all(cases: Sequence[Any], fn: Callable[[Any], Any], workers: int) -> li
 def read_dataset_json(root: str | Path) -> dict[str, Any]:
     """Parse ``root/dataset.json`` and resolve its paths.
 
+    Accepts the archives as released: paths written ``./imagesTr/x.nii.gz`` or bare, ``test`` as a
+    list of paths (or of ``{"image": path}``), macOS ``._x.nii.gz`` companions beside the volumes
+    (never listed, so never read; reported under ``anomalies``).
+
     Returns:
-        ``{"meta": dict, "training": [{"id", "image": [path], "label": path}], "test": [path]}``.
+        ``{"meta": dict, "training": [{"id", "image": [path], "label": path}], "test": [path],
+        "anomalies": {kind: [names]}}``.
     """
     root = Path(root)
     f = root / "dataset.json"
     if not f.is_file():
-        raise DataError(f"{f} not found: a Decathlon folder holds dataset.json, imagesTr/, labelsTr/")
+        hint = ""
+        if root.is_dir() and any(next(root.glob(d + p), None) for p in ("*_flair.nii*", "*-t2f.nii*")
+                                 for d in ("*/", "*/*/")):
+            hint = "; this looks like a BraTS challenge folder: --set data.name=brats"
+        raise DataError(f"{f} not found: a Decathlon folder holds dataset.json, imagesTr/, labelsTr/{hint}")
     try:
         meta = json.loads(f.read_text())
         training = [
@@ -251,7 +261,24 @@ def read_dataset_json(root: str | Path) -> dict[str, Any]:
         for p in case["image"] + [case["label"]]:
             if not p.is_file():
                 raise DataError(f"{f} lists {p}, which does not exist")
-    return {"meta": meta, "training": training, "test": test}
+    return {"meta": meta, "training": training, "test": [p for p in test if p.is_file()],
+            "anomalies": _folder_anomalies(root, training, test)}
+
+
+def _folder_anomalies(root: Path, training: list[dict[str, Any]], test: list[Path]) -> dict[str, list[str]]:
+    """Files in imagesTr/labelsTr/imagesTs that dataset.json does not explain, and test entries missing."""
+    listed = {p.resolve() for c in training for p in [*c["image"], c["label"]]} | {p.resolve() for p in test}
+    out: dict[str, list[str]] = {"macOS ._ companion files (ignored)": [], "volumes not in dataset.json (ignored)": [],
+                                 "test entries missing on disk": [str(p.relative_to(root)) for p in test
+                                                                  if not p.is_file()]}
+    for sub in ("imagesTr", "labelsTr", "imagesTs"):
+        d = root / sub
+        for p in sorted(d.iterdir()) if d.is_dir() else []:
+            if p.name.startswith("._"):
+                out["macOS ._ companion files (ignored)"].append(f"{sub}/{p.name}")
+            elif p.name.endswith((".nii", ".nii.gz")) and p.resolve() not in listed:
+                out["volumes not in dataset.json (ignored)"].append(f"{sub}/{p.name}")
+    return {k: v for k, v in out.items() if v}
 
 
 def _case_id(path: str) -> str:
@@ -281,7 +308,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
                     window: tuple[float, float, float, float] = (-57.0, 164.0, 0.0, 1.0),
                     crop_foreground: bool = True, crop_margin: int = 0,
                     patch_size: tuple[int, int, int] | None = None, pos_fraction: float = 0.5,
-                    workers: int = 4, cache_dir: str | None = "auto") -> DatasetSplits:
+                    workers: int = 4, cache_dir: str | None = "auto", skip_unreadable: bool = False) -> DatasetSplits:
     """Decathlon task folder -> train/val of fold ``fold`` (of ``num_folds``).
 
     Args:
@@ -296,8 +323,12 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         workers: preprocessing threads.
         cache_dir: persistent cache of preprocessed cases: "auto" (under FASTVISION_CACHE), a
             folder, or "none".
+        skip_unreadable: drop (with one warning) cases whose NIfTI headers do not read, instead of
+            stopping with an error naming the file.
     """
     found = read_dataset_json(path)
+    for kind, names in found["anomalies"].items():
+        log.info("%s: %d %s, e.g. %s", path, len(names), kind, first_few(names))
     meta = found["meta"]
     modalities = [str(m) for _, m in sorted(meta.get("modality", {}).items(), key=lambda kv: int(kv[0]))]
     if intensity == "auto":
@@ -305,14 +336,20 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     names = {int(k): str(v).lower() for k, v in meta.get("labels", {}).items()}
     label_map: tuple[tuple[int, int], ...] = ()
     class_names = [names[k] for k in sorted(names)]
+    convention = {"layout": "msd", "file_labels": ", ".join(f"{k} {v}" for k, v in sorted(names.items())),
+                  "label_map": "none"}
     if set(_MSD_BRAIN_LABELS) <= set(names.values()):  # Task01: renumber to BraTS ids
         label_map = tuple((k, _MSD_BRAIN_LABELS[v]) for k, v in names.items() if v in _MSD_BRAIN_LABELS)
         class_names = BRATS_CLASS_NAMES
+        convention = {**convention, "layout": "msd-task01", "label_map": {str(a): b for a, b in label_map}}
+    training = drop_unreadable(found["training"], lambda c: [*c["image"], c["label"]], nifti_header,
+                               skip_unreadable, Path(path) / "dataset.json")
     params = PreprocessParams(
         target_spacing=tuple(map(float, target_spacing)) if target_spacing else None, intensity=intensity,
         window=tuple(map(float, window)), crop_foreground=crop_foreground, crop_margin=crop_margin,
         label_map=label_map)
     info = {"num_classes": len(class_names), "class_names": class_names, "in_channels": max(1, len(modalities)),
-            "channels": modalities, "regions": ["wt", "tc", "et"] if label_map else None, "test_images": [str(p) for p in found["test"]], "preprocess": params.key()}
-    return build_splits(found["training"], params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
+            "channels": modalities, "regions": ["wt", "tc", "et"] if label_map else None, "test_images": [str(p) for p in found["test"]], "preprocess": params.key(),
+            "label_convention": convention}
+    return build_splits(training, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
                         patch_size=patch_size, pos_fraction=pos_fraction, workers=workers, cache_dir=cache_dir)

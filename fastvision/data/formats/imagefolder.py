@@ -24,6 +24,8 @@ from torch.utils.data import Dataset
 from ...errors import DataError
 from ...registry import DATASETS
 from .base import DatasetSplits
+from .anomalies import drop_unreadable, image_header
+from .imagenet_val import flat_val_samples, is_flat
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".tif", ".tiff", ".webp")
 
@@ -49,7 +51,9 @@ def list_samples(root: Path, classes: list[str], extensions: tuple[str, ...] = E
         d = root / name
         if not d.is_dir():
             raise DataError(f"{d}: class folder missing (classes come from the training split)")
-        files = sorted(str(p) for p in d.iterdir() if p.suffix.lower() in extensions and p.is_file())
+        # "._x.JPEG" are macOS metadata companions, not images
+        files = sorted(str(p) for p in d.iterdir()
+                       if p.suffix.lower() in extensions and p.is_file() and not p.name.startswith("."))
         if not files:
             raise DataError(f"{d}: no images with extensions {', '.join(extensions)}")
         samples += [(f, idx) for f in files]
@@ -64,10 +68,10 @@ def open_image(path: str, draft_size: tuple[int, int] | None = None) -> Image.Im
         draft_size: (width, height) the *whole* image must keep after reduced decoding, or None.
     """
     try:
-        img = Image.open(path)
+        img = Image.open(path)  # the format comes from the content: a PNG named .JPEG opens as PNG
         if draft_size is not None and img.format == "JPEG":
-            img.draft("RGB", draft_size)
-        return img.convert("RGB")
+            img.draft("RGB", draft_size)  # a CMYK JPEG stays CMYK here (reduced scale only)
+        return img.convert("RGB")  # grey, CMYK (Adobe inverted included), palette, RGBA -> RGB
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise DataError(f"{path}: cannot decode image ({e})") from e
 
@@ -166,11 +170,22 @@ class ImageFolderDataset(Dataset):
         return {"image": image, "label": torch.tensor(label, dtype=torch.int64), "id": path}
 
 
+def _class_folder_val(val_root: Path, classes: list[str], train_dir: str) -> list[tuple[str, int]]:
+    """``val/<class>/*`` samples labelled by the training class list (val may lack a class)."""
+    val_classes = find_classes(val_root)
+    extra = sorted(set(val_classes) - set(classes))
+    if extra:
+        raise DataError(f"{val_root}: classes not in {train_dir}/: {', '.join(extra[:5])}")
+    index = {c: i for i, c in enumerate(classes)}
+    return [(p, index[val_classes[j]]) for p, j in list_samples(val_root, val_classes)]
+
+
 @DATASETS.register("imagefolder")
 def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_size: int = 224,
           resize_size: int = 256, scale: tuple[float, float] = (0.08, 1.0),
           ratio: tuple[float, float] = (0.75, 4 / 3), hflip: float = 0.5,
-          backend: Literal["pillow", "dali"] = "pillow") -> DatasetSplits:
+          backend: Literal["pillow", "dali"] = "pillow", val_labels: str | None = None,
+          invalid: Literal["warn", "error"] = "warn", skip_unreadable: bool = False) -> DatasetSplits:
     """ImageFolder train/val splits.
 
     Args:
@@ -183,6 +198,12 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
         ratio: random-resized-crop aspect range.
         hflip: horizontal flip probability in training.
         backend: ``pillow`` (default) or ``dali`` (GPU JPEG decoding; needs NVIDIA DALI and CUDA).
+        val_labels: labels of a flat ``val_dir`` (ImageNet as distributed; see
+            :mod:`.imagenet_val`): found automatically when None.
+        invalid: flat val entries without a usable label: "warn" skips them with one warning,
+            "error" stops.
+        skip_unreadable: skip (with one warning) images whose header does not decode, instead of
+            stopping at the first with an error naming it.
     """
     root = Path(path)
     if not root.is_dir():
@@ -190,15 +211,15 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
     classes = find_classes(root / train_dir)
     train = list_samples(root / train_dir, classes)
     val_root = root / val_dir
-    val_classes = find_classes(val_root)
-    extra = sorted(set(val_classes) - set(classes))
-    if extra:
-        raise DataError(f"{val_root}: classes not in {train_dir}/: {', '.join(extra[:5])}")
-    # labels index the training class list, even when val lacks a class
-    index = {c: i for i, c in enumerate(classes)}
-    val = [(p, index[val_classes[j]]) for p, j in list_samples(val_root, val_classes)]
+    if is_flat(val_root, EXTENSIONS):  # ImageNet's val as distributed: one folder + a labels file
+        val, val_layout = flat_val_samples(val_root, classes, root, EXTENSIONS, val_labels, invalid)
+    else:
+        val, val_layout = _class_folder_val(val_root, classes, train_dir), "class folders"
+    train = drop_unreadable(train, lambda s: [s[0]], image_header, skip_unreadable, root / train_dir)
+    val = drop_unreadable(val, lambda s: [s[0]], image_header, skip_unreadable, val_root)
     kw = dict(image_size=image_size, resize_size=resize_size, scale=scale, ratio=ratio, hflip=hflip)
-    info = {"classes": classes, "num_classes": len(classes), "train_images": len(train), "val_images": len(val)}
+    info = {"classes": classes, "num_classes": len(classes), "train_images": len(train), "val_images": len(val),
+            "val_layout": val_layout}
     if backend == "dali":
         from ..dali import DaliImageFolder
 

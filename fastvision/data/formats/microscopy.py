@@ -1,7 +1,8 @@
 """Microscopy segmentation folders: ``images/`` and ``masks/`` with matching file stems.
 
-Images are PNG or TIFF, 8- or 16-bit, grey or RGB; masks are binary (0/1 or 0/255) or class
-indices 0..K-1. Every file header is checked when the dataset is built, so a missing mask or a
+Images are PNG or TIFF (multi-page, ImageJ and OME included), 8- or 16-bit, grey or RGB; masks
+are binary (0/1, 0/255 or 0/65535, mixed freely across files), instance ids (``binarize``) or
+class indices 0..K-1, and may use another extension than their image (``a.tif`` + ``a.png``). Every file header is checked when the dataset is built, so a missing mask or a
 shape mismatch is reported before training starts, naming the file. Items are
 ``{"image": float32 (C, H, W) in [0, 1], "label": int64 (H, W), "id": stem}``.
 """
@@ -22,22 +23,56 @@ from torch.utils.data import Dataset
 from ...errors import DataError
 from ...registry import DATASETS
 from .base import DatasetSplits
+from .anomalies import drop_unreadable
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = (".png", ".tif", ".tiff")
 
 
 def read_array(path: Path) -> np.ndarray:
-    """Decode a PNG or TIFF to a numpy array (H, W) or (H, W, C); DataError names a bad file."""
+    """Decode a PNG or TIFF to a numpy array (H, W) or (H, W, C); DataError names a bad file.
+
+    Multi-page and ImageJ / OME TIFFs are read as one image: channel (C, S) and plain page (I, Q)
+    axes become the last axis, singleton axes are dropped; a Z or T stack is refused (items are 2-D).
+    """
+    if path.suffix.lower() in (".tif", ".tiff"):
+        try:
+            with tifffile.TiffFile(path) as tf:
+                series = tf.series[0]
+                arr, axes = np.asarray(series.asarray()), series.axes
+                pages = list(tf.pages)
+                if len(series.pages) < len(pages) and len({p.shape for p in pages}) == 1:
+                    # pages written one by one land in separate series: same-shape pages are channels
+                    arr, axes = np.stack([p.asarray() for p in pages]), "I" + pages[0].axes
+        except Exception as e:
+            raise DataError(f"{path}: cannot read image ({type(e).__name__}: {str(e)[:120]})") from e
+        return _to_hwc(arr, axes, path)
     try:
-        if path.suffix.lower() in (".tif", ".tiff"):
-            return np.asarray(tifffile.imread(path))
         with Image.open(path) as im:
             if im.mode == "P":
                 im = im.convert("RGB")
             return np.asarray(im)
     except Exception as e:
         raise DataError(f"{path}: cannot read image ({type(e).__name__}: {str(e)[:120]})") from e
+
+
+def _to_hwc(arr: np.ndarray, axes: str, path: Path) -> np.ndarray:
+    """TIFF series data with tifffile ``axes`` (e.g. ``CYX``, ``YXS``, ``IYX``) -> (H, W) or (H, W, C)."""
+    if len(axes) != arr.ndim or "Y" not in axes or "X" not in axes:
+        return arr  # unusual series: leave it to the shape checks, which name the file
+    keep = [i for i, a in enumerate(axes) if arr.shape[i] > 1 or a in "YX"]
+    arr = arr.reshape([arr.shape[i] for i in keep])
+    axes = "".join(axes[i] for i in keep)
+    stacked = [a for a in axes if a in "ZT"]
+    if stacked:
+        n = arr.shape[axes.index(stacked[0])]
+        raise DataError(f"{path}: a {stacked[0]} stack of {n} planes (TIFF axes {axes}); microscopy items are "
+                        "2-D images: save one plane per file")
+    other = [i for i, a in enumerate(axes) if a not in "YX"]  # C, S, I (pages), Q: channels
+    arr = np.moveaxis(arr, [axes.index("Y"), axes.index("X")], [0, 1])
+    if len(other) > 1:
+        arr = arr.reshape(arr.shape[0], arr.shape[1], -1)
+    return arr
 
 
 def header_shape(path: Path) -> tuple[int, int]:
@@ -62,19 +97,36 @@ def to_unit_float(arr: np.ndarray) -> np.ndarray:
     return arr.astype(np.float32)
 
 
-def mask_to_index(arr: np.ndarray, path: Path, num_classes: int) -> np.ndarray:
-    """Binary 0/255 masks become 0/1; anything else must already be class indices."""
+def mask_to_index(arr: np.ndarray, path: Path, num_classes: int, binarize: bool = False) -> np.ndarray:
+    """Class indices (H, W) int64 from a mask file's array.
+
+    Binary masks are read per file, so 0/1, 0/255 (8-bit) and 0/65535 (16-bit) may be mixed in one
+    dataset: with ``num_classes == 2`` a mask holding 0 and one of 1, 255, 65535 (or its dtype's
+    maximum) is background / foreground. ``binarize`` makes every non-zero value foreground (instance-labelled masks, where
+    each cell has its own id). Anything else must already be class indices 0..num_classes-1.
+    """
     if arr.ndim == 3:  # RGB-saved binary masks: take one channel if all channels agree
         if not (arr == arr[..., :1]).all():
             raise DataError(f"{path}: colour mask; expected a single-channel mask of class indices")
         arr = arr[..., 0]
+    if binarize:
+        return (arr != 0).astype(np.int64)
     values = np.unique(arr)
-    if num_classes == 2 and set(values.tolist()) <= {0, 255}:
+    on = {1, 255, 65535} | ({int(np.iinfo(arr.dtype).max)} if np.issubdtype(arr.dtype, np.integer) else set())
+    if num_classes == 2 and set(values.tolist()) <= {0} | on and len(values) <= 2:
         return (arr > 0).astype(np.int64)
     if values.max(initial=0) >= num_classes or values.min(initial=0) < 0:
-        raise DataError(f"{path}: mask values {values[:8].tolist()} outside 0..{num_classes - 1} "
-                        f"(set data.args.num_classes)")
+        hint = ("it looks instance-labelled: set data.args.binarize=true for foreground/background"
+                if num_classes == 2 and len(values) > 2 else "set data.args.num_classes")
+        raise DataError(f"{path}: mask values {values[:8].tolist()} outside 0..{num_classes - 1} ({hint})")
     return arr.astype(np.int64)
+
+
+def _stem(p: Path) -> str:
+    """``a.ome.tif`` -> ``a``: OME-TIFF's double suffix is part of the extension."""
+    name = p.name
+    return name[: -len(".ome.tif")] if name.lower().endswith(".ome.tif") else \
+        name[: -len(".ome.tiff")] if name.lower().endswith(".ome.tiff") else p.stem
 
 
 def pair_files(root: Path) -> list[tuple[Path, Path]]:
@@ -83,14 +135,20 @@ def pair_files(root: Path) -> list[tuple[Path, Path]]:
     for d in (root, img_dir, mask_dir):
         if not d.is_dir():
             raise DataError(f"{d}: folder not found (expected {root}/images and {root}/masks)")
-    masks = {p.stem: p for p in mask_dir.iterdir() if p.suffix.lower() in IMAGE_EXTS}
+    masks: dict[str, Path] = {}
+    for p in sorted(mask_dir.iterdir()):  # the mask's extension may differ from its image's (a.tif, a.png)
+        if p.suffix.lower() not in IMAGE_EXTS or p.name.startswith("."):  # "._a.png": macOS companion
+            continue
+        if _stem(p) in masks:
+            raise DataError(f"{p}: two masks for stem {_stem(p)!r} ({masks[_stem(p)].name} and {p.name}); keep one")
+        masks[_stem(p)] = p
     pairs = []
     for p in sorted(img_dir.iterdir()):
-        if p.suffix.lower() not in IMAGE_EXTS:
+        if p.suffix.lower() not in IMAGE_EXTS or p.name.startswith("."):
             continue
-        if p.stem not in masks:
+        if _stem(p) not in masks:
             raise DataError(f"{p}: no mask with the same stem in {mask_dir}")
-        pairs.append((p, masks[p.stem]))
+        pairs.append((p, masks[_stem(p)]))
     if not pairs:
         raise DataError(f"{img_dir}: no PNG or TIFF images found")
     return pairs
@@ -109,9 +167,9 @@ class MicroscopyDataset(Dataset):
     """
 
     def __init__(self, pairs: list[tuple[Path, Path]], size: tuple[int, int], fit: str, channels: int,
-                 num_classes: int):
+                 num_classes: int, binarize: bool = False):
         self.pairs, self.size, self.fit = pairs, tuple(size), fit
-        self.channels, self.num_classes = channels, num_classes
+        self.channels, self.num_classes, self.binarize = channels, num_classes, binarize
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -125,7 +183,7 @@ class MicroscopyDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         img_path, mask_path = self.pairs[i]
         img = to_unit_float(read_array(img_path))
-        mask = mask_to_index(read_array(mask_path), mask_path, self.num_classes)
+        mask = mask_to_index(read_array(mask_path), mask_path, self.num_classes, self.binarize)
         if img.shape[:2] != mask.shape[:2]:
             raise DataError(f"{img_path}: image is {img.shape[:2]} but mask {mask_path} is {mask.shape[:2]}")
         image = torch.from_numpy(img[None] if img.ndim == 2 else img.transpose(2, 0, 1).copy())
@@ -216,20 +274,24 @@ def default_data_dir() -> Path:
 def microscopy(*, path: str | None = None, image_size: list[int] = (256, 256),
                fit: Literal["resize", "pad"] = "resize", channels: int = 1, num_classes: int = 2,
                val_fraction: float = 0.2, split_seed: int = 0, train_list: str | None = None,
-               val_list: str | None = None, repeat: int = 1) -> DatasetSplits:
+               val_list: str | None = None, repeat: int = 1, binarize: bool = False,
+               skip_unreadable: bool = False) -> DatasetSplits:
     """Microscopy folder dataset (``path`` None: the built-in generated sample).
 
     Args:
         repeat: training list repeated this many times per epoch (seed 001 used 2).
+        binarize: every non-zero mask value is foreground (instance-labelled masks).
+        skip_unreadable: skip (with one warning) pairs whose image or mask header does not
+            decode, instead of stopping with an error naming the file.
     """
     root = Path(path) if path else default_data_dir()
-    pairs = pair_files(root)
+    pairs = drop_unreadable(pair_files(root), list, header_shape, skip_unreadable, root)
     for img, mask in pairs:  # header-only consistency check, before any training
         if header_shape(img) != header_shape(mask):
             raise DataError(f"{img}: image is {header_shape(img)} but mask {mask} is {header_shape(mask)}")
     train_pairs, val_pairs = split_pairs(pairs, root, val_fraction, split_seed, train_list, val_list)
     size = tuple(image_size)
-    make = lambda ps: MicroscopyDataset(ps, size, fit, channels, num_classes)  # noqa: E731
+    make = lambda ps: MicroscopyDataset(ps, size, fit, channels, num_classes, binarize)  # noqa: E731
     train = make(train_pairs * repeat)
     return DatasetSplits(train, make(val_pairs), {"root": str(root), "train": len(train_pairs),
                                                   "val": len(val_pairs), "num_classes": num_classes})

@@ -1,9 +1,11 @@
 """Tumour / normal patches for pathology (seed 003's metastasis example), from two layouts.
 
 * Patch folders: ``PATH/{train,val}/{normal,tumor}/*.png|jpg|tif``.
-* Whole slides: ``PATH/{train,val}/images/NAME.tif`` (tiled RGB TIFF) with optional lesion masks
-  ``PATH/{train,val}/masks/NAME.tif`` (tiled uint8, non-zero = tumour, same size; no mask = a
-  normal slide). Slides are cut into a grid of ``patch_size`` patches: tumour when at least half
+* Whole slides: ``PATH/{train,val}/images/NAME.tif`` (tiled RGB TIFF, pyramidal or not) with
+  optional lesion masks ``PATH/{train,val}/masks/NAME.tif`` (tiled uint8, non-zero = tumour, same
+  size) or ASAP XML ``annotations/NAME.xml``; no lesion file = a normal slide. Camelyon16 as
+  released (``training/{tumor,normal}/*.tif`` + ``lesion_annotations/*.xml``) too: see
+  :mod:`.camelyon`; patches can be read at any pyramid level (``level``). Slides are cut into a grid of ``patch_size`` patches: tumour when at least half
   of the patch's central region is lesion, normal when the patch holds no lesion pixel at all
   (border patches are ambiguous and skipped), normals subsampled to ``normal_per_tumor``.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import tifffile
@@ -26,28 +29,61 @@ from torch.utils.data import Dataset
 from ...errors import DataError
 from ...registry import DATASETS
 from .base import DatasetSplits
+from .anomalies import handle_invalid
+from .asap import grid_labels_from_mask, mask_downsample_for, rasterize, read_polygons
+from .camelyon import find_slides, is_slide_split
 
 CLASSES = ("normal", "tumor")
 PATCH_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff")
 
 
+def pyramid_pages(tif: tifffile.TiffFile) -> list:
+    """The resolution levels of a slide, largest first (level 0 = full resolution).
+
+    tifffile's series levels when it recognises the pyramid (SubIFDs, or pages flagged as reduced
+    images); otherwise (some scanners' plain multi-page files) every tiled page of the same aspect
+    ratio and smaller size, which leaves out label and macro images.
+    """
+    levels = [lvl.pages[0] for lvl in tif.series[0].levels] if tif.series else []
+    if len(levels) > 1:
+        return levels
+    first = tif.pages[0]
+    h0, w0 = first.shape[:2]
+    found = [first]
+    for page in list(tif.pages)[1:]:
+        h, w = page.shape[:2]
+        if page.is_tiled and w < found[-1].shape[1] and abs(h / w - h0 / w0) < 0.02:
+            found.append(page)
+    return found
+
+
 class TiledTiff:
-    """Region reader for the first page of a (tiled) TIFF.
+    """Region reader for one resolution level of a (tiled, possibly pyramidal) TIFF.
 
     Args:
         path: TIFF file; tiled pages are read tile by tile, stripped pages are read once.
+        level: pyramid level (0 = full resolution; see :func:`pyramid_pages`).
 
     Attributes:
-        shape: ``(H, W, C)`` of the page (C = 1 for greyscale).
+        shape: ``(H, W, C)`` of the level (C = 1 for greyscale).
+        level_shapes: ``(H, W)`` of every level, largest first.
+        downsample: level-0 pixels per pixel of this level (width ratio).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, level: int = 0):
         self.path = str(path)
         try:
             self.tif = tifffile.TiffFile(self.path)
-            self.page = self.tif.pages[0]
+            levels = pyramid_pages(self.tif)
         except Exception as e:  # tifffile raises several types for non-TIFF or truncated files
             raise DataError(f"{self.path}: cannot read TIFF ({e})") from e
+        if not 0 <= level < len(levels):
+            self.tif.close()
+            raise DataError(f"{self.path}: has {len(levels)} pyramid level(s); level {level} requested "
+                            f"(data.args.level)")
+        self.page = levels[level]
+        self.level_shapes = [tuple(p.shape[:2]) for p in levels]
+        self.downsample = levels[0].shape[1] / self.page.shape[1]
         shape = self.page.shape
         self.shape = (shape[0], shape[1], shape[2] if len(shape) == 3 else 1)
         self.dtype = self.page.dtype
@@ -105,30 +141,52 @@ def grid_labels(mask: TiledTiff | None, height: int, width: int, patch: int) -> 
     return out
 
 
-def slide_samples(split_dir: Path, patch: int, normal_per_tumor: float, rng: np.random.Generator) -> list[tuple]:
-    """``(slide path, y, x, label)`` for the slides under ``split_dir/images``."""
-    images = sorted((split_dir / "images").glob("*.tif*"))
-    if not images:
-        raise DataError(f"{split_dir / 'images'}: no .tif slides")
+def slide_samples(split_dir: Path, patch: int, normal_per_tumor: float, rng: np.random.Generator,
+                  level: int = 0, invalid: str = "warn", skip_unreadable: bool = False) -> list[tuple]:
+    """``(slide path, y, x, label)`` for the slides of ``split_dir`` (layouts: :mod:`.camelyon`).
+
+    Coordinates are pixels of pyramid ``level``; lesion polygons are rasterised at the scale the
+    grid needs (:func:`.asap.mask_downsample_for`), never at level 0.
+    """
+    slides, anomalies = find_slides(split_dir)
+    if not slides and not anomalies:
+        raise DataError(f"{split_dir}: no .tif slides (images/, or Camelyon16's tumor/ and normal/)")
     samples = []
-    for img_path in images:
-        slide = TiledTiff(img_path)
-        h, w = slide.shape[:2]
-        slide.close()
-        mask_path = split_dir / "masks" / img_path.name
-        mask = TiledTiff(mask_path) if mask_path.is_file() else None
-        if mask is not None and mask.shape[:2] != (h, w):
-            raise DataError(f"{mask_path}: mask size {mask.shape[:2]} differs from slide {(h, w)}")
-        grid = grid_labels(mask, h, w, patch)
-        if mask is not None:
-            mask.close()
+    for img_path, lesion in slides:
+        try:
+            grid = _slide_grid(img_path, lesion, patch, level)
+        except DataError:
+            if not skip_unreadable:
+                raise
+            anomalies.setdefault("unreadable slides or annotations (skipped)", []).append(img_path.name)
+            continue
         samples += [(str(img_path), y, x, lab) for y, x, lab in grid]
+    handle_invalid(split_dir, anomalies, invalid, what="slide problems")
     tumour = [s for s in samples if s[3] == 1]
     normal = [s for s in samples if s[3] == 0]
     if normal_per_tumor > 0 and tumour:
         keep = min(len(normal), int(round(normal_per_tumor * len(tumour))))
         normal = [normal[i] for i in sorted(rng.choice(len(normal), keep, replace=False))]
     return tumour + normal
+
+
+def _slide_grid(img_path: Path, lesion: Path | None, patch: int, level: int) -> list[tuple[int, int, int]]:
+    slide = TiledTiff(img_path, level)
+    h, w = slide.shape[:2]
+    (h0, w0), downsample = slide.level_shapes[0], slide.downsample
+    slide.close()
+    if lesion is not None and lesion.suffix.lower() == ".xml":
+        d = mask_downsample_for(patch)
+        mask = rasterize(read_polygons(lesion), h0, w0, downsample * d)
+        return grid_labels_from_mask(mask, d, h, w, patch)
+    mask = TiledTiff(lesion, level) if lesion is not None else None
+    if mask is not None and mask.shape[:2] != (h, w):
+        mask.close()
+        raise DataError(f"{lesion}: mask size {mask.shape[:2]} differs from slide {(h, w)} (level {level})")
+    grid = grid_labels(mask, h, w, patch)
+    if mask is not None:
+        mask.close()
+    return grid
 
 
 def folder_samples(split_dir: Path) -> list[tuple]:
@@ -190,14 +248,36 @@ class PathologyPatches(Dataset):
         return {"image": image, "label": torch.tensor(label, dtype=torch.int64), "id": ident}
 
 
+class LevelPatches(PathologyPatches):
+    """Slide patches read at pyramid ``level`` (sample coordinates are that level's pixels)."""
+
+    def __init__(self, samples: list[tuple], patch_size: int, level: int):
+        super().__init__(samples, patch_size)
+        self.level = level
+
+    def _slide(self, path: str) -> TiledTiff:
+        if os.getpid() != self._pid:  # as the base class: a forked worker opens its own files
+            self._slides, self._pid = {}, os.getpid()
+        if path not in self._slides:
+            self._slides[path] = TiledTiff(path, self.level)
+        return self._slides[path]
+
+
 @DATASETS.register("pathology")
 def build(*, path: str, patch_size: int = 224, normal_per_tumor: float = 1.0, seed: int = 0,
-          train_dir: str = "train", val_dir: str = "val") -> DatasetSplits:
-    """Tumour/normal patch splits from patch folders or slides + lesion masks.
+          train_dir: str = "train", val_dir: str = "val", level: int = 0,
+          invalid: Literal["warn", "error"] = "warn", skip_unreadable: bool = False) -> DatasetSplits:
+    """Tumour/normal patch splits from patch folders or slides + lesion masks or ASAP XML
+    (Camelyon16 as released: ``train_dir="training", val_dir="testing"``).
 
     Args:
         path: dataset root holding ``train_dir`` and ``val_dir``.
-        patch_size: patch side P in pixels (level 0).
+        patch_size: patch side P in pixels of ``level``.
+        level: pyramid level the patches are read at (0 = full resolution; Camelyon16's level 1
+            is 2x down).
+        invalid: slide problems (a tumour slide without annotation): "warn" skips with one
+            warning, "error" stops.
+        skip_unreadable: skip slides (or annotations) that do not read, with a warning.
         normal_per_tumor: slide layout only: normal patches kept per tumour patch (<= 0 keeps all).
         seed: seed of the normal-patch subsampling.
         train_dir: training split folder name.
@@ -209,16 +289,17 @@ def build(*, path: str, patch_size: int = 224, normal_per_tumor: float = 1.0, se
     splits = []
     for k, name in enumerate((train_dir, val_dir)):
         d = root / name
-        if (d / "images").is_dir():
-            samples = slide_samples(d, patch_size, normal_per_tumor, np.random.default_rng([seed, k]))
+        if is_slide_split(d):
+            samples = slide_samples(d, patch_size, normal_per_tumor, np.random.default_rng([seed, k]), level,
+                                    invalid, skip_unreadable)
         elif d.is_dir():
             samples = folder_samples(d)
         else:
             raise DataError(f"{d}: missing (expected {name}/images + {name}/masks, or {name}/normal + {name}/tumor)")
         if not any(s[-1] == 1 for s in samples) and k == 0:
             raise DataError(f"{d}: no tumour patches found")
-        splits.append(PathologyPatches(samples, patch_size))
-    info = {"classes": list(CLASSES), "num_classes": 2,
+        splits.append(LevelPatches(samples, patch_size, level) if level else PathologyPatches(samples, patch_size))
+    info = {"classes": list(CLASSES), "num_classes": 2, "level": level,
             "train_patches": len(splits[0]), "val_patches": len(splits[1]),
             "train_tumor": sum(s[-1] for s in splits[0].samples), "val_tumor": sum(s[-1] for s in splits[1].samples)}
     return DatasetSplits(splits[0], splits[1], info)

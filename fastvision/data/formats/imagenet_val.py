@@ -1,0 +1,139 @@
+"""ImageNet's validation set as distributed: one flat folder of images plus a labels file.
+
+No preparation script: ``val/ILSVRC2012_val_00000001.JPEG ...`` is used where it lies, labelled
+from the first of these found (explicitly with ``data.args.val_labels``, else searched in the
+dataset root and up to three folders above it, which covers the Kaggle layout
+``ILSVRC/Data/CLS-LOC/{train,val}`` with ``LOC_val_solution.csv`` at the top):
+
+* ``LOC_val_solution.csv`` (Kaggle): ``ImageId,PredictionString`` rows whose first token is the
+  WordNet id, e.g. ``ILSVRC2012_val_00008726,n02119789 255 142 454 329``.
+* the devkit's ``ILSVRC2012_validation_ground_truth.txt`` (one ILSVRC2012_ID per line, in file
+  order) with ``meta.mat`` beside it (maps ILSVRC2012_ID -> WordNet id; read with scipy), looked
+  for as ``ILSVRC2012_devkit_t12/data/``.
+* a two-column text file ``FILE LABEL`` (LABEL a WordNet id or an index into the sorted class
+  folders, as Caffe's ``val.txt``).
+
+Labels index the training class folders; files without a label, labels without a file and WordNet
+ids not among the training classes are anomalies (one warning, or an error under
+``data.args.invalid: error``).
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from ...errors import ConfigError, DataError
+from .anomalies import handle_invalid
+
+CSV_NAME = "LOC_val_solution.csv"
+GT_NAME = "ILSVRC2012_validation_ground_truth.txt"
+DEVKIT_DATA = Path("ILSVRC2012_devkit_t12") / "data"
+
+
+def is_flat(folder: Path, extensions: tuple[str, ...]) -> bool:
+    """True when ``folder`` holds image files directly and no class sub-folders."""
+    if not folder.is_dir():
+        return False
+    entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
+    return not any(p.is_dir() for p in entries) and any(p.suffix.lower() in extensions for p in entries)
+
+
+def find_labels_file(root: Path, explicit: str | None = None) -> Path:
+    """The labels file for a flat val folder (see the module docstring for the search)."""
+    if explicit:
+        p = Path(explicit) if Path(explicit).is_absolute() else root / explicit
+        if not p.is_file():
+            raise DataError(f"data.args.val_labels: {p} not found")
+        return p
+    for d in [root, *list(root.resolve().parents)[:3]]:
+        for candidate in (d / CSV_NAME, d / DEVKIT_DATA / GT_NAME, d / GT_NAME):
+            if candidate.is_file():
+                return candidate
+    raise DataError(f"{root}: the val folder is flat (no class folders) and no labels were found: put "
+                    f"{CSV_NAME} or {DEVKIT_DATA / GT_NAME} (+ meta.mat) in {root}, or set data.args.val_labels")
+
+
+def read_labels(path: Path, classes: list[str]) -> dict[str, str]:
+    """``{file stem: WordNet id}`` from any of the accepted label files."""
+    if path.name == CSV_NAME or path.suffix.lower() == ".csv":
+        return _read_csv(path)
+    if path.name == GT_NAME:
+        # line n labels ILSVRC2012_val_<n, 8 digits>: by number, so a missing file shifts nothing
+        return {f"ILSVRC2012_val_{n:08d}": wnid for n, wnid in enumerate(_devkit_ids(path), 1)}
+    out = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) != 2:
+            raise DataError(f"{path}:{n}: expected 'FILE LABEL', got {line!r}")
+        name, label = parts
+        if label.isdigit():
+            if int(label) >= len(classes):
+                raise DataError(f"{path}:{n}: class index {label} >= {len(classes)} training classes")
+            label = classes[int(label)]
+        out[Path(name).stem] = label
+    return out
+
+
+def _read_csv(path: Path) -> dict[str, str]:
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows or [c.strip() for c in rows[0][:2]] != ["ImageId", "PredictionString"]:
+        raise DataError(f"{path}: expected the header ImageId,PredictionString (Kaggle LOC_val_solution.csv)")
+    out = {}
+    for n, row in enumerate(rows[1:], 2):
+        if len(row) < 2 or not row[1].split():
+            raise DataError(f"{path}:{n}: expected ImageId,WNID ..., got {','.join(row)!r}")
+        out[row[0].strip()] = row[1].split()[0]
+    return out
+
+
+def _devkit_ids(gt: Path) -> list[str]:
+    """WordNet ids per line of the devkit ground truth, through ``meta.mat``'s synsets."""
+    meta = gt.parent / "meta.mat"
+    if not meta.is_file():
+        raise DataError(f"{gt}: needs meta.mat beside it (the devkit's ILSVRC2012_ID -> WordNet id table)")
+    try:
+        from scipy.io import loadmat
+    except ImportError as e:  # optional: only this label source needs it
+        raise ConfigError("reading the devkit's meta.mat needs scipy: pip install scipy "
+                          f"(or use {CSV_NAME})") from e
+    try:
+        synsets = loadmat(str(meta), squeeze_me=True)["synsets"]
+        wnid = {int(s["ILSVRC2012_ID"]): str(s["WNID"]) for s in synsets}
+    except Exception as e:  # any malformed MATLAB file
+        raise DataError(f"{meta}: not the devkit's meta.mat ({e})") from e
+    out = []
+    for n, line in enumerate(gt.read_text().split(), 1):
+        if not line.isdigit() or int(line) not in wnid:
+            raise DataError(f"{gt}:{n}: {line!r} is not an ILSVRC2012_ID in meta.mat")
+        out.append(wnid[int(line)])
+    return out
+
+
+def flat_val_samples(val_dir: Path, classes: list[str], root: Path, extensions: tuple[str, ...],
+                     val_labels: str | None = None, invalid: str = "warn") -> tuple[list[tuple[str, int]], str]:
+    """``(path, class index)`` for a flat val folder, and a description of where the labels came from."""
+    files = sorted(p for p in val_dir.iterdir() if p.suffix.lower() in extensions and not p.name.startswith("."))
+    source = find_labels_file(root, val_labels)
+    labels = read_labels(source, classes)
+    index = {c: i for i, c in enumerate(classes)}
+    samples, unlabelled, unknown = [], [], []
+    for f in files:
+        wnid = labels.get(f.stem)
+        if wnid is None:
+            unlabelled.append(f.name)
+        elif wnid not in index:
+            unknown.append(f"{f.name}:{wnid}")
+        else:
+            samples.append((str(f), index[wnid]))
+    on_disk = {f.stem for f in files}
+    absent = [s for s in labels if s not in on_disk]
+    handle_invalid(val_dir, {f"files without a label in {source.name}": unlabelled,
+                             "labels whose class is not a training folder": unknown,
+                             f"labels in {source.name} without a file": absent},
+                   invalid, what="validation entries skipped")
+    if not samples:
+        raise DataError(f"{val_dir}: no labelled images (labels from {source})")
+    return samples, f"flat folder, labels from {source}"

@@ -1,0 +1,196 @@
+"""The scaling study's report: ``scaling.csv``, ``scaling.json``, ``scaling.md``, ``scaling.png``.
+
+Repeats of one world size (different seeds) are summarised as mean and sample standard deviation
+of throughput, speed-up and the final metric. Figures: speed-up with the ideal line and the metric
+against workers on a second axis (as seed 001's figure), parallel efficiency, error bars of one std.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Iterable
+
+FIELDS = ["backend", "mode", "workers", "repeats", "seeds", "global_batch", "time_per_epoch_s", "images_per_s",
+          "images_per_s_std", "speedup", "speedup_std", "efficiency", "metric_name", "metric", "metric_std",
+          "predicted_speedup"]
+
+
+def _mean_std(vals: list[float]) -> tuple[float | None, float | None]:
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
+
+
+def summarize(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and standard deviation over repeats per ``(backend, workers)``, plus speed-up and efficiency.
+
+    Args:
+        results: one dict per run with ``workers`` and ``images_per_s`` (required), and optionally
+            ``backend`` (default "ddp"), ``mode``, ``seed``, ``global_batch``, ``time_per_epoch_s``,
+            ``metric_name``, ``metric``, ``predicted_speedup``.
+
+    Returns:
+        Rows sorted by backend then workers, with the keys of :data:`FIELDS`. The speed-up is the
+        mean throughput relative to the same backend's smallest worker count, scaled by that count
+        (a sweep starting at 2 workers still reads as "x vs one worker" under linear scaling there).
+        ``speedup_std`` propagates both runs' relative spreads to first order (independent runs);
+        ``*_std`` is ``None`` with a single repeat.
+    """
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in results:
+        if "workers" not in r or "images_per_s" not in r:
+            raise ValueError(f"result needs 'workers' and 'images_per_s': {r}")
+        groups.setdefault((r.get("backend", "ddp"), int(r["workers"])), []).append(r)
+    rows = []
+    for (backend, n), runs in sorted(groups.items()):
+        seeds = [str(r["seed"]) for r in runs if r.get("seed") is not None]
+        row = {"backend": backend, "mode": runs[0].get("mode", "weak"), "workers": n, "repeats": len(runs),
+               "seeds": " ".join(seeds), "metric_name": runs[0].get("metric_name", "")}
+        for key in ("global_batch", "time_per_epoch_s", "images_per_s", "metric", "predicted_speedup"):
+            mean, std = _mean_std([float(r[key]) for r in runs if r.get(key) is not None])
+            row[key] = mean
+            if key in ("images_per_s", "metric"):
+                row[f"{key}_std"] = std
+        rows.append(row)
+    for backend in {r["backend"] for r in rows}:
+        mine = [r for r in rows if r["backend"] == backend]
+        ref = min(mine, key=lambda r: r["workers"])
+        ref_rel = (ref["images_per_s_std"] or 0.0) / ref["images_per_s"]
+        for r in mine:
+            r["speedup"] = r["images_per_s"] / ref["images_per_s"] * ref["workers"]
+            r["efficiency"] = r["speedup"] / r["workers"]
+            rel = (r["images_per_s_std"] or 0.0) / r["images_per_s"]
+            if r["images_per_s_std"] is None and ref["images_per_s_std"] is None:
+                r["speedup_std"] = None
+            else:
+                r["speedup_std"] = r["speedup"] * (rel if r is ref else math.hypot(rel, ref_rel))
+    return [{k: r.get(k) for k in FIELDS} for r in rows]
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of :func:`summarize` rows (``mean ± std`` where there are repeats)."""
+    metric = next((r["metric_name"] for r in rows if r.get("metric_name")), "metric")
+    lines = [f"| backend | workers | runs (seeds) | global batch | epoch (s) | images/s | speed-up | efficiency "
+             f"| {metric} | predicted |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        runs = f"{r['repeats']}" + (f" ({r['seeds']})" if r.get("seeds") else "")
+        lines.append("| " + " | ".join([
+            r["backend"], str(r["workers"]), runs, _fmt(r["global_batch"], "{:.0f}"),
+            _fmt(r["time_per_epoch_s"], "{:.2f}"), _pm(r["images_per_s"], r["images_per_s_std"], "{:.1f}"),
+            _pm(r["speedup"], r["speedup_std"], "{:.2f}"), _fmt(r["efficiency"], "{:.1%}"),
+            _pm(r["metric"], r["metric_std"], "{:.4f}"), _fmt(r["predicted_speedup"], "{:.2f}")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results: Iterable[dict[str, Any]], out_dir: Path, title: str = "Scaling") -> dict[str, Path]:
+    """Write ``scaling.csv``, ``scaling.json``, ``scaling.md`` and ``scaling.png`` into ``out_dir``.
+
+    Args:
+        results: per-run dicts as accepted by :func:`summarize` (repeats allowed).
+        out_dir: output folder (created).
+        title: figure and Markdown title.
+
+    Returns:
+        Paths by kind: ``csv``, ``json``, ``md``, ``png``.
+    """
+    results = list(results)
+    rows = summarize(results)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {k: out_dir / f"scaling.{k}" for k in ("csv", "json", "md", "png")}
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+    paths["json"].write_text(json.dumps({"title": title, "rows": rows, "runs": results}, indent=2))
+    paths["md"].write_text(f"## {title}\n\n" + markdown_table(rows))
+    plot_sweep(rows, paths["png"], title)
+    return paths
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "Scaling") -> Path:
+    """Left: speed-up per backend with the ideal line, the metric on a second axis. Right: efficiency.
+
+    Error bars are one standard deviation over the repeats (none with a single run).
+    """
+    plt = _pyplot()
+    fig, (ax, ax_eff) = plt.subplots(1, 2, figsize=(10, 4))
+    ns = sorted({r["workers"] for r in rows})
+    ax.plot(ns, ns, "k--", lw=1, label="ideal")
+    ax_metric = ax.twinx()
+    metric = next((r["metric_name"] for r in rows if r.get("metric_name")), "metric")
+    for i, backend in enumerate(sorted({r["backend"] for r in rows})):
+        mine = [r for r in rows if r["backend"] == backend]
+        color = f"C{i}"
+        x = [r["workers"] for r in mine]
+        ax.errorbar(x, [r["speedup"] for r in mine], yerr=[r["speedup_std"] or 0.0 for r in mine], fmt="o-",
+                    color=color, capsize=3, label=f"{backend} speed-up")
+        pred = [(r["workers"], r["predicted_speedup"]) for r in mine if r["predicted_speedup"] is not None]
+        if pred:
+            ax.plot(*zip(*pred), "x:", color=color, label=f"{backend} predicted")
+        met = [(r["workers"], r["metric"], r["metric_std"] or 0.0) for r in mine if r["metric"] is not None]
+        if met:
+            mx, my, ms = zip(*met)
+            ax_metric.errorbar(mx, my, yerr=ms, fmt="s--", color=color, alpha=0.6, capsize=3,
+                               label=f"{backend} {metric}")
+        ax_eff.plot(x, [r["efficiency"] for r in mine], "o-", color=color, label=backend)
+    ax.set(xlabel="workers", ylabel="speed-up", title=title, xticks=ns)
+    ax_metric.set_ylabel(metric)
+    handles = ax.get_legend_handles_labels()
+    more = ax_metric.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=8, loc="upper left")
+    ax_eff.axhline(1.0, color="k", ls="--", lw=1)
+    ax_eff.set(xlabel="workers", ylabel="parallel efficiency", title="Efficiency", xticks=ns, ylim=(0, 1.1))
+    ax_eff.legend(fontsize=8)
+    for a in (ax, ax_eff):
+        a.grid(True, alpha=0.3)
+    return save(fig, path)
+
+
+def plot_simulation(rows: list[dict[str, Any]], path: Path, measured: list[dict[str, Any]] = ()) -> Path:
+    """Speed-up against GPUs (log-log) per hardware profile with the ideal line; measured points overlaid."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    links = sorted({r["link"] for r in rows}, key=[r["link"] for r in rows].index)
+    top = max(r["workers"] for r in rows)
+    ax.plot([1, top], [1, top], "k--", lw=1, label="ideal")
+    for name in links:
+        pts = [r for r in rows if r["link"] == name]
+        ax.plot([r["workers"] for r in pts], [r["speedup"] for r in pts], marker=".", label=f"predicted: {name}")
+    if measured:
+        ax.plot([r["workers"] for r in measured], [r["speedup"] for r in measured], "ko", label="measured")
+    ax.set(xscale="log", yscale="log", xlabel="workers (GPUs)", ylabel="speed-up", title="Predicted data-parallel speed-up")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    return save(fig, path)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "" if value is None else spec.format(value)
+
+
+def _pm(value: Any, std: Any, spec: str) -> str:
+    """``mean ± std`` (just the mean with one run)."""
+    return _fmt(value, spec) + ("" if std is None or value is None else " ± " + spec.format(std))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never open a window (headless nodes)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, path: Path) -> Path:
+    """Save ``fig`` as ``path`` (folders created) and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path

@@ -1,0 +1,112 @@
+"""Bad-input gaps a new user hit: empty checkpoint, half-known --set keys, overwriting outputs,
+``data synth KIND --help``, integer counts in ``evaluate``. Each is one line and exit 2, or works."""
+from __future__ import annotations
+
+import logging
+import pytest
+
+from fastvision.cli import _format_value, main
+
+TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.args.image_size=[32,32]",
+        "--set", "model.args.filters=[4,8,16]"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging():
+    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
+    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
+    logger = logging.getLogger("fastvision")
+    logger.handlers[:], logger.propagate = [], True
+    yield
+    logger.handlers[:], logger.propagate = [], True
+
+
+def _one_line(code, err, *needles):
+    assert code == 2 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastvision: error:"), err
+    for n in needles:
+        assert str(n) in lines[0], (n, lines[0])
+
+
+def test_empty_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    code = main(["predict", str(empty), str(tmp_path), "--out", str(tmp_path / "out")])
+    _one_line(code, capsys.readouterr().err, empty, "empty")
+    code = main(["evaluate", str(empty)])
+    _one_line(code, capsys.readouterr().err, empty)
+
+
+@pytest.mark.parametrize("key,needles", [
+    ("no.such=1", ["unknown key no.such", "the top level of the config has no 'no'", "valid keys there:", "train"]),
+    ("train.no.such=1", ["unknown key train.no.such", "section train has no 'no'", "epochs"]),
+    ("data.nope=1", ["unknown key data.nope", "section data has no 'nope'", "args"]),
+])
+def test_unknown_set_key_names_whole_key_and_section(key, needles, tiny_microscopy, tmp_path, capsys):
+    code = main(["train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(tmp_path / "r"),
+                 "--set", key, "--device", "cpu"])
+    _one_line(code, capsys.readouterr().err, *needles)
+
+
+@pytest.mark.parametrize("argv", [
+    ["predict", "{ckpt}", "{ckpt}", "--out", "{full}"],
+    ["export", "{ckpt}", "--out", "{file}"],
+    ["profile", "unet2d-microscopy", "--out", "{full}"],
+    ["benchmark", "unet2d-microscopy", "--out", "{bench}"],
+])
+def test_outputs_are_not_overwritten_without_force(argv, tmp_path, capsys):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("earlier results")
+    file = tmp_path / "model.onnx"
+    file.write_text("earlier export")
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "unet2d-microscopy-train.json").write_text("{}")
+    ckpt = tmp_path / "missing.pt"
+    argv = [a.format(ckpt=ckpt, full=full, file=file, bench=bench) for a in argv]
+    code = main(argv)
+    named = {"predict": full, "export": file, "profile": full, "benchmark": bench / "unet2d-microscopy-train.json"}
+    _one_line(code, capsys.readouterr().err, named[argv[0]], "--force")
+    assert (full / "keep.txt").read_text() == "earlier results" and file.read_text() == "earlier export"
+
+
+@pytest.mark.slow
+def test_predict_force_writes_into_a_non_empty_folder(tiny_microscopy, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(run), *TINY]) == 0
+    out = tmp_path / "pred"
+    out.mkdir()
+    (out / "earlier.txt").write_text("x")
+    inputs = tmp_path / "inputs"  # a folder as copied from a Mac: "._" companions beside the image
+    inputs.mkdir()
+    (inputs / "img_0000.png").write_bytes((tiny_microscopy / "images" / "img_0000.png").read_bytes())
+    (inputs / "._img_0000.png").write_bytes(b"\x00\x05\x16\x07" + bytes(60))
+    capsys.readouterr()
+    assert main(["predict", str(run), str(inputs), "--out", str(out)]) == 2
+    assert main(["predict", str(run), str(inputs), "--out", str(out), "--force"]) == 0
+    # the companion was not taken for an image (decoding it would have failed with exit 2)
+    assert sorted(p.name for p in out.iterdir()) == ["earlier.txt", "img_0000_mask.png", "img_0000_overlay.png"]
+
+
+@pytest.mark.parametrize("kind,options", [
+    ("microscopy", ["--count", "--size"]),
+    ("brats", ["--cases", "--test-cases", "--size", "--layout"]),
+    ("coco", ["--train", "--val", "--max-objects"]),
+])
+def test_synth_kind_help_lists_the_generator_options(kind, options, capsys):
+    assert main(["data", "synth", kind, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: fastvision data synth {kind} OUT")
+    for opt in options:
+        assert opt in out
+    assert main(["data", "synth", "--help"]) == 0
+    assert "KIND --help" in capsys.readouterr().out
+
+
+def test_evaluate_prints_counts_as_integers():
+    assert _format_value("images", 60.0) == "60"
+    assert _format_value("items", 7) == "7"
+    assert _format_value("map", 0.25) == "0.2500"
+    assert _format_value("iou", 1.0) == "1.0000"  # a ratio stays a ratio even when whole

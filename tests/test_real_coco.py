@@ -1,0 +1,182 @@
+"""COCO as users bring it: grey, EXIF-tagged and PNG images, empty images, crowd RLE, bad annotations.
+
+The replica follows COCO 2017 (12-digit file names, instances_<split>.json with info/licenses,
+uncompressed RLE for crowd regions) with 32 px images; what the reader returns is checked
+against the boxes written, and every defect is reported (warning or one-line error).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from pycocotools import mask as mask_utils
+
+from fastvision.cli import main
+from fastvision.data.formats.coco import build
+from fastvision.data.inspect import inspect_path
+from fastvision.errors import DataError
+
+CATS = [{"supercategory": "person", "id": 1, "name": "person"},
+        {"supercategory": "vehicle", "id": 3, "name": "car"}]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging():
+    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
+    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
+    logger = logging.getLogger("fastvision")
+    logger.handlers[:], logger.propagate = [], True
+    yield
+    logger.handlers[:], logger.propagate = [], True
+
+
+def _rle(mask: np.ndarray) -> dict:
+    """COCO's uncompressed RLE (column-major run lengths, starting with a run of zeros)."""
+    flat = mask.T.reshape(-1).astype(np.uint8)
+    counts, prev, run = [], 0, 0
+    for v in flat:
+        if v != prev:
+            counts.append(run)
+            prev, run = v, 0
+        run += 1
+    counts.append(run)
+    return {"counts": counts, "size": list(mask.shape)}
+
+
+def _jpeg(path: Path, arr: np.ndarray, **kw) -> None:
+    Image.fromarray(arr).save(path, quality=95, **kw)
+
+
+def make_coco(root: Path) -> Path:
+    """val2017 with every quirk; train2017 with two plain images."""
+    for split in ("train2017", "val2017"):
+        (root / split).mkdir(parents=True)
+    (root / "annotations").mkdir()
+    rgb = np.full((32, 32, 3), 40, np.uint8)
+    rgb[4:20, 8:24] = 220  # the object of annotation 1: x 8..24, y 4..20
+    _jpeg(root / "val2017/000000000139.jpg", rgb)
+    grey = np.full((32, 32), 30, np.uint8)
+    grey[10:30, 2:12] = 200
+    _jpeg(root / "val2017/000000000285.jpg", grey)  # mode L, as ~1 % of COCO
+    wide = np.full((16, 32, 3), 20, np.uint8)  # stored 32 x 16, tagged "rotate 90" (EXIF orientation 6)
+    wide[2:10, 20:30] = 230
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    _jpeg(root / "val2017/000000000632.jpg", wide, exif=exif.tobytes())
+    Image.fromarray(rgb).save(root / "val2017/000000000724.png")  # a PNG image
+    _jpeg(root / "val2017/000000000776.jpg", rgb)  # no annotations at all
+    crowd = np.zeros((32, 32), np.uint8)
+    crowd[16:28, 4:30] = 1
+    images = [{"license": 1, "file_name": n, "coco_url": "", "height": h, "width": w, "date_captured": "", "id": i}
+              for n, h, w, i in (("000000000139.jpg", 32, 32, 139), ("000000000285.jpg", 32, 32, 285),
+                                 ("000000000632.jpg", 16, 32, 632), ("000000000724.png", 32, 32, 724),
+                                 ("000000000776.jpg", 32, 32, 776))]
+    anns = [
+        {"id": 1, "image_id": 139, "category_id": 1, "bbox": [8.0, 4.0, 16.0, 16.0], "area": 256.0, "iscrowd": 0,
+         "segmentation": [[8, 4, 24, 4, 24, 20, 8, 20]]},
+        {"id": 2, "image_id": 285, "category_id": 3, "bbox": [2.0, 10.0, 10.0, 20.0], "area": 200.0, "iscrowd": 0,
+         "segmentation": [[2, 10, 12, 10, 12, 30, 2, 30]]},
+        {"id": 3, "image_id": 632, "category_id": 1, "bbox": [20.0, 2.0, 10.0, 8.0], "area": 80.0, "iscrowd": 0,
+         "segmentation": [[20, 2, 30, 2, 30, 10, 20, 10]]},
+        {"id": 4, "image_id": 724, "category_id": 3, "bbox": [8.0, 4.0, 16.0, 16.0], "area": 256.0, "iscrowd": 0,
+         "segmentation": [[8, 4, 24, 4, 24, 20, 8, 20]]},
+        {"id": 5, "image_id": 139, "category_id": 1, "bbox": [4.0, 16.0, 26.0, 12.0], "area": 312.0, "iscrowd": 1,
+         "segmentation": _rle(crowd)},
+        {"id": 6, "image_id": 139, "category_id": 1, "bbox": [5.0, 5.0, 0.0, 7.0], "area": 0.0, "iscrowd": 0,
+         "segmentation": [[]]},  # zero width
+        {"id": 7, "image_id": 285, "category_id": 3, "bbox": [9.0, 9.0, 4.0, -3.0], "area": 0.0, "iscrowd": 0,
+         "segmentation": [[]]},  # negative height
+        {"id": 8, "image_id": 999, "category_id": 1, "bbox": [1.0, 1.0, 5.0, 5.0], "area": 25.0, "iscrowd": 0,
+         "segmentation": [[]]},  # unknown image
+        {"id": 9, "image_id": 724, "category_id": 77, "bbox": [1.0, 1.0, 5.0, 5.0], "area": 25.0, "iscrowd": 0,
+         "segmentation": [[]]},  # unknown category
+    ]
+    info = {"description": "COCO 2017 Dataset", "url": "http://cocodataset.org", "version": "1.0", "year": 2017,
+            "contributor": "COCO Consortium", "date_created": "2017/09/01"}
+    licenses = [{"url": "http://creativecommons.org/licenses/by-nc-sa/2.0/", "id": 1, "name": "Attribution"}]
+    (root / "annotations/instances_val2017.json").write_text(json.dumps(
+        {"info": info, "licenses": licenses, "images": images, "annotations": anns, "categories": CATS}))
+    _jpeg(root / "train2017/000000000009.jpg", rgb)
+    _jpeg(root / "train2017/000000000025.jpg", rgb)
+    (root / "annotations/instances_train2017.json").write_text(json.dumps(
+        {"info": info, "licenses": licenses, "images": [
+            {"file_name": "000000000009.jpg", "height": 32, "width": 32, "id": 9},
+            {"file_name": "000000000025.jpg", "height": 32, "width": 32, "id": 25}],
+         "annotations": [{"id": 100, "image_id": 9, "category_id": 3, "bbox": [8.0, 4.0, 16.0, 16.0],
+                          "area": 256.0, "iscrowd": 0, "segmentation": [[8, 4, 24, 4, 24, 20, 8, 20]]}],
+         "categories": CATS}))
+    return root
+
+
+@pytest.fixture
+def coco_root(tmp_path):
+    return make_coco(tmp_path / "coco")
+
+
+def test_replica_rle_is_what_pycocotools_reads(coco_root):
+    ann = json.loads((coco_root / "annotations/instances_val2017.json").read_text())["annotations"][4]
+    m = mask_utils.decode(mask_utils.frPyObjects(ann["segmentation"], 32, 32))
+    assert m.sum() == 12 * 26 and m[16:28, 4:30].all()
+
+
+def test_quirky_val_split_loads_and_reports(coco_root, caplog):
+    with caplog.at_level(logging.WARNING):
+        splits = build(path=str(coco_root), image_size=32)
+    val = splits.val
+    assert splits.info["val_images"] == 5 and splits.info["cat_ids"] == [1, 3]
+    items = {val[i]["image_id"]: val[i] for i in range(len(val))}
+    a = items[139]  # RGB: one box and the crowd RLE region, both kept
+    assert a["image"].shape == (3, 32, 32) and a["image"].dtype == torch.uint8
+    assert a["boxes"].tolist() == [[8, 4, 24, 20], [4, 16, 30, 28]]
+    assert a["labels"].tolist() == [0, 0] and a["iscrowd"].tolist() == [False, True]
+    g = items[285]  # grey JPEG -> three equal channels; the negative-height box is gone
+    assert torch.equal(g["image"][0], g["image"][1]) and g["boxes"].tolist() == [[2, 10, 12, 30]]
+    assert g["labels"].tolist() == [1]
+    r = items[632]  # EXIF orientation not applied: stored 32 x 16, resized to 32 x 32 -> y doubles
+    assert r["orig_size"] == (16, 32) and r["boxes"].tolist() == [[20, 4, 30, 20]]
+    x0, y0, x1, y1 = (int(v) for v in r["boxes"][0])
+    assert r["image"][:, y0:y1, x0:x1].float().mean() > 3 * r["image"].float().mean() / 2
+    assert items[724]["boxes"].tolist() == [[8, 4, 24, 20]]  # PNG; the unknown-category annotation skipped
+    assert items[776]["boxes"].shape == (0, 4)  # images without annotations are kept
+    warnings = [r.getMessage() for r in caplog.records if "invalid annotations" in r.getMessage()]
+    assert len(warnings) == 1
+    w = warnings[0]
+    assert "instances_val2017.json: 4 invalid annotations skipped" in w
+    assert "2 degenerate box (width or height <= 0) (6, 7)" in w and "unknown image_id (8)" in w
+    assert "unknown category_id (9)" in w
+
+
+def test_invalid_error_and_missing_image_are_one_line(coco_root, tmp_path, capsys):
+    with pytest.raises(DataError, match=r"instances_val2017.json: 4 invalid annotations.*invalid=error"):
+        build(path=str(coco_root), image_size=32, invalid="error")
+    (coco_root / "val2017/000000000776.jpg").unlink()
+    with pytest.raises(DataError, match=r"000000000776.jpg: image listed in instances_val2017.json not found"):
+        build(path=str(coco_root), image_size=32)
+    (coco_root / "val2017/000000000285.jpg").write_bytes(b"not a jpeg")
+    splits = build(path=str(coco_root), image_size=32, skip_unreadable=True)
+    assert sorted(splits.val.ids) == [139, 632, 724]
+    # the CLI: a training run with data.args.invalid=error stops before training, one line, exit 2
+    rc = main(["train", "ssd320-small-shapes", "--data", str(coco_root), "--out", str(tmp_path / "run"),
+               "--set", "data.args.invalid=error", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "instances_" in err[0] and "invalid annotations" in err[0]
+
+
+def test_inspect_counts_valid_boxes_and_lists_anomalies(coco_root, capsys):
+    report = inspect_path(coco_root)
+    assert report["val2017 images (without boxes)"] == "5 (1)"  # not "(-1)": unknown image ids do not count
+    assert report["val2017 boxes (crowd)"] == "5 (1)"
+    assert report["val2017 image formats (headers of 5)"] == {"JPEG": 4, "PNG": 1}
+    assert report["val2017 image modes"] == {"RGB": 4, "L": 1}
+    an = report["anomalies"]
+    assert an["val2017: annotations with degenerate box (width or height <= 0) (skipped; ids)"] == "2 (6, 7)"
+    assert an["val2017: annotations with unknown image_id (skipped; ids)"] == "1 (8)"
+    assert an["val2017: EXIF orientation tag (not applied: boxes refer to stored pixels)"] == "1 (000000000632.jpg)"
+    assert main(["data", "inspect", str(coco_root)]) == 0
+    out = capsys.readouterr().out
+    assert "unknown category_id" in out and "(-1)" not in out

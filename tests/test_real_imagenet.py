@@ -1,0 +1,156 @@
+"""ImageNet as distributed: CMYK and PNG-named-.JPEG training files, a flat val folder labelled by
+the Kaggle LOC_val_solution.csv or the devkit's ground truth + meta.mat, used without preparation."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastvision.cli import main
+from fastvision.data.formats.imagefolder import open_image
+from fastvision.data.inspect import inspect_path
+from fastvision.errors import DataError
+from fastvision.registry import DATASETS
+
+WNIDS = ["n01440764", "n01443537", "n02105855"]  # tench, goldfish, Shetland sheepdog
+COLOURS = {"n01440764": (200, 40, 40), "n01443537": (40, 200, 40), "n02105855": (40, 40, 200)}
+VAL = [("ILSVRC2012_val_00000001.JPEG", "n02105855"), ("ILSVRC2012_val_00000002.JPEG", "n01440764"),
+       ("ILSVRC2012_val_00000003.JPEG", "n01443537"), ("ILSVRC2012_val_00000004.JPEG", "n01440764")]
+ILSVRC_ID = {"n01440764": 449, "n01443537": 450, "n02105855": 235}  # the devkit's ids are not wnid order
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging():
+    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
+    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
+    logger = logging.getLogger("fastvision")
+    logger.handlers[:], logger.propagate = [], True
+    yield
+    logger.handlers[:], logger.propagate = [], True
+
+
+def _photo(colour) -> Image.Image:
+    arr = np.empty((32, 40, 3), np.uint8)
+    arr[:] = colour
+    arr[8:24, 10:30] = 255 - np.array(colour, np.uint8)
+    return Image.fromarray(arr)
+
+
+def make_imagenet(root: Path, val_flat: bool = True) -> Path:
+    """train/<wnid>/<wnid>_<n>.JPEG with one CMYK JPEG and one PNG named .JPEG, val/ flat."""
+    for w in WNIDS:
+        d = root / "train" / w
+        d.mkdir(parents=True)
+        for n in (10026, 10027):
+            _photo(COLOURS[w]).save(d / f"{w}_{n}.JPEG", quality=95)
+        (d / f"._{w}_10026.JPEG").write_bytes(b"\x00\x05\x16\x07" + bytes(60))  # macOS companion
+    _photo(COLOURS["n01440764"]).convert("CMYK").save(root / "train/n01440764/n01440764_18.JPEG", quality=95)
+    _photo(COLOURS["n02105855"]).save(root / "train/n02105855/n02105855_2933.JPEG", format="PNG")
+    _photo(COLOURS["n01443537"]).convert("L").save(root / "train/n01443537/n01443537_7.JPEG", quality=95)
+    (root / "val").mkdir()
+    for name, w in VAL:
+        _photo(COLOURS[w]).save(root / "val" / name, quality=95)
+    return root
+
+
+def _write_meta_mat(path: Path) -> None:
+    """The devkit's meta.mat: a 'synsets' struct array (leaves have num_children 0) as scipy writes it."""
+    from scipy.io import savemat
+
+    fields = ["ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children", "wordnet_height",
+              "num_train_images"]
+    rows = [(ILSVRC_ID[w], w, w, "", 0, np.zeros((1, 0)), 0, 1300) for w in WNIDS]
+    rows.append((1001, "n00001740", "entity", "", 3, np.array([[449, 450, 235]]), 19, 0))  # an inner node
+    synsets = np.empty((len(rows), 1), dtype=[(f, object) for f in fields])
+    for k, r in enumerate(rows):
+        synsets[k, 0] = r
+    path.parent.mkdir(parents=True, exist_ok=True)
+    savemat(str(path), {"synsets": synsets})
+
+
+def _val_labels(splits) -> list[tuple[str, str]]:
+    classes = splits.info["classes"]
+    return [(Path(p).name, classes[i]) for p, i in splits.val.samples]
+
+
+def test_cmyk_png_and_grey_training_files_decode_to_rgb(tmp_path):
+    root = make_imagenet(tmp_path / "imagenet")
+    (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
+        f"{Path(n).stem},{w} 1 2 30 20 {w} 3 3 9 9 \n" for n, w in VAL))
+    splits = DATASETS.build("imagefolder", {"path": str(root), "image_size": 32, "resize_size": 32})
+    assert splits.info["classes"] == WNIDS and splits.info["train_images"] == 3 * 2 + 3
+    with Image.open(root / "train/n01440764/n01440764_18.JPEG") as im:
+        assert im.mode == "CMYK"
+    cmyk = np.asarray(open_image(str(root / "train/n01440764/n01440764_18.JPEG")), np.float32)
+    assert cmyk.shape == (32, 40, 3)
+    assert np.abs(cmyk[0, 0] - np.array(COLOURS["n01440764"])).max() < 12  # colour survives CMYK -> RGB
+    png = open_image(str(root / "train/n02105855/n02105855_2933.JPEG"), draft_size=(20, 16))
+    assert png.size == (40, 32) and tuple(np.asarray(png)[0, 0]) == COLOURS["n02105855"]
+    for i, (path, label) in enumerate(splits.train.samples):
+        if Path(path).name in ("n01440764_18.JPEG", "n02105855_2933.JPEG", "n01443537_7.JPEG"):
+            item = splits.train[i]
+            assert item["image"].shape == (3, 32, 32) and item["image"].dtype == torch.uint8
+            assert int(item["label"]) == label
+    assert not any("._" in p for p, _ in splits.train.samples)
+    # the Kaggle CSV labels the flat val folder
+    assert splits.info["val_layout"].startswith("flat folder, labels from") and "LOC_val_solution.csv" in \
+        splits.info["val_layout"]
+    assert _val_labels(splits) == VAL
+
+
+def test_kaggle_layout_finds_csv_three_levels_up(tmp_path):
+    comp = tmp_path / "imagenet-object-localization-challenge"
+    root = make_imagenet(comp / "ILSVRC/Data/CLS-LOC")
+    (comp / "LOC_synset_mapping.txt").write_text("".join(f"{w} name\n" for w in WNIDS))
+    (comp / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
+        f"{Path(n).stem},{w} 1 2 30 20 \n" for n, w in VAL))
+    splits = DATASETS.build("imagefolder", {"path": str(root), "image_size": 32, "resize_size": 32})
+    assert _val_labels(splits) == VAL
+    item = splits.val[0]
+    assert item["image"].shape == (3, 32, 32) and splits.info["classes"][int(item["label"])] == "n02105855"
+
+
+def test_devkit_ground_truth_with_meta_mat(tmp_path):
+    pytest.importorskip("scipy")
+    root = make_imagenet(tmp_path / "imagenet")
+    data = root / "ILSVRC2012_devkit_t12/data"
+    _write_meta_mat(data / "meta.mat")
+    (data / "ILSVRC2012_validation_ground_truth.txt").write_text("".join(f"{ILSVRC_ID[w]}\n" for _, w in VAL))
+    splits = DATASETS.build("imagefolder", {"path": str(root), "image_size": 32, "resize_size": 32})
+    assert _val_labels(splits) == VAL and "ILSVRC2012_validation_ground_truth.txt" in splits.info["val_layout"]
+
+
+def test_flat_val_problems_warn_or_exit_2(tmp_path, caplog, capsys):
+    root = make_imagenet(tmp_path / "imagenet")
+    rows = [f"{Path(n).stem},{w} 1 2 3 4" for n, w in VAL[:3]] + ["ILSVRC2012_val_00000099,n01440764 1 1 2 2"]
+    (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "\n".join(rows) + "\n")
+    with caplog.at_level(logging.WARNING):
+        splits = DATASETS.build("imagefolder", {"path": str(root), "image_size": 32, "resize_size": 32})
+    assert len(splits.val) == 3
+    msg = [r.getMessage() for r in caplog.records if "validation entries skipped" in r.getMessage()]
+    assert len(msg) == 1 and "2 validation entries skipped" in msg[0]
+    assert "ILSVRC2012_val_00000004.JPEG" in msg[0] and "ILSVRC2012_val_00000099" in msg[0]
+    with pytest.raises(DataError, match="invalid=error"):
+        DATASETS.build("imagefolder", {"path": str(root), "invalid": "error"})
+    (root / "LOC_val_solution.csv").unlink()
+    rc = main(["data", "inspect", str(root)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "val folder is flat" in err[0] and "LOC_val_solution.csv" in err[0]
+
+
+def test_inspect_names_cmyk_png_and_companions(tmp_path):
+    root = make_imagenet(tmp_path / "imagenet")
+    (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
+        f"{Path(n).stem},{w} 1 2 3 4\n" for n, w in VAL))
+    report = inspect_path(root)
+    assert report["layout"] == "imagefolder" and "val: flat folder, labels from" in report["detected"]
+    assert report["train images"] == 9 and report["val images"] == 4 and report["train classes"] == 3
+    an = report["anomalies"]
+    assert an["train: CMYK images (converted to RGB)"] == "1 (train/n01440764/n01440764_18.JPEG)"
+    assert an["train: PNG files named .JPEG (decoded as PNG)"] == "1 (train/n02105855/n02105855_2933.JPEG)"
+    assert an["train: L images (converted to RGB)"] == "1 (train/n01443537/n01443537_7.JPEG)"
+    assert an["train: macOS ._ companion files (ignored)"].startswith("3 (train/n01440764/._n01440764_10026.JPEG")

@@ -1,0 +1,123 @@
+"""Microscopy folders as labs save them: ImageJ and multi-page TIFF, 16-bit masks, masks with
+another extension than their image, and 0/255, 0/1 and 0/65535 masks mixed in one folder."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+from PIL import Image
+
+from fastvision.cli import main
+from fastvision.data.formats.microscopy import MicroscopyDataset, pair_files, read_array
+from fastvision.data.inspect import inspect_path
+from fastvision.errors import DataError
+from fastvision.registry import DATASETS
+
+H = W = 32
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging():
+    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
+    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
+    logger = logging.getLogger("fastvision")
+    logger.handlers[:], logger.propagate = [], True
+    yield
+    logger.handlers[:], logger.propagate = [], True
+
+
+def _blob(k: int) -> np.ndarray:
+    m = np.zeros((H, W), bool)
+    m[4 + k:16 + k, 6:20 + k] = True
+    return m
+
+
+def make_folder(root: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Four pairs, each a different real-world encoding; returns stem -> (image (C, H, W) in [0, 1], fg)."""
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    rng = np.random.default_rng(0)
+    out = {}
+    # 1. ImageJ hyperstack, 3 channels (axes CYX), 16-bit; mask 8-bit PNG 0/255
+    img = rng.integers(0, 65535, (3, H, W), dtype=np.uint16)
+    tifffile.imwrite(root / "images/cell_001.tif", img, imagej=True, metadata={"axes": "CYX"})
+    Image.fromarray((_blob(0) * 255).astype(np.uint8)).save(root / "masks/cell_001.png")
+    out["cell_001"] = (img / 65535.0, _blob(0))
+    # 2. plain multi-page TIFF, one channel per page, 8-bit; mask 16-bit TIFF 0/1
+    img = rng.integers(0, 255, (3, H, W), dtype=np.uint8)
+    with tifffile.TiffWriter(root / "images/cell_002.tif") as tw:
+        for page in img:
+            tw.write(page, photometric="minisblack", contiguous=False)
+    tifffile.imwrite(root / "masks/cell_002.tif", _blob(1).astype(np.uint16))
+    out["cell_002"] = (img / 255.0, _blob(1))
+    # 3. 16-bit grey PNG; mask 16-bit TIFF 0/65535
+    img = rng.integers(0, 65535, (H, W), dtype=np.uint16)
+    Image.fromarray(img).save(root / "images/cell_003.png")
+    tifffile.imwrite(root / "masks/cell_003.tif", (_blob(2) * 65535).astype(np.uint16))
+    out["cell_003"] = (np.repeat(img[None] / 65535.0, 3, 0), _blob(2))
+    # 4. RGB PNG; mask 8-bit PNG 0/1
+    img = rng.integers(0, 255, (H, W, 3), dtype=np.uint8)
+    Image.fromarray(img).save(root / "images/cell_004.png")
+    Image.fromarray(_blob(3).astype(np.uint8)).save(root / "masks/cell_004.png")
+    (root / "masks/._cell_004.png").write_bytes(b"\x00\x05\x16\x07" + bytes(60))  # macOS companion
+    out["cell_004"] = (img.transpose(2, 0, 1) / 255.0, _blob(3))
+    return out
+
+
+def test_every_encoding_reads_as_image_and_binary_label(tmp_path):
+    expected = make_folder(tmp_path / "cells")
+    assert read_array(tmp_path / "cells/images/cell_001.tif").shape == (H, W, 3)  # CYX -> HWC
+    assert read_array(tmp_path / "cells/images/cell_002.tif").shape == (H, W, 3)  # pages -> channels
+    pairs = pair_files(tmp_path / "cells")
+    assert [(a.name, b.name) for a, b in pairs] == [
+        ("cell_001.tif", "cell_001.png"), ("cell_002.tif", "cell_002.tif"),
+        ("cell_003.png", "cell_003.tif"), ("cell_004.png", "cell_004.png")]
+    ds = MicroscopyDataset(pairs, (H, W), "resize", channels=3, num_classes=2)
+    for i in range(len(ds)):
+        item = ds[i]
+        image, fg = expected[item["id"]]
+        assert item["image"].shape == (3, H, W) and item["label"].dtype == torch.int64
+        torch.testing.assert_close(item["image"], torch.from_numpy(image).float(), atol=1e-6, rtol=0)
+        assert torch.equal(item["label"], torch.from_numpy(fg.astype(np.int64)))
+    splits = DATASETS.build("microscopy", {"path": str(tmp_path / "cells"), "image_size": [H, W],
+                                           "channels": 3, "val_fraction": 0.25})
+    assert len(splits.train) == 3 and len(splits.val) == 1
+
+
+def test_instance_masks_need_binarize_and_stacks_are_refused(tmp_path, capsys):
+    root = tmp_path / "inst"
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    Image.fromarray(np.full((H, W), 9, np.uint8)).save(root / "images/a.png")
+    inst = np.zeros((H, W), np.uint16)
+    inst[2:8, 2:8], inst[10:20, 10:20], inst[22:30, 3:9] = 1, 2, 300  # three cells, three ids
+    tifffile.imwrite(root / "masks/a.tif", inst)
+    ds = MicroscopyDataset(pair_files(root), (H, W), "resize", channels=1, num_classes=2)
+    with pytest.raises(DataError, match=r"a.tif: mask values \[0, 1, 2, 300\].*binarize=true"):
+        ds[0]
+    ds = MicroscopyDataset(pair_files(root), (H, W), "resize", channels=1, num_classes=2, binarize=True)
+    assert torch.equal(ds[0]["label"], torch.from_numpy((inst > 0).astype(np.int64)))
+    tifffile.imwrite(root / "images/b.tif", np.zeros((5, H, W), np.uint8), imagej=True, metadata={"axes": "ZYX"})
+    Image.fromarray(np.zeros((H, W), np.uint8)).save(root / "masks/b.png")
+    with pytest.raises(DataError, match=r"b.tif: a Z stack of 5 planes"):
+        read_array(root / "images/b.tif")
+    Image.fromarray(np.zeros((H, W), np.uint8)).save(root / "masks/a.png")  # a second mask for stem a
+    assert main(["data", "inspect", str(root)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "two masks for stem 'a'" in err[0]
+
+
+def test_inspect_reports_mixed_encodings_and_extensions(tmp_path):
+    make_folder(tmp_path / "cells")
+    report = inspect_path(tmp_path / "cells")
+    assert report["pairs"] == 4
+    assert report["mask encodings (files)"] == {"0/255": 1, "0/1": 2, "0/65535": 1}
+    an = report["anomalies"]
+    assert an["masks with another extension than their image (paired by stem)"] == \
+        "2 (cell_001.tif+cell_001.png, cell_003.png+cell_003.tif)"
+    assert an["binary masks encoded differently from most (each read as 0/1)"] == \
+        "2 (cell_001.png (0/255), cell_003.tif (0/65535))"
