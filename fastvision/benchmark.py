@@ -292,6 +292,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--cache", help="data mode: comma-separated data.cache modes to compare, e.g. none,ram,gpu "
                                    "(default: the recipe's)")
     p.add_argument("--rounds", type=int, default=4, help="data mode: interleaved turns per cache mode (default 4)")
+    p.add_argument("--data", help="data mode: dataset folder (data.args.path; default: the recipe's)")
     p.add_argument("--batch-sizes", help="comma-separated, e.g. 1,8,64,256 (default: the recipe's batch size)")
     p.add_argument("--precision", help="comma-separated subset of fp32,tf32,fp16,bf16 "
                                        "(default: fp32 plus the recipe's AMP mode)")
@@ -350,6 +351,8 @@ def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
     from .benchmark_data import markdown as data_markdown, run_data_benchmark
 
     cfg.train.device = str(device)
+    if args.data:
+        cfg.data.args["path"] = args.data
     if args.batch_sizes:
         cfg.train.batch_size = _int_list(args.batch_sizes)[0]
     caches = [c.strip() for c in args.cache.split(",") if c.strip()] if args.cache else [cfg.data.cache]
