@@ -329,8 +329,8 @@ def cmd_benchmark(args) -> int:
     if args.mode == "data":
         return _cmd_data(args, cfg, device)
     batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [cfg.train.batch_size]
-    precisions = args.precision.split(",") if args.precision else \
-        ["fp32"] + ([cfg.train.amp] if cfg.train.amp != "off" else [])
+    amp = runtime.resolve_amp(cfg.train.amp, device)[0]  # train.amp auto -> this device's precision
+    precisions = args.precision.split(",") if args.precision else ["fp32"] + ([amp] if amp != "off" else [])
     channels_last = cfg.train.channels_last if args.channels_last is None else args.channels_last
     report = run_benchmark(cfg, args.mode, batch_sizes, precisions, steps=args.steps,
                            warmup=10 if args.warmup is None else args.warmup,

@@ -36,7 +36,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=int)
     g.add_argument("--batch-size", type=int, help="per-worker batch size")
     g.add_argument("--lr", type=float, help="learning rate at the recipe's reference batch")
-    g.add_argument("--amp", choices=["off", "fp16", "bf16"], help="mixed precision (fp16 needs CUDA)")
+    g.add_argument("--amp", choices=["off", "fp16", "bf16", "auto"],
+                   help="mixed precision: auto = bf16 where the GPU has it natively, else fp16 with dynamic loss "
+                        "scaling; fp32 on CPU (fp16 needs CUDA); the precision used is logged")
     g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None, help="TF32 matmul/conv (Ampere+)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
@@ -45,7 +47,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", help="'auto' (continue the last checkpoint) or a checkpoint path")
     g.add_argument("--target", help="stop when METRIC=VALUE is reached, e.g. iou=0.9; logs time to target")
     g.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
-    g.add_argument("--pretrained", help="initial weights: a torchvision-layout state dict (model.args.pretrained)")
+    g.add_argument("--pretrained", help="initial weights (model.args.pretrained): a torchvision-layout state dict, "
+                                        "or 'imagenet' for torchvision's ImageNet ResNet weights via torch.hub's cache")
     g = p.add_argument_group("data parallelism")
     g.add_argument("--nproc", type=int, default=1, help="start N local workers through torch.distributed.run")
     g.add_argument("--emulate-workers", type=int, help="one process trains as N data-parallel workers would")

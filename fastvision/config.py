@@ -76,7 +76,7 @@ class TrainConfig:
     batch_size: int = 16  # per worker
     accum_steps: int = 1
     clip_grad: float | None = None  # max global grad norm
-    amp: Literal["off", "fp16", "bf16"] = "off"
+    amp: Literal["off", "fp16", "bf16", "auto"] = "off"  # auto: bf16 if native, else fp16 + scaling; CPU fp32
     tf32: bool = True
     compile: bool = False
     channels_last: bool = False

@@ -6,6 +6,7 @@ in module globals.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -17,23 +18,49 @@ from torch import nn
 
 from .errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_amp(mode: str, device: torch.device) -> tuple[str, str]:
+    """The precision ``train.amp`` means on ``device``, and why.
+
+    ``auto``: on CUDA, bf16 where the GPU computes it natively (compute capability 8.0+: A100,
+    H100, RTX 30xx and newer), else fp16 with dynamic loss scaling (V100, T4: seed 004's AMP);
+    on CPU and other devices fp32 ("off", the CPU default). Other modes are returned unchanged.
+    """
+    if mode != "auto":
+        return mode, "as configured"
+    if device.type != "cuda":
+        return "off", f"{device.type}: fp32"
+    major, minor = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    if major >= 8 and torch.cuda.is_bf16_supported():
+        return "bf16", f"{name} (sm_{major}{minor}) computes bf16 natively"
+    return "fp16", f"{name} (sm_{major}{minor}) has no native bf16: fp16 with dynamic loss scaling"
 
 
 @dataclass
 class Precision:
-    """Autocast context and loss scaler for one of ``off``, ``fp16``, ``bf16``.
+    """Autocast context and loss scaler for one of ``off``, ``fp16``, ``bf16`` or ``auto``.
 
     fp16 uses a dynamic GradScaler (skips steps whose gradients overflow); bf16 has the fp32
-    exponent range and needs no scaler. bf16 autocast also works on CPU.
+    exponent range and needs no scaler. bf16 autocast also works on CPU. ``auto`` is resolved
+    once here (:func:`resolve_amp`); ``mode`` is then the precision actually used (``requested``
+    keeps what was asked) and is logged.
     """
 
     mode: str
     device: torch.device
 
     def __post_init__(self) -> None:
-        if self.mode not in ("off", *_DTYPES):
-            raise ConfigError(f"train.amp: expected off, fp16 or bf16, got {self.mode!r}")
+        if self.mode not in ("off", "auto", *_DTYPES):
+            raise ConfigError(f"train.amp: expected off, fp16, bf16 or auto, got {self.mode!r}")
+        self.requested = self.mode
+        self.mode, why = resolve_amp(self.mode, self.device)
+        if self.requested == "auto":
+            log.info("precision: %s (train.amp=auto; %s)", self.mode, why)
         if self.mode == "fp16" and self.device.type != "cuda":
             raise ConfigError("train.amp=fp16 needs a CUDA device; use --amp bf16 on CPU")
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.mode == "fp16")

@@ -80,7 +80,10 @@ def test_measured_steps_update_weights_only_in_train_mode(mode):
 
 @pytest.mark.parametrize("recipe", list_recipes())
 def test_every_recipe_builds_without_its_dataset(recipe):
-    run = engine.build(benchmark.setting_config(load(recipe), 1, "fp32", augment=True), data_info={}, train=True)
+    cfg = load(recipe)
+    if cfg.model.args.get("pretrained") == "imagenet":  # no weights file here: tests/test_resnet.py loads one
+        cfg.model.args["pretrained"] = None
+    run = engine.build(benchmark.setting_config(cfg, 1, "fp32", augment=True), data_info={}, train=True)
     batch = run.task.synthetic_batch(1, torch.device("cpu"))
     assert batch[run.task.input_key].shape[0] == 1
     assert sum(p.numel() for p in run.model.parameters()) > 0 and run.optimizer is not None

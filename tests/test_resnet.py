@@ -3,6 +3,7 @@ init, torchvision-layout state dicts, forward/backward of every registered depth
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +148,42 @@ def test_channels_last_same_result():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     feats = m_cl.forward_features(x.contiguous(memory_format=torch.channels_last))
     assert feats[0].is_contiguous(memory_format=torch.channels_last)
+
+
+# ----------------------------------------------------------------------------------------------
+# --pretrained imagenet: torch.hub's cache, never a download in tests
+
+
+def _hub_file(torch_home: Path, depth: int) -> Path:
+    name = R.IMAGENET_URLS[depth].rsplit("/", 1)[1]
+    return torch_home / "hub" / "checkpoints" / name
+
+
+def test_pretrained_imagenet_loads_the_cached_torchvision_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    monkeypatch.setenv("FASTVISION_OFFLINE", "1")  # the cached file must be used as is
+    src = R.resnet18(num_classes=1000)
+    with torch.no_grad():
+        src.conv1.weight.fill_(0.125)
+        src.layer4[1].bn2.running_var.fill_(3.0)
+    f = _hub_file(tmp_path, 18)
+    f.parent.mkdir(parents=True)
+    torch.save(src.state_dict(), f)
+    m = MODELS.build("resnet18", {"pretrained": "imagenet"})
+    for k, v in src.state_dict().items():
+        assert torch.equal(m.state_dict()[k], v), k
+    # the SSD backbone (headless, fc.* ignored) with frozen BN, as seed 002 starts
+    ssd = MODELS.build("ssd320-small", {"num_classes": 3, "pretrained": "imagenet", "frozen_bn": True})
+    assert torch.equal(ssd.backbone.conv1.weight, src.conv1.weight)
+    bn = ssd.backbone.layer4[1].bn2
+    assert type(bn).__name__ == "FrozenBatchNorm2d" and torch.equal(bn.running_var, src.layer4[1].bn2.running_var)
+    assert not any("bn" in n for n, _ in ssd.backbone.named_parameters())  # BN is not trained
+
+
+def test_pretrained_imagenet_offline_without_the_file_says_where_to_put_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    monkeypatch.setenv("FASTVISION_OFFLINE", "1")
+    with pytest.raises(DataError) as err:
+        MODELS.build("resnet50", {"num_classes": 10, "pretrained": "imagenet"})
+    msg = str(err.value)
+    assert "\n" not in msg and str(_hub_file(tmp_path, 50)) in msg and R.IMAGENET_URLS[50] in msg

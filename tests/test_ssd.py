@@ -36,10 +36,23 @@ def test_loss_equals_hand_formula():
     cls = (focal_by_hand(2.0, 0) + focal_by_hand(-1.0, 1)  # anchor 0: class 1 positive
            + focal_by_hand(0.5, 0) + focal_by_hand(-3.0, 0))  # anchor 1: background; anchor 2 ignored
     box = 0.5 * 0.5**2 + (2.0 - 0.5) + 0.5 * 0.1**2 + 0.0  # smooth-L1 against zero targets
+    box /= 1 * 4  # seed 002: normalize_loc_loss_by_codesize -> matches (1) x code size (4)
     assert got["num_matches"].item() == 1
     assert got["cls_loss"].item() == pytest.approx(cls, rel=1e-5)
     assert got["box_loss"].item() == pytest.approx(box, rel=1e-5)
     assert got["loss"].item() == pytest.approx(cls + box, rel=1e-5)
+
+
+def test_loc_loss_normalised_by_matches_times_code_size():
+    """Two matched anchors: box term = sum of smooth-L1 over both anchors' 4 codes / (2 x 4)."""
+    out = crafted_outputs()
+    boxes = torch.tensor([[[0, 0, 10, 10], [50, 50, 60, 60]]], dtype=torch.float32)  # on anchors 0 and 1
+    labels = torch.tensor([[1, 0]])
+    got = ssd_loss(out, boxes, labels)
+    sl1 = lambda v: 0.5 * v * v if abs(v) < 1 else abs(v) - 0.5  # noqa: E731  (beta 1, zero targets)
+    total = sum(sl1(v) for v in (0.5, -2.0, 0.1, 0.0)) + 4 * sl1(9.0)
+    assert got["num_matches"].item() == 2
+    assert got["box_loss"].item() == pytest.approx(total / (2 * 4), rel=1e-6)
 
 
 @pytest.mark.parametrize("case", ["empty", "crowd_only"])
@@ -180,10 +193,19 @@ def test_detection_task_end_to_end(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["ssd320-small-shapes", "ssd320-coco"])
-def test_recipe_two_step_smoke(recipe, tmp_path):
+def test_recipe_two_step_smoke(recipe, tmp_path, monkeypatch):
     engine = pytest.importorskip("fastvision.engine")
     from fastvision.config import from_dict, merge, read_yaml, recipe_path
     from fastvision.data.synth.coco import synth
+    from fastvision.models.resnet import IMAGENET_URLS, resnet50
+
+    # ssd320-coco starts from ImageNet weights (pretrained: imagenet): a torchvision-layout file in a
+    # private torch.hub cache stands in for torchvision's; nothing is downloaded
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setenv("FASTVISION_OFFLINE", "1")
+    hub = tmp_path / "torch" / "hub" / "checkpoints"
+    hub.mkdir(parents=True)
+    torch.save(resnet50().state_dict(), hub / IMAGENET_URLS[50].rsplit("/", 1)[1])
 
     root = synth(tmp_path / "shapes", seed=0, train=4, val=4)
     ann = str(root / "annotations/instances_val2017.json")

@@ -17,6 +17,7 @@ the forward pass forces a layout change.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -208,17 +209,57 @@ def _unwrap_state_dict(obj: object, path: Path) -> dict[str, Tensor]:
     return strip_prefixes(obj)
 
 
-def load_pretrained(model: nn.Module, path: str | Path, strict_head: bool = False) -> dict[str, list[str]]:
-    """Load a torchvision-layout state dict file into ``model``.
+# torchvision's ImageNet weights (IMAGENET1K_V1: the plain 90-epoch recipe, the closest to the
+# TF-slim resnet_v1_50 checkpoint that seed 002 starts from); the 8 hex digits are the sha256 prefix
+IMAGENET_URLS = {
+    18: "https://download.pytorch.org/models/resnet18-f37072fd.pth",
+    34: "https://download.pytorch.org/models/resnet34-b627a593.pth",
+    50: "https://download.pytorch.org/models/resnet50-0676ba61.pth",
+    101: "https://download.pytorch.org/models/resnet101-63fe2227.pth",
+    152: "https://download.pytorch.org/models/resnet152-394f9c45.pth",
+}
 
-    The file is read with ``torch.load(weights_only=True)`` (never unpickled). The classifier
+
+def imagenet_state_dict(depth: int) -> dict[str, Tensor]:
+    """torchvision's ImageNet state dict for ResNet-``depth`` through torch.hub's cache.
+
+    The file ``$TORCH_HOME/hub/checkpoints/<name>`` (``torch.hub.get_dir()``) is used when it is
+    there; otherwise it is downloaded with ``torch.hub.load_state_dict_from_url`` (hash-checked),
+    unless ``FASTVISION_OFFLINE`` is set. torchvision itself is not imported.
+
+    Raises:
+        DataError: one line naming the file to place and where, when it is neither cached nor
+            downloadable.
+    """
+    if depth not in IMAGENET_URLS:
+        raise DataError(f"--pretrained imagenet: no ImageNet weights for ResNet-{depth}")
+    url = IMAGENET_URLS[depth]
+    name = url.rsplit("/", 1)[1]
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    place = (f"place torchvision's ResNet-{depth} ImageNet weights ({url}) at {folder / name}")
+    if not (folder / name).is_file() and os.environ.get("FASTVISION_OFFLINE"):
+        raise DataError(f"--pretrained imagenet: {name} is not in torch.hub's cache and FASTVISION_OFFLINE is set; "
+                        f"{place}")
+    try:
+        return torch.hub.load_state_dict_from_url(url, model_dir=str(folder), map_location="cpu", progress=False,
+                                                  check_hash=True, file_name=name, weights_only=True)
+    except (OSError, RuntimeError) as e:  # no network (URLError is an OSError), bad hash, corrupt file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"--pretrained imagenet: cannot get {name} ({reason}); {place}") from e
+
+
+def load_pretrained(model: nn.Module, path: str | Path | dict, strict_head: bool = False) -> dict[str, list[str]]:
+    """Load a torchvision-layout state dict (a file, or an already loaded dict) into ``model``.
+
+    A file is read with ``torch.load(weights_only=True)`` (never unpickled). The classifier
     (``fc.*``) is skipped with a warning when its shape differs, so ImageNet weights can start a
     model with another number of classes. Any other missing, unexpected or mis-shaped key is an
     error naming the file and the keys.
 
     Args:
         model: the model to fill (e.g. from ``resnet50(num_classes=2)``).
-        path: ``.pt``/``.pth`` file with a state dict (or a checkpoint with ``model``/``state_dict``).
+        path: ``.pt``/``.pth`` file with a state dict (or a checkpoint with ``model``/``state_dict``),
+            or the state dict itself.
         strict_head: raise instead of skipping a classifier of a different shape.
 
     Returns:
@@ -228,14 +269,17 @@ def load_pretrained(model: nn.Module, path: str | Path, strict_head: bool = Fals
     Raises:
         DataError: the file is missing or unreadable, or the keys do not fit the model.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"pretrained weights not found: {path}")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt file or pickled objects beyond tensors
-        raise DataError(f"{path}: cannot load weights ({e})") from e
-    state = _unwrap_state_dict(obj, path)
+    if isinstance(path, dict):
+        state, path = _unwrap_state_dict(path, "state dict"), "state dict"
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"pretrained weights not found: {path}")
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # corrupt file or pickled objects beyond tensors
+            raise DataError(f"{path}: cannot load weights ({e})") from e
+        state = _unwrap_state_dict(obj, path)
     own = model.state_dict()
     skipped = [k for k in state if k in own and state[k].shape != own[k].shape]
     bad_shape = [k for k in skipped if not k.startswith("fc.") or strict_head]
@@ -268,10 +312,16 @@ _DEPTHS: dict[int, tuple[type[BasicBlock] | type[Bottleneck], tuple[int, int, in
 
 def build_resnet(depth: int, num_classes: int = 1000, in_channels: int = 3, zero_init_residual: bool = True,
                  pretrained: str | None = None) -> ResNet:
-    """ResNet v1.5 of the given depth, optionally loaded from a torchvision-style state dict."""
+    """ResNet v1.5 of the given depth, optionally loaded from a torchvision-style state dict.
+
+    ``pretrained``: a state dict file, or ``"imagenet"`` for torchvision's ImageNet weights through
+    torch.hub's cache (:func:`imagenet_state_dict`).
+    """
     block, layers = _DEPTHS[depth]
     model = ResNet(block, layers, num_classes, in_channels, zero_init_residual)
-    if pretrained:
+    if pretrained == "imagenet":
+        load_pretrained(model, imagenet_state_dict(depth))
+    elif pretrained:
         load_pretrained(model, pretrained)
     return model
 

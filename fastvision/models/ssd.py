@@ -1,8 +1,8 @@
 """SSD320 v1.2 (seed 002): a RetinaNet-style single-shot detector on a ResNet + FPN.
 
 The story, top to bottom: frozen BN, the FPN over levels 3-7, the weight-shared predictor, the
-model (outputs logits, box codes and its anchors), the loss (sigmoid focal + smooth-L1 normalised
-by the number of matches), post-processing (score threshold, batched NMS, top 100), then the
+model (outputs logits, box codes and its anchors), the loss (sigmoid focal normalised by the
+number of matches, smooth-L1 by matches x code size 4, as the seed's config), post-processing (score threshold, batched NMS, top 100), then the
 registered variants ``ssd320`` (ResNet-50, depth 256, as the TF config) and ``ssd320-small``
 (ResNet-18, depth 64, two tower layers: trains on a CPU).
 """
@@ -214,8 +214,11 @@ class SSD(nn.Module):
 def ssd_loss(outputs: dict[str, Tensor], boxes: Tensor, labels: Tensor, iscrowd: Tensor | None = None,
              alpha: float = 0.25, gamma: float = 2.0, iou_threshold: float = 0.5,
              coder: BoxCoder | None = None) -> dict[str, Tensor]:
-    """Sigmoid focal loss + smooth-L1, each summed and divided by the number of matched anchors.
+    """Sigmoid focal loss + smooth-L1, summed and normalised as seed 002's TF config.
 
+    The focal term is divided by the number of matched anchors (``normalize_loss_by_num_matches``),
+    the smooth-L1 term by matches x the box code size, 4 (``normalize_loc_loss_by_codesize``): the
+    box term is the mean over the 4 coordinates of a matched anchor, not their sum.
     Ignored anchors (inside crowd boxes) contribute to neither term. No host syncs.
 
     Args:
@@ -244,7 +247,7 @@ def ssd_loss(outputs: dict[str, Tensor], boxes: Tensor, labels: Tensor, iscrowd:
     matched_boxes = boxes.float().gather(1, idx[..., None].expand(-1, -1, 4))
     box_target = coder.encode(matched_boxes, anchors)
     reg = smooth_l1(box_codes.float(), box_target, 1.0).sum(-1)
-    box_loss = torch.where(pos, reg, torch.zeros_like(reg)).sum() / num
+    box_loss = torch.where(pos, reg, torch.zeros_like(reg)).sum() / (num * box_codes.shape[-1])
     return {"loss": cls_loss + box_loss, "cls_loss": cls_loss, "box_loss": box_loss, "num_matches": num}
 
 
@@ -290,30 +293,43 @@ def postprocess(outputs: dict[str, Tensor], image_size: tuple[int, int], score_t
 
 def build_ssd(depth_resnet: int, num_classes: int, depth: int, head_layers: int, frozen_bn: bool,
               backbone_weights: str | None, anchor_scale: float = 4.0, bn_momentum: float = BN_MOMENTUM) -> SSD:
-    """ResNet-``depth_resnet`` backbone (optionally from a local state dict) + FPN + head."""
+    """ResNet-``depth_resnet`` backbone (``backbone_weights``: ``"imagenet"``, a local state dict, or
+    None for random) + FPN + head."""
     backbone = build_resnet(depth_resnet, num_classes=0, pretrained=backbone_weights)
     if frozen_bn:
         freeze_batchnorm(backbone)
     return SSD(backbone, num_classes, depth, head_layers, anchor_scale=anchor_scale, bn_momentum=bn_momentum)
 
 
+def _backbone_weights(pretrained: str | None, backbone_weights: str | None) -> str | None:
+    if pretrained and backbone_weights:
+        from ..errors import ConfigError
+
+        raise ConfigError("model.args: give pretrained or backbone_weights, not both")
+    return pretrained or backbone_weights
+
+
 @MODELS.register("ssd320")
-def ssd320(num_classes: int = 90, frozen_bn: bool = False, backbone_weights: str | None = None) -> SSD:
+def ssd320(num_classes: int = 90, frozen_bn: bool = False, pretrained: str | None = None,
+           backbone_weights: str | None = None) -> SSD:
     """SSD320 v1.2: ResNet-50, FPN depth 256, 4-layer towers (TF ``ssd320_full_8gpus.config``).
 
-    ``frozen_bn`` freezes the backbone's BN, as the seed does on top of ImageNet weights
-    (``backbone_weights``: a local torchvision-layout ResNet-50 state dict; nothing is downloaded).
+    ``pretrained`` (``--pretrained``): the backbone's initial weights, ``"imagenet"`` (torchvision's
+    ResNet-50 through torch.hub's cache, as the seed starts from ImageNet) or a local
+    torchvision-layout file; ``backbone_weights`` is the older name. ``frozen_bn`` freezes the
+    backbone's BN, as the seed does on top of ImageNet weights.
     """
-    return build_ssd(50, num_classes, 256, 4, frozen_bn, backbone_weights)
+    return build_ssd(50, num_classes, 256, 4, frozen_bn, _backbone_weights(pretrained, backbone_weights))
 
 
 @MODELS.register("ssd320-small")
-def ssd320_small(num_classes: int = 90, frozen_bn: bool = False, backbone_weights: str | None = None,
-                 anchor_scale: float = 4.0, bn_momentum: float = 0.1) -> SSD:
+def ssd320_small(num_classes: int = 90, frozen_bn: bool = False, pretrained: str | None = None,
+                 backbone_weights: str | None = None, anchor_scale: float = 4.0, bn_momentum: float = 0.1) -> SSD:
     """CPU-sized variant: ResNet-18, FPN/head depth 64, 2-layer towers, same anchor layout and loss.
 
     ``anchor_scale`` sets the P3 anchor side (``anchor_scale * 8`` px): smaller inputs want a
     smaller one (4 gives 32 px, 10% of a 320 input; 2 gives 16 px, 12.5% of a 128 input).
     ``bn_momentum`` defaults to PyTorch's 0.1: CPU runs last a few hundred steps (see :class:`SSD`).
     """
-    return build_ssd(18, num_classes, 64, 2, frozen_bn, backbone_weights, anchor_scale, bn_momentum)
+    return build_ssd(18, num_classes, 64, 2, frozen_bn, _backbone_weights(pretrained, backbone_weights), anchor_scale,
+                     bn_momentum)

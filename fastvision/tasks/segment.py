@@ -1,11 +1,14 @@
 """Semantic segmentation (2-D and 3-D): softmax classes, a binary sigmoid channel, or
 overlapping sigmoid regions (BraTS WT/TC/ET).
 
-Metrics are exact over the whole validation set: confusion counts (or per-region tp/fp/fn) are
-summed over batches and ranks before IoU and Dice are computed.
+Validation metrics (``SegEvaluator``): each case's Dice and IoU (and HD95 with ``hd95``) per
+foreground class or region, averaged over cases (seed 000, seed 003 / MONAI ``DiceMetric``, BraTS,
+nnU-Net), beside the pooled figures (tp/fp/fn summed over the whole set; seed 001's IoU). Both
+are sums over cases, combined across ranks by one exact all-reduce (``case_metrics.CaseSums``).
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,7 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..metrics import ConfusionMatrix, RegionCounts, dice_per_class, iou_per_class
+from ..case_metrics import CaseSums, case_counts, case_scores
+from ..metrics import RegionCounts, hd95
 from ..registry import TASKS
 from .base import DeviceConstants, Evaluator, Task
 
@@ -29,7 +33,23 @@ class SegmentationTask(Task):
         regions: label sets forming each region, e.g. ``[[1, 2, 3], [1, 3], [3]]`` for BraTS WT,
             TC, ET after the 4 -> 3 remap.
         sample_shape: (C, *S) of one input, for benchmark mode's synthetic batches.
+        regions: also with mode "softmax": regions scored from the argmax labels (BraTS WT/TC/ET
+            of a per-label model, seed 000); then ``region_names`` is required.
+        region_names: names used in the metric keys (``dice/WT``); default: the region's index.
+        sample_shape: (C, *S) of one input, for benchmark mode's synthetic batches.
         sliding_window: validation by sliding window: ``{roi_size, overlap, mode, sw_batch_size}``.
+        eval: ``sliding_window`` (or one plain forward without ``sliding_window``), or ``crop``:
+            seed 000's single forward on the centre ``eval_crop`` of each volume (cropped or
+            zero-padded per axis); voxels outside the crop are predicted background.
+        eval_crop: spatial size of the ``crop`` evaluation (seed 000: 224 x 224 x 160).
+        average: what the unsuffixed ``dice`` / ``iou`` are: ``case``: the mean over cases of each
+            case's score (pooled kept as ``dice_pooled``), or ``pooled``: tp/fp/fn summed over the
+            whole set (seed 001's IoU; per-case kept as ``dice_case``).
+        empty: score of a case whose truth is empty for a class: ``ignore`` (MONAI
+            ``ignore_empty``: left out), ``one`` (BraTS: 1 if the prediction is empty too, else 0)
+            or ``zero`` (seed 000's TF code).
+        hd95: also the per-case 95th-percentile Hausdorff distance (voxels); cases where the
+            prediction or the truth is empty are left out of it.
         loss: the loss module (built by the engine from the recipe's ``loss`` section).
         augment: callable ``(image, label, generator) -> (image, label)`` or None.
         info: the dataset's ``info`` (every task receives it; segmentation needs nothing from it).
@@ -39,15 +59,29 @@ class SegmentationTask(Task):
     higher_is_better = True
 
     def __init__(self, *, num_classes: int = 2, mode: Literal["softmax", "sigmoid", "regions"] = "softmax",
-                 regions: list[list[int]] | None = None, sample_shape: list[int] = (1, 256, 256),
-                 sliding_window: dict | None = None, loss: nn.Module, augment=None, info: dict | None = None):
+                 regions: list[list[int]] | None = None, region_names: list[str] | None = None,
+                 sample_shape: list[int] = (1, 256, 256), sliding_window: dict | None = None,
+                 eval: Literal["sliding_window", "crop"] = "sliding_window", eval_crop: list[int] | None = None,
+                 average: Literal["case", "pooled"] = "case", empty: Literal["ignore", "one", "zero"] = "ignore",
+                 hd95: bool = False, loss: nn.Module, augment=None, info: dict | None = None):
+        from ..errors import ConfigError
+
         self.num_classes, self.mode, self.loss_fn, self.augment_fn = num_classes, mode, loss, augment
         self.regions = [list(r) for r in regions] if regions else None
         if mode == "regions" and not self.regions:
-            from ..errors import ConfigError
-
             raise ConfigError("task.args.regions is required with task.args.mode=regions")
-        if mode == "regions":
+        if self.regions and mode == "sigmoid":
+            raise ConfigError("task.args.regions: use mode=regions (one sigmoid per region) or mode=softmax")
+        if region_names is not None and (not self.regions or len(region_names) != len(self.regions)):
+            raise ConfigError("task.args.region_names: one name per entry of task.args.regions")
+        if self.regions and mode == "softmax" and region_names is None:
+            raise ConfigError("task.args.region_names is required with regions in softmax mode (keys dice/<name>)")
+        self.region_names = list(region_names) if region_names else None
+        self.eval_mode, self.average, self.empty, self.hd95 = eval, average, empty, hd95
+        self.eval_crop = tuple(eval_crop) if eval_crop else None
+        if eval == "crop" and self.eval_crop is None:
+            raise ConfigError("task.args.eval=crop needs task.args.eval_crop, e.g. [224, 224, 160]")
+        if self.regions:
             self.primary_metric = "dice"
             lut = torch.zeros(max(256, 1 + max(max(r) for r in self.regions)), len(self.regions), dtype=torch.bool)
             for i, r in enumerate(self.regions):
@@ -80,11 +114,37 @@ class SegmentationTask(Task):
 
     # -- evaluation ----------------------------------------------------------------
     def eval_forward(self, model: nn.Module, batch: dict[str, Any]) -> Tensor:
+        if self.eval_mode == "crop":
+            return self._crop_forward(model, batch["image"])
         if self.sliding_window is None:
             return model(batch["image"])
         from ..inference import sliding_window_inference
 
         return sliding_window_inference(batch["image"], model=model, **self.sliding_window)
+
+    def _crop_forward(self, model: nn.Module, image: Tensor) -> Tensor:
+        """One forward on the centre crop (zero-padded where the volume is smaller) of size
+        ``eval_crop``; the logits are put back in place, background everywhere else."""
+        spatial = image.shape[2:]
+        if len(self.eval_crop) != len(spatial):
+            from ..errors import ConfigError
+
+            raise ConfigError(f"task.args.eval_crop {list(self.eval_crop)} does not match {len(spatial)}-D images")
+        src, dst = [], []
+        for n, m in zip(spatial, self.eval_crop):
+            lo = max(0, (n - m) // 2)
+            k = min(n, m)
+            src.append(slice(lo, lo + k))
+            off = max(0, (m - n) // 2)
+            dst.append(slice(off, off + k))
+        x = image.new_zeros(*image.shape[:2], *self.eval_crop)
+        x[(Ellipsis, *dst)] = image[(Ellipsis, *src)]
+        logits = model(x).float()
+        out = logits.new_full((logits.shape[0], logits.shape[1], *spatial), -20.0)
+        if self.mode == "softmax":
+            out[:, 0] = 20.0  # background wins the argmax outside the crop
+        out[(Ellipsis, *src)] = logits[(Ellipsis, *dst)]
+        return out
 
     def predict_labels(self, logits: Tensor) -> Tensor:
         """(B, C, *S) logits -> (B, *S) class indices (softmax / sigmoid) or (B, R, *S) bool."""
@@ -176,7 +236,10 @@ class SegmentationTask(Task):
         return written
 
 class SegEvaluator(Evaluator):
-    """Confusion counts (softmax / sigmoid) or per-region tp/fp/fn (regions), plus loss sums.
+    """Per-case scores as :class:`~fastvision.case_metrics.CaseSums` (Dice, IoU, optional HD95),
+    pooled tp/fp/fn as :class:`~fastvision.metrics.RegionCounts`, for the foreground classes (or
+    the regions of mode ``regions``) and, in softmax mode with ``regions``, the derived regions;
+    plus the loss sums. Each item of a validation batch is one case.
 
     The sums live on the device of the first batch, so updates never copy to the host.
     """
@@ -185,46 +248,102 @@ class SegEvaluator(Evaluator):
         self.task = task
         self._reset(torch.device("cpu"))
 
+    def _groups(self) -> list[tuple[str, list[str]]]:
+        """(group, channel names): ``classes`` (foreground classes or regions) then ``regions``."""
+        t = self.task
+        if t.mode == "regions":
+            return [("classes", t.region_names or [str(r) for r in range(len(t.regions))])]
+        names = [str(c) for c in range(1, t.num_classes)] if t.mode == "softmax" else ["1"]
+        return [("classes", names)] + ([("regions", t.region_names)] if t.regions else [])
+
     def _reset(self, device: torch.device) -> None:
-        regions = self.task.regions
         self.device = device
-        self.counts = (RegionCounts(len(regions), device) if self.task.mode == "regions"
-                       else ConfusionMatrix(self.task.num_classes, device))
+        self.parts: dict[str, Any] = {}
+        for group, names in self._groups():
+            c = len(names)
+            self.parts[f"{group}.dice"] = CaseSums(c, device)
+            self.parts[f"{group}.iou"] = CaseSums(c, device)
+            if self.task.hd95:
+                self.parts[f"{group}.hd95"] = CaseSums(c, device, scale=2.0**20)
+            self.parts[f"{group}.pooled"] = RegionCounts(c, device)
         self.loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of loss * n, n)
+
+    def _masks(self, outputs: Tensor, label: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        """(pred, truth) boolean ``(B, C, *S)`` masks per group."""
+        t = self.task
+        pred = t.predict_labels(outputs)
+        if t.mode == "regions":
+            return {"classes": (pred, t.region_masks(label))}
+        if t.mode == "sigmoid":
+            return {"classes": (pred.bool().unsqueeze(1), (label > 0).unsqueeze(1))}
+        fg = torch.arange(1, t.num_classes, device=label.device).view(1, -1, *([1] * (label.dim() - 1)))
+        out = {"classes": (pred.unsqueeze(1) == fg, label.unsqueeze(1) == fg)}
+        if t.regions:
+            out["regions"] = (t.region_masks(pred), t.region_masks(label))
+        return out
 
     def update(self, outputs: Tensor, batch: dict[str, Any]) -> None:
         label = batch["label"]
         if label.device != self.device:
             self._reset(label.device)  # first batch: nothing accumulated yet
-        pred = self.task.predict_labels(outputs)
-        if self.task.mode == "regions":
-            self.counts.update(pred, self.task.region_masks(label))
-        else:
-            self.counts.update(pred, label)
+        for group, (pred, truth) in self._masks(outputs, label).items():
+            tp, fp, fn = case_counts(pred, truth)
+            self.parts[f"{group}.dice"].update(case_scores(tp, fp, fn, "dice", self.task.empty))
+            self.parts[f"{group}.iou"].update(case_scores(tp, fp, fn, "iou", self.task.empty))
+            if self.task.hd95:
+                self.parts[f"{group}.hd95"].update(_hd95_cases(pred, truth))
+            self.parts[f"{group}.pooled"].update(pred, truth)
         n = label.shape[0]
         loss = self.task.loss(outputs.float(), batch).detach().double()
         self.loss_sum += torch.stack([loss * n, loss.new_tensor(float(n))])
 
     def state(self) -> Tensor:
-        return torch.cat([self.counts.state(), self.loss_sum])
+        return torch.cat([p.state() for p in self.parts.values()] + [self.loss_sum])
 
     def load_state(self, state: Tensor) -> None:
         self._reset(state.device)
-        self.counts.load_state(state[:-2])
-        self.loss_sum = state[-2:].clone()
+        start = 0
+        for part in self.parts.values():
+            n = part.state().numel()
+            part.load_state(state[start:start + n])
+            start += n
+        self.loss_sum = state[start:start + 2].clone()
 
     def compute(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        if self.task.mode == "regions":
-            dice, iou = self.counts.dice().cpu(), self.counts.iou().cpu()
-            for r, (d, j) in enumerate(zip(dice.tolist(), iou.tolist())):
-                out[f"dice/{r}"], out[f"iou/{r}"] = d, j
-        else:
-            iou, dice = iou_per_class(self.counts).cpu()[1:], dice_per_class(self.counts).cpu()[1:]  # foreground
-            if self.task.num_classes > 2:
-                for c, (j, d) in enumerate(zip(iou.tolist(), dice.tolist()), start=1):
-                    out[f"iou/{c}"], out[f"dice/{c}"] = j, d
-        out["iou"], out["dice"] = float(np.nanmean(iou.numpy())), float(np.nanmean(dice.numpy()))
+        case_suffix, pooled_suffix = ("", "_pooled") if self.task.average == "case" else ("_case", "")
+        groups = self._groups()
+        for group, names in groups:
+            # with derived regions (softmax + regions) the regions are the headline: per-label means
+            # get the "_labels" suffix (seed 000's mean_dice is dice_labels)
+            tag = "_labels" if group == "classes" and len(groups) == 2 else ""
+            pooled = self.parts[f"{group}.pooled"]
+            for metric in ("dice", "iou", "hd95"):
+                if metric == "hd95" and not self.task.hd95:
+                    continue
+                sums = self.parts[f"{group}.{metric}"]
+                per = sums.mean_batch().cpu().tolist()
+                out[f"{metric}{tag}{case_suffix}"] = sums.mean()
+                if len(names) > 1:
+                    out.update({f"{metric}{case_suffix}/{k}": v for k, v in zip(names, per)})
+                if metric == "hd95":
+                    continue
+                whole = (pooled.dice() if metric == "dice" else pooled.iou()).cpu()
+                out[f"{metric}{tag}{pooled_suffix}"] = float(np.nanmean(whole.numpy())) if (~whole.isnan()).any() else math.nan
+                if len(names) > 1:
+                    out.update({f"{metric}{pooled_suffix}/{k}": v for k, v in zip(names, whole.tolist())})
         n = float(self.loss_sum[1])
         out["val_loss"] = float(self.loss_sum[0]) / n if n else float("nan")
         return out
+
+
+def _hd95_cases(pred: Tensor, truth: Tensor) -> Tensor:
+    """``(B, C)`` float64 HD95 in voxels; NaN where either mask is empty (left out of the mean)."""
+    b, c = pred.shape[:2]
+    out = torch.full((b, c), math.nan, dtype=torch.float64, device=pred.device)
+    for i in range(b):
+        for j in range(c):
+            d = hd95(pred[i, j], truth[i, j])
+            if torch.isfinite(d):
+                out[i, j] = d
+    return out

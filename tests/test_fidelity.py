@@ -1,0 +1,70 @@
+"""Recipes against the seeds' published settings, written out from the seeds' code by hand
+(docs/fidelity.md cites these tests)."""
+from __future__ import annotations
+
+import pytest
+
+from fastvision import config, optim
+
+
+def _lr_at(cfg, step: int, steps_per_epoch: int, global_batch: int) -> float:
+    base = optim.effective_lr(cfg.optim, global_batch)
+    return base * optim.lr_lambda(cfg.sched, steps_per_epoch, cfg.train.epochs)(step)
+
+
+def test_unet3d_brats_schedule_is_seed000_piecewise_constant():
+    """DLE model_fn.py: piecewise_constant(step, [S/2N, S/2N, 3S/4N], [lr/4, lr, lr/5, lr/20])."""
+    cfg = config.load("unet3d-brats")
+    spe = 100
+    total = spe * cfg.train.epochs
+    lr = 2e-4
+    b = [total // 2, total // 2, 3 * total // 4]
+    values = [lr / 4, lr, lr / 5, lr / 20]
+
+    def seed(step: int) -> float:  # tf.train.piecewise_constant: v[i] while step <= b[i]
+        for i, bound in enumerate(b):
+            if step <= bound:
+                return values[i]
+        return values[-1]
+
+    for step in [0, 1, total // 4, total // 2 - 1, total // 2 + 1, 2 * total // 3, 3 * total // 4 + 1, total - 1]:
+        assert _lr_at(cfg, step, spe, 16) == pytest.approx(seed(step), rel=1e-12), step
+    assert cfg.loss.name == "dice_bce" and cfg.task.args["mode"] == "softmax" and cfg.optim.name == "adam"
+    assert cfg.task.args["region_names"] == ["WT", "TC", "ET"] and cfg.train.batch_size == 2
+
+
+@pytest.mark.parametrize("workers", [1, 4, 14])
+def test_unet2d_seed001_schedule_is_the_seeds_per_epoch_rule(workers):
+    """tensorflow_native/training.py lr_schedule(epoch): init_lr * K for epoch < 80, /2 to 119,
+    /4 to 150 (inclusive), /8 after; K workers of 16 images each."""
+    cfg = config.load("unet2d-seed001")
+    spe = 7
+
+    def seed(epoch: int) -> float:
+        k, lr = workers, 1e-3
+        if epoch < 80:
+            return lr * k
+        if epoch < 120:
+            return lr / 2 * k
+        if epoch <= 150:
+            return lr / 4 * k
+        return lr / 8 * k
+
+    assert cfg.train.epochs == 200 and cfg.train.batch_size == 16
+    for epoch in range(cfg.train.epochs):
+        assert _lr_at(cfg, epoch * spe, spe, 16 * workers) == pytest.approx(seed(epoch), rel=1e-12), epoch
+
+
+def test_unet2d_seed001_recipe_as_published():
+    cfg = config.load("unet2d-seed001")
+    assert cfg.model.name == "unet2d-seed001" and cfg.loss.name == "bce" and cfg.optim.name == "adam"
+    assert cfg.data.args["image_size"] == [768, 1024] and cfg.data.args["repeat"] == 2
+    assert cfg.task.args["average"] == "pooled" and cfg.train.amp == "off" and not cfg.data.augment
+    assert config.load("unet2d-microscopy").task.args["average"] == "pooled"  # seed 001's IoU definition
+
+
+def test_gpu_recipes_default_to_amp_auto_and_ssd_starts_from_imagenet():
+    for name in ("resnet50-imagenet", "ssd320-coco", "unet3d-brats", "segresnet-brats"):
+        assert config.load(name).train.amp == "auto", name
+    ssd = config.load("ssd320-coco").model.args
+    assert ssd["pretrained"] == "imagenet" and ssd["frozen_bn"] is True
