@@ -141,10 +141,9 @@ def test_gpu_cache_partitions_cover_every_item_and_refuse_worker_processes():
 
 
 def test_microscopy_items_are_named_by_their_files(tiny_microscopy):
-    from fastvision.engine import import_components
     from fastvision.registry import DATASETS
 
-    import_components()
+    import fastvision.data.formats, fastvision.losses, fastvision.models, fastvision.tasks  # noqa: F401, E401  (register)
     train = DATASETS.build("microscopy", {"path": str(tiny_microscopy), "image_size": [32, 32]}, where="t").train
     base, pipeline, identity = cache_source(train)
     assert len(base) == len(train) and identity is not None and item_identity(train) is not None
@@ -163,10 +162,9 @@ def test_volume_dataset_has_a_disk_cache_identity(tmp_path, monkeypatch):
     """3-D datasets cache through cache_pipeline(); their file identity must still reach the disk cache."""
     from fastvision.data.cache_select import cache_source
     from fastvision.data.synth.medical import synth_spleen
-    from fastvision.engine import import_components
     from fastvision.registry import DATASETS
 
-    import_components()
+    import fastvision.data.formats, fastvision.losses, fastvision.models, fastvision.tasks  # noqa: F401, E401  (register)
     monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
     root = synth_spleen(tmp_path / "spleen", cases=5, test_cases=0, size=24)
     splits = DATASETS.build("decathlon", {"path": str(root), "patch_size": None})

@@ -21,7 +21,7 @@ from ...errors import DataError
 from ...registry import DATASETS
 from ..preprocess3d import PreprocessParams, remap_labels
 from .anomalies import nifti_header, drop_unreadable
-from . import DatasetSplits
+from .base import DatasetSplits
 from .brats_layouts import detect
 from .decathlon import BRATS_CLASS_NAMES, build_splits
 

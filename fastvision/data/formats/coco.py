@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 from ...errors import ConfigError, DataError
 from ...registry import DATASETS
 from ..transforms import RandomTransform, Transform
-from . import DatasetSplits
+from .base import DatasetSplits
 from .anomalies import drop_unreadable, first_few, handle_invalid, image_header
 from .coco_check import check_annotations
 

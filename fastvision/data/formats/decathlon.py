@@ -31,7 +31,7 @@ from ...errors import ConfigError, DataError
 from ...registry import DATASETS
 from ..preprocess3d import PreprocessParams, preprocess_case
 from ..transforms import RandomTransform, Transform
-from . import DatasetSplits
+from .base import DatasetSplits
 from .anomalies import drop_unreadable, first_few, nifti_header
 
 log = logging.getLogger(__name__)

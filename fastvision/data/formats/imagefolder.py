@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from ...errors import DataError
 from ...registry import DATASETS
 from ..transforms import RandomTransform, Transform
-from . import DatasetSplits
+from .base import DatasetSplits
 from .anomalies import drop_unreadable, image_header
 from .imagenet_val import flat_val_samples, is_flat
 

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 from ...errors import DataError
 from ...registry import DATASETS
-from . import DatasetSplits
+from .base import DatasetSplits
 from .anomalies import handle_invalid
 from .asap import grid_labels_from_mask, mask_downsample_for, rasterize, read_polygons
 from .camelyon import find_slides, is_slide_split
