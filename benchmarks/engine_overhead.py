@@ -13,7 +13,6 @@ Prints the median step times and their ratio (fastvision / hand-written; target 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import statistics
@@ -21,7 +20,7 @@ import time
 
 import torch
 
-from fastvision import config, engine, optim, runtime
+from fastvision import config, engine
 from fastvision.log import RunLogger
 
 
@@ -71,34 +70,26 @@ def main() -> None:
     args = p.parse_args()
 
     cfg = config.load(args.recipe, [{"data": {"augment": {}}, "train": {"device": "cpu", "amp": args.amp,
-                                                                         "batch_size": args.batch_size}}])
+                                                                         "batch_size": args.batch_size,
+                                                                         "steps_per_epoch": args.steps,
+                                                                         "epochs": args.rounds}}])
     cfg.data.augment = {}
-    run = engine.build(cfg)
-    assert run.task.mode == "sigmoid", "this benchmark's hand loop is written for the binary recipe"
-    items = [run.train_set[i] for i in range(args.batch_size * 2)]
-    batches = [run.task.collate(items[:args.batch_size]), run.task.collate(items[args.batch_size:])]
-    precision = runtime.Precision(cfg.train.amp, run.device)
-    tc = cfg.train
-
-    def fresh():
-        model = copy.deepcopy(run.model)
-        opt = optim.build_optimizer(model, cfg.optim, cfg.optim.lr)
-        sched = optim.build_scheduler(opt, cfg.sched, args.steps, args.rounds)
-        return model, opt, sched
-
-    fv_model, fv_opt, fv_sched = fresh()
-    hw_model, hw_opt, hw_sched = fresh()
+    # two builds under one seed: the same initial weights; each has its own optimizer and schedule
+    fv_run, hw_run = (engine.build(cfg, train=True, loaders=False) for _ in range(2))
+    assert fv_run.task.mode == "sigmoid", "this benchmark's hand loop is written for the binary recipe"
+    items = [fv_run.train_set[i] for i in range(args.batch_size * 2)]
+    batches = [fv_run.task.collate(items[:args.batch_size]), fv_run.task.collate(items[args.batch_size:])]
     logger = RunLogger.__new__(RunLogger)  # a disabled logger: no files, no output
     logger.enabled, logger._progress, logger._task, logger._file, logger._tb = False, None, None, None, None
     state = {"step": 0}
     fv, hw = [], []
     for r in range(args.rounds):
+        fv_run.train_loader = TimedBatches(batches, args.steps)
+        engine.train_one_epoch(fv_run, r, state, logger)
+        fv += fv_run.train_loader.step_times()
         loader = TimedBatches(batches, args.steps)
-        engine.train_one_epoch(fv_model, run.task, loader, fv_opt, fv_sched, precision, None, tc, 1, r,
-                               args.steps, state, logger)
-        fv += loader.step_times()
-        loader = TimedBatches(batches, args.steps)
-        hand_loop(hw_model, run.task.loss_fn, hw_opt, hw_sched, loader, run.device, precision)
+        hand_loop(hw_run.model, hw_run.task.loss_fn, hw_run.optimizer, hw_run.scheduler, loader, hw_run.device,
+                  hw_run.precision)
         hw += loader.step_times()
     med_fv, med_hw = statistics.median(fv), statistics.median(hw)
     result = {"recipe": args.recipe, "batch_size": args.batch_size, "amp": args.amp, "steps_timed": len(fv),

@@ -107,14 +107,15 @@ def train_step(model, task, batch, optimizer, precision) -> None:
 
 
 def recipe_builder(cfg: RunConfig, device: torch.device):
-    """The recipe's model (on ``device``), task and optimizer factory: the one place that builds
-    a recipe for the search (point it at the engine's shared build)."""
-    from . import optim
-    from .benchmark import build_model_and_task
+    """The recipe's model (on ``device``), task and optimizer factory, built by the engine's one
+    build without a dataset (the task supplies synthetic batches)."""
+    from . import engine, optim
 
     def build():
-        model, task = build_model_and_task(cfg, device, cfg.train.channels_last)
-        return model, task, lambda m: optim.build_optimizer(m, cfg.optim, cfg.optim.lr)
+        c = copy.deepcopy(cfg)
+        c.train.device, c.train.batch_size = str(device), 1  # batch_size may still read "auto"
+        run = engine.build(c, data_info={}, train=False)
+        return run.model, run.task, lambda m: optim.build_optimizer(m, cfg.optim, cfg.optim.lr)
 
     return build
 

@@ -1,11 +1,12 @@
 """Benchmark mode: training or inference throughput and latency of any recipe on synthetic batches.
 
-``fastvision benchmark RECIPE --mode train|inference`` builds the recipe's model, loss and task
-from the registries (no dataset: the task supplies a random batch already on the device, so the
-figures measure compute, not input), then for every (batch size, precision) setting runs warm-up
-steps and timed steps. A training step is the engine's step (autocast forward + loss, scaled
-backward, optimizer step through the same :class:`~fastvision.runtime.Precision` scaler); an
-inference step is the task's validation forward under ``no_grad``. Each timed step is bracketed
+``fastvision benchmark RECIPE --mode train|inference`` builds each (batch size, precision) setting
+with the engine's own :func:`~fastvision.engine.build` without a dataset (the task supplies a random
+batch already on the device, so the figures measure compute, not input), then runs warm-up steps
+and timed steps. A training step is :func:`fastvision.engine.train_step`, the step ``fit`` runs
+(accumulation, autocast, scaled backward, non-finite check, clipping, scaler step, schedule, EMA);
+an inference step is the task's validation forward under ``no_grad``. ``--mode data`` times the
+recipe's input path without the model (:mod:`fastvision.benchmark_data`). Each timed step is bracketed
 by ``torch.cuda.synchronize`` on GPU (the measurement's only host syncs). Reported: items/s
 (median over steps), latency mean / p50 / p90 / p95 / p99 in ms, peak GPU memory, and the
 speed-up of TF32 / AMP over FP32 (and AMP over TF32) at the same batch size.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
+import itertools
 import json
 import logging
 import math
@@ -24,12 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from . import __version__, optim, runtime
+from . import __version__, engine, runtime
 from .config import RunConfig
 from .errors import ConfigError
-from .tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -75,28 +74,18 @@ def step_stats(times_s: list[float], batch_size: int) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------ building
-def build_model_and_task(cfg: RunConfig, device: torch.device, channels_last: bool = False) -> tuple[nn.Module, Task]:
-    """The recipe's model (on ``device``) and task, built from the registries without a dataset.
-
-    Tasks that take the dataset's ``info`` (detection) get an empty one: synthetic batches need
-    only the task's own arguments. The recipe's batched augmentation is built for the spatial
-    dimensionality of the task's synthetic batch.
-    """
-    from .engine import import_components
-    from .registry import LOSSES, MODELS, TASKS
-
-    import_components()
-    loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args").to(device)
-    extra = {"info": {}} if "info" in inspect.signature(TASKS.get(cfg.task.name)).parameters else {}
-    task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, **extra)
-    if cfg.data.augment:
-        from .data.gpu_aug import build_augment
-
-        dims = task.synthetic_batch(1, torch.device("cpu"))[task.input_key].dim() - 2
-        augment = build_augment(dims, **cfg.data.augment)
-        task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=augment, **extra)
-    model = MODELS.build(cfg.model.name, cfg.model.args, where="model.args")
-    return runtime.prepare_model(model, device, channels_last), task
+def setting_config(cfg: RunConfig, batch_size: int, precision: str, *, compile: bool = False,
+                   channels_last: bool = False, augment: bool = False, device: torch.device | str = "cpu") -> RunConfig:
+    """The recipe's config for one measured setting (what :func:`fastvision.engine.build` receives)."""
+    out = copy.deepcopy(cfg)
+    t = out.train
+    t.batch_size, t.compile, t.channels_last, t.device = batch_size, compile, channels_last, str(device)
+    t.amp = precision if precision in ("fp16", "bf16") else "off"
+    # fp32 means true fp32; AMP runs keep the recipe's TF32 choice for their fp32 ops.
+    t.tf32 = precision == "tf32" or (precision in ("fp16", "bf16") and cfg.train.tf32)
+    if not augment:
+        out.data.augment = {}
+    return out
 
 
 def plan(precisions: list[str], device: torch.device) -> tuple[list[str], list[str]]:
@@ -144,29 +133,29 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
         raise ConfigError("--steps must be >= 1, --warmup >= 0 and every batch size >= 1")
     device = torch.device(device)
     todo, notes = plan(precisions, device)
-    runtime.seed_everything(cfg.train.seed)
-    model, task = build_model_and_task(cfg, device, channels_last)
-    initial = copy.deepcopy(model.state_dict())  # every setting starts from the same weights
     tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     rows = []
     try:
         for bs in batch_sizes:
             for prec in todo:
-                model.load_state_dict(initial)
-                # fp32 means true fp32; AMP runs keep the recipe's TF32 choice for their fp32 ops.
-                runtime.set_tf32(prec == "tf32" or (prec in ("fp16", "bf16") and cfg.train.tf32))
                 log.info("benchmark %s %s batch %d %s", cfg.recipe, mode, bs, prec)
                 row = {"batch_size": bs, "precision": prec}
+                if compile:
+                    torch._dynamo.reset()  # a fresh graph per setting: no recompilation inside the timed steps
+                # every setting is built afresh under the recipe's seed: the same initial weights
+                run = engine.build(setting_config(cfg, bs, prec, compile=compile, channels_last=channels_last,
+                                                  augment=augment, device=device),
+                                   data_info={}, train=mode == "train")
                 try:
-                    times, peak = _measure(model, task, cfg, mode, bs, prec, steps, warmup, compile,
-                                           channels_last, augment, device)
-                    row.update(step_stats(times, bs))
+                    times, peak = _measure(run, mode, steps, warmup)
+                    row.update(step_stats(times, bs * run.micro_steps))
                     if peak is not None:
                         row["peak_memory_mb"] = peak
                 except torch.cuda.OutOfMemoryError:
                     row["error"] = "out of memory"
                     torch.cuda.empty_cache()
                 rows.append(row)
+                del run
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
     add_speedups(rows)
@@ -178,32 +167,22 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
             "warmup": warmup, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "notes": notes, "results": rows}
 
 
-def _measure(model: nn.Module, task: Task, cfg: RunConfig, mode: str, bs: int, prec: str, steps: int,
-             warmup: int, compile: bool, channels_last: bool, augment: bool,
-             device: torch.device) -> tuple[list[float], float | None]:
+def _measure(run: engine.Run, mode: str, steps: int, warmup: int) -> tuple[list[float], float | None]:
     """Per-step seconds of ``steps`` timed steps after ``warmup``, and peak CUDA memory in MB."""
-    precision = runtime.Precision(prec if prec in ("fp16", "bf16") else "off", device)
-    batch = task.to_device(task.synthetic_batch(bs, device), device, channels_last)
-    model.train(mode == "train")
-    if compile:
-        torch._dynamo.reset()  # a fresh graph per setting: no recompilation inside the timed steps
-    net = runtime.maybe_compile(model, compile)
+    task, device, tc = run.task, run.device, run.cfg.train
+    batch = task.to_device(task.synthetic_batch(tc.batch_size, device), device, tc.channels_last)
     if mode == "train":
-        optimizer = optim.build_optimizer(model, cfg.optim, optim.effective_lr(cfg.optim, bs))
-        generator = torch.Generator(device=device)
-        generator.manual_seed(cfg.train.seed)
+        run.train_model.train()
+        batches = itertools.repeat(batch)
 
         def step() -> None:
-            b = task.augment(batch, generator) if augment else batch
-            with precision.autocast():
-                loss = task.loss(task.forward(net, b), b)
-            precision.scaler.scale(loss).backward()
-            precision.scaler.step(optimizer)
-            precision.scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            engine.train_step(run, batches)
     else:
+        net = runtime.maybe_compile(run.model, tc.compile)
+        net.eval()
+
         def step() -> None:
-            with torch.no_grad(), precision.autocast():
+            with torch.no_grad(), run.precision.autocast():
                 task.eval_forward(net, batch)
 
     cuda = device.type == "cuda"
@@ -301,17 +280,26 @@ def _int_list(text: str) -> list[int]:
 
 def add_cli(subparsers) -> None:
     """``fastvision benchmark RECIPE``."""
-    p = subparsers.add_parser("benchmark", help="training / inference throughput and latency on synthetic batches",
-                              description="Throughput (items/s) and latency percentiles of a recipe's model on "
-                                          "synthetic batches on the device, per batch size and precision.")
+    p = subparsers.add_parser("benchmark", help="training / inference throughput on synthetic batches, "
+                                                "or the input path alone (--mode data)",
+                              description="train / inference: throughput (items/s) and latency percentiles of a "
+                                          "recipe's training step or validation forward on synthetic batches on the "
+                                          "device, per batch size and precision. data: items/s and ms/item of the "
+                                          "recipe's own input path (dataset, cache, loader, to device, batched "
+                                          "augmentation) with the model removed, per --cache mode, interleaved.")
     p.add_argument("recipe", help="shipped recipe name or YAML file")
-    p.add_argument("--mode", choices=["train", "inference"], default="train")
+    p.add_argument("--mode", choices=["train", "inference", "data"], default="train")
+    p.add_argument("--cache", help="data mode: comma-separated data.cache modes to compare, e.g. none,ram,gpu "
+                                   "(default: the recipe's)")
+    p.add_argument("--rounds", type=int, default=4, help="data mode: interleaved turns per cache mode (default 4)")
+    p.add_argument("--data", help="data mode: dataset folder (data.args.path; default: the recipe's)")
     p.add_argument("--batch-sizes", help="comma-separated, e.g. 1,8,64,256, or auto: the largest that fits "
                                          "(default: the recipe's batch size)")
     p.add_argument("--precision", help="comma-separated subset of fp32,tf32,fp16,bf16 "
                                        "(default: fp32 plus the recipe's AMP mode)")
-    p.add_argument("--steps", type=int, default=50, help="timed steps per setting (default 50)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps (data mode: batches) per setting (default 50)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 10; data mode: one epoch, which "
+                                              "fills the caches)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory format (default: the recipe's train.channels_last)")
@@ -339,6 +327,8 @@ def cmd_benchmark(args) -> int:
     env, device = dist.init(args.device)
     if env.world_size > 1:
         raise ConfigError("benchmark measures one device; run it without torchrun/srun (see `fastvision scale`)")
+    if args.mode == "data":
+        return _cmd_data(args, cfg, device)
     if args.batch_sizes == "auto" or (not args.batch_sizes and cfg.train.batch_size == "auto"):
         from .autobatch import resolve_auto_batch
 
@@ -348,7 +338,8 @@ def cmd_benchmark(args) -> int:
     amp = runtime.resolve_amp(cfg.train.amp, device)[0]  # train.amp auto -> this device's precision
     precisions = args.precision.split(",") if args.precision else ["fp32"] + ([amp] if amp != "off" else [])
     channels_last = cfg.train.channels_last if args.channels_last is None else args.channels_last
-    report = run_benchmark(cfg, args.mode, batch_sizes, precisions, steps=args.steps, warmup=args.warmup,
+    report = run_benchmark(cfg, args.mode, batch_sizes, precisions, steps=args.steps,
+                           warmup=10 if args.warmup is None else args.warmup,
                            compile=args.compile, channels_last=channels_last, augment=args.augment, device=device)
     console = Console()
     console.print(rich_table(report))
@@ -357,3 +348,34 @@ def cmd_benchmark(args) -> int:
     json_path, md_path = write_reports(report, out_dir)
     console.print(f"wrote {json_path} and {md_path}")
     return 0 if all("error" not in r for r in report["results"]) else 1
+
+
+def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .benchmark_data import markdown as data_markdown, run_data_benchmark
+
+    cfg.train.device = str(device)
+    if args.data:
+        cfg.data.args["path"] = args.data
+    if args.batch_sizes:
+        cfg.train.batch_size = _int_list(args.batch_sizes)[0]
+    caches = [c.strip() for c in args.cache.split(",") if c.strip()] if args.cache else [cfg.data.cache]
+    report = run_data_benchmark(cfg, caches, batches=args.steps, rounds=args.rounds, warmup=args.warmup)
+    table = Table(title=f"{report['recipe']} input path (model removed) on {report['device']}, "
+                        f"batch {report['batch_size']}")
+    for h in ("cache", "items/s", "ms/item", "x first", "pipeline"):
+        table.add_column(h, justify="left" if h in ("cache", "pipeline") else "right")
+    for r in report["results"]:
+        table.add_row(r["cache"], f"{r['items_per_s']:.1f}", f"{r['ms_per_item']:.2f}",
+                      f"{r['speedup_vs_first']:.2f}", r["pipeline"])
+    console = Console()
+    console.print(table)
+    out = args.out or Path("runs/benchmark")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{report['recipe']}-data"  # the name cmd_benchmark checked with refuse_overwrite
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(data_markdown(report))
+    console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')}")
+    return 0

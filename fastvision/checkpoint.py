@@ -4,17 +4,25 @@ A checkpoint is a dict of tensors and plain Python values only, so it loads with
 ``torch.load(weights_only=True)``: opening a checkpoint never executes pickled code. Writes go to a
 temporary file in the same directory, are fsync'ed, then renamed over the old file, so a crash or
 kill leaves the previous good checkpoint intact.
+
+:class:`BackgroundWriter` takes a CPU snapshot of a checkpoint (the only part that waits for the
+device) and serialises, writes and renames it in a thread, so training goes on meanwhile.
 """
 from __future__ import annotations
 
+import io
+import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Sequence
 
 import torch
 
 from .errors import DataError
+
+log = logging.getLogger(__name__)
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> Any:
@@ -44,6 +52,63 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> Any:
 def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save`` to ``path`` atomically (see :func:`atomic_write`)."""
     atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors are CPU copies of their own (dicts, lists, tuples walked).
+
+    Training may change the live tensors in place right after this returns; the copy keeps the
+    values of this moment. Non-tensor leaves are shared (they are immutable or replaced, not edited).
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
+class BackgroundWriter:
+    """Writes checkpoints in a background thread, one at a time, each atomically.
+
+    ``write`` waits for the previous write, snapshots the checkpoint, and returns; the thread then
+    serialises it once and writes it to every path (``last.pt``, and ``best.pt`` when it improved)
+    with :func:`atomic_write`. A crash or kill mid-write leaves each file's previous version.
+    Call :meth:`join` before relying on the files (the engine does at the end of ``fit``, and in its
+    ``finally``). An error in the thread is raised by the next ``write`` or ``join``.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def write(self, obj: Any, paths: Sequence[Path]) -> None:
+        self.join()
+        data, paths = snapshot(obj), [Path(p) for p in paths]
+        self._thread = threading.Thread(target=self._run, args=(data, paths), name="fastvision-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, data: Any, paths: list[Path]) -> None:
+        try:
+            buf = io.BytesIO()
+            torch.save(data, buf)
+            for p in paths:
+                atomic_write(p, lambda f: f.write(buf.getbuffer()))
+        except BaseException as e:  # reported by join() in the training thread
+            self._error = e
+
+    def join(self, raise_errors: bool = True) -> None:
+        """Wait for the write in flight; raise its error (or only log it with ``raise_errors=False``)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            if raise_errors:
+                raise error
+            log.error("checkpoint write failed: %s", error)
 
 
 def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -15,9 +15,19 @@ from typing import Any
 
 from .errors import ConfigError, DataError, FastvisionError
 
-# Feature modules that add their own subcommands through ``add_cli(subparsers)``.
-EXTENSIONS = ("fastvision.benchmark", "fastvision.scaling", "fastvision.profiling", "fastvision.crossval",
-              "fastvision.export", "fastvision.froc", "fastvision.plan")
+# Every subcommand is one hop from here. ``train``, ``evaluate``, ``predict``, ``recipes`` and ``data``
+# are defined in build_parser below; each feature subcommand by the function named here, which adds
+# exactly that subparser (arguments, help, and ``func``) -- open the module to read it.
+FEATURES = (
+    ("benchmark", "fastvision.benchmark:add_cli"),
+    ("profile", "fastvision.profiling:add_profile_cli"),
+    ("monitor", "fastvision.profiling:add_monitor_cli"),
+    ("scale", "fastvision.scaling:add_cli"),
+    ("cv", "fastvision.crossval:add_cli"),
+    ("export", "fastvision.export:add_cli"),
+    ("froc", "fastvision.froc:add_cli"),
+    ("plan", "fastvision.plan:add_cli"),
+)
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -227,8 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.set_defaults(func=cmd_inspect)
 
-    for name in EXTENSIONS:
-        importlib.import_module(name).add_cli(sub)
+    for name, where in FEATURES:
+        module, function = where.split(":")
+        getattr(importlib.import_module(module), function)(sub)
+        assert name in sub.choices, f"{where} did not add the {name!r} subcommand"
     return parser
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from . import dist
 from .checkpoint import atomic_write
 from .data.formats.coco import load_coco
-from .tasks.base import Evaluator
+from .metrics import Evaluator
 
 METRIC_NAMES = ("map", "ap50", "ap75", "ap_small", "ap_medium", "ap_large")
 

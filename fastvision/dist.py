@@ -33,14 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from . import dist_group as group
 from .dist_env import DEFAULT_PORT, SLURM_PORT_BASE, SLURM_PORT_SPAN, DistEnv, detect_env, expand_nodelist  # noqa: F401
+from .dist_group import rank, world_size  # noqa: F401  (re-exported)
 from .errors import ConfigError
 from .samplers import EvalSampler, TrainSampler, _mix_seed  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-# horovod.torch once init(backend="horovod") ran: the collectives below then go through it.
-_hvd: Any = None
 
 # --------------------------------------------------------------------------- process group
 
@@ -97,24 +97,12 @@ def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> 
     return env, dev
 
 
-def _active() -> bool:
-    if _hvd is not None:
-        return _hvd.size() > 1
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+_active = group.active
 
 
-def rank() -> int:
-    """Global rank of this process (0 without a process group)."""
-    if _hvd is not None:
-        return _hvd.rank()
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    """Number of processes (1 without a process group)."""
-    if _hvd is not None:
-        return _hvd.size()
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def _hvd() -> Any:
+    """``horovod.torch`` when this job runs under horovod, else None."""
+    return group.HOROVOD.module
 
 
 def is_main() -> bool:
@@ -124,8 +112,8 @@ def is_main() -> bool:
 
 def all_reduce_sum(t: Tensor) -> Tensor:
     """Sum ``t`` across ranks in place and return it (identity in one process)."""
-    if _active() and _hvd is not None:
-        _hvd.allreduce_(t, op=_hvd.Sum)
+    if _active() and _hvd() is not None:
+        _hvd().allreduce_(t, op=_hvd().Sum)
     elif _active():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
@@ -135,10 +123,10 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank (``obj`` itself in one process)."""
     if not _active():
         return obj
-    if _hvd is not None:
+    if _hvd() is not None:
         # horovod matches collectives by name, and its default name is the object's type, which
         # differs between the sending rank (the object) and the others (None): name it explicitly
-        return _hvd.broadcast_object(obj, root_rank=src, name="fastvision.broadcast_object")
+        return _hvd().broadcast_object(obj, root_rank=src, name="fastvision.broadcast_object")
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
@@ -148,8 +136,8 @@ def gather_objects(obj: Any) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order, on every rank (e.g. detections for COCO eval)."""
     if not _active():
         return [obj]
-    if _hvd is not None:
-        return _hvd.allgather_object(obj, name="fastvision.gather_objects")
+    if _hvd() is not None:
+        return _hvd().allgather_object(obj, name="fastvision.gather_objects")
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -157,18 +145,17 @@ def gather_objects(obj: Any) -> list[Any]:
 
 def barrier() -> None:
     """Wait for every rank (no-op in one process)."""
-    if _active() and _hvd is not None:
-        _hvd.barrier()
+    if _active() and _hvd() is not None:
+        _hvd().barrier()
     elif _active():
         dist.barrier()
 
 
 def shutdown() -> None:
     """Leave the process group, if one was started."""
-    global _hvd
-    if _hvd is not None:
-        _hvd.shutdown()
-        _hvd = None
+    if _hvd() is not None:
+        _hvd().shutdown()
+        group.HOROVOD.module = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -235,11 +222,10 @@ def horovod() -> Any:
 
 def _init_horovod(device: str) -> tuple[DistEnv, torch.device]:
     """``hvd.init()``; rank, size and local rank come from horovod (horovodrun sets them)."""
-    global _hvd
     hvd = horovod()
-    if _hvd is None:
+    if _hvd() is None:
         hvd.init()
-        _hvd = hvd
+        group.HOROVOD.module = hvd
     env = DistEnv(rank=hvd.rank(), local_rank=hvd.local_rank(), world_size=hvd.size(),
                   local_world_size=hvd.local_size(), launcher="horovod")
     dev = _resolve_device(device, env)
@@ -261,10 +247,10 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
         model: the bare model (its parameter names name the all-reduces).
         backward_passes_per_step: micro-batches per optimizer step.
     """
-    if _hvd is None:
+    if _hvd() is None:
         return optimizer
-    return _hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                     backward_passes_per_step=backward_passes_per_step, op=_hvd.Average)
+    return _hvd().DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=backward_passes_per_step, op=_hvd().Average)
 
 
 def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -274,11 +260,11 @@ def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     A fresh optimizer is not broadcast: horovod would first take a zero-gradient step to create its
     state, which moves weights under weight decay and counts a step in Adam's bias correction.
     """
-    if _hvd is None or _hvd.size() == 1:
+    if _hvd() is None or _hvd().size() == 1:
         return
-    _hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    _hvd().broadcast_parameters(model.state_dict(), root_rank=0)
     if optimizer.state_dict()["state"]:
-        _hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        _hvd().broadcast_optimizer_state(optimizer, root_rank=0)
 
 
 @contextlib.contextmanager
@@ -289,7 +275,7 @@ def synchronized(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     scaler's unscale and finiteness checks see the averaged gradients (horovod reduces them in the
     background until ``synchronize()``; DDP has finished by the end of ``backward``).
     """
-    if _hvd is None or not hasattr(optimizer, "skip_synchronize"):
+    if _hvd() is None or not hasattr(optimizer, "skip_synchronize"):
         yield
         return
     optimizer.synchronize()
@@ -316,9 +302,9 @@ def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False,
         The model itself in one process, else a ``DistributedDataParallel`` wrapper.
     """
     model = model.to(device)
-    if _hvd is not None and sync_bn:
+    if _hvd() is not None and sync_bn:
         raise ConfigError("train.sync_bn is not supported with --backend horovod; use ddp")
-    if _hvd is not None or not _active():
+    if _hvd() is not None or not _active():
         return model  # horovod reduces in its optimizer (wrap_optimizer)
     if sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)

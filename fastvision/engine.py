@@ -1,36 +1,41 @@
-"""Training engine: ``fit(cfg, run_dir)`` builds the run, then one visible loop.
+"""Training engine: one :func:`build` and one :func:`train_step` for train, profile, benchmark and export.
 
-The step reads top to bottom: data wait, to device, batched augmentation, autocast forward and
-loss, scaled backward (no gradient sync on accumulation micro-steps), unscale + clip, optimizer
-step through the scaler, schedule, log. Host syncs happen only where commented.
+:func:`build` turns a config into a :class:`Run`: device, data (cache, loaders), loss, task, model,
+and for training the optimizer, schedule, precision, EMA and the DDP / compile wrap. :func:`train_step`
+is the only training step; ``fit`` loops it, ``fastvision profile`` times its phases through its
+``clock`` hook, ``fastvision benchmark`` times it on synthetic batches. It reads top to bottom: data
+wait, to device, batched augmentation, autocast forward and loss, scaled backward (no gradient sync on
+accumulation micro-steps), non-finite check, unscale + clip, optimizer step through the scaler,
+schedule, EMA. Host syncs happen only where commented.
 """
 from __future__ import annotations
 
-import inspect
-import json
 import logging
 import math
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import yaml
 from torch import nn
 
-from . import __version__, checkpoint, dist, optim, runtime
-from .config import RunConfig, to_dict
+from . import checkpoint, dist, losses, models, optim, runtime, tasks  # noqa: F401  (import registers)
+from .config import RunConfig
+from .data import formats  # noqa: F401  (importing the package registers every dataset format)
 from .data.formats import DatasetSplits
 from .data.loader import DevicePrefetcher, build_loader
 from .errors import ConfigError, FastvisionError
 from .log import RunLogger
-from .models import create_model  # noqa: F401  (imports register every model)
 from .registry import DATASETS, LOSSES, MODELS, TASKS
+from .run_state import (checkpoint_state, environment, eval_model, improved, initial_state, make_ema, parse_target,
+                        reached, resolved_config, restore)
 from .tasks.base import Task
 
 log = logging.getLogger(__name__)
+
+FP16_OVERFLOW = "fp16 gradients overflowed"
 
 
 class NonFiniteLossError(FastvisionError):
@@ -39,78 +44,206 @@ class NonFiniteLossError(FastvisionError):
 
 @dataclass
 class Run:
-    """Everything a training or evaluation run is made of (built once by :func:`build`)."""
+    """Everything a run is made of, built once by :func:`build`.
+
+    The training parts (``optimizer`` ... ``steps_per_epoch``) are None unless built with
+    ``train=True``; the loaders are None without a dataset or with ``loaders=False``.
+    """
 
     cfg: RunConfig
     env: dist.DistEnv
     device: torch.device
     task: Task
     model: nn.Module  # bare model (what checkpoints hold)
-    train_set: Any
+    train_set: Any  # behind the configured cache when the loaders were built
     val_set: Any
     info: dict
+    precision: runtime.Precision
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    generator: torch.Generator | None = None  # batched augmentation draws from it
+    train_model: nn.Module | None = None  # the model under DDP / torch.compile: what the step calls
+    ema: Any = None
+    micro_steps: int = 1  # micro-batches per optimizer step (accumulation x emulated workers)
+    global_batch: int = 0  # items per optimizer step over all ranks
+    lr: float = 0.0  # learning rate after linear scaling to the global batch
+    train_loader: Any = None
+    val_loader: Any = None
+    steps_per_epoch: int = 0
 
 
-def build(cfg: RunConfig, data_info: dict | None = None) -> Run:
-    """Resolve the device, then data, loss, task and model from their registries.
+def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False, loaders: bool = True,
+          wrap_train_set: Callable[[Any], Any] | None = None) -> Run:
+    """Build a run from its config: the one place model, task, loss, optimizer and data are made.
 
     Args:
         cfg: the run configuration.
-        data_info: build without touching the dataset (prediction, export): the dataset facts the
-            task needs, as saved in a checkpoint. ``train_set``/``val_set`` are then None and there
-            is no training augmentation.
+        data_info: build without touching the dataset (prediction, export, benchmark): the dataset
+            facts the task needs, as saved in a checkpoint (``{}`` for none). ``train_set`` /
+            ``val_set`` are then None.
+        train: also build what training needs (optimizer, schedule, generator, EMA, DDP / compile).
+        loaders: with ``train`` and a dataset, also the cached training set and both loaders.
+        wrap_train_set: applied to the cached training set before its loader is made (the
+            profiler's NVTX ranges).
     """
-    import_components()
-    env, device = dist.init(cfg.train.device, backend=cfg.train.backend)
-    runtime.set_tf32(cfg.train.tf32)
-    runtime.seed_everything(cfg.train.seed, cfg.train.deterministic)
+    tc = cfg.train
+    env, device = dist.init(tc.device, backend=tc.backend)
+    runtime.set_tf32(tc.tf32)
+    runtime.seed_everything(tc.seed, tc.deterministic)
     if data_info is None:
         splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
     else:
         splits = DatasetSplits(None, None, data_info)
     loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args").to(device)  # class-weight buffers
-    augment = None
-    if cfg.data.augment and splits.train is not None:
+    task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, info=splits.info)
+    if train and cfg.data.augment:
         from .data.gpu_aug import build_augment
 
-        augment = build_augment(_spatial_dims(splits.train), **cfg.data.augment)
-    extra = {"info": splits.info} if "info" in inspect.signature(TASKS.get(cfg.task.name)).parameters else {}
-    task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=augment, **extra)
-    model = MODELS.build(cfg.model.name, cfg.model.args, where="model.args")
-    model = runtime.prepare_model(model, device, cfg.train.channels_last)
-    return Run(cfg, env, device, task, model, splits.train, splits.val, splits.info)
+        # batched augmentation for the data's dimensionality (the task's synthetic batch without data)
+        item = splits.train[0] if splits.train is not None else task.synthetic_batch(1, torch.device("cpu"))
+        dims = item[task.input_key].dim() - (1 if splits.train is not None else 2)
+        task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss,
+                           augment=build_augment(dims, **cfg.data.augment), info=splits.info)
+    model = runtime.prepare_model(MODELS.build(cfg.model.name, cfg.model.args, where="model.args"), device,
+                                  tc.channels_last)
+    run = Run(cfg, env, device, task, model, splits.train, splits.val, splits.info, runtime.Precision(tc.amp, device))
+    if train:
+        _build_training(run, loaders, wrap_train_set)
+    return run
 
 
-def import_components() -> None:
-    """Import the modules that register datasets, losses, tasks and models."""
-    import importlib
+def _build_training(run: Run, loaders: bool, wrap_train_set: Callable[[Any], Any] | None) -> None:
+    """Optimizer (LR scaled to the global batch), data, schedule, generator, EMA, DDP / compile."""
+    cfg, tc, env, device = run.cfg, run.cfg.train, run.env, run.device
+    if tc.accum_steps < 1 or tc.emulate_workers < 1:
+        raise ConfigError("train.accum_steps and train.emulate_workers must be >= 1")
+    if tc.emulate_workers > 1 and env.world_size > 1:
+        raise ConfigError("--emulate-workers runs in one process; do not combine it with --nproc or a launcher")
+    run.micro_steps = tc.accum_steps * tc.emulate_workers
+    run.global_batch = tc.batch_size * run.micro_steps * env.world_size
+    run.lr = optim.effective_lr(cfg.optim, run.global_batch)
+    optimizer = optim.build_optimizer(run.model, cfg.optim, run.lr)
+    # horovod: DistributedOptimizer (a new object, so before the scheduler); DDP: unchanged
+    run.optimizer = dist.wrap_optimizer(optimizer, run.model, backward_passes_per_step=run.micro_steps)
+    run.steps_per_epoch = tc.steps_per_epoch or 1  # without data (benchmark): the schedule's unit
+    if loaders and run.train_set is not None:
+        raw = run.train_set
+        run.train_set = cached_train_set(raw, cfg, env, device)
+        data = wrap_train_set(run.train_set) if wrap_train_set else run.train_set
+        run.train_loader = make_loader(data, run.task, cfg, tc.batch_size, True, device)
+        if device.type == "cuda" and not hasattr(data, "make_loader"):
+            # copy batch k+1 to the GPU on a side stream while batch k computes
+            run.train_loader = DevicePrefetcher(run.train_loader, device,
+                                                lambda b, d: run.task.to_device(b, d, tc.channels_last))
+        run.val_loader = make_loader(run.val_set, run.task, cfg, cfg.data.val_batch_size or tc.batch_size, False,
+                                     device)
+        run.steps_per_epoch = len(run.train_loader) // run.micro_steps
+        if tc.steps_per_epoch:
+            run.steps_per_epoch = min(run.steps_per_epoch, tc.steps_per_epoch)
+        if run.steps_per_epoch == 0:
+            raise ConfigError(f"train.batch_size {tc.batch_size} x {run.micro_steps} micro-steps is larger than "
+                              f"the {len(raw)} training items")
+    run.scheduler = optim.build_scheduler(run.optimizer, cfg.sched, run.steps_per_epoch, tc.epochs)
+    run.generator = torch.Generator(device=device)
+    run.generator.manual_seed(tc.seed * 1_000_003 + env.rank)
+    run.ema = make_ema(run.model, tc.ema_decay)
+    ddp = dist.wrap_model(run.model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
+                          static_graph=tc.ddp_static_graph)
+    run.train_model = runtime.maybe_compile(ddp, tc.compile)
 
-    for name in ("losses", "data.formats.microscopy", "tasks.segment", "tasks.classify", "tasks.detect",
-                 "data.formats.imagefolder", "data.formats.coco", "data.formats.decathlon",
-                 "data.formats.brats", "data.formats.pathology"):
-        importlib.import_module(f"fastvision.{name}")
+
+# ------------------------------------------------------------------------------- the step
+class StepResult(NamedTuple):
+    """What one optimizer step reports back.
+
+    Attributes:
+        loss: mean loss of the micro-batches, detached, on the device (no host sync to get it).
+        images: items trained on (this rank).
+        skipped: why the update was skipped (non-finite loss, fp16 overflow), None when applied.
+    """
+
+    loss: torch.Tensor
+    images: int
+    skipped: str | None
 
 
-def resolved_config(cfg: RunConfig) -> dict[str, Any]:
-    """The config with every builder default filled in (what gets saved and logged)."""
-    out = to_dict(cfg)
-    for section, reg in (("model", MODELS), ("loss", LOSSES), ("task", TASKS)):
-        out[section]["args"] = {**_public_defaults(reg, out[section]["name"]), **out[section]["args"]}
-    out["data"]["args"] = {**_public_defaults(DATASETS, cfg.data.name), **out["data"]["args"]}
-    return out
+def _no_clock(phase: str) -> None:
+    return None
 
 
-def _public_defaults(reg, name: str) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in reg.defaults(name).items()
-            if k not in ("loss", "augment", "info")}
+def train_step(run: Run, batches: Iterator[Any], clock: Callable[[str], None] | None = None) -> StepResult:
+    """One optimizer step over ``run.micro_steps`` micro-batches from ``batches``: the only training step.
+
+    Args:
+        run: a :func:`build` result with ``train=True``.
+        batches: iterator of collated batches (host or device).
+        clock: told each phase's name as it starts: per micro-batch "data", "h2d", "augment",
+            "forward", "backward"; then "optimizer" and "end". The profiler's timer and fit's
+            data-wait meter; None calls a no-op (no sync, no allocation).
+    """
+    mark = clock or _no_clock
+    tc, task, model, optimizer, scaler = run.cfg.train, run.task, run.train_model, run.optimizer, run.precision.scaler
+    losses, images = [], 0
+    for micro in range(run.micro_steps):
+        mark("data")
+        batch = next(batches)
+        mark("h2d")
+        batch = task.to_device(batch, run.device, tc.channels_last)
+        mark("augment")
+        batch = task.augment(batch, run.generator)
+        mark("forward")
+        with dist.no_sync(model, micro + 1 < run.micro_steps):  # all-reduce on the last micro-batch only
+            with run.precision.autocast():
+                loss = task.loss(task.forward(model, batch), batch)
+            mark("backward")
+            scaler.scale(loss / run.micro_steps).backward()
+        losses.append(loss.detach())
+        images += task.batch_size(batch)
+    mark("optimizer")
+    loss = torch.stack(losses).mean()
+    with dist.synchronized(optimizer):  # horovod: all-reduce done before the checks, clip and step
+        skipped = nonfinite(loss, tc.check_finite, run.precision)
+        if skipped is None:
+            if tc.clip_grad:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad)
+            # fp16: GradScaler.step already syncs to decide whether to skip; reading the scale
+            # before and after (two small syncs) tells us it did
+            scale_before = scaler.get_scale() if run.precision.mode == "fp16" else None
+            scaler.step(optimizer)
+            scaler.update()
+            if scale_before is not None and scaler.get_scale() < scale_before:
+                skipped = FP16_OVERFLOW
+        optimizer.zero_grad()  # set_to_none by default (torch >= 2); horovod takes no argument
+    if skipped is None:
+        run.scheduler.step()
+        if run.ema is not None:
+            run.ema.update_parameters(run.model)
+    mark("end")
+    return StepResult(loss, images, skipped)
 
 
-def _spatial_dims(dataset) -> int:
-    return dataset[0]["image"].dim() - 1
+def nonfinite(loss: torch.Tensor, check: bool, precision: runtime.Precision) -> str | None:
+    """Why this update must be skipped (the loss is not finite on some rank), else None.
+
+    Deliberate host sync, once per step, the step's only one outside fp16 (whose GradScaler decides
+    itself). The decision is this one function so that it can move onto the device.
+    """
+    if check and precision.mode != "fp16" and not finite_everywhere(loss):
+        return "loss is not finite"
+    return None
+
+
+def finite_everywhere(loss: torch.Tensor) -> bool:
+    """Whether the loss is finite on every rank (a rank alone skipping a step would let the others
+    apply its all-reduced NaN gradients and the replicas drift apart)."""
+    bad = (~torch.isfinite(loss)).to(torch.float32).reshape(1)
+    return not bool(dist.all_reduce_sum(bad) > 0)
 
 
 def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device):
-    """Loader over a rank's shard: deterministic per (seed, epoch) for training.
+    """Loader over a rank's shard: deterministic per (seed, epoch) for training. A validation set
+    is cached as it is first read when ``data.cache`` is not ``none``.
 
     A dataset that is already this rank's partition (GPU cache under DDP: ``rank_local``) is read
     whole by its rank; every other dataset is sharded here.
@@ -125,6 +258,10 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
                                     batch_size=batch_size, **({"num_replicas": 1, "rank": 0} if local else {}))
         drop_last = emulate > 1 or len(sampler) >= batch_size
     else:
+        if cfg.data.cache != "none":  # deterministic items: cached as first read (this rank's shard)
+            from .data.cache_select import wrap_val_set
+
+            dataset = wrap_val_set(dataset, cache=cfg.data.cache, cache_dir=cfg.data.cache_dir)
         sampler, drop_last = dist.EvalSampler(dataset), False
     return build_loader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=task.collate,
                         loader=cfg.data.loader, num_workers=cfg.data.num_workers, drop_last=drop_last,
@@ -133,9 +270,9 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
 
 
 def cached_train_set(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.device):
-    """The training set behind the configured cache (``data.cache``); unchanged for ``none``."""
-    if cfg.data.cache == "none":
-        return dataset
+    """The training set behind the configured cache (``data.cache``). Its random transforms run
+    per access with generators of (train.seed, epoch, sample index); with ``none`` a dataset
+    without random transforms is returned unchanged."""
     from .data.cache_select import wrap_train_set
 
     d = cfg.data
@@ -144,73 +281,27 @@ def cached_train_set(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.d
                           seed=cfg.train.seed)
 
 
-def plain(info: dict) -> dict:
-    """Dataset facts as JSON-able plain types (checkpoints must load with ``weights_only``)."""
-    return json.loads(json.dumps(info, default=str))
-
-
-def parse_target(target: str | None) -> tuple[str, float] | None:
-    if not target:
-        return None
-    name, sep, value = target.partition("=")
-    try:
-        return name.strip(), float(value)
-    except ValueError:
-        raise ConfigError(f"--target {target!r}: expected METRIC=VALUE, e.g. iou=0.9") from None
-
-
-def environment(env: dist.DistEnv, device: torch.device) -> dict[str, Any]:
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {"fastvision": __version__, "torch": torch.__version__, "python": platform.python_version(),
-            "cuda": torch.version.cuda, "device": str(device), "gpu": gpu, "world_size": env.world_size,
-            "launcher": env.launcher, "host": platform.node(), "cpu_threads": torch.get_num_threads()}
-
-
 # ------------------------------------------------------------------------------------- fit
 def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: bool | None = None) -> dict[str, Any]:
-    """Train ``cfg`` into ``run_dir`` (created by the caller); returns the run summary."""
-    run = build(cfg)
-    tc, env, device, task, model = cfg.train, run.env, run.device, run.task, run.model
-    if tc.accum_steps < 1 or tc.emulate_workers < 1:
-        raise ConfigError("train.accum_steps and train.emulate_workers must be >= 1")
-    if tc.emulate_workers > 1 and env.world_size > 1:
-        raise ConfigError("--emulate-workers runs in one process; do not combine it with --nproc or a launcher")
-    micro_steps = tc.accum_steps * tc.emulate_workers  # micro-batches per optimizer step
-    global_batch = tc.batch_size * micro_steps * env.world_size
-    lr = optim.effective_lr(cfg.optim, global_batch)
-    optimizer = optim.build_optimizer(model, cfg.optim, lr)
-    # horovod: DistributedOptimizer (a new object, so before the scheduler); DDP: unchanged
-    optimizer = dist.wrap_optimizer(optimizer, model, backward_passes_per_step=micro_steps)
-    train_set = cached_train_set(run.train_set, cfg, env, device)
-    train_loader = make_loader(train_set, task, cfg, tc.batch_size, True, device)
-    if device.type == "cuda" and not hasattr(train_set, "make_loader"):
-        # copy batch k+1 to the GPU on a side stream while batch k computes
-        train_loader = DevicePrefetcher(train_loader, device,
-                                        lambda b, d: task.to_device(b, d, tc.channels_last))
-    val_loader = make_loader(run.val_set, task, cfg, cfg.data.val_batch_size or tc.batch_size, False, device)
-    steps_per_epoch = len(train_loader) // micro_steps
-    if tc.steps_per_epoch:
-        steps_per_epoch = min(steps_per_epoch, tc.steps_per_epoch)
-    if steps_per_epoch == 0:
-        raise ConfigError(f"train.batch_size {tc.batch_size} x {micro_steps} micro-steps is larger than "
-                          f"the {len(run.train_set)} training items")
-    scheduler = optim.build_scheduler(optimizer, cfg.sched, steps_per_epoch, tc.epochs)
-    precision = runtime.Precision(tc.amp, device)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(tc.seed * 1_000_003 + env.rank)
-    target = parse_target(tc.target)
+    """Train ``cfg`` into ``run_dir`` (created by the caller); returns the run summary.
 
-    ema = make_ema(model, tc.ema_decay)
-    state = {"epoch": -1, "step": 0, "best": None, "train_time": 0.0, "history": [], "data_info": plain(run.info)}
+    Two clocks: ``train_time_s`` / ``time_to_target_s`` count the training epochs only (the
+    seeds' time-to-target); ``wall_time_s`` / ``time_to_target_wall_s`` count everything since
+    ``fit`` was called (build, data, validation, checkpoints), what a user waits. Both add up
+    over resumed runs.
+    """
+    started = time.perf_counter()
+    run = build(cfg, train=True)
+    tc, env, task, model = cfg.train, run.env, run.task, run.model
+    target = parse_target(tc.target)
+    state = initial_state(run.info)
     if resume is not None:
         # RNG states must stay CPU tensors; load_state_dict moves weights and optimizer state itself
-        state = _restore(checkpoint.load(resume, "cpu"), model, optimizer, scheduler, precision, generator, ema)
+        state = restore(checkpoint.load(resume, "cpu"), run)
         log.info("resumed from %s at epoch %d", resume, state["epoch"] + 1)
-    dist.broadcast_state(model, optimizer)  # horovod: rank 0's weights (+ resumed optimizer state); DDP: no-op
-
-    ddp = dist.wrap_model(model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
-                          static_graph=tc.ddp_static_graph)
-    train_model = runtime.maybe_compile(ddp, tc.compile)
+    dist.broadcast_state(model, run.optimizer)  # horovod: rank 0's weights (+ resumed optimizer state); DDP: no-op
+    wall_before = state["wall_time"]
+    wall = lambda: wall_before + time.perf_counter() - started  # noqa: E731
     if env.is_main:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     logger = RunLogger(run_dir, enabled=env.is_main, tensorboard=cfg.tensorboard, progress=progress)
@@ -218,61 +309,64 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     resolved = resolved_config(cfg)
     if env.is_main:  # the resolved config, every builder default filled in
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    logger.parameters(resolved, {**environment(env, device), "global_batch": global_batch,
-                                 "base_lr": cfg.optim.lr, "effective_lr": lr, "data": run.info})
+    logger.parameters(resolved, {**environment(env, run.device), "global_batch": run.global_batch,
+                                 "base_lr": cfg.optim.lr, "effective_lr": run.lr, "data": run.info})
+    writer = checkpoint.BackgroundWriter()  # checkpoints are written while the next epoch trains
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     try:
         for epoch in range(state["epoch"] + 1, tc.epochs):
-            train_loader.set_epoch(epoch)
+            run.train_loader.set_epoch(epoch)
             t0 = time.perf_counter()
-            stats = train_one_epoch(train_model, task, train_loader, optimizer, scheduler, precision, generator,
-                                    tc, micro_steps, epoch, steps_per_epoch, state, logger, ema)
+            stats = train_one_epoch(run, epoch, state, logger)
             state["train_time"] += time.perf_counter() - t0
-            row = {"train_loss": stats["loss"], "lr": optimizer.param_groups[0]["lr"],
+            row = {"train_loss": stats["loss"], "lr": run.optimizer.param_groups[0]["lr"],
                    "images_per_s": stats["images_per_s"], "epoch_time_s": stats["time_s"]}
             if (epoch + 1) % tc.val_every == 0 or epoch + 1 == tc.epochs:
-                row.update(evaluate(eval_model(model, ema), task, val_loader, device, precision, tc.channels_last))
+                row.update(evaluate(eval_model(model, run.ema), task, run.val_loader, run.device, run.precision,
+                                    tc.channels_last))
                 if target and target[0] not in row:  # checked at the first validation: metrics are task-defined
                     raise ConfigError(f"--target {target[0]}: not a metric of this run; valid: "
                                       f"{', '.join(k for k in row if k not in ('lr', 'epoch_time_s'))}")
             logger.epoch_end(epoch, row)
-            state["epoch"], state["history"] = epoch, logger.history
-            improved = _improved(task, row, state["best"])
-            if improved:
+            state["epoch"], state["history"], state["wall_time"] = epoch, logger.history, wall()
+            better = improved(task, row, state["best"])
+            if better:
                 state["best"] = row[task.primary_metric]
-            if env.is_main:
-                ckpt = _checkpoint(model, optimizer, scheduler, precision, generator, state, resolved, ema)
-                checkpoint.atomic_save(ckpt, run_dir / "checkpoints" / "last.pt")
-                if improved:
-                    checkpoint.atomic_save(ckpt, run_dir / "checkpoints" / "best.pt")
-            if target and target[0] in row and _reached(task, target[0], row[target[0]], target[1]):
-                summary.update(target_reached=True, time_to_target_s=state["train_time"], target_epoch=epoch + 1)
-                log.info("target %s=%g reached at epoch %d after %.1f s", *target, epoch + 1, state["train_time"])
+            if env.is_main:  # a CPU snapshot now; serialised, written and renamed in the background
+                writer.write(checkpoint_state(run, state, resolved),
+                             [run_dir / "checkpoints" / n for n in ("last.pt", "best.pt")[:1 + better]])
+            if target and target[0] in row and reached(task, target[0], row[target[0]], target[1]):
+                summary.update(target_reached=True, time_to_target_s=state["train_time"],
+                               time_to_target_wall_s=state["wall_time"], target_epoch=epoch + 1)
+                log.info("target %s=%g reached at epoch %d after %.1f s of training (%.1f s wall)", *target,
+                         epoch + 1, state["train_time"], state["wall_time"])
                 break
         else:
             if target:
                 summary["target_reached"] = False
+        writer.join()  # the last checkpoint is on disk before the run reports
         dist.barrier()
         last = logger.history[-1] if logger.history else {}
         summary.update({"epochs": state["epoch"] + 1, "train_time_s": state["train_time"],
                         f"best_{task.primary_metric}": state["best"],
                         **{k: v for k, v in last.items() if k != "epoch"}})
         if env.is_main:
-            _finish(run, eval_model(model, ema), val_loader, precision, logger, summary, run_dir)
+            _finish(run, eval_model(model, run.ema), logger, summary, run_dir, wall)
     finally:
+        writer.join(raise_errors=False)  # after an error: still wait for (and log) a write in flight
         logger.close()
-        if hasattr(train_set, "shutdown"):  # smart cache: stop its replacement threads
-            train_set.shutdown()
+        if hasattr(run.train_set, "shutdown"):  # smart cache: stop its replacement threads
+            run.train_set.shutdown()
     return summary
 
 
-def _finish(run: Run, model: nn.Module, val_loader, precision, logger: RunLogger, summary: dict,
-            run_dir: Path) -> None:
+def _finish(run: Run, model: nn.Module, logger: RunLogger, summary: dict, run_dir: Path,
+            wall: Callable[[], float]) -> None:
     """Prediction overlays of a few validation images, curves.png, the summary event and table."""
     if run.cfg.examples and hasattr(run.task, "save_examples"):
-        batch = run.task.to_device(next(iter(val_loader)), run.device, run.cfg.train.channels_last)
+        batch = run.task.to_device(next(iter(run.val_loader)), run.device, run.cfg.train.channels_last)
         model.eval()
-        with torch.no_grad(), precision.autocast():
+        with torch.no_grad(), run.precision.autocast():
             out = run.task.eval_forward(model, batch)
         out = out.float() if torch.is_tensor(out) else out
         if run.task.save_examples(out, batch, run_dir / "examples", run.cfg.examples):
@@ -280,87 +374,62 @@ def _finish(run: Run, model: nn.Module, val_loader, precision, logger: RunLogger
     curves = logger.plot_curves(run.task.primary_metric)
     if curves:
         summary["curves"] = str(curves)
+    summary["wall_time_s"] = wall()
     logger.summary(summary)
 
 
-def train_one_epoch(model, task: Task, loader, optimizer, scheduler, precision: runtime.Precision,
-                    generator, tc, micro_steps: int, epoch: int, steps: int, state: dict,
-                    logger: RunLogger, ema=None) -> dict[str, float]:
-    """One epoch of ``steps`` optimizer steps, each over ``micro_steps`` micro-batches."""
-    model.train()
+class _DataWait:
+    """``train_step``'s clock in ``fit``: seconds spent waiting for the loader (the "data" phase)."""
+
+    def __init__(self) -> None:
+        self.seconds, self._t = 0.0, 0.0
+
+    def __call__(self, phase: str) -> None:
+        if phase == "data":
+            self._t = time.perf_counter()
+        elif phase == "h2d":
+            self.seconds += time.perf_counter() - self._t
+
+
+def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger) -> dict[str, float]:
+    """``run.steps_per_epoch`` calls of :func:`train_step`, logging every ``train.log_every`` steps."""
+    tc, device, steps = run.cfg.train, run.device, run.steps_per_epoch
+    run.train_model.train()
     logger.start_epoch(epoch, tc.epochs, steps)
-    device = precision.device
     loss_sum = torch.zeros((), device=device)
-    loss_count, images, bad_streak, step_in_epoch = 0, 0, 0, 0
-    t_start = time.perf_counter()
-    data_time = compute_time = 0.0
-    it = iter(loader)
-    while step_in_epoch < steps:
-        micro_losses = []
-        for micro in range(micro_steps):
-            t0 = time.perf_counter()
-            batch = next(it)
-            t1 = time.perf_counter()
-            data_time += t1 - t0
-            batch = task.augment(task.to_device(batch, device, tc.channels_last), generator)
-            with dist.no_sync(model, micro + 1 < micro_steps):
-                with precision.autocast():
-                    loss = task.loss(task.forward(model, batch), batch)
-                precision.scaler.scale(loss / micro_steps).backward()
-            micro_losses.append(loss.detach())
-            images += task.batch_size(batch)
-            compute_time += time.perf_counter() - t1
-        loss = torch.stack(micro_losses).mean()
-        with dist.synchronized(optimizer):  # horovod: all-reduce done before the checks, clip and step
-            # Deliberate host sync: a non-finite loss must skip this update (fp16: the scaler checks).
-            if tc.check_finite and precision.mode != "fp16" and not finite_everywhere(loss):
-                optimizer.zero_grad()  # set_to_none by default (torch >= 2); horovod takes no argument
-                bad_streak = _bad_step(bad_streak, tc, state, "loss is not finite")
-                step_in_epoch += 1
-                logger.advance()
-                continue
-            if tc.clip_grad:
-                precision.scaler.unscale_(optimizer)
-                nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad)
-            # fp16: GradScaler.step already syncs to decide whether to skip; reading the scale
-            # before and after (two small syncs) tells us it did
-            scale_before = precision.scaler.get_scale() if precision.mode == "fp16" else None
-            precision.scaler.step(optimizer)
-            precision.scaler.update()
-            optimizer.zero_grad()  # set_to_none by default (torch >= 2); horovod takes no argument
-        if scale_before is not None and precision.scaler.get_scale() < scale_before:  # fp16 overflow: skipped
-            bad_streak = _bad_step(bad_streak, tc, state, "fp16 gradients overflowed", quiet=bad_streak < 3)
-        else:
-            bad_streak = 0
-            scheduler.step()
-            if ema is not None:
-                ema.update_parameters(dist.unwrap(model))
-            loss_sum += loss
-            loss_count += 1
+    loss_count, images, bad_streak = 0, 0, 0
+    wait = _DataWait()
+    t_start = t_log = time.perf_counter()
+    last_log = 0
+    batches = iter(run.train_loader)
+    for i in range(1, steps + 1):
+        out = train_step(run, batches, wait)
+        images += out.images
         state["step"] += 1
-        step_in_epoch += 1
+        if out.skipped is None:
+            bad_streak = 0
+            loss_sum += out.loss
+            loss_count += 1
+        else:
+            bad_streak = _bad_step(bad_streak, tc, state, out.skipped,
+                                   quiet=out.skipped == FP16_OVERFLOW and bad_streak < 3)
         logger.advance()
-        if state["step"] % tc.log_every == 0 or step_in_epoch == steps:
+        if state["step"] % tc.log_every == 0 or i == steps:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # deliberate: honest images/s at log intervals only
             now = time.perf_counter()
-            values = {"loss": float(loss), "lr": optimizer.param_groups[0]["lr"],
-                      "images_per_s": images * dist.world_size() / max(now - t_start, 1e-9),
-                      "data_time_s": data_time / max(1, step_in_epoch * micro_steps),
-                      "compute_time_s": compute_time / max(1, step_in_epoch * micro_steps)}
-            logger.step(epoch, step_in_epoch, state["step"], values)
+            micro = i * run.micro_steps
+            logger.step(epoch, i, state["step"], {
+                "loss": float(out.loss), "lr": run.optimizer.param_groups[0]["lr"],
+                "images_per_s": images * dist.world_size() / max(now - t_start, 1e-9),
+                "step_time_s": (now - t_log) / (i - last_log),
+                "data_time_s": wait.seconds / micro, "compute_time_s": (now - t_start - wait.seconds) / micro})
+            t_log, last_log = now, i
     elapsed = time.perf_counter() - t_start
     # one sync and one collective per epoch: the mean loss over every rank's steps
     totals = dist.all_reduce_sum(torch.stack([loss_sum.double(), loss_sum.new_tensor(loss_count).double()]))
     mean_loss = float(totals[0] / totals[1]) if float(totals[1]) else math.nan
     return {"loss": mean_loss, "images_per_s": images * dist.world_size() / max(elapsed, 1e-9), "time_s": elapsed}
-
-
-def finite_everywhere(loss: torch.Tensor) -> bool:
-    """Whether the loss is finite on every rank (a rank alone skipping a step would let the others
-    apply its all-reduced NaN gradients and the replicas drift apart)."""
-    bad = (~torch.isfinite(loss)).to(torch.float32).reshape(1)
-    return not bool(dist.all_reduce_sum(bad) > 0)
 
 
 def _bad_step(streak: int, tc, state: dict, why: str, quiet: bool = False) -> int:
@@ -388,55 +457,3 @@ def evaluate(model: nn.Module, task: Task, loader, device: torch.device, precisi
     ev.load_state(dist.all_reduce_sum(state).cpu())
     model.train(was_training)
     return ev.compute()
-
-
-def _improved(task: Task, row: dict, best: float | None) -> bool:
-    value = row.get(task.primary_metric)
-    if value is None or value != value:  # missing or NaN
-        return False
-    return best is None or (value > best if task.higher_is_better else value < best)
-
-
-def _reached(task: Task, name: str, value: float, goal: float) -> bool:
-    """Losses are reached from above; task metrics in the task's direction."""
-    higher = task.higher_is_better if name == task.primary_metric else "loss" not in name
-    return value >= goal if higher else value <= goal
-
-
-def make_ema(model: nn.Module, decay: float | None):
-    """An exponential moving average of the weights (and buffers), or None."""
-    if decay is None:
-        return None
-    if not 0.0 < decay < 1.0:
-        raise ConfigError(f"train.ema_decay must be in (0, 1), got {decay}")
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
-
-
-def eval_model(model: nn.Module, ema) -> nn.Module:
-    """The weights that are validated and that ``predict`` uses: the EMA when there is one."""
-    return ema.module if ema is not None else model
-
-
-def _checkpoint(model, optimizer, scheduler, precision, generator, state, resolved, ema=None) -> dict[str, Any]:
-    extra = {"ema": ema.state_dict(), "eval_model": ema.module.state_dict()} if ema is not None else {}
-    return {**extra, "model": checkpoint.strip_prefixes(dist.unwrap(model).state_dict()),
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": precision.scaler.state_dict(), "epoch": state["epoch"], "step": state["step"],
-            "best": state["best"], "train_time": state["train_time"], "history": state["history"],
-            "rng": runtime.rng_state(generator), "config": resolved, "data_info": state["data_info"],
-            "fastvision": __version__}
-
-
-def _restore(ckpt, model, optimizer, scheduler, precision, generator, ema=None) -> dict[str, Any]:
-    model.load_state_dict(ckpt["model"])
-    if ema is not None:
-        if "ema" not in ckpt:
-            raise ConfigError("train.ema_decay is set but the checkpoint has no EMA weights to resume")
-        ema.load_state_dict(ckpt["ema"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    scheduler.load_state_dict(ckpt["scheduler"])
-    precision.scaler.load_state_dict(ckpt["scaler"])
-    runtime.set_rng_state(ckpt["rng"], generator)
-    return {k: ckpt[k] for k in ("epoch", "step", "best", "train_time", "history", "data_info")}

@@ -1,9 +1,9 @@
 """Export a trained model to ONNX or TorchScript, checked against the PyTorch model.
 
 ``fastvision export CKPT --format onnx|torchscript`` rebuilds the bare model from the checkpoint's
-saved config through the registries (no dataset needed), loads the weights, and exports it with
-the input the task feeds the model (e.g. normalised float images for classification), batch
-axis dynamic. The exported file is then run on a random input of another batch size -- ONNX with
+saved config with the engine's :func:`~fastvision.engine.build` (no dataset needed), loads the
+weights, and exports it with the input the task feeds the model (e.g. normalised float images for
+classification), batch axis dynamic. The exported file is then run on a random input of another batch size -- ONNX with
 onnxruntime when it is installed, TorchScript with ``torch.jit.load`` -- and the maximum absolute
 difference to the PyTorch output is reported (the export fails the check above ``tolerance``).
 
@@ -156,15 +156,16 @@ def checkpoint_path(path: Path) -> Path:
 
 def load_model(path: Path) -> tuple[nn.Module, Task, Path]:
     """The checkpoint's model (weights loaded, eval, CPU) and task, built without its dataset."""
-    from . import checkpoint, config
-    from .benchmark import build_model_and_task
+    from . import checkpoint, config, engine
 
     ckpt_path = checkpoint_path(path)
     ckpt = checkpoint.load(ckpt_path)
     if "config" not in ckpt or "model" not in ckpt:
         raise DataError(f"{ckpt_path}: not a fastvision checkpoint (needs 'config' and 'model')")
     cfg = config.from_dict(ckpt["config"])
-    model, task = build_model_and_task(cfg, torch.device("cpu"))
+    cfg.train.device, cfg.train.compile, cfg.train.backend = "cpu", False, "ddp"  # one process, eager, on CPU
+    run = engine.build(cfg, data_info=ckpt.get("data_info", {}))  # the engine's build, without the dataset
+    model, task = run.model, run.task
     model.load_state_dict(ckpt.get("eval_model", ckpt["model"]))  # EMA weights when trained with EMA
     return model.eval(), task, ckpt_path
 

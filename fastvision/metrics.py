@@ -5,6 +5,7 @@
   average of per-batch scores).
 * :class:`RegionCounts` keeps per-channel tp/fp/fn of boolean masks, for multi-label sigmoid
   outputs such as BraTS WT/TC/ET regions.
+* :class:`Evaluator` is the base of every task's validation accumulator.
 * :func:`topk_correct` counts top-k hits for classification.
 * :func:`hd95` is the 95th-percentile symmetric Hausdorff distance between mask surfaces, in pure
   torch (exact Euclidean distance transform, no scipy).
@@ -16,7 +17,7 @@ score it as 0 or 1.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -290,3 +291,24 @@ def hd95(pred_mask: Tensor, gt_mask: Tensor, spacing: Sequence[float] | float | 
     d_pg = _squared_distance_to(eg, spacing)[ep].sqrt()
     d_gp = _squared_distance_to(ep, spacing)[eg].sqrt()
     return torch.maximum(torch.quantile(d_pg, q), torch.quantile(d_gp, q))
+
+
+class Evaluator:
+    """Accumulates validation statistics as sums, so ranks can be combined by one all-reduce.
+
+    Subclasses keep their running sums in ``self.sums`` (a 1-D float64 tensor on the device) or
+    override :meth:`state` / :meth:`load_state` for non-tensor state (e.g. COCO detections).
+    """
+
+    def update(self, outputs: Any, batch: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def state(self) -> Tensor:
+        """1-D float64 tensor that is summed across ranks."""
+        return self.sums
+
+    def load_state(self, state: Tensor) -> None:
+        self.sums = state
+
+    def compute(self) -> dict[str, float]:
+        raise NotImplementedError

@@ -64,11 +64,10 @@ def build_for(cfg: RunConfig):
 
     The one place that builds a recipe for planning: point it at the engine's shared build.
     """
-    from .engine import import_components
+    from . import engine  # noqa: F401  (importing the engine registers every component)
     from .registry import LOSSES, MODELS, TASKS
 
     def build():
-        import_components()
         loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args")
         extra = {"info": {}} if "info" in inspect.signature(TASKS.get(cfg.task.name)).parameters else {}
         task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, **extra)
@@ -255,10 +254,9 @@ def dataset_items(cfg: RunConfig, data: str | None = None, size: int | None = No
     if size:
         return size, "--dataset-size"
     if data:
-        from .engine import import_components
+        from . import engine  # noqa: F401  (importing the engine registers every component)
         from .registry import DATASETS
 
-        import_components()
         args = {**cfg.data.args, "path": data}
         splits = DATASETS.build(cfg.data.name, args, where="data.args")
         return len(splits.train), f"{data} (train split)"

@@ -13,6 +13,7 @@ from typing import Iterator, Sized
 import torch
 from torch.utils.data import Sampler
 
+from .dist_group import rank, world_size
 from .errors import ConfigError
 
 
@@ -21,10 +22,8 @@ def _length(data: Sized | int) -> int:
 
 
 def _group(num_replicas: int | None, rank_: int | None) -> tuple[int, int]:
-    from . import dist  # the running job's group (dist imports this module: import here)
-
-    n = dist.world_size() if num_replicas is None else num_replicas
-    r = dist.rank() if rank_ is None else rank_
+    n = world_size() if num_replicas is None else num_replicas
+    r = rank() if rank_ is None else rank_
     if not 0 <= r < n:
         raise ValueError(f"rank {r} outside [0, {n})")
     return n, r

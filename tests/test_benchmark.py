@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastvision import benchmark
+from fastvision import benchmark, engine
 from fastvision.cli import main
 from fastvision.config import load, parse_override
 from fastvision.config import list_recipes
@@ -70,12 +70,11 @@ def test_plan_rejects_unknown_precision():
 @pytest.mark.parametrize("mode", ["train", "inference"])
 def test_measured_steps_update_weights_only_in_train_mode(mode):
     cfg = load("unet2d-microscopy", [parse_override(s) for s in TINY_UNET[1::2]])
-    model, task = benchmark.build_model_and_task(cfg, torch.device("cpu"))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    times, peak = benchmark._measure(model, task, cfg, mode, 2, "fp32", steps=2, warmup=1, compile=False,
-                                     channels_last=False, augment=False, device=torch.device("cpu"))
+    run = engine.build(benchmark.setting_config(cfg, 2, "fp32"), data_info={}, train=mode == "train")
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    times, peak = benchmark._measure(run, mode, steps=2, warmup=1)
     assert len(times) == 2 and all(t > 0 for t in times) and peak is None
-    changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    changed = any(not torch.equal(before[k], v) for k, v in run.model.state_dict().items())
     assert changed == (mode == "train")
 
 
@@ -84,10 +83,10 @@ def test_every_recipe_builds_without_its_dataset(recipe):
     cfg = load(recipe)
     if cfg.model.args.get("pretrained") == "imagenet":  # no weights file here: tests/test_resnet.py loads one
         cfg.model.args["pretrained"] = None
-    model, task = benchmark.build_model_and_task(cfg, torch.device("cpu"))
-    batch = task.synthetic_batch(1, torch.device("cpu"))
-    assert batch[task.input_key].shape[0] == 1
-    assert sum(p.numel() for p in model.parameters()) > 0
+    run = engine.build(benchmark.setting_config(cfg, 1, "fp32", augment=True), data_info={}, train=True)
+    batch = run.task.synthetic_batch(1, torch.device("cpu"))
+    assert batch[run.task.input_key].shape[0] == 1
+    assert sum(p.numel() for p in run.model.parameters()) > 0 and run.optimizer is not None
 
 
 def test_detection_inference_step_runs_without_dataset_info():

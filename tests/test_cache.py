@@ -51,11 +51,9 @@ def clip_label(item):
     return {**item, "label": item["label"].clamp(max=1)}
 
 
-class Noise(T.Transform):
-    random = True
-
-    def __call__(self, item):
-        return {**item, "image": item["image"] + 0.001 * torch.randn(item["image"].shape)}
+class Noise(T.RandomTransform):
+    def __call__(self, item, generator):
+        return {**item, "image": item["image"] + 0.001 * torch.randn(item["image"].shape, generator=generator)}
 
 
 class Shift(T.Transform):  # deterministic, placed after the random one: must not be cached
@@ -92,11 +90,14 @@ def test_ram_cache_matches_monai_and_reports_prefix():
     ds = CacheDataset(base, [Scale(0.5), clip_label, Noise(), Shift()], progress=False)
     ref = MonaiCache([base[i] for i in range(4)], Lambda(lambda d: clip_label(Scale(0.5)(d))), progress=False)
     for i in range(4):
-        torch.manual_seed(0)
         got = ds[i]
-        torch.manual_seed(0)
-        want = Shift()(Noise()(ref[i]))
+        want = Shift()(Noise()(ref[i], T.item_generator(0, 0, i)))  # the draws of (seed 0, epoch 0, item i)
         assert torch.equal(got["image"], want["image"].as_tensor() if hasattr(want["image"], "as_tensor") else want["image"])
+    epoch0 = ds[0]["image"]
+    ds.set_epoch(1)  # the next epoch draws again, from (seed 0, epoch 1, item 0)
+    assert not torch.equal(ds[0]["image"], epoch0)
+    assert torch.equal(ds[0]["image"], Shift()(Noise()(dict(ref[0]), T.item_generator(0, 1, 0)))["image"].as_tensor()
+                       if hasattr(ref[0]["image"], "as_tensor") else Shift()(Noise()(dict(ref[0]), T.item_generator(0, 1, 0)))["image"])
     rep = ds.report()
     assert "4/4 items cached" in rep and "2/4 transforms" in rep and "clip_label" in rep and "Noise" in rep
 

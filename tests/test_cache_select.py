@@ -56,7 +56,7 @@ def test_cached_training_is_bit_identical_and_disk_rerun_reads_entries(tiny_micr
                          **tiny_overrides(tiny_microscopy, **{"data.cache": cache, "data.cache_dir": str(cache_dir)}))
         runs[name] = _weights(tmp_path / name)
     after = {p.name: p.stat().st_mtime_ns for p in cache_dir.glob("*.fvc")}
-    assert len(before) == 13  # 16 images, val_fraction 0.2 -> 13 training items
+    assert len(before) == 16  # 13 training + 3 validation items (val_fraction 0.2): both cached on disk
     assert after == before  # the second run hit every entry: nothing recomputed or rewritten
     for name in ("ram", "disk1", "disk2"):
         assert runs[name].keys() == runs["none"].keys()
@@ -133,17 +133,17 @@ def test_gpu_cache_partitions_cover_every_item_and_refuse_worker_processes():
             seen += [ds[j]["id"] for j in range(len(ds))]
         parts.append(seen)
         assert set(seen) == {f"item{i}" for i in range(n)}  # the ranks together see every item
-    assert parts[0][:4] != parts[1][:4]  # rank 0's partition rotates between epochs
+    # one rank per node: a rank keeps its own partition (rotating would preprocess the others' items)
+    assert parts[0][:4] == parts[1][:4]
     with pytest.raises(ConfigError, match="data.loader: threads"):
         build_loader(ds, batch_size=2, loader="processes", num_workers=2)
     assert len(build_loader(ds, batch_size=2, loader="processes", num_workers=0)) == 2
 
 
 def test_microscopy_items_are_named_by_their_files(tiny_microscopy):
-    from fastvision.engine import import_components
     from fastvision.registry import DATASETS
 
-    import_components()
+    import fastvision.data.formats, fastvision.losses, fastvision.models, fastvision.tasks  # noqa: F401, E401  (register)
     train = DATASETS.build("microscopy", {"path": str(tiny_microscopy), "image_size": [32, 32]}, where="t").train
     base, pipeline, identity = cache_source(train)
     assert len(base) == len(train) and identity is not None and item_identity(train) is not None
@@ -162,12 +162,25 @@ def test_volume_dataset_has_a_disk_cache_identity(tmp_path, monkeypatch):
     """3-D datasets cache through cache_pipeline(); their file identity must still reach the disk cache."""
     from fastvision.data.cache_select import cache_source
     from fastvision.data.synth.medical import synth_spleen
-    from fastvision.engine import import_components
     from fastvision.registry import DATASETS
 
-    import_components()
+    import fastvision.data.formats, fastvision.losses, fastvision.models, fastvision.tasks  # noqa: F401, E401  (register)
     monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
     root = synth_spleen(tmp_path / "spleen", cases=5, test_cases=0, size=24)
-    splits = DATASETS.build("decathlon", {"path": str(root), "patch_size": None, "workers": 1})
+    splits = DATASETS.build("decathlon", {"path": str(root), "patch_size": None})
     _, _, identity = cache_source(splits.train)
     assert identity is not None and str(root) in identity(0)
+
+
+def test_ddp_ram_cache_holds_only_this_ranks_partition():
+    """Under DDP data.cache: ram preprocesses and keeps one partition per rank; together they are the set."""
+    n, world, seen = 7, 2, []
+    for rank in range(world):
+        base = Counted(n=n)
+        ds = wrap_train_set(base, cache="ram", env=DistEnv(rank=rank, local_rank=0, world_size=world, local_world_size=1),
+                            seed=3)
+        reads = base.reads - 2  # cache_source reads item 0 twice to check determinism
+        assert ds.rank_local is True and len(ds) == 4 and reads == 4  # ceil(7 / 2): no other rank's items
+        seen += [ds[j]["id"] for j in range(len(ds))]
+        assert base.reads - 2 == 4  # served from the cache
+    assert set(seen) == {f"item{i}" for i in range(n)}

@@ -169,3 +169,20 @@ def test_inspect_other_layouts(kind, options, needles, tmp_path, capsys):
     assert code == 0
     for n in needles:
         assert n in text, (n, text)
+
+
+def test_every_subcommand_is_named_in_cli_py():
+    """cli.py names every subcommand: the built-ins in build_parser, the rest in its FEATURES table."""
+    import ast
+    import inspect
+
+    from fastvision import cli
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    tree = ast.parse(inspect.getsource(cli.build_parser))
+    builtins = {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and getattr(n.func, "attr", None) == "add_parser" and isinstance(n.args[0], ast.Constant)}
+    features = {name for name, _ in cli.FEATURES}
+    assert set(sub.choices) == (builtins - {"synth", "inspect"}) | features
+    assert {"train", "evaluate", "predict", "benchmark", "profile", "monitor", "export"} <= set(sub.choices)

@@ -9,6 +9,7 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 from torch.utils.data import DataLoader
 
+from fastvision.data.cache_select import wrap_train_set
 from fastvision.coco_eval import (
     COCOEvaluator,
     coco_metrics,
@@ -99,9 +100,8 @@ def test_crop_boxes_clips_and_drops_degenerate():
 def test_train_flip_mirrors_image_and_boxes(root):
     ann, img = root / "annotations/instances_val2017.json", root / "val2017"
     plain = CocoDetection(ann, img, image_size=S)
-    aug = CocoDetection(ann, img, image_size=S, train=True, crop=False, flip=True)
+    aug = wrap_train_set(CocoDetection(ann, img, image_size=S, train=True, crop=False, flip=True), cache="none", seed=1)
     flips = 0
-    torch.manual_seed(1)
     for i in range(len(plain)):
         a, b = plain[i], aug[i]
         if torch.equal(a["image"], b["image"]):
@@ -112,14 +112,16 @@ def test_train_flip_mirrors_image_and_boxes(root):
             mirrored = torch.stack([S - a["boxes"][:, 2], a["boxes"][:, 1], S - a["boxes"][:, 0], a["boxes"][:, 3]], 1)
             torch.testing.assert_close(mirrored, b["boxes"])
     assert 0 < flips < len(plain)
+    again = wrap_train_set(CocoDetection(ann, img, image_size=S, train=True, crop=False, flip=True), cache="ram", seed=1)
+    assert all(torch.equal(aug[i]["image"], again[i]["image"]) for i in range(len(plain)))  # draws of (seed, epoch, i)
 
 
 def test_train_crop_items_stay_valid(root):
     splits = build(path=str(root), image_size=S, color_jitter=0.2)
     assert splits.info["num_classes"] == 4 and splits.info["cat_ids"] == [1, 3, 5, 8]
-    torch.manual_seed(0)
-    for i in range(len(splits.train)):
-        it = splits.train[i]
+    train = wrap_train_set(splits.train, cache="none", seed=0)  # what training reads: SSDAugment per item
+    for i in range(len(train)):
+        it = train[i]
         b = it["boxes"]
         assert it["image"].shape == (3, S, S)
         assert (b >= 0).all() and (b <= S).all() and (b[:, 2] > b[:, 0]).all() and (b[:, 3] > b[:, 1]).all()

@@ -41,8 +41,8 @@ def brats_pair(tmp_path_factory):
 
 def test_decathlon_and_raw_brats_load_identically(brats_pair):
     dec, raw = brats_pair
-    a = DATASETS.build("decathlon", {"path": str(dec), "num_folds": 2, "workers": 2})
-    b = DATASETS.build("brats", {"path": str(raw), "num_folds": 2, "workers": 2})
+    a = DATASETS.build("decathlon", {"path": str(dec), "num_folds": 2})
+    b = DATASETS.build("brats", {"path": str(raw), "num_folds": 2})
     assert a.info["class_names"] == b.info["class_names"] and a.info["in_channels"] == b.info["in_channels"] == 4
     for da, db in ((a.train, b.train), (a.val, b.val)):
         assert len(da) == len(db) == 2
@@ -194,7 +194,7 @@ def test_synth_is_deterministic(tmp_path):
 
 
 # ------------------------------------------------------------------ persistent cache of preprocessed cases
-from fastvision.data.formats.decathlon import VolumeDataset, default_cache_dir, read_dataset_json  # noqa: E402
+from fastvision.data.formats.decathlon import VolumeDataset, read_dataset_json  # noqa: E402
 
 
 def _counting():
@@ -217,27 +217,68 @@ def _same_items(a: VolumeDataset, b: VolumeDataset) -> None:
 
 
 def test_persistent_cache_reads_back_and_invalidates(tmp_path, brats_pair):
+    """data.cache: disk holds preprocessed volumes keyed by files + preprocessing signature."""
+    from fastvision.data.cache_select import wrap_train_set
+
     cases = read_dataset_json(brats_pair[0])["training"]
     params = PreprocessParams(intensity="mri", label_map=((1, 2), (2, 1)))
     compute, calls = _counting()
-    first = VolumeDataset(cases, params, workers=2, compute=compute, cache_dir=tmp_path)
+
+    def disk(p):
+        ds = wrap_train_set(VolumeDataset(cases, p, compute=compute), cache="disk", cache_dir=str(tmp_path))
+        return [ds[i] for i in range(len(ds))]
+
+    first = disk(params)
     assert len(calls) == 4 and len(list(tmp_path.glob("*.fvc"))) == 4
-    second = VolumeDataset(cases, params, workers=2, compute=compute, cache_dir=tmp_path)
+    again = disk(params)
     assert len(calls) == 4  # every case read from disk
-    _same_items(second, VolumeDataset(cases, params, workers=1))  # equal to preprocessing without a cache
-    _same_items(first, second)
-    VolumeDataset(cases, PreprocessParams(intensity="mri", crop_margin=2), workers=2, compute=compute, cache_dir=tmp_path)
+    plain = VolumeDataset(cases, params)  # equal to preprocessing without a cache
+    for i in range(4):
+        assert torch.equal(again[i]["image"], plain[i]["image"]) and torch.equal(again[i]["label"], plain[i]["label"])
+        assert torch.equal(again[i]["image"], first[i]["image"])
+    disk(PreprocessParams(intensity="mri", crop_margin=2))
     assert len(calls) == 8  # a changed parameter recomputes every case
     st = cases[1]["label"].stat()
     os.utime(cases[1]["label"], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a label file replaced in place
-    VolumeDataset(cases, params, workers=2, compute=compute, cache_dir=tmp_path)
+    disk(params)
     assert len(calls) == 9
 
 
-def test_dataset_cache_dir_arg_default_and_off(tmp_path, brats_pair, monkeypatch):
-    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "fvcache"))
-    assert default_cache_dir() == tmp_path / "fvcache" / "volumes"
-    DATASETS.build("brats", {"path": str(brats_pair[1]), "num_folds": 2, "workers": 1})
-    assert len(list(default_cache_dir().glob("*.fvc"))) == 4
-    DATASETS.build("decathlon", {"path": str(brats_pair[0]), "num_folds": 2, "workers": 1, "cache_dir": "none"})
-    assert len(list(default_cache_dir().glob("*.fvc"))) == 4  # no entries written with the cache off
+def test_volume_items_are_deterministic_and_the_crop_draws_per_item(tmp_path, brats_pair):
+    """No private cache: building reads nothing; the training crop follows (seed, epoch, index)."""
+    from fastvision.data.cache_select import wrap_train_set
+
+    compute, calls = _counting()
+    cases = read_dataset_json(brats_pair[0])["training"]
+    ds = VolumeDataset(cases, PreprocessParams(intensity="mri"), patch_size=(8, 8, 8), compute=compute)
+    assert calls == [] and torch.equal(ds[0]["image"], ds[0]["image"]) and ds[0]["label"].dtype == torch.long
+    a, b = (wrap_train_set(ds, cache=c, seed=5) for c in ("none", "ram"))
+    for epoch in (0, 1):
+        a.set_epoch(epoch)
+        b.set_epoch(epoch)
+        for i in range(len(ds)):
+            x, y = a[i], b[i]
+            assert x["image"].shape == (ds[i]["image"].shape[0], 8, 8, 8) and x["label"].dtype == torch.long
+            assert torch.equal(x["image"], y["image"]) and torch.equal(x["label"], y["label"])
+    a.set_epoch(0)
+    first = [a[i]["image"] for i in range(len(ds))]
+    a.set_epoch(1)
+    assert any(not torch.equal(first[i], a[i]["image"]) for i in range(len(ds)))  # a new epoch, new crops
+
+
+@pytest.mark.parametrize("cache", ["ram", "gpu", "smart"], ids=["ram", "device-cache", "smart"])
+def test_memory_cache_fills_through_the_disk_cache(tmp_path, brats_pair, cache):
+    """With data.cache_dir a memory cache reads the persistent entries: a second run preprocesses nothing."""
+    from fastvision.data.cache_select import wrap_train_set
+
+    cases = read_dataset_json(brats_pair[0])["training"]
+    compute, calls = _counting()
+    crops = []
+    for _ in range(2):
+        ds = VolumeDataset(cases, PreprocessParams(intensity="mri"), patch_size=(8, 8, 8), compute=compute)
+        out = wrap_train_set(ds, cache=cache, cache_dir=str(tmp_path), cache_num=4, seed=1)
+        crops.append([out[i]["image"] for i in range(len(out))])
+        if hasattr(out, "shutdown"):
+            out.shutdown()
+    assert len(calls) == 4 and len(list(tmp_path.glob("*.fvc"))) == 4  # the second run read every case
+    assert all(torch.equal(a, b) for a, b in zip(*crops))

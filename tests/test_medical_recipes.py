@@ -27,7 +27,7 @@ CASES = [  # recipe, synthetic kind, patch edge (No New-Net needs 64: its 6th le
 @pytest.mark.parametrize("recipe,kind,patch", CASES)
 def test_recipe_two_steps(tmp_path, recipe, kind, patch):
     data = load_all().get(kind)(tmp_path / "data", seed=0, cases=5, test_cases=0, size=24)
-    over = {"data": {"args": {"path": str(data), "patch_size": [patch] * 3, "workers": 1}, "num_workers": 0},
+    over = {"data": {"args": {"path": str(data), "patch_size": [patch] * 3}, "num_workers": 0},
             "task": {"args": {"sliding_window": {"roi_size": [patch] * 3}}},
             "train": {"epochs": 1, "steps_per_epoch": 2, "batch_size": 1, "amp": "off", "device": "cpu",
                       "target": None}, "examples": 0}
@@ -51,7 +51,7 @@ def test_cli_predict_writes_nifti_with_input_affine(tmp_path):
     if "predict_nifti_files" not in inspect.getsource(SegmentationTask.predict_files):
         pytest.skip("SegmentationTask.predict_files does not dispatch NIfTI inputs to inference.predict_nifti_files yet")
     data = load_all().get("brats")(tmp_path / "data", seed=0, cases=5, test_cases=1, size=16)
-    over = {"data": {"args": {"path": str(data), "patch_size": [16] * 3, "workers": 1}, "num_workers": 0},
+    over = {"data": {"args": {"path": str(data), "patch_size": [16] * 3}, "num_workers": 0},
             "task": {"args": {"sliding_window": {"roi_size": [16] * 3}}}, "model": {"args": {"filters": [4, 8, 16]}},
             "train": {"epochs": 1, "steps_per_epoch": 1, "batch_size": 1, "amp": "off", "device": "cpu"}, "examples": 0}
     run = tmp_path / "run"

@@ -226,8 +226,6 @@ def test_froc_itc_and_scaled_mask():
 def _froc_cli(argv, monkeypatch):
     from fastvision import cli
 
-    if "fastvision.froc" not in cli.EXTENSIONS:  # until cli.EXTENSIONS lists it
-        monkeypatch.setattr(cli, "EXTENSIONS", (*cli.EXTENSIONS, "fastvision.froc"))
     return cli.main(argv)
 
 

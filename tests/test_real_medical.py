@@ -120,7 +120,7 @@ def _expected(file_label: np.ndarray, mapping: dict[int, int]) -> torch.Tensor:
 
 def test_task01_tarball_layout_loads_with_brats_ids(tmp_path):
     root = make_task01(tmp_path)
-    splits = DATASETS.build("decathlon", {"path": str(root), "num_folds": 2, "workers": 1, "cache_dir": "none",
+    splits = DATASETS.build("decathlon", {"path": str(root), "num_folds": 2,
                                           "crop_foreground": False})
     assert splits.info["in_channels"] == 4 and splits.info["channels"] == ["FLAIR", "T1w", "t1gd", "T2w"]
     assert splits.info["label_convention"]["layout"] == "msd-task01"
@@ -157,7 +157,7 @@ def test_brats_release_layouts(tmp_path, year, layout, file_ids):
         assert odd["label"].name == "W39_1998.09.19_Segm.nii"
         assert found.anomalies["segmentation under another name (used)"] == \
             ["MICCAI_BraTS2020_TrainingData/BraTS20_Training_355/W39_1998.09.19_Segm.nii"]
-    splits = DATASETS.build("brats", {"path": str(base), "num_folds": 2, "workers": 1, "cache_dir": "none",
+    splits = DATASETS.build("brats", {"path": str(base), "num_folds": 2,
                                       "crop_foreground": False})
     assert splits.info["label_convention"]["layout"] == layout
     for ds in (splits.train, splits.val):

@@ -87,7 +87,16 @@ def fill(fn: Callable[[int], Any], indices: Sequence[int], workers: int, progres
 
 
 class _Cached(Dataset):
-    """Shared plumbing: prefix/suffix split, reporting, per-access suffix."""
+    """Shared plumbing: prefix/suffix split, reporting, per-access suffix.
+
+    The suffix (random transforms, and whatever follows the first one) runs on every access with
+    a generator of ``(seed, epoch, base index)`` (:func:`~fastvision.data.transforms.item_generator`);
+    ``set_epoch`` moves to the next epoch's draws. ``seed`` is set by the code that builds the
+    training set (``wrap_train_set``).
+    """
+
+    seed: int = 0
+    epoch: int = 0
 
     def __init__(self, base: Dataset, pipeline: Sequence[T.TransformFn]):
         self.base = base
@@ -104,9 +113,18 @@ class _Cached(Dataset):
     def _cached(self, i: int) -> dict[str, Any]:
         return self._compute(i)
 
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def finish(self, item: dict[str, Any], index: int) -> dict[str, Any]:
+        """Run the suffix on a cached item of base index ``index`` (a shallow copy: suffix
+        transforms may replace keys without touching the cached dict)."""
+        if not self.suffix:
+            return dict(item)
+        return T.apply_random(self.suffix, dict(item), T.item_generator(self.seed, self.epoch, index))
+
     def __getitem__(self, i: int) -> dict[str, Any]:
-        # A shallow copy: suffix transforms may replace keys without touching the cached dict.
-        return T.apply(self.suffix, dict(self._cached(i)))
+        return self.finish(self._cached(i), i)
 
     def report(self) -> str:
         """One line: how many items are cached and where the cached prefix ends."""
@@ -115,6 +133,28 @@ class _Cached(Dataset):
         nxt = f"; first uncached transform: {T.name(self.suffix[0])}" if self.suffix else ""
         return (f"{type(self).__name__}: {self.num_cached}/{len(self.base)} items cached, prefix of "
                 f"{len(self.prefix)}/{len(self.prefix) + len(self.suffix)} transforms ends {end}{nxt}")
+
+
+class Pipeline(_Cached):
+    """No cache: the whole pipeline on every access (the plain path, ``data.cache: none``)."""
+
+    def report(self) -> str:
+        return f"Pipeline: not cached ({len(self.base)} items), {len(self.prefix) + len(self.suffix)} transforms per access"
+
+
+class LazyCache(_Cached):
+    """RAM cache filled on first access (validation sets: a rank keeps only the items it reads)."""
+
+    def __init__(self, base: Dataset, pipeline: Sequence[T.TransformFn]):
+        super().__init__(base, pipeline)
+        self.items: dict[int, dict[str, Any]] = {}
+
+    def _cached(self, i: int) -> dict[str, Any]:
+        item = self.items.get(i)
+        if item is None:  # two threads may both compute one item: same result, one kept
+            item = self.items.setdefault(i, self._compute(i))
+        self.num_cached = len(self.items)
+        return item
 
 
 class CacheDataset(_Cached):
@@ -218,7 +258,7 @@ class SharedCacheDataset(_Cached):
         super().__init__(base, pipeline)
         rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
         world = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world_size is None else local_world_size
-        self.dir = Path(root) / f"fastvision-{name}-{self.signature[:16]}-{len(base)}"
+        self.dir = Path(root) / f"fastvision-{name}-{self._content_key()}-{len(base)}"
         self.dir.mkdir(parents=True, exist_ok=True)
         if cleanup and rank == 0:
             atexit.register(shutil.rmtree, self.dir, True)
@@ -235,6 +275,16 @@ class SharedCacheDataset(_Cached):
         self.items = [self._map(i) for i in range(len(base))]
         self.num_cached = len(base)
         log.info(self.report())
+
+    def _content_key(self) -> str:
+        """What the entries hold: the prefix's signature, a cached base's own signature and every
+        item's identity, so two datasets of one job never share a folder."""
+        h = hashlib.sha256(self.signature.encode())
+        h.update(str(getattr(self.base, "signature", "")).encode())
+        identity = getattr(self.base, "identity", None)
+        for i in range(len(self.base) if callable(identity) else 0):
+            h.update(b"\0" + identity(i).encode())
+        return h.hexdigest()[:16]
 
     def _file(self, i: int) -> Path:
         return self.dir / f"{i}.fvc"

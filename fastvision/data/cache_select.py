@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 from ..errors import ConfigError
 from . import transforms as T
-from .cache import CacheDataset, PersistentDataset, SharedCacheDataset, _Cached
+from .cache import CacheDataset, LazyCache, PersistentDataset, Pipeline, SharedCacheDataset, _Cached
 from .cache_smart import GPUCacheDataset, SmartCacheDataset
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,13 @@ class ReadItem(T.Transform):
 
 
 class _Indices(Dataset):
-    """Base of a :class:`ReadItem` pipeline: item ``i`` is ``{"index": i}``."""
+    """Base of a :class:`ReadItem` pipeline: item ``i`` is ``{"index": i}`` (named by the
+    dataset's ``identity`` when it has one)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, identity: Callable[[int], str] | None = None):
         self.n = n
+        if identity is not None:
+            self.identity = identity
 
     def __len__(self) -> int:
         return self.n
@@ -131,7 +134,7 @@ def cache_source(dataset: Dataset, check: bool = True) -> tuple[Dataset, list[T.
         return base, list(pipeline), item_identity(base) or item_identity(dataset)
     if check:
         check_deterministic(dataset)
-    return _Indices(len(dataset)), [ReadItem(dataset)], item_identity(dataset)
+    return _Indices(len(dataset), item_identity(dataset)), [ReadItem(dataset)], item_identity(dataset)
 
 
 def default_cache_dir() -> Path:
@@ -156,43 +159,65 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
                    device: torch.device | str = "cpu", seed: int = 0) -> Dataset:
     """The training set behind the cache named by ``data.cache``.
 
+    A dataset with ``cache_pipeline`` is always served through its pipeline (with ``none`` as a
+    :class:`~fastvision.data.cache.Pipeline` that caches nothing): the deterministic prefix is
+    what gets cached, the random transforms run per access with generators of
+    ``(seed, epoch, sample index)``.
+
+    Under DDP no rank holds items it does not train on: ``ram`` and ``gpu`` keep this rank's
+    partition only (``rank_local``), ``shared`` keeps one copy per node, ``disk`` entries are
+    written by whichever rank reads them first.
+
     Args:
         dataset: the registered training set (items are dicts).
         cache: none, ram, disk, shared, smart or gpu.
-        cache_rate: share of items kept in RAM (ram).
-        cache_dir: folder of the disk cache (default :func:`default_cache_dir`).
+        cache_rate: share of items kept in RAM (ram, one process).
+        cache_dir: folder of the disk cache (None or "auto": :func:`default_cache_dir`). Given with
+            a memory cache (ram, shared, smart, gpu), that cache is filled through the disk cache,
+            so a second run reads the preprocessed items instead of computing them.
         cache_num, replace_rate: smart cache window and the share replaced per epoch.
         env: ``fastvision.dist.DistEnv`` (rank, local rank, world sizes); None: one process.
-        device: where the gpu cache places tensors.
-        seed: smart-cache order and gpu partition seed (same on every rank).
+        device: where the gpu cache places tensors (the training device: also a CPU).
+        seed: seed of the random transforms, the smart-cache order and the partitions (same on
+            every rank).
 
     Returns:
-        A dataset of the same items. The gpu cache returns this rank's partition with
-        ``rank_local = True`` (read whole, no further sharding); ``set_epoch`` rotates it.
+        A dataset of the same items. Partitioned caches set ``rank_local = True`` (read whole, no
+        further sharding); ``set_epoch`` moves the random draws to the next epoch.
     """
     if cache not in CACHES:
         raise ConfigError(f"data.cache must be one of {', '.join(CACHES)}, got {cache!r}")
-    if cache == "none":
-        return dataset
     rank, local_rank, world, local_world = ((env.rank, env.local_rank, env.world_size, env.local_world_size)
                                             if env is not None else (0, 0, 1, 1))
+    if cache == "none":
+        if not callable(getattr(dataset, "cache_pipeline", None)):
+            return dataset
+        base, pipeline = dataset.cache_pipeline()
+        out: Any = Pipeline(base, list(pipeline))
+        out.seed = seed
+        return out
     # A disk cache whose first entry exists was checked when it was written: reading nothing is its point.
     base, pipeline, identity = cache_source(dataset, check=cache != "disk")
+    if cache != "disk" and cache_dir:  # a memory cache filled from the persistent one: fast second runs
+        base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
     threads = min(8, os.cpu_count() or 1)
     progress = rank == 0 and sys.stderr.isatty()
     if cache == "ram":
         if not 0 < cache_rate <= 1:
             raise ConfigError(f"data.cache_rate must be in (0, 1], got {cache_rate}")
-        if local_world > 1:
-            log.info("data.cache: ram keeps one copy per rank (%d on this node); data.cache: shared keeps one "
-                     "per node", local_world)
+        if world > 1:  # this rank's partition only (MONAI's partition_dataset); shared: one copy per node
+            prefix, suffix = T.split(pipeline)
+            out = GPUCacheDataset(_Cached(base, prefix), "cpu", rank=rank, world_size=world, seed=seed,
+                                  rotate=False, suffix=suffix)
+            out.rank_local = True
+            log.info("data.cache: ram holds partition %d/%d (%d items) on this rank", rank, world, len(out))
+            return out
         out = CacheDataset(base, pipeline, cache_rate=cache_rate, num_workers=threads, progress=progress)
     elif cache == "disk":
         if identity is None:
             raise ConfigError(f"data.cache: disk needs {type(dataset).__name__}.identity(i) (a stable name of "
                               "item i's files) to key its entries; use data.cache: ram")
-        out = PersistentDataset(base, pipeline, Path(cache_dir) if cache_dir else default_cache_dir(),
-                                identity=identity)
+        out = PersistentDataset(base, pipeline, disk_dir(cache_dir), identity=identity)
         if isinstance(pipeline[0], ReadItem) and len(out) and not out.path(0).exists():
             check_deterministic(dataset)
         log.info("%s; entries in %s", out.report(), out.dir)
@@ -207,31 +232,62 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
         out.main_process_only = "data.cache: smart replaces items in a background thread of the main process"
         log.info(out.report())
     else:
-        out = _gpu(base, pipeline, device, rank, local_rank, world, local_world, seed, threads, progress)
+        return _gpu(base, pipeline, device, rank, local_rank, world, local_world, seed, threads, progress)
+    out.seed = seed
     return out
+
+
+def wrap_val_set(dataset: Dataset, *, cache: str, cache_dir: str | None = None) -> Dataset:
+    """The validation set: deterministic items, cached as they are first read when ``cache`` is not
+    ``none`` (a rank keeps only its evaluation shard; ``disk``, or a ``data.cache_dir`` under a
+    memory cache, reuses the persistent entries)."""
+    if cache == "none" or dataset is None:
+        return dataset
+    base, pipeline, identity = cache_source(dataset, check=False)
+    if cache == "disk" and identity is not None:
+        return PersistentDataset(base, pipeline, disk_dir(cache_dir), identity=identity)
+    if cache_dir:
+        base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
+    return LazyCache(base, pipeline)
+
+
+def disk_dir(cache_dir: str | None) -> Path:
+    """``data.cache_dir``: a folder, or None / "auto" for :func:`default_cache_dir`."""
+    return default_cache_dir() if cache_dir in (None, "", "auto") else Path(cache_dir)
+
+
+def _through_disk(base: Dataset, pipeline: list, identity: Callable[[int], str] | None,
+                  cache_dir: str) -> tuple[Dataset, list]:
+    """``(persistent prefix, suffix)``: the deterministic prefix read from (or written to) the disk
+    cache, so a memory cache's fill reads entries instead of preprocessing again."""
+    prefix, suffix = T.split(pipeline)
+    if identity is None or not prefix:
+        return base, pipeline
+    disk = PersistentDataset(base, prefix, disk_dir(cache_dir), identity=identity)
+    log.info("data.cache_dir: the cached prefix is read through the disk cache in %s", disk.dir)
+    return disk, suffix
 
 
 def _gpu(base: Dataset, pipeline: list, device: torch.device | str, rank: int, local_rank: int, world: int,
          local_world: int, seed: int, threads: int, progress: bool) -> GPUCacheDataset:
     prefix, suffix = T.split(pipeline)
-    if suffix:
-        raise ConfigError(f"data.cache: gpu stores finished items, but the dataset has random transforms "
-                          f"({', '.join(T.name(t) for t in suffix)}); move them to data.augment")
     device = torch.device(device)
     if device.type != "cuda":
-        log.warning("data.cache: gpu on %s keeps the items in host memory (no CUDA device)", device)
+        log.info("data.cache: gpu on %s keeps the items in host memory (the training device)", device)
+    rotate = True
     if world == 1:
         host: Dataset = _Cached(base, prefix)  # read once, straight onto the device
     elif local_world > 1:  # partitions rotate: re-uploads read one shared host copy per node
         host = SharedCacheDataset(base, prefix, job_name(), local_rank=local_rank, local_world_size=local_world,
                                   num_workers=threads, progress=progress)
-    else:
-        host = CacheDataset(base, prefix, num_workers=threads, progress=progress)
-    out = GPUCacheDataset(host, device, rank=rank, world_size=world, seed=seed)
+    else:  # one rank per node: keep this rank's partition (no host copy of the others)
+        host, rotate = _Cached(base, prefix), False
+    out = GPUCacheDataset(host, device, rank=rank, world_size=world, seed=seed, rotate=rotate, suffix=suffix)
     out.rank_local = True  # already this rank's partition: the engine reads it whole
     out.main_process_only = "data.cache: gpu holds device tensors, which worker processes cannot share"
-    log.info("GPUCacheDataset: %d/%d items of partition %d/%d on %s (rotating each epoch)", out.num_cached,
-             len(out), out.part_id, world, device)
+    random = f"; random transforms per access on {device}: {', '.join(T.name(t) for t in suffix)}" if suffix else ""
+    log.info("GPUCacheDataset: %d/%d items of partition %d/%d on %s, the rest in host RAM%s", out.num_cached,
+             len(out), out.part_id, world, device, random)
     return out
 
 

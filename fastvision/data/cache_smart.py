@@ -72,6 +72,7 @@ class SmartCacheDataset(_Cached):
         """Make ``epoch``'s window current (blocks until its replacements are ready)."""
         if epoch == self.epoch:
             return
+        super().set_epoch(epoch)  # the suffix's draws
         ready: dict[int, Any] = {}
         if self._pending is not None and self._pending[0] == epoch:
             ready = self._pending[1].result()
@@ -87,6 +88,9 @@ class SmartCacheDataset(_Cached):
 
     def _cached(self, j: int) -> dict[str, Any]:
         return self.store[self.window[j]]
+
+    def __getitem__(self, j: int) -> dict[str, Any]:
+        return self.finish(self._cached(j), self.window[j])  # draws keyed by the base index
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -104,23 +108,30 @@ def partitions(n: int, world_size: int, seed: int = 0) -> list[list[int]]:
 class GPUCacheDataset(Dataset):
     """This rank's partition of ``source`` held on ``device``; ``set_epoch`` rotates partitions.
 
+    Random transforms (``suffix``) run per access on the cached tensors, so on CUDA the
+    foreground-biased crop of a cached volume runs on the GPU (MONAI: CacheDataset + ToDeviced +
+    RandCropByPosNegLabeld); their generator is keyed by the source index, not the position in
+    the partition.
+
     Args:
         source: dataset whose items are already preprocessed (e.g. a :class:`CacheDataset`).
         device: where to keep the tensors.
         rank, world_size: this process's place in DDP.
-        seed: partition seed (same on all ranks).
+        seed: partition seed (same on all ranks) and seed of the suffix's draws.
         rotate: rank r holds partition (r + epoch) % world_size; else always partition r.
         budget_bytes: device memory allowed (default ``memory_fraction`` of free memory); items
-            that do not fit stay on the host and are copied per access, with a warning.
+            that do not fit stay in host RAM (read once, copied per access), with a warning.
+        suffix: random transforms applied on every access.
     """
 
     def __init__(self, source: Dataset, device: torch.device | str, *, rank: int = 0, world_size: int = 1,
                  seed: int = 0, rotate: bool = True, budget_bytes: int | None = None,
-                 memory_fraction: float = 0.8):
+                 memory_fraction: float = 0.8, suffix: Sequence[T.TransformFn] = ()):
         self.source, self.device = source, torch.device(device)
         self.rank, self.world_size, self.rotate = rank, world_size, rotate
         self.parts = partitions(len(source), world_size, seed)
         self.budget_bytes, self.memory_fraction = budget_bytes, memory_fraction
+        self.suffix, self.seed, self.epoch = list(suffix), seed, 0
         self.part_id = -1
         self.items: list[Any] = []
         self.set_epoch(0)
@@ -133,6 +144,7 @@ class GPUCacheDataset(Dataset):
         return self.parts[self.part_id]
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         pid = self.partition_id(epoch)
         if pid == self.part_id:
             return
@@ -146,13 +158,19 @@ class GPUCacheDataset(Dataset):
         else:
             budget = int(available_ram() * self.memory_fraction)
         n = guard(len(idx), item_nbytes(first), budget, f"GPUCacheDataset on {self.device}")
-        self.items = [_move(self.source[i] if k else first, self.device) for k, i in enumerate(idx[:n])]
+        for k, i in enumerate(idx):  # each item read once, moved as it is read
+            item = first if k == 0 else self.source[i]
+            self.items.append(_move(item, self.device) if k < n else item)
         self.num_cached, self.part_id = n, pid
 
     def __len__(self) -> int:
         return len(self.parts[0])
 
     def __getitem__(self, j: int) -> dict[str, Any]:
-        if j < self.num_cached:
-            return dict(self.items[j])
-        return _move(self.source[self.indices()[j]], self.device)
+        item = self.items[j]
+        if j >= self.num_cached:  # did not fit on the device: held in host RAM
+            item = _move(item, self.device)
+        if not self.suffix:
+            return dict(item)
+        index = self.indices()[j]
+        return T.apply_random(self.suffix, dict(item), T.item_generator(self.seed, self.epoch, index))

@@ -112,14 +112,17 @@ class ProcessLoader:
         self.dataset = dataset
         self.sampler = sampler if sampler is not None else epoch_sampler(len(dataset), shuffle, seed)
         self.repeats = repeats
+        # A dataset with per-epoch state (the epoch of its random draws) needs workers forked
+        # after set_epoch: persistent workers would keep drawing epoch 0's augmentations.
+        persistent = num_workers > 0 and not hasattr(dataset, "set_epoch")
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
                                  collate_fn=collate_fn or default_collate, num_workers=num_workers,
-                                 drop_last=drop_last, pin_memory=pin_memory,
-                                 persistent_workers=num_workers > 0)
+                                 drop_last=drop_last, pin_memory=pin_memory, persistent_workers=persistent)
 
     def set_epoch(self, epoch: int) -> None:
-        # The dataset here is the main process's copy: with workers only the sampler's epoch
-        # reaches them, which is why main-process caches refuse worker processes.
+        # The dataset here is the main process's copy; workers fork from it at the next
+        # iteration (not persistent for such datasets), so they see this epoch. Main-process
+        # caches (smart, gpu) refuse worker processes.
         for obj in (self.sampler, self.dataset):
             if hasattr(obj, "set_epoch"):
                 obj.set_epoch(epoch)

@@ -8,6 +8,12 @@ prefix: it counts as deterministic unless marked, and the cache reports where th
 The signature of a transform names its class and parameters (dataclass fields or ``__dict__``), or
 for a plain function its qualified name and source; a persistent cache is keyed on it, so changing a
 parameter or the code of a function invalidates old entries.
+
+Random transforms (:class:`RandomTransform`) take ``(item, generator)``. The generator is made
+per item by :func:`item_generator` from ``(seed, epoch, sample index)``, never torch's global
+one, so an augmented item does not depend on which loader thread or process built it, how many
+there are, the world size, or what else drew random numbers meanwhile; a resumed run redraws
+exactly what the uninterrupted run drew.
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ import hashlib
 import inspect
 import json
 from typing import Any, Callable, Sequence
+
+import torch
 
 Item = dict[str, Any]
 TransformFn = Callable[[Item], Item]
@@ -70,6 +78,43 @@ def signature(t: Any) -> str:
             code = t.__code__.co_code.hex()
         return f"{t.__module__}.{t.__qualname__}:{hashlib.sha256(code.encode()).hexdigest()[:16]}"
     return _default_signature(t)
+
+
+class RandomTransform(Transform):
+    """A per-item random transform: ``__call__(item, generator)`` draws only from ``generator``."""
+
+    random = True
+
+    def __call__(self, item: Item, generator: torch.Generator) -> Item:  # type: ignore[override]
+        raise NotImplementedError
+
+
+def _mix(a: int, b: int) -> int:
+    """splitmix64 finalisation of two 32-bit numbers into a 63-bit seed (distinct pairs differ)."""
+    mask = (1 << 64) - 1
+    z = ((a & 0xFFFFFFFF) << 32 | (b & 0xFFFFFFFF)) & mask
+    z = (z + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def item_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index``'s random draws in ``epoch`` of a run seeded ``seed``."""
+    m = _mix(seed, epoch)
+    return _mix((m ^ (m >> 32)) & 0xFFFFFFFF, index)  # fold 63 bits to 32, then mix in the index
+
+
+def item_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """A CPU generator private to one (seed, epoch, sample index): random transforms draw from it."""
+    return torch.Generator().manual_seed(item_seed(seed, epoch, index))
+
+
+def apply_random(transforms: Sequence[TransformFn], item: Item, generator: torch.Generator) -> Item:
+    """Apply ``transforms`` in order; the random ones get ``generator`` (one stream per item)."""
+    for t in transforms:
+        item = t(item, generator) if is_random(t) else t(item)
+    return item
 
 
 def is_random(t: Any) -> bool:

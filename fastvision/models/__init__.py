@@ -5,7 +5,6 @@ keyword arguments against the builder's signature; ``list_models()`` names them 
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from torch import nn
@@ -23,6 +22,4 @@ def list_models() -> list[str]:
     return MODELS.names()
 
 
-# Importing a module registers its models.
-for _name in ("unet", "segresnet", "resnet", "ssd"):
-    importlib.import_module(f"{__name__}.{_name}")
+from . import resnet, segresnet, ssd, unet  # noqa: E402,F401  (importing a module registers its models)

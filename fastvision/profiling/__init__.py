@@ -11,9 +11,10 @@ from typing import Any
 
 from ..errors import DataError
 from .monitor import plot_csv, read_csv, record
-from .profiler import PHASES, advice, percentiles_ms, profile
+from .profiler import PHASES, advice, percentiles_ms, profile, profile_run
 
-__all__ = ["profile", "render", "record", "plot_csv", "read_csv", "advice", "percentiles_ms", "add_cli"]
+__all__ = ["profile", "profile_run", "render", "record", "plot_csv", "read_csv", "advice", "percentiles_ms",
+           "add_profile_cli", "add_monitor_cli"]
 
 _LABELS = {"data": "data wait", "h2d": "host-to-device", "augment": "augment (batched)", "forward": "forward",
            "backward": "backward", "optimizer": "optimizer", "comm": "communication"}
@@ -83,8 +84,8 @@ def _cmd_monitor(args) -> int:
     return 0
 
 
-def add_cli(subparsers) -> None:
-    """``fastvision profile RECIPE`` and ``fastvision monitor``."""
+def add_profile_cli(subparsers) -> None:
+    """``fastvision profile RECIPE``."""
     p = subparsers.add_parser("profile", help="time every training phase and name the bottleneck",
                               description="Run --warmup then --steps training steps of RECIPE and report "
                                           "time per phase (p50/p90/p99), images/s, GPU use and a verdict.")
@@ -102,6 +103,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--amp", choices=["off", "fp16", "bf16"])
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key, dotted")
     p.set_defaults(func=_cmd_profile)
+
+
+def add_monitor_cli(subparsers) -> None:
+    """``fastvision monitor``."""
     p = subparsers.add_parser("monitor", help="record GPU utilisation and memory (NVML) to CSV and PNG")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between readings (default 1)")
     p.add_argument("--out", default="gpu.csv", help="CSV to append to (default gpu.csv)")

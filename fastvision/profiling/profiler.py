@@ -1,11 +1,13 @@
 """``fastvision profile``: time every phase of the training step and name the bottleneck.
 
-The step is the engine's (:func:`fastvision.engine.build`, ``make_loader``, ``runtime.Precision``,
-the DDP wrap), cut at phase boundaries: data wait, host-to-device, augment, forward, backward,
-optimizer, and communication. Host phases use the wall clock; on CUDA the device phases use CUDA
-events read once after the last step, so profiling adds no host sync per step. Communication is
-the exposed all-reduce time: backward with gradient sync minus backward under ``no_sync``
-(measured on extra steps after the profiled ones; 0 in one process).
+The run is the engine's (:func:`fastvision.engine.build`) and so is the step: the profiler calls
+:func:`fastvision.engine.train_step` with a clock that the step tells each phase as it starts:
+data wait, host-to-device, augment, forward, backward (each summed over the accumulation
+micro-batches), optimizer (non-finite check, clip, step, schedule, EMA), and communication. Host
+phases use the wall clock; on CUDA the device phases use CUDA events read once after the last step,
+so profiling adds no host sync per step. Communication is the exposed all-reduce time: backward
+with gradient sync minus backward under ``no_sync`` (measured on extra steps after the profiled
+ones; 0 in one process).
 
 The verdict is the largest share of the median step: ``input-bound`` (data wait),
 ``communication-bound``, ``host-sync-bound`` (CUDA only: the GPU waits for the host, seen as low
@@ -23,7 +25,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from .. import dist, engine, optim, runtime
+from .. import dist, engine
 from ..config import RunConfig
 from .monitor import NvmlSampler
 
@@ -34,7 +36,8 @@ DEVICE_PHASES = ("h2d", "augment", "forward", "backward", "optimizer")
 
 
 class _Clock:
-    """Phase boundaries of one step: host times always, CUDA events on a CUDA device."""
+    """Phase boundaries of one step (the ``clock`` hook of ``engine.train_step``): host times always,
+    CUDA events on a CUDA device. A phase seen several times (accumulation micro-batches) is summed."""
 
     def __init__(self, device: torch.device, nvtx: bool):
         self.cuda = device.type == "cuda"
@@ -42,7 +45,7 @@ class _Clock:
         self.host: list[tuple[str, float]] = []
         self.events: list[tuple[str, Any]] = []
 
-    def mark(self, phase: str) -> None:
+    def __call__(self, phase: str) -> None:
         """Start ``phase`` (``"end"`` closes the step)."""
         if self.nvtx and self.host:
             torch.cuda.nvtx.range_pop()
@@ -56,11 +59,18 @@ class _Clock:
 
     def durations(self) -> tuple[dict[str, float], dict[str, float]]:
         """(host seconds, device seconds) per phase; device equals host off CUDA."""
-        host = {a: t1 - t0 for (a, t0), (_, t1) in zip(self.host, self.host[1:])}
+        host = _sums((a, t1 - t0) for (a, t0), (_, t1) in zip(self.host, self.host[1:]))
         if not self.cuda:
             return host, dict(host)
-        dev = {a: e0.elapsed_time(e1) / 1e3 for (a, e0), (_, e1) in zip(self.events, self.events[1:])}
+        dev = _sums((a, e0.elapsed_time(e1) / 1e3) for (a, e0), (_, e1) in zip(self.events, self.events[1:]))
         return host, dev
+
+
+def _sums(pairs) -> dict[str, float]:
+    out = {p: 0.0 for p in PHASES}
+    for phase, seconds in pairs:
+        out[phase] += seconds
+    return out
 
 
 def _ranged(name: str, fn: Callable) -> Callable:
@@ -70,6 +80,7 @@ def _ranged(name: str, fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         finally:
             torch.cuda.nvtx.range_pop()
+    call.random = getattr(fn, "random", False)  # a random transform still gets its per-item generator
     return call
 
 
@@ -100,6 +111,14 @@ class _NvtxItems(torch.utils.data.Dataset):
 
     def __getattr__(self, name: str) -> Any:  # rank_local, set_epoch, main_process_only...
         return getattr(self.__dict__["dataset"], name)
+
+
+def _nvtx_items(train_set: Any) -> Any:
+    """The training set with NVTX ranges around its per-access transforms and item reads (CUDA)."""
+    if not torch.cuda.is_available():
+        return train_set
+    add_nvtx_ranges(train_set, None)
+    return _NvtxItems(train_set)
 
 
 def _batches(loader: Any, start_epoch: int = 0) -> Iterator[Any]:
@@ -134,55 +153,30 @@ def profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 5, nvtx: bool = Fa
         ``{"phases": {name: {p50, p90, p99, mean} ms}, "step_ms", "images_per_s", "shares",
         "verdict", "advice", "gpu", "config"}``.
     """
-    run = engine.build(cfg)
-    tc, env, device, task, model = cfg.train, run.env, run.device, run.task, run.model
-    global_batch = tc.batch_size * env.world_size
-    optimizer = optim.build_optimizer(model, cfg.optim, optim.effective_lr(cfg.optim, global_batch))
-    precision = runtime.Precision(tc.amp, device)
-    generator = torch.Generator(device=device).manual_seed(tc.seed * 1_000_003 + env.rank)
-    train_model = runtime.maybe_compile(dist.wrap_model(model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
-                                                        static_graph=tc.ddp_static_graph), tc.compile)
-    if synthetic:
-        fixed = task.synthetic_batch(tc.batch_size, device)
+    run = engine.build(cfg, train=True, loaders=not synthetic, wrap_train_set=_nvtx_items if nvtx else None)
+    return profile_run(run, steps=steps, warmup=warmup, nvtx=nvtx, trace=trace)
+
+
+def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool = False,
+                trace: str | Path | None = None) -> dict[str, Any]:
+    """:func:`profile` of a run already built by ``engine.build(cfg, train=True)``: its training
+    loader, or synthetic batches on the device when it has none (built with ``loaders=False``).
+    The run trains on: its weights afterwards are those of ``warmup + steps`` training steps."""
+    cfg, env, device, task = run.cfg, run.env, run.device, run.task
+    if nvtx and device.type == "cuda":
+        add_nvtx_ranges(None, task)  # every batched augmentation op
+    if run.train_loader is None:
+        fixed = task.synthetic_batch(cfg.train.batch_size, device)
         batches: Iterator[Any] = iter(lambda: fixed, None)
         cache_line = "synthetic batches on the device (no data pipeline)"
     else:
-        train_set = engine.cached_train_set(run.train_set, cfg, env, device)
         from ..data.cache_select import describe
 
-        cache_line = describe(train_set)
-        if nvtx and device.type == "cuda":
-            add_nvtx_ranges(train_set, task)
-            train_set = _NvtxItems(train_set)
-        batches = _batches(engine.make_loader(train_set, task, cfg, tc.batch_size, True, device))
-    model.train()
-
-    def step(clock: _Clock, sync_grads: bool = True, update: bool = True) -> None:
-        clock.mark("data")
-        batch = next(batches)
-        clock.mark("h2d")
-        batch = task.to_device(batch, device, tc.channels_last)
-        clock.mark("augment")
-        batch = task.augment(batch, generator)
-        clock.mark("forward")
-        with precision.autocast():
-            loss = task.loss(task.forward(train_model, batch), batch)
-        clock.mark("backward")
-        with dist.no_sync(train_model, not sync_grads):
-            precision.scaler.scale(loss).backward()
-        clock.mark("optimizer")
-        if update:
-            # The engine's non-finite check (agreed across ranks), so its host-sync cost shows up here.
-            if tc.check_finite and precision.mode != "fp16" and not engine.finite_everywhere(loss):
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                precision.scaler.step(optimizer)
-                precision.scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        clock.mark("end")
-
+        cache_line = describe(run.train_set)
+        batches = _batches(run.train_loader)
+    run.train_model.train()
     for _ in range(warmup):
-        step(_Clock(device, False))
+        engine.train_step(run, batches, _Clock(device, False))
     sampler = NvmlSampler(device) if device.type == "cuda" else None
     prof = _trace_context(trace, device)
     clocks: list[_Clock] = []
@@ -191,7 +185,7 @@ def profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 5, nvtx: bool = Fa
         for _ in range(steps):
             starts.append(time.perf_counter())
             clocks.append(_Clock(device, nvtx))
-            step(clocks[-1])
+            engine.train_step(run, batches, clocks[-1])  # the step fit runs, timed by its clock hook
             if hasattr(prof, "step"):
                 prof.step()
         if device.type == "cuda":
@@ -201,14 +195,16 @@ def profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 5, nvtx: bool = Fa
     if env.world_size > 1:  # backward without the all-reduce, to isolate its exposed time
         extra = [_Clock(device, False) for _ in range(min(steps, 5))]
         for c in extra:
-            step(c, sync_grads=False, update=False)
+            with dist.no_sync(run.train_model):  # the step's own no_sync calls nest inside this one
+                engine.train_step(run, batches, c)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         no_sync_bwd = [c.durations()[1]["backward"] for c in extra]
     if trace:
         Path(trace).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(trace) / f"trace_rank{env.rank}.json"))
-    return _report(cfg, clocks, np.diff(starts).tolist(), no_sync_bwd, global_batch, device, sampler, cache_line)
+    return _report(cfg, clocks, np.diff(starts).tolist(), no_sync_bwd, run.global_batch, device, sampler,
+                   cache_line)
 
 
 def _trace_context(trace: str | Path | None, device: torch.device) -> Any:

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import default_collate
 
+from ..metrics import Evaluator  # noqa: F401  (the task seam re-exports it; it lives with the metrics)
+
 
 class DeviceConstants:
     """Small constant tensors made once on the host and copied once to each device.
@@ -29,27 +31,6 @@ class DeviceConstants:
         if key not in self._on:
             self._on[key] = self._host[name].to(device)
         return self._on[key]
-
-
-class Evaluator:
-    """Accumulates validation statistics as sums, so ranks can be combined by one all-reduce.
-
-    Subclasses keep their running sums in ``self.sums`` (a 1-D float64 tensor on the device) or
-    override :meth:`state` / :meth:`load_state` for non-tensor state (e.g. COCO detections).
-    """
-
-    def update(self, outputs: Any, batch: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def state(self) -> Tensor:
-        """1-D float64 tensor that is summed across ranks."""
-        return self.sums
-
-    def load_state(self, state: Tensor) -> None:
-        self.sums = state
-
-    def compute(self) -> dict[str, float]:
-        raise NotImplementedError
 
 
 class Task:

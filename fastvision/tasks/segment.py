@@ -52,6 +52,7 @@ class SegmentationTask(Task):
             prediction or the truth is empty are left out of it.
         loss: the loss module (built by the engine from the recipe's ``loss`` section).
         augment: callable ``(image, label, generator) -> (image, label)`` or None.
+        info: the dataset's ``info`` (every task receives it; segmentation needs nothing from it).
     """
 
     primary_metric = "iou"
@@ -62,7 +63,7 @@ class SegmentationTask(Task):
                  sample_shape: list[int] = (1, 256, 256), sliding_window: dict | None = None,
                  eval: Literal["sliding_window", "crop"] = "sliding_window", eval_crop: list[int] | None = None,
                  average: Literal["case", "pooled"] = "case", empty: Literal["ignore", "one", "zero"] = "ignore",
-                 hd95: bool = False, loss: nn.Module, augment=None):
+                 hd95: bool = False, loss: nn.Module, augment=None, info: dict | None = None):
         from ..errors import ConfigError
 
         self.num_classes, self.mode, self.loss_fn, self.augment_fn = num_classes, mode, loss, augment

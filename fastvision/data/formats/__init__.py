@@ -1,16 +1,8 @@
-"""On-disk dataset formats. Each module registers builders in ``DATASETS``."""
+"""On-disk dataset formats. Importing this package registers every format's builders in
+``fastvision.registry.DATASETS``; :class:`DatasetSplits` is what each builder returns."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from . import brats, coco, decathlon, imagefolder, microscopy, pathology  # noqa: F401  (each registers its builders)
+from .base import DatasetSplits
 
-from torch.utils.data import Dataset
-
-
-@dataclass
-class DatasetSplits:
-    """Train and validation datasets of dict items, plus facts worth logging (counts, classes)."""
-
-    train: Dataset
-    val: Dataset
-    info: dict[str, Any] = field(default_factory=dict)
+__all__ = ["DatasetSplits"]

@@ -21,7 +21,7 @@ from ...errors import DataError
 from ...registry import DATASETS
 from ..preprocess3d import PreprocessParams, remap_labels
 from .anomalies import nifti_header, drop_unreadable
-from . import DatasetSplits
+from .base import DatasetSplits
 from .brats_layouts import detect
 from .decathlon import BRATS_CLASS_NAMES, build_splits
 
@@ -82,8 +82,7 @@ def find_cases(root: str | Path) -> list[dict]:
 def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int = 0,
                 target_spacing: tuple[float, float, float] | None = None, crop_foreground: bool = True,
                 crop_margin: int = 0, patch_size: tuple[int, int, int] | None = None,
-                pos_fraction: float = 0.5, workers: int = 4, cache_dir: str | None = "auto",
-                skip_unreadable: bool = False) -> DatasetSplits:
+                pos_fraction: float = 0.5, skip_unreadable: bool = False) -> DatasetSplits:
     """Raw BraTS folder (any release 2017-2024) -> train/val of fold ``fold``; MRI z-score on the
     foreground per channel. The release's label convention is recorded in ``info``.
 
@@ -102,4 +101,4 @@ def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int
     info = {"num_classes": 4, "class_names": BRATS_CLASS_NAMES, "in_channels": 4, "channels": list(MODALITIES),
             "regions": list(REGION_NAMES), "preprocess": params.key(), "label_convention": layout.convention()}
     return build_splits(cases, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
-                        patch_size=patch_size, pos_fraction=pos_fraction, workers=workers, cache_dir=cache_dir)
+                        patch_size=patch_size, pos_fraction=pos_fraction)

@@ -7,11 +7,13 @@ teach negatives). Invalid annotations (degenerate boxes, unknown image or catego
 skipped with one warning, or refused (``invalid="error"``); see :mod:`.coco_check`. Grey, CMYK,
 palette and PNG images are decoded to RGB; pixels are used as stored (no EXIF rotation).
 
-Training items go through the seed's augmentation on the CPU workers, because a crop changes
-the number of boxes per image: SSD random crop (area 0.75-1.0 of the image, aspect 0.75-3.0)
-that clips boxes and drops degenerate ones, horizontal flip, optional colour jitter; every item
-is then resized to a square ``image_size``. Items follow CONTRACTS.md (detection) and
-:func:`collate_detection` pads them into a batch.
+An item is deterministic: the image resized to a square ``image_size`` with its boxes. Training
+runs through :meth:`CocoDetection.cache_pipeline`: the decoded full-size image and its targets
+are the cacheable prefix, and :class:`SSDAugment` (per item, on the host, because a crop changes
+the number of boxes per image) draws from a generator of (seed, epoch, sample index): SSD random
+crop (area 0.75-1.0 of the image, aspect 0.75-3.0) that clips boxes and drops degenerate ones,
+horizontal flip, optional colour jitter, then the resize. Items follow CONTRACTS.md (detection)
+and :func:`collate_detection` pads them into a batch.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import contextlib
 import io
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +33,8 @@ from torch.utils.data import Dataset
 
 from ...errors import ConfigError, DataError
 from ...registry import DATASETS
-from . import DatasetSplits
+from ..transforms import RandomTransform, Transform
+from .base import DatasetSplits
 from .anomalies import drop_unreadable, first_few, handle_invalid, image_header
 from .coco_check import check_annotations
 
@@ -54,19 +58,24 @@ def load_coco(ann_file: str | Path):
 
 
 def sample_crop(width: int, height: int, area: tuple[float, float] = (0.75, 1.0),
-                aspect: tuple[float, float] = (0.75, 3.0), attempts: int = 100) -> tuple[int, int, int, int]:
+                aspect: tuple[float, float] = (0.75, 3.0), attempts: int = 100,
+                generator: torch.Generator | None = None) -> tuple[int, int, int, int]:
     """TF ``random_crop_image`` window: a fraction of the image area and a width/height ratio.
+
+    Args:
+        generator: source of the draws (training: the item's generator).
 
     Returns:
         ``(x0, y0, x1, y1)`` integer pixels; the whole image when no sample fits.
     """
+    g = generator
     for _ in range(attempts):
-        a = float(torch.empty(()).uniform_(*area)) * width * height
-        r = float(torch.empty(()).uniform_(*aspect))
+        a = float(torch.empty(()).uniform_(*area, generator=g)) * width * height
+        r = float(torch.empty(()).uniform_(*aspect, generator=g))
         cw, ch = int(round(math.sqrt(a * r))), int(round(math.sqrt(a / r)))
         if 0 < cw <= width and 0 < ch <= height:
-            x0 = int(torch.randint(0, width - cw + 1, ()))
-            y0 = int(torch.randint(0, height - ch + 1, ()))
+            x0 = int(torch.randint(0, width - cw + 1, (), generator=g))
+            y0 = int(torch.randint(0, height - ch + 1, (), generator=g))
             return x0, y0, x0 + cw, y0 + ch
     return 0, 0, width, height
 
@@ -85,10 +94,10 @@ def crop_boxes(boxes: Tensor, window: tuple[int, int, int, int]) -> tuple[Tensor
     return shifted[keep], keep
 
 
-def color_jitter(image: Tensor, strength: float) -> Tensor:
+def color_jitter(image: Tensor, strength: float, generator: torch.Generator | None = None) -> Tensor:
     """Random brightness, contrast and saturation factors in ``[1 - s, 1 + s]`` on ``(3, H, W)`` uint8."""
     x = image.float()
-    f = torch.empty(3).uniform_(1 - strength, 1 + strength)
+    f = torch.empty(3).uniform_(1 - strength, 1 + strength, generator=generator)
     x = x * f[0]
     x = (x - x.mean()) * f[1] + x.mean()
     grey = x.mean(dim=0, keepdim=True)
@@ -96,14 +105,84 @@ def color_jitter(image: Tensor, strength: float) -> Tensor:
     return x.round().clamp(0, 255).to(torch.uint8)
 
 
+def resize_to_square(img: Image.Image, window: tuple[int, int, int, int], size: int,
+                     boxes: Tensor) -> tuple[Tensor, Tensor]:
+    """Crop ``window`` and resize to ``size`` x ``size`` in one resampling step (PIL's ``box``).
+
+    Returns:
+        ``(image (3, size, size) uint8, boxes scaled from window pixels to output pixels)``.
+    """
+    img = img.resize((size, size), Image.BILINEAR, box=window)
+    cw, ch = window[2] - window[0], window[3] - window[1]
+    boxes = boxes * torch.tensor([size / cw, size / ch, size / cw, size / ch])
+    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).contiguous(), boxes
+
+
+class SSDAugment(RandomTransform):
+    """SSD training augmentation of one decoded item, drawn from the item's generator: random
+    crop with box clipping, resize to ``image_size``, horizontal flip, colour jitter."""
+
+    def __init__(self, image_size: int, crop: bool = True, flip: bool = True, jitter: float = 0.0):
+        self.image_size, self.crop, self.flip, self.jitter = image_size, crop, flip, jitter
+
+    def __call__(self, item: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+        # a host transform (PIL resampling): items of a device cache come back to the host
+        image, boxes, labels, crowd = (item[k].cpu() for k in ("image", "boxes", "labels", "iscrowd"))
+        h, w = image.shape[1:]
+        window = (0, 0, w, h)
+        if self.crop:
+            window = sample_crop(w, h, generator=generator)
+            boxes, keep = crop_boxes(boxes, window)
+            labels, crowd = labels[keep], crowd[keep]
+        S = self.image_size
+        image, boxes = resize_to_square(Image.fromarray(image.permute(1, 2, 0).numpy()), window, S, boxes)
+        if self.flip and bool(torch.rand((), generator=generator) < 0.5):
+            image = image.flip(-1)
+            boxes = torch.stack([S - boxes[:, 2], boxes[:, 1], S - boxes[:, 0], boxes[:, 3]], dim=1)
+        if self.jitter > 0:
+            image = color_jitter(image, self.jitter, generator)
+        return {**item, "image": image, "boxes": boxes, "labels": labels, "iscrowd": crowd,
+                "orig_size": tuple(item["orig_size"])}
+
+
+class _Decode(Transform):
+    """The cacheable step of a training item: ``{"index": i}`` -> the full-size decoded item."""
+
+    def __init__(self, dataset: "CocoDetection"):
+        self.dataset = dataset
+
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        return self.dataset.decode(item["index"])
+
+    def signature(self) -> str:
+        return "fastvision.coco.decode/v1"  # identity() names the image and annotation files
+
+
+class _ImageIds(Dataset):
+    def __init__(self, dataset: "CocoDetection"):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": i}
+
+    def identity(self, i: int) -> str:
+        return self.dataset.identity(i)
+
+
 class CocoDetection(Dataset):
     """Items ``{"image", "boxes", "labels", "iscrowd", "image_id", "orig_size"}`` of one split.
+
+    ``dataset[i]`` is deterministic: image ``i`` resized to ``image_size``. A training split
+    (``train=True``) is read through :meth:`cache_pipeline`, which adds :class:`SSDAugment`.
 
     Args:
         ann_file: ``instances_<split>.json``.
         image_dir: folder of the split's images.
         image_size: side of the square network input (pixels).
-        train: apply random crop / flip / jitter.
+        train: the split is trained on (its pipeline has random crop / flip / jitter).
         crop, flip: enable those augmentations (training only).
         jitter: colour-jitter strength (0 disables).
         cat_ids: category ids in class order (default: this file's, sorted).
@@ -116,6 +195,7 @@ class CocoDetection(Dataset):
     def __init__(self, ann_file: str | Path, image_dir: str | Path, image_size: int = 320, train: bool = False,
                  crop: bool = True, flip: bool = True, jitter: float = 0.0, cat_ids: list[int] | None = None,
                  invalid: str = "warn", skip_unreadable: bool = False):
+        self.ann_file = Path(ann_file)
         self.coco = load_coco(ann_file)
         self.image_dir = Path(image_dir)
         if not self.image_dir.is_dir():
@@ -162,34 +242,47 @@ class CocoDetection(Dataset):
         crowd = torch.tensor([bool(a.get("iscrowd", 0)) for a in anns], dtype=torch.bool)
         return boxes, labels, crowd
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        image_id = self.ids[i]
-        info = self.coco.imgs[image_id]
-        path = self.image_dir / info["file_name"]
+    def path(self, i: int) -> Path:
+        return self.image_dir / self.coco.imgs[self.ids[i]]["file_name"]
+
+    def identity(self, i: int) -> str:
+        """Image ``i``'s file and the annotation file (path, size, mtime): the disk-cache key."""
+        parts = []
+        for p in (self.path(i), self.ann_file):
+            st = os.stat(p)
+            parts.append(f"{Path(p).resolve()}:{st.st_size}:{st.st_mtime_ns}")
+        return "|".join(parts) + f"|{self.ids[i]}"
+
+    def _open(self, i: int) -> Image.Image:
+        path = self.path(i)
         try:
-            img = Image.open(path).convert("RGB")
+            return Image.open(path).convert("RGB")
         except OSError as e:
             raise DataError(f"cannot read image {path}: {e}") from e
+
+    def _item(self, i: int, image: Tensor, boxes: Tensor, labels: Tensor, crowd: Tensor, h: int, w: int) -> dict:
+        return {"image": image, "boxes": boxes, "labels": labels, "iscrowd": crowd,
+                "image_id": int(self.ids[i]), "orig_size": (h, w)}
+
+    def decode(self, i: int) -> dict[str, Any]:
+        """Image ``i`` at full size (uint8 (3, h, w)) with original-pixel targets."""
+        img = self._open(i)
         w, h = img.size
-        boxes, labels, crowd = self.targets(image_id)
-        window = (0, 0, w, h)
-        if self.train and self.crop:
-            window = sample_crop(w, h)
-            boxes, keep = crop_boxes(boxes, window)
-            labels, crowd = labels[keep], crowd[keep]
-        S = self.image_size
-        # One resampling step does crop and resize (PIL's ``box`` argument).
-        img = img.resize((S, S), Image.BILINEAR, box=window)
-        cw, ch = window[2] - window[0], window[3] - window[1]
-        boxes = boxes * torch.tensor([S / cw, S / ch, S / cw, S / ch])
         image = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).contiguous()
-        if self.train and self.flip and bool(torch.rand(()) < 0.5):
-            image = image.flip(-1)
-            boxes = torch.stack([S - boxes[:, 2], boxes[:, 1], S - boxes[:, 0], boxes[:, 3]], dim=1)
-        if self.train and self.jitter > 0:
-            image = color_jitter(image, self.jitter)
-        return {"image": image, "boxes": boxes, "labels": labels, "iscrowd": crowd, "image_id": int(image_id),
-                "orig_size": (h, w)}
+        return self._item(i, image, *self.targets(self.ids[i]), h, w)
+
+    def cache_pipeline(self) -> tuple[Dataset, list]:
+        """``(image indices, [decode, SSDAugment])`` for training; ``[decode, resize]`` otherwise."""
+        aug = SSDAugment(self.image_size, self.crop and self.train, self.flip and self.train,
+                         self.jitter if self.train else 0.0)
+        return _ImageIds(self), [_Decode(self), aug]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        img = self._open(i)
+        w, h = img.size
+        boxes, labels, crowd = self.targets(self.ids[i])
+        image, boxes = resize_to_square(img, (0, 0, w, h), self.image_size, boxes)
+        return self._item(i, image, boxes, labels, crowd, h, w)
 
 
 def collate_detection(items: list[dict[str, Any]], max_boxes: int | None = None) -> dict[str, Tensor]:

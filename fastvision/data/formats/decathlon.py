@@ -1,8 +1,8 @@
 """Medical Segmentation Decathlon layout (``dataset.json``, imagesTr/labelsTr/imagesTs) as a dataset.
 
-Also holds what every 3-D volume format shares: deterministic k-fold splits and
-:class:`VolumeDataset`, which preprocesses each case once (in parallel, with a progress bar) and
-serves dict items.
+Also holds what every 3-D volume format shares: deterministic k-fold splits, :class:`VolumeDataset`
+(item = one preprocessed case, deterministic, so ``data.cache`` can hold it) and the training
+crop :class:`RandPatch`, which runs after the cache with a per-item generator.
 
 Items: ``{"image": float32 (C, X, Y, Z), "label": int64 (X, Y, Z), "id": str}`` where X, Y, Z are
 the NIfTI voxel axes after reorientation to RAS (MONAI's order; see ``data/preprocess3d.py``).
@@ -19,8 +19,6 @@ import inspect
 import json
 import logging
 import os
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -31,10 +29,9 @@ from torch.utils.data import Dataset
 
 from ...errors import ConfigError, DataError
 from ...registry import DATASETS
-from ..cache import PersistentDataset
 from ..preprocess3d import PreprocessParams, preprocess_case
-from ..transforms import Transform
-from . import DatasetSplits
+from ..transforms import RandomTransform, Transform
+from .base import DatasetSplits
 from .anomalies import drop_unreadable, first_few, nifti_header
 
 log = logging.getLogger(__name__)
@@ -71,11 +68,13 @@ def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], 
     """Crop a ``size`` patch centred on a foreground voxel with probability ``pos_fraction``.
 
     Otherwise the centre is uniform, as MONAI's ``RandCropByPosNegLabel`` does. Volumes smaller than
-    ``size`` are zero-padded first.
+    ``size`` are zero-padded first. The tensors may live on any device; the random numbers come
+    from ``generator`` (a CPU generator), so a crop on the GPU equals the crop on the CPU.
 
     Args:
         image: (C, *S) float tensor; label: (*S) integer tensor.
         size: patch shape (len(S),).
+        generator: CPU generator of the draws (the per-item generator in training).
 
     Returns:
         (image (C, *size), label (*size)).
@@ -88,7 +87,7 @@ def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], 
     centre = None
     if float(torch.rand((), generator=generator)) < pos_fraction:
         fg = torch.nonzero(label > 0)
-        if len(fg):
+        if len(fg):  # one host sync per item, as MONAI's crop has on the GPU
             centre = fg[int(torch.randint(len(fg), (), generator=generator))].tolist()
     if centre is None:
         centre = [int(torch.randint(n, (), generator=generator)) for n in shape]
@@ -97,72 +96,76 @@ def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], 
     return image[(slice(None),) + sl], label[sl]
 
 
+class RandPatch(RandomTransform):
+    """The training crop of a cached volume (:func:`random_patch`), drawn per item from
+    ``(seed, epoch, index)``. Runs where the cached tensors live: a ``gpu`` cache crops on the GPU.
+
+    Per item, not batched: volumes differ in shape, so they cannot be stacked before the crop.
+    """
+
+    def __init__(self, patch_size: Sequence[int], pos_fraction: float):
+        self.patch_size, self.pos_fraction = tuple(patch_size), pos_fraction
+
+    def __call__(self, item: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+        image, label = random_patch(item["image"], item["label"], self.patch_size, self.pos_fraction, generator)
+        # contiguous copies: the cached volume stays untouched and collation is one memcpy
+        return {**item, "image": image.contiguous(), "label": label.long()}
+
+
 class VolumeDataset(Dataset):
-    """3-D cases preprocessed once and held in memory (shared with forked loader workers).
+    """3-D cases: item ``i`` is case ``i`` preprocessed (deterministic; no cache of its own).
+
+    Training sets with ``patch_size`` expose :meth:`cache_pipeline`: the preprocessing is the
+    cached prefix (``data.cache``: RAM, disk keyed by the files and the preprocessing signature,
+    node-shared, smart or on the training device) and :class:`RandPatch` runs per access after
+    the cache. ``__getitem__`` returns the whole preprocessed volume.
 
     Args:
         cases: ``[{"id": str, "image": [paths], "label": path or None}]``.
         params: preprocessing settings.
-        patch_size: if set, every item is a random foreground-biased patch of this shape
-            (training); otherwise the whole preprocessed volume (validation, prediction).
+        patch_size: training patch shape (the random crop of :meth:`cache_pipeline`); None:
+            whole volumes (validation, prediction).
         pos_fraction: probability that a patch is centred on a foreground voxel.
-        workers: threads preprocessing cases in parallel (NIfTI decompression releases the GIL).
         compute: ``compute(paths, params) -> dict``, :func:`preprocess_case` unless a test counts calls.
-        cache_dir: persistent disk cache of the preprocessed cases (None: none). Entries are keyed
-            by the files' identity (path, size, mtime) and the preprocessing signature (params and
-            the code of ``compute``'s module), so a second run reads them and a changed parameter or
-            file recomputes.
     """
 
     def __init__(self, cases: list[dict[str, Any]], params: PreprocessParams, *,
-                 patch_size: Sequence[int] | None = None, pos_fraction: float = 0.5, workers: int = 4,
-                 compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]] = preprocess_case,
-                 cache_dir: str | Path | None = None):
+                 patch_size: Sequence[int] | None = None, pos_fraction: float = 0.5,
+                 compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]] = preprocess_case):
         self.cases = cases
+        self.params, self.compute = params, compute
         self.patch_size = tuple(patch_size) if patch_size else None
         self.pos_fraction = pos_fraction
-        if cache_dir is None:
-            self.items = _run_all(cases, lambda c: compute({"image": c["image"], "label": c.get("label")}, params),
-                                  workers)
-        else:
-            disk = PersistentDataset(_CaseFiles(cases), [_Preprocess(params, compute)], cache_dir)
-            self.items = _run_all(list(range(len(cases))), lambda i: _unpack(disk[i]), workers)
+        # Cached labels are uint8 when a crop follows (an 8th of int64's bytes; the crop widens
+        # only the patch), int64 when the volume itself is the item.
+        self._prefix = [_Preprocess(params, compute, "uint8" if self.patch_size else "int64")]
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.cases)
 
     def identity(self, index: int) -> str:
         """Case ``index``'s files (path, size, mtime), the key of ``data.cache: disk`` entries."""
         return _CaseFiles(self.cases).identity(index)
 
+    def cache_signature(self) -> str:
+        return self._prefix[0].signature()
+
+    def cache_pipeline(self) -> tuple[Dataset, list]:
+        """``(case files, [preprocess, random patch])``: what the caches of ``data.cache`` run."""
+        crop = [RandPatch(self.patch_size, self.pos_fraction)] if self.patch_size else []
+        return _CaseFiles(self.cases), [*self._prefix, *crop]
+
     def meta(self, index: int) -> dict[str, Any]:
         """Geometry of case ``index`` for :func:`~fastvision.data.preprocess3d.restore_to_input`."""
-        return self.items[index]["meta"]
+        return _unpack(_Preprocess(self.params, self.compute, "int64", meta=True)(_CaseFiles(self.cases)[index]))["meta"]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        item = self.items[index]
-        image = item["image"]
-        label = item["label"].long() if "label" in item else torch.zeros(image.shape[1:], dtype=torch.long)
-        if self.patch_size:
-            image, label = random_patch(image, label, self.patch_size, self.pos_fraction)
-        return {"image": image, "label": label, "id": self.cases[index]["id"]}
-
-
-def default_cache_dir() -> Path:
-    """``$FASTVISION_CACHE/volumes`` (default ``~/.cache/fastvision/volumes``, XDG_CACHE_HOME honoured)."""
-    root = os.environ.get("FASTVISION_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastvision"
-    return Path(root) / "volumes"
-
-
-def resolve_cache_dir(cache_dir: str | None) -> Path | None:
-    """Dataset arg ``cache_dir``: "auto" -> :func:`default_cache_dir`, None / "" / "none" -> no cache."""
-    if cache_dir is None or str(cache_dir).lower() in ("", "none", "off"):
-        return None
-    return default_cache_dir() if cache_dir == "auto" else Path(cache_dir)
+        item = self._prefix[0](_CaseFiles(self.cases)[index])
+        return {**item, "label": item["label"].long()}
 
 
 class _CaseFiles(Dataset):
-    """Base dataset of the disk cache: item i is case i's file paths; identity names the files' state."""
+    """Base dataset of the caches: item i is case i's file paths; identity names the files' state."""
 
     def __init__(self, cases: list[dict[str, Any]]):
         self.cases = cases
@@ -172,7 +175,7 @@ class _CaseFiles(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         c = self.cases[i]
-        return {"image": list(c["image"]), "label": c.get("label")}
+        return {"image": list(c["image"]), "label": c.get("label"), "id": c["id"]}
 
     def identity(self, i: int) -> str:
         c = self.cases[i]
@@ -182,13 +185,21 @@ class _CaseFiles(Dataset):
 
 
 class _Preprocess(Transform):
-    """The cached step; its signature covers the params and the source of ``compute``'s module."""
+    """The cached step: case files -> ``{"image" (C, X, Y, Z) float32, "label" (X, Y, Z), "id"}``.
 
-    def __init__(self, params: PreprocessParams, compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]]):
-        self.params, self.compute = params, compute
+    Its signature covers the params, the label dtype and the source of ``compute``'s module.
+    """
+
+    def __init__(self, params: PreprocessParams, compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]],
+                 label_dtype: str = "int64", meta: bool = False):
+        self.params, self.compute, self.label_dtype, self.meta = params, compute, label_dtype, meta
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
-        return _pack(self.compute(item, self.params))
+        out = self.compute({"image": item["image"], "label": item.get("label")}, self.params)
+        image = out["image"]
+        label = out["label"] if "label" in out else torch.zeros(image.shape[1:], dtype=torch.long)
+        res = {"image": image, "label": label.to(getattr(torch, self.label_dtype)), "id": item["id"]}
+        return _pack({**res, "meta": out["meta"]}) if self.meta else res
 
     def signature(self) -> str:
         module = inspect.getmodule(self.compute)
@@ -197,6 +208,7 @@ class _Preprocess(Transform):
         except (OSError, TypeError):  # no source file: fall back to the function's bytecode
             code = self.compute.__code__.co_code.hex()
         return json.dumps({"params": self.params.key(), "compute": getattr(self.compute, "__qualname__", ""),
+                           "label": self.label_dtype, "meta": self.meta,
                            "code": hashlib.sha256(code.encode()).hexdigest()}, sort_keys=True)
 
 
@@ -211,22 +223,6 @@ def _unpack(item: dict[str, Any]) -> dict[str, Any]:
     for k in ("input_affine", "affine"):
         meta[k] = torch.tensor(meta[k], dtype=torch.float64)
     return {**item, "meta": meta}
-
-
-def _run_all(cases: Sequence[Any], fn: Callable[[Any], Any], workers: int) -> list[Any]:
-    """Map ``fn`` over ``cases`` in a thread pool with a progress bar on a terminal."""
-    from rich.progress import Progress
-
-    out: list[Any] = [None] * len(cases)
-    with Progress(transient=True, disable=not sys.stderr.isatty()) as bar, \
-            ThreadPoolExecutor(max(1, workers)) as pool:
-        task = bar.add_task("preprocessing", total=len(cases))
-        futures = {pool.submit(fn, c): i for i, c in enumerate(cases)}
-        for fut, i in futures.items():
-            out[i] = fut.result()
-            bar.advance(task)
-    log.info("preprocessed %d cases", len(cases))
-    return out
 
 
 def read_dataset_json(root: str | Path) -> dict[str, Any]:
@@ -287,16 +283,15 @@ def _case_id(path: str) -> str:
 
 
 def build_splits(cases: list[dict[str, Any]], params: PreprocessParams, info: dict[str, Any], *, fold: int,
-                 num_folds: int, split_seed: int, patch_size: Sequence[int] | None, pos_fraction: float,
-                 workers: int, cache_dir: str | None = "auto") -> DatasetSplits:
-    """Split ``cases`` by fold and wrap both parts in :class:`VolumeDataset` (disk-cached, see
-    :func:`resolve_cache_dir`)."""
-    cache = resolve_cache_dir(cache_dir)
+                 num_folds: int, split_seed: int, patch_size: Sequence[int] | None,
+                 pos_fraction: float) -> DatasetSplits:
+    """Split ``cases`` by fold and wrap both parts in :class:`VolumeDataset` (caching is
+    ``data.cache``'s job)."""
     train_ids, val_ids = kfold_split([c["id"] for c in cases], fold, num_folds, split_seed)
     by_id = {c["id"]: c for c in cases}
     train = VolumeDataset([by_id[i] for i in train_ids], params, patch_size=patch_size,
-                          pos_fraction=pos_fraction, workers=workers, cache_dir=cache)
-    val = VolumeDataset([by_id[i] for i in val_ids], params, workers=workers, cache_dir=cache)
+                          pos_fraction=pos_fraction)
+    val = VolumeDataset([by_id[i] for i in val_ids], params)
     info = {**info, "train_cases": len(train), "val_cases": len(val), "fold": fold, "num_folds": num_folds,
             "spatial_dims": 3, "axis_order": "C,X,Y,Z (RAS voxel axes)"}
     return DatasetSplits(train, val, info)
@@ -308,7 +303,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
                     window: tuple[float, float, float, float] = (-57.0, 164.0, 0.0, 1.0),
                     crop_foreground: bool = True, crop_margin: int = 0,
                     patch_size: tuple[int, int, int] | None = None, pos_fraction: float = 0.5,
-                    workers: int = 4, cache_dir: str | None = "auto", skip_unreadable: bool = False) -> DatasetSplits:
+                    skip_unreadable: bool = False) -> DatasetSplits:
     """Decathlon task folder -> train/val of fold ``fold`` (of ``num_folds``).
 
     Args:
@@ -320,11 +315,10 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         crop_foreground, crop_margin: crop to the foreground box.
         patch_size: training patch shape; None trains on whole volumes.
         pos_fraction: share of patches centred on foreground.
-        workers: preprocessing threads.
-        cache_dir: persistent cache of preprocessed cases: "auto" (under FASTVISION_CACHE), a
-            folder, or "none".
         skip_unreadable: drop (with one warning) cases whose NIfTI headers do not read, instead of
             stopping with an error naming the file.
+
+    Preprocessed volumes are cached by ``data.cache`` (ram, disk, shared, smart, gpu), not here.
     """
     found = read_dataset_json(path)
     for kind, names in found["anomalies"].items():
@@ -352,4 +346,4 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
             "channels": modalities, "regions": ["wt", "tc", "et"] if label_map else None, "test_images": [str(p) for p in found["test"]], "preprocess": params.key(),
             "label_convention": convention}
     return build_splits(training, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
-                        patch_size=patch_size, pos_fraction=pos_fraction, workers=workers, cache_dir=cache_dir)
+                        patch_size=patch_size, pos_fraction=pos_fraction)

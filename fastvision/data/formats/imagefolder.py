@@ -8,13 +8,18 @@ the shorter side resized to 256 and a 224 centre crop (seed 004).
 
 Items are ``{"image": uint8 (3, S, S), "label": int64 scalar, "id": str}``: uint8 crosses the
 host-to-device link at a quarter of float32's bytes and the task normalises on the device.
-Randomness comes from ``torch``'s global generator, which the DataLoader seeds per worker.
+``dataset[i]`` is deterministic (the evaluation view). A training split is read through
+:meth:`ImageFolderDataset.cache_pipeline`: the file's bytes are the cacheable prefix and
+:class:`RandomResizedCrop` decodes them per item with a generator of (seed, epoch, sample index),
+so the crop still chooses the DCT scale before decoding.
 """
 from __future__ import annotations
 
+import io
 import math
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -23,7 +28,8 @@ from torch.utils.data import Dataset
 
 from ...errors import DataError
 from ...registry import DATASETS
-from . import DatasetSplits
+from ..transforms import RandomTransform, Transform
+from .base import DatasetSplits
 from .anomalies import drop_unreadable, image_header
 from .imagenet_val import flat_val_samples, is_flat
 
@@ -76,13 +82,15 @@ def open_image(path: str, draft_size: tuple[int, int] | None = None) -> Image.Im
         raise DataError(f"{path}: cannot decode image ({e})") from e
 
 
-def random_resized_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float]) -> tuple[float, float, float, float]:
+def random_resized_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float],
+                       generator: torch.Generator | None = None) -> tuple[float, float, float, float]:
     """A random crop box ``(left, top, right, bottom)`` with area fraction in ``scale`` and aspect
-    (w/h) log-uniform in ``ratio``; falls back to the largest centred box of clamped aspect."""
+    (w/h) log-uniform in ``ratio``; falls back to the largest centred box of clamped aspect.
+    Draws from ``generator`` (training: the item's generator)."""
     area = width * height
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     for _ in range(10):
-        u = torch.rand(4).tolist()
+        u = torch.rand(4, generator=generator).tolist()
         target = area * (scale[0] + u[0] * (scale[1] - scale[0]))
         aspect = math.exp(log_lo + u[1] * (log_hi - log_lo))
         w = round(math.sqrt(target * aspect))
@@ -110,35 +118,103 @@ def center_box(width: int, height: int, resize: int, crop: int) -> tuple[float, 
     return left, top, left + cw, top + ch
 
 
-def load_crop(path: str, train: bool, size: int, resize: int, scale: tuple[float, float],
-              ratio: tuple[float, float], hflip: float) -> np.ndarray:
-    """Decode, crop and resize one image to a ``(size, size, 3)`` uint8 array."""
+def load_crop(path: str | bytes | memoryview, train: bool, size: int, resize: int, scale: tuple[float, float],
+              ratio: tuple[float, float], hflip: float, generator: torch.Generator | None = None,
+              name: str | None = None) -> np.ndarray:
+    """Decode, crop and resize one image to a ``(size, size, 3)`` uint8 array.
+
+    Args:
+        path: image file, or its encoded bytes (from a cache).
+        train: random-resized crop and flip drawn from ``generator``; else resize + centre crop.
+        name: the file named in errors when ``path`` is bytes.
+    """
+    name = name or str(path)
+    src = io.BytesIO(path) if isinstance(path, (bytes, memoryview)) else path
     try:
-        with Image.open(path) as probe:  # header only: the size decides the crop and the draft scale
+        with Image.open(src) as probe:  # header only: the size decides the crop and the draft scale
             width, height = probe.size
     except (UnidentifiedImageError, OSError) as e:
-        raise DataError(f"{path}: cannot decode image ({e})") from e
+        raise DataError(f"{name}: cannot decode image ({e})") from e
     if train:
-        box = random_resized_box(width, height, scale, ratio)
+        box = random_resized_box(width, height, scale, ratio, generator)
     else:
         box = center_box(width, height, resize, size)
     # keep at least `size` output pixels per box side after the DCT-scale reduction
     f = max((box[2] - box[0]) / size, (box[3] - box[1]) / size, 1.0)
-    img = open_image(path, (math.ceil(width / f), math.ceil(height / f)))
+    if not isinstance(src, (str, Path)):
+        src.seek(0)
+    try:
+        img = open_image(src, (math.ceil(width / f), math.ceil(height / f)))
+    except DataError as e:
+        raise DataError(f"{name}: cannot decode image ({e.__cause__})") from e
     sx, sy = img.width / width, img.height / height
     box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
     img = img.resize((size, size), Image.BILINEAR, box=box)
-    if train and hflip > 0 and torch.rand(()).item() < hflip:
+    if train and hflip > 0 and torch.rand((), generator=generator).item() < hflip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
     return np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy needs one
+
+
+class _ReadBytes(Transform):
+    """The cacheable step of a training item: the file's encoded bytes (decoding comes after the
+    random crop has chosen the DCT scale)."""
+
+    def __init__(self, samples: list[tuple[str, int]]):
+        self.samples = samples
+
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        path, label = self.samples[item["index"]]
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise DataError(f"{path}: cannot read image ({e})") from e
+        return {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8), "label": label, "id": path}
+
+    def signature(self) -> str:
+        return "fastvision.imagefolder.read_bytes/v1"  # identity() names the file's state
+
+
+class RandomResizedCrop(RandomTransform):
+    """Random-resized crop + horizontal flip of encoded bytes, drawn from the item's generator."""
+
+    def __init__(self, size: int, scale: tuple[float, float], ratio: tuple[float, float], hflip: float):
+        self.size, self.scale, self.ratio, self.hflip = size, tuple(scale), tuple(ratio), hflip
+
+    def __call__(self, item: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+        try:
+            arr = load_crop(item["data"].cpu().numpy().tobytes(), True, self.size, 0, self.scale, self.ratio,
+                            self.hflip, generator, name=item["id"])
+        except (UnidentifiedImageError, OSError) as e:  # truncated data surfaces at resize time
+            raise DataError(f"{item['id']}: cannot decode image ({e})") from e
+        return {"image": torch.from_numpy(arr).permute(2, 0, 1).contiguous(),
+                "label": torch.tensor(item["label"], dtype=torch.int64), "id": item["id"]}
+
+
+class _Samples(Dataset):
+    def __init__(self, samples: list[tuple[str, int]]):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": i}
+
+    def identity(self, i: int) -> str:
+        path = self.samples[i][0]
+        st = os.stat(path)
+        return f"{Path(path).resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
 class ImageFolderDataset(Dataset):
     """Classification items from ``(path, class index)`` pairs.
 
+    ``dataset[i]`` is deterministic (resize + centre crop); a training split (``train=True``) is
+    read through :meth:`cache_pipeline` (random-resized crop + flip per item).
+
     Args:
         samples: ``(path, label)`` list (see :func:`list_samples`).
-        train: random-resized crop + flip if True, resize + centre crop otherwise.
+        train: the split is trained on.
         image_size: output side S (224 for ImageNet).
         resize_size: evaluation shorter side before the centre crop (256 for ImageNet).
         scale: training crop area fraction range.
@@ -160,10 +236,18 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def identity(self, i: int) -> str:
+        return _Samples(self.samples).identity(i)
+
+    def cache_pipeline(self) -> tuple[Dataset, list]:
+        """``(indices, [read bytes, RandomResizedCrop])``: caches hold encoded files."""
+        return _Samples(self.samples), [_ReadBytes(self.samples),
+                                        RandomResizedCrop(self.image_size, self.scale, self.ratio, self.hflip)]
+
     def __getitem__(self, i: int) -> dict:
         path, label = self.samples[i]
         try:
-            arr = load_crop(path, self.train, self.image_size, self.resize_size, self.scale, self.ratio, self.hflip)
+            arr = load_crop(path, False, self.image_size, self.resize_size, self.scale, self.ratio, self.hflip)
         except (UnidentifiedImageError, OSError) as e:  # truncated data surfaces at resize time
             raise DataError(f"{path}: cannot decode image ({e})") from e
         image = torch.from_numpy(arr).permute(2, 0, 1).contiguous()

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from ...errors import DataError
 from ...registry import DATASETS
-from . import DatasetSplits
+from .base import DatasetSplits
 from .anomalies import drop_unreadable
 
 log = logging.getLogger(__name__)

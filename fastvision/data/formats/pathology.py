@@ -17,6 +17,7 @@ runs batched on the device in the task (seed 003: CPU colour jitter was the bott
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Literal
 
@@ -28,7 +29,7 @@ from torch.utils.data import Dataset
 
 from ...errors import DataError
 from ...registry import DATASETS
-from . import DatasetSplits
+from .base import DatasetSplits
 from .anomalies import handle_invalid
 from .asap import grid_labels_from_mask, mask_downsample_for, rasterize, read_polygons
 from .camelyon import find_slides, is_slide_split
@@ -220,13 +221,21 @@ class PathologyPatches(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def identity(self, i: int) -> str:
+        """Sample ``i``'s file (path, size, mtime) and region: the ``data.cache: disk`` key."""
+        s = self.samples[i]
+        st = os.stat(s[0])
+        return f"{Path(s[0]).resolve()}:{st.st_size}:{st.st_mtime_ns}@{s[1:-1]}"
+
     def _slide(self, path: str) -> TiledTiff:
-        # a forked DataLoader worker must not share the parent's file offsets
+        # a forked DataLoader worker must not share the parent's file offsets, nor may two loader
+        # or cache-filling threads seek one handle at once: one handle per (process, thread)
         if os.getpid() != self._pid:
             self._slides, self._pid = {}, os.getpid()
-        if path not in self._slides:
-            self._slides[path] = TiledTiff(path)
-        return self._slides[path]
+        key = f"{path}\0{threading.get_ident()}"
+        if key not in self._slides:
+            self._slides[key] = TiledTiff(path)
+        return self._slides[key]
 
     def __getitem__(self, i: int) -> dict:
         s = self.samples[i]
