@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import itertools
 import logging
 from typing import Callable
 
@@ -95,71 +96,58 @@ def search(fits: Callable[[int], bool], start: int = 1, limit: int = MAX_BATCH) 
     return good
 
 
-def train_step(model, task, batch, optimizer, precision) -> None:
-    """The engine's step (autocast forward + loss, scaled backward, optimizer step, zero_grad);
-    point this at the engine's shared step once there is one."""
-    with precision.autocast():
-        loss = task.loss(task.forward(model, batch), batch)
-    precision.scaler.scale(loss).backward()
-    precision.scaler.step(optimizer)
-    precision.scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def recipe_builder(cfg: RunConfig, device: torch.device):
-    """The recipe's model (on ``device``), task and optimizer factory, built by the engine's one
-    build without a dataset (the task supplies synthetic batches)."""
+def recipe_run(cfg: RunConfig, device: torch.device):
+    """The recipe's run built by the engine's one build without a dataset (the task supplies
+    synthetic batches), and an optimizer factory: what :func:`step_fits` trains with."""
     from . import engine, optim
 
-    def build():
-        c = copy.deepcopy(cfg)
-        c.train.device, c.train.batch_size = str(device), 1  # batch_size may still read "auto"
-        run = engine.build(c, data_info={}, train=False)
-        return run.model, run.task, lambda m: optim.build_optimizer(m, cfg.optim, cfg.optim.lr)
-
-    return build
+    c = copy.deepcopy(cfg)
+    c.train.device, c.train.batch_size = str(device), 1  # batch_size may still read "auto"
+    run = engine.build(c, data_info={}, train=True)
+    return run, lambda model: optim.build_optimizer(model, c.optim, run.lr)
 
 
-def step_fits(build, device: torch.device, amp: str = "off", channels_last: bool = False, steps: int = 2,
-              cap: int | None = None) -> Callable[[int], bool]:
-    """A ``fits(batch)`` that runs ``steps`` real training steps on ``device``.
+def step_fits(run, make_optimizer: Callable, steps: int = 2, cap: int | None = None) -> Callable[[int], bool]:
+    """A ``fits(batch)`` that runs ``steps`` real training steps, each one ``engine.train_step``
+    (accumulation, clipping, the non-finite check and EMA included: the step ``train`` runs).
 
     Args:
-        build: returns ``(model on device, task, make_optimizer(model))``.
-        device: where to run.
-        amp: "off", "fp16" or "bf16".
-        channels_last: NHWC / NDHWC inputs.
+        run: an ``engine.Run`` with its training parts (``engine.build(..., train=True)``).
+        make_optimizer: ``model -> optimizer``; a fresh one per try (its state is the try's).
         steps: steps per try (the second one holds the optimizer state).
         cap: artificial memory cap in bytes (CPU tests): tensor bytes created by a try and live
             at once (parameters excluded) above it count as out of memory.
     """
-    from . import runtime
+    from . import engine
 
-    model, task, make_optimizer = build()
-    initial = copy.deepcopy(model.state_dict())
-    precision = runtime.Precision(amp, device)
+    device = run.device
+    initial = copy.deepcopy(run.model.state_dict())
+    kept = [*run.model.parameters(), *run.model.buffers(),
+            *([] if run.ema is None else [*run.ema.parameters(), *run.ema.buffers()])]
 
     def fits(b: int) -> bool:
-        model.load_state_dict(initial)
-        optimizer = batch = None
+        run.model.load_state_dict(initial)
+        batch = None
         guard = contextlib.nullcontext()
         if cap is not None:
             guard = MemoryCap(cap)
-            guard.ignore([*model.parameters(), *model.buffers()])
+            guard.ignore(kept)
         try:
             with guard:
-                optimizer = make_optimizer(model)
-                batch = task.to_device(task.synthetic_batch(b, device), device, channels_last)
+                run.optimizer = make_optimizer(run.model)
+                # memory does not depend on the learning rate: a constant schedule for the search
+                run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda _: 1.0)
+                batch = run.task.synthetic_batch(b, device)
                 for _ in range(steps):
-                    train_step(model, task, batch, optimizer, precision)
+                    engine.train_step(run, itertools.repeat(batch))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # deliberate: an OOM must surface inside this try
             ok = True
         except torch.OutOfMemoryError:
             ok = False
         finally:
-            model.zero_grad(set_to_none=True)
-            del optimizer, batch
+            run.model.zero_grad(set_to_none=True)
+            run.optimizer = run.scheduler = batch = None
             release_memory()
         log.info("batch-size auto: batch %d %s", b, "fits" if ok else "out of memory")
         return ok
@@ -184,7 +172,7 @@ def resolve_auto_batch(cfg: RunConfig, device: torch.device, cap: int | None = N
     if cap is None and device.type != "cuda":
         raise ConfigError(f"train.batch_size=auto on {device}: needs a CUDA device, or a memory cap in "
                           "FASTVISION_MEMORY_CAP_MB (see `fastvision plan` for an estimate without a device)")
-    fits = step_fits(recipe_builder(cfg, device), device, cfg.train.amp, cfg.train.channels_last, cap=cap)
+    fits = step_fits(*recipe_run(cfg, device), cap=cap)
     b = search(fits, start=2, limit=limit)
     if b == 0:
         raise ConfigError(f"train.batch_size=auto: not even batch 1 of {cfg.recipe} fits on {device}")

@@ -139,20 +139,36 @@ def autocast_ctx(amp: str) -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=dtype)
 
 
+class _TracePrecision:
+    """The trace's precision: CPU autocast at the recipe's dtype, no loss scaling (the fp16 scale is
+    a scalar multiply and an in-place unscale, which move no memory)."""
+
+    def __init__(self, amp: str):
+        self.mode = "off" if amp in (None, "off", "fp32", "tf32") else amp
+        self.amp = amp
+        self.scaler = torch.amp.GradScaler("cpu", enabled=False)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast_ctx(self.amp)
+
+
 def train_step(model: nn.Module, task, batch: dict, optimizer: torch.optim.Optimizer, amp: str,
                after_forward: Callable[[], None] = lambda: None,
                after_backward: Callable[[], None] = lambda: None) -> None:
-    """The engine's training step (``engine.train_one_epoch``): autocast forward + loss, backward,
-    optimizer step, ``zero_grad(set_to_none=True)``; the hooks read the trace between phases.
-    The fp16 loss scale is a scalar multiply and an in-place unscale, which move no memory, so it
-    is left out. Point this at the engine's shared step once there is one."""
-    with autocast_ctx(amp):
-        loss = task.loss(task.forward(model, batch), batch)
-    after_forward()
-    loss.backward()
-    after_backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    """One ``engine.train_step`` (the step ``train`` runs) on the traced model; its phase clock
+    calls the hooks between forward, backward and the optimizer step. The non-finite check is off:
+    it reads a value back, which fake tensors do not have, and holds no memory."""
+    from . import engine
+    from .config import RunConfig
+
+    cfg = RunConfig()
+    cfg.train.check_finite = False
+    cpu = torch.device("cpu")
+    run = engine.Run(cfg, None, cpu, task, model, None, None, {}, _TracePrecision(amp), optimizer=optimizer,
+                     scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                     generator=torch.Generator(), train_model=model)
+    hooks = {"backward": after_forward, "optimizer": after_backward}
+    engine.train_step(run, iter([batch]), lambda phase: hooks.get(phase, lambda: None)())
 
 
 def trace_step(build: Callable[[], tuple[nn.Module, Any, Callable[[nn.Module], torch.optim.Optimizer]]],

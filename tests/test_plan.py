@@ -8,16 +8,18 @@ import pytest
 import torch
 from torch import nn
 
-from fastvision import autobatch, config
+from fastvision import autobatch, config, engine, runtime
+from fastvision.config import RunConfig
 from fastvision import plan_estimate as est
 from fastvision.devices import GPUS, get_gpu
 from fastvision.errors import ConfigError
 from fastvision.plan_trace import trace_step
+from fastvision.tasks.base import Task
 
 F32 = 4  # bytes
 
 
-class SquareTask:
+class SquareTask(Task):
     """A task as the engine sees one: the input is a flat or image tensor, the loss mean(out^2)."""
 
     input_key = "image"
@@ -117,7 +119,11 @@ def test_batch_size_auto_finds_known_largest_batch_under_cap():
         return (params + h * c + b * (d + 3 * h)) * F32
 
     cap = (needed(37) + needed(38)) // 2
-    fits = autobatch.step_fits(builder(make, "cpu"), torch.device("cpu"), cap=cap)
+    model, task, make_optimizer = builder(make, "cpu")()
+    cpu = torch.device("cpu")
+    run = engine.Run(RunConfig(), None, cpu, task, model, None, None, {}, runtime.Precision("off", cpu),
+                     generator=torch.Generator(), train_model=model)
+    fits = autobatch.step_fits(run, make_optimizer, cap=cap)
     calls = []
 
     def counted(b):
