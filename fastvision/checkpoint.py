@@ -103,7 +103,8 @@ class BackgroundWriter:
     ``write`` waits for the previous write, snapshots the checkpoint, and returns; the thread then
     serialises it once, writes it to the first path (``last.pt``) with :func:`atomic_write` and makes
     every other path (``best.pt`` when it improved) a hard link of that file with :func:`atomic_link`
-    (a second atomic write where hard links are not available). A crash or kill mid-write leaves each file's previous version.
+    (a second atomic write where hard links are not available). A crash or kill mid-write leaves
+    each file's previous version.
     Call :meth:`join` before relying on the files (the engine does at the end of ``fit``, and in its
     ``finally``). An error in the thread is raised by the next ``write`` or ``join``.
     """
