@@ -3,7 +3,10 @@
 A checkpoint is a dict of tensors and plain Python values only, so it loads with
 ``torch.load(weights_only=True)``: opening a checkpoint never executes pickled code. Writes go to a
 temporary file in the same directory, are fsync'ed, then renamed over the old file, so a crash or
-kill leaves the previous good checkpoint intact.
+kill leaves the previous good checkpoint intact. When ``last.pt`` and ``best.pt`` hold the same state,
+``best.pt`` becomes a hard link of the ``last.pt`` just written (linked under a temporary name, then
+renamed over ``best.pt``): one serialisation and one file write, not two. Every later write
+replaces ``last.pt`` by renaming a new file over it, so the linked ``best.pt`` keeps its content.
 
 :class:`BackgroundWriter` takes a CPU snapshot of a checkpoint (the only part that waits for the
 device) and serialises, writes and renames it in a thread, so training goes on meanwhile.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import secrets
 import tempfile
 import threading
 from pathlib import Path
@@ -41,12 +45,36 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> Any:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+    return result
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make renames in ``folder`` durable (a crash right after cannot bring back the old entry)."""
+    dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return result
+
+
+def atomic_link(src: Path, path: Path) -> bool:
+    """Make ``path`` a hard link of the complete file ``src``, atomically: link to a unique temp name
+    beside ``path``, rename it over ``path``, fsync the directory. Returns False (``path`` untouched)
+    where the file system has no hard links, so the caller can write a copy instead."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.lnk"
+    try:
+        os.link(src, tmp)  # fails if tmp exists: never follows or reuses another writer's name
+    except OSError:
+        return False
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return True
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -73,8 +101,10 @@ class BackgroundWriter:
     """Writes checkpoints in a background thread, one at a time, each atomically.
 
     ``write`` waits for the previous write, snapshots the checkpoint, and returns; the thread then
-    serialises it once and writes it to every path (``last.pt``, and ``best.pt`` when it improved)
-    with :func:`atomic_write`. A crash or kill mid-write leaves each file's previous version.
+    serialises it once, writes it to the first path (``last.pt``) with :func:`atomic_write` and makes
+    every other path (``best.pt`` when it improved) a hard link of that file with :func:`atomic_link`
+    (a second atomic write where hard links are not available). A crash or kill mid-write leaves
+    each file's previous version.
     Call :meth:`join` before relying on the files (the engine does at the end of ``fit``, and in its
     ``finally``). An error in the thread is raised by the next ``write`` or ``join``.
     """
@@ -94,8 +124,9 @@ class BackgroundWriter:
         try:
             buf = io.BytesIO()
             torch.save(data, buf)
-            for p in paths:
-                atomic_write(p, lambda f: f.write(buf.getbuffer()))
+            for i, p in enumerate(paths):
+                if i == 0 or not atomic_link(paths[0], p):
+                    atomic_write(p, lambda f: f.write(buf.getbuffer()))
         except BaseException as e:  # reported by join() in the training thread
             self._error = e
 

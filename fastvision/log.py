@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,9 @@ class RunLogger:
         use_bar = sys.stdout.isatty() if progress is None else progress
         self._progress = _make_progress(self.console) if enabled and use_bar else None
         self._task = None
+        # curves.png needs matplotlib (seconds to import on a small CPU): import it in a thread now,
+        # while the run trains, so the plot at the end only draws.
+        self._plot_import = _start_plot_import() if enabled else None
 
     # -- events ----------------------------------------------------------------
     def event(self, step: Any, data: dict[str, Any]) -> None:
@@ -132,12 +136,15 @@ class RunLogger:
         """``curves.png``: training loss and the validation metric per epoch."""
         if not self.enabled or not self.history:
             return None
-        import matplotlib
+        if self._plot_import is not None:
+            self._plot_import.join()  # an import error there is raised again by the import below
+        # The object API with the Agg canvas: no pyplot, so the user's backend and figures are untouched.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig = Figure(figsize=(7, 4))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
         ep = [h["epoch"] + 1 for h in self.history if "train_loss" in h]
         handles = ax.plot(ep, [h["train_loss"] for h in self.history if "train_loss" in h], "o-", label="train loss")
         ax.set_xlabel("epoch")
@@ -153,7 +160,6 @@ class RunLogger:
         fig.tight_layout()
         out = self.run_dir / "curves.png"
         fig.savefig(out, dpi=100)
-        plt.close(fig)
         return out
 
     def close(self) -> None:
@@ -164,6 +170,20 @@ class RunLogger:
             self._file = None
         if self._tb:
             self._tb.close()
+
+
+def _start_plot_import() -> threading.Thread:
+    """A daemon thread importing what :meth:`RunLogger.plot_curves` uses; errors are left to that call."""
+    def run() -> None:
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+            from matplotlib.figure import Figure  # noqa: F401
+        except Exception:  # noqa: BLE001  (plot_curves imports again and reports it)
+            pass
+
+    thread = threading.Thread(target=run, name="fastvision-plot-import", daemon=True)
+    thread.start()
+    return thread
 
 
 def _fmt(v: Any) -> str:

@@ -123,6 +123,22 @@ def test_atomic_save_keeps_last_good_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]  # no temp file left behind
 
 
+def test_best_is_a_link_of_last_and_survives_later_writes(tmp_path):
+    last, best = tmp_path / "last.pt", tmp_path / "best.pt"
+    writer = checkpoint.BackgroundWriter()
+    checkpoint.atomic_save({"model": {"w": torch.full((3,), 7.0)}}, best)  # an older best.pt is replaced
+    writer.write({"model": {"w": torch.ones(3)}, "epoch": 1}, [last, best])  # improved: both files
+    writer.join()
+    assert last.stat().st_ino == best.stat().st_ino  # one file written, best.pt linked to it
+    a, b = checkpoint.load(last), checkpoint.load(best)
+    assert a["epoch"] == b["epoch"] == 1 and torch.equal(b["model"]["w"], torch.ones(3))
+    writer.write({"model": {"w": torch.zeros(3)}, "epoch": 2}, [last])  # not improved: last.pt only
+    writer.join()
+    assert torch.equal(checkpoint.load(last)["model"]["w"], torch.zeros(3))
+    assert checkpoint.load(best)["epoch"] == 1 and torch.equal(checkpoint.load(best)["model"]["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]  # no temp names left
+
+
 class _Payload:
     def __reduce__(self):
         return (print, ("this must never run",))
