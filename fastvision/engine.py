@@ -159,7 +159,7 @@ class StepResult(NamedTuple):
     Attributes:
         loss: mean loss of the micro-batches, detached, on the device (no host sync to get it).
         images: items trained on (this rank).
-        skipped: ``(1,)`` float32 on the device: 1.0 when the update was skipped (non-finite
+        skipped: 0-d float32 on the device: 1.0 when the update was skipped (non-finite
             gradients, fp16 overflow; the same on every rank), 0.0 when applied. Read it only at
             log intervals: reading it is a host sync.
     """
@@ -220,7 +220,7 @@ def train_step(run: Run, batches: Iterator[Any], clock: Callable[[str], None] | 
 
 
 def _found_inf(run: Run, optimizer, scaler) -> torch.Tensor:
-    """``(1,)`` float32 on the device, non-zero when this update must be skipped; no host read.
+    """0-d float32 on the device, non-zero when this update must be skipped; no host read.
 
     fp16: the GradScaler's unscale checks the gradients (always run: the skip decision needs it).
     bf16 / fp32: the same check of the all-reduced gradients when ``train.check_finite`` (a
@@ -229,10 +229,10 @@ def _found_inf(run: Run, optimizer, scaler) -> torch.Tensor:
     if run.precision.mode == "fp16":
         scaler.unscale_(optimizer)
         found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
-        return sum(found[1:], found[0]).reshape(1)
+        return sum(found[1:], found[0]).reshape(())
     if run.cfg.train.check_finite:
         return optim.grads_found_inf(optimizer)
-    return torch.zeros(1, device=run.device)
+    return torch.zeros((), device=run.device)
 
 
 def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device):

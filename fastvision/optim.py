@@ -66,7 +66,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer:
 
 
 def grads_found_inf(optimizer: Optimizer) -> torch.Tensor:
-    """``(1,)`` float32 on the gradients' device: 1.0 when any gradient is not finite, else 0.0.
+    """0-d float32 on the gradients' device: 1.0 when any gradient is not finite, else 0.0.
 
     On the device, no host read: the GradScaler's own check with an inverse scale of 1. Under DDP
     (after backward) and horovod (after ``synchronize``) the gradients are all-reduced, so every
@@ -74,8 +74,8 @@ def grads_found_inf(optimizer: Optimizer) -> torch.Tensor:
     """
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
-    found = torch.zeros(1, dtype=torch.float32, device=device)
-    one = torch.ones(1, dtype=torch.float32, device=device)
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    one = torch.ones((), dtype=torch.float32, device=device)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
@@ -85,7 +85,7 @@ def grads_found_inf(optimizer: Optimizer) -> torch.Tensor:
 
 
 def step_unless(optimizer: Optimizer, found_inf: torch.Tensor) -> None:
-    """``optimizer.step()``, a no-op on the device where ``found_inf`` (``(1,)`` float) is non-zero.
+    """``optimizer.step()``, a no-op on the device where ``found_inf`` (0-d float) is non-zero.
 
     No host sync in any branch. Fused torch optimizers take ``found_inf`` as GradScaler passes it
     (their kernels skip the update and undo the step count); :class:`Novograd` masks its own
@@ -94,30 +94,36 @@ def step_unless(optimizer: Optimizer, found_inf: torch.Tensor) -> None:
     the parameters plus the optimizer state). State created by a skipped first step is reset to
     zeros (torch's Adam, AdamW and SGD then behave exactly as if it had not been created).
     """
-    if getattr(optimizer, "_step_supports_amp_scaling", False) and any(
-            g.get("fused") for g in optimizer.param_groups):
+    if isinstance(optimizer, Novograd):
+        optimizer.step(found_inf=found_inf)
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    fresh = [p for p in params if not optimizer.state.get(p)]  # state this step creates (a host-side check)
+    fresh_ids = {id(p) for p in fresh}
+    skip = found_inf.reshape(()) > 0
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and any(g.get("fused") for g in optimizer.param_groups):
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
             optimizer.step()
         finally:
             del optimizer.found_inf
-        return
-    if isinstance(optimizer, Novograd):
-        optimizer.step(found_inf=found_inf)
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    before = [p.detach().clone() for p in params]
-    old_state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items() if torch.is_tensor(v)}
-                 for p in params if p in optimizer.state}
-    optimizer.step()
-    skip = found_inf.reshape(()) > 0
+    else:
+        kept = [p.detach().clone() for p in params]
+        old_state = {p: {k: v.clone() for k, v in optimizer.state[p].items() if torch.is_tensor(v)}
+                     for p in params if id(p) not in fresh_ids}
+        optimizer.step()
+        with torch.no_grad():
+            for p, old in zip(params, kept):
+                p.copy_(torch.where(skip, old, p))
+            for p, old in old_state.items():
+                for k, v in old.items():
+                    optimizer.state[p][k].copy_(torch.where(skip, v, optimizer.state[p][k]))
+    # a skipped first step leaves zeros (fused SGD would leave its momentum buffer uninitialised)
     with torch.no_grad():
-        for p, old in zip(params, before):
-            p.copy_(torch.where(skip, old, p))
-            old_p = old_state.get(id(p), {})
-            for k, v in optimizer.state[p].items():
+        for p in fresh:
+            for v in optimizer.state[p].values():
                 if torch.is_tensor(v):
-                    v.copy_(torch.where(skip, old_p[k] if k in old_p else torch.zeros_like(v), v))
+                    v.copy_(torch.where(skip, torch.zeros_like(v), v))
 
 
 def lr_lambda(cfg: SchedConfig, steps_per_epoch: int, epochs: int) -> Callable[[int], float]:
@@ -174,7 +180,7 @@ class Novograd(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, found_inf: torch.Tensor | None = None):
-        """One update; with ``found_inf`` (``(1,)`` float, non-zero: skip) a no-op decided on the device."""
+        """One update; with ``found_inf`` (0-d float, non-zero: skip) a no-op decided on the device."""
         keep = None if found_inf is None else (found_inf.reshape(()) == 0)
         loss = None
         if closure is not None:

@@ -91,21 +91,24 @@ class Ema(nn.Module):
 
     @torch.no_grad()
     def update_parameters(self, model: nn.Module, found_inf: torch.Tensor | None = None) -> None:
-        """Fold ``model``'s current weights in, unless ``found_inf`` (``(1,)`` float) is non-zero."""
+        """Fold ``model``'s current weights in, unless ``found_inf`` (0-d float) is non-zero."""
         keep = torch.ones((), device=self.n_averaged.device) if found_inf is None else (found_inf.reshape(()) == 0).float()
         # weight of the new weights: 1 on the first update (a copy), 1 - decay after, 0 when skipped
         w = torch.where(self.n_averaged == 0, 1.0, 1.0 - self.decay) * keep
-        ema = [*self.module.parameters(), *self.module.buffers()]
-        cur = [*model.parameters(), *model.buffers()]
-        floats = [(e, c) for e, c in zip(ema, cur) if e.is_floating_point()]
-        if floats:
-            e_f, c_f = [e for e, _ in floats], [c.detach() for _, c in floats]
-            diff = torch._foreach_sub(c_f, e_f)
-            torch._foreach_mul_(diff, w.to(e_f[0].dtype))
-            torch._foreach_add_(e_f, diff)
-        for e, c in zip(ema, cur):
-            if not e.is_floating_point():  # counters (BatchNorm's num_batches_tracked): copied when kept
-                e.copy_(torch.where(keep > 0, c, e))
+        # parameters: one foreach lerp (they stay finite: a non-finite update is never applied)
+        e_p = [e for e in self.module.parameters()]
+        if e_p:
+            diff = torch._foreach_sub([p.detach() for p in model.parameters()], e_p)
+            torch._foreach_mul_(diff, w.to(e_p[0].dtype))
+            torch._foreach_add_(e_p, diff)
+        # buffers: a skipped step's forward may have put NaN in BatchNorm's running statistics,
+        # and NaN * 0 is NaN, so they are selected, not weighted (few tensors)
+        skip = keep == 0
+        for e, c in zip(self.module.buffers(), model.buffers()):
+            if e.is_floating_point():
+                e.copy_(torch.where(skip, e, torch.lerp(e, c, w.to(e.dtype))))
+            else:  # counters (num_batches_tracked): copied
+                e.copy_(torch.where(skip, e, c))
         self.n_averaged += keep.long()
 
 
