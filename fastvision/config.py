@@ -97,6 +97,8 @@ class TrainConfig:
     sync_bn: bool = False  # SyncBatchNorm across ranks
     ddp_bucket_mb: float = 25.0
     ddp_static_graph: bool = False
+    # DDP gradient all-reduce in bf16 / fp16 (half the bytes; autocast alone keeps fp32 gradients)
+    ddp_comm_hook: Literal["none", "bf16", "fp16"] = "none"
 
 
 @dataclass

@@ -148,7 +148,7 @@ def _build_training(run: Run, loaders: bool, wrap_train_set: Callable[[Any], Any
     run.generator.manual_seed(tc.seed * 1_000_003 + env.rank)
     run.ema = make_ema(run.model, tc.ema_decay)
     ddp = dist.wrap_model(run.model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
-                          static_graph=tc.ddp_static_graph)
+                          static_graph=tc.ddp_static_graph, comm_hook=tc.ddp_comm_hook)
     run.train_model = runtime.maybe_compile(ddp, tc.compile)
 
 
