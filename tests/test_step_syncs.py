@@ -52,6 +52,43 @@ def test_steady_state_step_has_no_host_sync(recipe, data_root, tmp_path, monkeyp
     assert float(out.skipped) == 0 and torch.isfinite(out.loss)  # it did train
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+@pytest.mark.parametrize("recipe", STEP_RECIPES)
+def test_steady_state_step_has_no_cuda_sync(recipe, amp, data_root, tmp_path, monkeypatch):
+    """The same on a GPU, with CUDA's own detector (optim.impl auto: fused)."""
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "fvcache"))
+    run = _run(recipe, data_root, "train.ema_decay=0.9", "train.clip_grad=1.0", "train.device=cuda")
+    run.precision = type(run.precision)(amp, run.device)
+    batches = itertools.cycle([run.task.to_device(b, run.device, False) for b, _ in zip(run.train_loader, range(2))])
+    run.train_model.train()
+    for _ in range(2):
+        engine.train_step(run, batches)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            out = engine.train_step(run, batches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out.loss)
+
+
+def test_compile_modes_reach_torch_compile():
+    """``train.compile``: false, true (== default) or a mode; torch.compile is lazy (nothing compiles here)."""
+    from fastvision import runtime
+    from fastvision.errors import ConfigError
+
+    m = torch.nn.Linear(2, 2)
+    assert runtime.maybe_compile(m, False) is m
+    for mode in (True, "default", "reduce-overhead", "max-autotune"):
+        assert isinstance(runtime.maybe_compile(m, mode), torch._dynamo.eval_frame.OptimizedModule)
+    with pytest.raises(ConfigError, match="train.compile"):
+        runtime.maybe_compile(m, "fast")
+    assert config.from_dict({"compile": "reduce-overhead"}, config.TrainConfig).compile == "reduce-overhead"
+
+
 # ------------------------------------------------------------------------------ the skip
 def _tiny_run(tiny_microscopy, *sets):
     over = [f"data.args.path={tiny_microscopy}", "data.args.image_size=[32,32]", "model.args.filters=[4,8,16]",
