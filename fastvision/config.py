@@ -56,6 +56,8 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     no_decay_norm_bias: bool = True  # no weight decay on norm weights and biases
+    # sgd/adam/adamw kernel: auto (fused on CUDA, foreach elsewhere), fused, foreach, loop
+    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
 
 
 @dataclass
@@ -78,7 +80,7 @@ class TrainConfig:
     clip_grad: float | None = None  # max global grad norm
     amp: Literal["off", "fp16", "bf16", "auto"] = "off"  # auto: bf16 if native, else fp16 + scaling; CPU fp32
     tf32: bool = True
-    compile: bool = False
+    compile: bool | Literal["default", "reduce-overhead", "max-autotune"] = False  # true == default
     channels_last: bool = False
     device: str = "auto"
     seed: int = 0
@@ -86,8 +88,8 @@ class TrainConfig:
     val_every: int = 1
     log_every: int = 10
     target: str | None = None  # "iou=0.9": stop once reached and record the time to target
-    check_finite: bool = True  # skip non-finite steps (one host sync per step; fp16 scaler does its own)
-    max_nonfinite: int = 20  # consecutive skipped steps before the run stops
+    check_finite: bool = True  # skip steps with non-finite gradients (decided on the device, no host sync)
+    max_nonfinite: int = 20  # consecutive skipped steps before the run stops (checked at log intervals)
     steps_per_epoch: int | None = None  # cap on steps per epoch (smoke tests, benchmarks)
     ema_decay: float | None = None  # exponential moving average of the weights, used for validation
     emulate_workers: int = 1  # one process trains as N data-parallel workers would (same global batch)
@@ -95,6 +97,8 @@ class TrainConfig:
     sync_bn: bool = False  # SyncBatchNorm across ranks
     ddp_bucket_mb: float = 25.0
     ddp_static_graph: bool = False
+    # DDP gradient all-reduce in bf16 / fp16 (half the bytes; autocast alone keeps fp32 gradients)
+    ddp_comm_hook: Literal["none", "bf16", "fp16"] = "none"
 
 
 @dataclass

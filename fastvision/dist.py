@@ -287,7 +287,8 @@ def synchronized(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False, bucket_cap_mb: float = 25.0,
-               static_graph: bool = False, find_unused_parameters: bool = False) -> nn.Module:
+               static_graph: bool = False, find_unused_parameters: bool = False,
+               comm_hook: str = "none") -> nn.Module:
     """Move ``model`` to ``device`` and wrap it in DDP when there is more than one process.
 
     Args:
@@ -297,6 +298,9 @@ def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False,
         bucket_cap_mb: gradient bucket size in MiB; smaller buckets start communication earlier.
         static_graph: the set of used parameters never changes between steps (enables extra overlap).
         find_unused_parameters: some parameters get no gradient in some steps (costs a graph walk).
+        comm_hook: ``none``, or ``bf16`` / ``fp16``: gradients are all-reduced in that precision
+            (half the bytes; torch's ``default_hooks`` compress hooks), then cast back. ``bf16``
+            needs NCCL (CUDA; torch refuses it on gloo: ``ConfigError``), fp16 runs on gloo too.
 
     Returns:
         The model itself in one process, else a ``DistributedDataParallel`` wrapper.
@@ -308,7 +312,9 @@ def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False,
         return model  # horovod reduces in its optimizer (wrap_optimizer)
     if sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return nn.parallel.DistributedDataParallel(
+    if comm_hook not in ("none", "bf16", "fp16"):
+        raise ConfigError(f"train.ddp_comm_hook: expected none, bf16 or fp16, got {comm_hook!r}")
+    ddp = nn.parallel.DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
@@ -316,6 +322,15 @@ def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False,
         find_unused_parameters=find_unused_parameters,
         gradient_as_bucket_view=True,  # gradients alias the buckets: one copy fewer per step
     )
+    if comm_hook != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.bf16_compress_hook if comm_hook == "bf16" else default_hooks.fp16_compress_hook
+        try:
+            ddp.register_comm_hook(None, hook)  # state None: the default process group
+        except TypeError as e:  # torch refuses bf16 without NCCL (CUDA) or XCCL
+            raise ConfigError(f"train.ddp_comm_hook: {comm_hook} is not available here ({e}); use fp16") from None
+    return ddp
 
 
 def unwrap(model: nn.Module) -> nn.Module:

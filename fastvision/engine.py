@@ -5,8 +5,9 @@ and for training the optimizer, schedule, precision, EMA and the DDP / compile w
 is the only training step; ``fit`` loops it, ``fastvision profile`` times its phases through its
 ``clock`` hook, ``fastvision benchmark`` times it on synthetic batches. It reads top to bottom: data
 wait, to device, batched augmentation, autocast forward and loss, scaled backward (no gradient sync on
-accumulation micro-steps), non-finite check, unscale + clip, optimizer step through the scaler,
-schedule, EMA. Host syncs happen only where commented.
+accumulation micro-steps), non-finite check, on-device found-inf check (the
+GradScaler's), clip, an optimizer step made a no-op on the device when found-inf is set, schedule,
+EMA. No host sync in the step; ``fit`` reads its device counters at log intervals only.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ from .tasks.base import Task
 
 log = logging.getLogger(__name__)
 
-FP16_OVERFLOW = "fp16 gradients overflowed"
 
 
 class NonFiniteLossError(FastvisionError):
@@ -148,7 +148,7 @@ def _build_training(run: Run, loaders: bool, wrap_train_set: Callable[[Any], Any
     run.generator.manual_seed(tc.seed * 1_000_003 + env.rank)
     run.ema = make_ema(run.model, tc.ema_decay)
     ddp = dist.wrap_model(run.model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
-                          static_graph=tc.ddp_static_graph)
+                          static_graph=tc.ddp_static_graph, comm_hook=tc.ddp_comm_hook)
     run.train_model = runtime.maybe_compile(ddp, tc.compile)
 
 
@@ -159,12 +159,14 @@ class StepResult(NamedTuple):
     Attributes:
         loss: mean loss of the micro-batches, detached, on the device (no host sync to get it).
         images: items trained on (this rank).
-        skipped: why the update was skipped (non-finite loss, fp16 overflow), None when applied.
+        skipped: 0-d float32 on the device: 1.0 when the update was skipped (non-finite
+            gradients, fp16 overflow; the same on every rank), 0.0 when applied. Read it only at
+            log intervals: reading it is a host sync.
     """
 
     loss: torch.Tensor
     images: int
-    skipped: str | None
+    skipped: torch.Tensor
 
 
 def _no_clock(phase: str) -> None:
@@ -202,43 +204,35 @@ def train_step(run: Run, batches: Iterator[Any], clock: Callable[[str], None] | 
     mark("optimizer")
     loss = torch.stack(losses).mean()
     with dist.synchronized(optimizer):  # horovod: all-reduce done before the checks, clip and step
-        skipped = nonfinite(loss, tc.check_finite, run.precision)
-        if skipped is None:
-            if tc.clip_grad:
-                scaler.unscale_(optimizer)
-                nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad)
-            # fp16: GradScaler.step already syncs to decide whether to skip; reading the scale
-            # before and after (two small syncs) tells us it did
-            scale_before = scaler.get_scale() if run.precision.mode == "fp16" else None
-            scaler.step(optimizer)
-            scaler.update()
-            if scale_before is not None and scaler.get_scale() < scale_before:
-                skipped = FP16_OVERFLOW
+        found_inf = _found_inf(run, optimizer, scaler)
+        if tc.clip_grad:
+            nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad)  # foreach, no host read
+        optim.step_unless(optimizer, found_inf)
+        if run.precision.mode == "fp16":
+            scaler.update()  # backs the scale off on found_inf, on the device
         optimizer.zero_grad()  # set_to_none by default (torch >= 2); horovod takes no argument
-    if skipped is None:
-        run.scheduler.step()
-        if run.ema is not None:
-            run.ema.update_parameters(run.model)
+    # the schedule advances on skipped steps too: deciding otherwise would need a host read
+    run.scheduler.step()
+    if run.ema is not None:
+        run.ema.update_parameters(run.model, found_inf)
     mark("end")
-    return StepResult(loss, images, skipped)
+    return StepResult(loss, images, found_inf)
 
 
-def nonfinite(loss: torch.Tensor, check: bool, precision: runtime.Precision) -> str | None:
-    """Why this update must be skipped (the loss is not finite on some rank), else None.
+def _found_inf(run: Run, optimizer, scaler) -> torch.Tensor:
+    """0-d float32 on the device, non-zero when this update must be skipped; no host read.
 
-    Deliberate host sync, once per step, the step's only one outside fp16 (whose GradScaler decides
-    itself). The decision is this one function so that it can move onto the device.
+    fp16: the GradScaler's unscale checks the gradients (always run: the skip decision needs it).
+    bf16 / fp32: the same check of the all-reduced gradients when ``train.check_finite`` (a
+    non-finite loss makes non-finite gradients), else zeros.
     """
-    if check and precision.mode != "fp16" and not finite_everywhere(loss):
-        return "loss is not finite"
-    return None
-
-
-def finite_everywhere(loss: torch.Tensor) -> bool:
-    """Whether the loss is finite on every rank (a rank alone skipping a step would let the others
-    apply its all-reduced NaN gradients and the replicas drift apart)."""
-    bad = (~torch.isfinite(loss)).to(torch.float32).reshape(1)
-    return not bool(dist.all_reduce_sum(bad) > 0)
+    if run.precision.mode == "fp16":
+        scaler.unscale_(optimizer)
+        found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        return sum(found[1:], found[0]).reshape(())
+    if run.cfg.train.check_finite:
+        return optim.grads_found_inf(optimizer)
+    return torch.zeros((), device=run.device)
 
 
 def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device):
@@ -396,27 +390,30 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger) -> dic
     tc, device, steps = run.cfg.train, run.device, run.steps_per_epoch
     run.train_model.train()
     logger.start_epoch(epoch, tc.epochs, steps)
-    loss_sum = torch.zeros((), device=device)
-    loss_count, images, bad_streak = 0, 0, 0
+    # device counters, read at log intervals only: [loss sum, applied steps, skipped steps, bad streak]
+    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    applied = torch.zeros((), device=device, dtype=torch.float32)
+    skipped = torch.zeros((), device=device, dtype=torch.float32)
+    streak = torch.zeros((), device=device, dtype=torch.float32)
+    images = 0
     wait = _DataWait()
     t_start = t_log = time.perf_counter()
-    last_log = 0
+    last_log, skipped_seen = 0, 0
     batches = iter(run.train_loader)
     for i in range(1, steps + 1):
         out = train_step(run, batches, wait)
         images += out.images
         state["step"] += 1
-        if out.skipped is None:
-            bad_streak = 0
-            loss_sum += out.loss
-            loss_count += 1
-        else:
-            bad_streak = _bad_step(bad_streak, tc, state, out.skipped,
-                                   quiet=out.skipped == FP16_OVERFLOW and bad_streak < 3)
+        bad = out.skipped.reshape(()).float()
+        loss_sum += torch.where(bad > 0, 0.0, out.loss.float())  # a skipped step's loss may be NaN
+        applied += 1 - bad
+        skipped += bad
+        streak.mul_(bad).add_(bad)  # +1 when skipped, back to 0 when applied
         logger.advance()
         if state["step"] % tc.log_every == 0 or i == steps:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # deliberate: honest images/s at log intervals only
+            skipped_seen = _check_skipped(int(streak), int(skipped), skipped_seen, tc, state)
             now = time.perf_counter()
             micro = i * run.micro_steps
             logger.step(epoch, i, state["step"], {
@@ -426,19 +423,26 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger) -> dic
                 "data_time_s": wait.seconds / micro, "compute_time_s": (now - t_start - wait.seconds) / micro})
             t_log, last_log = now, i
     elapsed = time.perf_counter() - t_start
-    # one sync and one collective per epoch: the mean loss over every rank's steps
-    totals = dist.all_reduce_sum(torch.stack([loss_sum.double(), loss_sum.new_tensor(loss_count).double()]))
+    # one sync and one collective per epoch: the mean loss over every rank's applied steps
+    totals = dist.all_reduce_sum(torch.stack([loss_sum, applied]).double())
     mean_loss = float(totals[0] / totals[1]) if float(totals[1]) else math.nan
     return {"loss": mean_loss, "images_per_s": images * dist.world_size() / max(elapsed, 1e-9), "time_s": elapsed}
 
 
-def _bad_step(streak: int, tc, state: dict, why: str, quiet: bool = False) -> int:
-    streak += 1
+def _check_skipped(streak: int, skipped: int, seen: int, tc, state: dict) -> int:
+    """At a log interval: warn about steps skipped since the last one, stop on a long bad streak.
+
+    The streak is checked here only, so a run stops up to ``train.log_every`` steps after it
+    reaches ``train.max_nonfinite``. Returns the skipped count now reported.
+    """
     if streak >= tc.max_nonfinite:
-        raise NonFiniteLossError(f"stopping: {streak} consecutive steps skipped ({why}) at step {state['step']}; "
-                                 "lower optim.lr, set train.clip_grad, or use --amp bf16/off")
-    (log.debug if quiet else log.warning)("step %d skipped: %s", state["step"], why)
-    return streak
+        raise NonFiniteLossError(f"stopping: {streak} consecutive steps skipped (non-finite gradients or fp16 "
+                                 f"overflow) at step {state['step']}; lower optim.lr, set train.clip_grad, "
+                                 "or use --amp bf16/off")
+    if skipped > seen:
+        log.warning("%d step(s) skipped (non-finite gradients or fp16 overflow) this epoch, up to step %d",
+                    skipped, state["step"])
+    return skipped
 
 
 @torch.no_grad()

@@ -36,18 +36,94 @@ def effective_lr(cfg: OptimConfig, global_batch: int) -> float:
     return cfg.lr if not cfg.ref_batch else cfg.lr * global_batch / cfg.ref_batch
 
 
+def _impl_kwargs(impl: str, device: torch.device) -> dict:
+    """``fused`` / ``foreach`` arguments of torch's SGD / Adam / AdamW for ``optim.impl``.
+
+    ``auto`` is fused on CUDA (one kernel per step, and it applies a skip decided on the device:
+    :func:`step_unless`), foreach elsewhere.
+    """
+    if impl not in ("auto", "fused", "foreach", "loop"):
+        raise ConfigError(f"optim.impl: expected auto, fused, foreach or loop, got {impl!r}")
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer:
     groups = param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias)
     betas = tuple(cfg.betas)
+    first = next(model.parameters(), None)
+    kw = _impl_kwargs(cfg.impl, first.device if first is not None else torch.device("cpu"))
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kw)
     if cfg.name == "adam":
-        return torch.optim.Adam(groups, lr=lr, betas=betas, eps=cfg.eps)
+        return torch.optim.Adam(groups, lr=lr, betas=betas, eps=cfg.eps, **kw)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps, **kw)
     if cfg.name == "novograd":
         return Novograd(groups, lr=lr, betas=betas, eps=cfg.eps)
     raise ConfigError(f"optim.name: unknown optimizer {cfg.name!r}; valid: sgd, adam, adamw, novograd")
+
+
+def grads_found_inf(optimizer: Optimizer) -> torch.Tensor:
+    """0-d float32 on the gradients' device: 1.0 when any gradient is not finite, else 0.0.
+
+    On the device, no host read: the GradScaler's own check with an inverse scale of 1. Under DDP
+    (after backward) and horovod (after ``synchronize``) the gradients are all-reduced, so every
+    rank reaches the same decision without a collective of its own.
+    """
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
+    return found
+
+
+def step_unless(optimizer: Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()``, a no-op on the device where ``found_inf`` (0-d float) is non-zero.
+
+    No host sync in any branch. Fused torch optimizers take ``found_inf`` as GradScaler passes it
+    (their kernels skip the update and undo the step count); :class:`Novograd` masks its own
+    update; any other optimizer is stepped and then every parameter and state tensor is put back
+    where ``found_inf`` is set (``torch.where`` against a copy taken before: transient memory of
+    the parameters plus the optimizer state). State created by a skipped first step is reset to
+    zeros (torch's Adam, AdamW and SGD then behave exactly as if it had not been created).
+    """
+    if isinstance(optimizer, Novograd):
+        optimizer.step(found_inf=found_inf)
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    fresh = [p for p in params if not optimizer.state.get(p)]  # state this step creates (a host-side check)
+    fresh_ids = {id(p) for p in fresh}
+    skip = found_inf.reshape(()) > 0
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and any(g.get("fused") for g in optimizer.param_groups):
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    else:
+        kept = [p.detach().clone() for p in params]
+        old_state = {p: {k: v.clone() for k, v in optimizer.state[p].items() if torch.is_tensor(v)}
+                     for p in params if id(p) not in fresh_ids}
+        optimizer.step()
+        with torch.no_grad():
+            for p, old in zip(params, kept):
+                p.copy_(torch.where(skip, old, p))
+            for p, old in old_state.items():
+                for k, v in old.items():
+                    optimizer.state[p][k].copy_(torch.where(skip, v, optimizer.state[p][k]))
+    # a skipped first step leaves zeros (fused SGD would leave its momentum buffer uninitialised)
+    with torch.no_grad():
+        for p in fresh:
+            for v in optimizer.state[p].values():
+                if torch.is_tensor(v):
+                    v.copy_(torch.where(skip, torch.zeros_like(v), v))
 
 
 def lr_lambda(cfg: SchedConfig, steps_per_epoch: int, epochs: int) -> Callable[[int], float]:
@@ -103,7 +179,9 @@ class Novograd(Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, found_inf: torch.Tensor | None = None):
+        """One update; with ``found_inf`` (0-d float, non-zero: skip) a no-op decided on the device."""
+        keep = None if found_inf is None else (found_inf.reshape(()) == 0)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -119,21 +197,36 @@ class Novograd(Optimizer):
                 if not state:
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = norm_sq.clone()
+                    state["exp_avg_sq"] = torch.zeros_like(norm_sq)
+                    # applied updates (a device tensor: a skipped first step leaves it 0, no host read)
+                    state["applied"] = torch.zeros_like(norm_sq)
                     if group["amsgrad"]:
                         state["max_exp_avg_sq"] = torch.zeros_like(norm_sq)
-                else:
-                    state["exp_avg_sq"].mul_(b2).add_(norm_sq, alpha=1 - b2)
-                state["step"] += 1
-                v = state["exp_avg_sq"]
+                applied = state.setdefault("applied", torch.ones_like(norm_sq))  # pre-"applied" checkpoints
+                # v starts at ||g||^2 on the first applied update
+                v_new = torch.where(applied > 0, state["exp_avg_sq"] * b2 + norm_sq * (1 - b2), norm_sq)
+                state["step"] += 1  # step() calls (skipped included); the update does not use it
+                v = v_new
                 if group["amsgrad"]:
-                    torch.maximum(state["max_exp_avg_sq"], v, out=state["max_exp_avg_sq"])
-                    v = state["max_exp_avg_sq"]
+                    v = torch.maximum(state["max_exp_avg_sq"], v_new)
                 update = g / (v.sqrt() + group["eps"])
                 if group["weight_decay"]:
                     update = update.add(p, alpha=group["weight_decay"])
                 if group["grad_averaging"]:
                     update = update.mul(1 - b1)
-                state["exp_avg"].mul_(b1).add_(update)
-                p.add_(state["exp_avg"], alpha=-group["lr"])
+                m_new = state["exp_avg"] * b1 + update
+                if keep is None:
+                    state["exp_avg_sq"].copy_(v_new)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"].copy_(v)
+                    state["exp_avg"].copy_(m_new)
+                    applied.add_(1)
+                    p.add_(m_new, alpha=-group["lr"])
+                    continue
+                state["exp_avg_sq"].copy_(torch.where(keep, v_new, state["exp_avg_sq"]))
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"].copy_(torch.where(keep, v, state["max_exp_avg_sq"]))
+                state["exp_avg"].copy_(torch.where(keep, m_new, state["exp_avg"]))
+                applied.add_(keep.to(applied.dtype))
+                p.copy_(torch.where(keep, p - group["lr"] * m_new, p))
         return loss

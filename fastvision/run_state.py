@@ -60,9 +60,56 @@ def make_ema(model: nn.Module, decay: float | None):
         return None
     if not 0.0 < decay < 1.0:
         raise ConfigError(f"train.ema_decay must be in (0, 1), got {decay}")
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    return Ema(model, decay)
 
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+class Ema(nn.Module):
+    """EMA of a model's parameters and buffers, updated on the device without a host read.
+
+    The state dict matches ``torch.optim.swa_utils.AveragedModel(..., use_buffers=True)``
+    (``module.*`` and ``n_averaged``), so checkpoints of either load into the other. As there, the
+    first update copies the weights and later ones lerp by ``1 - decay``; an update whose
+    ``found_inf`` is set (a skipped step) changes nothing.
+
+    Args:
+        model: the bare model (copied).
+        decay: weight of the old average, in (0, 1).
+    """
+
+    def __init__(self, model: nn.Module, decay: float):
+        super().__init__()
+        import copy
+
+        self.module = copy.deepcopy(model)
+        self.decay = decay
+        first = next(iter(model.parameters()), None)
+        self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long,
+                                                        device=first.device if first is not None else None))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def update_parameters(self, model: nn.Module, found_inf: torch.Tensor | None = None) -> None:
+        """Fold ``model``'s current weights in, unless ``found_inf`` (0-d float) is non-zero."""
+        keep = torch.ones((), device=self.n_averaged.device) if found_inf is None else (found_inf.reshape(()) == 0).float()
+        # weight of the new weights: 1 on the first update (a copy), 1 - decay after, 0 when skipped
+        w = torch.where(self.n_averaged == 0, 1.0, 1.0 - self.decay) * keep
+        # parameters: one foreach lerp (they stay finite: a non-finite update is never applied)
+        e_p = [e for e in self.module.parameters()]
+        if e_p:
+            diff = torch._foreach_sub([p.detach() for p in model.parameters()], e_p)
+            torch._foreach_mul_(diff, w.to(e_p[0].dtype))
+            torch._foreach_add_(e_p, diff)
+        # buffers: a skipped step's forward may have put NaN in BatchNorm's running statistics,
+        # and NaN * 0 is NaN, so they are selected, not weighted (few tensors)
+        skip = keep == 0
+        for e, c in zip(self.module.buffers(), model.buffers()):
+            if e.is_floating_point():
+                e.copy_(torch.where(skip, e, torch.lerp(e, c, w.to(e.dtype))))
+            else:  # counters (num_batches_tracked): copied
+                e.copy_(torch.where(skip, e, c))
+        self.n_averaged += keep.long()
 
 
 def eval_model(model: nn.Module, ema) -> nn.Module:

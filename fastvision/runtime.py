@@ -132,10 +132,23 @@ def _memory_format(model: nn.Module) -> torch.memory_format:
     return torch.channels_last_3d if is_3d else torch.channels_last
 
 
-def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
-    """``torch.compile`` (the seeds' XLA). Falls back to eager with a clear error if unsupported."""
-    if not enabled:
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+def maybe_compile(model: nn.Module, mode: bool | str) -> nn.Module:
+    """``torch.compile`` (the seeds' XLA) for ``train.compile``: false, true (== default), or a mode.
+
+    ``reduce-overhead`` replays the step's kernels as CUDA graphs (for launch-bound small models);
+    it needs static shapes (fixed crop sizes, ``drop_last`` loaders, no data-dependent shapes in
+    the step); a new shape records a new graph. ``max-autotune`` also searches kernel configs (long
+    first steps).
+    """
+    if mode is False or mode in ("false", "off", "none"):
         return model
+    if mode is True or mode in ("true", "on"):
+        mode = "default"
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"train.compile: expected false, true or one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     if not hasattr(torch, "compile"):
         raise ConfigError("train.compile needs torch >= 2.0")
-    return torch.compile(model)
+    return torch.compile(model, mode=mode)

@@ -400,6 +400,46 @@ def _emulation_worker(out: Path) -> None:
     dist.shutdown()
 
 
+def _hook_worker(out: Path) -> None:
+    """DDP with ``ddp_comm_hook: fp16`` (gloo reduces fp16, not bf16): gradients equal the plain
+    global-batch gradients to fp16 precision, and the fp32 all-reduce's exactly."""
+    torch.set_num_threads(1)
+    env, device = dist.init("cpu", timeout_s=60)
+    g = torch.Generator().manual_seed(0)
+    x_all, y_all = torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(3, 2)
+    torch.nn.functional.mse_loss(ref(x_all), y_all).backward()
+    idx = list(dist.TrainSampler(8, shuffle=False))
+    res = {}
+    for hook in ("none", "fp16"):
+        model = dist.wrap_model(torch.nn.Linear(3, 2), device, comm_hook=hook)
+        dist.unwrap(model).load_state_dict(ref.state_dict())
+        torch.nn.functional.mse_loss(model(x_all[idx]), y_all[idx]).backward()
+        res[hook] = max(((a.grad - b.grad).abs() / b.grad.abs().clamp(min=1e-3)).max().item()
+                        for a, b in zip(dist.unwrap(model).parameters(), ref.parameters()))
+        res[hook + "_fp16_exact"] = all(torch.equal(a.grad, a.grad.half().float())
+                                        for a in dist.unwrap(model).parameters())
+    try:
+        dist.wrap_model(torch.nn.Linear(3, 2), device, comm_hook="bf16")
+    except ConfigError as e:
+        res["bf16_error"] = str(e)
+    (out / f"hook{env.rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.shutdown()
+
+
+@pytest.mark.dist
+def test_fp16_comm_hook_all_reduces_half_precision_gradients(tmp_path):
+    proc = _launch(tmp_path, "hook")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        res = json.loads((tmp_path / f"hook{r}.json").read_text())
+        assert res["none"] < 1e-5 and not res["none_fp16_exact"]  # fp32 all-reduce
+        assert 1e-6 < res["fp16"] < 2e-3 and res["fp16_fp16_exact"]  # gradients went through fp16
+        assert res["bf16_error"].startswith("train.ddp_comm_hook: bf16 is not available here")  # gloo
+
+
 def _dying_worker(out: Path) -> None:
     """Rank 1 dies after the first collective; rank 0 keeps reducing and must not hang."""
     torch.set_num_threads(1)
@@ -414,5 +454,5 @@ def _dying_worker(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"basic": _worker, "emulate": _emulation_worker, "die": _dying_worker}[sys.argv[2] if len(sys.argv) > 2
+    {"basic": _worker, "emulate": _emulation_worker, "die": _dying_worker, "hook": _hook_worker}[sys.argv[2] if len(sys.argv) > 2
                                                                            else "basic"](Path(sys.argv[1]))

@@ -105,3 +105,35 @@ def test_prefetcher_cuda_pinned():
     assert all(b["image"].is_cuda for b in out)
     ref = [b["image"] for b in build_loader(Items(9), batch_size=4, shuffle=True)]
     assert all(torch.equal(o["image"].cpu(), r) for o, r in zip(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefetcher_orders_batches_already_on_the_gpu():
+    """GPU-cache batches are written by kernels on the current stream; the side stream waits for them.
+
+    A long matmul chain delays each write on the current stream; a prefetcher that read without
+    waiting would copy (``to_device`` makes a new tensor here) stale zeros.
+    """
+    dev = torch.device("cuda")
+    big = torch.randn(2048, 2048, device=dev)
+
+    def batches():
+        for i in range(4):
+            x = torch.zeros(64, device=dev)
+            y = big
+            for _ in range(20):  # keep the current stream busy before the write
+                y = y @ big / 2048 ** 0.5
+            x.add_(i + 1 + 0 * y[0, :64])  # the value only exists once the chain has run
+            yield {"image": x}
+
+    class Loader:
+        def __iter__(self):
+            return batches()
+
+        def __len__(self):
+            return 4
+
+    copy = lambda b, d: {"image": b["image"].clone()}  # noqa: E731  (a new tensor made on the side stream)
+    out = [b["image"] for b in DevicePrefetcher(Loader(), dev, copy)]
+    assert [float(o.mean()) for o in out] == [1.0, 2.0, 3.0, 4.0]

@@ -175,6 +175,11 @@ class DevicePrefetcher:
     """Iterate ``loader`` with each batch already on ``device``: on CUDA the copy of batch k+1 runs
     on a side stream while batch k computes (pin the batches for it to be asynchronous).
 
+    Stream order: the current stream waits on the side stream before a batch is used, and its
+    tensors are recorded on the current stream (their memory was allocated on the side stream);
+    a batch that is already on the GPU (GPU cache) was made on the current stream, so the side
+    stream first waits on the current stream and records the batch as used by the side stream.
+
     Args:
         loader: any iterable of batches (with ``len`` and optionally ``set_epoch``).
         device: target device.
@@ -206,6 +211,9 @@ class DevicePrefetcher:
                 host = next(it)
             except StopIteration:
                 return None
+            if _has_cuda(host):  # already on the GPU (the GPU cache): made by work on the current stream
+                stream.wait_stream(torch.cuda.current_stream(self.device))  # ... that must finish first
+                _record(host, stream)  # and its memory is not reused while the side stream reads it
             with torch.cuda.stream(stream):
                 return self.to_device(host, self.device)
 
@@ -226,6 +234,16 @@ def _move(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_move(v, device) for v in batch)
     return batch
+
+
+def _has_cuda(batch: Any) -> bool:
+    if isinstance(batch, torch.Tensor):
+        return batch.is_cuda
+    if isinstance(batch, dict):
+        return any(_has_cuda(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return any(_has_cuda(v) for v in batch)
+    return False
 
 
 def _record(batch: Any, stream: torch.cuda.Stream) -> None:

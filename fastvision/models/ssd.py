@@ -241,7 +241,9 @@ def ssd_loss(outputs: dict[str, Tensor], boxes: Tensor, labels: Tensor, iscrowd:
     idx = matches.clamp(min=0)
     matched_labels = labels.gather(1, idx)
     K = cls_logits.shape[-1]
-    target = F.one_hot(matched_labels.clamp(min=0), K).to(torch.float32) * pos[..., None]
+    # one-hot by comparison: F.one_hot range-checks its input with a host read off CUDA
+    classes = torch.arange(K, device=matched_labels.device)
+    target = (matched_labels.clamp(min=0)[..., None] == classes).to(torch.float32) * pos[..., None]
     cls = sigmoid_focal_loss(cls_logits, target, alpha, gamma, reduction="none")
     cls_loss = (cls * (matches != -2)[..., None]).sum() / num
     matched_boxes = boxes.float().gather(1, idx[..., None].expand(-1, -1, 4))

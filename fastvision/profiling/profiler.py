@@ -267,11 +267,13 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device) -> str:
         return (f"raise data.num_workers (now {d.num_workers}), move random transforms into data.augment, "
                 f"or set data.repeats: 2{gpu}")
     if verdict == "communication":
-        return ("raise train.accum_steps (fewer all-reduces per image), set train.amp: bf16 (half the gradient "
-                f"bytes), raise train.ddp_bucket_mb (now {t.ddp_bucket_mb:g}) or train.batch_size")
+        # autocast keeps fp32 gradients, so bf16 AMP alone does not shrink the all-reduce
+        hook = "" if t.ddp_comm_hook != "none" else ", set train.ddp_comm_hook: bf16 (half the gradient bytes)"
+        return (f"raise train.accum_steps (fewer all-reduces per image){hook}, raise train.ddp_bucket_mb "
+                f"(now {t.ddp_bucket_mb:g}) or train.batch_size")
     if verdict == "host-sync":
-        return ("set train.check_finite: false (one host sync per step), raise train.batch_size, and set "
-                "train.compile: true (fewer kernel launches)")
+        return ("raise train.batch_size, and set train.compile: reduce-overhead (CUDA graphs: fewer kernel "
+                "launches; needs static shapes)")
     if device.type == "cuda":
         return "set train.amp: bf16, train.channels_last: true and train.compile: true"
     return ("the model is the cost: set train.amp: bf16, train.compile: true, a smaller model or image size, "
