@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import platform
 import re
 import subprocess
@@ -345,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
                           "cpu" if args.device == "auto" else args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    os.environ.setdefault("FASTVISION_PROGRESS", "0")
     report = run_suite(device, args.quick)
     Console(width=200).print(rich_table(report))
     args.out.mkdir(parents=True, exist_ok=True)
