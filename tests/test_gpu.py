@@ -67,6 +67,9 @@ def test_loss_decreases_over_steps_on_a_fixed_batch(task):
     assert last < 0.8 * first, f"{task}: loss {first:.4f} -> {last:.4f} over 40 steps on one batch"
 
 
+GRAD_SCALE = 2.0**12
+
+
 def _loss_and_grads(run: engine.Run, batch, autocast: bool) -> tuple[float, torch.Tensor]:
     model, task = run.model, run.task
     model.train()
@@ -74,8 +77,9 @@ def _loss_and_grads(run: engine.Run, batch, autocast: bool) -> tuple[float, torc
     ctx = run.precision.autocast() if autocast else torch.autocast(run.device.type, enabled=False)
     with ctx:
         loss = task.loss(task.forward(model, batch), batch)
-    loss.float().backward()  # unscaled on purpose: the gradients themselves are compared
-    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    # scaled as GradScaler scales it (else fp16's small gradients fall into subnormals), then unscaled
+    (loss.float() * GRAD_SCALE).backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None]) / GRAD_SCALE
     return float(loss.detach()), grads
 
 
@@ -207,7 +211,8 @@ def test_fp16_overflow_skips_the_update():
     run = _run("segmentation", "fp16", adam=False)  # the recipe's optimizer: momentum, weight decay
     batch = _batch(run)
     batches = itertools.repeat(batch)
-    engine.train_step(run, batches)  # a normal step first: optimizer state exists
+    for _ in range(3):  # normal steps first: optimizer state exists, the loss scale has settled
+        engine.train_step(run, batches)
     before = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
     scale = run.precision.scaler.get_scale()
     param = next(p for p in run.model.parameters() if p.requires_grad)
@@ -221,8 +226,12 @@ def test_fp16_overflow_skips_the_update():
         if v.is_floating_point() and "running_" not in k and "num_batches" not in k:  # BN stats move in forward
             assert torch.equal(v, after[k]), f"{k} changed in a step with infinite gradients"
     assert run.precision.scaler.get_scale() < scale
-    engine.train_step(run, batches)  # and training goes on: the next finite step updates the weights
-    assert any(not torch.equal(before[k], p) for k, p in run.model.named_parameters())
+    for _ in range(5):  # and training goes on: a following step updates the weights (the dynamic
+        engine.train_step(run, batches)  # scale may need a few halvings first)
+        if any(not torch.equal(before[k], p) for k, p in run.model.named_parameters()):
+            break
+    else:
+        pytest.fail("no weight changed in 5 steps after the overflow")
 
 
 @pytest.mark.xfail(strict=False, reason="a host-sync-free train_step is issue 13 item 1 (another helper, in "
