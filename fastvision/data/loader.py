@@ -10,7 +10,8 @@ trains. ``build_loader`` picks between ``data.loader: threads|processes``.
 from __future__ import annotations
 
 import collections
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 import torch
@@ -68,6 +69,13 @@ class ThreadLoader:
         self.repeats = repeats
         self.window = self.num_workers * max(1, prefetch)
         self.pin_memory = pin_memory
+        self._pool: ThreadPoolExecutor | None = None  # made on first use, kept across epochs
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="fastvision-loader")
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        return self._pool
 
     def set_epoch(self, epoch: int) -> None:
         for obj in (self.sampler, self.dataset):
@@ -85,7 +93,7 @@ class ThreadLoader:
 
     def __iter__(self) -> Iterator[Any]:
         batches = _batches(list(self.sampler), self.batch_size, self.drop_last)
-        pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="fastvision-loader")
+        pool = self._executor()  # one pool for every epoch: no thread start-up and join per epoch
         pending: collections.deque[Future] = collections.deque()
         try:
             nxt = 0
@@ -100,7 +108,7 @@ class ThreadLoader:
         finally:
             for f in pending:
                 f.cancel()
-            pool.shutdown(wait=True, cancel_futures=True)
+            wait(pending)  # an abandoned epoch leaves no batch still being built
 
 
 class ProcessLoader:
