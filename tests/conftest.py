@@ -1,6 +1,7 @@
 """Shared fixtures: tiny real datasets written to disk once per session, and GPU skipping."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
@@ -48,3 +49,13 @@ def tiny_overrides(data_path, **more) -> dict:
     return {"data": str(data_path), "epochs": 2, "batch_size": 4, "device": "cpu",
             "data.args.image_size": [32, 32], "model.args.filters": [4, 8, 16],
             "data.num_workers": 0, "train.log_every": 1, "examples": 2, **more}
+
+
+@pytest.fixture
+def fresh_logging():
+    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
+    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
+    logger = logging.getLogger("fastvision")
+    logger.handlers[:], logger.propagate = [], True
+    yield
+    logger.handlers[:], logger.propagate = [], True

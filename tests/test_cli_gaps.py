@@ -2,7 +2,6 @@
 ``data synth KIND --help``, integer counts in ``evaluate``. Each is one line and exit 2, or works."""
 from __future__ import annotations
 
-import logging
 import pytest
 
 from fastvision.cli import _format_value, main
@@ -11,14 +10,7 @@ TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.
         "--set", "model.args.filters=[4,8,16]"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_logging():
-    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
-    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
-    logger = logging.getLogger("fastvision")
-    logger.handlers[:], logger.propagate = [], True
-    yield
-    logger.handlers[:], logger.propagate = [], True
+pytestmark = pytest.mark.usefixtures("fresh_logging")
 
 
 def _one_line(code, err, *needles):

@@ -25,14 +25,7 @@ CATS = [{"supercategory": "person", "id": 1, "name": "person"},
         {"supercategory": "vehicle", "id": 3, "name": "car"}]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_logging():
-    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
-    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
-    logger = logging.getLogger("fastvision")
-    logger.handlers[:], logger.propagate = [], True
-    yield
-    logger.handlers[:], logger.propagate = [], True
+pytestmark = pytest.mark.usefixtures("fresh_logging")
 
 
 def _rle(mask: np.ndarray) -> dict:

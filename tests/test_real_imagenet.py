@@ -23,14 +23,7 @@ VAL = [("ILSVRC2012_val_00000001.JPEG", "n02105855"), ("ILSVRC2012_val_00000002.
 ILSVRC_ID = {"n01440764": 449, "n01443537": 450, "n02105855": 235}  # the devkit's ids are not wnid order
 
 
-@pytest.fixture(autouse=True)
-def _fresh_logging():
-    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
-    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
-    logger = logging.getLogger("fastvision")
-    logger.handlers[:], logger.propagate = [], True
-    yield
-    logger.handlers[:], logger.propagate = [], True
+pytestmark = pytest.mark.usefixtures("fresh_logging")
 
 
 def _photo(colour) -> Image.Image:

@@ -5,7 +5,6 @@ Each replica copies the release's file names, folder nesting, dataset.json text 
 """
 from __future__ import annotations
 
-import logging
 import json
 from pathlib import Path
 
@@ -24,14 +23,7 @@ S = 16
 APPLEDOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64)  # a "._" companion's header
 
 
-@pytest.fixture(autouse=True)
-def _fresh_logging():
-    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
-    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
-    logger = logging.getLogger("fastvision")
-    logger.handlers[:], logger.propagate = [], True
-    yield
-    logger.handlers[:], logger.propagate = [], True
+pytestmark = pytest.mark.usefixtures("fresh_logging")
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,6 @@
 another extension than their image, and 0/255, 0/1 and 0/65535 masks mixed in one folder."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -20,14 +19,7 @@ from fastvision.registry import DATASETS
 H = W = 32
 
 
-@pytest.fixture(autouse=True)
-def _fresh_logging():
-    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
-    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
-    logger = logging.getLogger("fastvision")
-    logger.handlers[:], logger.propagate = [], True
-    yield
-    logger.handlers[:], logger.propagate = [], True
+pytestmark = pytest.mark.usefixtures("fresh_logging")
 
 
 def _blob(k: int) -> np.ndarray:

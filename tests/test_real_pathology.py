@@ -20,14 +20,7 @@ from fastvision.registry import DATASETS
 SIDE = 256  # level-0 slide side; levels 128 and 64 follow
 
 
-@pytest.fixture(autouse=True)
-def _fresh_logging():
-    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
-    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
-    logger = logging.getLogger("fastvision")
-    logger.handlers[:], logger.propagate = [], True
-    yield
-    logger.handlers[:], logger.propagate = [], True
+pytestmark = pytest.mark.usefixtures("fresh_logging")
 
 
 def write_pyramid(path: Path, seed: int) -> np.ndarray:

@@ -17,6 +17,15 @@ from ._common import (Reduction, _activate, _activation, _check_acts, _fp32, _no
                       _reduce_region, _weight_buffer, dense_target)
 
 
+def _probs_and_target(loss: nn.Module, logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 probabilities and dense target of a region loss, channel 0 dropped without background."""
+    p = _activate(_fp32(logits), loss.sigmoid, loss.softmax, loss.other_act)
+    t = dense_target(logits, target)
+    if not loss.include_background and p.shape[1] > 1:
+        p, t = p[:, 1:], t[:, 1:]
+    return p, t
+
+
 def _sum_dims(x: Tensor, batch: bool) -> list[int]:
     dims = list(range(2, x.dim()))
     return [0] + dims if batch else dims
@@ -146,10 +155,7 @@ class GeneralizedDiceLoss(nn.Module):
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
         """Args: logits ``(B, C, *S)``; target int ``(B, *S)``/``(B, 1, *S)`` or float ``(B, C, *S)``."""
         with _no_autocast(logits):
-            x, t = _fp32(logits), dense_target(logits, target)
-            p = _activate(x, self.sigmoid, self.softmax, self.other_act)
-            if not self.include_background and p.shape[1] > 1:
-                p, t = p[:, 1:], t[:, 1:]
+            p, t = _probs_and_target(self, logits, target)
             dims = _sum_dims(p, self.batch)
             inter, g = (p * t).sum(dims), t.sum(dims)
             denom = p.sum(dims) + g
@@ -195,10 +201,7 @@ class TverskyLoss(nn.Module):
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
         """Args: logits ``(B, C, *S)``; target int ``(B, *S)``/``(B, 1, *S)`` or float ``(B, C, *S)``."""
         with _no_autocast(logits):
-            x, t = _fp32(logits), dense_target(logits, target)
-            p = _activate(x, self.sigmoid, self.softmax, self.other_act)
-            if not self.include_background and p.shape[1] > 1:
-                p, t = p[:, 1:], t[:, 1:]
+            p, t = _probs_and_target(self, logits, target)
             dims = _sum_dims(p, self.batch)
             tp = (p * t).sum(dims)
             fp, fn = (p * (1 - t)).sum(dims), ((1 - p) * t).sum(dims)
