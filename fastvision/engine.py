@@ -208,6 +208,8 @@ def train_step(run: Run, batches: Iterator[Any], clock: Callable[[str], None] | 
         if tc.clip_grad:
             nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad)  # foreach, no host read
         optim.step_unless(optimizer, found_inf)
+        if found_inf is None:  # nothing checked (train.check_finite off): nothing skipped
+            found_inf = torch.zeros((), device=run.device)
         if run.precision.mode == "fp16":
             scaler.update()  # backs the scale off on found_inf, on the device
         optimizer.zero_grad()  # set_to_none by default (torch >= 2); horovod takes no argument
@@ -219,12 +221,12 @@ def train_step(run: Run, batches: Iterator[Any], clock: Callable[[str], None] | 
     return StepResult(loss, images, found_inf)
 
 
-def _found_inf(run: Run, optimizer, scaler) -> torch.Tensor:
+def _found_inf(run: Run, optimizer, scaler) -> torch.Tensor | None:
     """0-d float32 on the device, non-zero when this update must be skipped; no host read.
 
     fp16: the GradScaler's unscale checks the gradients (always run: the skip decision needs it).
     bf16 / fp32: the same check of the all-reduced gradients when ``train.check_finite`` (a
-    non-finite loss makes non-finite gradients), else zeros.
+    non-finite loss makes non-finite gradients), else None (no check: a plain step).
     """
     if run.precision.mode == "fp16":
         scaler.unscale_(optimizer)
@@ -232,7 +234,7 @@ def _found_inf(run: Run, optimizer, scaler) -> torch.Tensor:
         return sum(found[1:], found[0]).reshape(())
     if run.cfg.train.check_finite:
         return optim.grads_found_inf(optimizer)
-    return torch.zeros((), device=run.device)
+    return None
 
 
 def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device):

@@ -84,8 +84,9 @@ def grads_found_inf(optimizer: Optimizer) -> torch.Tensor:
     return found
 
 
-def step_unless(optimizer: Optimizer, found_inf: torch.Tensor) -> None:
-    """``optimizer.step()``, a no-op on the device where ``found_inf`` (0-d float) is non-zero.
+def step_unless(optimizer: Optimizer, found_inf: torch.Tensor | None) -> None:
+    """``optimizer.step()``, a no-op on the device where ``found_inf`` (0-d float) is non-zero
+    (None: nothing was checked, a plain step).
 
     No host sync in any branch. Fused torch optimizers take ``found_inf`` as GradScaler passes it
     (their kernels skip the update and undo the step count); :class:`Novograd` masks its own
@@ -97,6 +98,9 @@ def step_unless(optimizer: Optimizer, found_inf: torch.Tensor) -> None:
     """
     if isinstance(optimizer, Novograd):
         optimizer.step(found_inf=found_inf)
+        return
+    if found_inf is None:
+        optimizer.step()
         return
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     fresh = [p for p in params if not optimizer.state.get(p)]  # state this step creates (a host-side check)
