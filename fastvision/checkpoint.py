@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 import torch
 
 from .errors import DataError
+from .tree import map_tensors
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +89,7 @@ def snapshot(obj: Any) -> Any:
     Training may change the live tensors in place right after this returns; the copy keeps the
     values of this moment. Non-tensor leaves are shared (they are immutable or replaced, not edited).
     """
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
-    return obj
+    return map_tensors(lambda t: t.detach().to("cpu", copy=True), obj)
 
 
 class BackgroundWriter:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ..errors import ConfigError
 from ..samplers import TrainSampler
+from ..tree import map_tensors, tensors
 
 
 def epoch_sampler(n: int, shuffle: bool, seed: int = 0) -> TrainSampler:
@@ -32,13 +33,8 @@ def _batches(indices: list[int], batch_size: int, drop_last: bool) -> list[list[
 
 
 def _pin(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.pin_memory() if x.device.type == "cpu" else x  # a GPU cache's batches are already there
-    if isinstance(x, dict):
-        return {k: _pin(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_pin(v) for v in x)
-    return x
+    # a GPU cache's batches are already on the device
+    return map_tensors(lambda t: t.pin_memory() if t.device.type == "cpu" else t, x)
 
 
 class ThreadLoader:
@@ -235,31 +231,13 @@ class DevicePrefetcher:
 
 
 def _move(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: _move(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_move(v, device) for v in batch)
-    return batch
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
 
 
 def _has_cuda(batch: Any) -> bool:
-    if isinstance(batch, torch.Tensor):
-        return batch.is_cuda
-    if isinstance(batch, dict):
-        return any(_has_cuda(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return any(_has_cuda(v) for v in batch)
-    return False
+    return any(t.is_cuda for t in tensors(batch))
 
 
 def _record(batch: Any, stream: torch.cuda.Stream) -> None:
-    if isinstance(batch, torch.Tensor):
-        batch.record_stream(stream)
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            _record(v, stream)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            _record(v, stream)
+    for t in tensors(batch):
+        t.record_stream(stream)
