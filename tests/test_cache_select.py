@@ -184,3 +184,22 @@ def test_ddp_ram_cache_holds_only_this_ranks_partition():
         seen += [ds[j]["id"] for j in range(len(ds))]
         assert base.reads - 2 == 4  # served from the cache
     assert set(seen) == {f"item{i}" for i in range(n)}
+
+
+@pytest.mark.parametrize("cache", ["ram", "disk"])
+def test_cached_validation_items_are_the_evaluation_view(tmp_path, cache):
+    """A cached validation set returns ``dataset[i]`` (resize + centre crop), never the training
+    view of ``cache_pipeline`` (ImageFolder's is a random-resized crop)."""
+    from fastvision.data.cache_select import wrap_val_set
+    from fastvision.data.formats.imagefolder import ImageFolderDataset, find_classes, list_samples
+    from fastvision.data.synth.imagenet import synth
+
+    synth(tmp_path / "inet", classes=2, per_class=1, val_per_class=2, size=48)
+    val = tmp_path / "inet" / "val"
+    ds = ImageFolderDataset(list_samples(val, find_classes(val)), False, image_size=32, resize_size=40)
+    wrapped = wrap_val_set(ds, cache=cache, cache_dir=str(tmp_path / "cache"))
+    assert len(wrapped) == len(ds) == 4
+    for i in range(len(ds)):
+        for _ in range(2):  # first read fills, second reads the cache
+            assert torch.equal(wrapped[i]["image"], ds[i]["image"])
+            assert int(wrapped[i]["label"]) == int(ds[i]["label"])

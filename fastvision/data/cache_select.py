@@ -240,10 +240,12 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
 def wrap_val_set(dataset: Dataset, *, cache: str, cache_dir: str | None = None) -> Dataset:
     """The validation set: deterministic items, cached as they are first read when ``cache`` is not
     ``none`` (a rank keeps only its evaluation shard; ``disk``, or a ``data.cache_dir`` under a
-    memory cache, reuses the persistent entries)."""
+    memory cache, reuses the persistent entries). Its items are ``dataset[i]``, the evaluation view:
+    never ``cache_pipeline``, which is the training view (random crops, augmentation)."""
     if cache == "none" or dataset is None:
         return dataset
-    base, pipeline, identity = cache_source(dataset, check=False)
+    identity = item_identity(dataset)
+    base, pipeline = _Indices(len(dataset), identity), [ReadItem(dataset)]
     if cache == "disk" and identity is not None:
         return PersistentDataset(base, pipeline, disk_dir(cache_dir), identity=identity)
     if cache_dir:
