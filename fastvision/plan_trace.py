@@ -144,7 +144,7 @@ class _TracePrecision:
     a scalar multiply and an in-place unscale, which move no memory)."""
 
     def __init__(self, amp: str):
-        self.mode = "off" if amp in (None, "off", "fp32", "tf32") else amp
+        self.mode = "off"  # what the engine's step reads: no GradScaler to unscale or update
         self.amp = amp
         self.scaler = torch.amp.GradScaler("cpu", enabled=False)
 

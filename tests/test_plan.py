@@ -100,6 +100,16 @@ def test_resnet50_forward_flops_match_published_macs():
     assert 2.8 < t.flops / t.forward_flops < 3.2  # backward about twice the forward
 
 
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_half_precision_trace_runs_the_step_and_halves_activations(amp):
+    """fp16 too (the trace has no loss scaler; the engine's step must not look for one): autocast
+    stores the convolutions' outputs in 2 bytes instead of 4."""
+    make = _conv_make(3, 16, 8, 4)
+    fp32, half = trace_step(builder(make), 32), trace_step(builder(make), 32, amp=amp)
+    assert half.flops == fp32.flops
+    assert half.activations < 0.75 * fp32.activations
+
+
 def test_checkpointing_and_compile_lower_activation_memory():
     make = _conv_make(3, 16, 8, 4)
     plain = trace_step(builder(make), 32)
