@@ -265,12 +265,17 @@ def dataset_items(cfg: RunConfig, data: str | None = None, size: int | None = No
 
 
 def with_input_scale(cfg: RunConfig, scale: float) -> tuple[RunConfig, str] | None:
-    """``cfg`` with the input side (image size or patch size) scaled; None if the task has none."""
+    """``cfg`` with the input side (image size or patch size) scaled; None if the task has none.
+
+    A patch side stays a multiple of the largest power of two (up to 32) that divides the recipe's
+    own side, so a network that needs the recipe's divisibility (a U-Net's 2**depth) still accepts it.
+    """
     out = copy.deepcopy(cfg)
     args = out.task.args
     if "sample_shape" in args:
         c, *spatial = args["sample_shape"]
-        new = [max(8, int(round(s * scale / 8)) * 8) for s in spatial]
+        steps = [min(32, s & -s) for s in spatial]
+        new = [max(k, int(round(s * scale / k)) * k) for s, k in zip(spatial, steps)]
         args["sample_shape"] = [c, *new]
         return out, "patch " + "x".join(map(str, new))
     if "image_size" in args:
