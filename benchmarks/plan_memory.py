@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import time
 
 import torch
 
-from fastvision import config
+from fastvision import config, engine
 from fastvision import plan_estimate as est
-from fastvision.autobatch import recipe_builder, train_step
-from fastvision.runtime import Precision
+from fastvision.autobatch import recipe_run
 
 # recipe -> (batch sizes, overrides for a CPU-sized run)
 CPU_CASES = {
@@ -66,12 +66,12 @@ def measured_peak(cfg, batch: int, device: torch.device) -> int:
 
 
 def _run(cfg, batch: int, device: torch.device) -> None:
-    model, task, make_optimizer = recipe_builder(cfg, device)()
-    optimizer = make_optimizer(model)
-    data = task.to_device(task.synthetic_batch(batch, device), device, cfg.train.channels_last)
-    precision = Precision(cfg.train.amp, device)
+    """Two ``engine.train_step`` calls (the step ``train`` runs) on a synthetic batch."""
+    run, make_optimizer = recipe_run(cfg, device)
+    run.optimizer = make_optimizer(run.model)
+    batch = run.task.synthetic_batch(batch, device)
     for _ in range(2):
-        train_step(model, task, data, optimizer, precision)
+        engine.train_step(run, itertools.repeat(batch))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

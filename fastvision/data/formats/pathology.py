@@ -210,11 +210,13 @@ class PathologyPatches(Dataset):
     Args:
         samples: ``(file, label)`` for patch files or ``(slide, y, x, label)`` for slide regions.
         patch_size: side P of the items; patch files of another size are resized.
+        level: pyramid level slide regions are read at (sample coordinates are that level's pixels).
     """
 
-    def __init__(self, samples: list[tuple], patch_size: int):
+    def __init__(self, samples: list[tuple], patch_size: int, level: int = 0):
         self.samples = samples
         self.patch_size = patch_size
+        self.level = level
         self._slides: dict[str, TiledTiff] = {}
         self._pid = os.getpid()
 
@@ -234,7 +236,7 @@ class PathologyPatches(Dataset):
             self._slides, self._pid = {}, os.getpid()
         key = f"{path}\0{threading.get_ident()}"
         if key not in self._slides:
-            self._slides[key] = TiledTiff(path)
+            self._slides[key] = TiledTiff(path, self.level)
         return self._slides[key]
 
     def __getitem__(self, i: int) -> dict:
@@ -255,21 +257,6 @@ class PathologyPatches(Dataset):
             arr, ident = np.array(img, dtype=np.uint8), path
         image = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1).contiguous()
         return {"image": image, "label": torch.tensor(label, dtype=torch.int64), "id": ident}
-
-
-class LevelPatches(PathologyPatches):
-    """Slide patches read at pyramid ``level`` (sample coordinates are that level's pixels)."""
-
-    def __init__(self, samples: list[tuple], patch_size: int, level: int):
-        super().__init__(samples, patch_size)
-        self.level = level
-
-    def _slide(self, path: str) -> TiledTiff:
-        if os.getpid() != self._pid:  # as the base class: a forked worker opens its own files
-            self._slides, self._pid = {}, os.getpid()
-        if path not in self._slides:
-            self._slides[path] = TiledTiff(path, self.level)
-        return self._slides[path]
 
 
 @DATASETS.register("pathology")
@@ -307,7 +294,7 @@ def build(*, path: str, patch_size: int = 224, normal_per_tumor: float = 1.0, se
             raise DataError(f"{d}: missing (expected {name}/images + {name}/masks, or {name}/normal + {name}/tumor)")
         if not any(s[-1] == 1 for s in samples) and k == 0:
             raise DataError(f"{d}: no tumour patches found")
-        splits.append(LevelPatches(samples, patch_size, level) if level else PathologyPatches(samples, patch_size))
+        splits.append(PathologyPatches(samples, patch_size, level))
     info = {"classes": list(CLASSES), "num_classes": 2, "level": level,
             "train_patches": len(splits[0]), "val_patches": len(splits[1]),
             "train_tumor": sum(s[-1] for s in splits[0].samples), "val_tumor": sum(s[-1] for s in splits[1].samples)}
