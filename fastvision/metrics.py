@@ -157,7 +157,11 @@ class RegionCounts:
         p, t = pred.bool(), target.bool()
         dims = [0] + list(range(2, p.dim()))
         tp = (p & t).sum(dims)
-        self.sums += torch.stack([tp, p.sum(dims) - tp, t.sum(dims) - tp]).to(self.sums.device)
+        self.add(tp, p.sum(dims) - tp, t.sum(dims) - tp)
+
+    def add(self, tp: Tensor, fp: Tensor, fn: Tensor) -> None:
+        """Add counts already taken: each ``(C,)`` (e.g. per-case counts summed over the cases)."""
+        self.sums += torch.stack([tp, fp, fn]).to(self.sums.device)
 
     def reset(self) -> None:
         self.sums.zero_()

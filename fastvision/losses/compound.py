@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..registry import LOSSES
-from ._common import (Reduction, _activate, _fp32, _no_autocast, _weight_buffer, class_indices,
+from ._common import (Reduction, _fp32, _no_autocast, _weight_buffer, class_indices,
                       dense_target)
 from .basic import FocalLoss
-from .dice import DiceLoss
+from .dice import DiceLoss, _probs_and_target
 
 
 @LOSSES.register("dice_ce")
@@ -155,20 +155,18 @@ class DiceBCELoss(nn.Module):
         if lambda_dice < 0 or lambda_bce < 0:
             raise ValueError("lambda_dice and lambda_bce must be >= 0")
         self.include_background, self.softmax, self.sigmoid = include_background, softmax, sigmoid
+        self.other_act = None
         self.smooth_nr, self.smooth_dr = float(smooth_nr), float(smooth_dr)
         self.lambda_dice, self.lambda_bce = float(lambda_dice), float(lambda_bce)
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
         """Args: logits ``(B, C, *S)``; target int ``(B, *S)``/``(B, 1, *S)`` or float ``(B, C, *S)``."""
         with _no_autocast(logits):
-            p = _activate(_fp32(logits), self.sigmoid, self.softmax, None)
-            g = dense_target(logits, target)
-            if not self.include_background and p.shape[1] > 1:
-                p, g = p[:, 1:], g[:, 1:]
+            p, g = _probs_and_target(self, logits, target)
             pc = p.clamp(1e-7, 1 - 1e-7)
             bce = -(g * pc.log() + (1 - g) * (1 - pc).log())
-            bce = bce.transpose(0, 1).reshape(p.shape[1], -1).mean(1).sum()
             dims = list(range(2, p.dim()))
+            bce = bce.mean([0, *dims]).sum()  # per channel over batch and space, summed
             inter, denom = (p * g).sum(dims), p.sum(dims) + g.sum(dims)
             dice = (1 - (2 * inter + self.smooth_nr) / (denom + self.smooth_dr)).mean(0).sum()
             return self.lambda_bce * bce + self.lambda_dice * dice

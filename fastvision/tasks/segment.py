@@ -31,10 +31,8 @@ class SegmentationTask(Task):
         mode: "softmax" (C = num_classes logits), "sigmoid" (one logit, binary) or "regions"
             (one sigmoid logit per entry of ``regions``).
         regions: label sets forming each region, e.g. ``[[1, 2, 3], [1, 3], [3]]`` for BraTS WT,
-            TC, ET after the 4 -> 3 remap.
-        sample_shape: (C, *S) of one input, for benchmark mode's synthetic batches.
-        regions: also with mode "softmax": regions scored from the argmax labels (BraTS WT/TC/ET
-            of a per-label model, seed 000); then ``region_names`` is required.
+            TC, ET after the 4 -> 3 remap. Also with mode "softmax": regions scored from the argmax
+            labels (BraTS WT/TC/ET of a per-label model, seed 000); then ``region_names`` is required.
         region_names: names used in the metric keys (``dice/WT``); default: the region's index.
         sample_shape: (C, *S) of one input, for benchmark mode's synthetic batches.
         sliding_window: validation by sliding window: ``{roi_size, overlap, mode, sw_batch_size}``.
@@ -292,7 +290,7 @@ class SegEvaluator(Evaluator):
             self.parts[f"{group}.iou"].update(case_scores(tp, fp, fn, "iou", self.task.empty))
             if self.task.hd95:
                 self.parts[f"{group}.hd95"].update(_hd95_cases(pred, truth))
-            self.parts[f"{group}.pooled"].update(pred, truth)
+            self.parts[f"{group}.pooled"].add(tp.sum(0), fp.sum(0), fn.sum(0))  # the same counts, pooled
         n = label.shape[0]
         loss = self.task.loss(outputs.float(), batch).detach().double()
         self.loss_sum += torch.stack([loss * n, loss.new_tensor(float(n))])
