@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .config import AMP_MODES
 from .errors import ConfigError, DataError, FastvisionError
 
 # Every subcommand is one hop from here. ``train``, ``evaluate``, ``predict``, ``recipes`` and ``data``
@@ -38,7 +39,7 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v),
                    help="per-worker batch size, or auto: the largest that fits on the device (LR scaled by the recipe)")
     g.add_argument("--lr", type=float, help="learning rate at the recipe's reference batch")
-    g.add_argument("--amp", choices=["off", "fp16", "bf16", "auto"],
+    g.add_argument("--amp", choices=AMP_MODES,
                    help="mixed precision: auto = bf16 where the GPU has it natively, else fp16 with dynamic loss "
                         "scaling; fp32 on CPU (fp16 needs CUDA); the precision used is logged")
     g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None, help="TF32 matmul/conv (Ampere+)")

@@ -72,13 +72,17 @@ class SchedConfig:
     power: float = 0.9  # poly exponent
 
 
+AmpMode = Literal["off", "fp16", "bf16", "auto"]
+AMP_MODES: tuple[str, ...] = typing.get_args(AmpMode)  # train.amp, --amp of train / profile, runtime.Precision
+
+
 @dataclass
 class TrainConfig:
     epochs: int = 10
     batch_size: int | Literal["auto"] = 16  # per worker; "auto": largest that fits (fastvision.autobatch)
     accum_steps: int = 1
     clip_grad: float | None = None  # max global grad norm
-    amp: Literal["off", "fp16", "bf16", "auto"] = "off"  # auto: bf16 if native, else fp16 + scaling; CPU fp32
+    amp: AmpMode = "off"  # auto: bf16 if native, else fp16 + scaling; CPU fp32
     tf32: bool = True
     compile: bool | Literal["default", "reduce-overhead", "max-autotune"] = False  # true == default
     channels_last: bool = False

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .config import AMP_MODES
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Precision:
     device: torch.device
 
     def __post_init__(self) -> None:
-        if self.mode not in ("off", "auto", *_DTYPES):
+        if self.mode not in AMP_MODES:
             raise ConfigError(f"train.amp: expected off, fp16, bf16 or auto, got {self.mode!r}")
         self.requested = self.mode
         self.mode, why = resolve_amp(self.mode, self.device)

@@ -113,3 +113,9 @@ def test_monitor_without_nvml_is_one_line_error(tmp_path, capsys):
     assert cli.main(["monitor", "--out", str(tmp_path / "gpu.csv"), "--duration", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "NVML is not available" in err[0]
+
+
+def test_profile_takes_amp_auto_as_train_does(tmp_path):
+    """``--amp auto`` resolves as in ``train``: on a CPU, fp32 (precision "off")."""
+    report = _profile(tmp_path, "auto", "--amp", "auto", "--set", "data.args.image_size=[16,16]")
+    assert report["config"]["train.amp"] == "auto" and report["config"]["precision"] == "off"

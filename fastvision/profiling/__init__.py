@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..config import AMP_MODES
 from ..errors import DataError
 from .monitor import plot_csv, read_csv, record
 from .profiler import PHASES, advice, percentiles_ms, profile, profile_run
@@ -100,7 +101,7 @@ def add_profile_cli(subparsers) -> None:
     p.add_argument("--data", help="dataset folder (data.args.path)")
     p.add_argument("--device")
     p.add_argument("--batch-size", type=int)
-    p.add_argument("--amp", choices=["off", "fp16", "bf16"])
+    p.add_argument("--amp", choices=AMP_MODES, help="as train's --amp (auto: bf16 where native, else fp16)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key, dotted")
     p.set_defaults(func=_cmd_profile)
 

@@ -204,7 +204,7 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
         Path(trace).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(trace) / f"trace_rank{env.rank}.json"))
     return _report(cfg, clocks, np.diff(starts).tolist(), no_sync_bwd, run.global_batch, device, sampler,
-                   cache_line)
+                   cache_line, run.precision.mode)
 
 
 def _trace_context(trace: str | Path | None, device: torch.device) -> Any:
@@ -217,7 +217,7 @@ def _trace_context(trace: str | Path | None, device: torch.device) -> Any:
 
 
 def _report(cfg: RunConfig, clocks: list[_Clock], walls: list[float], no_sync_bwd: list[float], global_batch: int,
-            device: torch.device, sampler: Any, cache_line: str) -> dict[str, Any]:
+            device: torch.device, sampler: Any, cache_line: str, precision: str) -> dict[str, Any]:
     per: dict[str, list[float]] = {p: [] for p in PHASES}
     launch = []  # host seconds spent issuing device work (CUDA: excludes waiting at the sync)
     base_bwd = float(np.median(no_sync_bwd)) if no_sync_bwd else None
@@ -251,6 +251,7 @@ def _report(cfg: RunConfig, clocks: list[_Clock], walls: list[float], no_sync_bw
             "pipeline": cache_line,
             "config": {"recipe": cfg.recipe, "data.cache": cfg.data.cache, "data.loader": cfg.data.loader,
                        "data.num_workers": cfg.data.num_workers, "train.amp": cfg.train.amp,
+                       "precision": precision,  # what train.amp resolved to on this device (auto)
                        "train.batch_size": cfg.train.batch_size, "train.compile": cfg.train.compile}}
 
 
