@@ -16,6 +16,7 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/plan_memory.py [--device cpu|cuda] [-
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import itertools
 import time
@@ -66,7 +67,10 @@ def measured_peak(cfg, batch: int, device: torch.device) -> int:
 
 
 def _run(cfg, batch: int, device: torch.device) -> None:
-    """Two ``engine.train_step`` calls (the step ``train`` runs) on a synthetic batch."""
+    """Two ``engine.train_step`` calls (the step ``train`` runs) on a synthetic batch; no weights
+    file is read (they change values, not memory), as in the estimate."""
+    cfg = copy.deepcopy(cfg)
+    cfg.model.args = est.without_weights(cfg.model.args)
     run, make_optimizer = recipe_run(cfg, device)
     run.optimizer = make_optimizer(run.model)
     batch = run.task.synthetic_batch(batch, device)

@@ -19,7 +19,6 @@ the recipe). Units: bytes, seconds, FLOPs; GiB only in reports.
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -59,6 +58,13 @@ DATASET_FACTS: dict[str, tuple[int, str]] = {
 # ------------------------------------------------------------------------------ building
 _WEIGHT_ARGS = ("pretrained", "backbone_weights")
 
+
+def without_weights(model_args: dict) -> dict:
+    """``model.args`` without weights files: they change values, not shapes, so planning (and
+    measuring memory) never reads or downloads them."""
+    return {k: v for k, v in model_args.items() if k not in _WEIGHT_ARGS}
+
+
 def build_for(cfg: RunConfig):
     """The recipe's model (on the meta device), task and optimizer factory, for :func:`trace_step`.
 
@@ -69,12 +75,9 @@ def build_for(cfg: RunConfig):
 
     def build():
         loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args")
-        extra = {"info": {}} if "info" in inspect.signature(TASKS.get(cfg.task.name)).parameters else {}
-        task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, **extra)
-        # weights files change values, not shapes: planning never reads or downloads them
-        args = {k: v for k, v in cfg.model.args.items() if k not in _WEIGHT_ARGS}
+        task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, info={})
         with torch.device("meta"):
-            model = MODELS.build(cfg.model.name, args, where="model.args")
+            model = MODELS.build(cfg.model.name, without_weights(cfg.model.args), where="model.args")
         return model, task, lambda m: optim.build_optimizer(m, cfg.optim, cfg.optim.lr)
 
     return build
