@@ -47,12 +47,11 @@ Step = Callable[[Any, torch.Generator], Any]
 def recipe_path(recipe: str, data: Path, *sets: str) -> tuple[Any, Step, int]:
     """(loader, per-batch step, items per epoch) exactly as ``fastvision train RECIPE`` builds them."""
     cfg = config.load(recipe, [config.parse_override(s) for s in (f"data.args.path={data}", "train.device=cpu", *sets)])
-    run = engine.build(cfg)
-    train_set = engine.cached_train_set(run.train_set, cfg, run.env, run.device)
-    loader = engine.make_loader(train_set, run.task, cfg, cfg.train.batch_size, True, run.device)
+    run = engine.build(cfg, train=True)  # train: the cache, the loaders and the recipe's batched augmentation
+    loader = run.train_loader
 
     def step(batch: Any, gen: torch.Generator) -> Any:
-        return run.task.augment(run.task.to_device(batch, run.device, False), gen)
+        return run.task.augment(run.task.to_device(batch, run.device, cfg.train.channels_last), gen)
 
     return loader, step, len(loader.sampler)
 

@@ -15,26 +15,18 @@ import logging
 import math
 import statistics
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from . import engine
 from .config import RunConfig
+from .data.loader import endless_batches
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 CACHES = ("none", "ram", "disk", "shared", "smart", "gpu")
-
-
-def _batches(loader: Any) -> Iterator[Any]:
-    """Loader batches across epoch boundaries (``set_epoch`` at each), forever."""
-    epoch = 0
-    while True:
-        loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
 
 
 class _Path:
@@ -47,7 +39,7 @@ class _Path:
         self.cache = cache
         self.run = engine.build(c, train=True)
         self.run.model = self.run.train_model = self.run.optimizer = self.run.ema = None  # the model is removed
-        self.batches = _batches(self.run.train_loader)
+        self.batches = endless_batches(self.run.train_loader)
         self.items, self.seconds, self.chunks_ms_per_item = 0, 0.0, []
         from .data.cache_select import describe
 

@@ -32,6 +32,16 @@ def _batches(indices: list[int], batch_size: int, drop_last: bool) -> list[list[
     return [indices[i:i + batch_size] for i in range(0, stop, batch_size)]
 
 
+def endless_batches(loader: Any, start_epoch: int = 0) -> Iterator[Any]:
+    """``loader``'s batches across epoch boundaries (``set_epoch`` at each), forever: what the
+    profiler and ``benchmark --mode data`` draw steps from."""
+    epoch = start_epoch
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
 def _pin(x: Any) -> Any:
     # a GPU cache's batches are already on the device
     return map_tensors(lambda t: t.pin_memory() if t.device.type == "cpu" else t, x)

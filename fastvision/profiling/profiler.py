@@ -27,6 +27,7 @@ import torch
 
 from .. import dist, engine
 from ..config import RunConfig
+from ..data.loader import endless_batches
 from .monitor import NvmlSampler
 
 log = logging.getLogger(__name__)
@@ -121,15 +122,6 @@ def _nvtx_items(train_set: Any) -> Any:
     return _NvtxItems(train_set)
 
 
-def _batches(loader: Any, start_epoch: int = 0) -> Iterator[Any]:
-    """Loader batches across epoch boundaries (``set_epoch`` at each), forever."""
-    epoch = start_epoch
-    while True:
-        loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
 def percentiles_ms(values: list[float]) -> dict[str, float]:
     """p50 / p90 / p99 / mean of ``values`` in milliseconds."""
     a = np.asarray(values, dtype=np.float64) * 1e3 if values else np.zeros(1)
@@ -173,7 +165,7 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
         from ..data.cache_select import describe
 
         cache_line = describe(run.train_set)
-        batches = _batches(run.train_loader)
+        batches = endless_batches(run.train_loader)
     run.train_model.train()
     for _ in range(warmup):
         engine.train_step(run, batches, _Clock(device, False))
