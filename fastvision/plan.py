@@ -211,7 +211,7 @@ def text_report(plan: dict[str, Any]) -> str:
 
 def plot(plan: dict[str, Any], path: Path) -> Path:
     """Time to train (left axis) and cost (right axis) against GPU count."""
-    from .scaling import _pyplot, _save
+    from .scaling_report import _pyplot, save as _save
 
     plt = _pyplot()
     curve = [r for r in plan["curve"] if "train_h" in r]

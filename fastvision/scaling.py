@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .scaling_report import FIELDS, markdown_table, plot_simulation, plot_sweep, summarize, write_report
-from .scaling_report import _pyplot, save as _save  # noqa: F401  (kept for fastvision.plan's figure)
 from .simulator import (BACKENDS, LINKS, Backend, Hardware, InputPipeline, Link, StepProfile, allreduce_s,
                         bucket_count, hardware_presets, load_hardware, predict_step_time, ring_allreduce_s, simulate,
                         simulation_markdown, tree_allreduce_s, with_link)

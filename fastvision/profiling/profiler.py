@@ -153,7 +153,9 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
                 trace: str | Path | None = None) -> dict[str, Any]:
     """:func:`profile` of a run already built by ``engine.build(cfg, train=True)``: its training
     loader, or synthetic batches on the device when it has none (built with ``loaders=False``).
-    The run trains on: its weights afterwards are those of ``warmup + steps`` training steps."""
+    The run trains on: its weights afterwards are those of ``warmup + steps`` training steps; with
+    more than one rank, up to 5 further steps follow without the gradient all-reduce (to time the
+    backward alone), so each rank then also holds a few steps of its own local gradients."""
     cfg, env, device, task = run.cfg, run.env, run.device, run.task
     if nvtx and device.type == "cuda":
         add_nvtx_ranges(None, task)  # every batched augmentation op
