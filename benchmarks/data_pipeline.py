@@ -45,8 +45,9 @@ Step = Callable[[Any, torch.Generator], Any]
 
 
 def recipe_path(recipe: str, data: Path, *sets: str) -> tuple[Any, Step, int]:
-    """(loader, per-batch step, items per epoch) exactly as ``fastvision train RECIPE`` builds them."""
-    cfg = config.load(recipe, [config.parse_override(s) for s in (f"data.args.path={data}", "train.device=cpu", *sets)])
+    """(loader, per-batch step, items per epoch) exactly as ``fastvision train RECIPE`` builds them
+    (``train.amp=off``: no model runs, and the fp16 recipes refuse a CPU otherwise)."""
+    cfg = config.load(recipe, [config.parse_override(s) for s in (f"data.args.path={data}", "train.device=cpu", "train.amp=off", *sets)])
     run = engine.build(cfg, train=True)  # train: the cache, the loaders and the recipe's batched augmentation
     loader = run.train_loader
 
