@@ -21,7 +21,6 @@ import contextlib
 import io
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -158,20 +157,6 @@ class _Decode(Transform):
         return "fastvision.coco.decode/v1"  # identity() names the image and annotation files
 
 
-class _ImageIds(Dataset):
-    def __init__(self, dataset: "CocoDetection"):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"index": i}
-
-    def identity(self, i: int) -> str:
-        return self.dataset.identity(i)
-
-
 class CocoDetection(Dataset):
     """Items ``{"image", "boxes", "labels", "iscrowd", "image_id", "orig_size"}`` of one split.
 
@@ -247,11 +232,9 @@ class CocoDetection(Dataset):
 
     def identity(self, i: int) -> str:
         """Image ``i``'s file and the annotation file (path, size, mtime): the disk-cache key."""
-        parts = []
-        for p in (self.path(i), self.ann_file):
-            st = os.stat(p)
-            parts.append(f"{Path(p).resolve()}:{st.st_size}:{st.st_mtime_ns}")
-        return "|".join(parts) + f"|{self.ids[i]}"
+        from ..cache_select import files_identity
+
+        return files_identity([self.path(i), self.ann_file]) + f"|{self.ids[i]}"
 
     def _open(self, i: int) -> Image.Image:
         path = self.path(i)
@@ -275,7 +258,9 @@ class CocoDetection(Dataset):
         """``(image indices, [decode, SSDAugment])`` for training; ``[decode, resize]`` otherwise."""
         aug = SSDAugment(self.image_size, self.crop and self.train, self.flip and self.train,
                          self.jitter if self.train else 0.0)
-        return _ImageIds(self), [_Decode(self), aug]
+        from ..cache_select import _Indices
+
+        return _Indices(len(self), self.identity), [_Decode(self), aug]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         img = self._open(i)

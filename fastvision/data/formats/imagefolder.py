@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -190,22 +189,6 @@ class RandomResizedCrop(RandomTransform):
                 "label": torch.tensor(item["label"], dtype=torch.int64), "id": item["id"]}
 
 
-class _Samples(Dataset):
-    def __init__(self, samples: list[tuple[str, int]]):
-        self.samples = samples
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"index": i}
-
-    def identity(self, i: int) -> str:
-        path = self.samples[i][0]
-        st = os.stat(path)
-        return f"{Path(path).resolve()}:{st.st_size}:{st.st_mtime_ns}"
-
-
 class ImageFolderDataset(Dataset):
     """Classification items from ``(path, class index)`` pairs.
 
@@ -237,12 +220,17 @@ class ImageFolderDataset(Dataset):
         return len(self.samples)
 
     def identity(self, i: int) -> str:
-        return _Samples(self.samples).identity(i)
+        from ..cache_select import files_identity
+
+        return files_identity([self.samples[i][0]])
 
     def cache_pipeline(self) -> tuple[Dataset, list]:
         """``(indices, [read bytes, RandomResizedCrop])``: caches hold encoded files."""
-        return _Samples(self.samples), [_ReadBytes(self.samples),
-                                        RandomResizedCrop(self.image_size, self.scale, self.ratio, self.hflip)]
+        from ..cache_select import _Indices
+
+        return _Indices(len(self), self.identity), [_ReadBytes(self.samples),
+                                                    RandomResizedCrop(self.image_size, self.scale, self.ratio,
+                                                                      self.hflip)]
 
     def __getitem__(self, i: int) -> dict:
         path, label = self.samples[i]

@@ -225,9 +225,10 @@ class PathologyPatches(Dataset):
 
     def identity(self, i: int) -> str:
         """Sample ``i``'s file (path, size, mtime) and region: the ``data.cache: disk`` key."""
+        from ..cache_select import files_identity
+
         s = self.samples[i]
-        st = os.stat(s[0])
-        return f"{Path(s[0]).resolve()}:{st.st_size}:{st.st_mtime_ns}@{s[1:-1]}"
+        return files_identity([s[0]]) + f"@{s[1:-1]}"
 
     def _slide(self, path: str) -> TiledTiff:
         # a forked DataLoader worker must not share the parent's file offsets, nor may two loader
