@@ -140,6 +140,22 @@ def test_gpu_cache_partitions_cover_every_item_and_refuse_worker_processes():
     assert len(build_loader(ds, batch_size=2, loader="processes", num_workers=0)) == 2
 
 
+def test_cpu_partition_over_budget_holds_only_what_fits():
+    """A CPU cache over its memory budget keeps the items that fit and reads the rest from the
+    source on each access (holding them anyway would use the memory the guard refused)."""
+    from fastvision.data.cache_smart import GPUCacheDataset
+
+    src = Counted(n=5)
+    per_item = 4 * 4 * 4 + 4 * 4 * 8  # float32 image + int64 label
+    with pytest.warns(ResourceWarning, match="caching 2 items"):
+        ds = GPUCacheDataset(src, "cpu", budget_bytes=2 * per_item + 1)
+    assert ds.num_cached == 2 and len(ds.items) == 2 and src.reads == 2
+    got = {ds[j]["id"]: ds[j] for j in range(len(ds))}
+    for i in range(5):
+        assert torch.equal(got[f"item{i}"]["image"], Counted()[i]["image"])
+    assert src.reads == 2 + 2 * 3  # the three that did not fit: read at each of the two accesses
+
+
 def test_microscopy_items_are_named_by_their_files(tiny_microscopy):
     from fastvision.registry import DATASETS
 

@@ -120,7 +120,8 @@ class GPUCacheDataset(Dataset):
         seed: partition seed (same on all ranks) and seed of the suffix's draws.
         rotate: rank r holds partition (r + epoch) % world_size; else always partition r.
         budget_bytes: device memory allowed (default ``memory_fraction`` of free memory); items
-            that do not fit stay in host RAM (read once, copied per access), with a warning.
+            that do not fit stay in host RAM (read once, copied per access) on CUDA, and are read
+            from ``source`` on every access on the CPU, with a warning.
         suffix: random transforms applied on every access.
     """
 
@@ -158,7 +159,10 @@ class GPUCacheDataset(Dataset):
         else:
             budget = int(available_ram() * self.memory_fraction)
         n = guard(len(idx), item_nbytes(first), budget, f"GPUCacheDataset on {self.device}")
-        for k, i in enumerate(idx):  # each item read once, moved as it is read
+        # beyond the budget: on CUDA the items wait in host RAM; on the CPU that would be the same
+        # memory the budget just refused, so they are read from the source on every access
+        held = len(idx) if self.device.type != "cpu" else n
+        for k, i in enumerate(idx[:held]):  # each item read once, moved as it is read
             item = first if k == 0 else self.source[i]
             self.items.append(_move(item, self.device) if k < n else item)
         self.num_cached, self.part_id = n, pid
@@ -167,9 +171,12 @@ class GPUCacheDataset(Dataset):
         return len(self.parts[0])
 
     def __getitem__(self, j: int) -> dict[str, Any]:
-        item = self.items[j]
-        if j >= self.num_cached:  # did not fit on the device: held in host RAM
-            item = _move(item, self.device)
+        if j < self.num_cached:
+            item = self.items[j]
+        elif j < len(self.items):  # did not fit on the device: held in host RAM
+            item = _move(self.items[j], self.device)
+        else:  # did not fit in the CPU budget: read (the source's pipeline) on every access
+            item = self.source[self.indices()[j]]
         if not self.suffix:
             return dict(item)
         index = self.indices()[j]
