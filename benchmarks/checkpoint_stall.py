@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from fastvision import checkpoint, config, engine
-from fastvision.run_state import checkpoint_state, initial_state, resolved_config
+from fastvision import config, engine
+from fastvision.engine import checkpoint
+from fastvision.engine.state import checkpoint_state, initial_state, resolved_config
 
 
 def main() -> None:

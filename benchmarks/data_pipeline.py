@@ -59,7 +59,13 @@ def recipe_path(recipe: str, data: Path, *sets: str) -> tuple[Any, Step, int]:
 
 def monai_3d(data: Path, tmp: Path, bs: int) -> dict[str, Callable[[], tuple[Any, Step | None, int]]]:
     from monai import transforms as M
-    from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset, ThreadDataLoader
+    from monai.data import (
+        CacheDataset,
+        DataLoader,
+        Dataset,
+        PersistentDataset,
+        ThreadDataLoader,
+    )
 
     keys = ["image", "label"]
     files = [{"image": str(c["image"][0]), "label": str(c["label"])} for c in read_dataset_json(data)["training"]]

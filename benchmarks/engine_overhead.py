@@ -21,7 +21,7 @@ import time
 import torch
 
 from fastvision import config, engine
-from fastvision.log import RunLogger
+from fastvision.engine.log import RunLogger
 
 
 class TimedBatches:

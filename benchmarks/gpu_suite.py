@@ -4,10 +4,10 @@
 
 Needs only what a bare GPU machine has (torch with CUDA, pyyaml, rich; nvidia-ml-py optional): no
 MONAI, nibabel or pycocotools. Training and inference rows go through fastvision's own benchmark
-path (:func:`fastvision.benchmark.run_benchmark`, whose training step is
+path (:func:`fastvision.benchmark.modes.run_benchmark`, whose training step is
 :func:`fastvision.engine.train_step`: what is timed is what ``fastvision train`` runs) on the
 task's synthetic batches. The data row times the GPU-cached spleen input path of the recipe
-``unet3d-spleen-fast`` (:func:`fastvision.benchmark_data.run_data_benchmark`: dataset -> gpu
+``unet3d-spleen-fast`` (:func:`fastvision.benchmark.data.run_data_benchmark`: dataset -> gpu
 cache -> per-item crop on the device -> loader -> augmentation) on CT volumes generated in memory
 (:func:`fastvision.data.synth.medical.spleen_volume`, windowed and cropped as the recipe's
 preprocessing does), so no NIfTI reader is involved. The last row runs ``pytest -m gpu``.
@@ -15,7 +15,7 @@ preprocessing does), so no NIfTI reader is involved. The last row runs ``pytest 
 Prints one rich table with the anchors beside each row and writes ``gpu_suite.json`` and
 ``gpu_suite.md`` (for benchmarks/RESULTS.md) to ``--out``. The full suite is sized for 9 minutes
 on one H100/H200 (a time guard skips what would not fit, with a note); ``--quick`` is a ~2-minute
-subset; ``--device cpu --quick`` runs every quick row at CI sizes (tests/test_gpu_suite.py).
+subset; ``--device cpu --quick`` runs every quick row at CI sizes (tests/engine/test_gpu_suite.py).
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 # ------------------------------------------------------------------------------ the workloads
-# One row per measurement. kind: train / inference (fastvision.benchmark.run_benchmark), data
-# (fastvision.benchmark_data.run_data_benchmark), tests (pytest -m gpu). "set": recipe overrides;
+# One row per measurement. kind: train / inference (fastvision.benchmark.modes.run_benchmark), data
+# (fastvision.benchmark.data.run_data_benchmark), tests (pytest -m gpu). "set": recipe overrides;
 # "cpu": what changes on --device cpu (CI sizes: a few steps at tiny shapes, fp32). quick: in --quick.
 WORKLOADS: list[dict[str, Any]] = [
     dict(name="ResNet-50 v1.5 train", recipe="resnet50-imagenet", kind="train", batch=256, precision="bf16",
@@ -183,8 +183,8 @@ def _load(recipe: str, overrides: dict[str, Any]):
 
 
 def measure_model(s: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """A train or inference row through :func:`fastvision.benchmark.run_benchmark`."""
-    from fastvision.benchmark import run_benchmark
+    """A train or inference row through :func:`fastvision.benchmark.modes.run_benchmark`."""
+    from fastvision.benchmark.modes import run_benchmark
 
     cfg = _load(s["recipe"], s["set"])
     rep = run_benchmark(cfg, s["kind"], [s["batch"]], [s["precision"]], steps=s["steps"], warmup=s["warmup"],
@@ -202,7 +202,7 @@ def measure_model(s: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 def measure_data(s: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The spleen recipe's input path with ``data.cache: gpu`` on generated volumes."""
-    from fastvision.benchmark_data import run_data_benchmark
+    from fastvision.benchmark.data import run_data_benchmark
 
     _register_generated_spleen()
     patch = [s["patch"]] * 3

@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 import fastvision
-from fastvision import runtime
 from fastvision.api import load_run
 from fastvision.data.synth.medical import synth_brats, synth_spleen
-from fastvision.engine import evaluate, make_loader
+from fastvision.engine import evaluate, make_loader, runtime
 
 RUNS = {  # recipe -> (dataset kind, overrides that shrink it to a CPU)
     "unet3d-spleen-fast": ("spleen", {"model.args.filters": [8, 16, 32, 64, 128],

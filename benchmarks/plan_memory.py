@@ -1,6 +1,6 @@
 """Estimated vs measured peak training memory for every recipe at two batch sizes (issue 14).
 
-Estimate: ``fastvision.plan_estimate.trace`` (fake tensors, no device): the traced peak of live
+Estimate: ``fastvision.planning.estimate.trace`` (fake tensors, no device): the traced peak of live
 tensor bytes, without the planner's workspace margin. Measured: the same two training steps run
 for real, model built inside the window,
   * on CPU: ``torch.profiler`` memory events of the CPU allocator (every allocation and free in the
@@ -24,8 +24,8 @@ import time
 import torch
 
 from fastvision import config, engine
-from fastvision import plan_estimate as est
-from fastvision.autobatch import recipe_run
+from fastvision.planning import estimate as est
+from fastvision.planning.autobatch import recipe_run
 
 # recipe -> (batch sizes, overrides for a CPU-sized run)
 CPU_CASES = {

@@ -23,7 +23,7 @@ import torch
 from fastvision import config, engine
 from fastvision.api import overrides_to_dicts
 from fastvision.data.synth.microscopy import synth
-from fastvision.log import RunLogger
+from fastvision.engine.log import RunLogger
 from fastvision.profiling import profile_run
 
 

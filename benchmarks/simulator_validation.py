@@ -1,4 +1,4 @@
-"""The scaling simulator against every published multi-GPU row in fastvision/scaling_anchors.yaml.
+"""The scaling simulator against every published multi-GPU row in fastvision/scaling/anchors.yaml.
 
     python benchmarks/simulator_validation.py            # print the section
     python benchmarks/simulator_validation.py --write    # also replace it in benchmarks/RESULTS.md
@@ -14,7 +14,7 @@ import argparse
 import copy
 from pathlib import Path
 
-from fastvision import sim_validation as sv
+from fastvision.scaling import validation as sv
 
 HEADING = "## Scaling simulator against published multi-GPU tables (issue 15)"
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -39,7 +39,7 @@ def section() -> str:
            "Command: `.venv/bin/python benchmarks/simulator_validation.py --write` (2026-11-23; arithmetic on "
            "published figures, no timing, any machine).", "",
            "Every multi-GPU row of `../shared/reference/perf_anchors.md` that states its hardware and 1-GPU rate, "
-           "copied with its source into `fastvision/scaling_anchors.yaml`, predicted by `fastvision/simulator.py` "
+           "copied with its source into `fastvision/scaling/anchors.yaml`, predicted by `fastvision/scaling/simulator.py` "
            "from the 1-GPU rate, the hardware preset, the input path and the gradient synchroniser. Error = "
            "predicted minus published efficiency, in percentage points.", "",
            sv.validation_markdown(rows),
@@ -53,10 +53,10 @@ def section() -> str:
            "- `dali-gpu` (MXNet, Paddle, nnU-Net, SSD300 PyTorch, MLPerf): decode on the GPU, no host limit.",
            "- Horovod cycle and fusion buffer: Horovod's documented defaults (5 ms / 64 MB up to 0.20, "
            "1 ms / 128 MB from 0.21, changelog #2468); TF 20.06 containers take the first.",
-           "- Links: NCCL bus bandwidths and NIC rates in `fastvision/hardware/*.yaml`, each with its source.",
+           "- Links: NCCL bus bandwidths and NIC rates in `fastvision/scaling/hardware/*.yaml`, each with its source.",
            "- Per-step overhead: 0 for every row (none of the tables gives one).", "",
            f"**Result.** ResNet-50 at 8 GPUs, {len(rn8)} validation rows: worst error {worst['error_points']:+.1f} "
-           f"points (`{worst['id']}`), mean absolute error {mean_abs:.1f} points; `tests/test_simulator.py` fails "
+           f"points (`{worst['id']}`), mean absolute error {mean_abs:.1f} points; `tests/scaling/test_simulator.py` fails "
            "above 5. The DLE PyTorch AMP gap (6.72x) is the input pipeline: 16 loader processes x 8 GPUs x "
            f"{rates['dle-pytorch-loader']:.0f} img/s; without that term the same row is predicted at "
            f"{blind['predicted_speedup']:.2f}x ({blind['error_points']:+.1f} points) - the interconnect costs "
@@ -84,7 +84,13 @@ def section() -> str:
 
 def cli_table(rates: dict) -> str:
     """The `scale --simulate` table for the DLE PyTorch AMP inputs on a DGX A100 (the CLI's own functions)."""
-    from fastvision.simulator import InputPipeline, StepProfile, bucket_count, simulate, simulation_markdown
+    from fastvision.scaling.simulator import (
+        InputPipeline,
+        StepProfile,
+        bucket_count,
+        simulate,
+        simulation_markdown,
+    )
 
     prof = StepProfile(compute_s=0.10364, batch=256, grad_bytes=102.4e6, buckets=bucket_count(102.4e6))
     pipe = InputPipeline("cpu", "cpu", 130.0, 16)

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import torch
+from spleen_fast_vs_baseline import fastvision_run  # noqa: E402  (benchmarks/ is the script's folder)
 
 import fastvision
-from fastvision import checkpoint, config, engine, log
+from fastvision import config, engine
 from fastvision.data.synth.medical import synth_spleen
-
-from spleen_fast_vs_baseline import fastvision_run  # noqa: E402  (benchmarks/ is the script's folder)
+from fastvision.engine import checkpoint, log
 
 SECONDS: dict[str, float] = collections.defaultdict(float)
 

@@ -64,8 +64,17 @@ def monai_run(data: Path, a: argparse.Namespace, filters: list[int]) -> dict:
     from monai.losses import DiceCELoss
     from monai.networks.layers import Norm
     from monai.networks.nets import UNet
-    from monai.transforms import (Compose, CropForegroundd, EnsureChannelFirstd, LoadImaged, Orientationd,
-                                  RandCropByPosNegLabeld, ScaleIntensityRanged, Spacingd, SpatialPadd)
+    from monai.transforms import (
+        Compose,
+        CropForegroundd,
+        EnsureChannelFirstd,
+        LoadImaged,
+        Orientationd,
+        RandCropByPosNegLabeld,
+        ScaleIntensityRanged,
+        Spacingd,
+        SpatialPadd,
+    )
 
     torch.manual_seed(a.seed)
     t0 = time.perf_counter()

@@ -16,13 +16,13 @@ __version__ = "0.1.0"
 
 def create_model(name: str, **kwargs: Any):
     """Build a registered model; unknown keyword arguments raise ``ConfigError``."""
-    from .models import create_model as _create
+    from fastvision.models import create_model as _create
 
     return _create(name, **kwargs)
 
 
 def list_models() -> list[str]:
-    from .models import list_models as _list
+    from fastvision.models import list_models as _list
 
     return _list()
 
@@ -37,6 +37,6 @@ def train(recipe: str, out: str | None = None, resume: str | None = None, **over
         **overrides: flat CLI-style options (``epochs=5``, ``batch_size=8``, ``lr=1e-3``, ``amp="bf16"``,
             ``data="path"``) or dotted keys (``**{"optim.weight_decay": 1e-4}``).
     """
-    from .api import run_training
+    from fastvision.api import run_training
 
     return run_training(recipe, out=out, resume=resume, overrides=overrides)

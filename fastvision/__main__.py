@@ -1,6 +1,6 @@
 """``python -m fastvision`` is the ``fastvision`` command."""
 import sys
 
-from .cli import main
+from fastvision.cli import main
 
 sys.exit(main())

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint, config, dist
-from .config import RunConfig
-from .errors import ConfigError, DataError
+from fastvision import config, dist
+from fastvision.config import RunConfig
+from fastvision.engine import checkpoint
+from fastvision.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +89,12 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
                  overrides: dict[str, Any] | None = None, extra: list[dict[str, Any]] = (),
                  progress: bool | None = None) -> dict[str, Any]:
     """Load the recipe with overrides, prepare the run directory, train; returns the summary."""
-    from .engine import fit
+    from fastvision.engine import fit
 
     cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
     env, device = dist.init(cfg.train.device, backend=cfg.train.backend)
     if cfg.train.batch_size == "auto":  # rank 0 searches; every rank trains with its answer
-        from .autobatch import resolve_auto_batch
+        from fastvision.planning.autobatch import resolve_auto_batch
 
         cfg.train.batch_size = dist.broadcast_object(resolve_auto_batch(cfg, device) if env.is_main else None)
     # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
@@ -110,7 +111,7 @@ def load_run(path: str | Path, device: str = "auto", with_data: bool = True):
     ``with_data=False`` rebuilds model and task from the checkpoint alone (its config and saved
     dataset facts), so prediction works after the training data has moved.
     """
-    from .engine import build
+    from fastvision.engine import build
 
     path = Path(path)
     if path.is_dir():
@@ -133,8 +134,7 @@ def load_run(path: str | Path, device: str = "auto", with_data: bool = True):
 
 def evaluate_path(path: str | Path, device: str = "auto", data: str | None = None) -> dict[str, Any]:
     """Validation metrics of a run's best (else last) checkpoint, on its validation split."""
-    from . import runtime
-    from .engine import evaluate, make_loader
+    from fastvision.engine import evaluate, make_loader, runtime
 
     run, ckpt_path = _load_for(path, device, data)
     loader = make_loader(run.val_set, run.task, run.cfg, run.cfg.data.val_batch_size or run.cfg.train.batch_size,
@@ -147,7 +147,7 @@ def evaluate_path(path: str | Path, device: str = "auto", data: str | None = Non
 def _load_for(path, device: str, data: str | None):
     if data is None:
         return load_run(path, device)
-    from .engine import build
+    from fastvision.engine import build
 
     run, ckpt_path = load_run(path, device)
     run.cfg.data.args["path"] = data

@@ -13,21 +13,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import AMP_MODES
-from .errors import ConfigError, DataError, FastvisionError
+from fastvision.config import AMP_MODES
+from fastvision.errors import ConfigError, DataError, FastvisionError
 
 # Every subcommand is one hop from here. ``train``, ``evaluate``, ``predict``, ``recipes`` and ``data``
 # are defined in build_parser below; each feature subcommand by the function named here, which adds
 # exactly that subparser (arguments, help, and ``func``) -- open the module to read it.
 FEATURES = (
-    ("benchmark", "fastvision.benchmark:add_cli"),
+    ("benchmark", "fastvision.benchmark.modes:add_cli"),
     ("profile", "fastvision.profiling:add_profile_cli"),
     ("monitor", "fastvision.profiling:add_monitor_cli"),
-    ("scale", "fastvision.scaling:add_cli"),
-    ("cv", "fastvision.crossval:add_cli"),
-    ("export", "fastvision.export:add_cli"),
-    ("froc", "fastvision.froc:add_cli"),
-    ("plan", "fastvision.plan:add_cli"),
+    ("scale", "fastvision.scaling.sweep:add_cli"),
+    ("cv", "fastvision.metrics.crossval:add_cli"),
+    ("export", "fastvision.inference.export:add_cli"),
+    ("froc", "fastvision.metrics.froc:add_cli"),
+    ("plan", "fastvision.planning.plan:add_cli"),
 )
 
 
@@ -61,9 +61,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from . import dist
-    from .api import run_training
-    from .config import parse_override
+    from fastvision import dist
+    from fastvision.api import run_training
+    from fastvision.config import parse_override
 
     if args.nproc > 1 and dist.detect_env().launcher == "single":
         # Re-run this very command under torch's launcher, one process per worker.
@@ -89,7 +89,7 @@ def _print_result(summary: dict[str, Any]) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from .api import evaluate_path
+    from fastvision.api import evaluate_path
 
     result = evaluate_path(args.run, device=args.device, data=args.data)
     for k, v in result.items():
@@ -113,7 +113,7 @@ def _format_value(key: str, value: Any) -> str:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from .api import predict, refuse_overwrite
+    from fastvision.api import predict, refuse_overwrite
 
     refuse_overwrite(args.out, args.force)
     written = predict(args.checkpoint, args.inputs, args.out, device=args.device)
@@ -122,7 +122,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from .config import list_recipes, recipe_path
+    from fastvision.config import list_recipes, recipe_path
 
     if args.name:
         print(recipe_path(args.name).read_text(), end="")
@@ -133,8 +133,8 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace, extra: list[str]) -> int:
-    from .data.synth import load_all
-    from .registry import check_kwargs
+    from fastvision.data.synth import load_all
+    from fastvision.registry import check_kwargs
 
     if args.help or args.kind is None or args.out is None:
         if not args.help:
@@ -156,7 +156,7 @@ def synth_help(kind: str) -> str:
     """``data synth KIND --help``: the generator's keyword options (its signature) and docstring."""
     import inspect
 
-    from .data.synth import load_all
+    from fastvision.data.synth import load_all
 
     synth = load_all().get(kind)
     lines = [f"usage: fastvision data synth {kind} OUT [--seed N] [--OPTION VALUE ...]", ""]
@@ -186,14 +186,14 @@ def _parse_options(extra: list[str]) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .data.inspect import inspect_path, print_report
+    from fastvision.data.inspect import inspect_path, print_report
 
     print_report(inspect_path(Path(args.path)))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from fastvision import __version__
 
     parser = argparse.ArgumentParser(prog="fastvision", description="Train image models fast: CPU, one GPU, many nodes.")
     parser.add_argument("--version", action="version", version=f"fastvision {__version__}")
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .log import setup_logging
+    from fastvision.engine.log import setup_logging
 
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
-from .errors import ConfigError
-from .registry import type_name, type_ok
+from fastvision.errors import ConfigError
+from fastvision.registry import type_name, type_ok
 
 
 @dataclass
@@ -79,7 +79,7 @@ AMP_MODES: tuple[str, ...] = typing.get_args(AmpMode)  # train.amp, --amp of tra
 @dataclass
 class TrainConfig:
     epochs: int = 10
-    batch_size: int | Literal["auto"] = 16  # per worker; "auto": largest that fits (fastvision.autobatch)
+    batch_size: int | Literal["auto"] = 16  # per worker; "auto": largest that fits (fastvision.planning.autobatch)
     accum_steps: int = 1
     clip_grad: float | None = None  # max global grad norm
     amp: AmpMode = "off"  # auto: bf16 if native, else fp16 + scaling; CPU fp32

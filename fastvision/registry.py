@@ -10,7 +10,7 @@ import inspect
 import typing
 from typing import Any, Callable
 
-from .errors import ConfigError
+from fastvision.errors import ConfigError
 
 
 class Registry:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from fastvision.errors import ConfigError
 
 
 def require_dali() -> Any:

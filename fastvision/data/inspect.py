@@ -14,7 +14,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import DataError
+from fastvision.errors import DataError
 
 _INSPECTORS: list[tuple[str, Callable[[Path], bool], Callable[[Path], dict[str, Any]]]] = []
 
@@ -58,14 +58,14 @@ def print_report(report: dict[str, Any]) -> None:
 
 def anomaly_rows(found: dict[str, Sequence[Any]]) -> dict[str, str]:
     """``{kind: [ids]}`` -> ``{kind: "count (first ids)"}`` for the report, empty kinds dropped."""
-    from .formats.anomalies import first_few
+    from fastvision.data.formats.anomalies import first_few
 
     return {k: f"{len(v)} ({first_few(v)})" for k, v in found.items() if v}
 
 
 @inspector("microscopy", lambda p: (p / "images").is_dir() and (p / "masks").is_dir())
 def inspect_microscopy(path: Path) -> dict[str, Any]:
-    from .formats.microscopy import pair_files, read_array
+    from fastvision.data.formats.microscopy import pair_files, read_array
 
     pairs = pair_files(path)
     shapes, dtypes, classes, encodings = Counter(), Counter(), Counter(), Counter()
@@ -106,8 +106,12 @@ def inspect_microscopy(path: Path) -> dict[str, Any]:
 
 @inspector("imagefolder", lambda p: (p / "train").is_dir() and any(d.is_dir() for d in (p / "train").iterdir()))
 def inspect_imagefolder(path: Path, header_limit: int = 5000) -> dict[str, Any]:
-    from .formats.imagefolder import EXTENSIONS, find_classes, list_samples
-    from .formats.imagenet_val import flat_val_samples, is_flat
+    from fastvision.data.formats.imagefolder import (
+        EXTENSIONS,
+        find_classes,
+        list_samples,
+    )
+    from fastvision.data.formats.imagenet_val import flat_val_samples, is_flat
 
     report: dict[str, Any] = {"detected": "ImageFolder (train/<class>/*)"}
     anomalies: dict[str, list[str]] = {}
@@ -168,7 +172,11 @@ def _image_headers(files: list[str], limit: int, anomalies: dict[str, list[str]]
 def inspect_coco(path: Path) -> dict[str, Any]:
     import json
 
-    from .formats.coco_check import check_annotations, image_facts, missing_images
+    from fastvision.data.formats.coco_check import (
+        check_annotations,
+        image_facts,
+        missing_images,
+    )
 
     report: dict[str, Any] = {"detected": "COCO instances (annotations/instances_<split>.json + <split>/)"}
     anomalies: dict[str, list[Any]] = {}
@@ -206,7 +214,7 @@ def inspect_coco(path: Path) -> dict[str, Any]:
 def inspect_decathlon(path: Path) -> dict[str, Any]:
     import nibabel as nib
 
-    from .formats.decathlon import read_dataset_json
+    from fastvision.data.formats.decathlon import read_dataset_json
 
     ds = read_dataset_json(path)
     meta = ds["meta"]
@@ -241,7 +249,7 @@ def _looks_brats(path: Path) -> bool:
 def inspect_brats(path: Path) -> dict[str, Any]:
     import nibabel as nib
 
-    from .formats.brats_layouts import detect
+    from fastvision.data.formats.brats_layouts import detect
 
     layout = detect(path)
     shapes, values = Counter(), set()
@@ -256,7 +264,7 @@ def inspect_brats(path: Path) -> dict[str, Any]:
 
 
 def _pathology_splits(path: Path) -> list[Path]:
-    from .formats.camelyon import is_slide_split
+    from fastvision.data.formats.camelyon import is_slide_split
 
     return [d for d in sorted(path.iterdir()) if d.is_dir() and not d.name.startswith(".")
             and (is_slide_split(d) or ((d / "normal").is_dir() and (d / "tumor").is_dir()))] if path.is_dir() else []
@@ -264,9 +272,9 @@ def _pathology_splits(path: Path) -> list[Path]:
 
 @inspector("pathology", lambda p: bool(_pathology_splits(p)))
 def inspect_pathology(path: Path) -> dict[str, Any]:
-    from .formats.asap import is_exclusion, read_polygons
-    from .formats.camelyon import find_slides, is_slide_split
-    from .formats.pathology import TiledTiff
+    from fastvision.data.formats.asap import is_exclusion, read_polygons
+    from fastvision.data.formats.camelyon import find_slides, is_slide_split
+    from fastvision.data.formats.pathology import TiledTiff
 
     report: dict[str, Any] = {}
     anomalies: dict[str, list[str]] = {}

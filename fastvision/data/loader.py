@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ..errors import ConfigError
-from ..samplers import TrainSampler
-from ..tree import map_tensors, tensors
+from fastvision.dist.samplers import TrainSampler
+from fastvision.errors import ConfigError
+from fastvision.utils.tree import map_tensors, tensors
 
 
 def epoch_sampler(n: int, shuffle: bool, seed: int = 0) -> TrainSampler:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import DataError
+from fastvision.errors import DataError
 
 try:  # nibabel is the optional "medical" extra
     import nibabel as nib

@@ -2,7 +2,7 @@
 
 A pipeline is a list of callables ``item dict -> item dict``. Its *deterministic prefix* (every
 transform before the first one marked ``random = True``) is what the caches in
-:mod:`fastvision.data.cache` run once. Unlike MONAI, a plain function does not silently end the
+:mod:`fastvision.data.cache.datasets` run once. Unlike MONAI, a plain function does not silently end the
 prefix: it counts as deterministic unless marked, and the cache reports where the prefix ends.
 
 The signature of a transform names its class and parameters (dataclass fields or ``__dict__``), or

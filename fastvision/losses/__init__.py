@@ -20,10 +20,21 @@ Layout: ``_common`` (helpers), ``dice`` (region losses), ``basic`` (elementwise 
 """
 from __future__ import annotations
 
-from ._common import ACTIVATIONS, class_indices, dense_target
-from .basic import BCEWithLogitsLoss, CrossEntropyLoss, FocalLoss, label_smoothing_ce, sigmoid_focal_loss
-from .compound import DiceBCELoss, DiceCELoss, DiceFocalLoss
-from .dice import DiceLoss, GeneralizedDiceLoss, MaskedDiceLoss, TverskyLoss
+from fastvision.losses._common import ACTIVATIONS, class_indices, dense_target
+from fastvision.losses.basic import (
+    BCEWithLogitsLoss,
+    CrossEntropyLoss,
+    FocalLoss,
+    label_smoothing_ce,
+    sigmoid_focal_loss,
+)
+from fastvision.losses.compound import DiceBCELoss, DiceCELoss, DiceFocalLoss
+from fastvision.losses.dice import (
+    DiceLoss,
+    GeneralizedDiceLoss,
+    MaskedDiceLoss,
+    TverskyLoss,
+)
 
 __all__ = [
     "ACTIVATIONS", "BCEWithLogitsLoss", "CrossEntropyLoss", "DiceBCELoss", "DiceCELoss", "DiceFocalLoss",

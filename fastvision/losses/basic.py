@@ -6,8 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..registry import LOSSES
-from ._common import Reduction, _fp32, _no_autocast, _per_class, _reduce, _weight_buffer, class_indices, dense_target
+from fastvision.losses._common import (
+    Reduction,
+    _fp32,
+    _no_autocast,
+    _per_class,
+    _reduce,
+    _weight_buffer,
+    class_indices,
+    dense_target,
+)
+from fastvision.registry import LOSSES
 
 
 def sigmoid_focal_loss(

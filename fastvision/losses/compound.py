@@ -6,11 +6,17 @@ from typing import Literal
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..registry import LOSSES
-from ._common import (Reduction, _fp32, _no_autocast, _weight_buffer, class_indices,
-                      dense_target)
-from .basic import FocalLoss
-from .dice import DiceLoss, _probs_and_target
+from fastvision.losses._common import (
+    Reduction,
+    _fp32,
+    _no_autocast,
+    _weight_buffer,
+    class_indices,
+    dense_target,
+)
+from fastvision.losses.basic import FocalLoss
+from fastvision.losses.dice import DiceLoss, _probs_and_target
+from fastvision.registry import LOSSES
 
 
 @LOSSES.register("dice_ce")

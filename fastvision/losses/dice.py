@@ -12,9 +12,20 @@ from typing import Callable, Literal
 import torch
 from torch import Tensor, nn
 
-from ..registry import LOSSES
-from ._common import (Reduction, _activate, _activation, _check_acts, _fp32, _no_autocast, _per_class, _reduce,
-                      _reduce_region, _weight_buffer, dense_target)
+from fastvision.losses._common import (
+    Reduction,
+    _activate,
+    _activation,
+    _check_acts,
+    _fp32,
+    _no_autocast,
+    _per_class,
+    _reduce,
+    _reduce_region,
+    _weight_buffer,
+    dense_target,
+)
+from fastvision.registry import LOSSES
 
 
 def _probs_and_target(loss: nn.Module, logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from ..registry import MODELS
+from fastvision.registry import MODELS
 
 
 def create_model(name: str, **kwargs: Any) -> nn.Module:
@@ -22,4 +22,4 @@ def list_models() -> list[str]:
     return MODELS.names()
 
 
-from . import resnet, segresnet, ssd, unet  # noqa: E402,F401  (importing a module registers its models)
+from fastvision.models import resnet, segresnet, ssd, unet  # noqa: E402,F401  (importing a module registers its models)

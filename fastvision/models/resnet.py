@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..errors import DataError
-from ..registry import MODELS
+from fastvision.errors import DataError
+from fastvision.registry import MODELS
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def _unwrap_state_dict(obj: object, path: Path) -> dict[str, Tensor]:
                 break
     if not isinstance(obj, dict) or not all(isinstance(v, Tensor) for v in obj.values()):
         raise DataError(f"{path}: not a state dict of tensors")
-    from ..checkpoint import strip_prefixes
+    from fastvision.utils.files import strip_prefixes
 
     return strip_prefixes(obj)
 

@@ -18,8 +18,16 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from ..registry import MODELS
-from .layers import ActName, NormName, act, conv, conv_transpose, dropout, norm
+from fastvision.models.layers import (
+    ActName,
+    NormName,
+    act,
+    conv,
+    conv_transpose,
+    dropout,
+    norm,
+)
+from fastvision.registry import MODELS
 
 
 class ResBlock(nn.Module):

@@ -14,10 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..losses import sigmoid_focal_loss
-from ..ops.boxes import BoxCoder, batched_nms, clip_boxes, match_anchors, multiscale_anchors, smooth_l1
-from ..registry import MODELS
-from .resnet import build_resnet
+from fastvision.losses import sigmoid_focal_loss
+from fastvision.models.resnet import build_resnet
+from fastvision.ops.boxes import (
+    BoxCoder,
+    batched_nms,
+    clip_boxes,
+    match_anchors,
+    multiscale_anchors,
+    smooth_l1,
+)
+from fastvision.registry import MODELS
 
 LEVELS = (3, 4, 5, 6, 7)
 # TF config: BN decay 0.997 (PyTorch momentum = 1 - decay), eps 1e-3.
@@ -305,7 +312,7 @@ def build_ssd(depth_resnet: int, num_classes: int, depth: int, head_layers: int,
 
 def _backbone_weights(pretrained: str | None, backbone_weights: str | None) -> str | None:
     if pretrained and backbone_weights:
-        from ..errors import ConfigError
+        from fastvision.errors import ConfigError
 
         raise ConfigError("model.args: give pretrained or backbone_weights, not both")
     return pretrained or backbone_weights

@@ -24,8 +24,15 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from ..registry import MODELS
-from .layers import ActName, ConvNormAct, NormName, ResidualUnit, conv, pool
+from fastvision.models.layers import (
+    ActName,
+    ConvNormAct,
+    NormName,
+    ResidualUnit,
+    conv,
+    pool,
+)
+from fastvision.registry import MODELS
 
 
 class UNet(nn.Module):

@@ -1,5 +1,5 @@
 """Detection operators in plain torch: box IoU, matching, box coding, anchors, NMS."""
-from .boxes import (
+from fastvision.ops.boxes import (
     BACKGROUND,
     IGNORE,
     BoxCoder,

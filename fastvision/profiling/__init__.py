@@ -9,10 +9,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import AMP_MODES
-from ..errors import DataError
-from .monitor import plot_csv, read_csv, record
-from .profiler import PHASES, advice, percentiles_ms, profile, profile_run
+from fastvision.config import AMP_MODES
+from fastvision.errors import DataError
+from fastvision.profiling.monitor import plot_csv, read_csv, record
+from fastvision.profiling.profiler import (
+    PHASES,
+    advice,
+    percentiles_ms,
+    profile,
+    profile_run,
+)
 
 __all__ = ["profile", "profile_run", "render", "record", "plot_csv", "read_csv", "advice", "percentiles_ms",
            "add_profile_cli", "add_monitor_cli"]
@@ -48,10 +54,8 @@ def render(report: dict[str, Any]) -> Any:
 def _cmd_profile(args) -> int:
     from rich.console import Console
 
-    from .. import config, dist
-    from ..api import overrides_to_dicts
-
-    from ..api import refuse_overwrite
+    from fastvision import config, dist
+    from fastvision.api import overrides_to_dicts, refuse_overwrite
 
     if args.out:  # checked before profiling: a refusal costs nothing
         refuse_overwrite(args.out, args.force)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import FastvisionError
+from fastvision.errors import FastvisionError
 
 COLUMNS = ("time_s", "gpu_util", "mem_util", "mem_used_mib", "mem_total_mib", "mem_ratio")
 

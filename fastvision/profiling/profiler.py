@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from .. import dist, engine
-from ..config import RunConfig
-from ..data.loader import endless_batches
-from .monitor import NvmlSampler
+from fastvision import dist, engine
+from fastvision.config import RunConfig
+from fastvision.data.loader import endless_batches
+from fastvision.profiling.monitor import NvmlSampler
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
         batches: Iterator[Any] = iter(lambda: fixed, None)
         cache_line = "synthetic batches on the device (no data pipeline)"
     else:
-        from ..data.cache_select import describe
+        from fastvision.data.cache.select import describe
 
         cache_line = describe(run.train_set)
         batches = endless_batches(run.train_loader)
@@ -204,7 +204,8 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
 def _trace_context(trace: str | Path | None, device: torch.device) -> Any:
     if not trace:
         return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     return torch_profile(activities=acts, record_shapes=False)

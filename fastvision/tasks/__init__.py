@@ -1,3 +1,3 @@
 """Tasks: the seam between the generic engine and a problem. Importing this package registers
 every task in ``fastvision.registry.TASKS``."""
-from . import classify, detect, segment  # noqa: F401  (each registers its task)
+from fastvision.tasks import classify, detect, segment  # noqa: F401  (each registers its task)

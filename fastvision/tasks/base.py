@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import default_collate
 
-from ..metrics import Evaluator  # noqa: F401  (the task seam re-exports it; it lives with the metrics)
+from fastvision.metrics import Evaluator  # noqa: F401  (the task seam re-exports it; it lives with the metrics)
 
 
 class DeviceConstants:

@@ -2,7 +2,7 @@
 
 Batches arrive as uint8 ``(B, 3, H, W)``: a quarter of float32's bytes on the host-to-device
 link. ``to_device`` turns them into float in [0, 1] on the device (what the batched colour jitter
-of :mod:`fastvision.data.gpu_aug` expects); ``forward`` normalises with the seed-004 mean/std
+of :mod:`fastvision.data.augment.spatial` expects); ``forward`` normalises with the seed-004 mean/std
 (DALI's CropMirrorNormalize values, in 0-255 units). MixUp (seed 004's 250-epoch recipe) mixes
 each sample with the batch reversed, with a per-sample Beta(a, a) weight drawn on the device.
 
@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError
-from ..metrics import topk_correct
-from ..registry import TASKS
-from .base import DeviceConstants, Evaluator, Task
+from fastvision.errors import ConfigError
+from fastvision.metrics import topk_correct
+from fastvision.registry import TASKS
+from fastvision.tasks.base import DeviceConstants, Evaluator, Task
 
 AUC_BINS = 1000
 
@@ -139,8 +139,8 @@ class ClassificationTask(Task):
 
         Images are prepared as evaluation items are (resize + centre crop per ``data.args``).
         """
-        from ..data.formats.imagefolder import load_crop
-        from ..data.formats.pathology import slide_heatmap, write_heatmap
+        from fastvision.data.formats.imagefolder import load_crop
+        from fastvision.data.formats.pathology import slide_heatmap, write_heatmap
 
         model.eval()
         args = cfg.data.args

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..coco_eval import COCOEvaluator, to_coco_results, write_results
-from ..data.formats.coco import collate_detection
-from ..errors import ConfigError, DataError
-from ..models.ssd import postprocess, ssd_loss
-from ..registry import TASKS
-from .base import DeviceConstants, Evaluator, Task
+from fastvision.data.formats.coco import collate_detection
+from fastvision.errors import ConfigError, DataError
+from fastvision.metrics.coco import COCOEvaluator, to_coco_results, write_results
+from fastvision.models.ssd import postprocess, ssd_loss
+from fastvision.registry import TASKS
+from fastvision.tasks.base import DeviceConstants, Evaluator, Task
 
 # ImageNet statistics, as the ResNet backbone expects.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)

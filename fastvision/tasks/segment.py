@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..case_metrics import CaseSums, case_counts, case_scores
-from ..metrics import RegionCounts, hd95
-from ..registry import TASKS
-from .base import DeviceConstants, Evaluator, Task
+from fastvision.metrics import RegionCounts, hd95
+from fastvision.metrics.cases import CaseSums, case_counts, case_scores
+from fastvision.registry import TASKS
+from fastvision.tasks.base import DeviceConstants, Evaluator, Task
 
 
 @TASKS.register("segmentation")
@@ -62,7 +62,7 @@ class SegmentationTask(Task):
                  eval: Literal["sliding_window", "crop"] = "sliding_window", eval_crop: list[int] | None = None,
                  average: Literal["case", "pooled"] = "case", empty: Literal["ignore", "one", "zero"] = "ignore",
                  hd95: bool = False, loss: nn.Module, augment=None, info: dict | None = None):
-        from ..errors import ConfigError
+        from fastvision.errors import ConfigError
 
         self.num_classes, self.mode, self.loss_fn, self.augment_fn = num_classes, mode, loss, augment
         self.regions = [list(r) for r in regions] if regions else None
@@ -116,7 +116,7 @@ class SegmentationTask(Task):
             return self._crop_forward(model, batch["image"])
         if self.sliding_window is None:
             return model(batch["image"])
-        from ..inference import sliding_window_inference
+        from fastvision.inference import sliding_window_inference
 
         return sliding_window_inference(batch["image"], model=model, **self.sliding_window)
 
@@ -125,7 +125,7 @@ class SegmentationTask(Task):
         ``eval_crop``; the logits are put back in place, background everywhere else."""
         spatial = image.shape[2:]
         if len(self.eval_crop) != len(spatial):
-            from ..errors import ConfigError
+            from fastvision.errors import ConfigError
 
             raise ConfigError(f"task.args.eval_crop {list(self.eval_crop)} does not match {len(spatial)}-D images")
         src, dst = [], []
@@ -163,7 +163,7 @@ class SegmentationTask(Task):
     # -- pictures ------------------------------------------------------------------
     def save_examples(self, logits: Tensor, batch: dict[str, Any], out_dir: Path, limit: int) -> list[Path]:
         """Overlay PNGs: image in grey, ground truth outline green, prediction red."""
-        from ..viz import overlay_png
+        from fastvision.inference.overlays import overlay_png
 
         out_dir.mkdir(parents=True, exist_ok=True)
         pred = self.predict_labels(logits)
@@ -190,12 +190,18 @@ class SegmentationTask(Task):
         the original size before the argmax, so masks match the input pixel for pixel.
         """
         if any(f.is_dir() or f.name.endswith((".nii", ".nii.gz")) for f in files):  # volumes: 3-D path
-            from ..inference import predict_nifti_files
+            from fastvision.inference import predict_nifti_files
 
             return predict_nifti_files(self, model, files, out_dir, cfg, device)
-        from ..data.formats.microscopy import IMAGE_EXTS, _to_channels, fit_size, read_array, to_unit_float
-        from ..errors import DataError
-        from ..viz import overlay_png
+        from fastvision.data.formats.microscopy import (
+            IMAGE_EXTS,
+            _to_channels,
+            fit_size,
+            read_array,
+            to_unit_float,
+        )
+        from fastvision.errors import DataError
+        from fastvision.inference.overlays import overlay_png
 
         args = {"image_size": [256, 256], "fit": "resize", "channels": 1, **cfg.data.args}
         size = tuple(args["image_size"])
@@ -234,7 +240,7 @@ class SegmentationTask(Task):
         return written
 
 class SegEvaluator(Evaluator):
-    """Per-case scores as :class:`~fastvision.case_metrics.CaseSums` (Dice, IoU, optional HD95),
+    """Per-case scores as :class:`~fastvision.metrics.cases.CaseSums` (Dice, IoU, optional HD95),
     pooled tp/fp/fn as :class:`~fastvision.metrics.RegionCounts`, for the foreground classes (or
     the regions of mode ``regions``) and, in softmax mode with ``regions``, the derived regions;
     plus the loss sums. Each item of a validation batch is one case.

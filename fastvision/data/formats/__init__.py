@@ -2,7 +2,14 @@
 ``fastvision.registry.DATASETS``; :class:`DatasetSplits` is what each builder returns."""
 from __future__ import annotations
 
-from . import brats, coco, decathlon, imagefolder, microscopy, pathology  # noqa: F401  (each registers its builders)
-from .base import DatasetSplits
+from fastvision.data.formats import (  # noqa: F401  (each registers its builders)
+    brats,
+    coco,
+    decathlon,
+    imagefolder,
+    microscopy,
+    pathology,
+)
+from fastvision.data.formats.base import DatasetSplits
 
 __all__ = ["DatasetSplits"]

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
-from ...errors import ConfigError, DataError
+from fastvision.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

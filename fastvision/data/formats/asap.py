@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import DataError
+from fastvision.errors import DataError
 
 EXCLUSION_GROUPS = ("_2", "exclusion")
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from ...errors import DataError
-from ...registry import DATASETS
-from ..preprocess3d import PreprocessParams, remap_labels
-from .anomalies import nifti_header, drop_unreadable
-from .base import DatasetSplits
-from .brats_layouts import detect
-from .decathlon import BRATS_CLASS_NAMES, build_splits
+from fastvision.data.formats.anomalies import drop_unreadable, nifti_header
+from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.brats_layouts import detect
+from fastvision.data.formats.decathlon import BRATS_CLASS_NAMES, build_splits
+from fastvision.data.preprocess3d import PreprocessParams, remap_labels
+from fastvision.errors import DataError
+from fastvision.registry import DATASETS
 
 MODALITIES = ("flair", "t1", "t1ce", "t2")
 REGION_NAMES = ("wt", "tc", "et")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...errors import DataError
+from fastvision.errors import DataError
 
 # (layout, modality suffixes in channel order FLAIR, T1, T1ce, T2, separator, label map, file labels)
 _OLD = ("flair", "t1", "t1ce", "t2")

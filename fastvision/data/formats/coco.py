@@ -30,12 +30,17 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from ...errors import ConfigError, DataError
-from ...registry import DATASETS
-from ..transforms import RandomTransform, Transform
-from .base import DatasetSplits
-from .anomalies import drop_unreadable, first_few, handle_invalid, image_header
-from .coco_check import check_annotations
+from fastvision.data.formats.anomalies import (
+    drop_unreadable,
+    first_few,
+    handle_invalid,
+    image_header,
+)
+from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.coco_check import check_annotations
+from fastvision.data.transforms import RandomTransform, Transform
+from fastvision.errors import ConfigError, DataError
+from fastvision.registry import DATASETS
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +237,7 @@ class CocoDetection(Dataset):
 
     def identity(self, i: int) -> str:
         """Image ``i``'s file and the annotation file (path, size, mtime): the disk-cache key."""
-        from ..cache_select import files_identity
+        from fastvision.data.cache.select import files_identity
 
         return files_identity([self.path(i), self.ann_file]) + f"|{self.ids[i]}"
 
@@ -258,7 +263,7 @@ class CocoDetection(Dataset):
         """``(image indices, [decode, SSDAugment])`` for training; ``[decode, resize]`` otherwise."""
         aug = SSDAugment(self.image_size, self.crop and self.train, self.flip and self.train,
                          self.jitter if self.train else 0.0)
-        from ..cache_select import _Indices
+        from fastvision.data.cache.select import _Indices
 
         return _Indices(len(self), self.identity), [_Decode(self), aug]
 

@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from ...errors import ConfigError, DataError
-from ...registry import DATASETS
-from ..preprocess3d import PreprocessParams, preprocess_case
-from ..transforms import RandomTransform, Transform
-from .base import DatasetSplits
-from .anomalies import drop_unreadable, first_few, nifti_header
+from fastvision.data.formats.anomalies import drop_unreadable, first_few, nifti_header
+from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
+from fastvision.data.transforms import RandomTransform, Transform
+from fastvision.errors import ConfigError, DataError
+from fastvision.registry import DATASETS
 
 log = logging.getLogger(__name__)
 

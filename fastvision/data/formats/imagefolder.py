@@ -25,12 +25,12 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from ...errors import DataError
-from ...registry import DATASETS
-from ..transforms import RandomTransform, Transform
-from .base import DatasetSplits
-from .anomalies import drop_unreadable, image_header
-from .imagenet_val import flat_val_samples, is_flat
+from fastvision.data.formats.anomalies import drop_unreadable, image_header
+from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.imagenet_val import flat_val_samples, is_flat
+from fastvision.data.transforms import RandomTransform, Transform
+from fastvision.errors import DataError
+from fastvision.registry import DATASETS
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".tif", ".tiff", ".webp")
 
@@ -220,13 +220,13 @@ class ImageFolderDataset(Dataset):
         return len(self.samples)
 
     def identity(self, i: int) -> str:
-        from ..cache_select import files_identity
+        from fastvision.data.cache.select import files_identity
 
         return files_identity([self.samples[i][0]])
 
     def cache_pipeline(self) -> tuple[Dataset, list]:
         """``(indices, [read bytes, RandomResizedCrop])``: caches hold encoded files."""
-        from ..cache_select import _Indices
+        from fastvision.data.cache.select import _Indices
 
         return _Indices(len(self), self.identity), [_ReadBytes(self.samples),
                                                     RandomResizedCrop(self.image_size, self.scale, self.ratio,
@@ -293,7 +293,7 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
     info = {"classes": classes, "num_classes": len(classes), "train_images": len(train), "val_images": len(val),
             "val_layout": val_layout}
     if backend == "dali":
-        from ..dali import DaliImageFolder
+        from fastvision.data.dali import DaliImageFolder
 
         return DatasetSplits(DaliImageFolder(train, train=True, **kw), DaliImageFolder(val, train=False, **kw), info)
     return DatasetSplits(ImageFolderDataset(train, True, **kw), ImageFolderDataset(val, False, **kw), info)

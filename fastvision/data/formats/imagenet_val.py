@@ -22,8 +22,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from ...errors import ConfigError, DataError
-from .anomalies import handle_invalid
+from fastvision.data.formats.anomalies import handle_invalid
+from fastvision.errors import ConfigError, DataError
 
 CSV_NAME = "LOC_val_solution.csv"
 GT_NAME = "ILSVRC2012_validation_ground_truth.txt"

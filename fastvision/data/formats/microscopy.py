@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 
-from ...errors import DataError
-from ...registry import DATASETS
-from .base import DatasetSplits
-from .anomalies import drop_unreadable
+from fastvision.data.formats.anomalies import drop_unreadable
+from fastvision.data.formats.base import DatasetSplits
+from fastvision.errors import DataError
+from fastvision.registry import DATASETS
 
 log = logging.getLogger(__name__)
 IMAGE_EXTS = (".png", ".tif", ".tiff")
@@ -176,7 +176,7 @@ class MicroscopyDataset(Dataset):
 
     def identity(self, i: int) -> str:
         """Item ``i``'s files (path, size, mtime): the disk cache's key (settings are keyed separately)."""
-        from ..cache_select import files_identity
+        from fastvision.data.cache.select import files_identity
 
         return files_identity(self.pairs[i])
 
@@ -254,7 +254,7 @@ def split_pairs(pairs, root: Path, val_fraction: float, seed: int, train_list: s
 
 def default_data_dir() -> Path:
     """The built-in sample: generated once, deterministically, into the user cache."""
-    from ..synth.microscopy import synth
+    from fastvision.data.synth.microscopy import synth
 
     cache = Path(os.environ.get("FASTVISION_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastvision"))
     target = cache / "microscopy-sample-v1"

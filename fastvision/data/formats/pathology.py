@@ -27,12 +27,17 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from ...errors import DataError
-from ...registry import DATASETS
-from .base import DatasetSplits
-from .anomalies import handle_invalid
-from .asap import grid_labels_from_mask, mask_downsample_for, rasterize, read_polygons
-from .camelyon import find_slides, is_slide_split
+from fastvision.data.formats.anomalies import handle_invalid
+from fastvision.data.formats.asap import (
+    grid_labels_from_mask,
+    mask_downsample_for,
+    rasterize,
+    read_polygons,
+)
+from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.camelyon import find_slides, is_slide_split
+from fastvision.errors import DataError
+from fastvision.registry import DATASETS
 
 CLASSES = ("normal", "tumor")
 PATCH_EXTENSIONS = (".png", ".jpg", ".jpeg", ".tif", ".tiff")
@@ -225,7 +230,7 @@ class PathologyPatches(Dataset):
 
     def identity(self, i: int) -> str:
         """Sample ``i``'s file (path, size, mtime) and region: the ``data.cache: disk`` key."""
-        from ..cache_select import files_identity
+        from fastvision.data.cache.select import files_identity
 
         s = self.samples[i]
         return files_identity([s[0]]) + f"@{s[1:-1]}"

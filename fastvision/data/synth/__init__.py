@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-from ...registry import Registry
+from fastvision.registry import Registry
 
 SYNTH = Registry("synthetic data kind")
 

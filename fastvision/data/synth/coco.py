@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ...checkpoint import atomic_write
-from ...errors import ConfigError
-from . import SYNTH
+from fastvision.data.synth import SYNTH
+from fastvision.errors import ConfigError
+from fastvision.utils.files import atomic_write
 
 CATEGORIES = [(1, "disk", 0.0), (3, "square", 0.33), (5, "triangle", 0.62), (8, "cross", 0.8)]
 SIZES = [(320, 320), (384, 288), (256, 320), (400, 300)]

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from . import SYNTH
+from fastvision.data.synth import SYNTH
 
 SHAPES = ("disk", "square", "triangle", "ring")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import SYNTH
+from fastvision.data.synth import SYNTH
 
 # Internal BraTS label ids (after 4 -> 3): 1 necrotic/non-enhancing core, 2 edema, 3 enhancing.
 _INTERNAL_TO_MSD = np.array([0, 2, 1, 3], dtype=np.uint8)  # MSD Task01: 1 edema, 2 non-enh., 3 enh.

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from . import SYNTH
+from fastvision.data.synth import SYNTH
 
 
 def _blur(img: np.ndarray, sigma: float) -> np.ndarray:
@@ -92,7 +92,7 @@ def synth(out: Path, *, seed: int = 0, count: int = 200, size: int = 256) -> Pat
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()):
-        from ...errors import DataError
+        from fastvision.errors import DataError
 
         raise DataError(f"{out}: output folder exists and is not empty")
     out.parent.mkdir(parents=True, exist_ok=True)

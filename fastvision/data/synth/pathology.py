@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import tifffile
 
-from . import SYNTH
+from fastvision.data.synth import SYNTH
 
 
 def _box_blur(a: np.ndarray, k: int) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""`fastvision benchmark`: train / inference / data throughput of any recipe."""

@@ -1,0 +1,382 @@
+"""Benchmark mode: training or inference throughput and latency of any recipe on synthetic batches.
+
+``fastvision benchmark RECIPE --mode train|inference`` builds each (batch size, precision) setting
+with the engine's own :func:`~fastvision.engine.build` without a dataset (the task supplies a random
+batch already on the device, so the figures measure compute, not input), then runs warm-up steps
+and timed steps. A training step is :func:`fastvision.engine.train_step`, the step ``fit`` runs
+(accumulation, autocast, scaled backward, non-finite check, clipping, scaler step, schedule, EMA);
+an inference step is the task's validation forward under ``no_grad``. ``--mode data`` times the
+recipe's input path without the model (:mod:`fastvision.benchmark.data`). Each timed step is bracketed
+by ``torch.cuda.synchronize`` on GPU (the measurement's only host syncs). Reported: items/s
+(median over steps), latency mean / p50 / p90 / p95 / p99 in ms, peak GPU memory, and the
+speed-up of TF32 / AMP over FP32 (and AMP over TF32) at the same batch size.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import logging
+import math
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastvision import __version__, engine
+from fastvision.config import RunConfig
+from fastvision.engine import runtime
+from fastvision.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+LATENCY_PERCENTILES = (50, 90, 95, 99)
+_BASELINES = {"fp32": (), "tf32": ("fp32",), "fp16": ("fp32", "tf32"), "bf16": ("fp32", "tf32")}
+
+
+# ------------------------------------------------------------------------------ statistics
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between order statistics.
+
+    Same definition as ``numpy.percentile(values, q)`` (method "linear").
+    """
+    if not values:
+        raise ValueError("percentile of an empty list")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def step_stats(times_s: list[float], batch_size: int) -> dict[str, float]:
+    """Throughput and latency figures from per-step wall times.
+
+    Args:
+        times_s: seconds per timed step.
+        batch_size: items per step.
+
+    Returns:
+        ``items_per_s`` (median of per-step throughput), ``items_per_s_overall`` (items over total
+        time), ``latency_mean_ms`` and ``latency_p{50,90,95,99}_ms``.
+    """
+    ms = [t * 1000 for t in times_s]
+    out = {"items_per_s": percentile([batch_size / t for t in times_s], 50),
+           "items_per_s_overall": batch_size * len(times_s) / sum(times_s),
+           "latency_mean_ms": sum(ms) / len(ms)}
+    out.update({f"latency_p{q}_ms": percentile(ms, q) for q in LATENCY_PERCENTILES})
+    return out
+
+
+# ------------------------------------------------------------------------------ building
+def setting_config(cfg: RunConfig, batch_size: int, precision: str, *, compile: bool = False,
+                   channels_last: bool = False, augment: bool = False, device: torch.device | str = "cpu") -> RunConfig:
+    """The recipe's config for one measured setting (what :func:`fastvision.engine.build` receives)."""
+    out = copy.deepcopy(cfg)
+    t = out.train
+    t.batch_size, t.compile, t.channels_last, t.device = batch_size, compile, channels_last, str(device)
+    t.amp = precision if precision in ("fp16", "bf16") else "off"
+    # fp32 means true fp32; AMP runs keep the recipe's TF32 choice for their fp32 ops.
+    t.tf32 = precision == "tf32" or (precision in ("fp16", "bf16") and cfg.train.tf32)
+    if not augment:
+        out.data.augment = {}
+    return out
+
+
+def plan(precisions: list[str], device: torch.device) -> tuple[list[str], list[str]]:
+    """Precisions that run on ``device`` and notes for the ones skipped."""
+    run, notes = [], []
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise ConfigError(f"--precision: unknown {p!r}; valid: {', '.join(PRECISIONS)}")
+        if device.type != "cuda" and p in ("fp16", "tf32"):
+            notes.append(f"{p} skipped: needs a CUDA device" + (" (tf32 equals fp32 elsewhere)" if p == "tf32" else ""))
+        elif device.type == "cuda" and p == "bf16" and not torch.cuda.is_bf16_supported():
+            notes.append("bf16 skipped: this GPU has no bf16 support")
+        else:
+            run.append(p)
+    return run, notes
+
+
+# ------------------------------------------------------------------------------ measuring
+def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions: list[str], *, steps: int = 50,
+                  warmup: int = 10, compile: bool = False, channels_last: bool = False, augment: bool = False,
+                  device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Measure every (batch size, precision) setting of a recipe; returns the JSON-able report.
+
+    Args:
+        cfg: the loaded recipe (``fastvision.config.load``).
+        mode: "train" (full optimizer steps) or "inference" (validation forward under no_grad).
+        batch_sizes: items per step, e.g. ``[1, 8, 64, 256]``.
+        precisions: subset of fp32, tf32, fp16, bf16; the ones the device lacks are skipped
+            with a note.
+        steps: timed steps per setting.
+        warmup: untimed steps first (cuDNN autotuning, allocator, ``torch.compile``).
+        compile: ``torch.compile`` the model (compiled afresh for every setting).
+        channels_last: NHWC / NDHWC model weights and inputs.
+        augment: include the task's batched augmentation in the timed training step.
+        device: torch device.
+
+    Returns:
+        ``{"recipe", "mode", ..., "notes": [...], "results": [row, ...]}``; a row holds
+        ``batch_size``, ``precision``, the :func:`step_stats` figures, ``peak_memory_mb`` (CUDA),
+        ``speedup_vs_fp32`` / ``speedup_vs_tf32`` where the baseline ran, or ``error``.
+    """
+    if mode not in ("train", "inference"):
+        raise ConfigError(f"--mode: expected train or inference, got {mode!r}")
+    if steps < 1 or warmup < 0 or not batch_sizes or min(batch_sizes) < 1:
+        raise ConfigError("--steps must be >= 1, --warmup >= 0 and every batch size >= 1")
+    device = torch.device(device)
+    todo, notes = plan(precisions, device)
+    tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    rows = []
+    try:
+        for bs in batch_sizes:
+            for prec in todo:
+                log.info("benchmark %s %s batch %d %s", cfg.recipe, mode, bs, prec)
+                row = {"batch_size": bs, "precision": prec}
+                if compile:
+                    torch._dynamo.reset()  # a fresh graph per setting: no recompilation inside the timed steps
+                # every setting is built afresh under the recipe's seed: the same initial weights
+                run = engine.build(setting_config(cfg, bs, prec, compile=compile, channels_last=channels_last,
+                                                  augment=augment, device=device),
+                                   data_info={}, train=mode == "train")
+                try:
+                    times, peak = _measure(run, mode, steps, warmup)
+                    row.update(step_stats(times, bs * run.micro_steps))
+                    if peak is not None:
+                        row["peak_memory_mb"] = peak
+                except torch.cuda.OutOfMemoryError:
+                    row["error"] = "out of memory"
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                del run
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
+    add_speedups(rows)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"recipe": cfg.recipe, "mode": mode, "model": cfg.model.name, "task": cfg.task.name,
+            "device": str(device), "gpu": gpu, "cpu": platform.processor() or platform.machine(),
+            "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "fastvision": __version__,
+            "compile": compile, "channels_last": channels_last, "augment": augment, "steps": steps,
+            "warmup": warmup, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "notes": notes, "results": rows}
+
+
+def _measure(run: engine.Run, mode: str, steps: int, warmup: int) -> tuple[list[float], float | None]:
+    """Per-step seconds of ``steps`` timed steps after ``warmup``, and peak CUDA memory in MB."""
+    task, device, tc = run.task, run.device, run.cfg.train
+    batch = task.to_device(task.synthetic_batch(tc.batch_size, device), device, tc.channels_last)
+    if mode == "train":
+        run.train_model.train()
+        batches = itertools.repeat(batch)
+
+        def step() -> None:
+            engine.train_step(run, batches)
+    else:
+        net = runtime.maybe_compile(run.model, tc.compile)
+        net.eval()
+
+        def step() -> None:
+            with torch.no_grad(), run.precision.autocast():
+                task.eval_forward(net, batch)
+
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)  # deliberate: a step's latency ends when the GPU is done
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+    return times, peak
+
+
+def add_speedups(rows: list[dict[str, Any]]) -> None:
+    """``speedup_vs_fp32`` / ``speedup_vs_tf32``: median items/s over the baseline's, same batch size."""
+    base = {(r["batch_size"], r["precision"]): r["items_per_s"] for r in rows if "items_per_s" in r}
+    for r in rows:
+        for ref in _BASELINES[r["precision"]]:
+            if "items_per_s" in r and (r["batch_size"], ref) in base:
+                r[f"speedup_vs_{ref}"] = r["items_per_s"] / base[(r["batch_size"], ref)]
+
+
+# ------------------------------------------------------------------------------ reports
+COLUMNS = [("batch_size", "batch", "{:d}"), ("precision", "precision", "{}"), ("items_per_s", "items/s", "{:.1f}"),
+           ("latency_mean_ms", "mean ms", "{:.2f}"), ("latency_p90_ms", "p90 ms", "{:.2f}"),
+           ("latency_p95_ms", "p95 ms", "{:.2f}"), ("latency_p99_ms", "p99 ms", "{:.2f}"),
+           ("speedup_vs_fp32", "x fp32", "{:.2f}"), ("speedup_vs_tf32", "x tf32", "{:.2f}"),
+           ("peak_memory_mb", "peak MB", "{:.0f}")]
+
+
+def _cells(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    rows = report["results"]
+    cols = [c for c in COLUMNS if any(c[0] in r for r in rows) or c[0] in ("batch_size", "precision")]
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([str(r["batch_size"]), r["precision"], r["error"]] + [""] * (len(cols) - 3))
+        else:
+            body.append([fmt.format(r[k]) if k in r else "-" for k, _, fmt in cols])
+    return [title for _, title, _ in cols], body
+
+
+def title(report: dict[str, Any]) -> str:
+    where = report["gpu"] or f"{report['device']} ({report['cpu_threads']} threads)"
+    flags = [f for f in ("compile", "channels_last", "augment") if report[f]]
+    return (f"{report['recipe']} {report['mode']} on {where}, {report['steps']} steps after {report['warmup']} "
+            f"warm-up" + (f", {' + '.join(flags)}" if flags else ""))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a Markdown section: title line, table, notes."""
+    head, body = _cells(report)
+    lines = [f"**{title(report)}** (torch {report['torch']}, {report['date']})", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    lines += [""] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def rich_table(report: dict[str, Any]):
+    from rich.table import Table
+
+    head, body = _cells(report)
+    table = Table(title=title(report))
+    for i, h in enumerate(head):
+        table.add_column(h, justify="left" if i == 1 else "right")
+    for row in body:
+        table.add_row(*row)
+    return table
+
+
+def write_reports(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    """``<recipe>-<mode>.json`` and ``.md`` in ``out_dir`` (replacing earlier ones of that name)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{report['recipe']}-{report['mode']}"
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    md_path.write_text(markdown(report))
+    return json_path, md_path
+
+
+# ------------------------------------------------------------------------------ CLI
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--batch-sizes: expected comma-separated integers, got {text!r}") from None
+
+
+def add_cli(subparsers) -> None:
+    """``fastvision benchmark RECIPE``."""
+    p = subparsers.add_parser("benchmark", help="training / inference throughput on synthetic batches, "
+                                                "or the input path alone (--mode data)",
+                              description="train / inference: throughput (items/s) and latency percentiles of a "
+                                          "recipe's training step or validation forward on synthetic batches on the "
+                                          "device, per batch size and precision. data: items/s and ms/item of the "
+                                          "recipe's own input path (dataset, cache, loader, to device, batched "
+                                          "augmentation) with the model removed, per --cache mode, interleaved.")
+    p.add_argument("recipe", help="shipped recipe name or YAML file")
+    p.add_argument("--mode", choices=["train", "inference", "data"], default="train")
+    p.add_argument("--cache", help="data mode: comma-separated data.cache modes to compare, e.g. none,ram,gpu "
+                                   "(default: the recipe's)")
+    p.add_argument("--rounds", type=int, default=4, help="data mode: interleaved turns per cache mode (default 4)")
+    p.add_argument("--data", help="data mode: dataset folder (data.args.path; default: the recipe's)")
+    p.add_argument("--batch-sizes", help="comma-separated, e.g. 1,8,64,256, or auto: the largest that fits "
+                                         "(default: the recipe's batch size)")
+    p.add_argument("--precision", help="comma-separated subset of fp32,tf32,fp16,bf16 "
+                                       "(default: fp32 plus the recipe's AMP mode)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps (data mode: batches) per setting (default 50)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 10; data mode: one epoch, which "
+                                              "fills the caches)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC memory format (default: the recipe's train.channels_last)")
+    p.add_argument("--augment", action="store_true", help="include the batched augmentation in training steps")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--out", type=Path, help="folder for <recipe>-<mode>.json and .md (default runs/benchmark)")
+    p.add_argument("--force", action="store_true", help="replace an existing <recipe>-<mode>.json / .md in --out")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="recipe override, e.g. --set task.args.image_size=128 (repeatable)")
+    p.set_defaults(func=cmd_benchmark)
+
+
+def cmd_benchmark(args) -> int:
+    from rich.console import Console
+
+    from fastvision import dist
+    from fastvision.api import refuse_overwrite
+    from fastvision.config import load, parse_override
+
+    cfg = load(args.recipe, [parse_override(s) for s in args.set])
+    out_dir = args.out or Path("runs/benchmark")
+    for suffix in (".json", ".md"):  # checked before the run: a refusal costs no benchmark time
+        refuse_overwrite(out_dir / f"{cfg.recipe}-{args.mode}{suffix}", args.force)
+    env, device = dist.init(args.device)
+    if env.world_size > 1:
+        raise ConfigError("benchmark measures one device; run it without torchrun/srun (see `fastvision scale`)")
+    if args.mode == "data":
+        return _cmd_data(args, cfg, device)
+    if args.batch_sizes == "auto" or (not args.batch_sizes and cfg.train.batch_size == "auto"):
+        from fastvision.planning.autobatch import resolve_auto_batch
+
+        batch_sizes = [resolve_auto_batch(cfg, device)]
+    else:
+        batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [cfg.train.batch_size]
+    amp = runtime.resolve_amp(cfg.train.amp, device)[0]  # train.amp auto -> this device's precision
+    precisions = args.precision.split(",") if args.precision else ["fp32"] + ([amp] if amp != "off" else [])
+    channels_last = cfg.train.channels_last if args.channels_last is None else args.channels_last
+    report = run_benchmark(cfg, args.mode, batch_sizes, precisions, steps=args.steps,
+                           warmup=10 if args.warmup is None else args.warmup,
+                           compile=args.compile, channels_last=channels_last, augment=args.augment, device=device)
+    console = Console()
+    console.print(rich_table(report))
+    for note in report["notes"]:
+        console.print(f"note: {note}")
+    json_path, md_path = write_reports(report, out_dir)
+    console.print(f"wrote {json_path} and {md_path}")
+    return 0 if all("error" not in r for r in report["results"]) else 1
+
+
+def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fastvision.benchmark.data import markdown as data_markdown
+    from fastvision.benchmark.data import run_data_benchmark
+
+    cfg.train.device = str(device)
+    if args.data:
+        cfg.data.args["path"] = args.data
+    if args.batch_sizes:
+        cfg.train.batch_size = _int_list(args.batch_sizes)[0]
+    caches = [c.strip() for c in args.cache.split(",") if c.strip()] if args.cache else [cfg.data.cache]
+    report = run_data_benchmark(cfg, caches, batches=args.steps, rounds=args.rounds, warmup=args.warmup)
+    table = Table(title=f"{report['recipe']} input path (model removed) on {report['device']}, "
+                        f"batch {report['batch_size']}")
+    for h in ("cache", "items/s", "ms/item", "x first", "pipeline"):
+        table.add_column(h, justify="left" if h in ("cache", "pipeline") else "right")
+    for r in report["results"]:
+        table.add_row(r["cache"], f"{r['items_per_s']:.1f}", f"{r['ms_per_item']:.2f}",
+                      f"{r['speedup_vs_first']:.2f}", r["pipeline"])
+    console = Console()
+    console.print(table)
+    out = args.out or Path("runs/benchmark")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{report['recipe']}-data"  # the name cmd_benchmark checked with refuse_overwrite
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(data_markdown(report))
+    console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')}")
+    return 0

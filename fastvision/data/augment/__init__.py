@@ -1,0 +1,1 @@
+"""Batched random augmentation on the device: spatial (crops, flips, affine) and intensity."""

@@ -1,0 +1,365 @@
+"""Batched random augmentation for 2-D and 3-D images, run per batch on the batch's device.
+
+Replaces per-sample CPU transforms (MONAI ``Rand*d``, DALI in seed 004): every op draws one random
+parameter per sample, then transforms the whole batch with tensor ops (gather, flip/rot90 under a
+mask, one ``grid_sample``), so there is no Python loop over samples and no host sync.
+
+Randomness: small per-sample parameters are drawn from the caller's ``torch.Generator`` on its own
+device, in a fixed order whether or not an op fires, so a seed gives the same augmentation on CPU
+and GPU. Full-size noise is drawn from a device generator seeded from the caller's generator.
+
+Recipe form (``data.augment``), one dict per op, applied in this order::
+
+    crop: {size: [96, 96, 96], pos: 1, neg: 1}   # foreground-biased when pos + neg > 0
+    flip: {prob: 0.5, axes: [0, 1, 2]}           # each spatial axis independently
+    rot90: {prob: 0.5}                           # in the plane of the last two spatial axes
+    affine: {prob: 0.2, degrees: 15, scale: [0.9, 1.1]}
+    intensity: {prob: 0.5, scale: 0.1, shift: 0.1}
+    noise: {prob: 0.15, std: 0.1}
+    brightness: {prob: 0.15, factor: 0.25}
+    contrast: {prob: 0.15, factor: 0.25}
+    gamma: {prob: 0.15, range: [0.7, 1.5]}
+    color_jitter: {prob: 0.8, brightness: 0.4, contrast: 0.4, saturation: 0.4, hue: 0.1}
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastvision.data.augment.intensity import (
+    Brightness,
+    ColorJitter,
+    Contrast,
+    Gamma,
+    Intensity,
+    Label,
+    Noise,
+    _bshape,
+    _select,
+)
+from fastvision.errors import ConfigError
+from fastvision.registry import check_kwargs
+
+
+@functools.lru_cache(maxsize=64)
+def _const(values: tuple, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A small constant vector on ``device``, copied there once: a host-to-device copy of pageable
+    memory inside the step would be a host sync. Callers must not modify it in place."""
+    return torch.tensor(values, dtype=dtype).to(device)
+
+
+class _Rng:
+    """Per-call random source: per-sample parameters on the generator's device, moved to ``device``."""
+
+    def __init__(self, generator: torch.Generator | None, batch: int, device: torch.device):
+        self.gen = generator
+        self.batch = batch
+        self.device = device
+        self._dev_gen: torch.Generator | None = None
+
+    def uniform(self, lo: float, hi: float, *shape: int) -> Tensor:
+        """(B, *shape) float32 uniform in [lo, hi) on the data device."""
+        gdev = self.gen.device if self.gen is not None else torch.device("cpu")
+        u = torch.rand((self.batch, *shape), generator=self.gen, device=gdev)
+        return (lo + (hi - lo) * u).to(self.device, non_blocking=True)
+
+    def mask(self, prob: float) -> Tensor:
+        """(B,) bool: which samples this op is applied to."""
+        return self.uniform(0.0, 1.0) < prob
+
+    def device_generator(self) -> torch.Generator | None:
+        """A generator on the data device, seeded from the caller's (drawn on its device, no sync)."""
+        if self.gen is None or self.gen.device == self.device:
+            return self.gen
+        if self._dev_gen is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.gen, device=self.gen.device))
+            self._dev_gen = torch.Generator(device=self.device).manual_seed(seed)
+        return self._dev_gen
+
+
+# ---------------------------------------------------------------- geometric ops
+
+
+@dataclass
+class Crop:
+    """Random crop to ``size``; with ``pos``/``neg`` > 0 the centre is a random foreground voxel
+    with probability pos / (pos + neg), else a random background voxel (MONAI
+    ``RandCropByPosNegLabel``). Foreground is ``label > 0`` (any channel for float labels). A sample
+    with no candidate voxel falls back to any voxel. Images smaller than ``size`` are zero-padded.
+    """
+
+    size: list[int]
+    pos: float = 0.0
+    neg: float = 0.0
+
+    def __call__(self, image: Tensor, label: Label, rng: _Rng) -> tuple[Tensor, Label]:
+        nd = len(self.size)
+        image, label = _pad_to(image, label, self.size)
+        spatial = image.shape[2:]
+        B = image.shape[0]
+        size = _const(tuple(self.size), image.device, torch.int64)
+        room = _const(tuple(spatial), image.device, torch.int64) - size + 1
+        u_axes = rng.uniform(0.0, 1.0, nd)
+        u_pos, u_pick = rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0)
+        start = (u_axes * room).long().clamp_max(room - 1)  # (B, nd) uniform crop
+        if self.pos + self.neg > 0 and label is not None:
+            fg = (label > 0).flatten(1) if label.dim() == nd + 1 else (label > 0).any(1).flatten(1)
+            want_pos = u_pos < self.pos / (self.pos + self.neg)
+            cand = torch.where(want_pos[:, None], fg, ~fg)
+            count = cand.sum(1)
+            cand = cand | (count == 0)[:, None]
+            count = cand.sum(1)
+            k = (u_pick * count).long().clamp_max(count - 1)
+            flat = torch.searchsorted(cand.cumsum(1), (k + 1)[:, None]).squeeze(1)
+            centre = _unravel(flat, spatial)
+            start = (centre - size // 2).clamp(min=torch.zeros_like(room), max=room - 1)
+        idx = _window_index(start, self.size, spatial)  # (B, N_crop)
+        image = image.flatten(2).gather(2, idx[:, None].expand(B, image.shape[1], -1))
+        image = image.reshape(B, -1, *self.size)
+        if label is not None:
+            if label.dim() == nd + 1:
+                label = label.flatten(1).gather(1, idx).reshape(B, *self.size)
+            else:
+                label = label.flatten(2).gather(2, idx[:, None].expand(B, label.shape[1], -1))
+                label = label.reshape(B, -1, *self.size)
+        return image, label
+
+
+def _pad_to(image: Tensor, label: Label, size: list[int]) -> tuple[Tensor, Label]:
+    spatial = image.shape[2:]
+    if all(s >= c for s, c in zip(spatial, size)):
+        return image, label
+    pad: list[int] = []
+    for s, c in reversed(list(zip(spatial, size))):  # F.pad lists the last dim first
+        extra = max(c - s, 0)
+        pad += [extra // 2, extra - extra // 2]
+    image = F.pad(image, pad)
+    if label is not None:
+        label = F.pad(label, pad)
+    return image, label
+
+
+def _unravel(flat: Tensor, shape: torch.Size) -> Tensor:
+    """(B,) flat indices -> (B, nd) coordinates."""
+    coords = []
+    for s in reversed(shape):
+        coords.append(flat % s)
+        flat = flat // s
+    return torch.stack(coords[::-1], 1)
+
+
+def _window_index(start: Tensor, size: list[int], spatial: torch.Size) -> Tensor:
+    """Flat indices (B, prod(size)) of the windows ``start`` (B, nd) + size in a ``spatial`` grid."""
+    nd = len(size)
+    B = start.shape[0]
+    idx = torch.zeros((B,) + (1,) * nd, dtype=torch.long, device=start.device)
+    stride = 1
+    for a in reversed(range(nd)):
+        shape = [1] * (nd + 1)
+        shape[a + 1] = size[a]
+        ar = torch.arange(size[a], device=start.device).reshape(shape)
+        idx = idx + (start[:, a].reshape((B,) + (1,) * nd) + ar) * stride
+        stride *= spatial[a]
+    return idx.reshape(B, -1)
+
+
+@dataclass
+class Flip:
+    """Flip each spatial axis in ``axes`` (default all) independently with probability ``prob``."""
+
+    prob: float = 0.5
+    axes: list[int] | None = None
+
+    def __call__(self, image: Tensor, label: Label, rng: _Rng) -> tuple[Tensor, Label]:
+        nd = image.dim() - 2
+        for a in self.axes if self.axes is not None else range(nd):
+            m = rng.mask(self.prob)
+            dim = a - nd  # negative dim: the same axis in images, index and one-hot labels
+            image = _select(m, image.flip(dim), image)
+            if label is not None:
+                label = _select(m, label.flip(dim), label)
+        return image, label
+
+
+@dataclass
+class Rot90:
+    """Rotate by k * 90 degrees in the plane of the last two spatial axes, k in {1, 2, 3}.
+    For a non-square plane only k = 2 keeps the shape, so only that is used."""
+
+    prob: float = 0.5
+
+    def __call__(self, image: Tensor, label: Label, rng: _Rng) -> tuple[Tensor, Label]:
+        m = rng.mask(self.prob)
+        k = (rng.uniform(0.0, 3.0).long().clamp_max(2) + 1) * m  # 0 where not applied
+        square = image.shape[-1] == image.shape[-2]
+        out_i, out_l = image, label
+        for kk in (1, 2, 3) if square else (2,):
+            sel = k == kk if square else k > 0
+            out_i = _select(sel, torch.rot90(image, kk, (-2, -1)), out_i)
+            if label is not None:
+                out_l = _select(sel, torch.rot90(label, kk, (-2, -1)), out_l)
+        return out_i, out_l
+
+
+@dataclass
+class Affine:
+    """Rotation (uniform in +-``degrees`` about each axis in 3-D, in-plane in 2-D) and per-axis
+    zoom (uniform in ``scale``) about the centre, in pixel units so non-square images are not
+    sheared. Bilinear for images, nearest for labels, zeros outside."""
+
+    prob: float = 0.2
+    degrees: float = 0.0
+    scale: list[float] | None = None
+
+    def __call__(self, image: Tensor, label: Label, rng: _Rng) -> tuple[Tensor, Label]:
+        nd = image.dim() - 2
+        m = rng.mask(self.prob)
+        n_angles = 1 if nd == 2 else 3
+        ang = rng.uniform(-self.degrees, self.degrees, n_angles) * (math.pi / 180) * m[:, None]
+        lo, hi = self.scale if self.scale is not None else (1.0, 1.0)
+        zoom = torch.where(m[:, None], rng.uniform(lo, hi, nd), torch.ones((), device=image.device))
+        return affine(image, label, ang, zoom, m)
+
+
+def affine(image: Tensor, label: Label, angles: Tensor, zoom: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Label]:
+    """Rotate and zoom a batch about its centre.
+
+    Args:
+        image: (B, C, *S) float, bilinear.
+        label: (B, *S) int64 or (B, L, *S) float, nearest; or None.
+        angles: (B, 1) radians in 2-D (counter-clockwise in (x, y) = (W, H) order) or (B, 3) about x, y, z.
+        zoom: (B, nd) zoom factors in (x, y[, z]) = (W, H[, D]) order; > 1 enlarges.
+        mask: (B,) bool, samples to transform (default all).
+    """
+    nd = image.dim() - 2
+    rot = _rotation(angles.float(), nd)  # (B, nd, nd) in (x, y[, z]) order
+    half = _const(tuple(image.shape[2:][::-1]), image.device, torch.float32) / 2
+    # Sampling maps output -> input: n_in = D^-1 Z^-1 R^T D n_out, D = half-size, Z = zoom.
+    lin = rot.transpose(1, 2) * half[None, None, :] / half[None, :, None] / zoom.float()[:, :, None]
+    theta = torch.cat([lin, torch.zeros_like(lin[:, :, :1])], 2)
+    grid = F.affine_grid(theta, list(image.shape), align_corners=False)
+    out = F.grid_sample(image, grid.to(image.dtype), mode="bilinear", align_corners=False)
+    image = out if mask is None else _select(mask, out, image)
+    if label is not None:
+        lab = label[:, None] if label.dim() == nd + 1 else label
+        lab_out = F.grid_sample(lab.to(grid.dtype), grid, mode="nearest", align_corners=False)
+        lab_out = lab_out.to(label.dtype).reshape(label.shape)
+        label = lab_out if mask is None else _select(mask, lab_out, label)
+    return image, label
+
+
+def _rotation(ang: Tensor, nd: int) -> Tensor:
+    """(B, nd, nd) rotation matrices from angles (B, 1) in 2-D or (B, 3) about x, y, z in 3-D."""
+    c, s = ang.cos(), ang.sin()
+    one, zero = torch.ones_like(c[:, 0]), torch.zeros_like(c[:, 0])
+    if nd == 2:
+        return torch.stack([c[:, 0], -s[:, 0], s[:, 0], c[:, 0]], 1).reshape(-1, 2, 2)
+    rx = torch.stack([one, zero, zero, zero, c[:, 0], -s[:, 0], zero, s[:, 0], c[:, 0]], 1)
+    ry = torch.stack([c[:, 1], zero, s[:, 1], zero, one, zero, -s[:, 1], zero, c[:, 1]], 1)
+    rz = torch.stack([c[:, 2], -s[:, 2], zero, s[:, 2], c[:, 2], zero, zero, zero, one], 1)
+    return rz.reshape(-1, 3, 3) @ ry.reshape(-1, 3, 3) @ rx.reshape(-1, 3, 3)
+
+
+OPS: dict[str, type] = {
+    "crop": Crop, "flip": Flip, "rot90": Rot90, "affine": Affine, "intensity": Intensity,
+    "noise": Noise, "brightness": Brightness, "contrast": Contrast, "gamma": Gamma,
+    "color_jitter": ColorJitter,
+}
+
+
+class BatchAugment:
+    """A fixed sequence of batched ops.
+
+    Args:
+        spatial_dims: 2 or 3.
+        ops: (name, op) pairs in application order.
+    """
+
+    def __init__(self, spatial_dims: int, ops: list[tuple[str, Any]]):
+        self.spatial_dims = spatial_dims
+        self.ops = ops
+
+    def __call__(self, image: Tensor, label: Label = None,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Label]:
+        """Augment a batch on its device.
+
+        Args:
+            image: (B, C, *S) float, S of length ``spatial_dims``.
+            label: (B, *S) int64 class indices, (B, L, *S) float masks, or None.
+            generator: source of all randomness; same seed and inputs give the same output.
+
+        Returns:
+            (image, label) with the crop's spatial size if a crop is configured.
+        """
+        if image.dim() != self.spatial_dims + 2:
+            raise ValueError(f"expected (B, C, *S) with {self.spatial_dims} spatial dims, got {tuple(image.shape)}")
+        if label is not None and label.shape[-self.spatial_dims:] != image.shape[2:]:
+            raise ValueError(f"label {tuple(label.shape)} does not match image {tuple(image.shape)}")
+        rng = _Rng(generator, image.shape[0], image.device)
+        for _, op in self.ops:
+            image, label = op(image, label, rng)
+        return image, label
+
+    def __repr__(self) -> str:
+        return f"BatchAugment({', '.join(f'{n}={op}' for n, op in self.ops)})"
+
+
+def build_augment(spatial_dims: int, **spec: dict[str, Any]) -> BatchAugment | None:
+    """Build the batched augmentation from the recipe's ``data.augment`` dict.
+
+    Args:
+        spatial_dims: 2 or 3.
+        **spec: op name -> op options (see the module docstring); a ``None`` value disables the op.
+
+    Returns:
+        BatchAugment applying the ops in canonical order, or None when no op is configured.
+
+    Raises:
+        ConfigError: unknown op or option, wrong type, or a value out of range.
+    """
+    if spatial_dims not in (2, 3):
+        raise ConfigError(f"spatial_dims must be 2 or 3, got {spatial_dims}")
+    for key in spec:
+        if key not in OPS:
+            raise ConfigError(f"unknown key data.augment.{key}; valid keys: {', '.join(OPS)}")
+    ops = []
+    for name, cls in OPS.items():
+        opts = spec.get(name)
+        if opts is None:
+            continue
+        if not isinstance(opts, dict):
+            raise ConfigError(f"data.augment.{name}: expected a dict of options, got {opts!r}")
+        check_kwargs(cls, opts, f"data.augment.{name}")
+        try:
+            op = cls(**opts)
+        except TypeError as e:  # a required option is missing
+            raise ConfigError(f"data.augment.{name}: {e}") from None
+        _validate(name, op, spatial_dims)
+        ops.append((name, op))
+    return BatchAugment(spatial_dims, ops) if ops else None
+
+
+def _validate(name: str, op: Any, nd: int) -> None:
+    where = f"data.augment.{name}"
+    for f in fields(op):
+        v = getattr(op, f.name)
+        if f.name == "prob" and not 0.0 <= v <= 1.0:
+            raise ConfigError(f"{where}.prob must be in [0, 1], got {v}")
+        if isinstance(v, float) and f.name != "prob" and v < 0:
+            raise ConfigError(f"{where}.{f.name} must be >= 0, got {v}")
+    if name == "crop" and (len(op.size) != nd or min(op.size) < 1):
+        raise ConfigError(f"{where}.size needs {nd} positive sizes, got {op.size}")
+    if name == "flip" and op.axes is not None and any(not 0 <= a < nd for a in op.axes):
+        raise ConfigError(f"{where}.axes must be spatial axes in [0, {nd}), got {op.axes}")
+    for key in ("scale", "range"):
+        v = getattr(op, key, None)
+        if name in ("affine", "gamma") and v is not None and not (len(v) == 2 and 0 < v[0] <= v[1]):
+            raise ConfigError(f"{where}.{key} must be [low, high] with 0 < low <= high, got {v}")
+    if name == "color_jitter" and op.hue > 0.5:
+        raise ConfigError(f"{where}.hue must be <= 0.5, got {op.hue}")

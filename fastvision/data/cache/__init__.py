@@ -1,0 +1,1 @@
+"""Dataset caches: none | ram | disk | shared | smart | gpu, and the selection rule (select.py)."""

@@ -1,0 +1,310 @@
+"""The engine's one entry to the caches: ``data.cache: none|ram|disk|shared|smart|gpu``.
+
+:func:`wrap_train_set` turns a registered dataset into the cache the recipe names. A dataset can
+say what to cache through ``cache_pipeline() -> (base, transforms)`` (the random transforms marked
+``random = True`` run on every access). Without it the dataset's whole ``__getitem__`` is the
+cached step (:class:`ReadItem`), which is only right for a deterministic dataset: item 0 is read
+twice first, and a dataset whose reads differ is refused instead of silently freezing its
+augmentation (move the random part to ``data.augment``, which runs batched on the device).
+
+The persistent cache keys entries on ``dataset.identity(i)`` (the files' path, size and mtime)
+and on :func:`dataset_signature` (class, code and scalar settings such as ``image_size``), so a
+changed file or setting recomputes. Caches that live in the main process (smart: a replacement
+thread; gpu: CUDA tensors) set ``main_process_only`` and ``build_loader`` refuses worker
+processes for them.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from fastvision.data import transforms as T
+from fastvision.data.cache.datasets import (
+    CacheDataset,
+    LazyCache,
+    PersistentDataset,
+    Pipeline,
+    SharedCacheDataset,
+    _Cached,
+)
+from fastvision.data.cache.smart import GPUCacheDataset, SmartCacheDataset
+from fastvision.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CACHES = ("none", "ram", "disk", "shared", "smart", "gpu")
+
+
+def files_identity(paths: Sequence[str | Path]) -> str:
+    """``path:size:mtime_ns`` of each file: changes when a file is replaced, even under its name."""
+    parts = []
+    for p in paths:
+        st = os.stat(p)
+        parts.append(f"{Path(p).resolve()}:{st.st_size}:{st.st_mtime_ns}")
+    return "|".join(parts)
+
+
+def item_identity(dataset: Any) -> Callable[[int], str] | None:
+    """``i -> str`` naming item ``i`` by its source files (the dataset's ``identity``), or None."""
+    return dataset.identity if callable(getattr(dataset, "identity", None)) else None
+
+
+def _scalar(v: Any) -> bool:
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return True
+    return isinstance(v, (tuple, list)) and len(v) <= 8 and all(_scalar(x) for x in v)
+
+
+def dataset_signature(dataset: Any) -> str:
+    """What an item's content depends on besides its files: the class, the source of its module
+    and its scalar settings (``image_size``, ``fit``...). Lists of files are left to identity."""
+    if callable(getattr(dataset, "cache_signature", None)):
+        return dataset.cache_signature()
+    cls = type(dataset)
+    module = inspect.getmodule(cls)
+    try:
+        code = inspect.getsource(module) if module else ""
+    except (OSError, TypeError):
+        code = ""
+    settings = {k: v for k, v in sorted(vars(dataset).items()) if not k.startswith("_") and _scalar(v)}
+    return json.dumps({"class": f"{cls.__module__}.{cls.__qualname__}", "settings": T._jsonable(settings),
+                       "code": hashlib.sha256(code.encode()).hexdigest()[:16]}, sort_keys=True)
+
+
+class ReadItem(T.Transform):
+    """The deterministic step "item ``index`` of ``dataset``" (reading, decoding, resizing)."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+        self.__qualname__ = f"{type(dataset).__name__}.__getitem__"  # what cache reports print
+
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        return self.dataset[item["index"]]
+
+    def signature(self) -> str:
+        return dataset_signature(self.dataset)
+
+
+class _Indices(Dataset):
+    """Base of a :class:`ReadItem` pipeline: item ``i`` is ``{"index": i}`` (named by the
+    dataset's ``identity`` when it has one)."""
+
+    def __init__(self, n: int, identity: Callable[[int], str] | None = None):
+        self.n = n
+        if identity is not None:
+            self.identity = identity
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": i}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        if not (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype):
+            return False
+        return bool(torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, 0, 0, equal_nan=True)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def check_deterministic(dataset: Dataset) -> None:
+    """Read item 0 twice; raise ConfigError when the reads differ (randomness inside the dataset)."""
+    if len(dataset) and not _same(dataset[0], dataset[0]):
+        raise ConfigError(f"data.cache: {type(dataset).__name__} returns a different item on every read "
+                          "(random transforms inside the dataset); caching would freeze them. Set "
+                          "data.cache: none, or move the randomness to data.augment (batched, on the device)")
+
+
+def cache_source(dataset: Dataset, check: bool = True) -> tuple[Dataset, list[T.TransformFn], Callable[[int], str] | None]:
+    """``(base, pipeline, identity)`` for the caches.
+
+    Raises:
+        ConfigError: ``check``, the dataset has no ``cache_pipeline`` and two reads of item 0 differ.
+    """
+    if callable(getattr(dataset, "cache_pipeline", None)):
+        base, pipeline = dataset.cache_pipeline()
+        return base, list(pipeline), item_identity(base) or item_identity(dataset)
+    if check:
+        check_deterministic(dataset)
+    return _Indices(len(dataset), item_identity(dataset)), [ReadItem(dataset)], item_identity(dataset)
+
+
+def default_cache_dir() -> Path:
+    """``$FASTVISION_CACHE/pipeline`` (default ``~/.cache/fastvision/pipeline``)."""
+    root = os.environ.get("FASTVISION_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastvision"
+    return Path(root) / "pipeline"
+
+
+def job_name() -> str:
+    """A name the local ranks of one job share and other jobs do not (names the /dev/shm folder)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"{uid}-slurm{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_WORLD_SIZE"):
+        # torchrun's agent is the parent of every local rank of the job.
+        return f"{uid}-tr{os.getppid()}-{os.environ.get('MASTER_PORT', '')}"
+    return f"{uid}-p{os.getpid()}"
+
+
+def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cache_dir: str | None = None,
+                   cache_num: int | None = None, replace_rate: float = 0.1, env: Any = None,
+                   device: torch.device | str = "cpu", seed: int = 0) -> Dataset:
+    """The training set behind the cache named by ``data.cache``.
+
+    A dataset with ``cache_pipeline`` is always served through its pipeline (with ``none`` as a
+    :class:`~fastvision.data.cache.datasets.Pipeline` that caches nothing): the deterministic prefix is
+    what gets cached, the random transforms run per access with generators of
+    ``(seed, epoch, sample index)``.
+
+    Under DDP no rank holds items it does not train on: ``ram`` and ``gpu`` keep this rank's
+    partition only (``rank_local``), ``shared`` keeps one copy per node, ``disk`` entries are
+    written by whichever rank reads them first.
+
+    Args:
+        dataset: the registered training set (items are dicts).
+        cache: none, ram, disk, shared, smart or gpu.
+        cache_rate: share of items kept in RAM (ram, one process).
+        cache_dir: folder of the disk cache (None or "auto": :func:`default_cache_dir`). Given with
+            a memory cache (ram, shared, smart, gpu), that cache is filled through the disk cache,
+            so a second run reads the preprocessed items instead of computing them.
+        cache_num, replace_rate: smart cache window and the share replaced per epoch.
+        env: ``fastvision.dist.DistEnv`` (rank, local rank, world sizes); None: one process.
+        device: where the gpu cache places tensors (the training device: also a CPU).
+        seed: seed of the random transforms, the smart-cache order and the partitions (same on
+            every rank).
+
+    Returns:
+        A dataset of the same items. Partitioned caches set ``rank_local = True`` (read whole, no
+        further sharding); ``set_epoch`` moves the random draws to the next epoch.
+    """
+    if cache not in CACHES:
+        raise ConfigError(f"data.cache must be one of {', '.join(CACHES)}, got {cache!r}")
+    rank, local_rank, world, local_world = ((env.rank, env.local_rank, env.world_size, env.local_world_size)
+                                            if env is not None else (0, 0, 1, 1))
+    if cache == "none":
+        if not callable(getattr(dataset, "cache_pipeline", None)):
+            return dataset
+        base, pipeline = dataset.cache_pipeline()
+        out: Any = Pipeline(base, list(pipeline))
+        out.seed = seed
+        return out
+    # A disk cache whose first entry exists was checked when it was written: reading nothing is its point.
+    base, pipeline, identity = cache_source(dataset, check=cache != "disk")
+    if cache != "disk" and cache_dir:  # a memory cache filled from the persistent one: fast second runs
+        base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
+    threads = min(8, os.cpu_count() or 1)
+    progress = rank == 0 and sys.stderr.isatty()
+    if cache == "ram":
+        if not 0 < cache_rate <= 1:
+            raise ConfigError(f"data.cache_rate must be in (0, 1], got {cache_rate}")
+        if world > 1:  # this rank's partition only (MONAI's partition_dataset); shared: one copy per node
+            prefix, suffix = T.split(pipeline)
+            out = GPUCacheDataset(_Cached(base, prefix), "cpu", rank=rank, world_size=world, seed=seed,
+                                  rotate=False, suffix=suffix)
+            out.rank_local = True
+            log.info("data.cache: ram holds partition %d/%d (%d items) on this rank", rank, world, len(out))
+            return out
+        out = CacheDataset(base, pipeline, cache_rate=cache_rate, num_workers=threads, progress=progress)
+    elif cache == "disk":
+        if identity is None:
+            raise ConfigError(f"data.cache: disk needs {type(dataset).__name__}.identity(i) (a stable name of "
+                              "item i's files) to key its entries; use data.cache: ram")
+        out = PersistentDataset(base, pipeline, disk_dir(cache_dir), identity=identity)
+        if isinstance(pipeline[0], ReadItem) and len(out) and not out.path(0).exists():
+            check_deterministic(dataset)
+        log.info("%s; entries in %s", out.report(), out.dir)
+    elif cache == "shared":
+        out = SharedCacheDataset(base, pipeline, job_name(), local_rank=local_rank, local_world_size=local_world,
+                                 num_workers=threads, progress=progress)
+    elif cache == "smart":
+        if cache_num is None:
+            raise ConfigError("data.cache: smart needs data.cache_num (items resident per epoch)")
+        out = SmartCacheDataset(base, pipeline, cache_num=cache_num, replace_rate=replace_rate,
+                                num_workers=max(1, threads // 2), shuffle=True, seed=seed, progress=progress)
+        out.main_process_only = "data.cache: smart replaces items in a background thread of the main process"
+        log.info(out.report())
+    else:
+        return _gpu(base, pipeline, device, rank, local_rank, world, local_world, seed, threads, progress)
+    out.seed = seed
+    return out
+
+
+def wrap_val_set(dataset: Dataset, *, cache: str, cache_dir: str | None = None) -> Dataset:
+    """The validation set: deterministic items, cached as they are first read when ``cache`` is not
+    ``none`` (a rank keeps only its evaluation shard; ``disk``, or a ``data.cache_dir`` under a
+    memory cache, reuses the persistent entries). Its items are ``dataset[i]``, the evaluation view:
+    never ``cache_pipeline``, which is the training view (random crops, augmentation)."""
+    if cache == "none" or dataset is None:
+        return dataset
+    identity = item_identity(dataset)
+    base, pipeline = _Indices(len(dataset), identity), [ReadItem(dataset)]
+    if cache == "disk" and identity is not None:
+        return PersistentDataset(base, pipeline, disk_dir(cache_dir), identity=identity)
+    if cache_dir:
+        base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
+    return LazyCache(base, pipeline)
+
+
+def disk_dir(cache_dir: str | None) -> Path:
+    """``data.cache_dir``: a folder, or None / "auto" for :func:`default_cache_dir`."""
+    return default_cache_dir() if cache_dir in (None, "", "auto") else Path(cache_dir)
+
+
+def _through_disk(base: Dataset, pipeline: list, identity: Callable[[int], str] | None,
+                  cache_dir: str) -> tuple[Dataset, list]:
+    """``(persistent prefix, suffix)``: the deterministic prefix read from (or written to) the disk
+    cache, so a memory cache's fill reads entries instead of preprocessing again."""
+    prefix, suffix = T.split(pipeline)
+    if identity is None or not prefix:
+        return base, pipeline
+    disk = PersistentDataset(base, prefix, disk_dir(cache_dir), identity=identity)
+    log.info("data.cache_dir: the cached prefix is read through the disk cache in %s", disk.dir)
+    return disk, suffix
+
+
+def _gpu(base: Dataset, pipeline: list, device: torch.device | str, rank: int, local_rank: int, world: int,
+         local_world: int, seed: int, threads: int, progress: bool) -> GPUCacheDataset:
+    prefix, suffix = T.split(pipeline)
+    device = torch.device(device)
+    if device.type != "cuda":
+        log.info("data.cache: gpu on %s keeps the items in host memory (the training device)", device)
+    rotate = True
+    if world == 1:
+        host: Dataset = _Cached(base, prefix)  # read once, straight onto the device
+    elif local_world > 1:  # partitions rotate: re-uploads read one shared host copy per node
+        host = SharedCacheDataset(base, prefix, job_name(), local_rank=local_rank, local_world_size=local_world,
+                                  num_workers=threads, progress=progress)
+    else:  # one rank per node: keep this rank's partition (no host copy of the others)
+        host, rotate = _Cached(base, prefix), False
+    out = GPUCacheDataset(host, device, rank=rank, world_size=world, seed=seed, rotate=rotate, suffix=suffix)
+    out.rank_local = True  # already this rank's partition: the engine reads it whole
+    out.main_process_only = "data.cache: gpu holds device tensors, which worker processes cannot share"
+    random = f"; random transforms per access on {device}: {', '.join(T.name(t) for t in suffix)}" if suffix else ""
+    log.info("GPUCacheDataset: %d/%d items of partition %d/%d on %s, the rest in host RAM%s", out.num_cached,
+             len(out), out.part_id, world, device, random)
+    return out
+
+
+def describe(dataset: Dataset) -> str:
+    """One line for logs and the profiler: the cache class and what it holds."""
+    if hasattr(dataset, "report"):
+        return dataset.report()
+    if isinstance(dataset, GPUCacheDataset):
+        return f"GPUCacheDataset: {dataset.num_cached}/{len(dataset)} items on {dataset.device}"
+    return f"{type(dataset).__name__}: not cached ({len(dataset)} items)"
+

@@ -1,0 +1,193 @@
+"""Launch-environment detection: where this process sits in a torchrun, srun or single-process job.
+
+Pure functions of the environment variables (no process group, no torch collectives), so they are
+tested from tables of environments. :mod:`fastvision.dist` re-exports everything public here.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from fastvision.errors import ConfigError
+
+DEFAULT_PORT = 29500
+# Port derived from a SLURM job id lands in [SLURM_PORT_BASE, SLURM_PORT_BASE + SLURM_PORT_SPAN):
+# above the common service ports and below the Linux ephemeral range (32768+), so two jobs sharing a
+# node rarely collide and an outgoing connection never holds the port.
+SLURM_PORT_BASE = 12000
+SLURM_PORT_SPAN = 20000
+# Slurm's id for the batch-script step (SLURM_BATCH_SCRIPT): not a task launched by srun.
+_SLURM_BATCH_STEP = "4294967294"
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job.
+
+    Attributes:
+        rank: global rank in ``[0, world_size)``.
+        local_rank: rank among the processes on this node (selects the GPU).
+        world_size: number of processes in the job.
+        local_world_size: number of processes on this node.
+        launcher: ``"single"``, ``"torchrun"`` or ``"slurm"``.
+        master_addr: host of rank 0 (rendezvous address).
+        master_port: TCP port of the rendezvous store.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    launcher: str = "single"
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+    try:
+        return int(environ[key])
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={environ[key]!r} is not an integer") from None
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM host list such as ``"node[01-03,07],gpu5"`` into host names.
+
+    Zero padding of range bounds is kept (``[08-10]`` -> ``08, 09, 10``); several bracket groups in
+    one name expand to their product (``r[1-2]n[1-2]`` -> ``r1n1, r1n2, r2n1, r2n2``).
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist.strip()):
+        expanded = [""]
+        for literal, group in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            if not literal and not group:
+                continue
+            parts = [literal]
+            if group:
+                parts = [literal + n for n in _expand_range_group(group, nodelist)]
+            expanded = [prefix + p for prefix in expanded for p in parts]
+        hosts.extend(h for h in expanded if h)
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [s.strip() for s in items if s.strip()]
+
+
+def _expand_range_group(group: str, nodelist: str) -> list[str]:
+    out = []
+    for part in group.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ConfigError(f"cannot parse SLURM node list {nodelist!r} (range {part!r})")
+        if not hi:
+            out.append(lo)
+            continue
+        width = len(lo) if lo.startswith("0") else 0
+        out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    return out
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Tasks on node ``node_id`` from a SLURM spec such as ``"2(x3),1"``."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ConfigError(f"cannot parse SLURM tasks-per-node {tasks_per_node!r}")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def _slurm_port(environ: Mapping[str, str]) -> int:
+    if "MASTER_PORT" in environ:
+        return _int(environ, "MASTER_PORT")
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "0"
+    digits = re.sub(r"\D", "", job) or "0"
+    return SLURM_PORT_BASE + int(digits) % SLURM_PORT_SPAN
+
+
+def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
+    """Read the launch environment.
+
+    Precedence: torchrun variables (``RANK``/``WORLD_SIZE``, also set by ``torchrun`` inside a SLURM
+    job), then a task started by ``srun``, then a single process.
+
+    Args:
+        environ: the environment to read (a plain dict in tests).
+
+    Returns:
+        The process's place in the job.
+
+    Raises:
+        ConfigError: a multi-task SLURM allocation entered without ``srun`` (every task would think
+            it is alone and train on the whole data set), or malformed variables.
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        world = _int(environ, "WORLD_SIZE")
+        return DistEnv(
+            rank=_int(environ, "RANK"),
+            local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
+            world_size=world,
+            local_world_size=_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world,
+            launcher="torchrun",
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_PORT,
+        )
+
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
+    under_srun = "SLURM_PROCID" in environ and step is not None and step != _SLURM_BATCH_STEP
+    if job_id is not None and under_srun:
+        world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+        world = _int(environ, world_key) if world_key in environ else 1
+        node_id = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
+        per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+        nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                    or environ.get("SLURM_NODELIST"))
+        if "MASTER_ADDR" in environ:
+            master = environ["MASTER_ADDR"]
+        elif nodelist:
+            master = expand_nodelist(nodelist)[0]
+        else:
+            master = "127.0.0.1"
+        return DistEnv(
+            rank=_int(environ, "SLURM_PROCID"),
+            local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+            world_size=world,
+            local_world_size=_tasks_on_node(per_node, node_id) if per_node else world,
+            launcher="slurm",
+            master_addr=master,
+            master_port=_slurm_port(environ),
+        )
+
+    if job_id is not None:
+        ntasks = _int(environ, "SLURM_NTASKS") if "SLURM_NTASKS" in environ else 1
+        if ntasks > 1:
+            raise ConfigError(
+                f"SLURM job {job_id} has {ntasks} tasks (SLURM_NTASKS) but this process was not started by "
+                "srun (no SLURM_PROCID/SLURM_STEP_ID): launch with `srun fastvision train ...` "
+                "(see scripts/slurm/train.sbatch), or with torchrun"
+            )
+    return DistEnv()

@@ -1,0 +1,40 @@
+"""The running job's process group as seen by this process: rank, world size, horovod or not.
+
+A leaf module (no fastvision imports) so that both :mod:`fastvision.dist` (collectives, DDP wrap)
+and :mod:`fastvision.dist.samplers` (which shard by rank) can read it without importing each other.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+
+class _Horovod:
+    """Holds ``horovod.torch`` once ``dist.init(backend="horovod")`` ran (None otherwise)."""
+
+    module: Any = None
+
+
+HOROVOD = _Horovod()
+
+
+def active() -> bool:
+    """More than one process joined a group (collectives do something)."""
+    if HOROVOD.module is not None:
+        return HOROVOD.module.size() > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """Global rank of this process (0 without a process group)."""
+    if HOROVOD.module is not None:
+        return HOROVOD.module.rank()
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of processes (1 without a process group)."""
+    if HOROVOD.module is not None:
+        return HOROVOD.module.size()
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

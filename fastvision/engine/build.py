@@ -1,0 +1,171 @@
+"""One build for every command: :func:`build` turns a config into a :class:`Run`, and the loaders."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from fastvision import dist, losses, models, optim, tasks  # noqa: F401  (import registers)
+from fastvision.config import RunConfig
+from fastvision.data import formats  # noqa: F401  (importing the package registers every dataset format)
+from fastvision.data.formats import DatasetSplits
+from fastvision.data.loader import DevicePrefetcher, build_loader
+from fastvision.engine import runtime
+from fastvision.engine.state import make_ema
+from fastvision.errors import ConfigError
+from fastvision.registry import DATASETS, LOSSES, MODELS, TASKS
+from fastvision.tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """Everything a run is made of, built once by :func:`build`.
+
+    The training parts (``optimizer`` ... ``steps_per_epoch``) are None unless built with
+    ``train=True``; the loaders are None without a dataset or with ``loaders=False``.
+    """
+
+    cfg: RunConfig
+    env: dist.DistEnv
+    device: torch.device
+    task: Task
+    model: nn.Module  # bare model (what checkpoints hold)
+    train_set: Any  # behind the configured cache when the loaders were built
+    val_set: Any
+    info: dict
+    precision: runtime.Precision
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    generator: torch.Generator | None = None  # batched augmentation draws from it
+    train_model: nn.Module | None = None  # the model under DDP / torch.compile: what the step calls
+    ema: Any = None
+    micro_steps: int = 1  # micro-batches per optimizer step (accumulation x emulated workers)
+    global_batch: int = 0  # items per optimizer step over all ranks
+    lr: float = 0.0  # learning rate after linear scaling to the global batch
+    train_loader: Any = None
+    val_loader: Any = None
+    steps_per_epoch: int = 0
+
+
+def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False, loaders: bool = True,
+          wrap_train_set: Callable[[Any], Any] | None = None) -> Run:
+    """Build a run from its config: the one place model, task, loss, optimizer and data are made.
+
+    Args:
+        cfg: the run configuration.
+        data_info: build without touching the dataset (prediction, export, benchmark): the dataset
+            facts the task needs, as saved in a checkpoint (``{}`` for none). ``train_set`` /
+            ``val_set`` are then None.
+        train: also build what training needs (optimizer, schedule, generator, EMA, DDP / compile).
+        loaders: with ``train`` and a dataset, also the cached training set and both loaders.
+        wrap_train_set: applied to the cached training set before its loader is made (the
+            profiler's NVTX ranges).
+    """
+    tc = cfg.train
+    env, device = dist.init(tc.device, backend=tc.backend)
+    runtime.set_tf32(tc.tf32)
+    runtime.seed_everything(tc.seed, tc.deterministic)
+    if data_info is None:
+        splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
+    else:
+        splits = DatasetSplits(None, None, data_info)
+    loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args").to(device)  # class-weight buffers
+    task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, info=splits.info)
+    if train and cfg.data.augment:
+        from fastvision.data.augment.spatial import build_augment
+
+        # batched augmentation for the data's dimensionality (the task's synthetic batch without data)
+        item = splits.train[0] if splits.train is not None else task.synthetic_batch(1, torch.device("cpu"))
+        dims = item[task.input_key].dim() - (1 if splits.train is not None else 2)
+        task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss,
+                           augment=build_augment(dims, **cfg.data.augment), info=splits.info)
+    model = runtime.prepare_model(MODELS.build(cfg.model.name, cfg.model.args, where="model.args"), device,
+                                  tc.channels_last)
+    run = Run(cfg, env, device, task, model, splits.train, splits.val, splits.info, runtime.Precision(tc.amp, device))
+    if train:
+        _build_training(run, loaders, wrap_train_set)
+    return run
+
+
+def _build_training(run: Run, loaders: bool, wrap_train_set: Callable[[Any], Any] | None) -> None:
+    """Optimizer (LR scaled to the global batch), data, schedule, generator, EMA, DDP / compile."""
+    cfg, tc, env, device = run.cfg, run.cfg.train, run.env, run.device
+    if tc.accum_steps < 1 or tc.emulate_workers < 1:
+        raise ConfigError("train.accum_steps and train.emulate_workers must be >= 1")
+    if tc.emulate_workers > 1 and env.world_size > 1:
+        raise ConfigError("--emulate-workers runs in one process; do not combine it with --nproc or a launcher")
+    run.micro_steps = tc.accum_steps * tc.emulate_workers
+    run.global_batch = tc.batch_size * run.micro_steps * env.world_size
+    run.lr = optim.effective_lr(cfg.optim, run.global_batch)
+    optimizer = optim.build_optimizer(run.model, cfg.optim, run.lr)
+    # horovod: DistributedOptimizer (a new object, so before the scheduler); DDP: unchanged
+    run.optimizer = dist.wrap_optimizer(optimizer, run.model, backward_passes_per_step=run.micro_steps)
+    run.steps_per_epoch = tc.steps_per_epoch or 1  # without data (benchmark): the schedule's unit
+    if loaders and run.train_set is not None:
+        raw = run.train_set
+        run.train_set = cached_train_set(raw, cfg, env, device)
+        data = wrap_train_set(run.train_set) if wrap_train_set else run.train_set
+        run.train_loader = make_loader(data, run.task, cfg, tc.batch_size, True, device)
+        if device.type == "cuda" and not hasattr(data, "make_loader"):
+            # copy batch k+1 to the GPU on a side stream while batch k computes
+            run.train_loader = DevicePrefetcher(run.train_loader, device,
+                                                lambda b, d: run.task.to_device(b, d, tc.channels_last))
+        run.val_loader = make_loader(run.val_set, run.task, cfg, cfg.data.val_batch_size or tc.batch_size, False,
+                                     device)
+        run.steps_per_epoch = len(run.train_loader) // run.micro_steps
+        if tc.steps_per_epoch:
+            run.steps_per_epoch = min(run.steps_per_epoch, tc.steps_per_epoch)
+        if run.steps_per_epoch == 0:
+            raise ConfigError(f"train.batch_size {tc.batch_size} x {run.micro_steps} micro-steps is larger than "
+                              f"the {len(raw)} training items")
+    run.scheduler = optim.build_scheduler(run.optimizer, cfg.sched, run.steps_per_epoch, tc.epochs)
+    run.generator = torch.Generator(device=device)
+    run.generator.manual_seed(tc.seed * 1_000_003 + env.rank)
+    run.ema = make_ema(run.model, tc.ema_decay)
+    ddp = dist.wrap_model(run.model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
+                          static_graph=tc.ddp_static_graph, comm_hook=tc.ddp_comm_hook)
+    run.train_model = runtime.maybe_compile(ddp, tc.compile)
+
+def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device):
+    """Loader over a rank's shard: deterministic per (seed, epoch) for training. A validation set
+    is cached as it is first read when ``data.cache`` is not ``none``.
+
+    A dataset that is already this rank's partition (GPU cache under DDP: ``rank_local``) is read
+    whole by its rank; every other dataset is sharded here.
+    """
+    if hasattr(dataset, "make_loader"):  # a dataset with its own sharding loader (DALI)
+        return dataset.make_loader(batch_size=batch_size, shard_id=dist.rank(), num_shards=dist.world_size(),
+                                   seed=cfg.train.seed, device=device)
+    if train:
+        emulate = cfg.train.emulate_workers
+        local = getattr(dataset, "rank_local", False)
+        sampler = dist.TrainSampler(dataset, seed=cfg.train.seed, shuffle=True, emulate_workers=emulate,
+                                    batch_size=batch_size, **({"num_replicas": 1, "rank": 0} if local else {}))
+        drop_last = emulate > 1 or len(sampler) >= batch_size
+    else:
+        if cfg.data.cache != "none":  # deterministic items: cached as first read (this rank's shard)
+            from fastvision.data.cache.select import wrap_val_set
+
+            dataset = wrap_val_set(dataset, cache=cfg.data.cache, cache_dir=cfg.data.cache_dir)
+        sampler, drop_last = dist.EvalSampler(dataset), False
+    return build_loader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=task.collate,
+                        loader=cfg.data.loader, num_workers=cfg.data.num_workers, drop_last=drop_last,
+                        seed=cfg.train.seed, repeats=cfg.data.repeats if train else 1,
+                        pin_memory=device.type == "cuda")
+
+
+def cached_train_set(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.device):
+    """The training set behind the configured cache (``data.cache``). Its random transforms run
+    per access with generators of (train.seed, epoch, sample index); with ``none`` a dataset
+    without random transforms is returned unchanged."""
+    from fastvision.data.cache.select import wrap_train_set
+
+    d = cfg.data
+    return wrap_train_set(dataset, cache=d.cache, cache_rate=d.cache_rate, cache_dir=d.cache_dir,
+                          cache_num=d.cache_num, replace_rate=d.replace_rate, env=env, device=device,
+                          seed=cfg.train.seed)

@@ -1,0 +1,216 @@
+"""Run logging: progress bar or plain lines, DLLogger-style ``metrics.jsonl``, plots, summary.
+
+Only rank 0 logs (the engine passes ``enabled=False`` elsewhere). ``metrics.jsonl`` holds one JSON
+event per line with DLLogger's fields (``timestamp``, ``elapsedtime``, ``type``, ``step``,
+``data``): ``step`` is ``"PARAMETER"`` for the config and environment, ``[epoch, iteration]`` for
+training steps, ``[epoch]`` for epoch-end validation and ``[]`` for the run summary.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+log = logging.getLogger("fastvision")
+
+
+def setup_logging(debug: bool = False) -> None:
+    """Plain ``fastvision: message`` lines on stderr for warnings and info."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    root = logging.getLogger("fastvision")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    root.propagate = False
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+class RunLogger:
+    """Writes events for one run.
+
+    Args:
+        run_dir: directory for ``metrics.jsonl``, ``curves.png`` and TensorBoard files.
+        enabled: False on non-zero ranks (everything becomes a no-op).
+        tensorboard: also write TensorBoard event files (needs the ``tensorboard`` package).
+        progress: show a rich progress bar; default: only when stdout is a terminal.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool = True, tensorboard: bool = False,
+                 progress: bool | None = None):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.start = time.time()
+        self.console = Console()
+        self.history: list[dict[str, Any]] = []  # one dict per epoch, for curves and summary
+        self._file = open(self.run_dir / "metrics.jsonl", "a") if enabled else None
+        self._tb = _tensorboard_writer(self.run_dir) if enabled and tensorboard else None
+        use_bar = sys.stdout.isatty() if progress is None else progress
+        self._progress = _make_progress(self.console) if enabled and use_bar else None
+        self._task = None
+        # curves.png needs matplotlib (seconds to import on a small CPU): import it in a thread now,
+        # while the run trains, so the plot at the end only draws.
+        self._plot_import = _start_plot_import() if enabled else None
+
+    # -- events ----------------------------------------------------------------
+    def event(self, step: Any, data: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        now = time.time()
+        rec = {"timestamp": now, "elapsedtime": now - self.start, "type": "LOG",
+               "step": step, "data": _jsonable(data)}
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+
+    def parameters(self, config: dict[str, Any], environment: dict[str, Any]) -> None:
+        self.event("PARAMETER", {"config": config, "environment": environment})
+
+    def step(self, epoch: int, it: int, global_step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.event([epoch, it], values)
+        if self._tb:
+            for k, v in values.items():
+                self._tb.add_scalar(f"train/{k}", v, global_step)
+        if self._progress is None:
+            text = " ".join(f"{k} {_fmt(v)}" for k, v in values.items())
+            print(f"epoch {epoch} step {it}: {text}", flush=True)
+        elif self._task is not None:  # the bar shows the latest loss and throughput
+            info = {k: values[k] for k in ("loss", "images_per_s") if k in values}
+            self._progress.update(self._task, info="  ".join(f"{k} {_fmt(v)}" for k, v in info.items()))
+
+    def epoch_end(self, epoch: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.history.append({"epoch": epoch, **values})
+        self.event([epoch], values)
+        if self._tb:
+            for k, v in values.items():
+                self._tb.add_scalar(f"epoch/{k}", v, epoch)
+        text = "  ".join(f"{k} {_fmt(v)}" for k, v in values.items())
+        self.console.print(f"[bold]epoch {epoch}[/bold]  {text}", highlight=False)
+
+    # -- progress bar -------------------------------------------------------------
+    def start_epoch(self, epoch: int, epochs: int, steps: int) -> None:
+        if self._progress is None:
+            return
+        if self._task is None:
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=steps, epoch=f"{epoch + 1}/{epochs}", info="")
+        else:
+            self._progress.reset(self._task, total=steps, epoch=f"{epoch + 1}/{epochs}", info="")
+
+    def advance(self, info: dict[str, float] | None = None) -> None:
+        if self._progress is None:
+            return
+        fields = {"info": "  ".join(f"{k} {_fmt(v)}" for k, v in info.items())} if info else {}
+        self._progress.update(self._task, advance=1, **fields)
+
+    # -- end of run ---------------------------------------------------------------
+    def summary(self, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.event([], values)
+        table = Table(title="run summary", show_header=False)
+        for k, v in values.items():
+            table.add_row(k, _fmt(v) if isinstance(v, float) else str(v))
+        self.console.print(table)
+
+    def plot_curves(self, metric: str) -> Path | None:
+        """``curves.png``: training loss and the validation metric per epoch."""
+        if not self.enabled or not self.history:
+            return None
+        if self._plot_import is not None:
+            self._plot_import.join()  # an import error there is raised again by the import below
+        # The object API with the Agg canvas: no pyplot, so the user's backend and figures are untouched.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7, 4))
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        ep = [h["epoch"] + 1 for h in self.history if "train_loss" in h]
+        handles = ax.plot(ep, [h["train_loss"] for h in self.history if "train_loss" in h], "o-", label="train loss")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("train loss")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        val = [(h["epoch"] + 1, h[metric]) for h in self.history if metric in h]
+        if val:
+            ax2 = ax.twinx()
+            handles += ax2.plot(*zip(*val), "s-", color="tab:orange", label=f"validation {metric}")
+            ax2.set_ylabel(f"validation {metric}")
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out = self.run_dir / "curves.png"
+        fig.savefig(out, dpi=100)
+        return out
+
+    def close(self) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.stop()
+        if self._file:
+            self._file.close()
+            self._file = None
+        if self._tb:
+            self._tb.close()
+
+
+def _start_plot_import() -> threading.Thread:
+    """A daemon thread importing what :meth:`RunLogger.plot_curves` uses; errors are left to that call."""
+    def run() -> None:
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+            from matplotlib.figure import Figure  # noqa: F401
+        except Exception:  # noqa: BLE001  (plot_curves imports again and reports it)
+            pass
+
+    thread = threading.Thread(target=run, name="fastvision-plot-import", daemon=True)
+    thread.start()
+    return thread
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _make_progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("epoch {task.fields[epoch]}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+        console=console, transient=True,
+    )
+
+
+def _tensorboard_writer(run_dir: Path):
+    from fastvision.errors import ConfigError
+
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard)") from e
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))

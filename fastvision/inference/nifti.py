@@ -1,0 +1,214 @@
+"""NIfTI prediction: cases from files, the recipe's preprocessing, regions to labels, writers."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+Predictor = Callable[[Tensor], Tensor]
+
+
+def write_nifti(array: np.ndarray | Tensor, reference_nifti_path: str | Path, out_path: str | Path) -> Path:
+    """Write ``array`` with the affine, header fields and orientation codes of a reference file.
+
+    Args:
+        array: (X, Y, Z[, ...]) data already on the reference's voxel grid (see
+            :func:`fastvision.data.preprocess3d.restore_to_input`); its dtype is kept.
+        reference_nifti_path: the input image the prediction belongs to.
+        out_path: output ``.nii.gz`` path (parent folders are created).
+
+    Returns:
+        ``out_path``.
+    """
+    import nibabel as nib
+
+    from fastvision.errors import DataError
+
+    data = array.detach().cpu().numpy() if isinstance(array, Tensor) else np.asarray(array)
+    ref = nib.load(str(reference_nifti_path))
+    if data.shape[:3] != ref.shape[:3]:
+        raise DataError(f"prediction grid {data.shape[:3]} differs from {reference_nifti_path} {ref.shape[:3]}")
+    header = ref.header.copy()
+    header.set_data_dtype(data.dtype)
+    img = nib.Nifti1Image(data, ref.affine, header=header)
+    img.header.set_slope_inter(1.0, 0.0)  # labels must not inherit the image's intensity scaling
+    img.set_qform(ref.header.get_qform(), code=int(ref.header["qform_code"]))
+    img.set_sform(ref.header.get_sform(), code=int(ref.header["sform_code"]))
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(img, str(out_path))
+    return out_path
+
+
+def save_segmentation(label: Tensor, meta: dict, reference_nifti_path: str | Path, out_path: str | Path,
+                      brats_ids: bool = False) -> Path:
+    """Write a predicted label map (on the preprocessed grid) in the input file's space.
+
+    Args:
+        label: (X, Y, Z) integer class indices on the preprocessed (RAS, resampled, cropped) grid.
+        meta: the case's preprocessing ``meta`` (``VolumeDataset.meta(i)``).
+        reference_nifti_path: the case's (first) input image.
+        out_path: output path.
+        brats_ids: map class 3 back to BraTS label 4.
+    """
+    from fastvision.data.preprocess3d import remap_labels, restore_to_input
+
+    label = label.long()
+    if brats_ids:
+        label = remap_labels(label, ((3, 4),))
+    arr = restore_to_input(label.cpu(), meta, mode="nearest").astype(np.uint8)
+    return write_nifti(arr, reference_nifti_path, out_path)
+
+
+# ----------------------------------------------------------------------------- NIfTI prediction
+_BRATS_FILE = re.compile(r"^(?P<case>.+)_(?P<mod>flair|t1|t1ce|t2|seg)(?P<ext>\.nii(\.gz)?)$")
+
+
+def prediction_cases(files: Sequence[str | Path]) -> list[dict]:
+    """Group prediction inputs into cases ``{"id": str, "image": [paths]}``.
+
+    A NIfTI file is one case (a 4-D file carries its channels). A folder holds raw BraTS cases
+    (``<case>_{flair,t1,t1ce,t2}.nii.gz``, any nesting). Loose files named like BraTS modalities
+    (what a folder expands to) are grouped into their case in FLAIR, T1, T1ce, T2 order; ``_seg``
+    files are skipped.
+    """
+    from fastvision.data.formats.brats import MODALITIES, find_cases
+    from fastvision.errors import DataError
+
+    cases, grouped = [], set()
+    for f in map(Path, files):
+        if f.is_dir():
+            cases += [{"id": c["id"], "image": c["image"]} for c in find_cases(f)]
+            continue
+        if not f.name.endswith((".nii", ".nii.gz")):
+            raise DataError(f"{f}: expected a NIfTI file (.nii / .nii.gz) or a BraTS case folder")
+        m = _BRATS_FILE.match(f.name)
+        siblings = [f.parent / f"{m['case']}_{mod}{m['ext']}" for mod in MODALITIES] if m else []
+        if m and all(p.is_file() for p in siblings):
+            if (f.parent, m["case"]) not in grouped:
+                grouped.add((f.parent, m["case"]))
+                cases.append({"id": m["case"], "image": siblings})
+            continue
+        name = f.name
+        cases.append({"id": name[: -len(".nii.gz")] if name.endswith(".nii.gz") else f.stem, "image": [f]})
+    return cases
+
+
+def _brats_release_uses_4(data_args: dict) -> bool:
+    """Predictions go out in the training release's ids: 2017-2021 write enhancing tumour as 4,
+    2023-2024 GLI as 3. Decided from the training folder when it is still there (else 4)."""
+    from fastvision.data.formats.brats_layouts import detect
+    from fastvision.errors import DataError
+
+    path = data_args.get("path")
+    try:
+        return detect(path).name != "brats2023-gli" if path else True
+    except DataError:
+        return True
+
+
+def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any, bool]:
+    """The run's preprocessing (from ``cfg.data.args``) and whether outputs use BraTS ids (3 -> 4).
+
+    Decathlon runs read the run's ``dataset.json`` (if still at ``data.args.path``) to resolve
+    ``intensity: auto`` and to recognise Task01 (BraTS ids); without it, ``intensity`` must be set
+    and a 4-channel, 4-class task counts as BraTS.
+
+    Returns:
+        (:class:`~fastvision.data.preprocess3d.PreprocessParams`, brats_ids).
+    """
+    import json
+
+    from fastvision.data.preprocess3d import PreprocessParams
+    from fastvision.errors import ConfigError
+
+    if data_name not in ("decathlon", "brats"):
+        raise ConfigError(f"NIfTI prediction needs a decathlon or brats run, this one used data.name={data_name!r}")
+    spacing = data_args.get("target_spacing")
+    common = {"target_spacing": tuple(map(float, spacing)) if spacing else None,
+              "crop_foreground": bool(data_args.get("crop_foreground", True)),
+              "crop_margin": int(data_args.get("crop_margin", 0))}
+    if data_name == "brats":
+        return PreprocessParams(intensity="mri", **common), _brats_release_uses_4(data_args)
+    meta_file = Path(str(data_args.get("path", ""))) / "dataset.json"
+    meta = json.loads(meta_file.read_text()) if data_args.get("path") and meta_file.is_file() else None
+    intensity = data_args.get("intensity", "auto")
+    if intensity == "auto":
+        if meta is None:
+            raise ConfigError(f"data.args.intensity=auto needs {meta_file} to tell CT from MRI; it is gone")
+        intensity = "ct" if [str(m).upper() for m in meta.get("modality", {}).values()] == ["CT"] else "mri"
+    if meta is not None:
+        names = {str(v).lower() for v in meta.get("labels", {}).values()}
+        brats = {"edema", "non-enhancing tumor", "enhancing tumour"} <= names
+    else:
+        brats = getattr(task, "num_classes", 0) == 4 and tuple(getattr(task, "sample_shape", ()))[:1] == (4,)
+    window = tuple(map(float, data_args.get("window", (-57.0, 164.0, 0.0, 1.0))))
+    return PreprocessParams(intensity=intensity, window=window, **common), brats
+
+
+def regions_to_classes(masks: Tensor, regions: Sequence[Sequence[int]]) -> Tensor:
+    """Nested region masks -> class indices, inner regions painted over outer ones.
+
+    Each region is labelled with the one class it holds that no region inside it holds (BraTS
+    WT {1,2,3} -> 2, TC {1,3} -> 1, ET {3} -> 3), so ET wins over TC and TC over WT.
+
+    Args:
+        masks: (B, R, *S) bool predictions, one channel per entry of ``regions``.
+        regions: class ids of each region, e.g. ``[[1, 2, 3], [1, 3], [3]]``.
+
+    Returns:
+        (B, *S) int64.
+    """
+    from fastvision.errors import ConfigError
+
+    sets = [set(r) for r in regions]
+    label = torch.zeros((masks.shape[0], *masks.shape[2:]), dtype=torch.long, device=masks.device)
+    for r in sorted(range(len(sets)), key=lambda i: -len(sets[i])):
+        own = sets[r] - set().union(*[s for s in sets if s < sets[r]])
+        if len(own) != 1:
+            raise ConfigError(f"task.args.regions {list(map(list, regions))} are not nested; cannot map to labels")
+        label[masks[:, r]] = own.pop()
+    return label
+
+
+@torch.no_grad()
+def predict_nifti_files(task, model: torch.nn.Module, files: Sequence[Path], out_dir: Path, cfg,
+                        device: torch.device) -> list[Path]:
+    """Segment NIfTI volumes (or raw BraTS case folders) and write ``OUT/<case>.nii.gz`` per case.
+
+    Each case is preprocessed as the run's dataset did (``cfg.data.args``), predicted with the
+    task's ``sliding_window`` settings (``task.eval_forward``), turned into class indices (argmax,
+    or regions -> labels for sigmoid regions), returned to the input's voxel grid and written with
+    the input's affine and header; BraTS / Task01 runs write BraTS ids (3 -> 4).
+
+    Args:
+        task: a :class:`~fastvision.tasks.segment.SegmentationTask`.
+        model: the trained model (put in eval mode here).
+        files: NIfTI files and/or BraTS case folders (:func:`prediction_cases`).
+        out_dir: output folder (created).
+        cfg: the run's config (``data.name``, ``data.args``, ``train.amp``).
+        device: where the model runs.
+
+    Returns:
+        Written segmentation paths, one per case.
+    """
+    from fastvision.data.preprocess3d import preprocess_case
+
+    params, brats_ids = prediction_preprocessing(task, cfg.data.name, cfg.data.args)
+    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.train.amp) if device.type == "cuda" else None
+    model.eval()
+    written = []
+    for case in prediction_cases(files):
+        pre = preprocess_case({"image": case["image"], "label": None}, params)
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            logits = task.eval_forward(model, {"image": pre["image"][None].to(device)}).float()
+        pred = task.predict_labels(logits)
+        if task.mode == "regions":
+            pred = regions_to_classes(pred, task.regions)
+        out = Path(out_dir) / f"{case['id']}.nii.gz"
+        written.append(save_segmentation(pred[0], pre["meta"], case["image"][0], out, brats_ids=brats_ids))
+    return written

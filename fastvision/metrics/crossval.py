@@ -1,0 +1,117 @@
+"""``fastvision cv RUNS...``: average the final metrics of k cross-validation folds.
+
+Seed 000 trains folds 0-4 (``--fold k --num_folds 5``) and ``runtime/parse_results.py`` averages the
+final evaluation of the fold logs. Here each run directory's ``metrics.jsonl`` (DLLogger-style
+events written by ``log.py``) is read: the run summary (the event with ``step == []``) or, for a run
+that stopped early, its last epoch event. Every numeric metric present in all runs is averaged;
+the population std across folds is reported next to it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from fastvision.errors import DataError
+
+log = logging.getLogger(__name__)
+
+# Bookkeeping values in a summary that are not fold metrics.
+_SKIP = {"epoch", "epochs", "target_reached", "target_epoch"}
+
+
+def read_final_metrics(run: str | Path) -> tuple[dict[str, float], int | None]:
+    """Final numeric metrics of one run and its fold (from the saved config), if recorded.
+
+    Args:
+        run: a run directory or its ``metrics.jsonl``.
+
+    Returns:
+        (metrics, fold or None).
+    """
+    path = Path(run)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise DataError(f"{path}: not a run directory with metrics.jsonl")
+    summary, last_epoch, fold = None, None, None
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip().removeprefix("DLLL ")
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not JSON ({e})") from e
+        step, data = rec.get("step"), rec.get("data", {})
+        if step == "PARAMETER":
+            args = data.get("config", {}).get("data", {}).get("args", {})
+            fold = args.get("fold", fold)
+        elif step == []:
+            summary = data
+        elif isinstance(step, list) and len(step) == 1:
+            last_epoch = data
+    final = summary if summary is not None else last_epoch
+    if final is None:
+        raise DataError(f"{path}: no epoch or summary events (did the run finish an epoch?)")
+    metrics = {k: float(v) for k, v in final.items()
+               if k not in _SKIP and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return metrics, fold
+
+
+def cross_validate(runs: Sequence[str | Path], metrics: Sequence[str] | None = None) -> dict[str, Any]:
+    """Average fold metrics.
+
+    Args:
+        runs: run directories (or metrics.jsonl files), one per fold.
+        metrics: names to report; default all numeric metrics common to every run.
+
+    Returns:
+        ``{"folds": [fold or None per run], "runs": [...], "mean": {name: v}, "std": {name: v},
+        "per_run": {name: [v, ...]}}``.
+    """
+    if not runs:
+        raise DataError("cv needs at least one run directory")
+    results = [read_final_metrics(r) for r in runs]
+    folds = [f for _, f in results]
+    known = [f for f in folds if f is not None]
+    if len(set(known)) != len(known):
+        log.warning("runs repeat a fold (%s): the average is not a cross-validation", folds)
+    common = set.intersection(*(set(m) for m, _ in results))
+    names = list(metrics) if metrics else sorted(common)
+    missing = [m for m in names if m not in common]
+    if missing:
+        raise DataError(f"metric(s) {', '.join(missing)} not in every run; common: {', '.join(sorted(common))}")
+    per_run = {k: [m[k] for m, _ in results] for k in names}
+    mean = {k: sum(v) / len(v) for k, v in per_run.items()}
+    std = {k: math.sqrt(sum((x - mean[k]) ** 2 for x in v) / len(v)) for k, v in per_run.items()}
+    return {"runs": [str(r) for r in runs], "folds": folds, "mean": mean, "std": std, "per_run": per_run}
+
+
+def _main(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    res = cross_validate(args.runs, args.metrics)
+    table = Table(title=f"cross-validation over {len(args.runs)} runs (folds {res['folds']})")
+    table.add_column("metric")
+    table.add_column("mean", justify="right")
+    table.add_column("std", justify="right")
+    table.add_column("per run", justify="left")
+    for k in res["mean"]:
+        table.add_row(k, f"{res['mean'][k]:.4f}", f"{res['std'][k]:.4f}",
+                      " ".join(f"{v:.4f}" for v in res["per_run"][k]))
+    Console().print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """Register ``fastvision cv RUNS... [--metrics M ...] [--json OUT]``."""
+    p = subparsers.add_parser("cv", help="average the final metrics of cross-validation folds (seed 000)")
+    p.add_argument("runs", nargs="+", help="run directories, one per fold")
+    p.add_argument("--metrics", nargs="+", help="metrics to report (default: all common numeric metrics)")
+    p.add_argument("--json", help="also write the result as JSON to this file")
+    p.set_defaults(func=_main)

@@ -1,0 +1,130 @@
+"""Parameter groups, SGD/Adam/AdamW/Novograd, and the recipe's linear LR scaling."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from fastvision.config import OptimConfig
+from fastvision.errors import ConfigError
+
+_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool) -> list[dict]:
+    """Two groups: decayed weights, and norm weights + biases without weight decay."""
+    if not no_decay_norm_bias or weight_decay == 0:
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    decay, no_decay = [], []
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            (no_decay if isinstance(module, _NORMS) or name.endswith("bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def effective_lr(cfg: OptimConfig, global_batch: int) -> float:
+    """Linear scaling rule: ``lr * global_batch / ref_batch`` (Goyal et al.); unscaled if no ref."""
+    return cfg.lr if not cfg.ref_batch else cfg.lr * global_batch / cfg.ref_batch
+
+
+def _impl_kwargs(impl: str, device: torch.device) -> dict:
+    """``fused`` / ``foreach`` arguments of torch's SGD / Adam / AdamW for ``optim.impl``.
+
+    ``auto`` is fused on CUDA (one kernel per step, and it applies a skip decided on the device:
+    :func:`step_unless`), foreach elsewhere.
+    """
+    if impl not in ("auto", "fused", "foreach", "loop"):
+        raise ConfigError(f"optim.impl: expected auto, fused, foreach or loop, got {impl!r}")
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer:
+    groups = param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias)
+    betas = tuple(cfg.betas)
+    first = next(model.parameters(), None)
+    kw = _impl_kwargs(cfg.impl, first.device if first is not None else torch.device("cpu"))
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kw)
+    if cfg.name == "adam":
+        return torch.optim.Adam(groups, lr=lr, betas=betas, eps=cfg.eps, **kw)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps, **kw)
+    if cfg.name == "novograd":
+        return Novograd(groups, lr=lr, betas=betas, eps=cfg.eps)
+    raise ConfigError(f"optim.name: unknown optimizer {cfg.name!r}; valid: sgd, adam, adamw, novograd")
+
+class Novograd(Optimizer):
+    """NovoGrad (Ginsburg et al., 2019): Adam-like with layer-wise second moments.
+
+    Per parameter tensor: ``v = b2 * v + (1 - b2) * ||g||^2`` (a scalar, initialised to ``||g||^2``),
+    ``m = b1 * m + g / (sqrt(v) + eps) + wd * w``, ``w -= lr * m``. ``grad_averaging`` scales the
+    normalised gradient by ``1 - b1``. Matches MONAI's ``Novograd`` options.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.98),
+                 eps: float = 1e-8, weight_decay: float = 0.0, grad_averaging: bool = False,
+                 amsgrad: bool = False):
+        if lr <= 0:
+            raise ConfigError(f"optim.lr must be positive, got {lr}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        grad_averaging=grad_averaging, amsgrad=amsgrad)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None, found_inf: torch.Tensor | None = None):
+        """One update; with ``found_inf`` (0-d float, non-zero: skip) a no-op decided on the device."""
+        keep = None if found_inf is None else (found_inf.reshape(()) == 0)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                norm_sq = g.pow(2).sum()
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(norm_sq)
+                    # applied updates (a device tensor: a skipped first step leaves it 0, no host read)
+                    state["applied"] = torch.zeros_like(norm_sq)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros_like(norm_sq)
+                applied = state.setdefault("applied", torch.ones_like(norm_sq))  # pre-"applied" checkpoints
+                # v starts at ||g||^2 on the first applied update
+                v_new = torch.where(applied > 0, state["exp_avg_sq"] * b2 + norm_sq * (1 - b2), norm_sq)
+                state["step"] += 1  # step() calls (skipped included); the update does not use it
+                v = v_new
+                if group["amsgrad"]:
+                    v = torch.maximum(state["max_exp_avg_sq"], v_new)
+                update = g / (v.sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update = update.add(p, alpha=group["weight_decay"])
+                if group["grad_averaging"]:
+                    update = update.mul(1 - b1)
+                m_new = state["exp_avg"] * b1 + update
+                if keep is None:
+                    state["exp_avg_sq"].copy_(v_new)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"].copy_(v)
+                    state["exp_avg"].copy_(m_new)
+                    applied.add_(1)
+                    p.add_(m_new, alpha=-group["lr"])
+                    continue
+                state["exp_avg_sq"].copy_(torch.where(keep, v_new, state["exp_avg_sq"]))
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"].copy_(torch.where(keep, v, state["max_exp_avg_sq"]))
+                state["exp_avg"].copy_(torch.where(keep, m_new, state["exp_avg"]))
+                applied.add_(keep.to(applied.dtype))
+                p.copy_(torch.where(keep, p - group["lr"] * m_new, p))
+        return loss

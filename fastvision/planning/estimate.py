@@ -1,0 +1,303 @@
+"""Estimates for ``fastvision plan``: memory by part, largest batch, step time, scaling, time and cost.
+
+Everything starts from :func:`fastvision.planning.trace.trace_step` (one fake-tensor training step of
+the recipe). Units: bytes, seconds, FLOPs; GiB only in reports.
+
+* Memory: the traced peak of live tensors plus a workspace margin (``WORKSPACE_FRACTION`` of the
+  peak for allocator rounding and fragmentation, plus ``WORKSPACE_FIXED`` for the CUDA context and
+  the cuBLAS / cuDNN workspaces, which no tensor trace sees). ``torch.compile`` is modelled by
+  dropping the saved elementwise and normalisation outputs that inductor recomputes.
+* Largest batch: activations and inputs grow linearly with the batch, parameters, gradients and
+  optimizer state do not; the line is solved for the device's memory and the answer is checked
+  with one more trace.
+* Step time: a roofline range, ``max(FLOPs / (peak x f_hi), traffic / bandwidth)`` to
+  ``FLOPs / (peak x f_lo) + traffic / bandwidth``, with the achieved fraction ``f`` of peak dense
+  math either the default range or calibrated from a measured ``fastvision benchmark`` JSON.
+* Scaling: the data-parallel simulator of :mod:`fastvision.scaling.sweep`, called through
+  :func:`scaling_efficiency` only.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from fastvision import optim
+from fastvision.config import RunConfig
+from fastvision.errors import ConfigError, DataError
+from fastvision.planning.devices import GPU, get_gpu, training_precision
+from fastvision.planning.trace import StepTrace, trace_step
+
+WORKSPACE_FRACTION = 0.05  # allocator block rounding and fragmentation, share of the tensor peak
+WORKSPACE_FIXED = 0.75 * 2**30  # CUDA context (~0.3-0.5 GiB) + cuBLAS/cuDNN workspaces
+# Achieved share of peak dense math, with the bandwidth term counted separately. Chosen so that
+# the default range holds the published anchors (perf_anchors.md): ResNet-50 A100 AMP 2,470
+# (DLE PyTorch) and 3,411 img/s (MXNet), H100 7,160 img/s (MLPerf), 3-D U-Net A100 AMP bs 2
+# 17.9 vol/s (seed 000); docs/plan.md lists the check.
+DEFAULT_ACHIEVED = (0.15, 0.5)
+BANDWIDTH_EFFICIENCY = 0.8  # achievable share of spec memory bandwidth (HBM copy test: 87 %)
+
+# Training-set sizes the recipes state or imply (items per epoch before sharding).
+DATASET_FACTS: dict[str, tuple[int, str]] = {
+    "resnet50-imagenet": (1_281_167, "ImageNet-1k train"),
+    "resnet50-imagenet-250ep": (1_281_167, "ImageNet-1k train"),
+    "ssd320-coco": (118_287, "COCO train2017"),
+    "unet3d-brats": (268, "BraTS 2019, 335 cases (seed 000), 4 of 5 folds"),
+    "segresnet-brats": (388, "MSD Task01 BrainTumour, 484 cases, MONAI's 388/96 split"),
+    "unet3d-spleen-fast": (32, "MSD Task09 Spleen, 41 cases, MONAI's 32/9 split"),
+    "unet3d-spleen-baseline": (32, "MSD Task09 Spleen, 41 cases, MONAI's 32/9 split"),
+    "unet2d-microscopy": (896, "seed 001: 1,120 images, 80 % train"),
+}
+
+
+# ------------------------------------------------------------------------------ building
+_WEIGHT_ARGS = ("pretrained", "backbone_weights")
+
+
+def without_weights(model_args: dict) -> dict:
+    """``model.args`` without weights files: they change values, not shapes, so planning (and
+    measuring memory) never reads or downloads them."""
+    return {k: v for k, v in model_args.items() if k not in _WEIGHT_ARGS}
+
+
+def build_for(cfg: RunConfig):
+    """The recipe's model (on the meta device), task and optimizer factory, for :func:`trace_step`.
+
+    The one place that builds a recipe for planning: point it at the engine's shared build.
+    """
+    from fastvision import engine  # noqa: F401  (importing the engine registers every component)
+    from fastvision.registry import LOSSES, MODELS, TASKS
+
+    def build():
+        loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args")
+        task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, info={})
+        with torch.device("meta"):
+            model = MODELS.build(cfg.model.name, without_weights(cfg.model.args), where="model.args")
+        return model, task, lambda m: optim.build_optimizer(m, cfg.optim, cfg.optim.lr)
+
+    return build
+
+
+def trace(cfg: RunConfig, batch: int, *, amp: str | None = None, channels_last: bool | None = None,
+          checkpoint: bool = False) -> StepTrace:
+    """One traced step of ``cfg`` at per-device ``batch`` (the recipe's switches unless given).
+
+    ``amp: auto`` left unresolved means what it means on the CPU the trace runs on (fp32);
+    :func:`fastvision.planning.plan.make_plan` resolves it for the target GPU first.
+    """
+    from fastvision.engine.runtime import resolve_amp
+
+    amp = resolve_amp(cfg.train.amp if amp is None else amp, torch.device("cpu"))[0]
+    return trace_step(build_for(cfg), batch, amp=amp,
+                      channels_last=cfg.train.channels_last if channels_last is None else channels_last,
+                      checkpoint_blocks=checkpoint)
+
+
+# ------------------------------------------------------------------------------ memory
+@dataclass
+class Memory:
+    """Peak device memory of a training step, in bytes, by part."""
+
+    batch: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    inputs: int
+    activations: int
+    workspace: int
+    total: int
+
+    def gib(self) -> dict[str, float]:
+        return {k: (v / 2**30 if k != "batch" else v) for k, v in asdict(self).items()}
+
+
+def memory(t: StepTrace, compile: bool = False) -> Memory:
+    """Peak memory by part from a trace; ``compile`` drops the activations inductor recomputes."""
+    act = t.activations - (t.recomputable if compile else 0)
+    peak = t.peak_bytes - (t.recomputable if compile else 0)
+    work = int(WORKSPACE_FRACTION * peak + WORKSPACE_FIXED)
+    return Memory(t.batch, t.parameters, t.gradients, t.optimizer_state, t.inputs, act, work, peak + work)
+
+
+def fits(total: float, gpu: GPU) -> bool:
+    return total <= gpu.memory_gib * 2**30
+
+
+def linear_batch(t: StepTrace, gpu: GPU, compile: bool = False) -> int:
+    """Largest batch from one trace: activations and inputs scale with the batch, the rest is fixed."""
+    m = memory(t, compile)
+    per_item = (m.activations + m.inputs) / t.batch
+    peak = m.total - m.workspace
+    fixed = peak - m.activations - m.inputs
+    room = (gpu.memory_gib * 2**30 - WORKSPACE_FIXED) / (1 + WORKSPACE_FRACTION) - fixed
+    return max(0, int(room / per_item)) if per_item > 0 else 0
+
+
+def largest_batch(cfg: RunConfig, gpu: GPU, first: StepTrace, compile: bool = False, max_traces: int = 3) -> int:
+    """Largest per-device batch that fits ``gpu``: the linear rule of one trace, then checked.
+
+    A trace at the predicted batch confirms it; if it does not fit, the line through the two
+    traces gives the next guess (at most ``max_traces`` extra traces).
+
+    Args:
+        cfg: the recipe.
+        gpu: target device.
+        first: a trace at any batch (the recipe's).
+        compile: plan for ``torch.compile``.
+        max_traces: extra traces allowed.
+    """
+    cap = gpu.memory_gib * 2**30
+    best = first.batch if memory(first, compile).total <= cap else 0
+    guess = linear_batch(first, gpu, compile)
+    for _ in range(max_traces):
+        if guess < 1 or guess == best:
+            return max(best, guess) if guess >= 1 else best
+        t = trace(cfg, guess)
+        over = memory(t, compile).total - cap
+        if over <= 0:
+            return max(best, guess)
+        slope = (memory(t, compile).total - memory(first, compile).total) / max(1, guess - first.batch)
+        guess = int(guess - over / slope) - 1 if slope > 0 else guess // 2
+    return best
+
+
+# ------------------------------------------------------------------------------ time
+def achieved_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool) -> tuple[float, str]:
+    """The achieved fraction of peak math in a measured ``fastvision benchmark`` JSON (train mode).
+
+    The row with the recipe's precision (else the first) gives items/s; FLOPs per item come from
+    the trace; the benchmark's ``gpu`` names the table entry.
+    """
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable benchmark JSON ({e})") from None
+    if report.get("mode") != "train" or not report.get("gpu"):
+        raise DataError(f"{path}: needs a train-mode benchmark measured on a GPU (its 'gpu' field names it)")
+    gpu = get_gpu(report["gpu"])
+    want = amp if amp != "off" else ("tf32" if tf32 else "fp32")
+    rows = [r for r in report.get("results", []) if "items_per_s" in r]
+    if not rows:
+        raise DataError(f"{path}: no measured rows")
+    row = next((r for r in rows if r["precision"] == want), rows[0])
+    peak, _ = gpu.peak_tflops(row["precision"])
+    frac = t.flops / t.batch * row["items_per_s"] / (peak * 1e12)
+    return frac, f"{gpu.name} {row['precision']} batch {row['batch_size']}: {row['items_per_s']:.0f} items/s"
+
+
+def step_time(t: StepTrace, gpu: GPU, precision: str, achieved: tuple[float, float] = DEFAULT_ACHIEVED,
+              calibrated: bool = False, traffic_scale: float = 1.0) -> tuple[float, float]:
+    """(fast, slow) seconds per step on ``gpu`` for the traced FLOPs and memory traffic.
+
+    Args:
+        t: the traced step.
+        gpu: target device.
+        precision: fp32, tf32, fp16 or bf16 (the step's math).
+        achieved: (low, high) fraction of peak dense math.
+        calibrated: ``achieved`` came from a measured step that already includes memory traffic.
+        traffic_scale: share of the traced traffic that remains (compile fuses elementwise ops).
+    """
+    peak, _ = gpu.peak_tflops(precision)
+    lo, hi = achieved
+    compute = [t.flops / (peak * 1e12 * f) for f in (hi, lo)]
+    if calibrated:
+        return compute[0], compute[1]
+    # each created byte is written once and read at least once
+    mem = 2 * t.traffic_bytes * traffic_scale / (gpu.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY)
+    return max(compute[0], mem), compute[1] + mem
+
+
+def scaling_efficiency(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_node: int,
+                       link: str, hardware: str | None = None) -> dict[str, float]:
+    """Data-parallel efficiency at ``gpus`` from the scaling simulator (weak scaling).
+
+    The one adapter between planning and :mod:`fastvision.scaling.simulator`.
+
+    Args:
+        step_s: single-GPU step time at ``batch``.
+        batch: per-GPU batch.
+        grad_bytes: gradient bytes all-reduced per step.
+        gpus: GPU count.
+        gpus_per_node, link: the node shape and inter-node link preset, when no ``hardware``.
+        hardware: a hardware profile (preset name or YAML file, ``fastvision/scaling/hardware/``).
+
+    Returns:
+        ``efficiency``, ``step_s`` (the multi-GPU step) and ``exposed_comm_s``.
+    """
+    from fastvision.scaling.simulator import (
+        LINKS,
+        StepProfile,
+        bucket_count,
+        load_hardware,
+        predict_step_time,
+    )
+
+    if hardware is not None:
+        where = load_hardware(hardware)
+        extra = {}
+    else:
+        if link not in LINKS:
+            raise ConfigError(f"--link: unknown {link!r}; valid: {', '.join(LINKS)}")
+        where, extra = LINKS[link], {"gpus_per_node": gpus_per_node}
+    prof = StepProfile(compute_s=step_s, batch=batch, grad_bytes=grad_bytes, buckets=bucket_count(grad_bytes))
+    one = predict_step_time(prof, 1, where, **extra)
+    many = predict_step_time(prof, gpus, where, **extra)
+    return {"efficiency": many["images_per_s"] / (one["images_per_s"] * gpus), "step_s": many["step_s"],
+            "exposed_comm_s": many["exposed_comm_s"]}
+
+
+def train_time(step_s: float, batch: int, gpus: int, efficiency: float, items: int, epochs: int) -> float:
+    """Seconds to train ``epochs`` over ``items`` at ``batch`` per GPU on ``gpus``."""
+    per_s = batch * gpus * efficiency / step_s
+    return epochs * items / per_s
+
+
+# ------------------------------------------------------------------------------ recipe facts
+def dataset_items(cfg: RunConfig, data: str | None = None, size: int | None = None) -> tuple[int | None, str]:
+    """Training items per epoch: ``size``, else the dataset at ``data``, else the recipe's fact."""
+    if size:
+        return size, "--dataset-size"
+    if data:
+        from fastvision import engine  # noqa: F401  (importing the engine registers every component)
+        from fastvision.registry import DATASETS
+
+        args = {**cfg.data.args, "path": data}
+        splits = DATASETS.build(cfg.data.name, args, where="data.args")
+        return len(splits.train), f"{data} (train split)"
+    fact = DATASET_FACTS.get(cfg.recipe)
+    return (fact[0], fact[1]) if fact else (None, "unknown: pass --data DIR or --dataset-size N")
+
+
+def with_input_scale(cfg: RunConfig, scale: float) -> tuple[RunConfig, str] | None:
+    """``cfg`` with the input side (image size or patch size) scaled; None if the task has none.
+
+    A patch side stays a multiple of the largest power of two (up to 32) that divides the recipe's
+    own side, so a network that needs the recipe's divisibility (a U-Net's 2**depth) still accepts it.
+    """
+    out = copy.deepcopy(cfg)
+    args = out.task.args
+    if "sample_shape" in args:
+        c, *spatial = args["sample_shape"]
+        steps = [min(32, s & -s) for s in spatial]
+        new = [max(k, int(round(s * scale / k)) * k) for s, k in zip(spatial, steps)]
+        args["sample_shape"] = [c, *new]
+        return out, "patch " + "x".join(map(str, new))
+    if "image_size" in args:
+        args["image_size"] = max(32, int(round(args["image_size"] * scale / 32)) * 32)
+        return out, f"image {args['image_size']} px"
+    return None
+
+
+def amp_for(amp: str, gpu: GPU) -> str:
+    """``train.amp`` on ``gpu``: ``auto`` is bf16 where the GPU has bf16 tensor cores, else fp16
+    (as :func:`fastvision.engine.runtime.resolve_amp` decides on a real device)."""
+    if amp != "auto":
+        return amp
+    return "bf16" if gpu.bf16 else "fp16"
+
+
+def precision_of(cfg: RunConfig) -> str:
+    return training_precision(cfg.train.amp, cfg.train.tf32)

@@ -1,0 +1,287 @@
+"""``fastvision plan RECIPE --gpu H100-80GB --gpus 64``: size a run before it is submitted.
+
+Traces one training step of the recipe on fake tensors (no device needed) and reports: memory at
+the recipe's batch by part, the largest per-GPU batch that fits, step time, epoch time, the
+scaling simulator's efficiency at the GPU count, time to train the recipe's epochs, GPU-hours and
+cost, and the switches that change the answer most (precision, compile, activation checkpointing,
+input / patch size). Table on stdout, ``--json`` and ``--png`` (time and cost against GPU count).
+Estimates are ranges; docs/plan.md says how each is made and how well memory matched on a CPU.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from fastvision.config import RunConfig
+from fastvision.errors import ConfigError
+from fastvision.planning import estimate as est
+from fastvision.planning.devices import GPU, GPUS, get_gpu
+
+log = logging.getLogger(__name__)
+
+
+def _gm(pair: tuple[float, float]) -> float:
+    return math.sqrt(pair[0] * pair[1])
+
+
+def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: str, hardware: str | None,
+            items: int | None, achieved, calibrated: bool, compile: bool, batch: int,
+            precision: str) -> dict[str, Any]:
+    """Memory, step, epoch and train time of one configuration (one trace)."""
+    mem = est.memory(t, compile)
+    scale = 1 - t.recomputable / max(1, t.activations) if compile else 1.0
+    fast, slow = est.step_time(t, gpu, precision, achieved, calibrated, traffic_scale=scale)
+    row: dict[str, Any] = {"batch": batch, "precision": gpu.peak_tflops(precision)[1], "compile": compile,
+                           "memory_gib": mem.total / 2**30, "fits": est.fits(mem.total, gpu),
+                           "memory_parts_gib": mem.gib(), "largest_batch": est.linear_batch(t, gpu, compile),
+                           "step_s": [fast, slow], "flops_per_step": t.flops, "traffic_bytes": t.traffic_bytes}
+    effs = [est.scaling_efficiency(s, batch, t.grad_bytes, gpus, gpus_per_node, link, hardware) for s in (fast, slow)]
+    row["efficiency"] = [e["efficiency"] for e in effs]
+    if items:
+        ep = [items / (batch * gpus * e["efficiency"] / s) for s, e in zip((fast, slow), effs)]
+        row["epoch_s"] = ep
+        row["train_s"] = [v * cfg.train.epochs for v in ep]
+        row["gpu_hours"] = [v / 3600 * gpus for v in row["train_s"]]
+    return row
+
+
+def make_plan(cfg: RunConfig, gpu: str | None, gpus: int = 1, nodes: int | None = None, link: str = "infiniband",
+              price: float | None = None, data: str | None = None, dataset_size: int | None = None,
+              batch: int | None = None, achieved: tuple[float, float] | None = None,
+              calibrate: str | None = None, switches: bool = True, hardware: str | None = None) -> dict[str, Any]:
+    """The plan of ``cfg`` on ``gpus`` x ``gpu`` as a JSON-able dict (see the module docstring).
+
+    Args:
+        cfg: the loaded recipe (its batch, precision, channels_last, compile and epochs).
+        gpu: a :data:`fastvision.planning.devices.GPUS` name.
+        gpus: total GPUs; ``nodes`` splits them (default: up to 8 per node).
+        link: inter-node link preset of the scaling simulator.
+        hardware: a node profile of the simulator (``dgx-h100``, ``pcie-node``, a YAML file);
+            sets GPUs per node, links and, when ``gpu`` is None, the GPU.
+        price: price per GPU-hour, for the cost.
+        data, dataset_size: the training set (else the recipe's stated size).
+        batch: per-GPU batch (default: the recipe's).
+        achieved: (low, high) share of peak dense math; ``calibrate``: a benchmark JSON instead.
+        switches: also trace the what-if switches.
+    """
+    hw = None
+    if hardware is not None:
+        from fastvision.scaling.simulator import load_hardware
+
+        hw = load_hardware(hardware)
+    spec = get_gpu(gpu or (hw.gpu if hw else "A100-80GB"))
+    if cfg.train.amp == "auto":
+        cfg = copy.deepcopy(cfg)
+        cfg.train.amp = est.amp_for("auto", spec)
+    if gpus < 1 or (nodes is not None and (nodes < 1 or gpus % nodes)):
+        raise ConfigError(f"--gpus {gpus} / --nodes {nodes}: GPUs must be >= 1 and split evenly over nodes")
+    per_node = hw.gpus_per_node if hw else gpus // nodes if nodes else min(gpus, 8)
+    link = hw.name if hw else link
+    b = batch or cfg.train.batch_size
+    precision = est.precision_of(cfg)
+    notes = []
+    if spec.peak_tflops(precision)[1] != precision:
+        notes.append(f"{spec.name} has no {precision} tensor cores: timed at fp32 peak")
+    t = est.trace(cfg, b)
+    calibrated, source = False, "default range"
+    if calibrate:
+        f, source = est.achieved_from_benchmark(Path(calibrate), t, cfg.train.amp, cfg.train.tf32)
+        achieved, calibrated = (0.85 * f, 1.15 * f), True
+    achieved = achieved or est.DEFAULT_ACHIEVED
+    items, items_source = est.dataset_items(cfg, data, dataset_size)
+    if items is None:
+        notes.append(f"dataset size {items_source}; epoch and train time left out")
+    args = dict(gpu=spec, gpus=gpus, gpus_per_node=per_node, link=link, hardware=hardware, items=items,
+                achieved=achieved, calibrated=calibrated)
+    base = _option(cfg, t, compile=cfg.train.compile, batch=b, precision=precision, **args)
+    base["largest_batch"] = est.largest_batch(cfg, spec, t, cfg.train.compile)
+    plan = {"recipe": cfg.recipe, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib, "gpus": gpus,
+            "gpus_per_node": per_node, "link": link, "hardware": hardware, "epochs": cfg.train.epochs,
+            "dataset_items": items,
+            "dataset_source": items_source, "achieved": list(achieved), "achieved_source": source,
+            "price_per_gpu_hour": price, "params": t.param_count, "grad_bytes": t.grad_bytes,
+            "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes}
+    if price is not None and "gpu_hours" in base:
+        base["cost"] = [h * price for h in base["gpu_hours"]]
+    if switches:
+        plan["switches"] = _switches(cfg, t, base, spec, b, precision, price, args)
+    plan["curve"] = _curve(base, t, b, per_node, link, hardware, items, cfg.train.epochs, price, gpus)
+    return plan
+
+
+def _switches(cfg, t, base, spec: GPU, b: int, precision: str, price, args) -> list[dict[str, Any]]:
+    """One row per switch, sorted by how much it changes the time to train (else memory)."""
+    rows = []
+    other = "off" if cfg.train.amp != "off" else ("bf16" if spec.bf16 else "fp16")
+    alt = est.trace(cfg, b, amp=other)
+    rows.append(("amp " + other, _option(cfg, alt, compile=cfg.train.compile, batch=b,
+                                         precision=est.training_precision(other, cfg.train.tf32), **args)))
+    rows.append(("compile " + ("off" if cfg.train.compile else "on"),
+                 _option(cfg, t, compile=not cfg.train.compile, batch=b, precision=precision, **args)))
+    ck = est.trace(cfg, b, checkpoint=True)
+    rows.append(("activation checkpointing", _option(cfg, ck, compile=cfg.train.compile, batch=b,
+                                                     precision=precision, **args)))
+    smaller = est.with_input_scale(cfg, 0.75)
+    if smaller is not None:
+        small_cfg, what = smaller
+        rows.append((what, _option(small_cfg, est.trace(small_cfg, b), compile=cfg.train.compile, batch=b,
+                                   precision=precision, **args)))
+    out = []
+    for name, row in rows:
+        row["switch"] = name
+        if price is not None and "gpu_hours" in row:
+            row["cost"] = [h * price for h in row["gpu_hours"]]
+        key = "train_s" if "train_s" in row else "step_s"
+        row["change"] = _gm(row[key]) / _gm(base[key]) - 1
+        row["memory_change"] = row["memory_gib"] / base["memory_gib"] - 1
+        out.append(row)
+    return sorted(out, key=lambda r: -max(abs(r["change"]), abs(r["memory_change"])))
+
+
+def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus) -> list[dict[str, Any]]:
+    """Time to train and cost (middle of the range) against GPU count, for the PNG."""
+    counts = [2**i for i in range(0, 11) if 2**i <= max(64, 4 * gpus)]
+    step = _gm(base["step_s"])
+    rows = []
+    for n in counts:
+        e = est.scaling_efficiency(step, b, t.grad_bytes, n, min(n, per_node), link, hardware)["efficiency"]
+        row = {"gpus": n, "efficiency": e}
+        if items:
+            row["train_h"] = est.train_time(step, b, n, e, items, epochs) / 3600
+            if price is not None:
+                row["cost"] = row["train_h"] * n * price
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------ reports
+def _range(pair, scale=1.0, spec="{:.3g}") -> str:
+    lo, hi = pair[0] * scale, pair[1] * scale
+    return spec.format(lo) if abs(hi - lo) <= 1e-9 * max(1, abs(hi)) else f"{spec.format(lo)}-{spec.format(hi)}"
+
+
+def _duration(pair) -> str:
+    unit, scale = ("h", 1 / 3600) if pair[1] >= 3600 else ("min", 1 / 60) if pair[1] >= 60 else ("s", 1)
+    return _range(pair, scale) + " " + unit
+
+
+def text_report(plan: dict[str, Any]) -> str:
+    """The plan as an aligned text table, the switches below it."""
+    e = plan["estimate"]
+    p = e["memory_parts_gib"]
+    fit = "fits" if e["fits"] else "DOES NOT FIT"
+    where = f"{plan['link']} nodes" if plan.get("hardware") else f"{plan['link']} between nodes"
+    lines = [f"plan: {plan['recipe']} on {plan['gpus']} x {plan['gpu']} ({plan['gpu_memory_gib']:.0f} GiB), "
+             f"{plan['gpus_per_node']} per node, {where}", ""]
+    rows = [("per-GPU batch", f"{e['batch']} ({e['precision']}{', compile' if e['compile'] else ''}"
+                              f"{', channels_last' if plan['channels_last'] else ''})"),
+            ("memory at that batch", f"{e['memory_gib']:.2f} GiB ({fit}); at the peak: params {p['parameters']:.2f}, grads "
+                                     f"{p['gradients']:.2f}, optimizer {p['optimizer_state']:.2f}, inputs "
+                                     f"{p['inputs']:.2f}, activations {p['activations']:.2f}, workspace "
+                                     f"{p['workspace']:.2f}"),
+            ("largest batch that fits", str(e["largest_batch"])),
+            ("FLOPs per step", f"{e['flops_per_step'] / 1e12:.3g} TFLOP ({e['flops_per_step'] / e['batch'] / 1e9:,.1f} "
+                               f"GFLOP per item)"),
+            ("step time", f"{_range(e['step_s'], 1e3)} ms (achieved {_range(plan['achieved'], 100, '{:.0f}')} % of "
+                          f"peak, {plan['achieved_source']})"),
+            ("items/s per GPU", _range([e["batch"] / e["step_s"][1], e["batch"] / e["step_s"][0]], 1, "{:.0f}")),
+            (f"scaling efficiency at {plan['gpus']}", _range(sorted(e["efficiency"]), 100, "{:.0f}") + " %")]
+    if "epoch_s" in e:
+        rows += [("dataset", f"{plan['dataset_items']:,} items ({plan['dataset_source']})"),
+                 ("epoch time", _duration(e["epoch_s"])),
+                 (f"time to train {plan['epochs']} epochs", _duration(e["train_s"])),
+                 ("GPU-hours", _range(e["gpu_hours"], 1, "{:.3g}"))]
+        if "cost" in e:
+            rows.append(("cost", _range(e["cost"], 1, "{:,.0f}") + f" at {plan['price_per_gpu_hour']:g} per GPU-hour"))
+    width = max(len(k) for k, _ in rows)
+    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+    if plan.get("switches"):
+        lines += ["", "switches that change the answer most:"]
+        for s in plan["switches"]:
+            when = f"time {s['change']:+.0%}" if "train_s" in s else f"step {s['change']:+.0%}"
+            lines.append(f"  {s['switch']:<26} memory {s['memory_gib']:.2f} GiB ({s['memory_change']:+.0%}), "
+                         f"largest batch {s['largest_batch']}, {when}")
+    lines += [f"note: {n}" for n in plan["notes"]]
+    return "\n".join(lines)
+
+
+def plot(plan: dict[str, Any], path: Path) -> Path:
+    """Time to train (left axis) and cost (right axis) against GPU count."""
+    from fastvision.scaling.report import _pyplot
+    from fastvision.scaling.report import save as _save
+
+    plt = _pyplot()
+    curve = [r for r in plan["curve"] if "train_h" in r]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    if curve:
+        x = [r["gpus"] for r in curve]
+        ax.plot(x, [r["train_h"] for r in curve], "o-", color="C0", label="time to train")
+        ax.set_ylabel("time to train (h)", color="C0")
+        if "cost" in curve[0]:
+            ax2 = ax.twinx()
+            ax2.plot(x, [r["cost"] for r in curve], "s--", color="C1", label="cost")
+            ax2.set_ylabel("cost", color="C1")
+        ax.axvline(plan["gpus"], color="k", lw=0.8, ls=":")
+        ax.set(xscale="log", yscale="log")
+    ax.set(xlabel="GPUs", title=f"{plan['recipe']} on {plan['gpu']}")
+    ax.grid(True, which="both", alpha=0.3)
+    return _save(fig, path)
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_cli(subparsers) -> None:
+    """``fastvision plan RECIPE``."""
+    p = subparsers.add_parser("plan", help="memory, largest batch, step time, scaling, time and cost on GPUs "
+                                           "you do not have (no device needed)",
+                              description="Trace one training step of a recipe on fake tensors and size a run: "
+                                          "memory by part, largest batch, step time, time to train and cost.")
+    p.add_argument("recipe", help="shipped recipe name or YAML file")
+    p.add_argument("--gpu", help=f"GPU model: {', '.join(GPUS)} (default: the --hardware node's, else A100-80GB)")
+    p.add_argument("--gpus", type=int, default=1, help="total GPUs (default 1)")
+    p.add_argument("--nodes", type=int, help="nodes the GPUs are spread over (default: 8 GPUs per node)")
+    p.add_argument("--link", default="infiniband", help="inter-node link preset: nvlink, infiniband, ethernet")
+    p.add_argument("--hardware", help="node profile for the scaling simulator instead of --link: dgx-a100, "
+                                      "dgx-h100, dgx1-v100, pcie-node or a YAML file (sets GPUs per node)")
+    p.add_argument("--price-per-gpu-hour", type=float, help="price of one GPU-hour, for the cost")
+    p.add_argument("--data", help="dataset folder: its training split sets the epoch size")
+    p.add_argument("--dataset-size", type=int, help="training items per epoch (instead of --data)")
+    p.add_argument("--batch-size", type=int, help="per-GPU batch (default: the recipe's)")
+    p.add_argument("--achieved", help="LOW,HIGH share of peak dense math, e.g. 0.2,0.5 (default "
+                                      f"{est.DEFAULT_ACHIEVED[0]},{est.DEFAULT_ACHIEVED[1]})")
+    p.add_argument("--calibrate", help="a `fastvision benchmark --mode train` JSON measured on any GPU")
+    p.add_argument("--no-switches", action="store_true", help="skip the what-if switches (fewer traces)")
+    p.add_argument("--json", type=Path, help="write the plan as JSON")
+    p.add_argument("--png", type=Path, help="write time and cost against GPU count")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
+    p.set_defaults(func=cmd_plan)
+
+
+def _pair(text: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--achieved {text!r}: expected LOW,HIGH, e.g. 0.2,0.5") from None
+    if not 0 < lo <= hi <= 1:
+        raise ConfigError(f"--achieved {text!r}: need 0 < LOW <= HIGH <= 1")
+    return lo, hi
+
+
+def cmd_plan(args) -> int:
+    from fastvision.config import load, parse_override
+
+    cfg = load(args.recipe, [parse_override(s) for s in args.set])
+    plan = make_plan(cfg, args.gpu, args.gpus, args.nodes, args.link, args.price_per_gpu_hour, args.data,
+                     args.dataset_size, args.batch_size, _pair(args.achieved) if args.achieved else None,
+                     args.calibrate, switches=not args.no_switches, hardware=args.hardware)
+    print(text_report(plan))  # the CLI's output, not library logging
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(plan, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.png:
+        print(f"wrote {plot(plan, args.png)}")
+    return 0

@@ -1,0 +1,1 @@
+"""Scaling studies: sweeps over GPU counts, reports, the step-time simulator and its validation."""

@@ -1,0 +1,305 @@
+"""Data-parallel scaling: LR scaling, the ``fastvision scale`` sweep and its CLI.
+
+* :func:`scaled_lr` / :func:`warmup_lr`: the linear scaling rule and its warm-up ramp.
+* :func:`sweep`: train a recipe at every world size, ``--repeats`` runs with different seeds each.
+* The report (:mod:`fastvision.scaling.report`): ``scaling.csv/json/md/png`` with mean +- std.
+* The simulator (:mod:`fastvision.scaling.simulator`, re-exported here): predicted speed-up per GPU count
+  with the binding limit (compute, input pipeline, communication), from a hardware profile.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from fastvision.scaling.report import (
+    FIELDS,
+    markdown_table,
+    plot_simulation,
+    plot_sweep,
+    summarize,
+    write_report,
+)
+from fastvision.scaling.simulator import (
+    BACKENDS,
+    LINKS,
+    Backend,
+    Hardware,
+    InputPipeline,
+    Link,
+    StepProfile,
+    allreduce_s,
+    bucket_count,
+    hardware_presets,
+    load_hardware,
+    predict_step_time,
+    ring_allreduce_s,
+    simulate,
+    simulation_markdown,
+    tree_allreduce_s,
+    with_link,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BACKENDS", "FIELDS", "LINKS", "Backend", "Hardware", "InputPipeline", "Link", "StepProfile", "add_cli",
+           "allreduce_s", "bucket_count", "hardware_presets", "load_hardware", "markdown_table", "plot_simulation",
+           "plot_sweep", "predict_step_time", "read_input_rate", "read_run", "ring_allreduce_s", "scaled_lr",
+           "simulate", "simulation_markdown", "summarize", "sweep", "train_args", "tree_allreduce_s", "warmup_lr",
+           "with_link", "write_report"]
+
+
+# --------------------------------------------------------------------------- learning rate
+
+
+def scaled_lr(base_lr: float, global_batch: int, ref_batch: int) -> float:
+    """Linear scaling rule (Goyal et al. 2017): ``base_lr * global_batch / ref_batch``.
+
+    Args:
+        base_lr: learning rate the recipe states for ``ref_batch`` images per optimizer step.
+        global_batch: images per optimizer step over all workers (per-worker batch x workers x accum).
+        ref_batch: the reference global batch of ``base_lr``.
+    """
+    if global_batch <= 0 or ref_batch <= 0:
+        raise ValueError(f"batches must be positive, got global {global_batch}, reference {ref_batch}")
+    return base_lr * global_batch / ref_batch
+
+
+def warmup_lr(step: int, warmup_steps: int, start_lr: float, target_lr: float) -> float:
+    """Linear ramp from ``start_lr`` at step 0 to ``target_lr`` at ``warmup_steps`` (then constant)."""
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return target_lr
+    return start_lr + (target_lr - start_lr) * step / warmup_steps
+
+
+# --------------------------------------------------------------------------- runs and CLI
+
+
+def read_run(run_dir: Path, metric: str | None = None) -> dict[str, Any]:
+    """Time per epoch, images/s and the final metric of a finished run, from its ``metrics.jsonl``.
+
+    The first epoch is dropped from the timing when there are more (warm-up: allocator, caches).
+    ``metric`` defaults to the summary's ``best_<name>`` key. Gradient bytes come from the last
+    checkpoint (floating-point tensors that are not BatchNorm statistics).
+    """
+    run_dir = Path(run_dir)
+    epochs, summary = [], {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        ev = json.loads(line)
+        if isinstance(ev.get("step"), list) and len(ev["step"]) == 1:
+            epochs.append(ev["data"])
+        elif ev.get("step") == []:
+            summary = ev["data"]
+    if not epochs:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no epoch events")
+    timed = epochs[1:] if len(epochs) > 1 else epochs
+    if metric is None:
+        metric = next((k[5:] for k in summary if k.startswith("best_")), None)
+    last_metric = next((e[metric] for e in reversed(epochs) if metric and e.get(metric) is not None), None)
+    out = {"time_per_epoch_s": statistics.median(e["epoch_time_s"] for e in timed),
+           "images_per_s": statistics.median(e["images_per_s"] for e in timed),
+           "metric_name": metric or "", "metric": last_metric}
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    if ckpt.exists():
+        import torch
+
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)["model"]
+        out["grad_bytes"] = sum(t.numel() * t.element_size() for k, t in state.items()
+                                if t.is_floating_point() and not k.endswith(("running_mean", "running_var")))
+    return out
+
+
+def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "weak", epochs: int = 2,
+          repeats: int = 1, backends: Sequence[str] = ("ddp",), extra: Sequence[str] = (),
+          seed: int = 0) -> list[dict[str, Any]]:
+    """Train ``recipe`` at every worker count (``fastvision train --nproc N``) and collect results.
+
+    Strong mode keeps the 1-worker global batch: the per-worker batch is divided by ``N``.
+    ``extra`` holds ``fastvision train`` options as ``--flag value`` pairs (``--set``, ``--data``).
+    Repeat ``r`` trains with seed ``seed + r`` at every world size (as seed 001 repeats with
+    different seeds), so the spread over repeats includes the seed's effect on the metric.
+    """
+    import subprocess
+    import sys
+
+    from fastvision.config import load, parse_override
+    from fastvision.errors import FastvisionError
+
+    # The per-worker batch comes from the recipe with the caller's --set overrides; a --set of
+    # train.batch_size is consumed here, else it would override the --batch-size given to each run.
+    pairs = list(zip(extra[::2], extra[1::2]))
+    batch = load(recipe, [parse_override(v) for k, v in pairs if k == "--set"]).train.batch_size
+    extra = [a for k, v in pairs if not (k == "--set" and v.startswith("train.batch_size=")) for a in (k, v)]
+    results = []
+    for backend in backends:
+        for n in workers:
+            if mode == "strong" and batch % n:
+                log.warning("strong scaling: batch %d does not split over %d workers; skipped", batch, n)
+                continue
+            per_worker = batch if mode == "weak" else batch // n
+            for rep in range(repeats):
+                run_dir = Path(out_dir) / f"{backend}-{n}-r{rep}"
+                cmd = [sys.executable, "-m", "fastvision.cli", "train", recipe, "--nproc", str(n),
+                       "--out", str(run_dir), "--epochs", str(epochs), "--batch-size", str(per_worker),
+                       "--seed", str(seed + rep), *extra]
+                if backend != "ddp":
+                    cmd += ["--backend", backend]
+                log.info("scale: %s", " ".join(cmd))
+                if subprocess.run(cmd).returncode != 0:  # the run printed its own error above
+                    raise FastvisionError(f"scale: the {backend} run with {n} worker(s) failed: {' '.join(cmd)}")
+                results.append({"backend": backend, "mode": mode, "workers": n, "seed": seed + rep,
+                                "global_batch": per_worker * n, **read_run(run_dir)})
+    return results
+
+
+
+def read_input_rate(path: Path) -> tuple[float, int | None]:
+    """Items/s per loader process from a ``fastvision benchmark RECIPE --mode data`` JSON report.
+
+    Takes the first result row with ``items_per_s`` (or the top level); the process count is its
+    ``num_workers`` / ``workers`` (0 means the main process: 1). Without a count the rate is taken
+    as one process's.
+
+    Returns:
+        ``(items/s per process, loader processes of the measurement or None)``.
+    """
+    from fastvision.errors import ConfigError
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--input-json {path}: cannot read a benchmark report: {e}") from None
+    rows = data.get("results", []) if isinstance(data, dict) else []
+    row = next((r for r in rows if isinstance(r, dict) and r.get("items_per_s")), data if isinstance(data, dict) else {})
+    if not row.get("items_per_s"):
+        raise ConfigError(f"--input-json {path}: no items_per_s (expected `fastvision benchmark RECIPE --mode data` JSON)")
+    workers = next((row[k] for k in ("num_workers", "workers") if row.get(k) is not None), None)
+    procs = max(1, int(workers)) if workers is not None else 1
+    return float(row["items_per_s"]) / procs, (procs if workers is not None else None)
+
+
+def add_cli(subparsers) -> None:
+    """``fastvision scale``: a world-size sweep of a recipe, or the simulator alone."""
+    p = subparsers.add_parser("scale", help="data-parallel scaling study: sweep world sizes, or --simulate",
+                              description="Train a recipe at several world sizes (mean +- std over --repeats seeds), "
+                                          "and/or predict speed-up on 1..1024 GPUs with the binding limit per count.")
+    p.add_argument("recipe", nargs="?", help="recipe to sweep (not needed with --simulate and --compute-ms)")
+    p.add_argument("--workers", default="1,2", help="comma-separated world sizes (default 1,2)")
+    p.add_argument("--mode", choices=["weak", "strong"], default="weak")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="runs per world size, with seeds --seed, --seed+1, ...")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first repeat (default 0)")
+    p.add_argument("--backends", default="ddp", help="comma-separated: ddp,horovod")
+    p.add_argument("--out", type=Path, default=Path("runs/scaling"))
+    p.add_argument("--data", help="dataset folder for every run (data.args.path)")
+    p.add_argument("--device", help="device for every run: auto, cpu, cuda")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override passed to every run, as in `fastvision train --set` (repeatable)")
+    s = p.add_argument_group("simulator (--simulate)")
+    s.add_argument("--simulate", action="store_true", help="predict speed-up for 1..1024 GPUs")
+    s.add_argument("--compute-ms", type=float, help="measured single-GPU step in ms (forward+backward+overhead)")
+    s.add_argument("--batch", type=int, default=16, help="per-GPU batch of --compute-ms")
+    s.add_argument("--grad-mb", type=float, help="gradient MB (1e6 bytes) all-reduced per step")
+    s.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size in MiB")
+    s.add_argument("--overhead-ms", type=float, default=0.0,
+                   help="part of --compute-ms that does not scale with the batch (launches, optimizer); "
+                        "matters for strong scaling")
+    s.add_argument("--hardware", default="dgx-a100,dgx-h100,pcie-node",
+                   help="comma-separated hardware profiles: presets "
+                        f"({', '.join(hardware_presets())}) or YAML files (format: fastvision/hardware/dgx-a100.yaml)")
+    s.add_argument("--links", help=f"old form instead of --hardware: link presets ({', '.join(LINKS)}) between nodes "
+                                   "of --gpus-per-node GPUs on NVLink, no host limit")
+    s.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node with --links")
+    s.add_argument("--input-rate", type=float,
+                   help="host input path: items/s per loader process (or per core without --input-workers)")
+    s.add_argument("--input-json", type=Path, help="read --input-rate from `fastvision benchmark RECIPE --mode data`")
+    s.add_argument("--input-workers", type=int, help="loader processes per GPU (default: a pool over all cores)")
+    s.add_argument("--dali", action="store_true", help="GPU-side decode (DALI 'mixed'): no host input limit")
+    s.add_argument("--sync", default="ddp", choices=sorted(BACKENDS),
+                   help="gradient sync: ddp, horovod (>= 0.21: 1 ms cycle, 128 MB fusion), horovod-0.20 (5 ms, 64 MB)")
+    s.add_argument("--algo", default="auto", choices=["auto", "ring", "tree"], help="NCCL algorithm beyond a node")
+    p.set_defaults(func=_cli)
+
+
+def train_args(args) -> list[str]:
+    """The ``fastvision train`` options a ``scale`` command passes on to every run."""
+    out = [a for flag in ("data", "device") if getattr(args, flag) for a in (f"--{flag}", getattr(args, flag))]
+    return out + [a for s in args.set for a in ("--set", s)]
+
+
+def _pipeline(args) -> InputPipeline | None:
+    """The host input path of the ``scale --simulate`` options (``None``: no host limit)."""
+    if args.dali:
+        return InputPipeline("dali", device="gpu")
+    rate, workers = args.input_rate, args.input_workers
+    if args.input_json:
+        rate, measured = read_input_rate(args.input_json)
+        log.info("input path: %.1f items/s per loader process from %s (%s processes)", rate, args.input_json, measured)
+    return InputPipeline("cpu", "cpu", rate, workers) if rate else None
+
+
+def _cli(args) -> int:
+    from fastvision.errors import ConfigError
+
+    out = Path(args.out)
+    try:
+        workers = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        raise ConfigError(f"--workers {args.workers!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
+    if any(w < 1 for w in workers):
+        raise ConfigError(f"--workers {args.workers!r}: world sizes must be >= 1")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats {args.repeats}: must be >= 1")
+    if args.links:
+        for name in args.links.split(","):
+            if name not in LINKS:
+                raise ConfigError(f"--links: unknown link {name!r}; valid: {', '.join(LINKS)}")
+        targets = [LINKS[name] for name in args.links.split(",")]
+    else:
+        targets = [load_hardware(h) for h in args.hardware.split(",")]
+    results = []
+    if args.recipe and not (args.simulate and args.compute_ms):
+        results = sweep(args.recipe, workers, out, mode=args.mode, epochs=args.epochs, repeats=args.repeats,
+                        backends=args.backends.split(","), extra=train_args(args), seed=args.seed)
+    if args.simulate:
+        if args.compute_ms and args.grad_mb:
+            step, batch, grad = args.compute_ms / 1e3, args.batch, args.grad_mb * 1e6
+        else:
+            one = [r for r in results if r["workers"] == 1 and r.get("grad_bytes")]
+            if not one:
+                raise ConfigError("--simulate needs --compute-ms and --grad-mb, or a sweep that includes 1 worker")
+            batch = one[0]["global_batch"]
+            step = batch / statistics.fmean(r["images_per_s"] for r in one)
+            grad = one[0]["grad_bytes"]
+        overhead = args.overhead_ms / 1e3
+        if not 0 <= overhead < step:
+            raise ConfigError(f"--overhead-ms {args.overhead_ms}: must be >= 0 and below the step ({step * 1e3:.1f} ms)")
+        prof = StepProfile(compute_s=step - overhead, batch=batch, grad_bytes=grad,
+                           buckets=bucket_count(grad, args.bucket_mb), overhead_s=overhead)
+        pipe = _pipeline(args)
+        rows = [r for t in targets for r in simulate(prof, t, mode=args.mode, gpus_per_node=args.gpus_per_node,
+                                                     pipeline=pipe, backend=args.sync, algo=args.algo)]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "simulation.md").write_text(simulation_markdown(rows))
+        (out / "simulation.json").write_text(json.dumps(
+            {"profile": prof.__dict__, "pipeline": pipe.__dict__ if pipe else None, "sync": args.sync,
+             "hardware": [t.__dict__ if isinstance(t, Link) else _hw_dict(t) for t in targets], "rows": rows},
+            indent=2))
+        pred = {r["workers"]: r["speedup"] for r in rows if r["link"] == rows[0]["link"]}
+        for r in results:
+            r["predicted_speedup"] = pred.get(r["workers"])
+        plot_simulation(rows, out / "simulation.png", measured=summarize(results) if results else ())
+        print((out / "simulation.md").read_text())  # the CLI's output, not library logging
+        print(f"simulation: {out / 'simulation.json'}, {out / 'simulation.png'}")
+    if results:
+        paths = write_report(results, out, title=f"{args.recipe} {args.mode} scaling")
+        print(paths["md"].read_text())  # the CLI's output, not library logging
+    return 0
+
+
+def _hw_dict(hw: Hardware) -> dict[str, Any]:
+    d = dict(hw.__dict__)
+    d["intra"], d["nic"], d["sources"] = hw.intra.__dict__, hw.nic.__dict__, list(hw.sources)
+    return d

@@ -1,0 +1,1 @@
+"""Leaf helpers with no fastvision imports: atomic files, tensor trees."""

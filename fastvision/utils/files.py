@@ -1,0 +1,96 @@
+"""Files written atomically (temp file, fsync, rename) and checkpoints loaded without pickle."""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+import torch
+
+from fastvision.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> Any:
+    """Call ``write(file)`` on a unique temp file beside ``path``, fsync, rename over ``path``, fsync
+    the directory. Readers see the old file or the new one, never a partial one; concurrent writers
+    (threads or processes) never share a temp file. Returns what ``write`` returned."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return result
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make renames in ``folder`` durable (a crash right after cannot bring back the old entry)."""
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_link(src: Path, path: Path) -> bool:
+    """Make ``path`` a hard link of the complete file ``src``, atomically: link to a unique temp name
+    beside ``path``, rename it over ``path``, fsync the directory. Returns False (``path`` untouched)
+    where the file system has no hard links, so the caller can write a copy instead."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.lnk"
+    try:
+        os.link(src, tmp)  # fails if tmp exists: never follows or reuses another writer's name
+    except OSError:
+        return False
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return True
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` atomically (see :func:`atomic_write`)."""
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint safely; a user-facing error names the file if it is missing or corrupt."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # corrupt, truncated, empty, or contains non-tensor pickled objects
+        # Some loaders raise with an empty message (an empty file gives EOFError("")): say what it was.
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if path.stat().st_size == 0:
+            reason = "the file is empty"
+        raise DataError(f"{path}: not a loadable fastvision checkpoint ({reason})") from e
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise DataError(f"{path}: not a fastvision checkpoint (no 'model' entry)")
+    return ckpt
+
+
+def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes."""
+    out = {}
+    for k, v in state_dict.items():
+        for prefix in ("_orig_mod.", "module."):
+            while k.startswith(prefix):
+                k = k[len(prefix):]
+        out[k] = v
+    return out

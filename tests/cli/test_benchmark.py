@@ -1,0 +1,124 @@
+"""Benchmark mode: statistics against numpy and hand values, the measured steps really train (or
+do not), every recipe builds without its dataset, and the CLI writes JSON + Markdown reports."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fastvision import engine
+from fastvision.benchmark import modes as benchmark
+from fastvision.cli import main
+from fastvision.config import list_recipes, load, parse_override
+
+TINY_UNET = ["--set", "task.args.sample_shape=[1,32,32]", "--set", "model.args.filters=[4,8,16]"]
+
+
+@pytest.mark.parametrize("values", [[3.0], [1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 3.0], list(np.random.default_rng(0).random(37))])
+@pytest.mark.parametrize("q", [0, 10, 50, 90, 95, 99, 100])
+def test_percentile_matches_numpy(values, q):
+    assert benchmark.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+
+
+def test_percentile_rejects_bad_input():
+    with pytest.raises(ValueError):
+        benchmark.percentile([], 50)
+    with pytest.raises(ValueError):
+        benchmark.percentile([1.0], 101)
+
+
+def test_step_stats_by_hand():
+    s = benchmark.step_stats([0.1, 0.2, 0.4], batch_size=4)
+    assert s["items_per_s"] == pytest.approx(20.0)  # median of 40, 20, 10 items/s
+    assert s["items_per_s_overall"] == pytest.approx(12 / 0.7)
+    assert s["latency_mean_ms"] == pytest.approx(700 / 3)
+    assert s["latency_p50_ms"] == pytest.approx(200.0)
+    assert s["latency_p90_ms"] == pytest.approx(200 + 0.8 * 200)  # position 1.8 between 200 and 400
+
+
+def test_speedups_same_batch_only():
+    rows = [{"batch_size": 8, "precision": "fp32", "items_per_s": 100.0},
+            {"batch_size": 8, "precision": "tf32", "items_per_s": 200.0},
+            {"batch_size": 8, "precision": "bf16", "items_per_s": 500.0},
+            {"batch_size": 16, "precision": "bf16", "items_per_s": 900.0},
+            {"batch_size": 16, "precision": "fp16", "error": "out of memory"}]
+    benchmark.add_speedups(rows)
+    assert rows[1]["speedup_vs_fp32"] == pytest.approx(2.0)
+    assert rows[2]["speedup_vs_fp32"] == pytest.approx(5.0) and rows[2]["speedup_vs_tf32"] == pytest.approx(2.5)
+    assert "speedup_vs_fp32" not in rows[0] and "speedup_vs_fp32" not in rows[3] and "speedup_vs_fp32" not in rows[4]
+
+
+@pytest.mark.parametrize("precisions, runs, skipped", [
+    (["fp32", "tf32", "fp16", "bf16"], ["fp32", "bf16"], ["tf32", "fp16"]),
+    (["bf16"], ["bf16"], []),
+])
+def test_plan_on_cpu_skips_cuda_only_precisions(precisions, runs, skipped):
+    todo, notes = benchmark.plan(precisions, torch.device("cpu"))
+    assert todo == runs
+    assert [n.split()[0] for n in notes] == skipped
+
+
+def test_plan_rejects_unknown_precision():
+    from fastvision.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fp8"):
+        benchmark.plan(["fp8"], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("mode", ["train", "inference"])
+def test_measured_steps_update_weights_only_in_train_mode(mode):
+    cfg = load("unet2d-microscopy", [parse_override(s) for s in TINY_UNET[1::2]])
+    run = engine.build(benchmark.setting_config(cfg, 2, "fp32"), data_info={}, train=mode == "train")
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    times, peak = benchmark._measure(run, mode, steps=2, warmup=1)
+    assert len(times) == 2 and all(t > 0 for t in times) and peak is None
+    changed = any(not torch.equal(before[k], v) for k, v in run.model.state_dict().items())
+    assert changed == (mode == "train")
+
+
+@pytest.mark.parametrize("recipe", list_recipes())
+def test_every_recipe_builds_without_its_dataset(recipe):
+    cfg = load(recipe)
+    if cfg.model.args.get("pretrained") == "imagenet":  # no weights file here: tests/models/test_resnet.py loads one
+        cfg.model.args["pretrained"] = None
+    run = engine.build(benchmark.setting_config(cfg, 1, "fp32", augment=True), data_info={}, train=True)
+    batch = run.task.synthetic_batch(1, torch.device("cpu"))
+    assert batch[run.task.input_key].shape[0] == 1
+    assert sum(p.numel() for p in run.model.parameters()) > 0 and run.optimizer is not None
+
+
+def test_detection_inference_step_runs_without_dataset_info():
+    cfg = load("ssd320-small-shapes", [parse_override("task.args.image_size=64")])
+    report = benchmark.run_benchmark(cfg, "inference", [2], ["fp32"], steps=1, warmup=0)
+    assert report["results"][0]["items_per_s"] > 0
+
+
+@pytest.mark.parametrize("mode", ["train", "inference"])
+def test_cli_writes_json_and_markdown(mode, tmp_path, capsys):
+    rc = main(["benchmark", "unet2d-microscopy", "--mode", mode, "--batch-sizes", "1,2", "--precision",
+               "fp32,fp16,bf16", "--steps", "2", "--warmup", "1", "--device", "cpu", "--out", str(tmp_path),
+               *TINY_UNET])
+    assert rc == 0
+    report = json.loads((tmp_path / f"unet2d-microscopy-{mode}.json").read_text())
+    assert report["mode"] == mode and report["device"] == "cpu" and report["steps"] == 2
+    assert report["notes"] == ["fp16 skipped: needs a CUDA device"]
+    rows = report["results"]
+    assert [(r["batch_size"], r["precision"]) for r in rows] == [(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
+    for r in rows:
+        for key in ("items_per_s", "items_per_s_overall", "latency_mean_ms", "latency_p50_ms", "latency_p90_ms",
+                    "latency_p95_ms", "latency_p99_ms"):
+            assert r[key] > 0, key
+        assert r["latency_p90_ms"] <= r["latency_p95_ms"] <= r["latency_p99_ms"]
+    assert all(r["speedup_vs_fp32"] > 0 for r in rows if r["precision"] == "bf16")
+    md = (tmp_path / f"unet2d-microscopy-{mode}.md").read_text()
+    assert "| batch | precision | items/s | mean ms | p90 ms | p95 ms | p99 ms | x fp32 |" in md
+    assert md.count("| bf16 |") == 2 and "fp16 skipped" in md
+    assert "items/s" in capsys.readouterr().out
+
+
+def test_cli_bad_batch_sizes_is_a_one_line_error(capsys):
+    rc = main(["benchmark", "unet2d-microscopy", "--batch-sizes", "1,x", "--device", "cpu"])
+    assert rc == 2
+    assert "--batch-sizes" in capsys.readouterr().err

@@ -1,0 +1,276 @@
+"""Caches: equal to uncached outputs (and MONAI's CacheDataset), invalidation, corruption, the smart
+cache schedule of seed 003 (and MONAI's SmartCacheDataset), node-shared PSS, GPU partitions."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from fastvision.data import transforms as T
+from fastvision.data.cache.datasets import CacheDataset, PersistentDataset
+from fastvision.data.cache.smart import GPUCacheDataset, SmartCacheDataset, partitions
+
+
+class Volumes(Dataset):
+    """Deterministic synthetic items; ``loads`` counts base reads."""
+
+    def __init__(self, n: int = 6, size: int = 8):
+        self.n, self.size, self.loads = n, size, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.loads += 1
+        g = torch.Generator().manual_seed(i)
+        return {"image": torch.rand(1, self.size, self.size, self.size, generator=g),
+                "label": torch.randint(0, 3, (self.size,) * 3, generator=g), "id": f"case{i}"}
+
+    def identity(self, i):
+        return f"case{i}"
+
+
+@dataclass
+class Scale(T.Transform):
+    factor: float = 2.0
+
+    def __call__(self, item):
+        return {**item, "image": item["image"] * self.factor}
+
+
+def clip_label(item):
+    return {**item, "label": item["label"].clamp(max=1)}
+
+
+class Noise(T.RandomTransform):
+    def __call__(self, item, generator):
+        return {**item, "image": item["image"] + 0.001 * torch.randn(item["image"].shape, generator=generator)}
+
+
+class Shift(T.Transform):  # deterministic, placed after the random one: must not be cached
+    def __call__(self, item):
+        return {**item, "image": item["image"] - 1}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+                                        for k in a)
+
+
+@pytest.mark.parametrize("cache_rate, budget", [(1.0, None), (0.5, None), (1.0, 3 * 8**3 * 12)])
+def test_ram_cache_equals_uncached(cache_rate, budget):
+    base = Volumes()
+    pipe = [Scale(3.0), clip_label]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ds = CacheDataset(base, pipe, cache_rate=cache_rate, num_workers=2, progress=False, budget_bytes=budget)
+    expected = 3 if budget else math.ceil(cache_rate * 6)
+    assert ds.num_cached == expected and (len(w) > 0) == (budget is not None)
+    assert base.loads == expected
+    for i in range(6):
+        assert same(ds[i], T.apply(pipe, Volumes()[i]))
+    assert base.loads == expected + (6 - expected)  # cached items are not reloaded
+
+
+def test_ram_cache_matches_monai_and_reports_prefix():
+    monai = pytest.importorskip("monai")
+    from monai.data import CacheDataset as MonaiCache
+    from monai.transforms import Lambda
+
+    base = Volumes(4)
+    ds = CacheDataset(base, [Scale(0.5), clip_label, Noise(), Shift()], progress=False)
+    ref = MonaiCache([base[i] for i in range(4)], Lambda(lambda d: clip_label(Scale(0.5)(d))), progress=False)
+    for i in range(4):
+        got = ds[i]
+        want = Shift()(Noise()(ref[i], T.item_generator(0, 0, i)))  # the draws of (seed 0, epoch 0, item i)
+        assert torch.equal(got["image"], want["image"].as_tensor() if hasattr(want["image"], "as_tensor") else want["image"])
+    epoch0 = ds[0]["image"]
+    ds.set_epoch(1)  # the next epoch draws again, from (seed 0, epoch 1, item 0)
+    assert not torch.equal(ds[0]["image"], epoch0)
+    assert torch.equal(ds[0]["image"], Shift()(Noise()(dict(ref[0]), T.item_generator(0, 1, 0)))["image"].as_tensor()
+                       if hasattr(ref[0]["image"], "as_tensor") else Shift()(Noise()(dict(ref[0]), T.item_generator(0, 1, 0)))["image"])
+    rep = ds.report()
+    assert "4/4 items cached" in rep and "2/4 transforms" in rep and "clip_label" in rep and "Noise" in rep
+
+
+def test_persistent_invalidation_and_reuse(tmp_path):
+    base = Volumes(3)
+    ds = PersistentDataset(base, [Scale(2.0)], tmp_path)
+    first = [ds[i] for i in range(3)]
+    assert base.loads == 3 and len(list(tmp_path.glob("*.fvc"))) == 3
+    again = PersistentDataset(base, [Scale(2.0)], tmp_path)
+    assert all(same(again[i], first[i]) for i in range(3)) and base.loads == 3  # read from disk
+    changed = PersistentDataset(base, [Scale(2.5)], tmp_path)  # a changed parameter: new keys
+    assert torch.equal(changed[0]["image"], Volumes()[0]["image"] * 2.5) and base.loads == 4
+    assert changed.path(0) != ds.path(0) and changed.path(0).read_bytes()[:4] == b"FVC1"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_persistent_corrupt_entry_is_recomputed(tmp_path, damage):
+    base = Volumes(2)
+    ds = PersistentDataset(base, [Scale(2.0)], tmp_path)
+    good = ds[1]
+    p = ds.path(1)
+    data = bytearray(p.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) - 100]
+    elif damage == "flip":
+        data[-5] ^= 0xFF
+    else:
+        data = bytearray(b"not a cache entry")
+    p.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        again = ds[1]
+    assert same(again, good) and ds.recomputed == 1
+    assert same(PersistentDataset(base, [Scale(2.0)], tmp_path)[1], good)  # rewritten intact
+
+
+class Named(Dataset):
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return {"name": f"image{i + 1}"}
+
+
+SEED_003 = [["image1", "image2", "image3", "image4"], ["image2", "image3", "image4", "image5"],
+            ["image3", "image4", "image5", "image1"], ["image4", "image5", "image1", "image2"]]
+
+
+def test_smart_cache_schedule_matches_seed_and_monai():
+    monai = pytest.importorskip("monai")
+    from monai.data import SmartCacheDataset as MonaiSmart
+
+    ds = SmartCacheDataset(Named(), [], cache_num=4, replace_rate=0.25, progress=False)
+    ref = MonaiSmart([{"name": f"image{i + 1}"} for i in range(5)], transform=None, cache_num=4,
+                     replace_rate=0.25, shuffle=False, progress=False)
+    ref.start()
+    got, want = [], []
+    for epoch in range(7):
+        ds.set_epoch(epoch)
+        got.append([ds[j]["name"] for j in range(len(ds))])
+        want.append([ref[j]["name"] for j in range(len(ref))])
+        ref.update_cache()
+    ref.shutdown()
+    ds.shutdown()
+    assert got[:4] == SEED_003 and got == want
+    assert got[5] == got[0]  # period 5: epoch N starts at image[N % 5 + 1]
+
+
+def test_smart_cache_jumps_and_counts_prefix_runs():
+    base = Volumes(7)
+    ds = SmartCacheDataset(base, [Scale(2.0)], cache_num=3, replace_rate=0.4, progress=False)
+    ds.set_epoch(5)  # jump: window computed directly
+    assert [ds[j]["id"] for j in range(3)] == [f"case{(5 * 2 + j) % 7}" for j in range(3)]
+    assert torch.equal(ds[0]["image"], Volumes()[3]["image"] * 2)
+    ds.shutdown()
+
+
+@pytest.mark.parametrize("n, world", [(10, 1), (10, 3), (7, 4), (8, 2)])
+def test_gpu_cache_partitions_cover_every_epoch(n, world):
+    base = Volumes(n, size=2)
+    ranks = [GPUCacheDataset(base, "cpu", rank=r, world_size=world, seed=3) for r in range(world)]
+    held_by_rank0 = set()
+    for epoch in range(world + 1):
+        served = []
+        for ds in ranks:
+            ds.set_epoch(epoch)
+            served += [ds[j]["id"] for j in range(len(ds))]
+        assert {f"case{i}" for i in range(n)} == set(served)  # every item, every epoch
+        assert len(served) == world * math.ceil(n / world)  # equal steps per rank
+        held_by_rank0 |= {ranks[0][j]["id"] for j in range(len(ranks[0]))}
+    assert len(held_by_rank0) == n  # rotation: rank 0 sees every partition over world epochs
+    parts = partitions(n, world, seed=3)
+    assert sorted(set(sum(parts, []))) == list(range(n))
+
+
+def test_gpu_cache_memory_guard_falls_back():
+    base = Volumes(4, size=4)
+    with pytest.warns(ResourceWarning, match="caching 2 items"):
+        ds = GPUCacheDataset(base, "cpu", budget_bytes=2 * (4**3 * 4 + 4**3 * 8) + 10)
+    assert ds.num_cached == 2 and [ds[j]["id"] for j in range(4)] == [f"case{i}" for i in ds.indices()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cache_on_cuda():
+    ds = GPUCacheDataset(Volumes(4, size=4), "cuda")
+    assert ds[0]["image"].is_cuda and ds.num_cached == 4
+
+
+CHILD = r"""
+import sys, time
+from pathlib import Path
+import torch
+from torch.utils.data import Dataset
+from fastvision.data.cache.datasets import SharedCacheDataset, CacheDataset
+
+class Big(Dataset):
+    def __len__(self): return 16
+    def __getitem__(self, i): return {"image": torch.full((1024, 1024), float(i))}  # 4 MiB each
+
+def pss():
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+
+rank, world, mode, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+before = pss()
+if mode == "shared":
+    ds = SharedCacheDataset(Big(), [], "pss", local_rank=rank, local_world_size=world, root=root, progress=False)
+else:
+    ds = CacheDataset(Big(), [], progress=False)
+total = sum(float(ds[i]["image"].sum()) for i in range(16))  # touch every page
+assert total == sum(i * 1024 * 1024 for i in range(16))
+Path(root, f"ready{rank}").touch()
+while not all(Path(root, f"ready{r}").exists() for r in range(world)):
+    time.sleep(0.05)
+time.sleep(0.3)
+print(pss() - before, flush=True)  # measured while every rank still maps the cache
+while not Path(root, "exit").exists():
+    time.sleep(0.05)
+"""
+
+
+def run_ranks(world: int, mode: str, root: Path) -> list[int]:
+    root.mkdir()
+    try:
+        return _run_ranks(world, mode, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_ranks(world: int, mode: str, root: Path) -> list[int]:
+    # A fixed mmap threshold makes glibc return freed item buffers, so PSS measures the cache,
+    # not allocator retention from computing the items.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(world), mode, str(root)],
+                              stdout=subprocess.PIPE, text=True, env=env) for r in range(world)]
+    out = [int(p.stdout.readline()) for p in procs]
+    (root / "exit").touch()
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_shared_cache_pss_two_ranks(tmp_path):
+    """Summed PSS growth of two ranks sharing the cache <= 1.2x one rank's; private copies ~2x."""
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    one = run_ranks(1, "shared", shm / f"fvtest-{os.getpid()}-a")
+    two = run_ranks(2, "shared", shm / f"fvtest-{os.getpid()}-b")
+    private = run_ranks(2, "private", tmp_path / "c")
+    cache_kib = 16 * 4096
+    assert one[0] >= 0.9 * cache_kib
+    print(f"PSS growth KiB: one rank {one}, two shared ranks {two}, two private {private}")
+    assert sum(two) <= 1.2 * one[0], (one, two)
+    assert sum(private) > 1.2 * one[0]  # the check can fail: per-rank copies double it

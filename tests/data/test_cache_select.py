@@ -1,0 +1,234 @@
+"""data.cache through the engine: cached training is bit-identical to uncached, the disk cache's
+second run reads its entries, random datasets are refused, the gpu cache partitions and refuses
+worker processes."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import fastvision
+from fastvision.data.cache.select import (
+    cache_source,
+    dataset_signature,
+    item_identity,
+    wrap_train_set,
+)
+from fastvision.data.loader import build_loader
+from fastvision.dist import DistEnv
+from fastvision.errors import ConfigError
+from tests.conftest import tiny_overrides
+
+
+class Counted(Dataset):
+    """Deterministic items; ``reads`` counts ``__getitem__`` calls, ``scale`` is a setting."""
+
+    def __init__(self, n: int = 6, scale: float = 1.0):
+        self.n, self.scale, self.reads = n, scale, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.reads += 1
+        g = torch.Generator().manual_seed(i)
+        return {"image": torch.rand(1, 4, 4, generator=g) * self.scale, "label": torch.full((4, 4), i % 2),
+                "id": f"item{i}"}
+
+    def identity(self, i):
+        return f"item{i}"
+
+
+class Noisy(Counted):
+    def __getitem__(self, i):
+        return {"image": torch.rand(1, 4, 4), "label": torch.zeros(4, 4, dtype=torch.long), "id": str(i)}
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def test_cached_training_is_bit_identical_and_disk_rerun_reads_entries(tiny_microscopy, tmp_path):
+    runs = {}
+    cache_dir = tmp_path / "cache"
+    for name, cache in [("none", "none"), ("ram", "ram"), ("disk1", "disk"), ("disk2", "disk")]:
+        if name == "disk2":  # entries written by the first disk run, with their times
+            before = {p.name: p.stat().st_mtime_ns for p in cache_dir.glob("*.fvc")}
+        fastvision.train("unet2d-microscopy", out=str(tmp_path / name),
+                         **tiny_overrides(tiny_microscopy, **{"data.cache": cache, "data.cache_dir": str(cache_dir)}))
+        runs[name] = _weights(tmp_path / name)
+    after = {p.name: p.stat().st_mtime_ns for p in cache_dir.glob("*.fvc")}
+    assert len(before) == 16  # 13 training + 3 validation items (val_fraction 0.2): both cached on disk
+    assert after == before  # the second run hit every entry: nothing recomputed or rewritten
+    for name in ("ram", "disk1", "disk2"):
+        assert runs[name].keys() == runs["none"].keys()
+        for k, v in runs["none"].items():
+            assert torch.equal(runs[name][k], v), (name, k)
+
+
+def test_disk_cache_second_wrap_reads_no_item_and_a_setting_invalidates(tmp_path):
+    first = Counted()
+    a = wrap_train_set(first, cache="disk", cache_dir=str(tmp_path))
+    items = [a[i] for i in range(len(a))]
+    base_reads = first.reads
+    second = Counted()
+    b = wrap_train_set(second, cache="disk", cache_dir=str(tmp_path))
+    again = [b[i] for i in range(len(b))]
+    assert second.reads == 0 and base_reads == 6 + 2  # + the determinism check
+    assert all(torch.equal(x["image"], y["image"]) and x["id"] == y["id"] for x, y in zip(items, again))
+    changed = Counted(scale=2.0)  # a different setting: new signature, new entries
+    c = wrap_train_set(changed, cache="disk", cache_dir=str(tmp_path))
+    assert torch.equal(c[3]["image"], items[3]["image"] * 2) and changed.reads == 2 + 1  # check + miss
+    assert dataset_signature(Counted()) != dataset_signature(changed)
+
+
+def test_ram_cache_reports_prefix_and_reads_once():
+    ds = Counted()
+    cached = wrap_train_set(ds, cache="ram")
+    ds.reads = 0
+    out = [cached[i] for i in range(6)]
+    assert ds.reads == 0 and cached.num_cached == 6
+    assert torch.equal(out[2]["image"], Counted()[2]["image"])
+    assert "6/6 items cached" in cached.report() and "Counted.__getitem__" in cached.report()
+
+
+def test_random_dataset_is_refused_not_frozen():
+    with pytest.raises(ConfigError, match="different item on every read"):
+        wrap_train_set(Noisy(), cache="ram")
+
+
+def test_disk_without_identity_and_smart_without_num_are_config_errors(tmp_path):
+    class NoId(Counted):
+        identity = None
+
+    with pytest.raises(ConfigError, match="identity"):
+        wrap_train_set(NoId(), cache="disk", cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="cache_num"):
+        wrap_train_set(Counted(), cache="smart")
+    with pytest.raises(ConfigError, match="data.cache must be one of"):
+        wrap_train_set(Counted(), cache="lmdb")
+
+
+def test_smart_cache_window_moves_with_set_epoch():
+    smart = wrap_train_set(Counted(n=5), cache="smart", cache_num=2, replace_rate=0.5, seed=0)
+    loader = build_loader(smart, batch_size=2, loader="threads", num_workers=1)
+    ids = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        ids.append([i for b in loader for i in b["id"]])
+    order = smart.order
+    # seed 003 schedule: window e starts at e * ceil(2 * 0.5) in the (seeded) order
+    assert ids == [[f"item{order[(e + j) % 5]}" for j in range(2)] for e in range(3)]
+    smart.shutdown()
+
+
+def test_gpu_cache_partitions_cover_every_item_and_refuse_worker_processes():
+    n, world = 7, 2
+    parts = []
+    for epoch in range(2):
+        seen = []
+        for rank in range(world):
+            env = DistEnv(rank=rank, local_rank=0, world_size=world, local_world_size=1)
+            ds = wrap_train_set(Counted(n=n), cache="gpu", env=env, device="cpu", seed=3)
+            ds.set_epoch(epoch)
+            assert ds.rank_local is True and len(ds) == 4
+            seen += [ds[j]["id"] for j in range(len(ds))]
+        parts.append(seen)
+        assert set(seen) == {f"item{i}" for i in range(n)}  # the ranks together see every item
+    # one rank per node: a rank keeps its own partition (rotating would preprocess the others' items)
+    assert parts[0][:4] == parts[1][:4]
+    with pytest.raises(ConfigError, match="data.loader: threads"):
+        build_loader(ds, batch_size=2, loader="processes", num_workers=2)
+    assert len(build_loader(ds, batch_size=2, loader="processes", num_workers=0)) == 2
+
+
+def test_cpu_partition_over_budget_holds_only_what_fits():
+    """A CPU cache over its memory budget keeps the items that fit and reads the rest from the
+    source on each access (holding them anyway would use the memory the guard refused)."""
+    from fastvision.data.cache.smart import GPUCacheDataset
+
+    src = Counted(n=5)
+    per_item = 4 * 4 * 4 + 4 * 4 * 8  # float32 image + int64 label
+    with pytest.warns(ResourceWarning, match="caching 2 items"):
+        ds = GPUCacheDataset(src, "cpu", budget_bytes=2 * per_item + 1)
+    assert ds.num_cached == 2 and len(ds.items) == 2 and src.reads == 2
+    got = {ds[j]["id"]: ds[j] for j in range(len(ds))}
+    for i in range(5):
+        assert torch.equal(got[f"item{i}"]["image"], Counted()[i]["image"])
+    assert src.reads == 2 + 2 * 3  # the three that did not fit: read at each of the two accesses
+
+
+def test_microscopy_items_are_named_by_their_files(tiny_microscopy):
+    import fastvision.data.formats  # noqa: F401, E401  (register)
+    import fastvision.losses
+    import fastvision.models
+    import fastvision.tasks
+    from fastvision.registry import DATASETS
+    train = DATASETS.build("microscopy", {"path": str(tiny_microscopy), "image_size": [32, 32]}, where="t").train
+    base, pipeline, identity = cache_source(train)
+    assert len(base) == len(train) and identity is not None and item_identity(train) is not None
+    name = identity(0)
+    img = Path(train.pairs[0][0])
+    st = img.stat()
+    os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # file replaced in place
+    try:
+        assert identity(0) != name and identity(1) == item_identity(train)(1)
+    finally:
+        os.utime(img, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert pipeline[0](base[2])["id"] == train[2]["id"]
+
+
+def test_volume_dataset_has_a_disk_cache_identity(tmp_path, monkeypatch):
+    """3-D datasets cache through cache_pipeline(); their file identity must still reach the disk cache."""
+    import fastvision.data.formats  # noqa: F401, E401  (register)
+    import fastvision.losses
+    import fastvision.models
+    import fastvision.tasks
+    from fastvision.data.cache.select import cache_source
+    from fastvision.data.synth.medical import synth_spleen
+    from fastvision.registry import DATASETS
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
+    root = synth_spleen(tmp_path / "spleen", cases=5, test_cases=0, size=24)
+    splits = DATASETS.build("decathlon", {"path": str(root), "patch_size": None})
+    _, _, identity = cache_source(splits.train)
+    assert identity is not None and str(root) in identity(0)
+
+
+def test_ddp_ram_cache_holds_only_this_ranks_partition():
+    """Under DDP data.cache: ram preprocesses and keeps one partition per rank; together they are the set."""
+    n, world, seen = 7, 2, []
+    for rank in range(world):
+        base = Counted(n=n)
+        ds = wrap_train_set(base, cache="ram", env=DistEnv(rank=rank, local_rank=0, world_size=world, local_world_size=1),
+                            seed=3)
+        reads = base.reads - 2  # cache_source reads item 0 twice to check determinism
+        assert ds.rank_local is True and len(ds) == 4 and reads == 4  # ceil(7 / 2): no other rank's items
+        seen += [ds[j]["id"] for j in range(len(ds))]
+        assert base.reads - 2 == 4  # served from the cache
+    assert set(seen) == {f"item{i}" for i in range(n)}
+
+
+@pytest.mark.parametrize("cache", ["ram", "disk"])
+def test_cached_validation_items_are_the_evaluation_view(tmp_path, cache):
+    """A cached validation set returns ``dataset[i]`` (resize + centre crop), never the training
+    view of ``cache_pipeline`` (ImageFolder's is a random-resized crop)."""
+    from fastvision.data.cache.select import wrap_val_set
+    from fastvision.data.formats.imagefolder import (
+        ImageFolderDataset,
+        find_classes,
+        list_samples,
+    )
+    from fastvision.data.synth.imagenet import synth
+
+    synth(tmp_path / "inet", classes=2, per_class=1, val_per_class=2, size=48)
+    val = tmp_path / "inet" / "val"
+    ds = ImageFolderDataset(list_samples(val, find_classes(val)), False, image_size=32, resize_size=40)
+    wrapped = wrap_val_set(ds, cache=cache, cache_dir=str(tmp_path / "cache"))
+    assert len(wrapped) == len(ds) == 4
+    for i in range(len(ds)):
+        for _ in range(2):  # first read fills, second reads the cache
+            assert torch.equal(wrapped[i]["image"], ds[i]["image"])
+            assert int(wrapped[i]["label"]) == int(ds[i]["label"])

@@ -1,0 +1,458 @@
+"""Tests for fastvision.dist: launch-environment table, samplers, and real 2-rank gloo jobs.
+
+The multi-process tests start this very file as the worker (``python tests/dist/test_dist.py OUT``)
+under ``torch.distributed.run --standalone`` (through ``dist.launch_local``) and under hand-made SLURM variables, so the code path
+is the one a user's job takes. Each worker checks DDP's averaged gradient against plain autograd on
+the concatenated global batch, and the reduced metric sums against the whole-set sums.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # also run as a worker script
+
+from fastvision import dist  # noqa: E402
+from fastvision.errors import ConfigError  # noqa: E402
+from tests.conftest import clean_env, free_port  # noqa: E402
+
+# --------------------------------------------------------------------------- environment table
+
+ENV_CASES = [
+    ("single", {}, dist.DistEnv()),
+    ("torchrun", {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"},
+     dist.DistEnv(3, 1, 4, 2, "torchrun", "10.0.0.5", 1234)),
+    # torchrun inside a SLURM allocation: torchrun's variables win
+    ("torchrun-in-slurm", {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5",
+                           "SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"},
+     dist.DistEnv(1, 1, 2, 2, "torchrun", "h", 5)),
+    ("srun", {"SLURM_JOB_ID": "123456", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+              "SLURM_STEP_ID": "0", "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "2(x4)",
+              "SLURM_NODELIST": "node[01-03,07]"},
+     dist.DistEnv(5, 1, 8, 2, "slurm", "node01", 12000 + 123456 % 20000)),
+    ("srun-step-vars", {"SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "16",
+                        "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEPID": "1", "SLURM_NODEID": "1",
+                        "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "gpu-a,gpu-b",
+                        "SLURM_JOB_NODELIST": "gpu-[a-z]"},
+     dist.DistEnv(0, 0, 3, 1, "slurm", "gpu-a", 12009)),
+    ("srun-overrides", {"SLURM_JOB_ID": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2",
+                        "SLURM_STEP_ID": "0", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "40000"},
+     dist.DistEnv(1, 1, 2, 2, "slurm", "127.0.0.1", 40000)),
+    # one-task allocation run straight from the batch script: a legitimate single process
+    ("sbatch-one-task", {"SLURM_JOB_ID": "5", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+                         "SLURM_NODELIST": "n1"}, dist.DistEnv()),
+]
+
+
+@pytest.mark.parametrize("name,environ,expected", ENV_CASES, ids=[c[0] for c in ENV_CASES])
+def test_detect_env(name, environ, expected):
+    assert dist.detect_env(environ) == expected
+
+
+@pytest.mark.parametrize("environ", [
+    {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "4", "SLURM_NODELIST": "n[1-2]"},  # salloc shell, no srun
+    # inside the batch script, Slurm marks the batch step with id 4294967294 (SLURM_BATCH_SCRIPT)
+    {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_ID": "4294967294"},
+])
+def test_slurm_without_srun_is_an_actionable_error(environ):
+    with pytest.raises(ConfigError, match="srun"):
+        dist.detect_env(environ)
+
+
+@pytest.mark.parametrize("bad", [{"RANK": "x", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "2.5"}])
+def test_malformed_variables_name_the_key(bad):
+    with pytest.raises(ConfigError, match="RANK|WORLD_SIZE"):
+        dist.detect_env(bad)
+
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("localhost", ["localhost"]),
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+    ("gpu[08-10]", ["gpu08", "gpu09", "gpu10"]),
+    ("r[1-2]n[3,5]", ["r1n3", "r1n5", "r2n3", "r2n5"]),
+    ("x[9-10]-ib", ["x9-ib", "x10-ib"]),
+    ("n[1-2],m[003-004]", ["n1", "n2", "m003", "m004"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert dist.expand_nodelist(nodelist) == hosts
+
+
+def test_single_process_helpers_are_identities():
+    t = torch.tensor([1.0, 2.0])
+    assert dist.all_reduce_sum(t) is t and t.tolist() == [1.0, 2.0]
+    assert dist.gather_objects({"a": 1}) == [{"a": 1}]
+    assert dist.broadcast_object(7) == 7
+    assert (dist.rank(), dist.world_size(), dist.is_main()) == (0, 1, True)
+    env, dev = dist.init("cpu")
+    assert env == dist.DistEnv() and dev == torch.device("cpu")
+    m = torch.nn.Linear(2, 2)
+    assert dist.wrap_model(m, dev) is m and dist.unwrap(m) is m
+    with dist.no_sync(m):
+        pass
+    dist.barrier()
+    dist.shutdown()
+
+
+def test_unwrap_strips_compile_wrapper():
+    m = torch.nn.Linear(2, 2)
+    fake_compiled = torch.nn.Module()
+    fake_compiled._orig_mod = m  # the attribute torch.compile's OptimizedModule exposes
+    assert dist.unwrap(fake_compiled) is m
+
+
+# --------------------------------------------------------------------------- samplers
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 7, 10, 13])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_eval_sampler_covers_every_index_once(n, world):
+    shards = [list(dist.EvalSampler(n, num_replicas=world, rank=r)) for r in range(world)]
+    assert sorted(i for s in shards for i in s) == list(range(n))
+    lengths = [len(s) for s in shards]
+    assert max(lengths) - min(lengths) <= 1
+    assert lengths == [len(dist.EvalSampler(n, num_replicas=world, rank=r)) for r in range(world)]
+    # contiguous: concatenation in rank order is the natural order
+    assert [i for s in shards for i in s] == list(range(n))
+
+
+def test_eval_sampler_hand_case():
+    assert [list(dist.EvalSampler(7, num_replicas=3, rank=r)) for r in range(3)] == [[0, 1], [2, 3], [4, 5, 6]]
+
+
+@pytest.mark.parametrize("n,world", [(8, 2), (12, 4), (7, 2), (5, 4), (3, 4), (10, 3)])
+def test_train_sampler_shards(n, world):
+    shards = [list(dist.TrainSampler(n, num_replicas=world, rank=r, seed=3)) for r in range(world)]
+    per_rank = -(-n // world)
+    assert all(len(s) == per_rank for s in shards)
+    flat = [i for s in shards for i in s]
+    assert set(flat) == set(range(n))  # every sample seen
+    if n % world == 0:
+        assert len(set(flat)) == len(flat)  # disjoint
+    else:
+        assert len(flat) - len(set(flat)) == per_rank * world - n  # only the wrap-around repeats
+
+
+@pytest.mark.parametrize("n,world", [(10, 2), (12, 3)])
+def test_train_sampler_deterministic_in_seed_and_epoch(n, world):
+    def shards(seed, epoch):
+        out = []
+        for r in range(world):
+            s = dist.TrainSampler(n, num_replicas=world, rank=r, seed=seed)
+            s.set_epoch(epoch)
+            out.append(list(s))
+        return out
+
+    assert shards(0, 1) == shards(0, 1)
+    assert shards(0, 1) != shards(0, 2)
+    assert shards(0, 1) != shards(1, 1)
+    assert shards(0, 1) != shards(1, 0)  # seed + epoch would collide here
+
+
+@pytest.mark.parametrize("n,world,batch", [(16, 2, 4), (24, 4, 3), (18, 3, 2)])
+def test_train_sampler_global_batches_match_one_process(n, world, batch):
+    """Ranks' k-th batches together form the k-th batch of one process with world x the batch."""
+    one = dist.TrainSampler(n, num_replicas=1, rank=0, seed=11)
+    one.set_epoch(4)
+    ref = list(one)
+    per_rank = []
+    for r in range(world):
+        s = dist.TrainSampler(n, num_replicas=world, rank=r, seed=11)
+        s.set_epoch(4)
+        per_rank.append(list(s))
+    for k in range(n // (batch * world)):
+        together = sorted(i for s in per_rank for i in s[k * batch:(k + 1) * batch])
+        assert together == sorted(ref[k * batch * world:(k + 1) * batch * world])
+
+
+def test_train_sampler_drop_last_and_no_shuffle():
+    s = [list(dist.TrainSampler(7, num_replicas=2, rank=r, shuffle=False, drop_last=True)) for r in range(2)]
+    assert s == [[0, 2, 4], [1, 3, 5]]
+
+
+# --------------------------------------------------------------------------- real 2-rank jobs
+
+
+
+
+def _check_results(out: Path, world: int, launcher: str) -> None:
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, res in enumerate(results):
+        assert res["env"]["rank"] == r and res["env"]["world_size"] == world
+        assert res["env"]["launcher"] == launcher
+        assert res["sum"] == sum(range(1, world + 1))
+        assert res["gathered"] == [f"r{i}" for i in range(world)]
+        assert res["broadcast"] == "from-0"
+        assert res["grad_max_err"] < 1e-6
+        assert res["eval_sums"] == res["eval_sums_ref"]
+    assert results[0]["weights"] == results[1]["weights"]  # DDP keeps replicas identical
+
+
+@pytest.mark.dist
+def test_two_rank_slurm_srun_variables(tmp_path):
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = clean_env()
+        env.update(SLURM_JOB_ID="4242", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
+                   SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(tmp_path)], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        errs.append(err)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    _check_results(tmp_path, 2, "slurm")
+
+
+def _launch(tmp_path: Path, mode: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``dist.launch_local`` (the code behind ``--nproc``) running this file's ``mode`` worker."""
+    code = ("import sys; from fastvision import dist; "
+            f"sys.exit(dist.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(tmp_path)!r}, {mode!r}]))")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.dist
+def test_launch_local_two_workers(tmp_path):
+    proc = _launch(tmp_path, "basic")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_results(tmp_path, 2, "torchrun")
+
+
+@pytest.mark.dist
+def test_emulated_workers_match_two_rank_ddp(tmp_path):
+    proc = _launch(tmp_path, "emulate")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "emu0.json").read_text())
+    assert res["emulated_rel"] <= 1e-5
+    # the same global batch through one BatchNorm is a different model: emulation is not a no-op
+    assert res["naive_rel"] > 1e-3
+
+
+@pytest.mark.dist
+def test_dead_rank_fails_the_job_naming_it(tmp_path):
+    proc = _launch(tmp_path, "die", timeout=60)  # TimeoutExpired (a hang) fails the test
+    assert proc.returncode != 0
+    assert "rank: 1" in proc.stderr and "exitcode: 7" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.dist
+def test_dead_rank_under_srun_variables_does_not_hang(tmp_path):
+    """No torchrun watchdog here: gloo itself must raise on the survivor when its peer vanishes."""
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = clean_env()
+        env.update(SLURM_JOB_ID="7", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
+                   SLURM_STEP_ID="0", SLURM_NODELIST="localhost", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(tmp_path), "die"],
+                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    codes = []
+    for p in procs:
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("surviving rank hung after its peer died")
+        codes.append(p.returncode)
+    assert codes[1] == 7 and codes[0] != 0
+
+
+def test_horovod_missing_is_an_actionable_error():
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="make horovod.*ddp"):
+            dist.horovod()
+    else:
+        pytest.skip("horovod is installed")
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["train", "r", "--nproc", "2", "--set", "a=1"], ["train", "r", "--set", "a=1"]),
+    (["train", "--nproc=4", "r"], ["train", "r"]),
+    (["train", "r"], ["train", "r"]),
+])
+def test_strip_option(argv, expected):
+    assert dist.strip_option(argv, "--nproc") == expected
+
+
+@pytest.mark.parametrize("n,workers,b", [(11, 2, 2), (16, 4, 2), (9, 3, 1)])
+def test_emulation_order_matches_rank_batches(n, workers, b):
+    """Emulated micro-batch (j, w) is rank w's j-th batch of a real job with the same seed."""
+    emu = dist.TrainSampler(n, num_replicas=1, rank=0, seed=1, emulate_workers=workers, batch_size=b)
+    emu.set_epoch(3)
+    got = list(emu)
+    assert len(got) == len(emu)
+    real = []
+    for r in range(workers):
+        s = dist.TrainSampler(n, num_replicas=workers, rank=r, seed=1)
+        s.set_epoch(3)
+        real.append(list(s))
+    full = len(real[0]) // b
+    want = [i for j in range(full) for w in range(workers) for i in real[w][j * b:(j + 1) * b]]
+    assert got == want
+
+
+def _worker(out: Path) -> None:
+    """One rank of a real job: collectives, a DDP step, an EvalSampler-sharded metric."""
+    torch.set_num_threads(1)
+    env, device = dist.init("cpu", timeout_s=60)
+    r, w = dist.rank(), dist.world_size()
+    res: dict = {"env": {"rank": env.rank, "world_size": env.world_size, "launcher": env.launcher}}
+    res["sum"] = dist.all_reduce_sum(torch.tensor([float(r + 1)], dtype=torch.float64)).item()
+    res["gathered"] = dist.gather_objects(f"r{r}")
+    res["broadcast"] = dist.broadcast_object("from-0" if r == 0 else "wrong", src=0)
+
+    # DDP gradient == plain autograd on the concatenated global batch (equal per-rank batches).
+    g = torch.Generator().manual_seed(0)
+    x_all, y_all = torch.randn(4 * w, 3, generator=g), torch.randn(4 * w, 2, generator=g)
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(3, 2)
+    model = dist.wrap_model(torch.nn.Linear(3, 2), device, bucket_cap_mb=1.0)
+    dist.unwrap(model).load_state_dict(ref.state_dict())
+    idx = list(dist.TrainSampler(4 * w, shuffle=False))
+    torch.nn.functional.mse_loss(model(x_all[idx]), y_all[idx]).backward()
+    torch.nn.functional.mse_loss(ref(x_all), y_all).backward()
+    res["grad_max_err"] = max((a.grad - b.grad).abs().max().item()
+                              for a, b in zip(dist.unwrap(model).parameters(), ref.parameters()))
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    res["weights"] = [p.detach().tolist() for p in dist.unwrap(model).parameters()]
+
+    # Odd-sized validation set: per-rank sums reduced == whole-set sums (no padding duplicates).
+    n_val = 7
+    vals = torch.arange(n_val, dtype=torch.float64)
+    sums = torch.zeros(2, dtype=torch.float64)
+    for i in dist.EvalSampler(n_val):
+        sums += torch.stack([vals[i], torch.ones((), dtype=torch.float64)])
+    res["eval_sums"] = dist.all_reduce_sum(sums).tolist()
+    res["eval_sums_ref"] = [vals.sum().item(), float(n_val)]
+
+    dist.barrier()
+    (out / f"rank{r}.json").write_text(json.dumps(res))
+    dist.shutdown()
+
+
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3, padding=1), torch.nn.BatchNorm2d(3), torch.nn.ReLU(),
+                               torch.nn.Flatten(), torch.nn.Linear(3 * 16, 2))
+
+
+def _bn_data(n: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    return torch.randn(n, 1, 4, 4, generator=g), torch.randn(n, 2, generator=g)
+
+
+def _sgd_epochs(model, batches_per_step, x, y, epochs_batches) -> list[list]:
+    """Plain training: each step averages ``batches_per_step`` micro-batch losses, then SGD."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for batches in epochs_batches:
+        for k in range(0, len(batches) - batches_per_step + 1, batches_per_step):
+            for idx in batches[k:k + batches_per_step]:
+                (torch.nn.functional.mse_loss(model(x[idx]), y[idx]) / batches_per_step).backward()
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in dist.unwrap(model).parameters()]
+
+
+def _batches(sampler, epoch: int, b: int) -> list[list[int]]:
+    sampler.set_epoch(epoch)
+    idx = list(sampler)
+    return [idx[i:i + b] for i in range(0, len(idx) - b + 1, b)]
+
+
+def _emulation_worker(out: Path) -> None:
+    """2-rank DDP training of a BatchNorm model vs --emulate-workers 2 (and vs a naive big batch)."""
+    torch.set_num_threads(1)
+    env, device = dist.init("cpu", timeout_s=60)
+    x, y, b = *_bn_data(), 2
+    ddp = dist.wrap_model(_bn_model(), device)
+    sampler = dist.TrainSampler(len(x), seed=5)
+    ddp_w = _sgd_epochs(ddp, 1, x, y, [_batches(sampler, e, b) for e in range(2)])
+    res = {}
+    if env.rank == 0:
+        emu = dist.TrainSampler(len(x), num_replicas=1, rank=0, seed=5, emulate_workers=2, batch_size=b)
+        emu_w = _sgd_epochs(_bn_model(), 2, x, y, [_batches(emu, e, b) for e in range(2)])
+        one = dist.TrainSampler(len(x), num_replicas=1, rank=0, seed=5)
+        naive_w = _sgd_epochs(_bn_model(), 1, x, y, [_batches(one, e, 2 * b) for e in range(2)])
+        rel = lambda ws: max(((a - c).norm() / c.norm()).item() for a, c in zip(ws, ddp_w))  # noqa: E731
+        res = {"emulated_rel": rel(emu_w), "naive_rel": rel(naive_w)}
+    (out / f"emu{env.rank}.json").write_text(json.dumps(res))
+    dist.barrier()  # rank 1 must not tear down gloo while rank 0 is still running the references
+    dist.shutdown()
+
+
+def _hook_worker(out: Path) -> None:
+    """DDP with ``ddp_comm_hook: fp16`` (gloo reduces fp16, not bf16): gradients equal the plain
+    global-batch gradients to fp16 precision, and the fp32 all-reduce's exactly."""
+    torch.set_num_threads(1)
+    env, device = dist.init("cpu", timeout_s=60)
+    g = torch.Generator().manual_seed(0)
+    x_all, y_all = torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(3, 2)
+    torch.nn.functional.mse_loss(ref(x_all), y_all).backward()
+    idx = list(dist.TrainSampler(8, shuffle=False))
+    res = {}
+    for hook in ("none", "fp16"):
+        model = dist.wrap_model(torch.nn.Linear(3, 2), device, comm_hook=hook)
+        dist.unwrap(model).load_state_dict(ref.state_dict())
+        torch.nn.functional.mse_loss(model(x_all[idx]), y_all[idx]).backward()
+        res[hook] = max(((a.grad - b.grad).abs() / b.grad.abs().clamp(min=1e-3)).max().item()
+                        for a, b in zip(dist.unwrap(model).parameters(), ref.parameters()))
+        res[hook + "_fp16_exact"] = all(torch.equal(a.grad, a.grad.half().float())
+                                        for a in dist.unwrap(model).parameters())
+    try:
+        dist.wrap_model(torch.nn.Linear(3, 2), device, comm_hook="bf16")
+    except ConfigError as e:
+        res["bf16_error"] = str(e)
+    (out / f"hook{env.rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.shutdown()
+
+
+@pytest.mark.dist
+def test_fp16_comm_hook_all_reduces_half_precision_gradients(tmp_path):
+    proc = _launch(tmp_path, "hook")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        res = json.loads((tmp_path / f"hook{r}.json").read_text())
+        assert res["none"] < 1e-5 and not res["none_fp16_exact"]  # fp32 all-reduce
+        assert 1e-6 < res["fp16"] < 2e-3 and res["fp16_fp16_exact"]  # gradients went through fp16
+        assert res["bf16_error"].startswith("train.ddp_comm_hook: bf16 is not available here")  # gloo
+
+
+def _dying_worker(out: Path) -> None:
+    """Rank 1 dies after the first collective; rank 0 keeps reducing and must not hang."""
+    torch.set_num_threads(1)
+    env, _ = dist.init("cpu", timeout_s=600)  # longer than the test allows: failure must come sooner
+    dist.all_reduce_sum(torch.ones(1))
+    if env.rank == 1:
+        os._exit(7)
+    for _ in range(10_000):
+        dist.all_reduce_sum(torch.ones(1))
+        import time
+        time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    {"basic": _worker, "emulate": _emulation_worker, "die": _dying_worker, "hook": _hook_worker}[sys.argv[2] if len(sys.argv) > 2
+                                                                           else "basic"](Path(sys.argv[1]))

@@ -1,0 +1,96 @@
+"""Export: ONNX (checked with onnxruntime) and TorchScript round trips of a U-Net and a ResNet-18
+with a dynamic batch axis, the task's real model input, and the CLI on a trained checkpoint."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import fastvision
+from fastvision.cli import main
+from fastvision.engine import checkpoint
+from fastvision.errors import ConfigError, DataError
+from fastvision.inference import export
+from fastvision.models import create_model
+from tests.conftest import tiny_overrides
+
+HAS_ORT = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
+FORMATS = ["torchscript", pytest.param("onnx", marks=pytest.mark.skipif(not HAS_ORT, reason="needs onnx, "
+                                                                          "onnxscript and onnxruntime"))]
+MODELS = [("unet2d-seed001", {"in_channels": 1, "out_channels": 2, "filters": [4, 8, 16]}, 1),
+          ("resnet18", {"num_classes": 3}, 3)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name, kwargs, channels", MODELS)
+def test_round_trip_with_another_batch_size(name, kwargs, channels, fmt, tmp_path):
+    torch.manual_seed(0)
+    model = create_model(name, **kwargs).eval()
+    path = export.export_model(model, torch.randn(2, channels, 32, 32), tmp_path / f"m{export.SUFFIX[fmt]}", fmt)
+    assert path.is_file()
+    x = torch.randn(3, channels, 32, 32)  # batch 3 != example batch 2: the batch axis is dynamic
+    diff = export.max_abs_diff(path, fmt, model, x)
+    assert diff is not None and diff <= 1e-4
+    with torch.no_grad():
+        assert model(x).abs().max() > 1e-3  # a non-trivial output, so the comparison means something
+
+
+def test_torchscript_file_holds_the_model_weights(tmp_path):
+    model = create_model("resnet18", num_classes=3).eval()
+    path = export.export_model(model, torch.randn(2, 3, 32, 32), tmp_path / "r.pt", "torchscript")
+    loaded = torch.jit.load(str(path)).state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_classification_model_input_is_the_normalised_image():
+    import fastvision.losses  # noqa: F401  (registers the losses)
+    from fastvision.registry import LOSSES as REG
+    from fastvision.tasks.classify import ClassificationTask
+
+    task = ClassificationTask(num_classes=3, image_size=16, loss=REG.build("ce", {}))
+    model = create_model("resnet18", num_classes=3)
+    torch.manual_seed(5)
+    captured = export.model_input(model, task, batch_size=2)
+    torch.manual_seed(5)
+    image = task.synthetic_batch(2, torch.device("cpu"))["image"]
+    mean = torch.tensor([123.68, 116.28, 103.53]).view(1, 3, 1, 1)
+    std = torch.tensor([58.395, 57.12, 57.385]).view(1, 3, 1, 1)
+    torch.testing.assert_close(captured, (image * 255 - mean) / std, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_format_and_missing_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match="--format"):
+        export.export_model(torch.nn.Linear(2, 2), torch.randn(2, 2), tmp_path / "x", "tflite")
+    with pytest.raises(DataError, match="not found"):
+        export.export_checkpoint(tmp_path / "nope.pt", "onnx")
+    with pytest.raises(DataError, match="no checkpoints"):
+        export.export_checkpoint(tmp_path, "onnx")
+
+
+def test_missing_onnx_package_is_a_config_error(monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "onnxscript" else real(n, *a))
+    with pytest.raises(ConfigError, match="pip install onnx onnxscript onnxruntime"):
+        export.export_model(torch.nn.Linear(2, 2), torch.randn(2, 2), tmp_path / "x.onnx", "onnx")
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_microscopy, tmp_path_factory):
+    run = tmp_path_factory.mktemp("export") / "run"
+    fastvision.train("unet2d-microscopy", out=str(run), **tiny_overrides(tiny_microscopy, epochs=1, examples=0,
+                                                                           **{"task.args.sample_shape": [1, 32, 32]}))
+    return run
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cli_exports_a_trained_run(trained_run, fmt, tmp_path, capsys):
+    out = tmp_path / f"unet{export.SUFFIX[fmt]}"
+    assert main(["export", str(trained_run), "--format", fmt, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "max abs diff" in printed and ": ok" in printed and "batchx1x32x32" in printed
+    if fmt == "torchscript":  # the trained weights, not a fresh initialisation
+        ckpt = checkpoint.load(trained_run / "checkpoints" / "best.pt")["model"]
+        loaded = torch.jit.load(str(out)).state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in ckpt.items())

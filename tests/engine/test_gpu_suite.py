@@ -1,0 +1,73 @@
+"""benchmarks/gpu_suite.py end to end at CI sizes (``--device cpu --quick``), as on a bare GPU machine.
+
+The suite runs in a subprocess in which MONAI, nibabel and pycocotools cannot be imported (a
+``sys.meta_path`` finder raises ImportError for them), so the test also shows that nothing the suite
+imports needs them. Checked: the JSON and Markdown structure, and that every row is a real
+measurement (items/s > 0) or an explicit skip note; no row failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BLOCKER = """
+import importlib.abc, runpy, sys
+BLOCKED = ("monai", "nibabel", "pycocotools")
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: the GPU machine does not have it)", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+for name in list(sys.modules):
+    if name.split(".")[0] in BLOCKED:
+        del sys.modules[name]
+sys.argv = [%r, *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_cpu_quick_suite_runs_end_to_end_without_monai_nibabel_pycocotools(tmp_path):
+    script = BLOCKER % str(ROOT / "benchmarks" / "gpu_suite.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTVISION_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", script, "--device", "cpu", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "blocked" not in proc.stdout + proc.stderr  # nothing tried to import them
+
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert report["device"] == "cpu" and report["quick"] is True and report["issue"] == 13
+    rows = {r["name"]: r for r in report["rows"]}
+    from benchmarks.gpu_suite import (
+        WORKLOADS,  # the table at the top of the script: every workload has a row
+    )
+
+    assert list(rows) == [w["name"] for w in WORKLOADS]
+    for name, r in rows.items():
+        assert "error" not in r, (name, r["error"])
+        assert r["value"] > 0 if "value" in r else r["skip"], name
+    measured = [n for n, r in rows.items() if "value" in r]
+    # every --quick row measured on the CPU, except the GPU tests (need CUDA, not in --quick)
+    assert set(measured) == {w["name"] for w in WORKLOADS if w["quick"] and w["kind"] != "tests"}
+    assert rows["GPU tests (pytest -m gpu)"]["skip"] == "not in --quick"
+    assert rows["ResNet-50 v1.5 train"]["anchors"] == ["DLE PyTorch A100 AMP 2,470 img/s",
+                                                       "MLPerf v4.0 H100 ~7,160 img/s/GPU"]
+    assert rows["3D U-Net (BraTS) 128^3 x 4 train"]["goal"] == 70
+    for r in rows.values():
+        if r["kind"] in ("train", "inference") and "value" in r:
+            assert 0 < r["p50_ms"] <= r["p99_ms"]
+    assert "GPUCacheDataset" in rows["Spleen input path, data.cache gpu"]["note"]
+
+    md = (tmp_path / "gpu_suite.md").read_text().splitlines()
+    table = [line for line in md if line.startswith("|")]
+    assert table[0].startswith("| workload | setting | measured |")
+    assert len(table) == 2 + len(WORKLOADS)  # header, rule, one line per row
+    assert all(line.count("|") == table[0].count("|") for line in table)  # no cell broke the table

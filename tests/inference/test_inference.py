@@ -1,0 +1,249 @@
+"""Sliding window vs MONAI's sliding_window_inference, flip TTA, and NIfTI writers."""
+from __future__ import annotations
+
+import itertools
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
+from fastvision.inference import (
+    flip_tta,
+    save_segmentation,
+    sliding_window,
+    sliding_window_inference,
+    window_starts,
+    write_nifti,
+)
+
+monai_inferers = pytest.importorskip("monai.inferers")
+
+
+def _net(dims: int, cin: int = 2, cout: int = 3, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    conv = nn.Conv2d if dims == 2 else nn.Conv3d
+    return nn.Sequential(conv(cin, 4, 3, padding=1), nn.LeakyReLU(0.01), conv(4, cout, 3, padding=1)).eval()
+
+
+CASES = [  # dims, input spatial shape, roi, sw_batch_size
+    (2, (23, 17), (8, 6), 3),
+    (2, (10, 5), (8, 8), 2),  # second axis smaller than the roi: padded
+    (3, (11, 9, 13), (6, 4, 5), 4),
+    (3, (7, 12, 6), (8, 5, 6), 1),  # padding on one axis, roi == size on another
+]
+
+
+@pytest.mark.parametrize("mode", ["gaussian", "constant"])
+@pytest.mark.parametrize("dims,shape,roi,swb", CASES)
+def test_matches_monai(dims, shape, roi, swb, mode):
+    net = _net(dims)
+    x = torch.randn(2, 2, *shape, generator=torch.Generator().manual_seed(1))
+    ours = sliding_window(net, x, roi, overlap=0.5, mode=mode, sw_batch_size=swb)
+    with torch.no_grad():
+        ref = monai_inferers.sliding_window_inference(x, roi, swb, net, overlap=0.5, mode=mode, sigma_scale=0.125)
+    assert ours.shape == ref.shape == (2, 3, *shape)
+    torch.testing.assert_close(ours, torch.as_tensor(ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("roi", [(9, 7, 5), (-1, -1, -1), (9, 0, 5)])
+def test_roi_covering_volume_is_full_forward(roi):
+    net = _net(3)
+    x = torch.randn(1, 2, 9, 7, 5)
+    with torch.no_grad():
+        full = net(x)
+    torch.testing.assert_close(sliding_window(net, x, roi, overlap=0.5, mode="gaussian"), full, atol=1e-6, rtol=0)
+
+
+def test_roi_larger_than_volume_pads_with_zeros():
+    net = _net(3)
+    x = torch.randn(1, 2, 9, 7, 5)
+    with torch.no_grad():  # 3 voxels of padding on the first axis: 1 before, 2 after
+        want = net(torch.nn.functional.pad(x, (0, 0, 0, 0, 1, 2)))[:, :, 1:10]
+    torch.testing.assert_close(sliding_window(net, x, (12, 7, 5), overlap=0.5), want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("size,roi,overlap,expected", [
+    (10, 4, 0.5, [0, 2, 4, 6]),
+    (11, 4, 0.5, [0, 2, 4, 6, 7]),
+    (10, 4, 0.0, [0, 4, 6]),
+    (4, 4, 0.5, [0]),
+    (9, 4, 0.9, [0, 1, 2, 3, 4, 5]),  # step int(0.4) = 0 -> 1
+])
+def test_window_starts(size, roi, overlap, expected):
+    assert window_starts(size, roi, overlap) == expected
+
+
+def test_output_device_and_padding_crop():
+    x = torch.randn(1, 2, 5, 6)
+    out = sliding_window(lambda w: w[:, :1] * 2, x, (8, 8), overlap=0.5, device="cpu")
+    torch.testing.assert_close(out, x[:, :1] * 2)
+
+
+def test_flip_tta_averages_mirrored_predictions():
+    net = _net(2, cout=2)
+    x = torch.randn(1, 2, 6, 5)
+    with torch.no_grad():
+        got = flip_tta(net, x, dims=(2, 3))
+        # By hand: the four mirrorings of a 2-D image, each flipped back.
+        want = (net(x) + net(x.flip(2)).flip(2) + net(x.flip(3)).flip(3) + net(x.flip(2, 3)).flip(2, 3)) / 4
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got, net(x).detach(), atol=1e-4)  # the net is not mirror-symmetric
+    torch.testing.assert_close(flip_tta(lambda t: t * 3, x, dims=(2, 3)), x * 3)  # equivariant -> unchanged
+
+
+def _reference_image(path, shape=(7, 6, 5)):
+    rot = np.array([[0.0, -1.2, 0.0], [0.9, 0.0, 0.0], [0.0, 0.0, 2.5]])  # a permuted, flipped grid
+    affine = np.eye(4)
+    affine[:3, :3] = rot
+    affine[:3, 3] = [10.0, -20.0, 30.0]
+    data = np.arange(1, np.prod(shape) + 1, dtype=np.int16).reshape(shape)
+    data[0], data[:, :, -1] = 0, 0  # background border for crop-to-foreground
+    img = nib.Nifti1Image(data, affine)
+    img.set_qform(affine, code=1)
+    img.set_sform(affine, code=2)
+    nib.save(img, str(path))
+    return affine, data
+
+
+def test_write_nifti_keeps_affine_and_header(tmp_path):
+    affine, data = _reference_image(tmp_path / "ref.nii.gz")
+    pred = (data % 3).astype(np.uint8)
+    write_nifti(pred, tmp_path / "ref.nii.gz", tmp_path / "out" / "pred.nii.gz")
+    back = nib.load(str(tmp_path / "out" / "pred.nii.gz"))
+    np.testing.assert_allclose(back.affine, affine, atol=1e-6)
+    assert int(back.header["qform_code"]) == 1 and int(back.header["sform_code"]) == 2
+    np.testing.assert_allclose(back.header.get_zooms(), (0.9, 1.2, 2.5), atol=1e-6)
+    assert back.get_data_dtype() == np.uint8
+    np.testing.assert_array_equal(np.asarray(back.dataobj), pred)
+
+
+def test_save_segmentation_returns_to_input_space(tmp_path):
+    affine, data = _reference_image(tmp_path / "img.nii.gz", shape=(8, 9, 6))
+    label = np.zeros((8, 9, 6), np.uint8)
+    label[2:6, 3:8, 1:4] = 1
+    label[3:5, 4:6, 2:3] = 3
+    nib.save(nib.Nifti1Image(label, affine), str(tmp_path / "lab.nii.gz"))
+    item = preprocess_case({"image": [tmp_path / "img.nii.gz"], "label": tmp_path / "lab.nii.gz"},
+                           PreprocessParams(intensity="none", crop_foreground=True, crop_margin=1))
+    # The preprocessed label is the prediction; written back it must equal the input label file.
+    save_segmentation(item["label"], item["meta"], tmp_path / "img.nii.gz", tmp_path / "pred.nii.gz", brats_ids=True)
+    back = nib.load(str(tmp_path / "pred.nii.gz"))
+    want = np.where(label == 3, 4, label)
+    np.testing.assert_array_equal(np.asarray(back.dataobj), want)
+    np.testing.assert_allclose(back.affine, affine, atol=1e-6)
+
+
+def test_keyword_form_with_tta_matches_monai_average():
+    net = _net(3)
+    x = torch.randn(1, 2, 9, 8, 7)
+    got = sliding_window_inference(x, net, (5, 5, 5), overlap=0.5, mode="gaussian", sw_batch_size=2, tta_flips=(0,))
+    with torch.no_grad():
+        a = monai_inferers.sliding_window_inference(x, (5, 5, 5), 2, net, overlap=0.5, mode="gaussian")
+        b = monai_inferers.sliding_window_inference(x.flip(2), (5, 5, 5), 2, net, overlap=0.5, mode="gaussian").flip(2)
+    torch.testing.assert_close(got, torch.as_tensor((a + b) / 2), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------ NIfTI prediction (fastvision predict)
+from fastvision.config import RunConfig  # noqa: E402
+from fastvision.data.formats.brats import regions_to_labels  # noqa: E402
+from fastvision.data.synth import load_all  # noqa: E402
+from fastvision.errors import ConfigError  # noqa: E402
+from fastvision.inference import (  # noqa: E402
+    predict_nifti_files,
+    prediction_cases,
+    prediction_preprocessing,
+    regions_to_classes,
+)
+from fastvision.tasks.segment import SegmentationTask  # noqa: E402
+
+BRATS_REGIONS = [[1, 2, 3], [1, 3], [3]]
+
+
+class _CTThreshold(nn.Module):
+    """Class 1 where the windowed CT value exceeds 0.05 (HU > -57 + 0.05 * 221 = -45.95: the body)."""
+
+    def forward(self, x):
+        return torch.cat([torch.zeros_like(x), x - 0.05], 1)
+
+
+class _FirstChannels(nn.Module):
+    """Region logits = the first three z-scored channels: region r is on where channel r > its mean."""
+
+    def forward(self, x):
+        return x[:, :3]
+
+
+def _cfg(name: str, **args) -> RunConfig:
+    cfg = RunConfig()
+    cfg.data.name, cfg.data.args = name, args
+    return cfg
+
+
+def test_regions_to_classes_matches_brats_post_processing():
+    g = torch.Generator().manual_seed(0)
+    masks = torch.rand(2, 3, 5, 6, 4, generator=g) > 0.5
+    want = torch.stack([regions_to_labels(m) for m in masks])
+    assert torch.equal(regions_to_classes(masks, BRATS_REGIONS), want)
+    with pytest.raises(ConfigError):
+        regions_to_classes(masks[:, :2], [[1, 2], [2, 3]])  # overlapping, not nested
+
+
+@pytest.mark.parametrize("spacing", [None, [6.0, 6.0, 7.0]])
+def test_predict_nifti_ct_keeps_input_grid_and_affine(tmp_path, spacing):
+    data = load_all().get("spleen")(tmp_path / "Task09", seed=1, cases=2, test_cases=1, size=20, zoom=3.0)
+    image = sorted((data / "imagesTs").glob("*.nii.gz"))[0]
+    task = SegmentationTask(num_classes=2, sample_shape=[1, 12, 12, 12], loss=nn.MSELoss(),
+                            sliding_window={"roi_size": [12, 12, 12], "overlap": 0.5, "mode": "gaussian"})
+    cfg = _cfg("decathlon", path=str(data), intensity="auto", target_spacing=spacing, crop_foreground=True)
+    task.sliding_window["roi_size"] = [12, 12, 12] if spacing is None else [8, 8, 8]
+    (out,) = predict_nifti_files(task, _CTThreshold(), [image], tmp_path / "pred", cfg, torch.device("cpu"))
+    assert out.name == image.name
+    ref, got = nib.load(str(image)), nib.load(str(out))
+    np.testing.assert_allclose(got.affine, ref.affine, atol=1e-6)
+    np.testing.assert_allclose(got.header.get_zooms(), ref.header.get_zooms(), atol=1e-6)
+    pred, want = np.asarray(got.dataobj), (np.asarray(ref.dataobj) > -45.95).astype(np.uint8)
+    assert pred.shape == want.shape and 0.2 < want.mean() < 0.8  # the body boundary is in view
+    if spacing is None:  # no resampling: the threshold is exact, voxel for voxel
+        np.testing.assert_array_equal(pred, want)
+    else:  # resampled there and back: only the boundary may move
+        assert 2 * (pred & want).sum() / (pred.sum() + want.sum()) > 0.95
+
+
+def test_predict_raw_brats_folder_regions_to_brats_ids(tmp_path):
+    root = load_all().get("brats")(tmp_path / "raw", seed=2, cases=1, size=16, layout="brats")
+    folder = next(p for p in root.rglob("*") if p.is_dir() and list(p.glob("*_flair.nii.gz")))
+    task = SegmentationTask(num_classes=4, mode="regions", regions=BRATS_REGIONS, sample_shape=[4, 8, 8, 8],
+                            loss=nn.MSELoss(), sliding_window={"roi_size": [8, 8, 8], "overlap": 0.25, "mode": "constant"})
+    cfg = _cfg("brats", path=str(root))
+    (out,) = predict_nifti_files(task, _FirstChannels(), [folder], tmp_path / "a", cfg, torch.device("cpu"))
+    assert out.name == f"{folder.name}.nii.gz"
+    # By hand, on the stored (LPS) arrays: z-score > 0 <=> value above the mean of the non-zero voxels.
+    on = []
+    for mod in ("flair", "t1", "t1ce"):
+        v = np.asarray(nib.load(str(folder / f"{folder.name}_{mod}.nii.gz")).dataobj).astype(np.float64)
+        on.append((v != 0) & (v > v[v != 0].mean()))
+    want = np.where(on[2], 4, np.where(on[1], 1, np.where(on[0], 2, 0)))
+    got = nib.load(str(out))
+    np.testing.assert_array_equal(np.asarray(got.dataobj), want)
+    np.testing.assert_allclose(got.affine, nib.load(str(folder / f"{folder.name}_flair.nii.gz")).affine, atol=1e-6)
+    assert {0, 2, 4} <= set(np.unique(want).tolist())
+    # The folder expanded into its files (as `fastvision predict` expands folders) is the same one case.
+    (again,) = predict_nifti_files(task, _FirstChannels(), sorted(folder.iterdir()), tmp_path / "b", cfg,
+                                   torch.device("cpu"))
+    np.testing.assert_array_equal(np.asarray(nib.load(str(again)).dataobj), want)
+
+
+def test_prediction_preprocessing_from_run_args(tmp_path):
+    task = SegmentationTask(num_classes=4, sample_shape=[4, 8, 8, 8], loss=nn.MSELoss())
+    dec = load_all().get("brats")(tmp_path / "Task01", seed=0, cases=1, test_cases=1, size=12)
+    params, brats = prediction_preprocessing(task, "decathlon", {"path": str(dec), "intensity": "auto", "crop_margin": 2})
+    assert (params.intensity, params.crop_margin, brats) == ("mri", 2, True)
+    spl = load_all().get("spleen")(tmp_path / "Task09", seed=0, cases=1, test_cases=0, size=12)
+    params, brats = prediction_preprocessing(task, "decathlon", {"path": str(spl), "target_spacing": [1.5, 1.5, 2]})
+    assert (params.intensity, params.target_spacing, brats) == ("ct", (1.5, 1.5, 2.0), False)
+    with pytest.raises(ConfigError, match="dataset.json"):
+        prediction_preprocessing(task, "decathlon", {"path": str(tmp_path / "moved")})
+    assert [c["id"] for c in prediction_cases(sorted((dec / "imagesTs").iterdir()))] == ["BRATS_002"]

@@ -1,0 +1,56 @@
+"""``fastvision cv``: fold averaging from DLLogger-style metrics.jsonl files (hand-computed values)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from fastvision.errors import DataError
+from fastvision.metrics.crossval import add_cli, cross_validate, read_final_metrics
+
+
+def _run(path, fold, epochs, summary=None):
+    path.mkdir(parents=True)
+    lines = [{"type": "LOG", "step": "PARAMETER", "data": {"config": {"data": {"args": {"fold": fold}}}}}]
+    lines += [{"type": "LOG", "step": [e], "data": row} for e, row in enumerate(epochs)]
+    if summary is not None:
+        lines.append({"type": "LOG", "step": [], "data": summary})
+    (path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_average_of_folds(tmp_path):
+    a = _run(tmp_path / "f0", 0, [{"dice": 0.1}], {"dice": 0.80, "dice/1": 0.7, "epochs": 3, "run_dir": "x"})
+    b = _run(tmp_path / "f1", 1, [{"dice": 0.2}], {"dice": 0.90, "dice/1": 0.9, "epochs": 3})
+    c = _run(tmp_path / "f2", 2, [{"dice": 0.3, "dice/1": 0.5}, {"dice": 0.70, "dice/1": 0.8}])  # no summary
+    res = cross_validate([a, b, c])
+    assert res["folds"] == [0, 1, 2]
+    assert set(res["mean"]) == {"dice", "dice/1"}  # bookkeeping keys and strings dropped
+    assert res["mean"]["dice"] == pytest.approx(0.8)
+    assert res["mean"]["dice/1"] == pytest.approx(0.8)
+    assert res["std"]["dice"] == pytest.approx((0.02 / 3) ** 0.5)
+    assert res["per_run"]["dice/1"] == [0.7, 0.9, 0.8]
+    assert read_final_metrics(c / "metrics.jsonl")[0] == {"dice": 0.7, "dice/1": 0.8}
+
+
+def test_errors(tmp_path):
+    a = _run(tmp_path / "a", 0, [{"dice": 0.5}])
+    with pytest.raises(DataError, match="iou"):
+        cross_validate([a], metrics=["iou"])
+    with pytest.raises(DataError, match="metrics.jsonl"):
+        cross_validate([tmp_path / "missing"])
+    empty = _run(tmp_path / "empty", 0, [])
+    with pytest.raises(DataError, match="no epoch"):
+        read_final_metrics(empty)
+
+
+def test_cli(tmp_path, capsys):
+    a = _run(tmp_path / "a", 0, [], {"dice": 0.6})
+    b = _run(tmp_path / "b", 1, [], {"dice": 0.8})
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["cv", str(a), str(b), "--json", str(tmp_path / "cv.json")])
+    assert args.func(args) == 0
+    assert json.loads((tmp_path / "cv.json").read_text())["mean"]["dice"] == pytest.approx(0.7)
+    assert "0.7000" in capsys.readouterr().out

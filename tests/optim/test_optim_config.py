@@ -1,0 +1,134 @@
+"""Schedules, parameter groups and Novograd against hand-computed values and MONAI; strict config."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fastvision import config
+from fastvision.config import OptimConfig, SchedConfig
+from fastvision.errors import ConfigError
+from fastvision.optim import (
+    Novograd,
+    build_optimizer,
+    effective_lr,
+    lr_lambda,
+    param_groups,
+)
+
+
+@pytest.mark.parametrize("sched,step,expected", [
+    # 10 steps/epoch, 10 epochs = 100 steps; 2 warm-up epochs = 20 steps from factor 0.1
+    ({"name": "cosine", "warmup_epochs": 2, "warmup_start_factor": 0.1}, 0, 0.1),
+    ({"name": "cosine", "warmup_epochs": 2, "warmup_start_factor": 0.1}, 10, 0.1 + 0.9 * 10 / 20),
+    ({"name": "cosine", "warmup_epochs": 2, "warmup_start_factor": 0.1}, 20, 1.0),
+    ({"name": "cosine", "warmup_epochs": 2, "warmup_start_factor": 0.1}, 60, 0.5),  # halfway through 80
+    ({"name": "cosine", "min_lr_factor": 0.1}, 100, 0.1),
+    ({"name": "step", "milestones": [3, 6], "gamma": 0.1}, 29, 1.0),
+    ({"name": "step", "milestones": [3, 6], "gamma": 0.1}, 30, 0.1),
+    ({"name": "step", "milestones": [3, 6], "gamma": 0.1}, 65, 0.01),
+    ({"name": "poly", "power": 2.0}, 50, 0.25),
+    # seed 000's piecewise schedule: [lr/4, lr, lr/5, lr/20] at [S/2, S/2, 3S/4] (the lr segment never runs)
+    ({"name": "piecewise", "milestones": [5, 5, 7.5], "factors": [0.25, 1, 0.2, 0.05]}, 49, 0.25),
+    ({"name": "piecewise", "milestones": [5, 5, 7.5], "factors": [0.25, 1, 0.2, 0.05]}, 50, 0.2),
+    ({"name": "piecewise", "milestones": [5, 5, 7.5], "factors": [0.25, 1, 0.2, 0.05]}, 75, 0.05),
+    ({"name": "constant"}, 99, 1.0),
+])
+def test_schedule_multiplier(sched, step, expected):
+    fn = lr_lambda(SchedConfig(**sched), steps_per_epoch=10, epochs=10)
+    assert fn(step) == pytest.approx(expected)
+
+
+def test_no_weight_decay_on_norms_and_biases():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Linear(2, 2), nn.GroupNorm(1, 2))
+    decay, no_decay = param_groups(model, 1e-4, True)
+    assert {id(p) for p in decay["params"]} == {id(model[0].weight), id(model[2].weight)}
+    assert len(no_decay["params"]) == 6 and no_decay["weight_decay"] == 0.0
+
+
+def test_linear_lr_scaling():
+    cfg = OptimConfig(lr=0.256, ref_batch=256)
+    assert effective_lr(cfg, 2048) == pytest.approx(2.048)  # seed 004: 8 GPUs x 256
+    assert effective_lr(OptimConfig(lr=1e-3), 128) == 1e-3
+
+
+@pytest.mark.parametrize("kw", [{}, {"weight_decay": 1e-3}, {"grad_averaging": True}, {"amsgrad": True}])
+def test_novograd_matches_monai_over_10_steps(kw):
+    from monai.optimizers import Novograd as MonaiNovograd
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
+    b = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
+    b.load_state_dict(a.state_dict())
+    oa = Novograd(a.parameters(), lr=0.01, betas=(0.9, 0.98), **kw)
+    ob = MonaiNovograd(b.parameters(), lr=0.01, betas=(0.9, 0.98), **kw)
+    for _ in range(10):
+        x = torch.randn(8, 5)
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=1e-6)
+
+
+def test_optimizer_by_name():
+    model = nn.Linear(2, 2)
+    assert isinstance(build_optimizer(model, OptimConfig(name="sgd", momentum=0.875), 0.1), torch.optim.SGD)
+    assert isinstance(build_optimizer(model, OptimConfig(name="novograd"), 0.1), Novograd)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("train.epochs=5", {"train": {"epochs": 5}}),
+    ("optim.lr=1e-3", {"optim": {"lr": 1e-3}}),
+    ("data.args.image_size=[64, 64]", {"data": {"args": {"image_size": [64, 64]}}}),
+    ("train.target=iou=0.9", {"train": {"target": "iou=0.9"}}),
+])
+def test_parse_override(text, expected):
+    assert config.parse_override(text) == expected
+
+
+def test_yaml_off_means_off_and_strings_become_floats():
+    cfg = config.from_dict({"train": {"amp": False}, "optim": {"lr": "1e-3"}})
+    assert cfg.train.amp == "off" and cfg.optim.lr == 1e-3
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"trian": {}}, "unknown key trian: the top level of the config has no 'trian'; valid keys there:"),
+    ({"train": {"epochs": 2.5}}, "train.epochs: expected int"),
+    ({"train": {"amp": "fp8"}}, "train.amp"),
+    ({"optim": "adam"}, "optim: expected a mapping"),
+])
+def test_strict_config_errors(data, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        config.from_dict(data)
+
+
+@pytest.mark.parametrize("recipe", config.list_recipes())
+def test_every_shipped_recipe_is_valid(recipe):
+    """Every key of every recipe is known to its section or builder (no dataset is built)."""
+    import fastvision.data.formats  # noqa: F401, E401  (register)
+    import fastvision.losses
+    import fastvision.models
+    import fastvision.tasks
+    from fastvision.registry import DATASETS, LOSSES, MODELS, TASKS, check_kwargs
+    cfg = config.load(recipe)
+    for section, reg in (("model", MODELS), ("loss", LOSSES), ("task", TASKS)):
+        comp = getattr(cfg, section)
+        check_kwargs(reg.get(comp.name), comp.args, f"{section}.args", exclude={"loss", "augment", "info"})
+    check_kwargs(DATASETS.get(cfg.data.name), cfg.data.args, "data.args")
+    assert cfg.train.epochs >= 1 and not math.isnan(cfg.optim.lr)
+
+
+def test_recipe_extends_another(tmp_path):
+    cfg = config.load("resnet50-imagenet-250ep")
+    assert cfg.recipe == "resnet50-imagenet-250ep" and cfg.train.epochs == 250
+    assert cfg.task.args == {"num_classes": 1000, "image_size": 224, "mixup": 0.2}  # merged, not replaced
+    assert cfg.optim.momentum == 0.875  # inherited
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(f"extends: {b}\n")
+    b.write_text(f"extends: {a}\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        config.load(str(a))

@@ -1,0 +1,255 @@
+"""Classification task: loss conventions vs torch, exact top-k and AUC sums on crafted cases,
+MixUp, device normalisation, and a two-step smoke test of every classification recipe."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastvision import config
+from fastvision.losses import CrossEntropyLoss
+from fastvision.tasks.classify import (
+    AUC_BINS,
+    ClassificationTask,
+    beta_symmetric,
+    histogram_auc,
+)
+
+
+def _task(**kw) -> ClassificationTask:
+    return ClassificationTask(loss=CrossEntropyLoss(label_smoothing=kw.pop("smoothing", 0.1)), **kw)
+
+
+def test_label_smoothing_loss_equals_torch():
+    torch.manual_seed(0)
+    logits, label = torch.randn(6, 5), torch.randint(0, 5, (6,))
+    got = _task(num_classes=5).loss(logits, {"label": label})
+    torch.testing.assert_close(got, F.cross_entropy(logits, label, label_smoothing=0.1))
+
+
+def test_mixup_loss_is_mixture_of_ces():
+    torch.manual_seed(0)
+    task = _task(num_classes=4, mixup=0.2)
+    batch = {"image": torch.rand(4, 3, 8, 8), "label": torch.tensor([0, 1, 2, 3])}  # partners differ
+    out = task.augment(batch, torch.Generator().manual_seed(3))
+    lam = out["soft_label"].gather(1, batch["label"].view(-1, 1)).squeeze(1)
+    partner = batch["label"].flip(0)
+    w = lam.view(-1, 1, 1, 1)
+    torch.testing.assert_close(out["image"], w * batch["image"] + (1 - w) * batch["image"].flip(0))
+    logits = torch.randn(4, 4)
+    ref = torch.stack([lam[i] * F.cross_entropy(logits[i:i + 1], batch["label"][i:i + 1], label_smoothing=0.1)
+                       + (1 - lam[i]) * F.cross_entropy(logits[i:i + 1], partner[i:i + 1], label_smoothing=0.1)
+                       for i in range(4)]).mean()
+    torch.testing.assert_close(task.loss(logits, out), ref)
+
+
+def test_beta_symmetric_moments():
+    lam = beta_symmetric(40000, 0.2, torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert lam.min() >= 0 and lam.max() <= 1
+    # Beta(a, a): mean 1/2, variance 1 / (4 (2a + 1)) = 0.17857 for a = 0.2
+    assert abs(lam.mean().item() - 0.5) < 0.01
+    assert abs(lam.var().item() - 1 / (4 * 1.4)) < 0.005
+
+
+def test_to_device_and_normalise():
+    task = _task(num_classes=3)
+    img = torch.tensor([0, 128, 255], dtype=torch.uint8).view(1, 3, 1, 1).expand(2, 3, 2, 2).contiguous()
+    b = task.to_device({"image": img, "label": torch.tensor([0, 1])}, torch.device("cpu"), channels_last=True)
+    assert b["image"].dtype == torch.float32 and b["image"].is_contiguous(memory_format=torch.channels_last)
+    x = task.normalise(b["image"])
+    expected = [(0 - 123.68) / 58.395, (128 - 116.28) / 57.12, (255 - 103.53) / 57.385]
+    torch.testing.assert_close(x[0, :, 0, 0], torch.tensor(expected))
+
+
+def test_topk_exact_on_crafted_cases():
+    task = _task(num_classes=6, smoothing=0.0)
+    # sample 0: target is best -> top1, top5; sample 1: target 2nd -> top5 only;
+    # sample 2: target 6th (last) -> neither; sample 3: target 5th -> top5 only
+    logits = torch.tensor([[9., 1, 2, 3, 4, 5], [1., 9, 2, 3, 4, 5], [6., 5, 4, 3, 2, 1], [6., 5, 4, 3, 2, 1]])
+    label = torch.tensor([0, 5, 5, 4])
+    ev1, ev2 = task.evaluator(), task.evaluator()
+    ev1.update(logits[:2], {"label": label[:2]})
+    ev2.update(logits[2:], {"label": label[2:]})
+    merged = task.evaluator()
+    merged.load_state(ev1.state() + ev2.state())  # what the all-reduce does across ranks
+    out = merged.compute()
+    assert out["top1"] == 1 / 4 and out["top5"] == 3 / 4
+    assert out["val_loss"] == pytest.approx(F.cross_entropy(logits, label).item())
+
+
+def test_auc_matches_mann_whitney():
+    rng = np.random.default_rng(0)
+    n = 300
+    label = torch.from_numpy(rng.integers(0, 2, n))
+    p = torch.from_numpy(np.clip(rng.normal(0.4 + 0.25 * label.numpy(), 0.15), 0.0005, 0.9995))
+    logits = torch.stack([torch.zeros(n), torch.log(p / (1 - p))], 1).float()  # softmax[:, 1] == p
+    task = _task(num_classes=2, auc=True)
+    ev = task.evaluator()
+    ev.update(logits, {"label": label})
+    score = logits.softmax(1)[:, 1].numpy()
+    pos, neg = score[label.numpy() == 1], score[label.numpy() == 0]
+    wins = sum((a > b) + 0.5 * (a == b) for a, b in itertools.product(pos, neg))
+    assert ev.compute()["auc"] == pytest.approx(wins / (len(pos) * len(neg)), abs=2 / AUC_BINS)
+    # hand case on histograms: neg in bins 0, 1; pos in bins 1, 2 -> (0.5*1*1 + ...) / 4
+    neg_h, pos_h = np.array([1, 1, 0]), np.array([0, 1, 1])
+    # pairs: pos@1 vs neg@0 win, vs neg@1 tie; pos@2 wins both -> (1 + 0.5 + 2) / 4
+    assert histogram_auc(neg_h, pos_h) == pytest.approx(3.5 / 4)
+
+
+def test_synthetic_batch():
+    b = _task(num_classes=7, image_size=16).synthetic_batch(3, torch.device("cpu"))
+    assert b["image"].shape == (3, 3, 16, 16) and b["label"].max() < 7
+
+
+# ------------------------------------------------------------------- recipe smoke tests
+
+def _smoke(recipe, data, tmp_path, *sets):
+    from fastvision.api import run_training
+
+    extra = [config.parse_override(s) for s in (f"data.args.path={data}", "train.epochs=1", "train.steps_per_epoch=2",
+                                                "train.batch_size=2", "train.target=null",
+                                                "data.loader=threads", "data.num_workers=0", "examples=0", *sets)]
+    extra.append({"train": {"amp": "off"}})  # YAML would read a bare `off` as False
+    return run_training(recipe, out=str(tmp_path / "run"), extra=extra, progress=False)
+
+
+@pytest.mark.slow
+def test_recipe_resnet50_imagenet_two_steps(tmp_path):
+    from fastvision.data.synth.imagenet import synth
+
+    data = synth(tmp_path / "d", classes=3, per_class=2, val_per_class=1, size=40)
+    s = _smoke("resnet50-imagenet", data, tmp_path, "data.args.image_size=32", "data.args.resize_size=36",
+               "task.args.num_classes=3", "model.args.num_classes=3", "task.args.mixup=0.2")
+    assert 0 <= s["top1"] <= 1 and np.isfinite(s["train_loss"])
+
+
+def test_recipe_resnet18_imagefolder_two_steps(tmp_path):
+    from fastvision.data.synth.imagenet import synth
+
+    data = synth(tmp_path / "d", classes=10, per_class=1, val_per_class=1, size=40)
+    s = _smoke("resnet18-imagefolder", data, tmp_path, "data.args.image_size=32", "data.args.resize_size=36")
+    assert 0 <= s["top1"] <= 1 and s["top5"] >= s["top1"] and np.isfinite(s["train_loss"])
+
+
+def test_recipe_resnet18_pathology_two_steps_heatmap_and_froc(tmp_path, monkeypatch):
+    """Two training steps, then from the CLI: `predict` on the validation slides writes heat maps,
+    and `froc` scores them against the masks (slide_000 is a tumour slide, slide_001 normal)."""
+    import json
+
+    import tifffile
+
+    from fastvision import cli
+    from fastvision.data.synth.pathology import synth
+
+    data = synth(tmp_path / "d", slides=2, val_slides=2, size=256, tile=64)
+    s = _smoke("resnet18-pathology", data, tmp_path, "data.args.patch_size=32", "task.args.heatmap_patch=32")
+    assert 0 <= s["auc"] <= 1 and 0 <= s["top1"] <= 1
+    assert cli.main(["predict", str(tmp_path / "run"), str(data / "val" / "images"), "--out", str(tmp_path / "pred"),
+                     "--device", "cpu"]) == 0
+    assert sorted(p.name for p in (tmp_path / "pred").iterdir()) == [
+        "slide_000_heatmap.png", "slide_000_heatmap.tif", "slide_001_heatmap.png", "slide_001_heatmap.tif"]
+    heat = tifffile.imread(tmp_path / "pred" / "slide_000_heatmap.tif")
+    assert heat.shape == (8, 8) and (heat >= 0).all() and (heat <= 1).all()
+    assert cli.main(["froc", str(tmp_path / "pred"), str(data / "val" / "masks"), "--threshold", "0",
+                     "--json", str(tmp_path / "froc.json")]) == 0
+    out = json.loads((tmp_path / "froc.json").read_text())
+    assert (out["slides"], out["tumour_slides"]) == (2, 1) and out["lesions"] >= 1 and 0 <= out["froc"] <= 1
+
+
+@pytest.mark.slow
+def test_resnet18_imagefolder_reaches_90_top1(tmp_path):
+    """The issue's CPU check at CI size: 10 generated classes (50 train / 20 val JPEGs each, 32 px),
+    the shipped recipe at 28 px crops; its target top1=0.9 stops the run once reached (epoch 5 for
+    seeds 0-2 on the sandbox; 8 epochs end at 0.98), in about 20 s on 2 CPU cores."""
+    from fastvision.api import run_training
+    from fastvision.data.synth.imagenet import synth
+
+    data = synth(tmp_path / "d", classes=10, per_class=50, val_per_class=20, size=32)
+    extra = [config.parse_override(s) for s in (f"data.args.path={data}", "data.args.image_size=28",
+                                                "data.args.resize_size=32", "train.batch_size=32", "examples=0")]
+    s = run_training("resnet18-imagefolder", out=str(tmp_path / "run"), extra=extra + [{"train": {"device": "cpu"}}],
+                     progress=False)
+    assert s["target_reached"] and s["top1"] >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(config.TrainConfig(), "ema_decay"), reason="train.ema_decay not wired in the engine")
+def test_ema_weights_follow_the_hand_formula(tmp_path):
+    """Three one-step epochs, each resumed from the last checkpoint: the saved EMA must be
+    e1 = w1, e_k = d e_(k-1) + (1 - d) w_k over the raw weights w_k (floats: parameters and BN
+    statistics), and evaluate/predict must load the EMA weights."""
+    from fastvision.api import load_run, run_training
+    from fastvision.data.synth.imagenet import synth
+    from fastvision.engine.checkpoint import load
+
+    d = 0.6
+    data = synth(tmp_path / "d", classes=3, per_class=2, val_per_class=1, size=36)
+    sets = [f"data.args.path={data}", "data.args.image_size=32", "data.args.resize_size=36", "task.args.num_classes=3",
+            "model.args.num_classes=3", "model.args.zero_init_residual=false", "train.steps_per_epoch=1",
+            "train.batch_size=2", "train.target=null", "optim.lr=25.6", "sched.name=constant",
+            "sched.warmup_epochs=0", f"train.ema_decay={d}", "examples=0"]
+    ckpts, resume = [], None
+    for k in (1, 2, 3):
+        extra = [config.parse_override(s) for s in (*sets, f"train.epochs={k}")] + [{"train": {"device": "cpu"}}]
+        run_training("resnet18-imagefolder", out=str(tmp_path / f"r{k}"), resume=resume, extra=extra, progress=False)
+        resume = str(tmp_path / f"r{k}" / "checkpoints" / "last.pt")
+        ckpts.append(load(resume))
+    w = [c["model"] for c in ckpts]
+    floats = [k for k, v in w[0].items() if v.is_floating_point()]
+    want = {k: d * d * w[0][k] + d * (1 - d) * w[1][k] + (1 - d) * w[2][k] for k in floats}
+    got = ckpts[2]["eval_model"]
+    assert max((got[k] - w[2][k]).abs().max().item() for k in floats) > 1e-3  # EMA differs from raw weights
+    for k in floats:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    run, _ = load_run(tmp_path / "r3" / "checkpoints" / "last.pt", device="cpu")
+    for k, v in run.model.state_dict().items():
+        torch.testing.assert_close(v, got[k])
+
+
+def test_cli_predict_and_evaluate_imagefolder(tmp_path):
+    """`fastvision predict RUN folder` writes class index + name + probability equal to the model's
+    softmax on the validation items of the same files; `fastvision evaluate --json` reports the
+    metrics the run logged for its best checkpoint."""
+    import csv
+    import json
+
+    from fastvision.api import load_run
+    from fastvision.cli import main
+    from fastvision.data.synth.imagenet import synth
+
+    data = synth(tmp_path / "d", classes=3, per_class=2, val_per_class=2, size=40)
+    s = _smoke("resnet18-imagefolder", data, tmp_path, "data.args.image_size=32", "data.args.resize_size=36",
+               "task.args.num_classes=3", "model.args.num_classes=3")
+    run_dir = tmp_path / "run"
+    assert main(["predict", str(run_dir), str(data / "val" / "class001"), str(data / "val" / "class002" / "00000.JPEG"),
+                 "--out", str(tmp_path / "p"), "--device", "cpu"]) == 0
+    with open(tmp_path / "p" / "predictions.csv") as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == ["file", "class", "class_name", "probability"] and len(rows) == 4
+    run, _ = load_run(run_dir, device="cpu")
+    by_id = {run.val_set[i]["id"]: run.val_set[i] for i in range(len(run.val_set))}
+    for path, cls, name, prob in rows[1:]:
+        item = next(v for k, v in by_id.items() if k.endswith(path.split("/val/")[1]))
+        with torch.no_grad():
+            ref = run.task.forward(run.model, run.task.to_device({"image": item["image"][None]}, torch.device("cpu")))
+        ref = ref.softmax(1)[0]
+        assert int(cls) == int(ref.argmax()) and name == f"class{int(cls):03d}"
+        assert float(prob) == pytest.approx(float(ref.max()), abs=1e-5)
+    assert main(["evaluate", str(run_dir), "--device", "cpu", "--json", str(tmp_path / "e.json")]) == 0
+    ev = json.loads((tmp_path / "e.json").read_text())
+    assert ev["items"] == 6 and ev["top1"] == pytest.approx(s["top1"]) and ev["val_loss"] == pytest.approx(s["val_loss"])
+
+
+def test_dataset_with_more_classes_than_the_task_is_a_config_error(tmp_path):
+    from fastvision.api import run_training
+    from fastvision.data.synth.imagenet import synth
+    from fastvision.errors import ConfigError
+
+    data = synth(tmp_path / "d", classes=4, per_class=1, val_per_class=1, size=36)
+    extra = [config.parse_override(f"data.args.path={data}"), config.parse_override("task.args.num_classes=3")]
+    with pytest.raises(ConfigError, match="task.args.num_classes is 3 but the dataset has 4 classes"):
+        run_training("resnet18-imagefolder", out=str(tmp_path / "run"), extra=extra + [{"train": {"device": "cpu"}}],
+                     progress=False)

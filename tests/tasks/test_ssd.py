@@ -1,0 +1,224 @@
+"""SSD320 model, loss and post-processing: hand-computed losses, shapes, gradients, edge cases."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastvision.models.ssd import (
+    FrozenBatchNorm2d,
+    freeze_batchnorm,
+    postprocess,
+    ssd_loss,
+)
+from fastvision.ops import BoxCoder
+from fastvision.registry import MODELS
+
+
+def focal_by_hand(x: float, t: float, alpha=0.25, gamma=2.0) -> float:
+    p = 1 / (1 + math.exp(-x))
+    ce = -math.log(p) if t == 1 else -math.log(1 - p)
+    p_t = p if t == 1 else 1 - p
+    a_t = alpha if t == 1 else 1 - alpha
+    return a_t * (1 - p_t) ** gamma * ce
+
+
+def crafted_outputs():
+    anchors = torch.tensor([[0, 0, 10, 10], [50, 50, 60, 60], [100, 100, 104, 104]], dtype=torch.float32)
+    logits = torch.tensor([[[2.0, -1.0], [0.5, -3.0], [4.0, 4.0]]])
+    codes = torch.tensor([[[0.5, -2.0, 0.1, 0.0], [9.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]]])
+    return {"cls_logits": logits, "box_codes": codes, "anchors": anchors}
+
+
+def test_loss_equals_hand_formula():
+    out = crafted_outputs()
+    # gt0 coincides with anchor 0 (class 1); a crowd box swallows anchor 2; last row is padding.
+    boxes = torch.tensor([[[0, 0, 10, 10], [90, 90, 130, 130], [0, 0, 0, 0]]], dtype=torch.float32)
+    labels = torch.tensor([[1, 0, -1]])
+    crowd = torch.tensor([[False, True, False]])
+    got = ssd_loss(out, boxes, labels, crowd)
+    cls = (focal_by_hand(2.0, 0) + focal_by_hand(-1.0, 1)  # anchor 0: class 1 positive
+           + focal_by_hand(0.5, 0) + focal_by_hand(-3.0, 0))  # anchor 1: background; anchor 2 ignored
+    box = 0.5 * 0.5**2 + (2.0 - 0.5) + 0.5 * 0.1**2 + 0.0  # smooth-L1 against zero targets
+    box /= 1 * 4  # seed 002: normalize_loc_loss_by_codesize -> matches (1) x code size (4)
+    assert got["num_matches"].item() == 1
+    assert got["cls_loss"].item() == pytest.approx(cls, rel=1e-5)
+    assert got["box_loss"].item() == pytest.approx(box, rel=1e-5)
+    assert got["loss"].item() == pytest.approx(cls + box, rel=1e-5)
+
+
+def test_loc_loss_normalised_by_matches_times_code_size():
+    """Two matched anchors: box term = sum of smooth-L1 over both anchors' 4 codes / (2 x 4)."""
+    out = crafted_outputs()
+    boxes = torch.tensor([[[0, 0, 10, 10], [50, 50, 60, 60]]], dtype=torch.float32)  # on anchors 0 and 1
+    labels = torch.tensor([[1, 0]])
+    got = ssd_loss(out, boxes, labels)
+    sl1 = lambda v: 0.5 * v * v if abs(v) < 1 else abs(v) - 0.5  # noqa: E731  (beta 1, zero targets)
+    total = sum(sl1(v) for v in (0.5, -2.0, 0.1, 0.0)) + 4 * sl1(9.0)
+    assert got["num_matches"].item() == 2
+    assert got["box_loss"].item() == pytest.approx(total / (2 * 4), rel=1e-6)
+
+
+@pytest.mark.parametrize("case", ["empty", "crowd_only"])
+def test_loss_without_positives_is_finite(case):
+    out = crafted_outputs()
+    out = {k: v.expand(2, *v.shape[1:]).clone() if k != "anchors" else v for k, v in out.items()}
+    out["cls_logits"].requires_grad_(True)
+    if case == "empty":
+        boxes, labels, crowd = torch.zeros(2, 0, 4), torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool)
+    else:
+        boxes = torch.tensor([[[0.0, 0, 200, 200]]] * 2)
+        labels, crowd = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool)
+    got = ssd_loss(out, boxes, labels, crowd)
+    assert torch.isfinite(got["loss"]) and got["box_loss"].item() == 0.0
+    if case == "crowd_only":  # every anchor is inside the crowd box: nothing to learn
+        assert got["cls_loss"].item() == 0.0
+    else:
+        expected = sum(focal_by_hand(x, 0) for x in out["cls_logits"][0].flatten().tolist()) * 2
+        assert got["cls_loss"].item() == pytest.approx(expected, rel=1e-5)
+    got["loss"].backward()
+
+
+def test_postprocess_decodes_thresholds_and_suppresses():
+    anchors = torch.tensor([[0, 0, 10, 10], [1, 0, 11, 10], [40, 40, 60, 60], [0, 0, 10, 10]], dtype=torch.float32)
+    target = torch.tensor([[2, 2, 12, 12], [2, 2, 12, 12], [40, 40, 60, 60], [0, 0, 10, 10]], dtype=torch.float32)
+    codes = BoxCoder().encode(target, anchors)[None]
+    logit = lambda p: math.log(p / (1 - p))  # noqa: E731
+    cls = torch.full((1, 4, 3), -20.0)
+    cls[0, 0, 1], cls[0, 1, 1] = logit(0.9), logit(0.8)  # same box, same class: the 0.8 one goes
+    cls[0, 2, 0] = logit(0.7)
+    cls[0, 3, 2] = logit(0.6)  # overlaps anchor 0's box but another class: kept
+    det = postprocess({"cls_logits": cls, "box_codes": codes, "anchors": anchors}, (64, 64),
+                      score_threshold=0.5, max_detections=5)
+    assert det["boxes"].shape == (1, 5, 4) and det["labels"].shape == (1, 5)
+    torch.testing.assert_close(det["scores"][0, :3], torch.tensor([0.9, 0.7, 0.6]))
+    assert det["labels"][0].tolist() == [1, 0, 2, -1, -1]
+    torch.testing.assert_close(det["boxes"][0, :3], target[[0, 2, 3]], atol=1e-4, rtol=0)
+    assert det["scores"][0, 3:].eq(0).all()
+
+
+def test_frozen_batchnorm_matches_eval_bn_and_has_no_parameters():
+    bn = torch.nn.BatchNorm2d(4, eps=1e-3)
+    bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2)
+    torch.nn.init.uniform_(bn.weight), torch.nn.init.uniform_(bn.bias)
+    model = torch.nn.Sequential(bn)
+    x = torch.randn(2, 4, 5, 5)
+    ref = bn.eval()(x)
+    freeze_batchnorm(model)
+    assert isinstance(model[0], FrozenBatchNorm2d) and not list(model.parameters())
+    torch.testing.assert_close(model.train()(x), ref)
+
+
+@pytest.mark.parametrize("name,size,batch,classes", [("ssd320-small", 128, 2, 3), ("ssd320", 320, 1, 90)])
+def test_forward_backward(name, size, batch, classes):
+    torch.manual_seed(0)
+    model = MODELS.build(name, {"num_classes": classes, "frozen_bn": name == "ssd320"})
+    x = torch.randn(batch, 3, size, size)
+    out = model(x)
+    A = 6 * sum(math.ceil(size / 2**l) ** 2 for l in range(3, 8))
+    assert out["cls_logits"].shape == (batch, A, classes) and out["box_codes"].shape == (batch, A, 4)
+    assert out["anchors"].shape == (A, 4)
+    if size == 320:
+        assert A == 12804
+    # Class bias -4.6: every initial score is near the 0.01 prior.
+    assert out["cls_logits"].sigmoid().mean().item() == pytest.approx(0.01, abs=0.005)
+    boxes = torch.tensor([[[10.0, 20, 60, 90], [0, 0, 0, 0]]] * batch)
+    labels = torch.tensor([[classes - 1, -1]] * batch)
+    loss = ssd_loss(out, boxes, labels, torch.zeros_like(labels, dtype=torch.bool))["loss"]
+    loss.backward()
+    assert torch.isfinite(loss)
+    head_grad = model.head.cls_pred.weight.grad
+    assert head_grad is not None and head_grad.abs().sum() > 0
+    assert model.backbone.conv1.weight.grad.abs().sum() > 0
+    det = postprocess({k: v.detach() for k, v in out.items()}, (size, size))
+    assert det["boxes"].shape == (batch, 100, 4)
+
+
+@pytest.mark.parametrize("anchor_scale,side", [(4.0, 32.0), (2.0, 16.0)])
+def test_small_model_anchor_scale(anchor_scale, side):
+    model = MODELS.build("ssd320-small", {"num_classes": 2, "anchor_scale": anchor_scale})
+    out = model.eval()(torch.zeros(1, 3, 128, 128))
+    # 128 px: grids 16, 8, 4, 2, 1 with 6 anchors each; the first P3 anchor is centred at (4, 4).
+    assert out["anchors"].shape == (6 * (256 + 64 + 16 + 4 + 1), 4)
+    half = side / 2
+    torch.testing.assert_close(out["anchors"][0], torch.tensor([4 - half, 4 - half, 4 + half, 4 + half]))
+
+
+@pytest.mark.parametrize("args,momentum", [({}, 0.1), ({"bn_momentum": 0.003}, 0.003)])
+def test_small_model_bn_momentum(args, momentum):
+    model = MODELS.build("ssd320-small", {"num_classes": 2, **args})
+    head_bns = [m for m in [*model.fpn.modules(), *model.head.modules()] if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(head_bns) == 4 + 2 * 5 * 2 and all(m.momentum == momentum for m in head_bns)  # FPN 4 + towers 2x5x2
+    assert model.backbone.bn1.momentum == 0.1  # the backbone keeps its own
+
+
+# -- the detection task (fastvision/tasks/detect.py) ------------------------------------------
+def test_detection_task_end_to_end(tmp_path):
+    import json
+
+    from PIL import Image
+
+    from fastvision.data.formats.coco import build
+    from fastvision.data.synth.coco import synth
+    from fastvision.tasks.detect import DetectionTask
+
+    root = synth(tmp_path / "shapes", seed=1, train=4, val=6)
+    splits = build(path=str(root), image_size=96)
+    task = DetectionTask(image_size=96, num_classes=4, info=splits.info, results_path=str(tmp_path / "res.json"))
+    torch.manual_seed(0)
+    model = MODELS.build("ssd320-small", {"num_classes": 4})
+    batch = task.collate([splits.train[i] for i in range(4)])
+    loss = task.loss(task.forward(model, batch), batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+    model.eval()
+    ev = task.evaluator()
+    val = task.collate([splits.val[i] for i in range(6)])
+    det = task.eval_forward(model, val)
+    assert det["boxes"].shape == (6, 100, 4)
+    ev.update(det, val)
+    ev.load_state(ev.state())
+    m = ev.compute()
+    assert set(m) >= {"map", "ap50", "ap75"} and m["images"] == 6
+    ids = {r["category_id"] for r in json.loads((tmp_path / "res.json").read_text())}
+    assert ids <= {1, 3, 5, 8}
+    pngs = task.save_examples(det, val, tmp_path / "ex", 2, min_score=0.0)
+    assert len(pngs) == 2 and Image.open(pngs[0]).size == (96, 96)
+    files = sorted((root / "val2017").iterdir())[:2]
+    out = task.predict_files(model, files, tmp_path / "pred", None, torch.device("cpu"))
+    assert [p.name for p in out[:2]] == ["detections.json", "images.json"] and all(p.is_file() for p in out)
+    w, h = Image.open(files[0]).size
+    index = json.loads(out[1].read_text())
+    assert index[0] == {"id": 0, "file_name": str(files[0]), "width": w, "height": h}
+    assert Image.open(out[2]).size == (w, h)  # drawn on the original image
+    syn = task.synthetic_batch(2, torch.device("cpu"))
+    assert torch.isfinite(task.loss(task.forward(model.train(), syn), syn))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["ssd320-small-shapes", "ssd320-coco"])
+def test_recipe_two_step_smoke(recipe, tmp_path, monkeypatch):
+    engine = pytest.importorskip("fastvision.engine")
+    from fastvision.config import from_dict, merge, read_yaml, recipe_path
+    from fastvision.data.synth.coco import synth
+    from fastvision.models.resnet import IMAGENET_URLS, resnet50
+
+    # ssd320-coco starts from ImageNet weights (pretrained: imagenet): a torchvision-layout file in a
+    # private torch.hub cache stands in for torchvision's; nothing is downloaded
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setenv("FASTVISION_OFFLINE", "1")
+    hub = tmp_path / "torch" / "hub" / "checkpoints"
+    hub.mkdir(parents=True)
+    torch.save(resnet50().state_dict(), hub / IMAGENET_URLS[50].rsplit("/", 1)[1])
+
+    root = synth(tmp_path / "shapes", seed=0, train=4, val=4)
+    ann = str(root / "annotations/instances_val2017.json")
+    over = {"data": {"args": {"path": str(root), "image_size": 96}, "num_workers": 0, "loader": "threads",
+                     "val_batch_size": 4},
+            "task": {"args": {"image_size": 96, "num_classes": 4, "ann_file": ann, "cat_ids": [1, 3, 5, 8]}},
+            "model": {"args": {"num_classes": 4}},
+            "train": {"epochs": 1, "steps_per_epoch": 2, "batch_size": 2, "val_every": 1, "amp": "off", "target": None},
+            "examples": 0}
+    summary = engine.fit(from_dict(merge(read_yaml(recipe_path(recipe)), over)), tmp_path / "run", progress=False)
+    assert 0.0 <= summary["map"] <= 1.0
