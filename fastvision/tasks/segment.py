@@ -116,7 +116,7 @@ class SegmentationTask(Task):
             return self._crop_forward(model, batch["image"])
         if self.sliding_window is None:
             return model(batch["image"])
-        from fastvision.inference import sliding_window_inference
+        from fastvision.inference.window import sliding_window_inference
 
         return sliding_window_inference(batch["image"], model=model, **self.sliding_window)
 
@@ -190,7 +190,7 @@ class SegmentationTask(Task):
         the original size before the argmax, so masks match the input pixel for pixel.
         """
         if any(f.is_dir() or f.name.endswith((".nii", ".nii.gz")) for f in files):  # volumes: 3-D path
-            from fastvision.inference import predict_nifti_files
+            from fastvision.inference.nifti import predict_nifti_files
 
             return predict_nifti_files(self, model, files, out_dir, cfg, device)
         from fastvision.data.formats.microscopy import (
