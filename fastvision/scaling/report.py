@@ -13,6 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
+from fastvision.utils.tables import markdown
+
 FIELDS = ["backend", "mode", "workers", "repeats", "seeds", "global_batch", "time_per_epoch_s", "images_per_s",
           "images_per_s_std", "speedup", "speedup_std", "efficiency", "metric_name", "metric", "metric_std",
           "predicted_speedup"]
@@ -73,16 +75,15 @@ def summarize(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of :func:`summarize` rows (``mean ± std`` where there are repeats)."""
     metric = next((r["metric_name"] for r in rows if r.get("metric_name")), "metric")
-    lines = [f"| backend | workers | runs (seeds) | global batch | epoch (s) | images/s | speed-up | efficiency "
-             f"| {metric} | predicted |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        runs = f"{r['repeats']}" + (f" ({r['seeds']})" if r.get("seeds") else "")
-        lines.append("| " + " | ".join([
-            r["backend"], str(r["workers"]), runs, _fmt(r["global_batch"], "{:.0f}"),
-            _fmt(r["time_per_epoch_s"], "{:.2f}"), _pm(r["images_per_s"], r["images_per_s_std"], "{:.1f}"),
-            _pm(r["speedup"], r["speedup_std"], "{:.2f}"), _fmt(r["efficiency"], "{:.1%}"),
-            _pm(r["metric"], r["metric_std"], "{:.4f}"), _fmt(r["predicted_speedup"], "{:.2f}")]) + " |")
-    return "\n".join(lines) + "\n"
+    columns = ["backend", "workers:", "runs (seeds)", "global batch:", "epoch (s):", "images/s:", "speed-up:",
+               "efficiency:", f"{metric}:", "predicted:"]
+    return markdown(columns, ([r["backend"], str(r["workers"]),
+                               f"{r['repeats']}" + (f" ({r['seeds']})" if r.get("seeds") else ""),
+                               _fmt(r["global_batch"], "{:.0f}"), _fmt(r["time_per_epoch_s"], "{:.2f}"),
+                               _pm(r["images_per_s"], r["images_per_s_std"], "{:.1f}"),
+                               _pm(r["speedup"], r["speedup_std"], "{:.2f}"), _fmt(r["efficiency"], "{:.1%}"),
+                               _pm(r["metric"], r["metric_std"], "{:.4f}"), _fmt(r["predicted_speedup"], "{:.2f}")]
+                              for r in rows))
 
 
 def write_report(results: Iterable[dict[str, Any]], out_dir: Path, title: str = "Scaling") -> dict[str, Path]:

@@ -43,6 +43,8 @@ import yaml
 HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
 DEFAULT_WORKERS = tuple(2**i for i in range(11))
 
+from fastvision.utils.tables import markdown
+
 
 @dataclass(frozen=True)
 class Link:
@@ -311,13 +313,11 @@ def simulate(profile: StepProfile, hardware: Hardware | Link | str, workers: Seq
 
 def simulation_markdown(rows: list[dict[str, Any]]) -> str:
     """Markdown table of :func:`simulate` rows, with the binding limit per GPU count."""
-    lines = ["| hardware | GPUs | step (ms) | exposed comm (ms) | all-reduce | images/s | speed-up | efficiency "
-             "| binding limit |", "|---|---:|---:|---:|---|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['link']} | {r['workers']} | {r['step_s'] * 1e3:.2f} | {r['exposed_comm_s'] * 1e3:.2f} "
-                     f"| {r.get('algo', '')} | {r['images_per_s']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.1%} "
-                     f"| {r.get('limit', '')} |")
-    return "\n".join(lines) + "\n"
+    columns = ["hardware", "GPUs:", "step (ms):", "exposed comm (ms):", "all-reduce", "images/s:", "speed-up:",
+               "efficiency:", "binding limit"]
+    return markdown(columns, ([r["link"], str(r["workers"]), f"{r['step_s'] * 1e3:.2f}",
+                               f"{r['exposed_comm_s'] * 1e3:.2f}", r.get("algo", ""), f"{r['images_per_s']:.1f}", f"{r['speedup']:.2f}",
+                               f"{r['efficiency']:.1%}", r.get("limit", "")] for r in rows))
 
 
 def with_link(link: Link, bandwidth_gbps: float | None = None, latency_us: float | None = None) -> Link:

@@ -19,6 +19,7 @@ from fastvision.scaling.simulator import (
     load_hardware,
     predict_step_time,
 )
+from fastvision.utils.tables import markdown
 
 ANCHORS = Path(__file__).resolve().parent / "anchors.yaml"
 
@@ -86,11 +87,10 @@ def validate(path: Path = ANCHORS) -> list[dict[str, Any]]:
 
 def validation_markdown(rows: list[dict[str, Any]]) -> str:
     """Markdown table: row, hardware, input path, predicted vs published speed-up and the error."""
-    lines = ["| row | impl | GPU / precision / batch | GPUs | input, sync | predicted | published | error (pts) "
-             "| binding limit | role |", "|---|---|---|---:|---|---:|---:|---:|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['id']} | {r['impl']} | {r['gpu']} {r['precision']} bs{r['batch']} | {r['gpus']} "
-                     f"| {r['input']}, {r['backend']} | {r['predicted_speedup']:.2f}x ({r['predicted_efficiency']:.1%}) "
-                     f"| {r['published_speedup']:.2f}x ({r['published_efficiency']:.1%}) | {r['error_points']:+.1f} "
-                     f"| {r['limit']} | {r['role']} |")
-    return "\n".join(lines) + "\n"
+    columns = ["row", "impl", "GPU / precision / batch", "GPUs:", "input, sync", "predicted:", "published:",
+               "error (pts):", "binding limit", "role"]
+    return markdown(columns, ([r["id"], r["impl"], f"{r['gpu']} {r['precision']} bs{r['batch']}", str(r["gpus"]),
+                               f"{r['input']}, {r['backend']}",
+                               f"{r['predicted_speedup']:.2f}x ({r['predicted_efficiency']:.1%})",
+                               f"{r['published_speedup']:.2f}x ({r['published_efficiency']:.1%})",
+                               f"{r['error_points']:+.1f}", r["limit"], r["role"]] for r in rows))
