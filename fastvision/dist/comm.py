@@ -1,0 +1,160 @@
+"""The process group: init (torchrun, SLURM, Horovod), reductions, broadcast, barrier, shutdown."""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fastvision.dist import group
+from fastvision.dist.env import DistEnv, detect_env
+from fastvision.dist.group import rank
+from fastvision.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- process group
+
+
+def _resolve_device(device: str, env: DistEnv) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} requested but CUDA is not available")
+        count = torch.cuda.device_count()
+        if dev.index is None:
+            # A job step may expose one GPU per task (CUDA_VISIBLE_DEVICES per task), hence the modulo.
+            dev = torch.device("cuda", env.local_rank % count)
+            if count < env.local_world_size and env.local_rank == 0:
+                log.warning("%d processes on this node share %d visible GPU(s)", env.local_world_size, count)
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> tuple[DistEnv, torch.device]:
+    """Detect the launch environment, pick the device and join the process group.
+
+    Args:
+        device: ``"auto"`` (``cuda:local_rank`` when CUDA is available, else ``cpu``), ``"cpu"``,
+            ``"cuda"`` or ``"cuda:N"``.
+        timeout_s: collective timeout in seconds; a hung peer fails the job after this long.
+        backend: ``"ddp"`` (torch.distributed) or ``"horovod"`` (``horovod.torch``, started by
+            ``horovodrun``; every collective of this module then goes through horovod).
+
+    Returns:
+        ``(env, device)``. The process group is started (NCCL on CUDA, gloo otherwise) only when
+        ``env.world_size > 1``; calling again after a successful init is harmless.
+    """
+    if backend == "horovod":
+        return _init_horovod(device)
+    env = detect_env()
+    dev = _resolve_device(device, env)
+    if env.world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if env.launcher == "torchrun":
+            init_method = "env://"  # torchrun publishes MASTER_ADDR/PORT and may use its own store
+        else:
+            host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+            init_method = f"tcp://{host}:{env.master_port}"
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = dev  # binds the communicator to our GPU: no guessing in barrier()
+        dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s), **kwargs)
+        log.info("joined %s process group: rank %d of %d (%s, %s:%d)", backend, env.rank, env.world_size,
+                 env.launcher, env.master_addr, env.master_port)
+    return env, dev
+
+
+_active = group.active
+
+
+def _hvd() -> Any:
+    """``horovod.torch`` when this job runs under horovod, else None."""
+    return group.HOROVOD.module
+
+
+def is_main() -> bool:
+    """True on the process that logs and writes checkpoints."""
+    return rank() == 0
+
+
+def all_reduce_sum(t: Tensor) -> Tensor:
+    """Sum ``t`` across ranks in place and return it (identity in one process)."""
+    if _active() and _hvd() is not None:
+        _hvd().allreduce_(t, op=_hvd().Sum)
+    elif _active():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank (``obj`` itself in one process)."""
+    if not _active():
+        return obj
+    if _hvd() is not None:
+        # horovod matches collectives by name, and its default name is the object's type, which
+        # differs between the sending rank (the object) and the others (None): name it explicitly
+        return _hvd().broadcast_object(obj, root_rank=src, name="fastvision.broadcast_object")
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank (e.g. detections for COCO eval)."""
+    if not _active():
+        return [obj]
+    if _hvd() is not None:
+        return _hvd().allgather_object(obj, name="fastvision.gather_objects")
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in one process)."""
+    if _active() and _hvd() is not None:
+        _hvd().barrier()
+    elif _active():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group, if one was started."""
+    if _hvd() is not None:
+        _hvd().shutdown()
+        group.HOROVOD.module = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+def horovod() -> Any:
+    """``horovod.torch``, or a ConfigError that says how to get it and that DDP is the default."""
+    try:
+        import horovod.torch as hvd  # optional: built by `make horovod`
+    except ImportError as e:
+        raise ConfigError(
+            "--backend horovod: horovod is not installed (it is optional; build it with `make horovod`). "
+            f"The default backend, ddp (torch.distributed), needs nothing extra. ({e})"
+        ) from None
+    return hvd
+
+
+def _init_horovod(device: str) -> tuple[DistEnv, torch.device]:
+    """``hvd.init()``; rank, size and local rank come from horovod (horovodrun sets them)."""
+    hvd = horovod()
+    if _hvd() is None:
+        hvd.init()
+        group.HOROVOD.module = hvd
+    env = DistEnv(rank=hvd.rank(), local_rank=hvd.local_rank(), world_size=hvd.size(),
+                  local_world_size=hvd.local_size(), launcher="horovod")
+    dev = _resolve_device(device, env)
+    if env.rank == 0:
+        log.info("horovod: %d processes (%s)", env.world_size, "gloo" if hvd.gloo_enabled() else "mpi")
+    return env, dev

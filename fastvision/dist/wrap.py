@@ -1,0 +1,148 @@
+"""Model and optimizer wrapping: DDP (bucket size, static graph, comm hooks), Horovod, no_sync."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from fastvision.dist.env import (  # noqa: F401
+    DEFAULT_PORT,
+    SLURM_PORT_BASE,
+    SLURM_PORT_SPAN,
+    DistEnv,
+    detect_env,
+    expand_nodelist,
+)
+from fastvision.dist.group import rank, world_size  # noqa: F401  (re-exported)
+from fastvision.dist.samplers import EvalSampler, TrainSampler, _mix_seed  # noqa: F401
+from fastvision.errors import ConfigError
+
+log = logging.getLogger(__name__)
+from fastvision.dist.comm import _active, _hvd
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
+                   backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+    """Horovod: ``hvd.DistributedOptimizer`` averaging gradients over ranks; otherwise ``optimizer``.
+
+    Call it before building the LR scheduler: horovod returns a new optimizer object (same
+    parameter groups). Gradients are all-reduced once per ``backward_passes_per_step`` backward
+    passes (the accumulation micro-steps), as DDP does under :func:`no_sync`.
+
+    Args:
+        optimizer: the torch optimizer over ``model``'s parameters.
+        model: the bare model (its parameter names name the all-reduces).
+        backward_passes_per_step: micro-batches per optimizer step.
+    """
+    if _hvd() is None:
+        return optimizer
+    return _hvd().DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=backward_passes_per_step, op=_hvd().Average)
+
+
+def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Horovod: copy rank 0's weights, buffers and (non-empty) optimizer state to every rank.
+
+    DDP does the same when it wraps the model; call this after a resume has loaded a checkpoint.
+    A fresh optimizer is not broadcast: horovod would first take a zero-gradient step to create its
+    state, which moves weights under weight decay and counts a step in Adam's bias correction.
+    """
+    if _hvd() is None or _hvd().size() == 1:
+        return
+    _hvd().broadcast_parameters(model.state_dict(), root_rank=0)
+    if optimizer.state_dict()["state"]:
+        _hvd().broadcast_optimizer_state(optimizer, root_rank=0)
+
+
+@contextlib.contextmanager
+def synchronized(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Finish the gradient all-reduce now, then step without a second one (horovod); no-op for DDP.
+
+    Wrap everything between the last backward and ``zero_grad`` in it, so that clipping, the AMP
+    scaler's unscale and finiteness checks see the averaged gradients (horovod reduces them in the
+    background until ``synchronize()``; DDP has finished by the end of ``backward``).
+    """
+    if _hvd() is None or not hasattr(optimizer, "skip_synchronize"):
+        yield
+        return
+    optimizer.synchronize()
+    with optimizer.skip_synchronize():
+        yield
+
+
+# --------------------------------------------------------------------------- model wrapping
+
+
+def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False, bucket_cap_mb: float = 25.0,
+               static_graph: bool = False, find_unused_parameters: bool = False,
+               comm_hook: str = "none") -> nn.Module:
+    """Move ``model`` to ``device`` and wrap it in DDP when there is more than one process.
+
+    Args:
+        model: the bare model; call this before ``torch.compile``.
+        device: this process's device.
+        sync_bn: convert BatchNorm layers to SyncBatchNorm (statistics over the global batch).
+        bucket_cap_mb: gradient bucket size in MiB; smaller buckets start communication earlier.
+        static_graph: the set of used parameters never changes between steps (enables extra overlap).
+        find_unused_parameters: some parameters get no gradient in some steps (costs a graph walk).
+        comm_hook: ``none``, or ``bf16`` / ``fp16``: gradients are all-reduced in that precision
+            (half the bytes; torch's ``default_hooks`` compress hooks), then cast back. ``bf16``
+            needs NCCL (CUDA; torch refuses it on gloo: ``ConfigError``), fp16 runs on gloo too.
+
+    Returns:
+        The model itself in one process, else a ``DistributedDataParallel`` wrapper.
+    """
+    model = model.to(device)
+    if _hvd() is not None and sync_bn:
+        raise ConfigError("train.sync_bn is not supported with --backend horovod; use ddp")
+    if _hvd() is not None or not _active():
+        return model  # horovod reduces in its optimizer (wrap_optimizer)
+    if sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if comm_hook not in ("none", "bf16", "fp16"):
+        raise ConfigError(f"train.ddp_comm_hook: expected none, bf16 or fp16, got {comm_hook!r}")
+    ddp = nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        static_graph=static_graph,
+        find_unused_parameters=find_unused_parameters,
+        gradient_as_bucket_view=True,  # gradients alias the buckets: one copy fewer per step
+    )
+    if comm_hook != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.bf16_compress_hook if comm_hook == "bf16" else default_hooks.fp16_compress_hook
+        try:
+            ddp.register_comm_hook(None, hook)  # state None: the default process group
+        except TypeError as e:  # torch refuses bf16 without NCCL (CUDA) or XCCL
+            raise ConfigError(f"train.ddp_comm_hook: {comm_hook} is not available here ({e}); use fp16") from None
+    return ddp
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare module under any DDP and ``torch.compile`` wrappers (for eval and checkpoints)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def no_sync(model: nn.Module, skip: bool = True) -> contextlib.AbstractContextManager:
+    """Context that skips the gradient all-reduce (accumulation micro-steps) when ``skip``.
+
+    A plain ``nullcontext`` for a bare model or when ``skip`` is false, so the engine writes
+    ``with dist.no_sync(model, not last_micro_step):`` without branching.
+    """
+    inner = model
+    if hasattr(inner, "_orig_mod") and not isinstance(inner, nn.parallel.DistributedDataParallel):
+        inner = inner._orig_mod
+    if skip and isinstance(inner, nn.parallel.DistributedDataParallel):
+        return inner.no_sync()
+    return contextlib.nullcontext()
