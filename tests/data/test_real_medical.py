@@ -187,7 +187,7 @@ def test_find_cases_ignores_macos_companions(tmp_path):
 
 @pytest.mark.parametrize("year,writes_4", [("2020", True), ("2023", False)])
 def test_predictions_use_the_training_release_ids(tmp_path, year, writes_4):
-    from fastvision.inference import prediction_preprocessing
+    from fastvision.inference.nifti import prediction_preprocessing
 
     base = make_brats(tmp_path, year, n=2)
     _, brats_ids = prediction_preprocessing(None, "brats", {"path": str(base)})

@@ -10,14 +10,8 @@ import torch
 from torch import nn
 
 from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
-from fastvision.inference import (
-    flip_tta,
-    save_segmentation,
-    sliding_window,
-    sliding_window_inference,
-    window_starts,
-    write_nifti,
-)
+from fastvision.inference import flip_tta, sliding_window, sliding_window_inference, window_starts
+from fastvision.inference.nifti import save_segmentation, write_nifti
 
 monai_inferers = pytest.importorskip("monai.inferers")
 
@@ -151,7 +145,7 @@ from fastvision.config import RunConfig  # noqa: E402
 from fastvision.data.formats.brats import regions_to_labels  # noqa: E402
 from fastvision.data.synth import load_all  # noqa: E402
 from fastvision.errors import ConfigError  # noqa: E402
-from fastvision.inference import (  # noqa: E402
+from fastvision.inference.nifti import (  # noqa: E402
     predict_nifti_files,
     prediction_cases,
     prediction_preprocessing,
