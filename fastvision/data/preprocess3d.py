@@ -173,7 +173,7 @@ def _load_case(paths: dict[str, Any], params: PreprocessParams) -> dict[str, Any
             raise DataError(f"{paths['label']}: expected a 3-D NIfTI label, got shape {lab.shape}")
         lab, lab_affine = reorient(np.asarray(lab).astype(np.int16), lab_affine, orientation_to_ras(lab_affine))
         lab = label_onto_image(lab, lab_affine, affine, data.shape[:3], str(paths["label"]))
-        case["label"] = remap_labels(torch.from_numpy(lab.astype(np.int64)), params.label_map)[None]
+        case["label"] = remap_labels(torch.from_numpy(np.ascontiguousarray(lab)), params.label_map)[None]  # int16
     return case
 
 

@@ -126,6 +126,18 @@ def _axis_sample(x: torch.Tensor, axis: int, coords: np.ndarray, mode: str, padd
     return torch.lerp(x.index_select(axis, torch.from_numpy(lo)), x.index_select(axis, torch.from_numpy(hi)), w)
 
 
+def _linear_weights(coords: np.ndarray, n: int) -> torch.Tensor:
+    """(n, len(coords)) matrix of linear (border) interpolation: two weights per column, so
+    ``line @ W`` resamples a line. Only for finite data (a 0 weight times NaN spreads the NaN)."""
+    c = np.clip(coords, 0.0, n - 1.0)
+    lo = np.floor(c).astype(np.int64)
+    w = np.zeros((n, len(c)))
+    cols = np.arange(len(c))
+    np.add.at(w, (lo, cols), 1.0 - (c - lo))
+    np.add.at(w, (np.minimum(lo + 1, n - 1), cols), c - lo)
+    return torch.from_numpy(w)
+
+
 def _grid_sample(x: torch.Tensor, xform: np.ndarray, shape: Sequence[int], mode: str, padding: str) -> torch.Tensor:
     """General (sheared or permuting) resampling with ``grid_sample``, ``align_corners=False``."""
     idx = np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), -1)
@@ -160,9 +172,14 @@ def resample_to(x: torch.Tensor, src_affine: np.ndarray, dst_affine: np.ndarray,
     lin = xform[:3, :3]
     if np.abs(lin - np.diag(np.diag(lin))).max() > 1e-9 * np.abs(lin).max() or (np.diag(lin) <= 0).any():
         return _grid_sample(x, xform, shape, mode, padding)
-    for axis in range(3):
-        coords = lin[axis, axis] * np.arange(shape[axis], dtype=np.float64) + xform[axis, 3]
-        x = _axis_sample(x, axis + 1, coords, mode, padding)
+    for axis in (1, 2, 3):
+        coords = lin[axis - 1, axis - 1] * np.arange(shape[axis - 1], dtype=np.float64) + xform[axis - 1, 3]
+        if axis == 3 and mode == "linear" and bool(torch.isfinite(x).all()):
+            x = x @ _linear_weights(coords, x.shape[3]).to(x.dtype)  # innermost: a product, not a gather
+        elif axis == 3:  # index_select on the innermost axis is a strided gather: 5-10x slower than moving it
+            x = _axis_sample(x.movedim(3, 1).contiguous(), 1, coords, mode, padding).movedim(1, 3)
+        else:
+            x = _axis_sample(x, axis, coords, mode, padding)
     return x.contiguous()
 
 
