@@ -19,7 +19,6 @@ cancels) runs as three separable 1-D interpolations, so no (X, Y, Z, 3) sampling
 """
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any, Sequence
 
@@ -31,8 +30,6 @@ try:  # nibabel is the optional "medical" extra
     from nibabel import orientations as nio
 except ModuleNotFoundError:  # pragma: no cover - reported by preprocess3d when used
     nio = None
-
-log = logging.getLogger(__name__)
 
 # MONAI's AFFINE_TOL: a spacing within this of the target is kept, an affine this close is unchanged.
 AFFINE_TOL = 1e-3
@@ -203,7 +200,8 @@ def label_onto_image(label: np.ndarray, label_affine: np.ndarray, affine: np.nda
         return label
     msg = (f"{name}: label grid {tuple(label.shape)} differs from its image's {tuple(shape)} (up to {off:.3g} "
            f"voxels apart); resampled onto the image grid by world position (nearest)")
-    log.warning(msg)
+    # warnings, not the log: an uncached run preprocesses every epoch, and the warnings registry
+    # prints one message once per process
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
     x = torch.from_numpy(np.ascontiguousarray(label))[None]
     return resample_to(x, label_affine, affine, shape, "nearest", padding="zeros")[0].numpy()
