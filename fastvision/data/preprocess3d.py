@@ -2,7 +2,9 @@
 
 Steps, in order (the same order as MONAI's spleen and BraTS tutorials):
 load -> reorient to RAS -> resample to a target spacing -> intensity (CT window or MRI foreground
-z-score) -> crop to the foreground box. :func:`preprocess_case` is a pure function of file paths
+z-score) -> crop to the foreground box. Orientation and resampling place voxels exactly as MONAI's
+``Orientationd("RAS")`` + ``Spacingd`` do (:mod:`fastvision.data.spatial3d`); a label on another
+grid than its image is resampled onto the image grid by world position, with a warning. :func:`preprocess_case` is a pure function of file paths
 and :class:`PreprocessParams`, so its output can be stored in a persistent cache keyed on both.
 :func:`restore_to_input` inverts the geometry (crop, resampling, orientation) so predictions can be
 written back in the voxel space of the input file.
@@ -20,13 +22,20 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from fastvision.data.spatial3d import (  # noqa: F401  (re-exported: the geometry of this module's output)
+    label_onto_image,
+    orientation_to_ras,
+    reorient,
+    resample_to,
+    restore_to_input,
+    spacing_grid,
+    spacing_of,
+)
 from fastvision.errors import DataError
 
 try:  # nibabel is the optional "medical" extra
     import nibabel as nib
-    from nibabel import orientations as nio
 except ModuleNotFoundError:  # pragma: no cover - reported when used
     nib = None
 
@@ -78,67 +87,6 @@ def load_nifti(path: str | Path) -> tuple[np.ndarray, np.ndarray, Any]:
     except Exception as e:  # nibabel raises several types for corrupt files
         raise DataError(f"cannot read NIfTI file {path}: {e}") from e
     return data, np.asarray(img.affine, dtype=np.float64), img.header
-
-
-def orientation_to_ras(affine: np.ndarray) -> np.ndarray:
-    """nibabel orientation transform (3, 2) taking the voxel axes of ``affine`` to RAS."""
-    return nio.ornt_transform(nio.io_orientation(affine), nio.axcodes2ornt("RAS"))
-
-
-def reorient(array: np.ndarray, affine: np.ndarray, ornt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Permute/flip the first three axes of ``array`` by ``ornt`` and update the affine.
-
-    Args:
-        array: (X, Y, Z, ...) voxel data; trailing axes are carried along.
-        affine: 4x4 voxel-to-world matrix of ``array``.
-        ornt: (3, 2) nibabel orientation transform.
-
-    Returns:
-        (array, affine) such that every voxel keeps its world position.
-    """
-    out = nio.apply_orientation(array, ornt)
-    new_affine = affine @ nio.inv_ornt_aff(ornt, array.shape[:3])
-    return np.ascontiguousarray(out), new_affine
-
-
-def spacing_of(affine: np.ndarray) -> np.ndarray:
-    """Voxel sizes (3,) in mm: the column norms of the affine's 3x3 block."""
-    return np.sqrt((np.asarray(affine)[:3, :3] ** 2).sum(axis=0))
-
-
-def resampled_shape(shape: Sequence[int], spacing: Sequence[float], target: Sequence[float]) -> tuple[int, ...]:
-    """Grid size covering the same extent at ``target`` spacing: round(n * spacing / target)."""
-    return tuple(max(1, int(round(n * s / t))) for n, s, t in zip(shape, spacing, target))
-
-
-def resample(x: torch.Tensor, affine: np.ndarray, shape: Sequence[int], mode: str) -> tuple[torch.Tensor, np.ndarray]:
-    """Resample a channel-first volume onto a grid of ``shape`` voxels covering the same extent.
-
-    Voxel centres follow ``align_corners=False``: new voxel i sits at old continuous index
-    ``(i + 0.5) * s - 0.5`` with ``s = old_n / new_n``, which the returned affine encodes exactly.
-    Labels use "nearest-exact" (torch's "nearest" is off by half a voxel for this convention).
-
-    Args:
-        x: (C, X, Y, Z) tensor; float for "trilinear", any dtype for "nearest".
-        affine: 4x4 affine of ``x``.
-        shape: output spatial shape (3,).
-        mode: "trilinear" or "nearest".
-
-    Returns:
-        (tensor (C, *shape), new affine).
-    """
-    old = np.asarray(x.shape[1:], dtype=np.float64)
-    scale = old / np.asarray(shape, dtype=np.float64)
-    step = np.eye(4)
-    step[:3, :3] = np.diag(scale)
-    step[:3, 3] = (scale - 1.0) / 2.0
-    if tuple(shape) == tuple(x.shape[1:]):
-        return x, affine
-    if mode == "nearest":
-        y = F.interpolate(x[None].float(), size=tuple(shape), mode="nearest-exact")[0].to(x.dtype)
-    else:
-        y = F.interpolate(x[None].float(), size=tuple(shape), mode="trilinear", align_corners=False)[0]
-    return y, affine @ step
 
 
 def window(x: torch.Tensor, a_min: float, a_max: float, b_min: float, b_max: float, clip: bool = True) -> torch.Tensor:
@@ -210,6 +158,47 @@ def _read_channels(paths: Sequence[str | Path]) -> tuple[np.ndarray, np.ndarray,
     return np.concatenate(arrays, axis=-1), affine, header
 
 
+def _load_case(paths: dict[str, Any], params: PreprocessParams) -> dict[str, Any]:
+    """Read the image channels and the label, both reoriented to RAS, the label on the image grid."""
+    data, in_affine, _ = _read_channels(paths["image"])
+    input_shape = list(data.shape[:3])
+    data, affine = reorient(data, in_affine, orientation_to_ras(in_affine))
+    case = {"image": torch.from_numpy(np.moveaxis(data, -1, 0).copy()), "affine": affine, "label": None,
+            "meta": {"input_affine": torch.from_numpy(in_affine), "input_shape": input_shape,
+                     "ras_shape": list(data.shape[:3])}}
+    if paths.get("label"):
+        lab, lab_affine, _ = load_nifti(paths["label"])
+        lab = lab[..., 0] if lab.ndim == 4 and lab.shape[3] == 1 else lab
+        if lab.ndim != 3:
+            raise DataError(f"{paths['label']}: expected a 3-D NIfTI label, got shape {lab.shape}")
+        lab, lab_affine = reorient(np.asarray(lab).astype(np.int16), lab_affine, orientation_to_ras(lab_affine))
+        lab = label_onto_image(lab, lab_affine, affine, data.shape[:3], str(paths["label"]))
+        case["label"] = remap_labels(torch.from_numpy(np.ascontiguousarray(lab)), params.label_map)[None]  # int16
+    return case
+
+
+def _resample_case(case: dict[str, Any], target: Sequence[float] | None) -> None:
+    """MONAI ``Spacingd``: voxel size ``target``, trilinear image, nearest label (in place)."""
+    if target is None:
+        return
+    affine, shape = spacing_grid(case["affine"], case["image"].shape[1:], target)
+    case["image"] = resample_to(case["image"], case["affine"], affine, shape, "linear")
+    if case["label"] is not None:
+        case["label"] = resample_to(case["label"], case["affine"], affine, shape, "nearest")
+    case["affine"] = affine
+
+
+def _intensity(image: torch.Tensor, params: PreprocessParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalised image, foreground mask (X, Y, Z)) for ``params.intensity``."""
+    if params.intensity == "ct":
+        return window(image, *params.window), (image > params.window[0]).any(0)
+    if params.intensity == "mri":
+        return zscore_nonzero(image), (image != 0).any(0)
+    if params.intensity == "none":
+        return image, (image != 0).any(0)
+    raise DataError(f"preprocess intensity must be ct, mri or none, got {params.intensity!r}")
+
+
 def preprocess_case(paths: dict[str, Any], params: PreprocessParams) -> dict[str, Any]:
     """Load and preprocess one case; a pure function of its arguments (safe to cache).
 
@@ -224,82 +213,18 @@ def preprocess_case(paths: dict[str, Any], params: PreprocessParams) -> dict[str
         :func:`restore_to_input` needs: ``input_affine`` (4, 4), ``input_shape``, ``ras_shape``,
         ``resampled_shape``, ``crop_box`` and the final ``affine`` and ``spacing``.
     """
-    data, in_affine, _ = _read_channels(paths["image"])
-    input_shape = list(data.shape[:3])
-    ornt = orientation_to_ras(in_affine)
-    data, affine = reorient(data, in_affine, ornt)
-    ras_shape = data.shape[:3]
-    image = torch.from_numpy(np.moveaxis(data, -1, 0).copy())
-    label = None
-    if paths.get("label"):
-        lab, lab_affine, _ = load_nifti(paths["label"])
-        lab, _ = reorient(np.asarray(lab).astype(np.int16), lab_affine, orientation_to_ras(lab_affine))
-        if lab.shape != tuple(ras_shape):
-            raise DataError(f"{paths['label']}: label grid {lab.shape} does not match image {tuple(ras_shape)}")
-        label = remap_labels(torch.from_numpy(lab.astype(np.int64)), params.label_map)[None]
-
-    if params.target_spacing is not None:
-        shape = resampled_shape(ras_shape, spacing_of(affine), params.target_spacing)
-        image, new_affine = resample(image, affine, shape, "trilinear")
-        if label is not None:
-            label, _ = resample(label, affine, shape, "nearest")
-        affine = new_affine
-    res_shape = tuple(image.shape[1:])
-
-    if params.intensity == "ct":
-        fg = (image > params.window[0]).any(0)
-        image = window(image, *params.window)
-    elif params.intensity == "mri":
-        fg = (image != 0).any(0)
-        image = zscore_nonzero(image)
-    elif params.intensity == "none":
-        fg = (image != 0).any(0)
-    else:
-        raise DataError(f"preprocess intensity must be ct, mri or none, got {params.intensity!r}")
-
+    case = _load_case(paths, params)
+    _resample_case(case, params.target_spacing)
+    res_shape = tuple(case["image"].shape[1:])
+    image, fg = _intensity(case["image"].float(), params)
     box = foreground_box(fg, params.crop_margin) if params.crop_foreground else [(0, n) for n in res_shape]
     sl = tuple(slice(a, b) for a, b in box)
-    image = image[(slice(None),) + sl].contiguous()
     shift = np.eye(4)
     shift[:3, 3] = [a for a, _ in box]
-    affine = affine @ shift
-    out: dict[str, Any] = {
-        "image": image.float(),
-        "meta": {
-            "input_affine": torch.from_numpy(in_affine),
-            "input_shape": input_shape,
-            "ras_shape": list(ras_shape),
-            "resampled_shape": list(res_shape),
-            "crop_box": [list(b) for b in box],
-            "affine": torch.from_numpy(affine),
-            "spacing": spacing_of(affine).tolist(),
-        },
-    }
-    if label is not None:
-        out["label"] = label[0][sl].to(torch.uint8).contiguous()
+    affine = case["affine"] @ shift
+    meta = {**case["meta"], "resampled_shape": list(res_shape), "crop_box": [list(b) for b in box],
+            "affine": torch.from_numpy(affine), "spacing": spacing_of(affine).tolist()}
+    out: dict[str, Any] = {"image": image[(slice(None),) + sl].contiguous().float(), "meta": meta}
+    if case["label"] is not None:
+        out["label"] = case["label"][0][sl].to(torch.uint8).contiguous()
     return out
-
-
-def restore_to_input(x: torch.Tensor, meta: dict[str, Any], mode: str = "nearest") -> np.ndarray:
-    """Invert crop, resampling and reorientation: back to the input file's voxel grid.
-
-    Args:
-        x: (*S) labels or (C, *S) values on the preprocessed grid (shape of the cropped volume).
-        meta: ``meta`` of :func:`preprocess_case`.
-        mode: "nearest" for labels, "trilinear" for probabilities.
-
-    Returns:
-        numpy array (X, Y, Z) or (X, Y, Z, C) in the input file's voxel order.
-    """
-    squeeze = x.dim() == 3
-    x = x[None] if squeeze else x
-    full = x.new_zeros((x.shape[0], *meta["resampled_shape"]))
-    sl = tuple(slice(a, b) for a, b in meta["crop_box"])
-    full[(slice(None),) + sl] = x
-    full, _ = resample(full, np.eye(4), meta["ras_shape"], mode)
-    arr = np.moveaxis(full.cpu().numpy(), 0, -1)
-    in_affine = np.asarray(meta["input_affine"], dtype=np.float64)
-    back = nio.ornt_transform(nio.axcodes2ornt("RAS"), nio.io_orientation(in_affine))
-    arr = nio.apply_orientation(arr, back)
-    arr = np.ascontiguousarray(arr)
-    return arr[..., 0] if squeeze else arr

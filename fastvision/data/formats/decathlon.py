@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from fastvision.data import spatial3d
 from fastvision.data.formats.anomalies import drop_unreadable, first_few, nifti_header
 from fastvision.data.formats.base import DatasetSplits
 from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
@@ -187,7 +188,8 @@ class _CaseFiles(Dataset):
 class _Preprocess(Transform):
     """The cached step: case files -> ``{"image" (C, X, Y, Z) float32, "label" (X, Y, Z), "id"}``.
 
-    Its signature covers the params, the label dtype and the source of ``compute``'s module.
+    Its signature covers the params, the label dtype and the source of ``compute``'s module and of
+    :mod:`fastvision.data.spatial3d` (the resampling), so a change in either misses old entries.
     """
 
     def __init__(self, params: PreprocessParams, compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]],
@@ -203,8 +205,9 @@ class _Preprocess(Transform):
 
     def signature(self) -> str:
         module = inspect.getmodule(self.compute)
-        try:
+        try:  # the geometry module's source too: a change in resampling changes every cached array
             code = inspect.getsource(module) if module else ""
+            code += inspect.getsource(spatial3d)
         except (OSError, TypeError):  # no source file: fall back to the function's bytecode
             code = self.compute.__code__.co_code.hex()
         return json.dumps({"params": self.params.key(), "compute": getattr(self.compute, "__qualname__", ""),
