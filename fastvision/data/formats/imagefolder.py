@@ -256,7 +256,8 @@ def _class_folder_val(val_root: Path, classes: list[str], train_dir: str) -> lis
 def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_size: int = 224,
           resize_size: int = 256, scale: tuple[float, float] = (0.08, 1.0),
           ratio: tuple[float, float] = (0.75, 4 / 3), hflip: float = 0.5,
-          backend: Literal["pillow", "dali"] = "pillow", val_labels: str | None = None,
+          backend: Literal["pillow", "dali"] = "pillow", dali_device: Literal["cpu", "gpu", "auto"] = "auto",
+          dali_threads: int | None = None, val_labels: str | None = None,
           invalid: Literal["warn", "error"] = "warn", skip_unreadable: bool = False) -> DatasetSplits:
     """ImageFolder train/val splits.
 
@@ -269,7 +270,11 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
         scale: random-resized-crop area range (seed 004: 0.08-1.0).
         ratio: random-resized-crop aspect range.
         hflip: horizontal flip probability in training.
-        backend: ``pillow`` (default) or ``dali`` (GPU JPEG decoding; needs NVIDIA DALI and CUDA).
+        backend: ``pillow`` (default) or ``dali`` (NVIDIA DALI's own reader, fused decode + crop and
+            loader; ``pip install -e ".[dali]"``; see :mod:`fastvision.data.dali`).
+        dali_device: DALI decodes on ``cpu`` (libjpeg-turbo), ``gpu`` (nvJPEG) or ``auto`` (gpu
+            when the run's device is CUDA).
+        dali_threads: DALI CPU threads per pipeline (None: the CPU count, at most 8).
         val_labels: labels of a flat ``val_dir`` (ImageNet as distributed; see
             :mod:`.imagenet_val`): found automatically when None.
         invalid: flat val entries without a usable label: "warn" skips them with one warning,
@@ -295,5 +300,6 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
     if backend == "dali":
         from fastvision.data.dali import DaliImageFolder
 
-        return DatasetSplits(DaliImageFolder(train, train=True, **kw), DaliImageFolder(val, train=False, **kw), info)
+        dkw = dict(kw, dali_device=dali_device, threads=dali_threads)
+        return DatasetSplits(DaliImageFolder(train, train=True, **dkw), DaliImageFolder(val, train=False, **dkw), info)
     return DatasetSplits(ImageFolderDataset(train, True, **kw), ImageFolderDataset(val, False, **kw), info)
