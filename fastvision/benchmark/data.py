@@ -138,14 +138,16 @@ def run_data_benchmark(cfg: RunConfig, caches: list[str], *, batches: int = 40, 
     for r in rows:
         r["speedup_vs_first"] = r["items_per_s"] / base
     return {"recipe": cfg.recipe, "mode": "data", "device": str(run.device), "batch_size": cfg.train.batch_size,
-            "loader": cfg.data.loader, "num_workers": cfg.data.num_workers, "rounds": rounds,
+            "loader": "per setting" if variants else cfg.data.loader, "num_workers": cfg.data.num_workers,
+            "rounds": rounds,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows}
 
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown table (one row per cache mode)."""
+    loader = report["loader"] if report["loader"] == "per setting" else f"{report['loader']} x {report['num_workers']}"
     lines = [f"**{report['recipe']} input path on {report['device']}** (batch {report['batch_size']}, "
-             f"{report['loader']} x {report['num_workers']}, {report['rounds']} interleaved rounds, "
+             f"loader {loader}, {report['rounds']} interleaved rounds, "
              f"torch {report['torch']}, {report['date']})", "",
              "| setting | cache | items/s | ms/item | x first | pipeline |", "|---|---|---|---|---|---|"]
     lines += [f"| {r.get('setting') or 'recipe'} | {r['cache']} | {r['items_per_s']:.1f} | {r['ms_per_item']:.2f} | "

@@ -31,7 +31,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -97,11 +97,14 @@ class DaliImageFolder:
         hflip: horizontal flip probability (training).
         dali_device: ``cpu``, ``gpu`` or ``auto``.
         threads: DALI CPU threads per pipeline (None: the CPU count, at most 8).
+        explain: ``explain(path, full)`` -> the Pillow path's DataError for ``path`` (its header
+            only unless ``full``), or None when Pillow reads it: names a file DALI fails on.
     """
 
     def __init__(self, samples: list[tuple[str, int]], *, train: bool, image_size: int, resize_size: int,
                  scale: tuple[float, float], ratio: tuple[float, float], hflip: float,
-                 dali_device: Literal["cpu", "gpu", "auto"] = "auto", threads: int | None = None):
+                 dali_device: Literal["cpu", "gpu", "auto"] = "auto", threads: int | None = None,
+                 explain: Callable[[str, bool], DataError | None] | None = None):
         require_dali()
         resolve_device(dali_device, torch.device("cpu"))  # the value is checked at build time
         self.samples, self.train = samples, train
@@ -109,6 +112,7 @@ class DaliImageFolder:
         self.scale, self.ratio, self.hflip = tuple(scale), tuple(ratio), hflip
         self.dali_device = dali_device
         self.threads = threads or min(8, os.cpu_count() or 1)
+        self.explain = explain
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -234,26 +238,15 @@ def decode_error(err: Exception, shard: list[tuple[str, int]], data: DaliImageFo
     """The Pillow path's one-line error for the file DALI failed on.
 
     DALI names a file it fails to decode ("Failed to decode sample #k : PATH") but not one whose
-    header it cannot parse; then this shard's headers are checked as the Pillow path would read
-    them, and the first unreadable file is named.
+    header it cannot parse; then this shard's headers are read as the Pillow path reads them, and
+    the first unreadable file is named. ``data.explain(path, full)`` gives the Pillow path's error.
     """
-    from fastvision.data.formats.anomalies import image_header
-    from fastvision.data.formats.imagefolder import load_crop
-
     named = re.findall(r"Failed to decode sample #\d+ : (.+?)\s*$", str(err), flags=re.MULTILINE)
-    if named:  # decode it as the Pillow path would, for the same message
-        try:
-            load_crop(named[0], False, data.image_size, data.resize_size, data.scale, data.ratio, 0.0)
-        except DataError as e:
-            return e
-        except OSError as e:  # truncated data surfaces at resize time, as on the Pillow path
-            return DataError(f"{named[0]}: cannot decode image ({e})")
-    else:
-        for path, _ in shard:
-            try:
-                image_header(Path(path))
-            except Exception as e:  # any decoder failure: the message load_crop gives for it
-                return DataError(f"{path}: cannot decode image ({e})")
+    if data.explain is not None:
+        for path in named[:1] or [p for p, _ in shard]:
+            found = data.explain(path, bool(named))
+            if found is not None:
+                return found
     detail = next((ln.strip() for ln in str(err).splitlines() if "failure" in ln or "Failed" in ln),
                   str(err).splitlines()[-1] if str(err) else type(err).__name__)
     where = named[0] if named else str(Path(shard[0][0]).parent.parent) if shard else "?"

@@ -201,3 +201,44 @@ def test_bad_files_give_the_pillow_paths_errors(tmp_path):
     (root / "train/dog/ok.JPEG").write_bytes(good)
     with pytest.raises(ConfigError, match="dali_device"):
         DATASETS.build("imagefolder", {**args, "backend": "dali", "dali_device": "tpu"})
+
+
+def test_data_benchmark_times_dali_beside_pillow(tmp_path, capsys):
+    """`benchmark --mode data --variant ...`: DALI's loader and the Pillow thread loader in the same
+    interleaved rounds, each row naming its setting and pipeline; overrides split at top-level commas."""
+    import json
+
+    from fastvision.benchmark.data import split_setting
+    from fastvision.cli import main
+    from fastvision.data.synth.imagenet import synth
+
+    assert split_setting("data.args.backend=dali, data.args.scale=[0.5, 1.0]") == [
+        "data.args.backend=dali", "data.args.scale=[0.5, 1.0]"]
+    data = synth(tmp_path / "d", classes=2, per_class=4, val_per_class=1, size=40, height=30)
+    assert main(["benchmark", "resnet18-imagefolder", "--mode", "data", "--data", str(data), "--device", "cpu",
+                 "--batch-sizes", "2", "--steps", "2", "--rounds", "2", "--warmup", "1", "--out", str(tmp_path / "o"),
+                 "--set", "data.args.image_size=16", "--set", "data.args.resize_size=16",
+                 "--variant", "data.args.backend=dali,data.args.dali_device=cpu",
+                 "--variant", "data.args.backend=pillow,data.loader=threads,data.num_workers=0"]) == 0
+    rows = json.loads((tmp_path / "o" / "resnet18-imagefolder-data.json").read_text())["results"]
+    assert [r["setting"].split(",")[0] for r in rows] == ["data.args.backend=dali", "data.args.backend=pillow"]
+    assert rows[0]["pipeline"].startswith("DALI cpu pipeline") and "Pipeline" in rows[1]["pipeline"]
+    assert all(r["items"] == 2 * 1 * 2 and r["items_per_s"] > 0 for r in rows)  # rounds x batches x batch
+
+
+@pytest.mark.slow
+def test_resnet18_imagefolder_with_dali_reaches_the_pillow_paths_top1(tmp_path):
+    """tests/tasks/test_classify.py's CPU check (10 generated classes, 50 train / 20 val JPEGs of
+    32 px, 28 px crops, batch 32), with backend: dali: the recipe's target top1=0.9 that the Pillow
+    path reaches (epoch 5 for seeds 0-2) is reached within its 8 epochs."""
+    from fastvision import config
+    from fastvision.api import run_training
+    from fastvision.data.synth.imagenet import synth
+
+    data = synth(tmp_path / "d", classes=10, per_class=50, val_per_class=20, size=32)
+    extra = [config.parse_override(s) for s in (f"data.args.path={data}", "data.args.image_size=28",
+                                                "data.args.resize_size=32", "train.batch_size=32", "examples=0",
+                                                "data.args.backend=dali", "data.args.dali_device=cpu")]
+    s = run_training("resnet18-imagefolder", out=str(tmp_path / "run"), extra=extra + [{"train": {"device": "cpu"}}],
+                     progress=False)
+    assert s["target_reached"] and s["top1"] >= 0.9

@@ -15,6 +15,7 @@ so the crop still chooses the DCT scale before decoding.
 """
 from __future__ import annotations
 
+import functools
 import io
 import math
 from pathlib import Path
@@ -152,6 +153,21 @@ def load_crop(path: str | bytes | memoryview, train: bool, size: int, resize: in
     if train and hflip > 0 and torch.rand((), generator=generator).item() < hflip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
     return np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy needs one
+
+
+def pillow_error(path: str, full: bool, size: int, resize: int) -> DataError | None:
+    """The error the Pillow path raises for ``path`` (reading its header, or with ``full`` its
+    evaluation item), or None when Pillow reads it: how the DALI backend names a bad file."""
+    try:
+        if full:
+            load_crop(path, False, size, resize, (1.0, 1.0), (1.0, 1.0), 0.0)
+        else:
+            image_header(Path(path))
+    except DataError as e:
+        return e
+    except Exception as e:  # any decoder failure (truncated data surfaces at resize time)
+        return DataError(f"{path}: cannot decode image ({e})")
+    return None
 
 
 class _ReadBytes(Transform):
@@ -300,6 +316,7 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
     if backend == "dali":
         from fastvision.data.dali import DaliImageFolder
 
-        dkw = dict(kw, dali_device=dali_device, threads=dali_threads)
+        explain = functools.partial(pillow_error, size=image_size, resize=resize_size)
+        dkw = dict(kw, dali_device=dali_device, threads=dali_threads, explain=explain)
         return DatasetSplits(DaliImageFolder(train, train=True, **dkw), DaliImageFolder(val, train=False, **dkw), info)
     return DatasetSplits(ImageFolderDataset(train, True, **kw), ImageFolderDataset(val, False, **kw), info)
