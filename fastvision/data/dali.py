@@ -27,18 +27,17 @@ last batch partial), so every image is evaluated exactly once across ranks.
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from fastvision.errors import ConfigError, DataError
 
-log = logging.getLogger(__name__)
 DEVICES = ("cpu", "gpu", "auto")
 
 
@@ -128,7 +127,7 @@ class DaliImageFolder:
                           "set data.cache: none and data.augment: {} (or use backend: pillow)")
 
     def make_loader(self, *, batch_size: int, shard_id: int, num_shards: int, seed: int,
-                    device: torch.device) -> "DaliLoader":
+                    device: torch.device) -> DaliLoader:
         """This rank's loader (the engine's ``make_loader`` seam for a dataset that shards itself)."""
         return DaliLoader(self, batch_size, shard_id, num_shards, seed, resolve_device(self.dali_device, device),
                           device)
