@@ -64,10 +64,12 @@ def _pillow_eval(path, size, resize):
     return torch.from_numpy(np.array(im.resize((size, size), Image.BILINEAR, box=box))).permute(2, 0, 1)
 
 
-@pytest.mark.parametrize("size,resize,tol", [(224, 256, 0.5), (56, 64, 1.5)])
-def test_validation_images_equal_pillow_within_decoder_tolerance(photos, size, resize, tol):
-    """Mean abs diff per image vs Pillow (0-255 levels): <= 0.5 at 224/256 (measured 0.12-0.4),
-    <= 1.5 at 56/64 where resampling 500 px to 56 amplifies decoder differences (0.1-1.4)."""
+@pytest.mark.parametrize("size,resize", [(224, 256), (56, 64)])
+def test_validation_images_equal_pillow_within_decoder_tolerance(photos, size, resize):
+    """Mean abs diff per image vs Pillow's full decode + one bilinear resize of the centre box, in
+    0-255 levels: measured 0.11-0.23 (mean 0.15) at 224 / 256 and 0.0-0.12 (mean 0.07) at 56 / 64;
+    bound 0.5. (The Pillow path itself decodes large JPEGs at a reduced DCT scale: up to 1.4 from it.)"""
+    tol = 0.5
     batches = _batches(_loader(photos, False, size=size, resize=resize, batch=2))
     images = torch.cat([b["image"] for b in batches])
     assert images.dtype == torch.uint8 and images.shape == (len(photos), 3, size, size)
