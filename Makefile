@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test venv clean horovod
+.PHONY: demo test venv clean horovod dali
 
 $(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -33,6 +33,14 @@ test: $(VENV)/.test
 
 clean:
 	rm -rf $(VENV) runs
+
+# Optional NVIDIA DALI (data.args.backend: dali; its CPU pipelines run without a GPU): the [dali]
+# extra, about 200 MB. `make test` then runs tests/data/test_dali.py instead of skipping it.
+$(VENV)/.dali: $(VENV)/.base
+	$(PIP) -e ".[dali]"
+	touch $@
+
+dali: $(VENV)/.dali
 
 # Opt-in (about 8 min on 2 cores): horovod 0.28.1, its last release, built from source into $(VENV)
 # with gloo and no MPI, so `--backend horovod` and `scale --backends ddp,horovod` work. Where the

@@ -292,6 +292,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--mode", choices=["train", "inference", "data"], default="train")
     p.add_argument("--cache", help="data mode: comma-separated data.cache modes to compare, e.g. none,ram,gpu "
                                    "(default: the recipe's)")
+    p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="data mode: a setting to compare (repeatable), timed in the same interleaved rounds, e.g. "
+                        "--variant data.args.backend=dali --variant data.args.backend=pillow,data.loader=processes")
     p.add_argument("--rounds", type=int, default=4, help="data mode: interleaved turns per cache mode (default 4)")
     p.add_argument("--data", help="data mode: dataset folder (data.args.path; default: the recipe's)")
     p.add_argument("--batch-sizes", help="comma-separated, e.g. 1,8,64,256, or auto: the largest that fits "
@@ -363,13 +366,14 @@ def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
     if args.batch_sizes:
         cfg.train.batch_size = _int_list(args.batch_sizes)[0]
     caches = [c.strip() for c in args.cache.split(",") if c.strip()] if args.cache else [cfg.data.cache]
-    report = run_data_benchmark(cfg, caches, batches=args.steps, rounds=args.rounds, warmup=args.warmup)
+    report = run_data_benchmark(cfg, caches, batches=args.steps, rounds=args.rounds, warmup=args.warmup,
+                                variants=args.variant or None)
     table = Table(title=f"{report['recipe']} input path (model removed) on {report['device']}, "
                         f"batch {report['batch_size']}")
-    for h in ("cache", "items/s", "ms/item", "x first", "pipeline"):
-        table.add_column(h, justify="left" if h in ("cache", "pipeline") else "right")
+    for h in ("setting", "cache", "items/s", "ms/item", "x first", "pipeline"):
+        table.add_column(h, justify="left" if h in ("setting", "cache", "pipeline") else "right")
     for r in report["results"]:
-        table.add_row(r["cache"], f"{r['items_per_s']:.1f}", f"{r['ms_per_item']:.2f}",
+        table.add_row(r["setting"] or "recipe", r["cache"], f"{r['items_per_s']:.1f}", f"{r['ms_per_item']:.2f}",
                       f"{r['speedup_vs_first']:.2f}", r["pipeline"])
     console = Console()
     console.print(table)

@@ -15,6 +15,7 @@ so the crop still chooses the DCT scale before decoding.
 """
 from __future__ import annotations
 
+import functools
 import io
 import math
 from pathlib import Path
@@ -154,6 +155,21 @@ def load_crop(path: str | bytes | memoryview, train: bool, size: int, resize: in
     return np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy needs one
 
 
+def pillow_error(path: str, full: bool, size: int, resize: int) -> DataError | None:
+    """The error the Pillow path raises for ``path`` (reading its header, or with ``full`` its
+    evaluation item), or None when Pillow reads it: how the DALI backend names a bad file."""
+    try:
+        if full:
+            load_crop(path, False, size, resize, (1.0, 1.0), (1.0, 1.0), 0.0)
+        else:
+            image_header(Path(path))
+    except DataError as e:
+        return e
+    except Exception as e:  # any decoder failure (truncated data surfaces at resize time)
+        return DataError(f"{path}: cannot decode image ({e})")
+    return None
+
+
 class _ReadBytes(Transform):
     """The cacheable step of a training item: the file's encoded bytes (decoding comes after the
     random crop has chosen the DCT scale)."""
@@ -256,7 +272,8 @@ def _class_folder_val(val_root: Path, classes: list[str], train_dir: str) -> lis
 def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_size: int = 224,
           resize_size: int = 256, scale: tuple[float, float] = (0.08, 1.0),
           ratio: tuple[float, float] = (0.75, 4 / 3), hflip: float = 0.5,
-          backend: Literal["pillow", "dali"] = "pillow", val_labels: str | None = None,
+          backend: Literal["pillow", "dali"] = "pillow", dali_device: Literal["cpu", "gpu", "auto"] = "auto",
+          dali_threads: int | None = None, val_labels: str | None = None,
           invalid: Literal["warn", "error"] = "warn", skip_unreadable: bool = False) -> DatasetSplits:
     """ImageFolder train/val splits.
 
@@ -269,7 +286,11 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
         scale: random-resized-crop area range (seed 004: 0.08-1.0).
         ratio: random-resized-crop aspect range.
         hflip: horizontal flip probability in training.
-        backend: ``pillow`` (default) or ``dali`` (GPU JPEG decoding; needs NVIDIA DALI and CUDA).
+        backend: ``pillow`` (default) or ``dali`` (NVIDIA DALI's own reader, fused decode + crop and
+            loader; ``pip install -e ".[dali]"``; see :mod:`fastvision.data.dali`).
+        dali_device: DALI decodes on ``cpu`` (libjpeg-turbo), ``gpu`` (nvJPEG) or ``auto`` (gpu
+            when the run's device is CUDA).
+        dali_threads: DALI CPU threads per pipeline (None: the CPU count, at most 8).
         val_labels: labels of a flat ``val_dir`` (ImageNet as distributed; see
             :mod:`.imagenet_val`): found automatically when None.
         invalid: flat val entries without a usable label: "warn" skips them with one warning,
@@ -295,5 +316,7 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
     if backend == "dali":
         from fastvision.data.dali import DaliImageFolder
 
-        return DatasetSplits(DaliImageFolder(train, train=True, **kw), DaliImageFolder(val, train=False, **kw), info)
+        explain = functools.partial(pillow_error, size=image_size, resize=resize_size)
+        dkw = dict(kw, dali_device=dali_device, threads=dali_threads, explain=explain)
+        return DatasetSplits(DaliImageFolder(train, train=True, **dkw), DaliImageFolder(val, train=False, **dkw), info)
     return DatasetSplits(ImageFolderDataset(train, True, **kw), ImageFolderDataset(val, False, **kw), info)

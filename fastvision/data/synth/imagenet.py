@@ -44,19 +44,21 @@ def class_style(c: int, classes: int) -> dict:
     }
 
 
-def render(c: int, classes: int, size: int, rng: np.random.Generator) -> np.ndarray:
-    """One (size, size, 3) uint8 image of class ``c``."""
+def render(c: int, classes: int, size: int, rng: np.random.Generator, height: int | None = None) -> np.ndarray:
+    """One (height, size, 3) uint8 image of class ``c`` (``height`` None: square)."""
     st = class_style(c, classes)
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    height = height or size
+    short = min(size, height)
+    yy, xx = np.mgrid[0:height, 0:size].astype(np.float32)
     # background: random grey-ish colour plus pixel noise, so it carries no class signal
     bg = rng.uniform(60, 200) + rng.uniform(-20, 20, size=3)
-    img = bg[None, None, :] + rng.normal(0, 18, size=(size, size, 3))
-    r = rng.uniform(0.22, 0.38) * size
-    cy, cx = rng.uniform(r, size - r, size=2)
+    img = bg[None, None, :] + rng.normal(0, 18, size=(height, size, 3))
+    r = rng.uniform(0.22, 0.38) * short
+    cy, cx = rng.uniform(r, np.array([height - r, size - r]))
     mask = _shape_mask(st["shape"], yy, xx, cy, cx, r)
     hue = (st["hue"] + rng.uniform(-0.02, 0.02)) % 1.0
     colour = np.array(colorsys.hsv_to_rgb(hue, rng.uniform(0.7, 1.0), rng.uniform(0.75, 1.0))) * 255
-    period = st["period"] * size / 64
+    period = st["period"] * short / 64
     phase = rng.uniform(0, 2 * math.pi)
     stripes = np.cos(2 * math.pi * (xx * math.cos(st["angle"]) + yy * math.sin(st["angle"])) / period + phase)
     shade = 0.75 + 0.25 * stripes[..., None]
@@ -67,7 +69,7 @@ def render(c: int, classes: int, size: int, rng: np.random.Generator) -> np.ndar
 
 @SYNTH.register("imagenet")
 def synth(out: Path, *, seed: int = 0, classes: int = 10, per_class: int = 100, val_per_class: int = 20,
-          size: int = 64) -> Path:
+          size: int = 64, height: int | None = None, quality: int = 90) -> Path:
     """Write ``OUT/{train,val}/classNNN/NNNNN.JPEG``.
 
     Args:
@@ -76,13 +78,17 @@ def synth(out: Path, *, seed: int = 0, classes: int = 10, per_class: int = 100, 
         classes: number of classes (>= 2).
         per_class: training images per class.
         val_per_class: validation images per class.
-        size: image side in pixels.
+        size: image side (the width when ``height`` is given) in pixels.
+        height: image height in pixels (None: square); ImageNet's typical photo is 500 x 375.
+        quality: JPEG quality (1-95).
 
     Returns:
         ``out``.
     """
-    if classes < 2 or per_class < 1 or val_per_class < 1 or size < 16:
-        raise ValueError("need classes >= 2, per_class >= 1, val_per_class >= 1, size >= 16")
+    if classes < 2 or per_class < 1 or val_per_class < 1 or min(size, height or size) < 16:
+        raise ValueError("need classes >= 2, per_class >= 1, val_per_class >= 1, size and height >= 16")
+    if not 1 <= quality <= 95:
+        raise ValueError(f"quality must be in 1..95, got {quality}")
     out = Path(out)
     for split, n, stream in (("train", per_class, 0), ("val", val_per_class, 1)):
         rng = np.random.default_rng([seed, stream])
@@ -90,5 +96,5 @@ def synth(out: Path, *, seed: int = 0, classes: int = 10, per_class: int = 100, 
             d = out / split / f"class{c:03d}"
             d.mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                Image.fromarray(render(c, classes, size, rng)).save(d / f"{i:05d}.JPEG", quality=90)
+                Image.fromarray(render(c, classes, size, rng, height)).save(d / f"{i:05d}.JPEG", quality=quality)
     return out
