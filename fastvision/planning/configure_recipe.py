@@ -50,7 +50,7 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
         "data": {"name": "decathlon", "args": {
             "path": data, "target_spacing": [round(s, 5) for s in geo["spacing"]], **norm, "crop_foreground": True,
             "patch_size": patch, "pos_fraction": 0.33}},
-        "train": {"batch_size": batch},
+        "train": {"batch_size": batch, "amp": "auto"},
     }
     if base == "segresnet":
         out["loss"] = {"args": {"sigmoid": False, "softmax": True, "include_background": False}}
@@ -90,6 +90,8 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
                  f"largest that fits {plan['gpu']} ({plan['gpu_memory_gib']:.3g} GiB) by plan's estimate: "
                  f"{fit['batch_fit']}; at most {MAX_DATASET_COVERED:.0%} of the dataset's voxels per step: "
                  f"{fit['batch_cover']}; at least {MIN_BATCH} (estimated {fit['memory_gib']:.2f} GiB)"))
+    rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; fp32 on CPU (the batch was sized for "
+                                      "the target GPU's precision)"))
     rows.append(("task.args.sliding_window", t["sliding_window"],
                  f"ROI = the training patch, overlap {OVERLAP:g}, Gaussian blending (nnU-Net's predictor)"))
     return rows
