@@ -12,7 +12,8 @@ Typical use::
 """
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from torch import Tensor, nn
 

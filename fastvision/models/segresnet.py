@@ -15,7 +15,8 @@ Convs inside the network have no bias (a norm always follows them).
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from torch import Tensor, nn
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor, nn

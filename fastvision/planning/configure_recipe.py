@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from fastvision.planning.configure import (
+from fastvision.planning.configure_rules import (
     ANISOTROPY,
     BASES,
     MAX_DATASET_COVERED,
@@ -48,13 +48,18 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
             "sliding_window": {"roi_size": patch, "overlap": OVERLAP, "mode": "gaussian", "sw_batch_size": batch}}},
         "model": _model(fp, topo, base, geo["thin_axis"] is not None),
         "data": {"name": "decathlon", "args": {
-            "path": data, "target_spacing": [round(s, 5) for s in geo["spacing"]], **norm, "crop_foreground": True,
+            "path": data, "target_spacing": [round(s, 4) for s in geo["spacing"]], **norm, "crop_foreground": True,
             "patch_size": patch, "pos_fraction": 0.33}},
         "train": {"batch_size": batch, "amp": "auto"},
     }
     if base == "segresnet":
         out["loss"] = {"args": {"sigmoid": False, "softmax": True, "include_background": False}}
     return out
+
+
+def _budget(plan: dict[str, Any]) -> str:
+    gpu = plan["gpu"]
+    return gpu if "budget" in gpu else f"{gpu} ({plan['gpu_memory_gib']:.3g} GiB)"
 
 
 def _vec(v) -> str:
@@ -87,7 +92,7 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
     if "filters" in m:
         rows.append(("model.args.filters", m["filters"], "32 x 2^stage, capped at 320 (3-D) / 512 (2-D), as nnU-Net"))
     rows.append(("train.batch_size", ov["train"]["batch_size"],
-                 f"largest that fits {plan['gpu']} ({plan['gpu_memory_gib']:.3g} GiB) by plan's estimate: "
+                 f"largest that fits {_budget(plan)} by plan's estimate: "
                  f"{fit['batch_fit']}; at most {MAX_DATASET_COVERED:.0%} of the dataset's voxels per step: "
                  f"{fit['batch_cover']}; at least {MIN_BATCH} (estimated {fit['memory_gib']:.2f} GiB)"))
     rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; fp32 on CPU (the batch was sized for "
@@ -119,8 +124,7 @@ def recipe_text(plan: dict[str, Any]) -> str:
     """The recipe YAML: ``extends`` the base, every planned value commented."""
     fp = plan["fingerprint"]
     why = {k: w for k, _, w in choices(plan)}
-    head = [f"# Planned by `fastvision configure {plan['data']} --base {plan['base']}` for {plan['gpu']} "
-            f"({plan['gpu_memory_gib']:.3g} GiB)",
+    head = [f"# Planned by `fastvision configure {plan['data']} --base {plan['base']}` for {_budget(plan)}",
             f"# from the fingerprint of {fp['n_cases']} cases ({fp['name']}): nnU-Net v2's planning rules, batch by",
             "# `fastvision plan`'s estimator. docs/configure.md says when to override a value.",
             f"extends: {BASES[plan['base']]}"]
@@ -138,7 +142,7 @@ def table(plan: dict[str, Any]) -> str:
     """The plan as text: one row per chosen value (value, then the rule and figure)."""
     rows = [(k.split(".")[-1], _flow(v), w) for k, v, w in choices(plan)]
     width = max(len(k) for k, _, _ in rows)
-    lines = [f"configure: {plan['data']} -> {plan['base']} on {plan['gpu']} ({plan['gpu_memory_gib']:.3g} GiB)", ""]
+    lines = [f"configure: {plan['data']} -> {plan['base']} on {_budget(plan)}", ""]
     for k, v, w in rows:
         lines += [f"  {k:<{width}}  {v}", f"  {'':<{width}}    {w}"]
     for kind, ids in plan["fingerprint"]["anomalies"].items():

@@ -11,9 +11,9 @@ import pytest
 
 nib = pytest.importorskip("nibabel")
 
-from fastvision.cli import main  # noqa: E402
-from fastvision.data import fingerprint as fpm  # noqa: E402
-from fastvision.errors import DataError  # noqa: E402
+from fastvision.cli import main
+from fastvision.data import fingerprint as fpm
+from fastvision.errors import DataError
 
 
 def _save(array, spacing, path, lps=False):

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from monai.networks.nets import UNet as MonaiUNet
+from test_models_seg import _copy_unet_from_monai, n_params
 from torch import nn
 
 from fastvision.inference.window import sliding_window
 from fastvision.models import create_model
-
-from test_models_seg import _copy_unet_from_monai, n_params
 
 
 def test_residual_anisotropic_unet_matches_monai():

@@ -126,7 +126,7 @@ def test_recipe_loads_and_trains_one_epoch(tmp_path):
     from fastvision.data.synth import load_all
     from fastvision.planning.configure_recipe import write_recipe
 
-    data = load_all().get("prostate")(tmp_path / "prostate", seed=0, cases=4, size=24, slices=10)
+    data = load_all().get("prostate")(tmp_path / "prostate", seed=0, cases=4, size=24, slices=14)
     plan = cf.configure(data, memory="8GiB", fingerprint=None)
     path = write_recipe(plan, tmp_path / "recipe.yaml")
     text = path.read_text()

@@ -11,8 +11,8 @@ affines carrying the spacing, dataset.json with ``modality`` and ``labels``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
