@@ -139,3 +139,18 @@ def test_recipe_loads_and_trains_one_epoch(tmp_path):
                                    "data": {"cache": "ram", "cache_dir": None, "args": {"num_folds": 2}}}],
                            progress=False)
     assert summary
+
+
+def test_segresnet_base_plans_an_anisotropic_segresnet():
+    import torch
+
+    from fastvision.models import create_model
+
+    plan = cf.configure("unused", fingerprint=_fingerprint(cases=4, shape=(32, 32, 8)), memory="8GiB", base="segresnet")
+    cfg = plan["fit"]["cfg"]
+    assert cfg.model.name == "segresnet" and cfg.task.args["mode"] == "softmax" and cfg.task.args["regions"] is None
+    args = dict(cfg.model.args)
+    assert args["strides"][0] == [2, 2, 1] and args["kernel_size"][0] == [3, 3, 1]
+    model = create_model("segresnet", **{**args, "init_filters": 8})
+    patch = plan["fit"]["topology"].patch
+    assert model(torch.zeros(1, 2, *patch)).shape == (1, 3, *patch)
