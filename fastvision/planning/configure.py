@@ -174,7 +174,8 @@ def fit_budget(geo: dict[str, Any], make_cfg, spec, max_traces: int = 12) -> dic
     fit = est.largest_batch(cfg, spec, t)
     cover = max(1, round(geo["n_voxels"] * MAX_DATASET_COVERED / float(np.prod(topo.patch))))
     batch = max(MIN_BATCH, min(fit, cover))
-    mem = est.memory(est.trace(cfg, batch)).total if batch != MIN_BATCH else total
+    m = est.memory(t)  # linear in the batch (est.linear_batch's model): no extra trace for the figure
+    mem = total + (m.activations + m.inputs) / MIN_BATCH * (batch - MIN_BATCH) * (1 + est.WORKSPACE_FRACTION)
     return {"topology": topo, "cfg": cfg, "batch": batch, "batch_fit": fit, "batch_cover": cover,
             "memory_gib": mem / 2**30, "traces": traces, "shrunk": shrunk}
 
