@@ -28,6 +28,7 @@ FEATURES = (
     ("export", "fastvision.inference.export:add_cli"),
     ("froc", "fastvision.metrics.froc:add_cli"),
     ("plan", "fastvision.planning.plan:add_cli"),
+    ("configure", "fastvision.planning.configure:add_cli"),
 )
 
 
@@ -188,6 +189,9 @@ def _parse_options(extra: list[str]) -> dict[str, Any]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from fastvision.data.inspect import inspect_path, print_report
 
+    if args.fingerprint:
+        from fastvision.data.fingerprint import cmd_fingerprint
+        return cmd_fingerprint(Path(args.path), args.json)
     print_report(inspect_path(Path(args.path)))
     return 0
 
@@ -230,12 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Write a synthetic dataset. Extra --option VALUE pairs go to the generator; "
                                     "`fastvision data synth KIND --help` lists KIND's options.")
     p.add_argument("-h", "--help", action="store_true", help="show this help (with KIND: its options) and exit")
-    p.add_argument("kind", nargs="?", help="microscopy, imagenet, coco, brats, spleen, pathology")
+    p.add_argument("kind", nargs="?", help="microscopy, imagenet, coco, brats, spleen, prostate, hippocampus, thinstack, pathology")
     p.add_argument("out", nargs="?", help="output folder (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_synth, takes_extra=True, parser=p)
     p = dsub.add_parser("inspect", help="counts, shapes, dtypes, intensity range, class balance")
     p.add_argument("path")
+    p.add_argument("--fingerprint", action="store_true", help="every case (Decathlon): spacing, shape, shape after "
+                   "crop, foreground intensity statistics per channel, class fractions; what `configure` plans from")
+    p.add_argument("--json", help="with --fingerprint: also write it to this JSON file")
     p.set_defaults(func=cmd_inspect)
 
     for name, where in FEATURES:

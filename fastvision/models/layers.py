@@ -12,10 +12,12 @@ Typical use::
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from torch import Tensor, nn
 
+Size = int | Sequence[int]  # one value for every axis, or one per axis (3x3x1 kernels, 2x2x1 strides)
 NormName = Literal["batch", "instance", "group", "none"]
 ActName = Literal["relu", "leakyrelu", "prelu", "relu6", "gelu", "none"]
 
@@ -24,6 +26,15 @@ def _check_dims(spatial_dims: int) -> int:
     if spatial_dims not in (1, 2, 3):
         raise ValueError(f"spatial_dims must be 1, 2 or 3, got {spatial_dims}")
     return spatial_dims
+
+
+def per_axis(value: Size, spatial_dims: int) -> tuple[int, ...]:
+    """``3`` -> ``(3, 3, 3)``; a sequence must have one entry per spatial axis."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != spatial_dims:
+            raise ValueError(f"{tuple(value)} needs one entry per spatial axis ({spatial_dims})")
+        return tuple(int(v) for v in value)
+    return (int(value),) * spatial_dims
 
 
 def conv(spatial_dims: int) -> type[nn.Module]:
@@ -112,8 +123,8 @@ class ConvNormAct(nn.Sequential):
     Args:
         spatial_dims: 2 or 3.
         in_channels / out_channels: C_in -> C_out.
-        kernel_size: odd kernel (2 is allowed for a transposed conv).
-        stride: convolution stride (also the up-sampling factor when ``transposed``).
+        kernel_size: odd kernel (2 is allowed for a transposed conv); an int or one per axis (3, 3, 1).
+        stride: convolution stride (also the up-sampling factor when ``transposed``); int or per axis.
         norm: see :func:`norm`; "none" gives a plain conv (+ act).
         act: see :func:`act`.
         bias: conv bias; ``None`` means "only when there is no norm".
@@ -131,8 +142,8 @@ class ConvNormAct(nn.Sequential):
         spatial_dims: int,
         in_channels: int,
         out_channels: int,
-        kernel_size: int = 3,
-        stride: int = 1,
+        kernel_size: Size = 3,
+        stride: Size = 1,
         *,
         norm: NormName | None = "batch",
         act: ActName | None = "relu",
@@ -144,10 +155,11 @@ class ConvNormAct(nn.Sequential):
     ):
         if bias is None:
             bias = norm in (None, "none")
-        padding = (kernel_size - 1) // 2
+        kernel_size, stride = per_axis(kernel_size, spatial_dims), per_axis(stride, spatial_dims)
+        padding = tuple((k - 1) // 2 for k in kernel_size)
         if transposed:
-            # output_padding makes (S-1)*s - 2p + k + op == S*s for both k=2 and k=3 at stride 2
-            output_padding = stride - 1 - (kernel_size - 1) % 2
+            # output_padding makes (S-1)*s - 2p + k + op == S*s for k=2 and k=3 at stride 2 (and k odd at 1)
+            output_padding = tuple(s - 1 - (k - 1) % 2 for k, s in zip(kernel_size, stride))
             layer = conv_transpose(spatial_dims)(
                 in_channels, out_channels, kernel_size, stride, padding, output_padding=output_padding, bias=bias
             )
@@ -186,8 +198,8 @@ class ResidualUnit(nn.Module):
         spatial_dims: int,
         in_channels: int,
         out_channels: int,
-        kernel_size: int = 3,
-        stride: int = 1,
+        kernel_size: Size = 3,
+        stride: Size = 1,
         *,
         subunits: int = 2,
         norm: NormName | None = "batch",
@@ -212,9 +224,10 @@ class ResidualUnit(nn.Module):
             )
         self.conv = nn.Sequential(*layers)
         self.residual: nn.Module = nn.Identity()
-        if stride != 1 or in_channels != out_channels:
-            k = kernel_size if stride != 1 else 1
-            pad = (k - 1) // 2
+        strided = any(v != 1 for v in per_axis(stride, spatial_dims))
+        if strided or in_channels != out_channels:
+            k = per_axis(kernel_size if strided else 1, spatial_dims)
+            pad = tuple((v - 1) // 2 for v in k)
             self.residual = conv(spatial_dims)(in_channels, out_channels, k, stride, pad, bias=bias is not False)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -14,6 +14,8 @@ Convs inside the network have no bias (a norm always follows them).
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Literal
 
 from torch import Tensor, nn
@@ -21,13 +23,32 @@ from torch import Tensor, nn
 from fastvision.models.layers import (
     ActName,
     NormName,
+    Size,
     act,
     conv,
     conv_transpose,
     dropout,
     norm,
+    per_axis,
 )
 from fastvision.registry import MODELS
+
+
+def _same(kernel: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple((v - 1) // 2 for v in kernel)
+
+
+def _level_geometry(spatial_dims: int, levels: int, strides: Sequence[Size] | None, kernel_size: Size | Sequence[Size]
+                    ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Per-axis strides into levels 1.. and per-axis kernels of every level."""
+    st = tuple(per_axis(s, spatial_dims) for s in (strides if strides is not None else [2] * (levels - 1)))
+    if len(st) != levels - 1:
+        raise ValueError(f"strides {strides} needs one entry per level after the first ({levels - 1})")
+    per_level = isinstance(kernel_size, (list, tuple)) and isinstance(kernel_size[0], (list, tuple))
+    ks = tuple(per_axis(k, spatial_dims) for k in (kernel_size if per_level else [kernel_size] * levels))
+    if len(ks) != levels:
+        raise ValueError(f"kernel_size {kernel_size} must be one kernel or one per level ({levels})")
+    return st, ks
 
 
 class ResBlock(nn.Module):
@@ -37,12 +58,15 @@ class ResBlock(nn.Module):
         (B, C, *S) -> (B, C, *S).
     """
 
-    def __init__(self, spatial_dims: int, channels: int, norm_name: NormName, act_name: ActName, groups: int):
+    def __init__(self, spatial_dims: int, channels: int, norm_name: NormName, act_name: ActName, groups: int,
+                 kernel: Size = 3):
         super().__init__()
+        k = per_axis(kernel, spatial_dims)
+        pad = tuple((v - 1) // 2 for v in k)
         self.norm1 = norm(norm_name, spatial_dims, channels, groups=groups)
-        self.conv1 = conv(spatial_dims)(channels, channels, 3, padding=1, bias=False)
+        self.conv1 = conv(spatial_dims)(channels, channels, k, padding=pad, bias=False)
         self.norm2 = norm(norm_name, spatial_dims, channels, groups=groups)
-        self.conv2 = conv(spatial_dims)(channels, channels, 3, padding=1, bias=False)
+        self.conv2 = conv(spatial_dims)(channels, channels, k, padding=pad, bias=False)
         # in place is safe: each act input is a fresh norm output, never the identity branch
         self.act = act(act_name, inplace=True)
 
@@ -66,9 +90,14 @@ class SegResNet(nn.Module):
         norm_groups: groups for group norm.
         act_name: activation.
         upsample: "nontrainable" ((bi/tri)linear, align_corners=False) or "deconv".
+        strides: down-sampling into levels 1.. (``len(blocks_down) - 1`` entries, each an int or one
+            per axis, e.g. ``(2, 2, 1)`` for an anisotropic axis); default 2 everywhere.
+        kernel_size: conv kernel of every level (an int or per axis, e.g. ``(3, 3, 1)``) or a list of
+            one per level; the stem uses level 0's, decoder level j the kernel of the level it returns to.
 
     Shapes:
-        (B, in_channels, *S) -> (B, out_channels, *S); S divisible by 2^(len(blocks_down) - 1).
+        (B, in_channels, *S) -> (B, out_channels, *S); each size in S divisible by the product of
+        the strides along its axis (``divisor``; 2^(len(blocks_down) - 1) by default).
     """
 
     def __init__(
@@ -84,34 +113,39 @@ class SegResNet(nn.Module):
         norm_groups: int = 8,
         act_name: ActName = "relu",
         upsample: Literal["nontrainable", "deconv"] = "nontrainable",
+        strides: Sequence[Size] | None = None,
+        kernel_size: Size | Sequence[Size] = 3,
     ):
         super().__init__()
         if len(blocks_up) != len(blocks_down) - 1:
             raise ValueError(f"blocks_up {blocks_up} needs one entry fewer than blocks_down {blocks_down}")
-        self.divisor = 2 ** (len(blocks_down) - 1)
+        st, ks = _level_geometry(spatial_dims, len(blocks_down), strides, kernel_size)
+        self.strides, self.kernels = st, ks
+        self.divisor = tuple(math.prod(s[a] for s in st) for a in range(spatial_dims))
         conv_t, f = conv(spatial_dims), init_filters
-        self.stem = conv_t(in_channels, f, 3, padding=1, bias=False)
+        self.stem = conv_t(in_channels, f, ks[0], padding=_same(ks[0]), bias=False)
         self.dropout = dropout(dropout_prob, spatial_dims)
 
-        def res(c: int, n: int) -> list[nn.Module]:
-            return [ResBlock(spatial_dims, c, norm_name, act_name, norm_groups) for _ in range(n)]
+        def res(c: int, n: int, k: tuple[int, ...]) -> list[nn.Module]:
+            return [ResBlock(spatial_dims, c, norm_name, act_name, norm_groups, k) for _ in range(n)]
 
         self.down = nn.ModuleList()
         for i, n in enumerate(blocks_down):
             c = f * 2**i
-            pre = [conv_t(c // 2, c, 3, stride=2, padding=1, bias=False)] if i > 0 else []
-            self.down.append(nn.Sequential(*pre, *res(c, n)))
+            pre = [conv_t(c // 2, c, ks[i], stride=st[i - 1], padding=_same(ks[i]), bias=False)] if i > 0 else []
+            self.down.append(nn.Sequential(*pre, *res(c, n, ks[i])))
         self.up_samples = nn.ModuleList()
         self.up = nn.ModuleList()
         for j, n in enumerate(blocks_up):
-            c = f * 2 ** (len(blocks_up) - j)  # width arriving from below
+            level = len(blocks_up) - j  # the level arriving from below
+            c, s = f * 2**level, st[level - 1]
             if upsample == "deconv":
-                resize: nn.Module = conv_transpose(spatial_dims)(c // 2, c // 2, 2, stride=2)
+                resize: nn.Module = conv_transpose(spatial_dims)(c // 2, c // 2, s, stride=s)
             else:
                 mode = ("linear", "bilinear", "trilinear")[spatial_dims - 1]
-                resize = nn.Upsample(scale_factor=2, mode=mode, align_corners=False)
+                resize = nn.Upsample(scale_factor=tuple(float(v) for v in s), mode=mode, align_corners=False)
             self.up_samples.append(nn.Sequential(conv_t(c, c // 2, 1, bias=False), resize))
-            self.up.append(nn.Sequential(*res(c // 2, n)))
+            self.up.append(nn.Sequential(*res(c // 2, n, ks[level - 1])))
         self.head = nn.Sequential(
             norm(norm_name, spatial_dims, f, groups=norm_groups),
             act(act_name, inplace=True),
@@ -120,7 +154,7 @@ class SegResNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits (B, out_channels, *S) for images (B, in_channels, *S)."""
-        if any(s % self.divisor for s in x.shape[2:]):
+        if any(s % d for s, d in zip(x.shape[2:], self.divisor)):
             raise ValueError(f"SegResNet input sizes {tuple(x.shape[2:])} must be divisible by {self.divisor}")
         x = self.dropout(self.stem(x))
         skips = []
@@ -146,7 +180,10 @@ def segresnet(
     norm_groups: int = 8,
     act: ActName = "relu",
     upsample: Literal["nontrainable", "deconv"] = "nontrainable",
+    strides: tuple[Size, ...] | None = None,
+    kernel_size: Size | tuple[Size, ...] = 3,
 ) -> SegResNet:
-    """MONAI BraTS SegResNet (16 filters, blocks 1-2-2-4 / 1-1-1, dropout 0.2, 4 in, 3 region outputs)."""
+    """MONAI BraTS SegResNet (16 filters, blocks 1-2-2-4 / 1-1-1, dropout 0.2, 4 in, 3 region outputs);
+    ``strides`` / ``kernel_size`` per level and per axis for anisotropic data (see :class:`SegResNet`)."""
     return SegResNet(spatial_dims, in_channels, out_channels, init_filters, tuple(blocks_down), tuple(blocks_up),
-                     dropout_prob, norm, norm_groups, act, upsample)
+                     dropout_prob, norm, norm_groups, act, upsample, strides, kernel_size)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -29,10 +30,90 @@ from fastvision.models.layers import (
     ConvNormAct,
     NormName,
     ResidualUnit,
+    Size,
     conv,
+    per_axis,
     pool,
 )
 from fastvision.registry import MODELS
+
+
+def stage_geometry(spatial_dims: int, filters: Sequence[int], strides: Sequence[Size] | None,
+                   kernel_size: Size | Sequence[Size], residual: bool
+                   ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Per-stage, per-axis strides and kernels: ``((2, 2, 1), ...)``, ``((3, 3, 1), ...)``.
+
+    ``strides`` has one entry per filter (an int or one per axis); ``kernel_size`` is one kernel for
+    every stage (an int, or a per-axis tuple such as ``(3, 3, 1)``) or a list of one per stage.
+    """
+    if len(filters) < 2:
+        raise ValueError("filters needs at least one encoder width and a bottleneck width")
+    depth = len(filters) - 1
+    if strides is None:
+        strides = (2,) * depth + (1,) if residual else (1,) + (2,) * depth
+    if len(strides) != len(filters):
+        raise ValueError(f"strides {tuple(strides)} must have one entry per filter {tuple(filters)}")
+    st = tuple(per_axis(s, spatial_dims) for s in strides)
+    if residual and any(v != 1 for v in st[-1]):
+        # the bottleneck output is concatenated with the last skip at the same resolution
+        raise ValueError(f"residual layout needs strides[-1] == 1, got {tuple(strides)}")
+    per_stage = isinstance(kernel_size, (list, tuple)) and any(isinstance(k, (list, tuple)) for k in kernel_size)
+    per_stage = per_stage or (isinstance(kernel_size, (list, tuple)) and len(kernel_size) == len(filters)
+                              and len(filters) != spatial_dims)
+    kernels = kernel_size if per_stage else [kernel_size] * len(filters)
+    if len(kernels) != len(filters):
+        raise ValueError(f"kernel_size {kernel_size} must be one kernel or one per filter {tuple(filters)}")
+    return st, tuple(per_axis(k, spatial_dims) for k in kernels)
+
+
+class _Parts:
+    """Builders of one stage body, encoder stage and up-sampling step (the layouts differ only here)."""
+
+    def __init__(self, spatial_dims: int, opts: dict, n_convs: int, residual: bool, down: str, up: str,
+                 up_kernel: int):
+        self.dims, self.opts, self.n_convs, self.residual = spatial_dims, opts, n_convs, residual
+        self.down, self.up, self.up_kernel = down, up, up_kernel
+
+    def block(self, cin: int, cout: int, stride: Size, kernel: tuple[int, ...], subunits: int | None = None,
+              last_conv_only: bool = False) -> nn.Module:
+        """One stage body: a residual unit, or ``subunits`` ConvNormAct with the stride on the first."""
+        subunits = self.n_convs if subunits is None else subunits
+        if self.residual:
+            return ResidualUnit(self.dims, cin, cout, kernel, stride, subunits=subunits,
+                                last_conv_only=last_conv_only, **self.opts)
+        return nn.Sequential(*[ConvNormAct(self.dims, cin if j == 0 else cout, cout, kernel,
+                                           stride if j == 0 else 1, **self.opts) for j in range(subunits)])
+
+    def encoder(self, cin: int, cout: int, stride: tuple[int, ...], kernel: tuple[int, ...]) -> nn.Module:
+        if any(s > 1 for s in stride) and self.down == "maxpool":
+            return nn.Sequential(pool("max", self.dims)(stride), self.block(cin, cout, 1, kernel))
+        return self.block(cin, cout, stride, kernel)
+
+    def resample(self, cin: int, cout: int, stride: tuple[int, ...], kernel: tuple[int, ...]) -> nn.Module:
+        """Up-sample by ``stride`` and map cin -> cout; classic: bare (bias, no norm/act).
+
+        An axis not up-sampled gets a transposed kernel of 1 where ``up_kernel`` is even (2 = stride,
+        nnU-Net's choice), else ``up_kernel``; both keep its size.
+        """
+        o = self.opts if self.residual else dict(self.opts, norm="none", act="none", dropout=0.0, bias=True)
+        k = kernel if self.residual else (1,) * self.dims
+        if all(s == 1 for s in stride):
+            return ConvNormAct(self.dims, cin, cout, k, **o)
+        if self.up == "transpose":
+            uk = tuple(self.up_kernel if s > 1 or self.up_kernel % 2 else 1 for s in stride)
+            return ConvNormAct(self.dims, cin, cout, uk, stride, transposed=True, **o)
+        mode = ("linear", "bilinear", "trilinear")[self.dims - 1]
+        return nn.Sequential(nn.Upsample(scale_factor=tuple(float(s) for s in stride), mode=mode, align_corners=False),
+                             ConvNormAct(self.dims, cin, cout, k, **o))
+
+
+def _xavier(model: nn.Module) -> None:
+    """Glorot-uniform conv weights and zero biases (seed 000)."""
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
 
 
 class UNet(nn.Module):
@@ -43,10 +124,12 @@ class UNet(nn.Module):
         in_channels: input channels C_in.
         out_channels: output channels (classes or regions).
         filters: width of each encoder stage, top to bottom; the last entry is the bottleneck.
-        strides: down-sampling factor into each stage (len == len(filters)); default
+        strides: down-sampling factor into each stage (len == len(filters)), each an int or one per
+            axis (``(2, 2, 1)`` pools in-plane only, for anisotropic data); default
             ``(1, 2, ..., 2)`` (classic) or ``(2, ..., 2, 1)`` (residual).
         n_convs: convs per stage (classic) or sub-units per encoder residual unit (residual).
-        kernel_size: conv kernel (odd).
+        kernel_size: conv kernel (odd): an int, a per-axis tuple such as ``(3, 3, 1)``, or a list of
+            one per stage (``[[3, 3, 1], [3, 3, 3], ...]``); decoder stage i uses stage i's kernel.
         norm: "batch", "instance", "group" or "none".
         act: "relu", "leakyrelu", "prelu", "relu6", "gelu".
         act_slope: leakyrelu negative slope.
@@ -61,7 +144,8 @@ class UNet(nn.Module):
         init: "default" (PyTorch) or "xavier" (Glorot uniform weights, zero bias, as seed 000).
 
     Shapes:
-        (B, C_in, *S) -> (B, out_channels, *S); every size in S must be divisible by ``prod(strides)``.
+        (B, C_in, *S) -> (B, out_channels, *S); each size in S must be divisible by the product of the
+        strides along its axis (``divisor``).
     """
 
     def __init__(
@@ -71,9 +155,9 @@ class UNet(nn.Module):
         out_channels: int,
         filters: tuple[int, ...] | list[int],
         *,
-        strides: tuple[int, ...] | list[int] | None = None,
+        strides: Sequence[Size] | None = None,
         n_convs: int = 2,
-        kernel_size: int = 3,
+        kernel_size: Size | Sequence[Size] = 3,
         norm: NormName = "batch",
         act: ActName = "relu",
         act_slope: float = 0.01,
@@ -88,46 +172,14 @@ class UNet(nn.Module):
         init: Literal["default", "xavier"] = "default",
     ):
         super().__init__()
-        if len(filters) < 2:
-            raise ValueError("filters needs at least one encoder width and a bottleneck width")
-        depth = len(filters) - 1
-        if strides is None:
-            strides = (2,) * depth + (1,) if residual else (1,) + (2,) * depth
-        if len(strides) != len(filters):
-            raise ValueError(f"strides {tuple(strides)} must have one entry per filter {tuple(filters)}")
-        if residual and strides[-1] != 1:
-            # the bottleneck output is concatenated with the last skip at the same resolution
-            raise ValueError(f"residual layout needs strides[-1] == 1, got {tuple(strides)}")
-        self.spatial_dims, self.filters, self.strides = spatial_dims, tuple(filters), tuple(strides)
-        self.divisor = math.prod(strides)
+        self.strides, self.kernels = stage_geometry(spatial_dims, filters, strides, kernel_size, residual)
+        self.spatial_dims, self.filters = spatial_dims, tuple(filters)
+        self.divisor = tuple(math.prod(s[a] for s in self.strides) for a in range(spatial_dims))
         opts = dict(norm=norm, act=act, act_slope=act_slope, norm_groups=norm_groups, bias=bias, dropout=dropout)
-
-        def block(cin: int, cout: int, stride: int, subunits: int = n_convs, last_conv_only: bool = False) -> nn.Module:
-            """One stage body: a residual unit, or ``subunits`` ConvNormAct with the stride on the first."""
-            if residual:
-                return ResidualUnit(spatial_dims, cin, cout, kernel_size, stride, subunits=subunits,
-                                    last_conv_only=last_conv_only, **opts)
-            return nn.Sequential(*[ConvNormAct(spatial_dims, cin if j == 0 else cout, cout, kernel_size,
-                                               stride if j == 0 else 1, **opts) for j in range(subunits)])
-
-        def encoder(cin: int, cout: int, stride: int) -> nn.Module:
-            if stride > 1 and down == "maxpool":
-                return nn.Sequential(pool("max", spatial_dims)(stride), block(cin, cout, 1))
-            return block(cin, cout, stride)
-
-        def resample(cin: int, cout: int, stride: int) -> nn.Module:
-            """Up-sample by ``stride`` and map cin -> cout; classic: bare (bias, no norm/act)."""
-            o = opts if residual else dict(opts, norm="none", act="none", dropout=0.0, bias=True)
-            if stride == 1:
-                return ConvNormAct(spatial_dims, cin, cout, kernel_size if residual else 1, **o)
-            if up == "transpose":
-                return ConvNormAct(spatial_dims, cin, cout, up_kernel, stride, transposed=True, **o)
-            mode = ("linear", "bilinear", "trilinear")[spatial_dims - 1]
-            return nn.Sequential(nn.Upsample(scale_factor=stride, mode=mode, align_corners=False),
-                                 ConvNormAct(spatial_dims, cin, cout, kernel_size if residual else 1, **o))
-
+        parts = _Parts(spatial_dims, opts, n_convs, residual, down, up, up_kernel)
+        depth, st, ks = len(filters) - 1, self.strides, self.kernels
         chans = (in_channels, *filters)
-        self.encoders = nn.ModuleList(encoder(chans[i], chans[i + 1], strides[i]) for i in range(depth + 1))
+        self.encoders = nn.ModuleList(parts.encoder(chans[i], chans[i + 1], st[i], ks[i]) for i in range(depth + 1))
         self.ups = nn.ModuleList()
         self.decoders = nn.ModuleList()
         for i in range(depth):
@@ -136,26 +188,22 @@ class UNet(nn.Module):
                 cout = filters[i - 1] if i > 0 else out_channels
                 self.ups.append(nn.Identity())
                 self.decoders.append(nn.Sequential(
-                    resample(filters[i] + below, cout, strides[i]),
-                    block(cout, cout, 1, subunits=1, last_conv_only=i == 0),
+                    parts.resample(filters[i] + below, cout, st[i], ks[i]),
+                    parts.block(cout, cout, 1, ks[i], subunits=1, last_conv_only=i == 0),
                 ))
             else:
-                self.ups.append(resample(filters[i + 1], filters[i], strides[i + 1]))
-                self.decoders.append(block(2 * filters[i], filters[i], 1))
+                self.ups.append(parts.resample(filters[i + 1], filters[i], st[i + 1], ks[i]))
+                self.decoders.append(parts.block(2 * filters[i], filters[i], 1, ks[i]))
         self.head: nn.Module = (
             nn.Identity() if residual
             else conv(spatial_dims)(filters[0], out_channels, head_kernel, padding=(head_kernel - 1) // 2)
         )
         if init == "xavier":
-            for m in self.modules():
-                if isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
-                    nn.init.xavier_uniform_(m.weight)
-                    if m.bias is not None:
-                        nn.init.zeros_(m.bias)
+            _xavier(self)
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits (B, out_channels, *S) for images (B, C_in, *S)."""
-        if any(s % self.divisor for s in x.shape[2:]):
+        if any(s % d for s, d in zip(x.shape[2:], self.divisor)):
             raise ValueError(f"U-Net input sizes {tuple(x.shape[2:])} must be divisible by {self.divisor}")
         skips = []
         for enc in self.encoders[:-1]:
@@ -174,9 +222,9 @@ def unet(
     in_channels: int = 1,
     out_channels: int = 2,
     filters: tuple[int, ...] = (32, 64, 128, 256, 512),
-    strides: tuple[int, ...] | None = None,
+    strides: tuple[Size, ...] | None = None,
     n_convs: int = 2,
-    kernel_size: int = 3,
+    kernel_size: Size | tuple[Size, ...] = 3,
     norm: NormName = "batch",
     act: ActName = "relu",
     act_slope: float = 0.01,

@@ -11,7 +11,7 @@ from fastvision.registry import Registry
 SYNTH = Registry("synthetic data kind")
 
 # Importing a kind's module registers it.
-_KINDS = ("microscopy", "imagenet", "coco", "medical", "pathology")
+_KINDS = ("microscopy", "imagenet", "coco", "medical", "geometry", "pathology")
 
 
 def load_all() -> Registry:

@@ -1,0 +1,245 @@
+"""``fastvision configure DATA``: a 3-D segmentation recipe planned from the dataset and the GPU.
+
+From the fingerprint (:mod:`fastvision.data.fingerprint`) it chooses, by nnU-Net v2's rules
+(``ExperimentPlanner`` and ``get_pool_and_conv_props``; docs/configure.md cites each):
+
+* target spacing: the median spacing; when one axis is 3x coarser than the others and has 3x
+  fewer voxels, that axis takes the 10th percentile of its spacings instead (not finer than the
+  other axes);
+* normalisation: CT clips to the foreground 0.5 / 99.5 percentiles and z-scores with the
+  foreground mean and std; other modalities z-score each case over its non-zero voxels;
+* patch and topology: a patch with the aspect ratio of the voxel size, as large as 256^3 voxels
+  and at most the median resampled shape; an axis is pooled only while its spacing is within 2x of
+  the finest and its map holds >= 8 voxels (so the coarsest map edge is about 4); a conv kernel is
+  3 along an axis once its spacing is within 2x of the finest, else 1 (3x3x1);
+* batch: the largest that fits the memory budget by ``plan``'s estimator (one fake-tensor trace
+  of the actual model at the patch), at least 2: the patch shrinks (the axis largest relative to
+  the median shape first) until batch 2 fits; at most 5 % of the dataset's voxels per step;
+* a thin stack (fewer than 8 resampled voxels along an axis: never pooled, the patch would be
+  the whole stack) trains slice-wise: patch depth 1, 3x3x1 kernels, 2x2x1 pooling (a 2-D U-Net);
+* sliding window: ROI = the patch, overlap 0.5, Gaussian blending (nnU-Net's predictor).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastvision.errors import ConfigError
+from fastvision.planning.configure_recipe import (
+    choices,
+    plan_json,
+    recipe_overrides,
+    table,
+    write_recipe,
+)
+from fastvision.planning.configure_rules import (  # noqa: F401 (re-exported: the rules are part of this API)
+    ANISOTROPY,
+    BASE_FEATURES,
+    BASES,
+    MAX_DATASET_COVERED,
+    MAX_FEATURES_2D,
+    MAX_FEATURES_3D,
+    MIN_BATCH,
+    MIN_EDGE,
+    OVERLAP,
+    PATCH_PIXELS_2D,
+    PATCH_VOXELS_3D,
+    Topology,
+    features,
+    initial_patch,
+    normalisation,
+    resampled_shape,
+    shrink_patch,
+    target_spacing,
+    thin_axis,
+    topology,
+)
+
+log = logging.getLogger(__name__)
+
+def memory_target(gpu: str | None = None, memory: str | None = None):
+    """The :class:`~fastvision.planning.devices.GPU` to fit: a named GPU, or a budget (``24GiB``)
+    on an A100-80GB's speeds; default the local CUDA device, else an A100-80GB."""
+    from fastvision.planning.devices import get_gpu
+
+    if gpu and memory:
+        raise ConfigError("configure: give --gpu or --memory, not both")
+    if memory:
+        text = memory.strip().lower().replace(" ", "")
+        scale = {"gib": 1.0, "gb": 1e9 / 2**30, "mib": 1 / 1024}
+        unit = next((u for u in scale if text.endswith(u)), None)
+        try:
+            value = float(text[: -len(unit)] if unit else text) * scale[unit or "gib"]
+        except ValueError:
+            raise ConfigError(f"--memory {memory!r}: expected a size such as 24GiB") from None
+        return dataclasses.replace(get_gpu("A100-80GB"), name=f"{value:.3g} GiB budget", memory_gib=value)
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "A100-80GB"
+    return get_gpu(gpu)
+
+
+# ------------------------------------------------------------------------------ the plan
+def plan_geometry(fp: dict[str, Any]) -> dict[str, Any]:
+    """Spacing, resampled median shape, 2-D / 3-D and the starting patch of a fingerprint."""
+    cases = fp["cases"]
+    spacing, spacing_why = target_spacing([c["spacing"] for c in cases], [c["shape_after_crop"] for c in cases])
+    shapes = [resampled_shape(c["shape_after_crop"], c["spacing"], spacing) for c in cases]
+    median = np.median(np.asarray(shapes, dtype=float), axis=0).tolist()
+    thin = thin_axis(median)
+    if thin is None:
+        patch = initial_patch(spacing, median)
+    else:
+        inplane = [a for a in range(3) if a != thin]
+        p2 = initial_patch([spacing[a] for a in inplane], [median[a] for a in inplane])
+        patch = [1] * 3
+        for a, p in zip(inplane, p2):
+            patch[a] = p
+    n_voxels = float(np.prod(median)) * len(cases)
+    return {"spacing": spacing, "spacing_why": spacing_why, "median_shape": median, "thin_axis": thin,
+            "patch": patch, "n_voxels": n_voxels}
+
+
+def topology_for(geo: dict[str, Any], patch: Sequence[int]) -> Topology:
+    """3-D topology, or the in-plane one with depth-1 kernels and strides for a thin stack."""
+    thin = geo["thin_axis"]
+    if thin is None:
+        return topology(geo["spacing"], patch)
+    inplane = [a for a in range(3) if a != thin]
+    t2 = topology([geo["spacing"][a] for a in inplane], [patch[a] for a in inplane])
+
+    def lift(v: list[int], fill: int) -> list[int]:
+        out = [fill] * 3
+        for a, x in zip(inplane, v):
+            out[a] = x
+        return out
+
+    return Topology([lift(s, 1) for s in t2.strides], [lift(k, 1) for k in t2.kernels], lift(t2.patch, 1),
+                    lift(t2.pools_per_axis, 0))
+
+
+def _shrink(geo: dict[str, Any], patch: list[int]) -> list[int]:
+    thin = geo["thin_axis"]
+    if thin is None:
+        return shrink_patch(geo["spacing"], patch, geo["median_shape"])
+    inplane = [a for a in range(3) if a != thin]
+    small = shrink_patch([geo["spacing"][a] for a in inplane], [patch[a] for a in inplane],
+                         [geo["median_shape"][a] for a in inplane])
+    out = [1] * 3
+    for a, p in zip(inplane, small):
+        out[a] = p
+    return out
+
+
+def fit_budget(geo: dict[str, Any], make_cfg, spec, max_traces: int = 12) -> dict[str, Any]:
+    """Shrink the patch until batch 2 fits ``spec`` by plan's estimate, then take the largest batch.
+
+    Args:
+        geo: :func:`plan_geometry`'s result.
+        make_cfg: ``Topology -> RunConfig`` (the recipe at that patch and network, batch irrelevant).
+        spec: the GPU (its ``memory_gib``).
+
+    Returns:
+        ``{"topology", "cfg", "batch", "batch_fit", "memory_gib", "traces", "shrunk"}``.
+    """
+    from fastvision.planning import estimate as est
+
+    cap = spec.memory_gib * 2**30
+    patch, traces, shrunk = list(geo["patch"]), 0, False
+    while True:
+        topo = topology_for(geo, patch)
+        cfg = make_cfg(topo)
+        t = est.trace(cfg, MIN_BATCH)
+        traces += 1
+        total = est.memory(t).total
+        if total <= cap:
+            break
+        if traces >= max_traces or all(p <= d for p, d in zip(topo.patch, topo.divisor)):
+            raise ConfigError(f"configure: even a {'x'.join(map(str, topo.patch))} patch at batch {MIN_BATCH} needs "
+                              f"{total / 2**30:.1f} GiB, over the {spec.memory_gib:.3g} GiB of {spec.name}")
+        # memory is about linear in voxels: drop axes (nnU-Net's order) until the voxels fit, then re-trace
+        want = np.prod(topo.patch) * cap / total
+        patch = _shrink(geo, topo.patch)
+        while np.prod(topology_for(geo, patch).patch) > want and any(
+                p > d for p, d in zip(topology_for(geo, patch).patch, topology_for(geo, patch).divisor)):
+            patch = _shrink(geo, topology_for(geo, patch).patch)
+        shrunk = True
+    fit = est.largest_batch(cfg, spec, t)
+    cover = max(1, round(geo["n_voxels"] * MAX_DATASET_COVERED / float(np.prod(topo.patch))))
+    batch = max(MIN_BATCH, min(fit, cover))
+    m = est.memory(t)  # linear in the batch (est.linear_batch's model): no extra trace for the figure
+    mem = total + (m.activations + m.inputs) / MIN_BATCH * (batch - MIN_BATCH) * (1 + est.WORKSPACE_FRACTION)
+    return {"topology": topo, "cfg": cfg, "batch": batch, "batch_fit": fit, "batch_cover": cover,
+            "memory_gib": mem / 2**30, "traces": traces, "shrunk": shrunk}
+
+
+def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = None, base: str = "unet3d",
+              fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Plan a recipe for the Decathlon folder ``data`` (see the module docstring).
+
+    Returns:
+        ``{"fingerprint", "geometry", "fit", "gpu", "base", "choices": [(key, value, why)],
+        "overrides": recipe mapping}``; :func:`fastvision.planning.configure_recipe.write_recipe`
+        writes it.
+    """
+    from fastvision.data.fingerprint import fingerprint as take_fingerprint
+
+    if base not in BASES:
+        raise ConfigError(f"--base {base!r}: valid: {', '.join(BASES)}")
+    fp = fingerprint or take_fingerprint(data)
+    spec = memory_target(gpu, memory)
+    geo = plan_geometry(fp)
+    norm, norm_why = normalisation(fp["channels"])
+
+    def make_cfg(topo: Topology):
+        from fastvision.config import load
+        from fastvision.planning import estimate as est
+
+        cfg = load(BASES[base], [recipe_overrides(fp, geo, topo, norm, base, MIN_BATCH, str(data))])
+        cfg = copy.deepcopy(cfg)
+        cfg.train.amp = est.amp_for(cfg.train.amp, spec)  # what it means on the target GPU
+        return cfg
+
+    fit = fit_budget(geo, make_cfg, spec)
+    plan = {"fingerprint": fp, "geometry": geo, "fit": fit, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib,
+            "base": base, "normalisation": norm, "normalisation_why": norm_why, "data": str(data)}
+    plan["overrides"] = recipe_overrides(fp, geo, fit["topology"], norm, base, fit["batch"], str(data))
+    plan["choices"] = choices(plan)
+    return plan
+
+
+def add_cli(subparsers) -> None:
+    """``fastvision configure DATA``."""
+    p = subparsers.add_parser("configure", help="plan a 3-D segmentation recipe from a Decathlon dataset and a GPU "
+                                                "(spacing, normalisation, patch, network, batch), nnU-Net's rules",
+                              description="Fingerprint the dataset, choose target spacing, normalisation, patch, "
+                                          "pooling per axis, stages and the batch that fits the GPU, and write a "
+                                          "recipe that extends a shipped one, each value commented with its rule.")
+    p.add_argument("data", help="Decathlon folder (dataset.json, imagesTr/, labelsTr/)")
+    p.add_argument("--gpu", help="GPU to fit (a `plan` GPU name; default: this machine's CUDA device, else A100-80GB)")
+    p.add_argument("--memory", help="memory budget instead of --gpu, e.g. 24GiB")
+    p.add_argument("--base", default="unet3d", choices=sorted(BASES), help="network family (default unet3d)")
+    p.add_argument("--out", type=Path, help="write the recipe YAML here (default: print the table only)")
+    p.add_argument("--json", type=Path, help="also write the plan as JSON")
+    p.set_defaults(func=cmd_configure)
+
+
+def cmd_configure(args) -> int:
+    plan = configure(args.data, gpu=args.gpu, memory=args.memory, base=args.base)
+    print(table(plan))  # the CLI's output
+    if args.out:
+        write_recipe(plan, args.out)
+        print(f"wrote {args.out}; train it with: fastvision train {args.out}")
+    if args.json:
+        from fastvision.utils.files import atomic_write
+
+        atomic_write(args.json, lambda f: f.write(plan_json(plan).encode()))
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,160 @@
+"""The recipe ``fastvision configure`` writes: overrides on a shipped base, each chosen value with
+the rule and the fingerprint figure it came from, as YAML comments and as a printed table."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastvision.planning.configure_rules import (
+    ANISOTROPY,
+    BASES,
+    MAX_DATASET_COVERED,
+    MAX_FEATURES_2D,
+    MAX_FEATURES_3D,
+    MIN_BATCH,
+    MIN_EDGE,
+    OVERLAP,
+    Topology,
+    features,
+)
+
+
+def _model(fp: dict[str, Any], topo: Topology, base: str, thin: bool) -> dict[str, Any]:
+    c_in, c_out, stages = len(fp["channels"]), len(fp["labels"]), len(topo.strides)
+    if base == "segresnet":
+        blocks = ([1, 2, 2] + [4] * stages)[:stages]
+        return {"name": "segresnet", "args": {
+            "in_channels": c_in, "out_channels": c_out, "init_filters": 16, "blocks_down": blocks,
+            "blocks_up": [1] * (stages - 1), "strides": topo.strides[1:], "kernel_size": topo.kernels}}
+    return {"name": "unet3d", "args": {
+        "in_channels": c_in, "out_channels": c_out,
+        "filters": features(stages, MAX_FEATURES_2D if thin else MAX_FEATURES_3D),
+        "strides": topo.strides, "kernel_size": topo.kernels, "n_convs": 2, "norm": "instance", "act": "leakyrelu",
+        "down": "stride", "up": "transpose", "up_kernel": 2, "head_kernel": 1, "dropout": 0.0, "residual": False}}
+
+
+def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, norm: dict[str, Any], base: str,
+                     batch: int, data: str) -> dict[str, Any]:
+    """The mapping layered on the base recipe (``extends``)."""
+    patch = list(topo.patch)
+    out: dict[str, Any] = {
+        "task": {"name": "segmentation", "args": {
+            "num_classes": len(fp["labels"]), "mode": "softmax", "regions": None, "region_names": None,
+            "sample_shape": [len(fp["channels"]), *patch],
+            "sliding_window": {"roi_size": patch, "overlap": OVERLAP, "mode": "gaussian", "sw_batch_size": batch}}},
+        "model": _model(fp, topo, base, geo["thin_axis"] is not None),
+        "data": {"name": "decathlon", "args": {
+            "path": data, "target_spacing": [round(s, 4) for s in geo["spacing"]], **norm, "crop_foreground": True,
+            "patch_size": patch, "pos_fraction": 0.33}},
+        "train": {"batch_size": batch, "amp": "auto"},
+    }
+    if base == "segresnet":
+        out["loss"] = {"args": {"sigmoid": False, "softmax": True, "include_background": False}}
+    return out
+
+
+def _budget(plan: dict[str, Any]) -> str:
+    gpu = plan["gpu"]
+    return gpu if "budget" in gpu else f"{gpu} ({plan['gpu_memory_gib']:.3g} GiB)"
+
+
+def _vec(v) -> str:
+    return " x ".join(f"{x:.3g}" for x in v)
+
+
+def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """``(dotted key, value, why)`` for every planned value, in reading order."""
+    fp, geo, fit, ov = plan["fingerprint"], plan["geometry"], plan["fit"], plan["overrides"]
+    topo: Topology = fit["topology"]
+    m, d, t = ov["model"]["args"], ov["data"]["args"], ov["task"]["args"]
+    rows = [("data.args.target_spacing", d["target_spacing"],
+             f"{geo['spacing_why']} (fingerprint median {_vec(fp['median_spacing'])} mm over {fp['n_cases']} cases; "
+             f"anisotropic when one axis is >= {ANISOTROPY:g}x coarser)"),
+            ("data.args.intensity", d["intensity"], plan["normalisation_why"])]
+    if "window" in d:
+        rows.append(("data.args.window", d["window"], "foreground p0.5, p99.5 -> (p - mean) / std: clip, then z-score"))
+    thin = geo["thin_axis"]
+    shape_note = (f"median shape after crop and resampling {_vec(geo['median_shape'])}"
+                  + (f"; axis {thin} has < {2 * MIN_EDGE} voxels: a thin stack, trained slice-wise (2-D)"
+                     if thin is not None else ""))
+    rows.append(("data.args.patch_size", d["patch_size"],
+                 f"voxel-size aspect at 256^3, clipped to the {shape_note}, padded to the divisor {_vec(topo.divisor)}"
+                 + ("; shrunk until batch 2 fits" if fit["shrunk"] else "")))
+    rows.append(("model.args.strides", m["strides"],
+                 f"pool an axis while its spacing is within 2x of the finest and its map has >= {2 * MIN_EDGE} voxels "
+                 f"(edge about {MIN_EDGE}): pools per axis {topo.pools_per_axis}, {len(topo.strides)} stages"))
+    rows.append(("model.args.kernel_size", m["kernel_size"],
+                 "3 along an axis once its spacing is within 2x of the finest, else 1 (3x3x1 for thick slices)"))
+    if "filters" in m:
+        rows.append(("model.args.filters", m["filters"], "32 x 2^stage, capped at 320 (3-D) / 512 (2-D), as nnU-Net"))
+    rows.append(("train.batch_size", ov["train"]["batch_size"],
+                 f"largest that fits {_budget(plan)} by plan's estimate: "
+                 f"{fit['batch_fit']}; at most {MAX_DATASET_COVERED:.0%} of the dataset's voxels per step: "
+                 f"{fit['batch_cover']}; at least {MIN_BATCH} (estimated {fit['memory_gib']:.2f} GiB)"))
+    rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; fp32 on CPU (the batch was sized for "
+                                      "the target GPU's precision)"))
+    rows.append(("task.args.sliding_window", t["sliding_window"],
+                 f"ROI = the training patch, overlap {OVERLAP:g}, Gaussian blending (nnU-Net's predictor)"))
+    return rows
+
+
+def _flow(v: Any) -> str:
+    return json.dumps(v)  # JSON is YAML flow style
+
+
+def _emit(d: dict[str, Any], why: dict[str, str], indent: int = 0, path: str = "") -> list[str]:
+    lines = []
+    for k, v in d.items():
+        key = f"{path}.{k}" if path else k
+        pad = "  " * indent
+        if isinstance(v, dict) and v and key not in why:
+            lines.append(f"{pad}{k}:")
+            lines += _emit(v, why, indent + 1, key)
+        else:
+            line = f"{pad}{k}: {_flow(v)}"
+            lines.append(f"{line}  # {why[key]}" if key in why else line)
+    return lines
+
+
+def recipe_text(plan: dict[str, Any]) -> str:
+    """The recipe YAML: ``extends`` the base, every planned value commented."""
+    fp = plan["fingerprint"]
+    why = {k: w for k, _, w in choices(plan)}
+    head = [f"# Planned by `fastvision configure {plan['data']} --base {plan['base']}` for {_budget(plan)}",
+            f"# from the fingerprint of {fp['n_cases']} cases ({fp['name']}): nnU-Net v2's planning rules, batch by",
+            "# `fastvision plan`'s estimator. docs/configure.md says when to override a value.",
+            f"extends: {BASES[plan['base']]}"]
+    return "\n".join(head + _emit(plan["overrides"], why)) + "\n"
+
+
+def write_recipe(plan: dict[str, Any], path: Path) -> Path:
+    from fastvision.utils.files import atomic_write
+
+    atomic_write(Path(path), lambda f: f.write(recipe_text(plan).encode()))
+    return Path(path)
+
+
+def table(plan: dict[str, Any]) -> str:
+    """The plan as text: one row per chosen value (value, then the rule and figure)."""
+    rows = [(k.split(".")[-1], _flow(v), w) for k, v, w in choices(plan)]
+    width = max(len(k) for k, _, _ in rows)
+    lines = [f"configure: {plan['data']} -> {plan['base']} on {_budget(plan)}", ""]
+    for k, v, w in rows:
+        lines += [f"  {k:<{width}}  {v}", f"  {'':<{width}}    {w}"]
+    for kind, ids in plan["fingerprint"]["anomalies"].items():
+        lines.append(f"warning: {kind}: {', '.join(ids[:10])}")
+    return "\n".join(lines)
+
+
+def plan_json(plan: dict[str, Any]) -> str:
+    """The plan without its traced config, as JSON."""
+    out = {k: v for k, v in plan.items() if k not in ("fit", "choices")}
+    fit = {k: v for k, v in plan["fit"].items() if k != "cfg"}
+    fit["topology"] = dataclasses.asdict(fit["topology"])
+    out["fit"] = fit
+    out["choices"] = [{"key": k, "value": v, "why": w} for k, v, w in choices(plan)]
+    return json.dumps(out, indent=2, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o)) + "\n"

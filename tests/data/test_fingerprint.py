@@ -1,0 +1,136 @@
+"""Dataset fingerprint (``data inspect --fingerprint``): statistics checked against figures worked
+out by hand on a tiny dataset, the per-case cache, and bad inputs named by case."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+nib = pytest.importorskip("nibabel")
+
+from fastvision.cli import main
+from fastvision.data import fingerprint as fpm
+from fastvision.errors import DataError
+
+
+def _save(array, spacing, path, lps=False):
+    affine = np.diag([*(-s if lps and i < 2 else s for i, s in enumerate(spacing)), 1.0])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(nib.Nifti1Image(np.asarray(array), affine), str(path))
+
+
+def _dataset(root, cases, labels=None):
+    """cases: [(image (X, Y, Z), label (X, Y, Z), spacing, lps)] -> Decathlon folder."""
+    training = []
+    for i, (img, lab, sp, lps) in enumerate(cases):
+        _save(img.astype(np.float32), sp, root / f"imagesTr/c{i}.nii.gz", lps)
+        _save(lab.astype(np.uint8), sp, root / f"labelsTr/c{i}.nii.gz", lps)
+        training.append({"image": f"./imagesTr/c{i}.nii.gz", "label": f"./labelsTr/c{i}.nii.gz"})
+    meta = {"name": "Tiny", "modality": {"0": "CT"}, "labels": labels or {"0": "background", "1": "organ"},
+            "training": training, "test": []}
+    (root / "dataset.json").write_text(json.dumps(meta))
+    return root
+
+
+def _tiny(root):
+    """Case 0: foreground values 1, 2, 3; case 1: 10, 20 (stored LPS); case 2: empty label."""
+    img0 = np.zeros((6, 5, 4))
+    img0[1:4, 1:3, 1:3] = 7.0  # non-zero box 3 x 2 x 2
+    lab0 = np.zeros((6, 5, 4))
+    for v, idx in zip((1.0, 2.0, 3.0), ((1, 1, 1), (2, 1, 1), (3, 2, 2))):
+        img0[idx], lab0[idx] = v, 1
+    img1 = np.full((4, 4, 3), 5.0)  # no zero: the crop keeps everything
+    lab1 = np.zeros((4, 4, 3))
+    img1[0, 0, 0], img1[3, 2, 1] = 10.0, 20.0
+    lab1[0, 0, 0], lab1[3, 2, 1] = 1, 1
+    img2, lab2 = np.ones((4, 4, 4)), np.zeros((4, 4, 4))
+    return _dataset(root, [(img0, lab0, (0.5, 0.5, 2.0), False), (img1, lab1, (0.6, 0.5, 2.5), True),
+                           (img2, lab2, (0.5, 0.6, 3.0), False)])
+
+
+def test_statistics_by_hand(tmp_path):
+    fp = fpm.fingerprint(_tiny(tmp_path / "d"), cache=False)
+    ch = fp["channels"][0]
+    # pooled foreground 1, 2, 3, 10, 20: mean 7.2; population variance 254.8 / 5 = 50.96
+    assert ch["modality"] == "CT" and ch["samples"] == 5
+    assert ch["mean"] == pytest.approx(7.2) and ch["std"] == pytest.approx(math.sqrt(50.96))
+    assert ch["median"] == 3 and (ch["min"], ch["max"]) == (1, 20)
+    # linear interpolation: rank 0.005 * 4 = 0.02 -> 1.02; rank 0.995 * 4 = 3.98 -> 10 + 0.98 * 10
+    assert ch["percentile_00_5"] == pytest.approx(1.02) and ch["percentile_99_5"] == pytest.approx(19.8)
+    cases = {c["id"]: c for c in fp["cases"]}
+    assert cases["c0"]["shape"] == [6, 5, 4] and cases["c0"]["shape_after_crop"] == [3, 2, 2]
+    assert cases["c1"]["shape_after_crop"] == [4, 4, 3]
+    assert cases["c1"]["spacing"] == pytest.approx([0.6, 0.5, 2.5])  # LPS storage: spacing is still positive
+    assert fp["median_spacing"] == pytest.approx([0.5, 0.5, 2.5])
+    assert fp["median_shape"] == [4, 4, 4]
+    total = 6 * 5 * 4 + 4 * 4 * 3 + 4 * 4 * 4  # 232 voxels, 5 of them foreground
+    assert fp["class_fractions"][1] == pytest.approx(5 / total)
+    assert fp["class_fractions"][0] == pytest.approx(227 / total)
+    assert fp["empty_label_cases"] == ["c2"]
+    assert list(fp["anomalies"]) == ["cases with an empty label (no foreground)"]
+
+
+def test_samples_are_bounded_per_case(tmp_path):
+    fp = fpm.fingerprint(_tiny(tmp_path / "d"), cache=False, samples_per_case=2)
+    assert fp["channels"][0]["samples"] == 4  # case 0 keeps 2 of its 3, case 1 both
+
+
+def test_cache_by_file_identity(tmp_path, monkeypatch):
+    root = _tiny(tmp_path / "d")
+    cache = tmp_path / "cache"
+    first = fpm.fingerprint(root, cache=cache)
+    assert len(list(cache.glob("*.json"))) == 3
+
+    def boom(*a, **k):
+        raise AssertionError("recomputed a cached case")
+
+    monkeypatch.setattr(fpm, "case_fingerprint", boom)
+    assert fpm.fingerprint(root, cache=cache)["channels"] == first["channels"]
+    img = nib.load(str(root / "imagesTr/c1.nii.gz"))
+    data = np.asarray(img.dataobj).copy()
+    data[0, 0, 0] = 30.0
+    nib.save(nib.Nifti1Image(data, img.affine), str(root / "imagesTr/c1.nii.gz"))  # a new file identity
+    with pytest.raises(AssertionError, match="recomputed"):
+        fpm.fingerprint(root, cache=cache)
+
+
+def test_label_values_outside_dataset_json(tmp_path):
+    lab = np.zeros((4, 4, 4))
+    lab[1, 1, 1] = 3
+    root = _dataset(tmp_path / "d", [(np.ones((4, 4, 4)), lab, (1, 1, 1), False)])
+    with pytest.raises(DataError, match=r"case c0: label values \[3\] are not in .*dataset.json"):
+        fpm.fingerprint(root, cache=False)
+
+
+def test_channels_with_different_spacings(tmp_path):
+    _save(np.ones((4, 4, 4)), (1, 1, 1), tmp_path / "a_0000.nii.gz")
+    _save(np.ones((4, 4, 4)), (1, 1, 2), tmp_path / "a_0001.nii.gz")
+    _save(np.zeros((4, 4, 4)), (1, 1, 1), tmp_path / "a.nii.gz")
+    case = {"id": "a", "image": [tmp_path / "a_0000.nii.gz", tmp_path / "a_0001.nii.gz"], "label": tmp_path / "a.nii.gz"}
+    with pytest.raises(DataError, match=r"case a: channel a_0001.nii.gz has spacing \[1.0, 1.0, 2.0\]"):
+        fpm.case_fingerprint(case)
+
+
+def test_case_far_off_the_spacing_is_named(tmp_path, monkeypatch):
+    lab = np.zeros((4, 4, 4))
+    lab[1, 1, 1] = 1
+    cases = [(np.ones((4, 4, 4)), lab, (1, 1, 1), False)] * 3 + [(np.ones((4, 4, 4)), lab, (1, 1, 5), False)]
+    root = _dataset(tmp_path / "d", cases)
+    warned = []  # the CLI's logging setup may stop propagation to caplog: record the calls themselves
+    monkeypatch.setattr(fpm.log, "warning", lambda msg, *a: warned.append(msg % a))
+    fp = fpm.fingerprint(root, cache=False)
+    kind = "cases more than 2x off the median spacing on an axis"
+    assert fp["anomalies"] == {kind: ["c3"]}
+    assert len(warned) == 1 and kind in warned[0] and warned[0].endswith(": c3")
+
+
+def test_cli_writes_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
+    root = _tiny(tmp_path / "d")
+    out = tmp_path / "fp.json"
+    assert main(["data", "inspect", str(root), "--fingerprint", "--json", str(out)]) == 0
+    assert "foreground mean 7.2" in capsys.readouterr().out
+    assert json.loads(out.read_text())["channels"][0]["percentile_99_5"] == pytest.approx(19.8)
+    assert len(list((tmp_path / "cache" / "fingerprint").glob("*.json"))) == 3

@@ -1,0 +1,156 @@
+"""``fastvision configure``: nnU-Net's planning rules on table cases worked out by hand, the batch
+and patch against ``plan``'s estimate, and the written recipe loading and training.
+
+Rules cited (nnU-Net v2, ``ExperimentPlanner.determine_fullres_target_spacing`` and
+``network_topology.get_pool_and_conv_props``; Isensee et al., Nature Methods 18, 2021, online
+methods "Rule-based parameters"): target spacing is the median; when the coarsest axis is more than
+3x coarser than the others and has 3x fewer voxels, it takes the 10th percentile of its spacings
+(not finer than the other axes); an axis is pooled while its map has >= 2 x 4 voxels and its
+spacing is within 2x of the finest pooled axis; a single remaining axis needs >= 3 x 4 voxels; a
+conv kernel is 3 along an axis once its spacing is within 2x of the smallest, else 1.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fastvision.planning import configure as cf
+
+
+@pytest.mark.parametrize(
+    "spacings,shapes,expected,rule",
+    [
+        ([[1, 1, 1], [1, 1, 1.2], [1, 1, 1.4]], [[100, 100, 100]] * 3, [1, 1, 1.2], "median spacing"),
+        # prostate-like: z 6x coarser, 16x fewer voxels -> 10th percentile of z: 3.0 + 0.4 x 0.6
+        ([[0.6, 0.6, z] for z in (3.0, 3.6, 3.6, 4.0, 4.0)], [[320, 320, 20]] * 5, [0.6, 0.6, 3.24], "anisotropic"),
+        # coarse spacing but as many voxels along z (a long thin field of view): the median stays
+        ([[0.6, 0.6, z] for z in (3.0, 3.6, 4.0)], [[100, 100, 90]] * 3, [0.6, 0.6, 3.6], "median spacing"),
+        # the 10th percentile (0.8) is finer than the other axes (1.0): clamped to 1.0 + 1e-5
+        ([[1, 1, z] for z in (0.8, 0.8, 5, 5, 5)], [[200, 200, 20]] * 5, [1, 1, 1.00001], "anisotropic"),
+    ],
+)
+def test_target_spacing(spacings, shapes, expected, rule):
+    got, why = cf.target_spacing(spacings, shapes)
+    assert got == pytest.approx(expected)
+    assert rule in why
+
+
+@pytest.mark.parametrize(
+    "spacing,patch,strides,kernels,padded",
+    [
+        # isotropic 128^3: 5 pools to a 4^3 bottleneck, 3^3 kernels everywhere
+        ((1, 1, 1), (128, 128, 128), [[1, 1, 1]] + [[2, 2, 2]] * 5, [[3, 3, 3]] * 6, [128, 128, 128]),
+        # prostate-like: in-plane only until z is within 2x of x/y, then all axes; 3x3x1 kernels first
+        ((0.6, 0.6, 3.6), (160, 160, 20),
+         [[1, 1, 1], [2, 2, 1], [2, 2, 1], [2, 2, 2], [2, 2, 2], [2, 2, 1]],
+         [[3, 3, 1], [3, 3, 1], [3, 3, 3], [3, 3, 3], [3, 3, 3], [3, 3, 3]], [160, 160, 20]),
+        # one axis left: pooled only while its map has >= 12 voxels (44 -> 22 -> 11 stops)
+        ((1, 1, 1), (8, 8, 44), [[1, 1, 1], [2, 2, 2], [1, 1, 2]], [[3, 3, 3]] * 3, [8, 8, 44]),
+        # padding to the divisor: 100 -> 2^4 = 16 -> 112
+        ((1, 1, 1), (100, 100, 100), [[1, 1, 1]] + [[2, 2, 2]] * 4, [[3, 3, 3]] * 5, [112, 112, 112]),
+    ],
+)
+def test_topology(spacing, patch, strides, kernels, padded):
+    t = cf.topology(spacing, patch)
+    assert t.strides == strides and t.kernels == kernels and t.patch == padded
+    assert t.divisor == [math.prod(s[a] for s in strides) for a in range(3)]
+
+
+def test_initial_patch_keeps_the_voxel_aspect():
+    assert cf.initial_patch((1, 1, 1), (100, 200, 300)) == [100, 200, 256]
+    # 1 / spacing = (2, 2, 0.5) scaled to 256^3 voxels: x (256^3 / 2)^(1/3) = 203.19 -> 406, 406, 102
+    assert cf.initial_patch((0.5, 0.5, 2.0), (500, 500, 80)) == [406, 406, 80]
+
+
+def test_shrink_takes_the_axis_largest_against_the_median():
+    # 160 / 160 < 20 / 10: z is the largest relative to the median; its divisor (4) comes off
+    assert cf.shrink_patch((0.6, 0.6, 3.6), (160, 160, 20), (160, 160, 10)) == [160, 160, 16]
+
+
+def test_normalisation():
+    ct = [{"modality": "CT", "mean": 100.0, "std": 50.0, "percentile_00_5": -50.0, "percentile_99_5": 300.0}]
+    args, why = cf.normalisation(ct)
+    assert args == {"intensity": "ct", "window": [-50.0, 300.0, -3.0, 4.0]}  # (p - mean) / std
+    assert "clip" in why
+    assert cf.normalisation([{"modality": "T2"}, {"modality": "ADC"}])[0] == {"intensity": "mri"}
+
+
+def test_thin_stack_plans_slice_wise():
+    geo = {"spacing": [0.8, 0.8, 6.0], "median_shape": [96, 96, 5], "thin_axis": cf.thin_axis([96, 96, 5])}
+    assert geo["thin_axis"] == 2
+    t = cf.topology_for(geo, [96, 96, 1])
+    assert all(s[2] == 1 for s in t.strides) and all(k[2] == 1 for k in t.kernels) and t.patch[2] == 1
+    assert cf.thin_axis([40, 50, 35]) is None
+
+
+def test_memory_budget_parsing():
+    assert cf.memory_target(memory="24GiB").memory_gib == pytest.approx(24)
+    assert cf.memory_target(gpu="H100-80GB").name == "H100-80GB"
+    with pytest.raises(cf.ConfigError, match="--memory"):
+        cf.memory_target(memory="lots")
+
+
+def _fingerprint(cases=20, shape=(48, 48, 8), spacing=(0.6, 0.6, 3.6)):
+    rng = np.random.default_rng(0)
+    recs = [{"id": f"c{i}", "shape": list(shape), "shape_after_crop": list(shape),
+             "spacing": [s * rng.uniform(0.95, 1.05) for s in spacing]} for i in range(cases)]
+    return {"cases": recs, "n_cases": cases, "name": "fake", "labels": {0: "bg", 1: "a", 2: "b"},
+            "median_spacing": list(spacing), "anomalies": {},
+            "channels": [{"channel": 0, "modality": "T2"}, {"channel": 1, "modality": "ADC"}]}
+
+
+def test_batch_and_patch_fit_the_budget():
+    """A budget too small for the median-shaped patch at batch 2: the patch shrinks; plan's estimate
+    of the chosen batch fits, and one more item would not (or the 5 % coverage cap binds)."""
+    from fastvision.planning import estimate as est
+
+    budget = 0.85  # GiB, 0.75 of which is the fixed CUDA context / workspace margin
+    plan = cf.configure("unused", fingerprint=_fingerprint(), memory=f"{budget}GiB")
+    fit = plan["fit"]
+    cfg, batch = fit["cfg"], fit["batch"]
+    assert batch >= 2 and fit["shrunk"]
+    assert list(fit["topology"].patch) != list(plan["geometry"]["patch"])
+    assert est.memory(est.trace(cfg, batch)).total <= budget * 2**30
+    if batch < fit["batch_cover"]:
+        assert est.memory(est.trace(cfg, batch + 1)).total > budget * 2**30
+    assert cfg.task.args["sample_shape"][1:] == list(fit["topology"].patch)
+
+
+def test_recipe_loads_and_trains_one_epoch(tmp_path):
+    """Anisotropic generated prostate at tiny size: configure, load the YAML, train one epoch on CPU."""
+    pytest.importorskip("nibabel")
+    from fastvision.api import run_training
+    from fastvision.config import load
+    from fastvision.data.synth import load_all
+    from fastvision.planning.configure_recipe import write_recipe
+
+    data = load_all().get("prostate")(tmp_path / "prostate", seed=0, cases=4, size=24, slices=14)
+    plan = cf.configure(data, memory="8GiB", fingerprint=None)
+    path = write_recipe(plan, tmp_path / "recipe.yaml")
+    text = path.read_text()
+    assert text.count("  # ") >= 8 and "extends: unet3d-spleen-fast" in text
+    cfg = load(str(path))
+    assert cfg.model.args["kernel_size"][0] == [3, 3, 1] and cfg.model.args["strides"][1] == [2, 2, 1]
+    assert cfg.data.args["patch_size"] == list(plan["fit"]["topology"].patch)
+    summary = run_training(str(path), out=str(tmp_path / "run"), overrides={"epochs": 1},
+                           extra=[{"model": {"args": {"filters": [4, 8, 16, 32][:len(cfg.model.args["filters"])]}},
+                                   "data": {"cache": "ram", "cache_dir": None, "args": {"num_folds": 2}}}],
+                           progress=False)
+    assert summary
+
+
+def test_segresnet_base_plans_an_anisotropic_segresnet():
+    import torch
+
+    from fastvision.models import create_model
+
+    plan = cf.configure("unused", fingerprint=_fingerprint(cases=4, shape=(32, 32, 8)), memory="8GiB", base="segresnet")
+    cfg = plan["fit"]["cfg"]
+    assert cfg.model.name == "segresnet" and cfg.task.args["mode"] == "softmax" and cfg.task.args["regions"] is None
+    args = dict(cfg.model.args)
+    assert args["strides"][0] == [2, 2, 1] and args["kernel_size"][0] == [3, 3, 1]
+    model = create_model("segresnet", **{**args, "init_filters": 8})
+    patch = plan["fit"]["topology"].patch
+    assert model(torch.zeros(1, 2, *patch)).shape == (1, 3, *patch)
