@@ -71,6 +71,9 @@ class SegResNet(nn.Module):
         (B, in_channels, *S) -> (B, out_channels, *S); S divisible by 2^(len(blocks_down) - 1).
     """
 
+    # train.activation_checkpointing: true checkpoints each encoder and decoder level
+    checkpoint_blocks = ("down.*", "up.*")
+
     def __init__(
         self,
         spatial_dims: int = 3,

@@ -64,6 +64,9 @@ class UNet(nn.Module):
         (B, C_in, *S) -> (B, out_channels, *S); every size in S must be divisible by ``prod(strides)``.
     """
 
+    # train.activation_checkpointing: true checkpoints each encoder and decoder stage
+    checkpoint_blocks = ("encoders.*", "decoders.*")
+
     def __init__(
         self,
         spatial_dims: int,
