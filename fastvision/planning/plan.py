@@ -213,7 +213,7 @@ def text_report(plan: dict[str, Any]) -> str:
         for s in plan["switches"]:
             when = f"time {s['change']:+.0%}" if "train_s" in s else f"step {s['change']:+.0%}"
             flags = " ".join(f"--set {o}" for o in s["set"])
-            lines.append(f"  {s['switch']:<27} memory {s['memory_gib']:.2f} GiB ({s['memory_change']:+.0%}), "
+            lines.append(f"  {s['switch']:<28} memory {s['memory_gib']:.2f} GiB ({s['memory_change']:+.0%}), "
                          f"largest batch {s['largest_batch']}, {when}  [{flags}]")
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
