@@ -30,7 +30,7 @@ from plan_memory import measured_peak  # noqa: E402  (benchmarks/ is the script'
 # recipe -> (family, batch, overrides for a CPU-sized run)
 CASES = {
     "unet2d-seed001": ("2-D U-Net", 4, {"task": {"args": {"sample_shape": [1, 256, 256]}}}),
-    "unet3d-brats": ("3-D U-Net", 1, {"task": {"args": {"sample_shape": [4, 64, 64, 64]}}}),
+    "unet3d-spleen-fast": ("3-D U-Net", 1, {"task": {"args": {"sample_shape": [1, 32, 32, 32]}}}),
     "segresnet-brats": ("SegResNet", 2, {"task": {"args": {"sample_shape": [4, 32, 32, 32]}}}),
     "resnet50-imagenet": ("ResNet", 2, {}),
     "ssd320-coco": ("SSD (backbone)", 2, {}),
