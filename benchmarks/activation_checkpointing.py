@@ -22,10 +22,10 @@ import functools
 import weakref
 
 import torch
+from plan_memory import measured_peak  # benchmarks/, the script's folder
 
 from fastvision import config
 from fastvision.planning import estimate as est
-from plan_memory import measured_peak  # noqa: E402  (benchmarks/ is the script's folder)
 
 # recipe -> (family, batch, overrides for a CPU-sized run)
 CASES = {

@@ -26,14 +26,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from fastvision.errors import ConfigError
 
-Spec = Union[bool, None, Sequence[str]]
+Spec = bool | None | Sequence[str]
 KEY = "train.activation_checkpointing"
 
 

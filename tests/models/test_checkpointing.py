@@ -15,7 +15,11 @@ from torch import nn
 
 from fastvision.errors import ConfigError
 from fastvision.models import create_model
-from fastvision.models.checkpointing import apply_activation_checkpointing, default_blocks, is_checkpointed
+from fastvision.models.checkpointing import (
+    apply_activation_checkpointing,
+    default_blocks,
+    is_checkpointed,
+)
 from fastvision.models.resnet import BasicBlock, ResNet
 from fastvision.models.ssd import SSD
 
