@@ -86,6 +86,9 @@ class TrainConfig:
     tf32: bool = True
     compile: bool | Literal["default", "reduce-overhead", "max-autotune"] = False  # true == default
     channels_last: bool = False
+    # recompute named blocks in the backward instead of keeping their activations: true (the model
+    # family's blocks), false, or a list of block names (fastvision.models.checkpointing)
+    activation_checkpointing: bool | list[str] = False
     device: str = "auto"
     seed: int = 0
     deterministic: bool = False

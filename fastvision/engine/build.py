@@ -16,6 +16,7 @@ from fastvision.data.loader import DevicePrefetcher, build_loader
 from fastvision.engine import runtime
 from fastvision.engine.state import make_ema
 from fastvision.errors import ConfigError
+from fastvision.models.checkpointing import apply_activation_checkpointing
 from fastvision.registry import DATASETS, LOSSES, MODELS, TASKS
 from fastvision.tasks.base import Task
 
@@ -127,6 +128,7 @@ def _build_training(run: Run, loaders: bool, wrap_train_set: Callable[[Any], Any
     run.generator = torch.Generator(device=device)
     run.generator.manual_seed(tc.seed * 1_000_003 + env.rank)
     run.ema = make_ema(run.model, tc.ema_decay)
+    apply_activation_checkpointing(run.model, tc.activation_checkpointing)  # the bare model, before DDP / compile
     ddp = dist.wrap_model(run.model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
                           static_graph=tc.ddp_static_graph, comm_hook=tc.ddp_comm_hook)
     run.train_model = runtime.maybe_compile(ddp, tc.compile)

@@ -119,6 +119,8 @@ class ResNet(nn.Module):
     """
 
     feature_strides = (8, 16, 32)
+    # train.activation_checkpointing: true checkpoints each residual block (SSD's backbone too)
+    checkpoint_blocks = ("layer1.*", "layer2.*", "layer3.*", "layer4.*")
 
     def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: tuple[int, int, int, int],
                  num_classes: int = 1000, in_channels: int = 3, zero_init_residual: bool = True):

@@ -100,6 +100,9 @@ class SegResNet(nn.Module):
         the strides along its axis (``divisor``; 2^(len(blocks_down) - 1) by default).
     """
 
+    # train.activation_checkpointing: true checkpoints each encoder and decoder level
+    checkpoint_blocks = ("down.*", "up.*")
+
     def __init__(
         self,
         spatial_dims: int = 3,

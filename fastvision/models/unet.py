@@ -148,6 +148,9 @@ class UNet(nn.Module):
         strides along its axis (``divisor``).
     """
 
+    # train.activation_checkpointing: true checkpoints each encoder and decoder stage
+    checkpoint_blocks = ("encoders.*", "decoders.*")
+
     def __init__(
         self,
         spatial_dims: int,

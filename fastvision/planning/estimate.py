@@ -82,8 +82,9 @@ def build_for(cfg: RunConfig):
 
 
 def trace(cfg: RunConfig, batch: int, *, amp: str | None = None, channels_last: bool | None = None,
-          checkpoint: bool = False) -> StepTrace:
-    """One traced step of ``cfg`` at per-device ``batch`` (the recipe's switches unless given).
+          checkpointing: bool | list[str] | None = None) -> StepTrace:
+    """One traced step of ``cfg`` at per-device ``batch`` (the recipe's switches unless given:
+    ``checkpointing`` is ``train.activation_checkpointing``).
 
     ``amp: auto`` left unresolved means what it means on the CPU the trace runs on (fp32);
     :func:`fastvision.planning.plan.make_plan` resolves it for the target GPU first.
@@ -93,7 +94,8 @@ def trace(cfg: RunConfig, batch: int, *, amp: str | None = None, channels_last: 
     amp = resolve_amp(cfg.train.amp if amp is None else amp, torch.device("cpu"))[0]
     return trace_step(build_for(cfg), batch, amp=amp,
                       channels_last=cfg.train.channels_last if channels_last is None else channels_last,
-                      checkpoint_blocks=checkpoint)
+                      activation_checkpointing=(cfg.train.activation_checkpointing if checkpointing is None
+                                                else checkpointing))
 
 
 # ------------------------------------------------------------------------------ memory
@@ -271,9 +273,12 @@ def dataset_items(cfg: RunConfig, data: str | None = None, size: int | None = No
     return (fact[0], fact[1]) if fact else (None, "unknown: pass --data DIR or --dataset-size N")
 
 
-def with_input_scale(cfg: RunConfig, scale: float) -> tuple[RunConfig, str] | None:
-    """``cfg`` with the input side (image size or patch size) scaled; None if the task has none.
+def with_input_scale(cfg: RunConfig, scale: float) -> tuple[RunConfig, str, list[str]] | None:
+    """``cfg`` with the input side (image size or patch size) scaled, a label, and the ``--set``
+    overrides that make the same change to the recipe; None if the task has no input side.
 
+    The task's size (what the trace feeds) and the dataset's (what training reads:
+    ``data.args.patch_size`` or ``image_size``, where the recipe sets one) change together.
     A patch side stays a multiple of the largest power of two (up to 32) that divides the recipe's
     own side, so a network that needs the recipe's divisibility (a U-Net's 2**depth) still accepts it.
     """
@@ -284,11 +289,26 @@ def with_input_scale(cfg: RunConfig, scale: float) -> tuple[RunConfig, str] | No
         steps = [min(32, s & -s) for s in spatial]
         new = [max(k, int(round(s * scale / k)) * k) for s, k in zip(spatial, steps)]
         args["sample_shape"] = [c, *new]
-        return out, "patch " + "x".join(map(str, new))
-    if "image_size" in args:
+        sets, what = [f"task.args.sample_shape={_flow([c, *new])}"], "patch " + "x".join(map(str, new))
+    elif "image_size" in args:
         args["image_size"] = max(32, int(round(args["image_size"] * scale / 32)) * 32)
-        return out, f"image {args['image_size']} px"
-    return None
+        new = [args["image_size"]] * 2
+        sets, what = [f"task.args.image_size={args['image_size']}"], f"image {args['image_size']} px"
+    else:
+        return None
+    for key in ("patch_size", "image_size"):
+        if key in out.data.args:  # an int side or a list of sides, as the recipe writes it
+            old = out.data.args[key]
+            value = list(new[-len(old):]) if isinstance(old, (list, tuple)) else new[-1]
+            out.data.args[key] = value
+            sets.append(f"data.args.{key}={_flow(value)}")
+            break
+    return out, what, sets
+
+
+def _flow(value) -> str:
+    """A ``--set`` value without spaces: ``[1,64,64,64]``."""
+    return "[" + ",".join(map(str, value)) + "]" if isinstance(value, (list, tuple)) else str(value)
 
 
 def amp_for(amp: str, gpu: GPU) -> str:

@@ -4,7 +4,8 @@ Traces one training step of the recipe on fake tensors (no device needed) and re
 the recipe's batch by part, the largest per-GPU batch that fits, step time, epoch time, the
 scaling simulator's efficiency at the GPU count, time to train the recipe's epochs, GPU-hours and
 cost, and the switches that change the answer most (precision, compile, activation checkpointing,
-input / patch size). Table on stdout, ``--json`` and ``--png`` (time and cost against GPU count).
+input / patch size), each with the ``--set`` overrides that flip it. Table on stdout, ``--json``
+and ``--png`` (time and cost against GPU count).
 Estimates are ranges; docs/plan.md says how each is made and how well memory matched on a CPU.
 """
 from __future__ import annotations
@@ -114,25 +115,33 @@ def make_plan(cfg: RunConfig, gpu: str | None, gpus: int = 1, nodes: int | None 
 
 
 def _switches(cfg, t, base, spec: GPU, b: int, precision: str, price, args) -> list[dict[str, Any]]:
-    """One row per switch, sorted by how much it changes the time to train (else memory)."""
+    """One row per switch, sorted by how much it changes the time to train (else memory). Each row
+    names the ``--set`` overrides that make its change: a switch the user can flip."""
     rows = []
     other = "off" if cfg.train.amp != "off" else ("bf16" if spec.bf16 else "fp16")
     alt = est.trace(cfg, b, amp=other)
-    rows.append(("amp " + other, _option(cfg, alt, compile=cfg.train.compile, batch=b,
-                                         precision=est.training_precision(other, cfg.train.tf32), **args)))
-    rows.append(("compile " + ("off" if cfg.train.compile else "on"),
-                 _option(cfg, t, compile=not cfg.train.compile, batch=b, precision=precision, **args)))
-    ck = est.trace(cfg, b, checkpoint=True)
-    rows.append(("activation checkpointing", _option(cfg, ck, compile=cfg.train.compile, batch=b,
-                                                     precision=precision, **args)))
+    rows.append(("amp " + other, [f"train.amp={other}"],
+                 _option(cfg, alt, compile=cfg.train.compile, batch=b,
+                         precision=est.training_precision(other, cfg.train.tf32), **args)))
+    compile = not cfg.train.compile
+    rows.append((f"compile {'on' if compile else 'off'}", [f"train.compile={str(compile).lower()}"],
+                 _option(cfg, t, compile=compile, batch=b, precision=precision, **args)))
+    ckpt = not cfg.train.activation_checkpointing
+    try:
+        ck = est.trace(cfg, b, checkpointing=ckpt)
+        rows.append((f"activation checkpointing {'on' if ckpt else 'off'}",
+                     [f"train.activation_checkpointing={str(ckpt).lower()}"],
+                     _option(cfg, ck, compile=cfg.train.compile, batch=b, precision=precision, **args)))
+    except ConfigError as e:  # a model that declares no checkpointable blocks
+        log.info("no activation checkpointing row: %s", e)
     smaller = est.with_input_scale(cfg, 0.75)
     if smaller is not None:
-        small_cfg, what = smaller
-        rows.append((what, _option(small_cfg, est.trace(small_cfg, b), compile=cfg.train.compile, batch=b,
-                                   precision=precision, **args)))
+        small_cfg, what, sets = smaller
+        rows.append((what, sets, _option(small_cfg, est.trace(small_cfg, b), compile=cfg.train.compile, batch=b,
+                                         precision=precision, **args)))
     out = []
-    for name, row in rows:
-        row["switch"] = name
+    for name, sets, row in rows:
+        row["switch"], row["set"] = name, sets
         if price is not None and "gpu_hours" in row:
             row["cost"] = [h * price for h in row["gpu_hours"]]
         key = "train_s" if "train_s" in row else "step_s"
@@ -203,8 +212,9 @@ def text_report(plan: dict[str, Any]) -> str:
         lines += ["", "switches that change the answer most:"]
         for s in plan["switches"]:
             when = f"time {s['change']:+.0%}" if "train_s" in s else f"step {s['change']:+.0%}"
-            lines.append(f"  {s['switch']:<26} memory {s['memory_gib']:.2f} GiB ({s['memory_change']:+.0%}), "
-                         f"largest batch {s['largest_batch']}, {when}")
+            flags = " ".join(f"--set {o}" for o in s["set"])
+            lines.append(f"  {s['switch']:<28} memory {s['memory_gib']:.2f} GiB ({s['memory_change']:+.0%}), "
+                         f"largest batch {s['largest_batch']}, {when}  [{flags}]")
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
 

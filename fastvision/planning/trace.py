@@ -35,6 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from fastvision.models.checkpointing import apply_activation_checkpointing
+
 log = logging.getLogger(__name__)
 
 # Ops whose saved outputs torch.compile (inductor's min-cut partitioner) usually recomputes in the
@@ -173,7 +175,7 @@ def train_step(model: nn.Module, task, batch: dict, optimizer: torch.optim.Optim
 
 def trace_step(build: Callable[[], tuple[nn.Module, Any, Callable[[nn.Module], torch.optim.Optimizer]]],
                batch_size: int, amp: str = "off", channels_last: bool = False,
-               checkpoint_blocks: bool = False) -> StepTrace:
+               activation_checkpointing: bool | list[str] = False) -> StepTrace:
     """Trace two training steps on fake tensors; returns memory parts at the peak and FLOPs.
 
     Args:
@@ -182,7 +184,8 @@ def trace_step(build: Callable[[], tuple[nn.Module, Any, Callable[[nn.Module], t
         batch_size: per-device batch.
         amp: "off", "fp16" or "bf16".
         channels_last: NHWC / NDHWC weights and input (the recipe's switch).
-        checkpoint_blocks: wrap the model's blocks in activation checkpointing (what-if).
+        activation_checkpointing: ``train.activation_checkpointing`` (false, true or block names),
+            applied by the function the training build applies it with.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -192,8 +195,7 @@ def trace_step(build: Callable[[], tuple[nn.Module, Any, Callable[[nn.Module], t
         from fastvision.engine.runtime import _memory_format
 
         model = model.to(memory_format=_memory_format(model))
-    if checkpoint_blocks:
-        wrap_checkpoint(model)
+    apply_activation_checkpointing(model, activation_checkpointing)
     model.train()
     with FakeTensorMode(allow_non_fake_inputs=True):  # real host constants (loss weights) are allowed
         fakeify(model)
@@ -266,15 +268,3 @@ def fakeify(model: nn.Module) -> None:
                 if t is not None:
                     table[name] = fake(t)
 
-
-def wrap_checkpoint(model: nn.Module) -> int:
-    """Activation checkpointing of every block: modules two levels down that hold sub-modules
-    (ResNet bottlenecks, U-Net conv blocks); a block keeps only its input for the backward."""
-    from torch.utils.checkpoint import checkpoint
-
-    blocks = [m for child in model.children() for m in child.children() if any(True for _ in m.children())]
-    if not blocks:
-        blocks = [m for m in model.children() if any(True for _ in m.children())]
-    for m in blocks:
-        m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
-    return len(blocks)

@@ -246,7 +246,7 @@ def test_planning_builds_on_meta_without_reading_weights():
 def test_smaller_input_switch_keeps_the_recipes_divisibility():
     """0.75 of spleen-fast's 96^3 patch is 72, which its 5-level U-Net (divisor 16) refuses: the
     switch rounds to a multiple of 32 (the largest power of two dividing 96) -> 64; BraTS 128 -> 96."""
-    spleen, what = est.with_input_scale(config.load("unet3d-spleen-fast"), 0.75)
+    spleen, what, _ = est.with_input_scale(config.load("unet3d-spleen-fast"), 0.75)
     assert spleen.task.args["sample_shape"] == [1, 64, 64, 64] and what == "patch 64x64x64"
-    brats, _ = est.with_input_scale(config.load("unet3d-brats"), 0.75)
+    brats, _, _ = est.with_input_scale(config.load("unet3d-brats"), 0.75)
     assert brats.task.args["sample_shape"][1:] == [96, 96, 96]
