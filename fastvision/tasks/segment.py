@@ -4,7 +4,7 @@ overlapping sigmoid regions (BraTS WT/TC/ET).
 Validation metrics (``SegEvaluator``): each case's Dice and IoU (and HD95 with ``hd95``) per
 foreground class or region, averaged over cases (seed 000, seed 003 / MONAI ``DiceMetric``, BraTS,
 nnU-Net), beside the pooled figures (tp/fp/fn summed over the whole set; seed 001's IoU). Both
-are sums over cases, combined across ranks by one exact all-reduce (``case_metrics.CaseSums``).
+are sums over cases, combined across ranks by one exact all-reduce (``metrics.cases.CaseSums``).
 """
 from __future__ import annotations
 
