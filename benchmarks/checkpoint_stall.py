@@ -2,7 +2,7 @@
 
 Builds a recipe's run with ``engine.build`` (no dataset: ``data_info={}``), takes one training step
 on a synthetic batch so the optimizer has its state, then alternates (``--rounds``) two ways of
-writing the same checkpoint (``run_state.checkpoint_state``) to ``last.pt`` and ``best.pt``:
+writing the same checkpoint (``engine.state.checkpoint_state``) to ``last.pt`` and ``best.pt``:
 ``checkpoint.atomic_save`` twice in the training thread (what ``fit`` did before issue 10) and
 ``checkpoint.BackgroundWriter.write`` (what it does now: a CPU snapshot in the training thread, then
 serialise + fsync + rename in a thread). The stall is the time until the training thread may go
