@@ -28,8 +28,13 @@ venv: $(VENV)/.base
 demo: $(VENV)/.base
 	$(VENV)/bin/fastvision train unet2d-microscopy
 
+# Tests run in $(TEST_WORKERS) pytest-xdist workers of $(TEST_THREADS) torch thread(s) each: most
+# tests are small or wait on subprocesses, so two single-thread workers beat one two-thread process
+# on a 2-core machine. `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
 test: $(VENV)/.test
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
