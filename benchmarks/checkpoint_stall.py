@@ -37,7 +37,7 @@ def main() -> None:
     cfg = config.load(args.recipe, [config.parse_override(s) for s in args.set])
     cfg.train.device, cfg.train.amp, cfg.train.compile = "cpu", "off", False
     run = engine.build(cfg, data_info={}, train=True)
-    engine.train_step(run, itertools.repeat(run.task.synthetic_batch(cfg.train.batch_size, run.device)))
+    engine.train_step(run.step, itertools.repeat(run.task.synthetic_batch(cfg.train.batch_size, run.device)))
     state, resolved = initial_state({}), resolved_config(cfg)
     out = Path(tempfile.mkdtemp(prefix="ckpt-stall-"))
     paths = [out / "last.pt", out / "best.pt"]

@@ -88,7 +88,7 @@ def main() -> None:
         engine.train_one_epoch(fv_run, r, state, logger)
         fv += fv_run.train_loader.step_times()
         loader = TimedBatches(batches, args.steps)
-        hand_loop(hw_run.model, hw_run.task.loss_fn, hw_run.optimizer, hw_run.scheduler, loader, hw_run.device,
+        hand_loop(hw_run.model, hw_run.task.loss_fn, hw_run.step.optimizer, hw_run.step.scheduler, loader, hw_run.device,
                   hw_run.precision)
         hw += loader.step_times()
     med_fv, med_hw = statistics.median(fv), statistics.median(hw)

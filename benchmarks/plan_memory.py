@@ -24,6 +24,7 @@ import time
 import torch
 
 from fastvision import config, engine
+from fastvision.models import without_weights
 from fastvision.planning import estimate as est
 from fastvision.planning.autobatch import recipe_run
 
@@ -70,12 +71,13 @@ def _run(cfg, batch: int, device: torch.device) -> None:
     """Two ``engine.train_step`` calls (the step ``train`` runs) on a synthetic batch; no weights
     file is read (they change values, not memory), as in the estimate."""
     cfg = copy.deepcopy(cfg)
-    cfg.model.args = est.without_weights(cfg.model.args)
+    cfg.model.args = without_weights(cfg.model.args)
     run, make_optimizer = recipe_run(cfg, device)
-    run.optimizer = make_optimizer(run.model)
+    run.step.optimizer = make_optimizer(run.model)
+    run.step.scheduler = torch.optim.lr_scheduler.LambdaLR(run.step.optimizer, lambda _: 1.0)
     batch = run.task.synthetic_batch(batch, device)
     for _ in range(2):
-        engine.train_step(run, itertools.repeat(batch))
+        engine.train_step(run.step, itertools.repeat(batch))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -65,6 +65,11 @@ def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
             found = checkpoint.find_resume(run_dir)
             if resume == "auto" and found:
                 return run_dir, found
+            if resume == "auto" and _only_run_files(run_dir):
+                # an earlier attempt of this command stopped before its first checkpoint (a
+                # torchrun / Kubernetes restart): start afresh in the same folder
+                log.info("%s holds no checkpoint yet: starting from scratch", run_dir)
+                return run_dir, None
             if resume == "auto":
                 raise DataError(f"{run_dir}: exists but holds no checkpoints/last.pt to resume")
             raise DataError(f"{run_dir}: run directory already exists; pass --resume auto to continue it "
@@ -85,6 +90,14 @@ def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
     return run_dir, None
 
 
+_RUN_FILES = {"config.yaml", "metrics.jsonl", "checkpoints", "tensorboard"}
+
+
+def _only_run_files(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds only what a run writes before its first checkpoint."""
+    return all(p.name in _RUN_FILES or p.name.startswith("events.") for p in run_dir.iterdir())
+
+
 def run_training(recipe: str, out: str | None = None, resume: str | None = None,
                  overrides: dict[str, Any] | None = None, extra: list[dict[str, Any]] = (),
                  progress: bool | None = None) -> dict[str, Any]:
@@ -92,7 +105,7 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
     from fastvision.engine import fit
 
     cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
-    env, device = dist.init(cfg.train.device, backend=cfg.train.backend)
+    env, device = dist.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
     if cfg.train.batch_size == "auto":  # rank 0 searches; every rank trains with its answer
         from fastvision.planning.autobatch import resolve_auto_batch
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fastvision.config import AMP_MODES
-from fastvision.errors import ConfigError, DataError, FastvisionError
+from fastvision.errors import ConfigError, DataError, FastvisionError, Preempted
 
 # Every subcommand is one hop from here. ``train``, ``evaluate``, ``predict``, ``recipes`` and ``data``
 # are defined in build_parser below; each feature subcommand by the function named here, which adds
@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         if extra and not getattr(args, "takes_extra", False):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.func(args, extra) if getattr(args, "takes_extra", False) else args.func(args)
+    except Preempted as e:  # a stop signal: the checkpoint is written; 128 + signal, as the shell reports one
+        print(f"fastvision: {e}", file=sys.stderr)
+        return e.exit_code
     except FastvisionError as e:
         if debug:
             raise

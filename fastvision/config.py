@@ -106,6 +106,14 @@ class TrainConfig:
     ddp_static_graph: bool = False
     # DDP gradient all-reduce in bf16 / fp16 (half the bytes; autocast alone keeps fp32 gradients)
     ddp_comm_hook: Literal["none", "bf16", "fp16"] = "none"
+    # preemptible and elastic jobs (docs/distributed.md): a checkpoint every N steps ("500"), every
+    # period ("20min", "90s", "2h") or whichever comes first ("500,20min"), beside the epoch's
+    checkpoint_every: int | str | None = None
+    keep_checkpoints: int = 0  # older step checkpoints kept as checkpoints/step-N.pt (0: only last.pt)
+    # on these signals every rank finishes its step, rank 0 writes a checkpoint, all exit 128 + signal
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    requeue: bool = False  # under SLURM: `scontrol requeue $SLURM_JOB_ID` after a signal's checkpoint
+    dist_timeout_s: float = 300.0  # a collective waiting longer on a lost peer fails the job
 
 
 @dataclass

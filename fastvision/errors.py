@@ -16,3 +16,13 @@ class ConfigError(FastvisionError):
 
 class DataError(FastvisionError):
     """A data path is missing, unreadable, corrupt or inconsistent."""
+
+
+class Preempted(FastvisionError):
+    """A run stopped on a signal after writing its checkpoint; the CLI exits with ``exit_code``
+    (128 + the signal, the shell's code for "ended by signal N": a scheduler sees a stop, not a success)."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum

@@ -43,7 +43,8 @@ class _Path:
         c.train.amp, c.train.compile = "off", False  # no model runs: its precision and compilation do not matter
         self.cache, self.setting = cache, setting
         self.run = engine.build(c, train=True)
-        self.run.model = self.run.train_model = self.run.optimizer = self.run.ema = None  # the model is removed
+        self.generator = self.run.step.generator
+        self.run.model = self.run.step = None  # the model is removed
         self.batches = endless_batches(self.run.train_loader)
         self.items, self.seconds, self.chunks_ms_per_item = 0, 0.0, []
         from fastvision.data.cache.select import describe
@@ -54,7 +55,7 @@ class _Path:
         """One batch to the point where the step would call the model; returns its item count."""
         run = self.run
         b = run.task.to_device(next(self.batches), run.device, run.cfg.train.channels_last)
-        b = run.task.augment(b, run.generator)
+        b = run.task.augment(b, self.generator)
         return run.task.batch_size(b)
 
     def chunk(self, n: int) -> None:

@@ -149,7 +149,7 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
                                    data_info={}, train=mode == "train")
                 try:
                     times, peak = _measure(run, mode, steps, warmup)
-                    row.update(step_stats(times, bs * run.micro_steps))
+                    row.update(step_stats(times, bs * (run.step.micro_steps if run.step else 1)))
                     if peak is not None:
                         row["peak_memory_mb"] = peak
                 except torch.cuda.OutOfMemoryError:
@@ -173,11 +173,11 @@ def _measure(run: engine.Run, mode: str, steps: int, warmup: int) -> tuple[list[
     task, device, tc = run.task, run.device, run.cfg.train
     batch = task.to_device(task.synthetic_batch(tc.batch_size, device), device, tc.channels_last)
     if mode == "train":
-        run.train_model.train()
+        run.step.model.train()
         batches = itertools.repeat(batch)
 
         def step() -> None:
-            engine.train_step(run, batches)
+            engine.train_step(run.step, batches)
     else:
         net = runtime.maybe_compile(run.model, tc.compile)
         net.eval()

@@ -178,7 +178,7 @@ class DaliLoader:
     def __init__(self, data: DaliImageFolder, batch_size: int, shard_id: int, num_shards: int, seed: int,
                  dali_device: str, device: torch.device):
         self.data, self.batch_size, self.shard_id, self.num_shards = data, batch_size, shard_id, num_shards
-        self.seed, self.dali_device, self.device, self.epoch = seed, dali_device, device, 0
+        self.seed, self.dali_device, self.device, self.epoch, self.start_batch = seed, dali_device, device, 0, 0
         n = len(epoch_files(data.samples, data.train, seed, 0, num_shards))
         start, end = shard_bounds(n, shard_id, num_shards)
         self.shard_len = end - start
@@ -192,9 +192,11 @@ class DaliLoader:
     def __len__(self) -> int:
         return self.batches
 
-    def set_epoch(self, epoch: int) -> None:
-        """The next iteration reads epoch ``epoch``'s order and draws."""
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """The next iteration reads epoch ``epoch``'s order and draws, from its batch ``start_batch``
+        (a mid-epoch resume: DALI decodes the batches before it again, since its random crops are a
+        stream per (seed, epoch, shard), and drops them)."""
+        self.epoch, self.start_batch = epoch, start_batch
 
     def _pipeline(self, samples: list[tuple[str, int]]):
         from nvidia.dali import pipeline_def
@@ -228,6 +230,8 @@ class DaliLoader:
             for k, out in enumerate(iterator):
                 if k == self.batches:
                     break
+                if k < self.start_batch:
+                    continue
                 yield {"image": out[0]["image"], "label": out[0]["label"].view(-1).long()}
         except RuntimeError as e:  # DALI stops the pipeline at the first sample it cannot decode
             raise decode_error(e, samples[start:end], self.data) from None

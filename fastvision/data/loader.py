@@ -75,6 +75,7 @@ class ThreadLoader:
         self.repeats = repeats
         self.window = self.num_workers * max(1, prefetch)
         self.pin_memory = pin_memory
+        self._first_repeats = repeats  # yields of the first batch (fewer after a mid-epoch resume)
         self._pool: ThreadPoolExecutor | None = None  # made on first use, kept across epochs
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -83,10 +84,10 @@ class ThreadLoader:
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         return self._pool
 
-    def set_epoch(self, epoch: int) -> None:
-        for obj in (self.sampler, self.dataset):
-            if hasattr(obj, "set_epoch"):
-                obj.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Epoch ``epoch``'s order; the next iteration begins at its batch ``start_batch`` (counting
+        repeats), reading none of the items before it."""
+        self._first_repeats = _set_epoch(self.sampler, self.dataset, epoch, start_batch, self.batch_size, self.repeats)
 
     def __len__(self) -> int:
         n = len(self.sampler)
@@ -109,7 +110,7 @@ class ThreadLoader:
                     pending.append(pool.submit(self._make, batches[nxt]))
                     nxt += 1
                 batch = pending.popleft().result()
-                for _ in range(self.repeats):
+                for _ in range(self._first_repeats if nxt - len(pending) == 1 else self.repeats):
                     yield batch
         finally:
             for f in pending:
@@ -125,7 +126,7 @@ class ProcessLoader:
                  num_workers: int = 2, drop_last: bool = False, repeats: int = 1, pin_memory: bool = False):
         self.dataset = dataset
         self.sampler = sampler if sampler is not None else epoch_sampler(len(dataset), shuffle, seed)
-        self.repeats = repeats
+        self.repeats, self.batch_size, self._first_repeats = repeats, batch_size, repeats
         # A dataset with per-epoch state (the epoch of its random draws) needs workers forked
         # after set_epoch: persistent workers would keep drawing epoch 0's augmentations.
         persistent = num_workers > 0 and not hasattr(dataset, "set_epoch")
@@ -133,21 +134,34 @@ class ProcessLoader:
                                  collate_fn=collate_fn or default_collate, num_workers=num_workers,
                                  drop_last=drop_last, pin_memory=pin_memory, persistent_workers=persistent)
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         # The dataset here is the main process's copy; workers fork from it at the next
         # iteration (not persistent for such datasets), so they see this epoch. Main-process
         # caches (smart, gpu) refuse worker processes.
-        for obj in (self.sampler, self.dataset):
-            if hasattr(obj, "set_epoch"):
-                obj.set_epoch(epoch)
+        self._first_repeats = _set_epoch(self.sampler, self.dataset, epoch, start_batch, self.batch_size, self.repeats)
 
     def __len__(self) -> int:
         return len(self.loader) * self.repeats
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            for _ in range(self.repeats):
+        for k, batch in enumerate(self.loader):
+            for _ in range(self._first_repeats if k == 0 else self.repeats):
                 yield batch
+
+
+def _set_epoch(sampler, dataset, epoch: int, start_batch: int, batch_size: int, repeats: int) -> int:
+    """``set_epoch`` on the sampler and dataset, the sampler starting at loader batch ``start_batch``
+    (each batch yielded ``repeats`` times); returns how often the first batch is still yielded."""
+    first, done = divmod(start_batch, repeats)
+    if start_batch and not isinstance(sampler, TrainSampler):
+        raise ValueError("a mid-epoch start needs a TrainSampler")
+    if isinstance(sampler, TrainSampler):
+        sampler.set_epoch(epoch, start=first * batch_size)
+    elif hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    if hasattr(dataset, "set_epoch"):
+        dataset.set_epoch(epoch)
+    return repeats - done
 
 
 def build_loader(dataset: Dataset, *, batch_size: int, shuffle: bool = False, sampler: Iterable[int] | None = None,
@@ -205,9 +219,8 @@ class DevicePrefetcher:
         self.to_device = to_device or _move
         self.sampler = getattr(loader, "sampler", None)
 
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.loader, "set_epoch"):
-            self.loader.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.loader.set_epoch(epoch, start_batch=start_batch)
 
     def __len__(self) -> int:
         return len(self.loader)

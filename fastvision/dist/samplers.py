@@ -74,15 +74,17 @@ class TrainSampler(Sampler[int]):
         self.emulate, self.batch_size = emulate_workers, batch_size
         if emulate_workers > 1 and self.num_replicas != 1:
             raise ConfigError("emulated workers run in one process; do not combine with several ranks")
-        self.epoch = 0
+        self.epoch, self.start = 0, 0
         shards = self.num_replicas * self.emulate
         if drop_last:
             self.total = (self.n // shards) * shards
         else:
             self.total = math.ceil(self.n / shards) * shards
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Epoch ``epoch``'s order; iteration begins at its index ``start`` (a mid-epoch resume:
+        the skipped items are never read)."""
+        self.epoch, self.start = epoch, start
 
     def permutation(self) -> list[int]:
         """The whole (padded) permutation of this epoch, identical on every rank."""
@@ -99,13 +101,13 @@ class TrainSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         order = self.permutation()
         if self.emulate == 1:
-            return iter(order[self.rank :: self.num_replicas])
+            return iter(order[self.rank :: self.num_replicas][self.start:])
         # Emulation: worker w's j-th batch comes right after worker w-1's j-th batch, so a loader
         # with ``batch_size`` and ``emulate`` x accumulation steps sees exactly the micro-batches
         # the ranks of a real ``emulate``-process job would see (same BatchNorm batches).
         shards = [order[w :: self.emulate] for w in range(self.emulate)]
         b, full = self.batch_size, len(shards[0]) // self.batch_size
-        return iter([i for j in range(full) for shard in shards for i in shard[j * b:(j + 1) * b]])
+        return iter([i for j in range(full) for shard in shards for i in shard[j * b:(j + 1) * b]][self.start:])
 
     def __len__(self) -> int:
         if self.emulate > 1:

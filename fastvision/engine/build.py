@@ -15,6 +15,7 @@ from fastvision.data.formats import DatasetSplits
 from fastvision.data.loader import DevicePrefetcher, build_loader
 from fastvision.engine import runtime
 from fastvision.engine.state import make_ema
+from fastvision.engine.step import StepState
 from fastvision.errors import ConfigError
 from fastvision.models.checkpointing import apply_activation_checkpointing
 from fastvision.registry import DATASETS, LOSSES, MODELS, TASKS
@@ -27,8 +28,8 @@ log = logging.getLogger(__name__)
 class Run:
     """Everything a run is made of, built once by :func:`build`.
 
-    The training parts (``optimizer`` ... ``steps_per_epoch``) are None unless built with
-    ``train=True``; the loaders are None without a dataset or with ``loaders=False``.
+    ``step`` (what :func:`fastvision.engine.step.train_step` reads and updates) is None unless built
+    with ``train=True``; the loaders are None without a dataset or with ``loaders=False``.
     """
 
     cfg: RunConfig
@@ -40,17 +41,39 @@ class Run:
     val_set: Any
     info: dict
     precision: runtime.Precision
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: Any = None
-    generator: torch.Generator | None = None  # batched augmentation draws from it
-    train_model: nn.Module | None = None  # the model under DDP / torch.compile: what the step calls
-    ema: Any = None
-    micro_steps: int = 1  # micro-batches per optimizer step (accumulation x emulated workers)
+    step: StepState | None = None
     global_batch: int = 0  # items per optimizer step over all ranks
     lr: float = 0.0  # learning rate after linear scaling to the global batch
     train_loader: Any = None
     val_loader: Any = None
     steps_per_epoch: int = 0
+
+
+def build_components(cfg: RunConfig, info: dict, device: torch.device | str, *, train: bool = False,
+                     weights: bool = True) -> tuple[Task, nn.Module]:
+    """The recipe's task (with its loss and, for training, its batched augmentation) and model: the
+    one component build, shared by :func:`build` and ``plan``'s trace.
+
+    Args:
+        cfg: the run configuration.
+        info: the dataset facts (``DatasetSplits.info`` or a checkpoint's ``data_info``).
+        device: where the model is made (``"meta"`` for a trace: shapes only, no memory).
+        train: build ``data.augment`` for the model's spatial rank.
+        weights: load weights files named in ``model.args`` (``False``: shapes only, for planning).
+    """
+    model_args = cfg.model.args if weights else models.without_weights(cfg.model.args)
+    with torch.device(device):
+        model = MODELS.build(cfg.model.name, model_args, where="model.args")
+    augment = None
+    if train and cfg.data.augment:
+        from fastvision.data.augment.spatial import build_augment
+
+        augment = build_augment(info.get("spatial_dims") or models.spatial_dims(model), **cfg.data.augment)
+    loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args")
+    if str(device) != "meta":
+        loss = loss.to(device)  # class-weight buffers
+    task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=augment, info=info)
+    return task, model
 
 
 def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False, loaders: bool = True,
@@ -68,25 +91,15 @@ def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False,
             profiler's NVTX ranges).
     """
     tc = cfg.train
-    env, device = dist.init(tc.device, backend=tc.backend)
+    env, device = dist.init(tc.device, timeout_s=tc.dist_timeout_s, backend=tc.backend)
     runtime.set_tf32(tc.tf32)
     runtime.seed_everything(tc.seed, tc.deterministic)
     if data_info is None:
         splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
     else:
         splits = DatasetSplits(None, None, data_info)
-    loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args").to(device)  # class-weight buffers
-    task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, info=splits.info)
-    if train and cfg.data.augment:
-        from fastvision.data.augment.spatial import build_augment
-
-        # batched augmentation for the data's dimensionality (the task's synthetic batch without data)
-        item = splits.train[0] if splits.train is not None else task.synthetic_batch(1, torch.device("cpu"))
-        dims = item[task.input_key].dim() - (1 if splits.train is not None else 2)
-        task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss,
-                           augment=build_augment(dims, **cfg.data.augment), info=splits.info)
-    model = runtime.prepare_model(MODELS.build(cfg.model.name, cfg.model.args, where="model.args"), device,
-                                  tc.channels_last)
+    task, model = build_components(cfg, splits.info, device, train=train)
+    model = runtime.prepare_model(model, device, tc.channels_last)
     run = Run(cfg, env, device, task, model, splits.train, splits.val, splits.info, runtime.Precision(tc.amp, device))
     if train:
         _build_training(run, loaders, wrap_train_set)
@@ -100,38 +113,46 @@ def _build_training(run: Run, loaders: bool, wrap_train_set: Callable[[Any], Any
         raise ConfigError("train.accum_steps and train.emulate_workers must be >= 1")
     if tc.emulate_workers > 1 and env.world_size > 1:
         raise ConfigError("--emulate-workers runs in one process; do not combine it with --nproc or a launcher")
-    run.micro_steps = tc.accum_steps * tc.emulate_workers
-    run.global_batch = tc.batch_size * run.micro_steps * env.world_size
+    micro_steps = tc.accum_steps * tc.emulate_workers
+    run.global_batch = tc.batch_size * micro_steps * env.world_size
     run.lr = optim.effective_lr(cfg.optim, run.global_batch)
     optimizer = optim.build_optimizer(run.model, cfg.optim, run.lr)
     # horovod: DistributedOptimizer (a new object, so before the scheduler); DDP: unchanged
-    run.optimizer = dist.wrap_optimizer(optimizer, run.model, backward_passes_per_step=run.micro_steps)
+    optimizer = dist.wrap_optimizer(optimizer, run.model, backward_passes_per_step=micro_steps)
     run.steps_per_epoch = tc.steps_per_epoch or 1  # without data (benchmark): the schedule's unit
     if loaders and run.train_set is not None:
-        raw = run.train_set
-        run.train_set = cached_train_set(raw, cfg, env, device)
-        data = wrap_train_set(run.train_set) if wrap_train_set else run.train_set
-        run.train_loader = make_loader(data, run.task, cfg, tc.batch_size, True, device)
-        if device.type == "cuda" and not hasattr(data, "make_loader"):
-            # copy batch k+1 to the GPU on a side stream while batch k computes
-            run.train_loader = DevicePrefetcher(run.train_loader, device,
-                                                lambda b, d: run.task.to_device(b, d, tc.channels_last))
-        run.val_loader = make_loader(run.val_set, run.task, cfg, cfg.data.val_batch_size or tc.batch_size, False,
-                                     device)
-        run.steps_per_epoch = len(run.train_loader) // run.micro_steps
-        if tc.steps_per_epoch:
-            run.steps_per_epoch = min(run.steps_per_epoch, tc.steps_per_epoch)
-        if run.steps_per_epoch == 0:
-            raise ConfigError(f"train.batch_size {tc.batch_size} x {run.micro_steps} micro-steps is larger than "
-                              f"the {len(raw)} training items")
-    run.scheduler = optim.build_scheduler(run.optimizer, cfg.sched, run.steps_per_epoch, tc.epochs)
-    run.generator = torch.Generator(device=device)
-    run.generator.manual_seed(tc.seed * 1_000_003 + env.rank)
-    run.ema = make_ema(run.model, tc.ema_decay)
+        _build_loaders(run, micro_steps, wrap_train_set)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(tc.seed * 1_000_003 + env.rank)
+    ema = make_ema(run.model, tc.ema_decay)
     apply_activation_checkpointing(run.model, tc.activation_checkpointing)  # the bare model, before DDP / compile
     ddp = dist.wrap_model(run.model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
                           static_graph=tc.ddp_static_graph, comm_hook=tc.ddp_comm_hook)
-    run.train_model = runtime.maybe_compile(ddp, tc.compile)
+    run.step = StepState(run.task, runtime.maybe_compile(ddp, tc.compile), optimizer,
+                         optim.build_scheduler(optimizer, cfg.sched, run.steps_per_epoch, tc.epochs), run.precision,
+                         device, generator, ema, bare=run.model, micro_steps=micro_steps,
+                         channels_last=tc.channels_last, clip_grad=tc.clip_grad, check_finite=tc.check_finite)
+
+
+def _build_loaders(run: Run, micro_steps: int, wrap_train_set: Callable[[Any], Any] | None) -> None:
+    """The cached training set, both loaders (a device prefetcher on CUDA) and the steps per epoch."""
+    cfg, tc, device = run.cfg, run.cfg.train, run.device
+    raw = run.train_set
+    run.train_set = cached_train_set(raw, cfg, run.env, device)
+    data = wrap_train_set(run.train_set) if wrap_train_set else run.train_set
+    run.train_loader = make_loader(data, run.task, cfg, tc.batch_size, True, device)
+    if device.type == "cuda" and not hasattr(data, "make_loader"):
+        # copy batch k+1 to the GPU on a side stream while batch k computes
+        run.train_loader = DevicePrefetcher(run.train_loader, device,
+                                            lambda b, d: run.task.to_device(b, d, tc.channels_last))
+    run.val_loader = make_loader(run.val_set, run.task, cfg, cfg.data.val_batch_size or tc.batch_size, False, device)
+    run.steps_per_epoch = len(run.train_loader) // micro_steps
+    if tc.steps_per_epoch:
+        run.steps_per_epoch = min(run.steps_per_epoch, tc.steps_per_epoch)
+    if run.steps_per_epoch == 0:
+        raise ConfigError(f"train.batch_size {tc.batch_size} x {micro_steps} micro-steps is larger than "
+                          f"the {len(raw)} training items")
+
 
 def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device):
     """Loader over a rank's shard: deterministic per (seed, epoch) for training. A validation set

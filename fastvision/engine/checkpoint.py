@@ -1,17 +1,18 @@
-"""Checkpoints: a CPU snapshot written atomically in a background thread; where to resume."""
+"""Checkpoints: a CPU snapshot written atomically in a background thread; when a step checkpoint
+is due; where to resume."""
 from __future__ import annotations
 
 import io
 import logging
+import re
 import threading
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from fastvision.utils.tree import map_tensors
-
-log = logging.getLogger(__name__)
+from fastvision.errors import ConfigError
 from fastvision.utils.files import (  # noqa: F401
     atomic_link,
     atomic_save,
@@ -19,6 +20,9 @@ from fastvision.utils.files import (  # noqa: F401
     load,
     strip_prefixes,
 )
+from fastvision.utils.tree import map_tensors
+
+log = logging.getLogger(__name__)
 
 
 def snapshot(obj: Any) -> Any:
@@ -40,26 +44,38 @@ class BackgroundWriter:
     each file's previous version.
     Call :meth:`join` before relying on the files (the engine does at the end of ``fit``, and in its
     ``finally``). An error in the thread is raised by the next ``write`` or ``join``.
+
+    Each write's latency, from the call (the step's end) to every file being durable (fsynced and
+    renamed), is kept in :attr:`latencies`; it is bounded by one write: a write waits for the one
+    before it.
     """
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.latencies: list[float] = []  # seconds from write() to durable, per finished write
+        self.snapshot_s: list[float] = []  # seconds the training thread spent in write() (wait + snapshot)
 
-    def write(self, obj: Any, paths: Sequence[Path]) -> None:
+    def write(self, obj: Any, paths: Sequence[Path], prune: Sequence[Path] = ()) -> None:
+        """Snapshot ``obj`` now; write it to ``paths[0]``, link the others, then delete ``prune``."""
+        called = time.perf_counter()
         self.join()
         data, paths = snapshot(obj), [Path(p) for p in paths]
-        self._thread = threading.Thread(target=self._run, args=(data, paths), name="fastvision-checkpoint",
-                                        daemon=True)
+        self.snapshot_s.append(time.perf_counter() - called)
+        self._thread = threading.Thread(target=self._run, args=(data, paths, list(prune), called),
+                                        name="fastvision-checkpoint", daemon=True)
         self._thread.start()
 
-    def _run(self, data: Any, paths: list[Path]) -> None:
+    def _run(self, data: Any, paths: list[Path], prune: list[Path], called: float) -> None:
         try:
             buf = io.BytesIO()
             torch.save(data, buf)
             for i, p in enumerate(paths):
                 if i == 0 or not atomic_link(paths[0], p):
                     atomic_write(p, lambda f: f.write(buf.getbuffer()))
+            self.latencies.append(time.perf_counter() - called)
+            for p in prune:
+                p.unlink(missing_ok=True)
         except BaseException as e:  # reported by join() in the training thread
             self._error = e
 
@@ -73,6 +89,53 @@ class BackgroundWriter:
             if raise_errors:
                 raise error
             log.error("checkpoint write failed: %s", error)
+
+_PERIOD = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600}
+
+
+class Every:
+    """When a step checkpoint is due: ``train.checkpoint_every`` as steps (``500``), a period
+    (``"20min"``, ``"90s"``, ``"2h"``) or whichever comes first (``"500,20min"``); None: never.
+
+    Steps count optimizer steps of the whole run. The period runs from the last checkpoint (step or
+    epoch); only rank 0's clock decides, and the ranks agree on the step through the loop's
+    per-step agreement.
+    """
+
+    def __init__(self, spec: int | str | None):
+        self.steps: int | None = None
+        self.seconds: float | None = None
+        for part in ([] if spec is None else str(spec).replace(" ", "").split(",")):
+            m = re.fullmatch(r"(\d+(?:\.\d+)?)(s|sec|m|min|h)?", part.lower())
+            if not m or float(m.group(1)) <= 0 or (m.group(2) is None and not m.group(1).isdigit()):
+                raise ConfigError(f"train.checkpoint_every: {spec!r}; expected steps (500), a period "
+                                  "(20min, 90s, 2h) or both (500,20min)")
+            if m.group(2) is None:
+                self.steps = int(m.group(1))
+            else:
+                self.seconds = float(m.group(1)) * _PERIOD[m.group(2)]
+        self.last = time.monotonic()
+
+    def due_by_steps(self, global_step: int) -> bool:
+        """Due at this step count (the same on every rank: no agreement needed)."""
+        return self.steps is not None and global_step % self.steps == 0
+
+    def due_by_time(self) -> bool:
+        """Rank 0's clock says the period is over (the ranks agree on it one step later)."""
+        return self.seconds is not None and time.monotonic() - self.last >= self.seconds
+
+    def reset(self) -> None:
+        """A checkpoint was just taken: the period starts again."""
+        self.last = time.monotonic()
+
+
+STEP_NAME = "step-{:08d}.pt"
+
+
+def step_checkpoints(folder: Path) -> list[Path]:
+    """The kept step checkpoints (``step-N.pt``) in ``folder``, oldest first."""
+    return sorted(Path(folder).glob("step-*.pt"))
+
 
 def find_resume(run_dir: Path) -> Path | None:
     last = Path(run_dir) / "checkpoints" / "last.pt"

@@ -1,4 +1,4 @@
-"""The visible training loop: :func:`fit`, one epoch, validation."""
+"""The visible training loop: :func:`fit`, one epoch, validation, and when checkpoints are written."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +13,7 @@ from torch import nn
 
 from fastvision import dist
 from fastvision.config import RunConfig
+from fastvision.dist.preempt import CHECKPOINT, STOP, Agreement, StopSignals, requeue
 from fastvision.engine import checkpoint, runtime
 from fastvision.engine.build import Run, build
 from fastvision.engine.log import RunLogger
@@ -22,13 +23,14 @@ from fastvision.engine.state import (
     eval_model,
     improved,
     initial_state,
+    keep_global_batch,
     parse_target,
     reached,
     resolved_config,
     restore,
 )
 from fastvision.engine.step import NonFiniteLossError, train_step
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, Preempted
 from fastvision.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -40,76 +42,194 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     Two clocks: ``train_time_s`` / ``time_to_target_s`` count the training epochs only (the
     seeds' time-to-target); ``wall_time_s`` / ``time_to_target_wall_s`` count everything since
     ``fit`` was called (build, data, validation, checkpoints), what a user waits. Both add up
-    over resumed runs.
+    over resumed runs. A stop signal (``train.stop_signals``) ends the run after a checkpoint with
+    :class:`fastvision.dist.preempt.Preempted`.
     """
     started = time.perf_counter()
+    ckpt = checkpoint.load(resume, "cpu") if resume is not None else None  # RNG states stay CPU tensors
+    if ckpt is not None:
+        cfg = keep_global_batch(cfg, ckpt, dist.detect_env().world_size)
     run = build(cfg, train=True)
-    tc, env, task, model = cfg.train, run.env, run.task, run.model
-    target = parse_target(tc.target)
     state = initial_state(run.info)
-    if resume is not None:
-        # RNG states must stay CPU tensors; load_state_dict moves weights and optimizer state itself
-        state = restore(checkpoint.load(resume, "cpu"), run)
-        log.info("resumed from %s at epoch %d", resume, state["epoch"] + 1)
-    dist.broadcast_state(model, run.optimizer)  # horovod: rank 0's weights (+ resumed optimizer state); DDP: no-op
+    if ckpt is not None:
+        state = restore(ckpt, run)
+        at = state["position"] or {"epoch": state["epoch"] + 1, "step": 0}
+        log.info("resumed from %s at epoch %d step %d", resume, at["epoch"] + 1, at["step"])
+    dist.broadcast_state(run.model, run.step.optimizer)  # horovod: rank 0's weights (+ resumed state); DDP: no-op
     wall_before = state["wall_time"]
     wall = lambda: wall_before + time.perf_counter() - started  # noqa: E731
-    if env.is_main:
+    if run.env.is_main:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    logger = RunLogger(run_dir, enabled=env.is_main, tensorboard=cfg.tensorboard, progress=progress)
+    logger = RunLogger(run_dir, enabled=run.env.is_main, tensorboard=cfg.tensorboard, progress=progress)
     logger.history = list(state["history"])
     resolved = resolved_config(cfg)
-    if env.is_main:  # the resolved config, every builder default filled in
+    if run.env.is_main:  # the resolved config, every builder default filled in
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    logger.parameters(resolved, {**environment(env, run.device), "global_batch": run.global_batch,
+    logger.parameters(resolved, {**environment(run.env, run.device), "global_batch": run.global_batch,
                                  "base_lr": cfg.optim.lr, "effective_lr": run.lr, "data": run.info})
-    writer = checkpoint.BackgroundWriter()  # checkpoints are written while the next epoch trains
+    saver = Checkpoints(run, run_dir, resolved, logger, wall)
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     try:
-        for epoch in range(state["epoch"] + 1, tc.epochs):
-            run.train_loader.set_epoch(epoch)
-            t0 = time.perf_counter()
-            stats = train_one_epoch(run, epoch, state, logger)
-            state["train_time"] += time.perf_counter() - t0
-            row = {"train_loss": stats["loss"], "lr": run.optimizer.param_groups[0]["lr"],
-                   "images_per_s": stats["images_per_s"], "epoch_time_s": stats["time_s"]}
-            if (epoch + 1) % tc.val_every == 0 or epoch + 1 == tc.epochs:
-                row.update(evaluate(eval_model(model, run.ema), task, run.val_loader, run.device, run.precision,
-                                    tc.channels_last))
-                if target and target[0] not in row:  # checked at the first validation: metrics are task-defined
-                    raise ConfigError(f"--target {target[0]}: not a metric of this run; valid: "
-                                      f"{', '.join(k for k in row if k not in ('lr', 'epoch_time_s'))}")
-            logger.epoch_end(epoch, row)
-            state["epoch"], state["history"], state["wall_time"] = epoch, logger.history, wall()
-            better = improved(task, row, state["best"])
-            if better:
-                state["best"] = row[task.primary_metric]
-            if env.is_main:  # a CPU snapshot now; serialised, written and renamed in the background
-                writer.write(checkpoint_state(run, state, resolved),
-                             [run_dir / "checkpoints" / n for n in ("last.pt", "best.pt")[:1 + better]])
-            if target and target[0] in row and reached(task, target[0], row[target[0]], target[1]):
-                summary.update(target_reached=True, time_to_target_s=state["train_time"],
-                               time_to_target_wall_s=state["wall_time"], target_epoch=epoch + 1)
-                log.info("target %s=%g reached at epoch %d after %.1f s of training (%.1f s wall)", *target,
-                         epoch + 1, state["train_time"], state["wall_time"])
-                break
-        else:
-            if target:
-                summary["target_reached"] = False
-        writer.join()  # the last checkpoint is on disk before the run reports
+        with saver.signals:
+            _epochs(run, state, logger, saver, summary)
+        saver.writer.join()  # the last checkpoint is on disk before the run reports
         dist.barrier()
-        last = logger.history[-1] if logger.history else {}
-        summary.update({"epochs": state["epoch"] + 1, "train_time_s": state["train_time"],
-                        f"best_{task.primary_metric}": state["best"],
-                        **{k: v for k, v in last.items() if k != "epoch"}})
-        if env.is_main:
-            _finish(run, eval_model(model, run.ema), logger, summary, run_dir, wall)
+        _summarise(run, state, logger, saver, summary, run_dir, wall)
     finally:
-        writer.join(raise_errors=False)  # after an error: still wait for (and log) a write in flight
+        saver.close()
         logger.close()
         if hasattr(run.train_set, "shutdown"):  # smart cache: stop its replacement threads
             run.train_set.shutdown()
     return summary
+
+
+def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summary: dict) -> None:
+    """The epochs from where ``state`` stands: train, validate, checkpoint, check the target."""
+    tc, task = run.cfg.train, run.task
+    target = parse_target(tc.target)
+    position = state["position"]
+    first = position["epoch"] if position else state["epoch"] + 1
+    for epoch in range(first, tc.epochs):
+        meter = EpochMeter(run.device)
+        start = 0
+        if position and position["epoch"] == epoch:  # a mid-epoch checkpoint: continue after its step
+            meter.load(position)
+            start = position["step"]
+        run.train_loader.set_epoch(epoch, start_batch=start * run.step.micro_steps)
+        stats = train_one_epoch(run, epoch, state, logger, meter, start, saver)
+        if stats is None or saver.agree_stop(state, epoch, run.steps_per_epoch, meter):
+            return saver.stop()  # a checkpoint of this step is on disk: resume continues here
+        state["train_time"] += stats["time_s"]  # the whole epoch, the part before a resume included
+        row = {"train_loss": stats["loss"], "lr": run.step.optimizer.param_groups[0]["lr"],
+               "images_per_s": stats["images_per_s"], "epoch_time_s": stats["time_s"]}
+        if (epoch + 1) % tc.val_every == 0 or epoch + 1 == tc.epochs:
+            row.update(evaluate(eval_model(run.model, run.step.ema), task, run.val_loader, run.device,
+                                run.precision, tc.channels_last))
+            if target and target[0] not in row:  # checked at the first validation: metrics are task-defined
+                raise ConfigError(f"--target {target[0]}: not a metric of this run; valid: "
+                                  f"{', '.join(k for k in row if k not in ('lr', 'epoch_time_s'))}")
+        logger.epoch_end(epoch, row)
+        better = improved(task, row, state["best"])
+        if better:
+            state["best"] = row[task.primary_metric]
+        state.update(epoch=epoch, history=logger.history, position=None)
+        saver.save(state, best=better)
+        if saver.agree_stop(state, epoch, None, None):
+            return saver.stop()
+        if target and target[0] in row and reached(task, target[0], row[target[0]], target[1]):
+            summary.update(target_reached=True, time_to_target_s=state["train_time"],
+                           time_to_target_wall_s=state["wall_time"], target_epoch=epoch + 1)
+            log.info("target %s=%g reached at epoch %d after %.1f s of training (%.1f s wall)", *target,
+                     epoch + 1, state["train_time"], state["wall_time"])
+            return None
+    if target:
+        summary["target_reached"] = False
+    return None
+
+
+def _summarise(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summary: dict, run_dir: Path,
+               wall: Callable[[], float]) -> None:
+    last = logger.history[-1] if logger.history else {}
+    summary.update({"epochs": state["epoch"] + 1, "train_time_s": state["train_time"],
+                    f"best_{run.task.primary_metric}": state["best"], **saver.report(),
+                    **{k: v for k, v in last.items() if k != "epoch"}})
+    if run.env.is_main:
+        _finish(run, eval_model(run.model, run.step.ema), logger, summary, run_dir, wall)
+
+
+class Checkpoints:
+    """When a run writes checkpoints, and its stop on a signal.
+
+    Rank 0 writes ``last.pt`` at every epoch's end (``best.pt`` linked when the epoch improved),
+    every ``train.checkpoint_every`` steps or minutes (``step-N.pt`` links kept for the newest
+    ``train.keep_checkpoints``), and at a stop signal; always in the background, atomically. Every
+    rank takes part in deciding (the :class:`Agreement`) and sends its random-generator states, so
+    all ranks act at the same step.
+    """
+
+    def __init__(self, run: Run, run_dir: Path, resolved: dict, logger: RunLogger, wall: Callable[[], float]):
+        tc = run.cfg.train
+        self.run, self.folder, self.resolved, self.logger, self.wall = run, run_dir / "checkpoints", resolved, logger, wall
+        self.writer = checkpoint.BackgroundWriter()
+        self.every = checkpoint.Every(tc.checkpoint_every)
+        self.keep = tc.keep_checkpoints
+        if self.keep < 0:
+            raise ConfigError(f"train.keep_checkpoints must be >= 0, got {self.keep}")
+        self.signals = StopSignals(tc.stop_signals)
+        self.agreement = Agreement(tc.dist_timeout_s)
+        self.stopped: int | None = None
+        self.step_saves = 0
+
+    def _local(self) -> list[int]:
+        flags = [0, 0]
+        flags[STOP] = self.signals.received or 0
+        flags[CHECKPOINT] = int(self.run.env.is_main and self.every.due_by_time())
+        return flags
+
+    def after_step(self, state: dict, epoch: int, i: int, meter: "EpochMeter") -> bool:
+        """After step ``i`` of ``epoch``: write a step checkpoint when due; True when the run must stop
+        (its checkpoint is then written)."""
+        agreed = self.agreement.exchange(self._local())
+        if agreed[STOP] or agreed[CHECKPOINT] or self.every.due_by_steps(state["step"]):
+            state["position"] = {"epoch": epoch, "step": i, **meter.state()}
+            self.save(state, step=True)
+            state["position"] = None
+        if agreed[STOP]:
+            self.stopped = agreed[STOP]
+        return bool(agreed[STOP])
+
+    def agree_stop(self, state: dict, epoch: int, steps: int | None, meter: "EpochMeter | None") -> bool:
+        """At an epoch's end (``steps`` given: before validation, else after the epoch checkpoint):
+        whether the ranks stop now. Before validation its checkpoint is of the last step, so a resume
+        validates the epoch."""
+        agreed = self.agreement.now(self._local())
+        if not agreed[STOP]:
+            return False
+        self.stopped = agreed[STOP]
+        if steps is not None:
+            state["position"] = {"epoch": epoch, "step": steps, **meter.state()}
+            self.save(state, step=True)
+        return True
+
+    def save(self, state: dict, best: bool = False, step: bool = False) -> None:
+        """Every rank calls this at the same step; rank 0 snapshots now and writes in the background."""
+        rng_ranks = dist.gather_objects(runtime.rng_state(self.run.step.generator))
+        self.every.reset()
+        state["wall_time"] = self.wall()
+        if not self.run.env.is_main:
+            return
+        paths, prune = [self.folder / "last.pt"], []
+        if best:
+            paths.append(self.folder / "best.pt")
+        if step:
+            self.step_saves += 1
+            if self.keep:  # this one is linked as step-N.pt; the oldest beyond ``keep`` go
+                paths.append(self.folder / checkpoint.STEP_NAME.format(state["step"]))
+                kept = checkpoint.step_checkpoints(self.folder)
+                prune = kept[: max(0, len(kept) - self.keep + 1)]
+        self.writer.write(checkpoint_state(self.run, state, self.resolved, rng_ranks), paths, prune)
+
+    def stop(self) -> None:
+        """The stop after a signal's checkpoint: wait until it is durable, requeue, raise Preempted."""
+        import signal as signals
+
+        self.writer.join()
+        name = signals.Signals(self.stopped).name
+        if self.run.env.is_main and self.run.cfg.train.requeue:
+            requeue()
+        dist.barrier()
+        raise Preempted(self.stopped, f"stopped by {name}: checkpoint {self.folder / 'last.pt'} written; "
+                                      "continue with --resume auto")
+
+    def report(self) -> dict[str, float]:
+        """Checkpoint latencies for the summary: seconds from a step's end to its file being durable."""
+        lat = self.writer.latencies
+        return {"checkpoints_written": len(lat), "checkpoint_durable_max_s": max(lat) if lat else None,
+                "checkpoint_stall_mean_s": sum(self.writer.snapshot_s) / len(lat) if lat else None}
+
+    def close(self) -> None:
+        self.writer.join(raise_errors=False)  # after an error: still wait for (and log) a write in flight
+        self.agreement.close()
 
 
 def _finish(run: Run, model: nn.Module, logger: RunLogger, summary: dict, run_dir: Path,
@@ -143,64 +263,94 @@ class _DataWait:
             self.seconds += time.perf_counter() - self._t
 
 
-def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger) -> dict[str, float]:
-    """``run.steps_per_epoch`` calls of :func:`train_step`, logging every ``train.log_every`` steps."""
-    tc, device, steps = run.cfg.train, run.device, run.steps_per_epoch
-    run.train_model.train()
-    logger.start_epoch(epoch, tc.epochs, steps)
-    # device counters, read at log intervals only: [loss sum, applied steps, skipped steps, bad streak]
-    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-    applied = torch.zeros((), device=device, dtype=torch.float32)
-    skipped = torch.zeros((), device=device, dtype=torch.float32)
-    streak = torch.zeros((), device=device, dtype=torch.float32)
-    images = 0
-    wait = _DataWait()
-    t_start = t_log = time.perf_counter()
-    last_log, skipped_seen = 0, 0
-    batches = iter(run.train_loader)
-    for i in range(1, steps + 1):
-        out = train_step(run, batches, wait)
-        images += out.images
-        state["step"] += 1
-        bad = out.skipped.reshape(()).float()
-        loss_sum += torch.where(bad > 0, 0.0, out.loss.float())  # a skipped step's loss may be NaN
+class EpochMeter:
+    """One epoch's running counters: on the device (read at log intervals and checkpoints only) the
+    loss sum and applied / skipped / consecutive-skipped step counts; on the host the items and the
+    seconds before a resume. :meth:`state` / :meth:`load` carry them through a mid-epoch checkpoint,
+    so a resumed epoch reports what the uninterrupted one would."""
+
+    def __init__(self, device: torch.device):
+        self.counts = torch.zeros(4, device=device, dtype=torch.float32)  # loss sum, applied, skipped, streak
+        self.images, self.resumed_s, self.skipped_seen = 0, 0.0, 0
+
+    def add(self, loss: torch.Tensor, skipped: torch.Tensor, images: int) -> None:
+        bad = skipped.reshape(()).float()
+        loss_sum, applied, skipped_n, streak = self.counts.unbind()
+        loss_sum += torch.where(bad > 0, 0.0, loss.float())  # a skipped step's loss may be NaN
         applied += 1 - bad
-        skipped += bad
+        skipped_n += bad
         streak.mul_(bad).add_(bad)  # +1 when skipped, back to 0 when applied
+        self.images += images
+
+    def state(self) -> dict[str, Any]:
+        """Plain values (a host read: checkpoints only)."""
+        loss_sum, applied, skipped, streak = self.counts.tolist()
+        return {"loss_sum": loss_sum, "applied": applied, "skipped": skipped, "streak": streak,
+                "images": self.images, "time_s": self.resumed_s + time.perf_counter() - self.t_start,
+                "skipped_seen": self.skipped_seen}
+
+    def load(self, saved: dict[str, Any]) -> None:
+        self.counts.copy_(torch.tensor([saved["loss_sum"], saved["applied"], saved["skipped"], saved["streak"]]))
+        self.images, self.resumed_s, self.skipped_seen = saved["images"], saved["time_s"], saved["skipped_seen"]
+
+    def start(self) -> None:
+        self.t_start = time.perf_counter()
+
+
+def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter: EpochMeter | None = None,
+                    start: int = 0, saver: Checkpoints | None = None) -> dict[str, float] | None:
+    """Steps ``start + 1 .. run.steps_per_epoch`` of ``epoch``, each one :func:`train_step`, logging every
+    ``train.log_every`` steps; returns the epoch's loss and speed, or None when ``saver`` stopped the
+    run after a step (its checkpoint written)."""
+    tc, device, steps, step = run.cfg.train, run.device, run.steps_per_epoch, run.step
+    meter = meter or EpochMeter(device)
+    step.model.train()
+    logger.start_epoch(epoch, tc.epochs, steps)
+    wait = _DataWait()
+    meter.start()
+    t_log, last_log = meter.t_start, start
+    batches = iter(run.train_loader)
+    for i in range(start + 1, steps + 1):
+        out = train_step(step, batches, wait)
+        meter.add(out.loss, out.skipped, out.images)
+        state["step"] += 1
         logger.advance()
         if state["step"] % tc.log_every == 0 or i == steps:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # deliberate: honest images/s at log intervals only
-            skipped_seen = _check_skipped(int(streak), int(skipped), skipped_seen, tc, state)
+            _check_skipped(meter, tc, state)
             now = time.perf_counter()
-            micro = i * run.micro_steps
+            micro = (i - start) * step.micro_steps
             logger.step(epoch, i, state["step"], {
-                "loss": float(out.loss), "lr": run.optimizer.param_groups[0]["lr"],
-                "images_per_s": images * dist.world_size() / max(now - t_start, 1e-9),
+                "loss": float(out.loss), "lr": step.optimizer.param_groups[0]["lr"],
+                "images_per_s": meter.images * dist.world_size() / max(meter.resumed_s + now - meter.t_start, 1e-9),
                 "step_time_s": (now - t_log) / (i - last_log),
-                "data_time_s": wait.seconds / micro, "compute_time_s": (now - t_start - wait.seconds) / micro})
+                "data_time_s": wait.seconds / micro, "compute_time_s": (now - meter.t_start - wait.seconds) / micro})
             t_log, last_log = now, i
-    elapsed = time.perf_counter() - t_start
+        if saver is not None and saver.after_step(state, epoch, i, meter):
+            return None
+    elapsed = meter.resumed_s + time.perf_counter() - meter.t_start
     # one sync and one collective per epoch: the mean loss over every rank's applied steps
-    totals = dist.all_reduce_sum(torch.stack([loss_sum, applied]).double())
+    totals = dist.all_reduce_sum(meter.counts[:2].double())
     mean_loss = float(totals[0] / totals[1]) if float(totals[1]) else math.nan
-    return {"loss": mean_loss, "images_per_s": images * dist.world_size() / max(elapsed, 1e-9), "time_s": elapsed}
+    return {"loss": mean_loss, "images_per_s": meter.images * dist.world_size() / max(elapsed, 1e-9), "time_s": elapsed}
 
 
-def _check_skipped(streak: int, skipped: int, seen: int, tc, state: dict) -> int:
+def _check_skipped(meter: EpochMeter, tc, state: dict) -> None:
     """At a log interval: warn about steps skipped since the last one, stop on a long bad streak.
 
     The streak is checked here only, so a run stops up to ``train.log_every`` steps after it
-    reaches ``train.max_nonfinite``. Returns the skipped count now reported.
+    reaches ``train.max_nonfinite``.
     """
+    skipped, streak = int(meter.counts[2]), int(meter.counts[3])
     if streak >= tc.max_nonfinite:
         raise NonFiniteLossError(f"stopping: {streak} consecutive steps skipped (non-finite gradients or fp16 "
                                  f"overflow) at step {state['step']}; lower optim.lr, set train.clip_grad, "
                                  "or use --amp bf16/off")
-    if skipped > seen:
+    if skipped > meter.skipped_seen:
         log.warning("%d step(s) skipped (non-finite gradients or fp16 overflow) this epoch, up to step %d",
                     skipped, state["step"])
-    return skipped
+    meter.skipped_seen = skipped
 
 
 @torch.no_grad()

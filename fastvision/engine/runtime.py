@@ -129,8 +129,9 @@ def prepare_model(model: nn.Module, device: torch.device, channels_last: bool) -
 
 
 def _memory_format(model: nn.Module) -> torch.memory_format:
-    is_3d = any(isinstance(m, (nn.Conv3d, nn.ConvTranspose3d)) for m in model.modules())
-    return torch.channels_last_3d if is_3d else torch.channels_last
+    from fastvision.models import spatial_dims
+
+    return torch.channels_last_3d if spatial_dims(model) == 3 else torch.channels_last
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")

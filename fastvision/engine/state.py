@@ -4,6 +4,7 @@ the run records about itself (resolved config, environment)."""
 from __future__ import annotations
 
 import json
+import logging
 import platform
 from typing import Any
 
@@ -17,14 +18,18 @@ from fastvision.errors import ConfigError
 from fastvision.registry import DATASETS, LOSSES, MODELS, TASKS
 from fastvision.tasks.base import Task
 
-# Keys of the loop state saved in every checkpoint (and restored by ``--resume``).
-STATE_KEYS = ("epoch", "step", "best", "train_time", "wall_time", "history", "data_info")
+log = logging.getLogger(__name__)
+
+# Keys of the loop state saved in every checkpoint (and restored by ``--resume``). ``position`` is
+# None at an epoch's end; after step k of epoch e it is {"epoch": e, "step": k, ...the epoch's
+# running counters (EpochMeter.state())}: a resume continues at step k + 1 of epoch e.
+STATE_KEYS = ("epoch", "step", "best", "train_time", "wall_time", "history", "data_info", "position")
 
 
 def initial_state(info: dict) -> dict[str, Any]:
     """The loop state before the first epoch (``epoch`` -1: nothing trained yet)."""
     return {"epoch": -1, "step": 0, "best": None, "train_time": 0.0, "wall_time": 0.0, "history": [],
-            "data_info": plain(info)}
+            "data_info": plain(info), "position": None}
 
 
 def plain(info: dict) -> dict:
@@ -118,34 +123,91 @@ def eval_model(model: nn.Module, ema) -> nn.Module:
     return ema.module if ema is not None else model
 
 
-def checkpoint_state(run, state: dict, resolved: dict) -> dict[str, Any]:
+def checkpoint_state(run, state: dict, resolved: dict, rng_ranks: list[dict]) -> dict[str, Any]:
     """Everything ``--resume`` needs, referencing the live tensors (snapshot before training on).
 
     Args:
-        run: the :class:`fastvision.engine.Run` (model, optimizer, scheduler, precision, generator, ema).
+        run: the :class:`fastvision.engine.Run` (model, precision, its step state).
         state: the loop state (:data:`STATE_KEYS`).
         resolved: the resolved config, saved so a checkpoint rebuilds its run alone.
+        rng_ranks: every rank's :func:`runtime.rng_state`, in rank order (each rank's augmentation
+            generator has its own stream).
     """
-    ema = run.ema
-    extra = {"ema": ema.state_dict(), "eval_model": ema.module.state_dict()} if ema is not None else {}
+    step = run.step
+    extra = {"ema": step.ema.state_dict(), "eval_model": step.ema.module.state_dict()} if step.ema is not None else {}
     return {**extra, "model": checkpoint.strip_prefixes(run.model.state_dict()),
-            "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+            "optimizer": step.optimizer.state_dict(), "scheduler": step.scheduler.state_dict(),
             "scaler": run.precision.scaler.state_dict(), **{k: state[k] for k in STATE_KEYS},
-            "rng": runtime.rng_state(run.generator), "config": resolved, "fastvision": __version__}
+            "rng": rng_ranks[0], "rng_ranks": rng_ranks, "world_size": len(rng_ranks),
+            "global_batch": run.global_batch, "lr": run.lr, "config": resolved, "fastvision": __version__}
 
 
 def restore(ckpt: dict[str, Any], run) -> dict[str, Any]:
-    """Load a checkpoint into ``run``'s parts; returns the loop state it was saved with."""
+    """Load a checkpoint into ``run``'s parts; returns the loop state it was saved with.
+
+    Each rank continues its own random streams when the world size is the one saved; on another
+    world size the ranks' augmentation generators start from (seed, rank, step) instead (said in
+    one line), and a changed global batch rescales the learning rate by the recipe's rule.
+    """
+    step = run.step
     run.model.load_state_dict(ckpt["model"])
-    if run.ema is not None:
+    if step.ema is not None:
         if "ema" not in ckpt:
             raise ConfigError("train.ema_decay is set but the checkpoint has no EMA weights to resume")
-        run.ema.load_state_dict(ckpt["ema"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.scheduler.load_state_dict(ckpt["scheduler"])
+        step.ema.load_state_dict(ckpt["ema"])
+    step.optimizer.load_state_dict(ckpt["optimizer"])
+    step.scheduler.load_state_dict(ckpt["scheduler"])
     run.precision.scaler.load_state_dict(ckpt["scaler"])
-    runtime.set_rng_state(ckpt["rng"], run.generator)
-    return {"wall_time": 0.0, **{k: ckpt[k] for k in STATE_KEYS if k in ckpt}}  # older checkpoints: no wall_time
+    ranks = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    same_world = len(ranks) == run.env.world_size
+    runtime.set_rng_state(ranks[run.env.rank] if same_world else ranks[0], step.generator)
+    state = {"wall_time": 0.0, "position": None, **{k: ckpt[k] for k in STATE_KEYS if k in ckpt}}
+    if not same_world and "rng_ranks" in ckpt:
+        step.generator.manual_seed(run.cfg.train.seed * 1_000_003 + run.env.rank + 7_919 * state["step"])
+        if run.env.is_main:
+            log.warning("resuming a %d-rank checkpoint on %d rank(s): each rank's augmentation stream "
+                        "restarts from (seed, rank, step); the sample order is kept", len(ranks), run.env.world_size)
+    old_lr = ckpt.get("lr", run.lr)
+    if old_lr and run.lr != old_lr:
+        _rescale_lr(step, run.lr / old_lr)
+    return state
+
+
+def _rescale_lr(step, factor: float) -> None:
+    """Multiply the resumed learning rates (optimizer groups and the schedule's base) by ``factor``."""
+    for group in step.optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor
+    if hasattr(step.scheduler, "base_lrs"):
+        step.scheduler.base_lrs = [lr * factor for lr in step.scheduler.base_lrs]
+
+
+def keep_global_batch(cfg: RunConfig, ckpt: dict[str, Any], world_size: int) -> RunConfig:
+    """On another world size, the accumulation that keeps the checkpoint's global batch.
+
+    Global batch = per-rank batch x accumulation x emulated workers x world size. Where the saved
+    global batch divides by this run's batch x world size, ``train.accum_steps`` is set to keep it
+    (the sample order is then the same: step k reads positions [k*G, (k+1)*G) of the epoch's
+    permutation); where not, one line says so and the learning rate follows the recipe's rule
+    (``optim.ref_batch``) for the new global batch.
+    """
+    old, tc = ckpt.get("global_batch"), cfg.train
+    saved = ckpt.get("world_size")
+    if not old or saved is None or saved == world_size:
+        return cfg
+    per_step = tc.batch_size * tc.emulate_workers * world_size
+    if old % per_step == 0:
+        if old // per_step != tc.accum_steps:
+            log.info("resuming a %d-rank run on %d rank(s): train.accum_steps %d -> %d keeps the global batch %d",
+                     saved, world_size, tc.accum_steps, old // per_step, old)
+            tc.accum_steps = old // per_step
+    else:
+        now = per_step * tc.accum_steps
+        log.warning("resuming a %d-rank run on %d rank(s): its global batch %d is not a multiple of %d "
+                    "(batch x workers x ranks); training on at global batch %d, learning rate by the recipe's "
+                    "rule", saved, world_size, old, per_step, now)
+    return cfg
 
 
 def resolved_config(cfg: RunConfig) -> dict[str, Any]:

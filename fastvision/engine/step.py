@@ -1,15 +1,21 @@
-"""The training step: :func:`train_step` is the only step (train, profile, benchmark, plan, export)."""
+"""The training step: :func:`train_step` is the only step (train, profile, benchmark, plan, export).
+
+It reads a :class:`StepState`, the few things one optimizer step touches, not the whole run: the
+training build makes one (``Run.step``), and ``plan``'s fake-tensor trace and ``--batch-size auto``
+make their own.
+"""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
 from fastvision import dist, optim
-from fastvision.engine.build import Run
 from fastvision.errors import FastvisionError
+from fastvision.optim import torch_private
 
 log = logging.getLogger(__name__)
 
@@ -33,69 +39,103 @@ class StepResult(NamedTuple):
     skipped: torch.Tensor
 
 
+@dataclass
+class StepState:
+    """What one optimizer step reads and updates.
+
+    Attributes:
+        task: turns batches into a loss (``to_device``, ``augment``, ``forward``, ``loss``).
+        model: what the step calls (under DDP / torch.compile when the build wrapped it).
+        optimizer, scheduler: stepped once per call; the scheduler also on skipped steps.
+        precision: ``mode`` ("off" / "fp16" / "bf16"), ``autocast()`` and ``scaler``
+            (:class:`fastvision.engine.runtime.Precision`).
+        device: where batches go.
+        generator: batched augmentation draws from it (seeded per rank by the build).
+        ema: averaged weights (:class:`fastvision.engine.state.Ema`) or None.
+        bare: the model the EMA averages (the unwrapped ``model``; default ``model``).
+        micro_steps: micro-batches per optimizer step (accumulation x emulated workers).
+        channels_last: NHWC / NDHWC batches.
+        clip_grad: max global gradient norm, or None.
+        check_finite: skip steps with non-finite gradients (fp16 always checks).
+    """
+
+    task: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    precision: Any
+    device: torch.device
+    generator: torch.Generator | None = None
+    ema: Any = None
+    bare: nn.Module | None = None
+    micro_steps: int = 1
+    channels_last: bool = False
+    clip_grad: float | None = None
+    check_finite: bool = True
+
+
 def _no_clock(phase: str) -> None:
     return None
 
 
-def train_step(run: Run, batches: Iterator[Any], clock: Callable[[str], None] | None = None) -> StepResult:
-    """One optimizer step over ``run.micro_steps`` micro-batches from ``batches``: the only training step.
+def train_step(state: StepState, batches: Iterator[Any], clock: Callable[[str], None] | None = None) -> StepResult:
+    """One optimizer step over ``state.micro_steps`` micro-batches from ``batches``: the only training step.
 
     Args:
-        run: a :func:`build` result with ``train=True``.
+        state: the model, optimizer, schedule, precision ... this step updates.
         batches: iterator of collated batches (host or device).
         clock: told each phase's name as it starts: per micro-batch "data", "h2d", "augment",
             "forward", "backward"; then "optimizer" and "end". The profiler's timer and fit's
             data-wait meter; None calls a no-op (no sync, no allocation).
     """
     mark = clock or _no_clock
-    tc, task, model, optimizer, scaler = run.cfg.train, run.task, run.train_model, run.optimizer, run.precision.scaler
-    losses, images = [], 0
-    for micro in range(run.micro_steps):
+    task, model, optimizer, scaler = state.task, state.model, state.optimizer, state.precision.scaler
+    micro_losses, images = [], 0
+    for micro in range(state.micro_steps):
         mark("data")
         batch = next(batches)
         mark("h2d")
-        batch = task.to_device(batch, run.device, tc.channels_last)
+        batch = task.to_device(batch, state.device, state.channels_last)
         mark("augment")
-        batch = task.augment(batch, run.generator)
+        batch = task.augment(batch, state.generator)
         mark("forward")
-        with dist.no_sync(model, micro + 1 < run.micro_steps):  # all-reduce on the last micro-batch only
-            with run.precision.autocast():
+        with dist.no_sync(model, micro + 1 < state.micro_steps):  # all-reduce on the last micro-batch only
+            with state.precision.autocast():
                 loss = task.loss(task.forward(model, batch), batch)
             mark("backward")
-            scaler.scale(loss / run.micro_steps).backward()
-        losses.append(loss.detach())
+            scaler.scale(loss / state.micro_steps).backward()
+        micro_losses.append(loss.detach())
         images += task.batch_size(batch)
     mark("optimizer")
-    loss = torch.stack(losses).mean()
+    loss = torch.stack(micro_losses).mean()
     with dist.synchronized(optimizer):  # horovod: all-reduce done before the checks, clip and step
-        found_inf = _found_inf(run, optimizer, scaler)
-        if tc.clip_grad:
-            nn.utils.clip_grad_norm_(model.parameters(), tc.clip_grad)  # foreach, no host read
+        found_inf = _found_inf(state)
+        if state.clip_grad:
+            nn.utils.clip_grad_norm_(model.parameters(), state.clip_grad)  # foreach, no host read
         optim.step_unless(optimizer, found_inf)
         if found_inf is None:  # nothing checked (train.check_finite off): nothing skipped
-            found_inf = torch.zeros((), device=run.device)
-        if run.precision.mode == "fp16":
+            found_inf = torch.zeros((), device=state.device)
+        if state.precision.mode == "fp16":
             scaler.update()  # backs the scale off on found_inf, on the device
         optimizer.zero_grad()  # set_to_none by default (torch >= 2); horovod takes no argument
     # the schedule advances on skipped steps too: deciding otherwise would need a host read
-    run.scheduler.step()
-    if run.ema is not None:
-        run.ema.update_parameters(run.model, found_inf)
+    state.scheduler.step()
+    if state.ema is not None:
+        state.ema.update_parameters(state.bare if state.bare is not None else model, found_inf)
     mark("end")
     return StepResult(loss, images, found_inf)
 
 
-def _found_inf(run: Run, optimizer, scaler) -> torch.Tensor | None:
+def _found_inf(state: StepState) -> torch.Tensor | None:
     """0-d float32 on the device, non-zero when this update must be skipped; no host read.
 
     fp16: the GradScaler's unscale checks the gradients (always run: the skip decision needs it).
-    bf16 / fp32: the same check of the all-reduced gradients when ``train.check_finite`` (a
-    non-finite loss makes non-finite gradients), else None (no check: a plain step).
+    bf16 / fp32: the same check of the all-reduced gradients when ``check_finite``, else None
+    (no check: a plain step).
     """
-    if run.precision.mode == "fp16":
-        scaler.unscale_(optimizer)
-        found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
-        return sum(found[1:], found[0]).reshape(())
-    if run.cfg.train.check_finite:
-        return optim.grads_found_inf(optimizer)
+    if state.precision.mode == "fp16":
+        state.precision.scaler.unscale_(state.optimizer)
+        return torch_private.scaler_found_inf(state.precision.scaler, state.optimizer)
+    if state.check_finite:
+        return optim.grads_found_inf(state.optimizer)
     return None

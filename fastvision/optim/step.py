@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
+from fastvision.optim import torch_private
 from fastvision.optim.optimizers import Novograd
 
 
@@ -22,7 +23,7 @@ def grads_found_inf(optimizer: Optimizer) -> torch.Tensor:
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for same in by_dtype.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
+        torch_private.non_finite_check_(same, found, one)
     return found
 
 
@@ -54,11 +55,8 @@ def step_unless(optimizer: Optimizer, found_inf: torch.Tensor | None) -> None:
     fresh = [p for p in params if not optimizer.state.get(p)]  # state this step creates (a host-side check)
     skip = found_inf.reshape(()) > 0
     if fused:
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
+        with torch_private.fused_skip(optimizer, found_inf):
             optimizer.step()
-        finally:
-            del optimizer.found_inf
     else:
         kept = [p.detach().clone() for p in params]
         fresh_ids = {id(p) for p in fresh}

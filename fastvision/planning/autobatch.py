@@ -107,12 +107,13 @@ def recipe_run(cfg: RunConfig, device: torch.device):
     return run, lambda model: optim.build_optimizer(model, c.optim, run.lr)
 
 
-def step_fits(run, make_optimizer: Callable, steps: int = 2, cap: int | None = None) -> Callable[[int], bool]:
+def step_fits(state, make_optimizer: Callable, steps: int = 2, cap: int | None = None) -> Callable[[int], bool]:
     """A ``fits(batch)`` that runs ``steps`` real training steps, each one ``engine.train_step``
     (accumulation, clipping, the non-finite check and EMA included: the step ``train`` runs).
 
     Args:
-        run: an ``engine.Run`` with its training parts (``engine.build(..., train=True)``).
+        state: the step state of the recipe's training build (``engine.build(..., train=True).step``);
+            its optimizer and schedule are replaced per try.
         make_optimizer: ``model -> optimizer``; a fresh one per try (its state is the try's).
         steps: steps per try (the second one holds the optimizer state).
         cap: artificial memory cap in bytes (CPU tests): tensor bytes created by a try and live
@@ -120,13 +121,13 @@ def step_fits(run, make_optimizer: Callable, steps: int = 2, cap: int | None = N
     """
     from fastvision import engine
 
-    device = run.device
-    initial = copy.deepcopy(run.model.state_dict())
-    kept = [*run.model.parameters(), *run.model.buffers(),
-            *([] if run.ema is None else [*run.ema.parameters(), *run.ema.buffers()])]
+    device, model = state.device, state.bare if state.bare is not None else state.model
+    initial = copy.deepcopy(model.state_dict())
+    kept = [*model.parameters(), *model.buffers(),
+            *([] if state.ema is None else [*state.ema.parameters(), *state.ema.buffers()])]
 
     def fits(b: int) -> bool:
-        run.model.load_state_dict(initial)
+        model.load_state_dict(initial)
         batch = None
         guard = contextlib.nullcontext()
         if cap is not None:
@@ -134,20 +135,20 @@ def step_fits(run, make_optimizer: Callable, steps: int = 2, cap: int | None = N
             guard.ignore(kept)
         try:
             with guard:
-                run.optimizer = make_optimizer(run.model)
+                state.optimizer = make_optimizer(model)
                 # memory does not depend on the learning rate: a constant schedule for the search
-                run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda _: 1.0)
-                batch = run.task.synthetic_batch(b, device)
+                state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda _: 1.0)
+                batch = state.task.synthetic_batch(b, device)
                 for _ in range(steps):
-                    engine.train_step(run, itertools.repeat(batch))
+                    engine.train_step(state, itertools.repeat(batch))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # deliberate: an OOM must surface inside this try
             ok = True
         except torch.OutOfMemoryError:
             ok = False
         finally:
-            run.model.zero_grad(set_to_none=True)
-            run.optimizer = run.scheduler = batch = None
+            model.zero_grad(set_to_none=True)
+            state.optimizer = state.scheduler = batch = None
             release_memory()
         log.info("batch-size auto: batch %d %s", b, "fits" if ok else "out of memory")
         return ok
@@ -172,7 +173,8 @@ def resolve_auto_batch(cfg: RunConfig, device: torch.device, cap: int | None = N
     if cap is None and device.type != "cuda":
         raise ConfigError(f"train.batch_size=auto on {device}: needs a CUDA device, or a memory cap in "
                           "FASTVISION_MEMORY_CAP_MB (see `fastvision plan` for an estimate without a device)")
-    fits = step_fits(*recipe_run(cfg, device), cap=cap)
+    run, make_optimizer = recipe_run(cfg, device)
+    fits = step_fits(run.step, make_optimizer, cap=cap)
     b = search(fits, start=2, limit=limit)
     if b == 0:
         raise ConfigError(f"train.batch_size=auto: not even batch 1 of {cfg.recipe} fits on {device}")

@@ -54,28 +54,13 @@ DATASET_FACTS: dict[str, tuple[int, str]] = {
 
 
 # ------------------------------------------------------------------------------ building
-_WEIGHT_ARGS = ("pretrained", "backbone_weights")
-
-
-def without_weights(model_args: dict) -> dict:
-    """``model.args`` without weights files: they change values, not shapes, so planning (and
-    measuring memory) never reads or downloads them."""
-    return {k: v for k, v in model_args.items() if k not in _WEIGHT_ARGS}
-
-
 def build_for(cfg: RunConfig):
-    """The recipe's model (on the meta device), task and optimizer factory, for :func:`trace_step`.
-
-    The one place that builds a recipe for planning: point it at the engine's shared build.
-    """
-    from fastvision import engine  # noqa: F401  (importing the engine registers every component)
-    from fastvision.registry import LOSSES, MODELS, TASKS
+    """The recipe's model (on the meta device), task and optimizer factory, for :func:`trace_step`:
+    the engine's component build (shapes only: no weights files read)."""
+    from fastvision.engine.build import build_components
 
     def build():
-        loss = LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args")
-        task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=None, info={})
-        with torch.device("meta"):
-            model = MODELS.build(cfg.model.name, without_weights(cfg.model.args), where="model.args")
+        task, model = build_components(cfg, {}, "meta", weights=False)
         return model, task, lambda m: optim.build_optimizer(m, cfg.optim, cfg.optim.lr)
 
     return build

@@ -154,23 +154,19 @@ class _TracePrecision:
         return autocast_ctx(self.amp)
 
 
-def train_step(model: nn.Module, task, batch: dict, optimizer: torch.optim.Optimizer, amp: str,
-               after_forward: Callable[[], None] = lambda: None,
-               after_backward: Callable[[], None] = lambda: None) -> None:
-    """One ``engine.train_step`` (the step ``train`` runs) on the traced model; its phase clock
-    calls the hooks between forward, backward and the optimizer step. The non-finite check is off:
-    it reads a value back, which fake tensors do not have, and holds no memory."""
-    from fastvision import engine
-    from fastvision.config import RunConfig
+def traced_step(model: nn.Module, task, batch: dict, optimizer: torch.optim.Optimizer, amp: str,
+                after_forward: Callable[[], None] = lambda: None,
+                after_backward: Callable[[], None] = lambda: None) -> None:
+    """One ``engine.train_step`` (the step ``train`` runs) on the traced model, on a step state
+    made here; its phase clock calls the hooks between forward, backward and the optimizer step.
+    The non-finite check is off: it reads a value back, which fake tensors do not have, and holds
+    no memory."""
+    from fastvision.engine.step import StepState, train_step
 
-    cfg = RunConfig()
-    cfg.train.check_finite = False
-    cpu = torch.device("cpu")
-    run = engine.Run(cfg, None, cpu, task, model, None, None, {}, _TracePrecision(amp), optimizer=optimizer,
-                     scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
-                     generator=torch.Generator(), train_model=model)
+    state = StepState(task, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                      _TracePrecision(amp), torch.device("cpu"), torch.Generator(), check_finite=False)
     hooks = {"backward": after_forward, "optimizer": after_backward}
-    engine.train_step(run, iter([batch]), lambda phase: hooks.get(phase, lambda: None)())
+    train_step(state, iter([batch]), lambda phase: hooks.get(phase, lambda: None)())
 
 
 def trace_step(build: Callable[[], tuple[nn.Module, Any, Callable[[nn.Module], torch.optim.Optimizer]]],
@@ -231,7 +227,7 @@ def _trace(model, task, make_optimizer, tracker: LiveBytes, batch_size: int, amp
         seen["grads"] = tracker.serials(p.grad for p in with_grad)
         seen["grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in with_grad)
 
-    train_step(model, task, batch, optimizer, amp, after_forward, after_backward)
+    traced_step(model, task, batch, optimizer, amp, after_forward, after_backward)
     flops = tracker.flops - flops_before
     fwd_flops, grads, grad_bytes = seen["fwd_flops"], seen["grads"], seen["grad_bytes"]
     traffic = tracker.allocated - allocated_before

@@ -168,9 +168,9 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
 
         cache_line = describe(run.train_set)
         batches = endless_batches(run.train_loader)
-    run.train_model.train()
+    run.step.model.train()
     for _ in range(warmup):
-        engine.train_step(run, batches, _Clock(device, False))
+        engine.train_step(run.step, batches, _Clock(device, False))
     sampler = NvmlSampler(device) if device.type == "cuda" else None
     prof = _trace_context(trace, device)
     clocks: list[_Clock] = []
@@ -179,7 +179,7 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
         for _ in range(steps):
             starts.append(time.perf_counter())
             clocks.append(_Clock(device, nvtx))
-            engine.train_step(run, batches, clocks[-1])  # the step fit runs, timed by its clock hook
+            engine.train_step(run.step, batches, clocks[-1])  # the step fit runs, timed by its clock hook
             if hasattr(prof, "step"):
                 prof.step()
         if device.type == "cuda":
@@ -189,8 +189,8 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
     if env.world_size > 1:  # backward without the all-reduce, to isolate its exposed time
         extra = [_Clock(device, False) for _ in range(min(steps, 5))]
         for c in extra:
-            with dist.no_sync(run.train_model):  # the step's own no_sync calls nest inside this one
-                engine.train_step(run, batches, c)
+            with dist.no_sync(run.step.model):  # the step's own no_sync calls nest inside this one
+                engine.train_step(run.step, batches, c)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         no_sync_bwd = [c.durations()[1]["backward"] for c in extra]

@@ -86,7 +86,7 @@ def test_every_recipe_builds_without_its_dataset(recipe):
     run = engine.build(benchmark.setting_config(cfg, 1, "fp32", augment=True), data_info={}, train=True)
     batch = run.task.synthetic_batch(1, torch.device("cpu"))
     assert batch[run.task.input_key].shape[0] == 1
-    assert sum(p.numel() for p in run.model.parameters()) > 0 and run.optimizer is not None
+    assert sum(p.numel() for p in run.model.parameters()) > 0 and run.step.optimizer is not None
 
 
 def test_detection_inference_step_runs_without_dataset_info():

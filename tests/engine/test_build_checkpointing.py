@@ -19,7 +19,7 @@ def test_build_checkpoints_the_named_blocks_of_the_trained_model():
     run = _build(["decoders"])
     wrapped = [n for n, m in run.model.named_modules() if is_checkpointed(m)]
     assert wrapped == ["decoders.0", "decoders.1", "decoders.2", "decoders.3"]
-    assert not any(is_checkpointed(m) for m in run.ema.modules())  # evaluation copy: plain forward
+    assert not any(is_checkpointed(m) for m in run.step.ema.modules())  # evaluation copy: plain forward
     assert not any(is_checkpointed(m) for m in _build(False).model.modules())
 
 

@@ -61,7 +61,7 @@ def test_loss_decreases_over_steps_on_a_fixed_batch(task):
     if task == "segmentation":  # a label the net can learn from its input (random labels need memorizing)
         batch["label"] = (batch["image"][:, 0] > 0).long()
     batches = itertools.repeat(batch)
-    losses = [_loss(engine.train_step(run, batches)) for _ in range(40)]
+    losses = [_loss(engine.train_step(run.step, batches)) for _ in range(40)]
     assert all(torch.isfinite(torch.tensor(losses)))
     first, last = losses[0], sum(losses[-5:]) / 5
     assert last < 0.8 * first, f"{task}: loss {first:.4f} -> {last:.4f} over 40 steps on one batch"
@@ -212,13 +212,13 @@ def test_fp16_overflow_skips_the_update():
     batch = _batch(run)
     batches = itertools.repeat(batch)
     for _ in range(3):  # normal steps first: optimizer state exists, the loss scale has settled
-        engine.train_step(run, batches)
+        engine.train_step(run.step, batches)
     before = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
     scale = run.precision.scaler.get_scale()
     param = next(p for p in run.model.parameters() if p.requires_grad)
     hook = param.register_hook(lambda g: torch.full_like(g, float("inf")))
     try:
-        engine.train_step(run, batches)
+        engine.train_step(run.step, batches)
     finally:
         hook.remove()
     after = run.model.state_dict()
@@ -227,7 +227,7 @@ def test_fp16_overflow_skips_the_update():
             assert torch.equal(v, after[k]), f"{k} changed in a step with infinite gradients"
     assert run.precision.scaler.get_scale() < scale
     for _ in range(5):  # and training goes on: a following step updates the weights (the dynamic
-        engine.train_step(run, batches)  # scale may need a few halvings first)
+        engine.train_step(run.step, batches)  # scale may need a few halvings first)
         if any(not torch.equal(before[k], p) for k, p in run.model.named_parameters()):
             break
     else:

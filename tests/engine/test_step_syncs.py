@@ -42,12 +42,12 @@ def test_steady_state_step_has_no_host_sync(recipe, data_root, tmp_path, monkeyp
     # counter on the host, harmless on a GPU but indistinguishable here); Novograd is always ours
     run = _run(recipe, data_root, "train.ema_decay=0.9", "train.clip_grad=1.0", "optim.impl=fused")
     batches = itertools.cycle([b for b, _ in zip(run.train_loader, range(2))])  # the loader runs outside
-    run.train_model.train()
+    run.step.model.train()
     for _ in range(2):  # warm-up: lazy optimizer state, first EMA copy
-        engine.train_step(run, batches)
+        engine.train_step(run.step, batches)
     with HostSyncDetector(error=False) as d:
         for _ in range(20):
-            out = engine.train_step(run, batches)
+            out = engine.train_step(run.step, batches)
     assert d.events == [], d.report()
     assert float(out.skipped) == 0 and torch.isfinite(out.loss)  # it did train
 
@@ -62,16 +62,16 @@ def test_steady_state_step_has_no_cuda_sync(recipe, amp, data_root, tmp_path, mo
         pytest.skip("this GPU has no bf16")
     monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "fvcache"))
     run = _run(recipe, data_root, "train.ema_decay=0.9", "train.clip_grad=1.0", "train.device=cuda")
-    run.precision = type(run.precision)(amp, run.device)
+    run.precision = run.step.precision = type(run.precision)(amp, run.device)
     batches = itertools.cycle([run.task.to_device(b, run.device, False) for b, _ in zip(run.train_loader, range(2))])
-    run.train_model.train()
+    run.step.model.train()
     for _ in range(2):
-        engine.train_step(run, batches)
+        engine.train_step(run.step, batches)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(20):
-            out = engine.train_step(run, batches)
+            out = engine.train_step(run.step, batches)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out.loss)
@@ -101,12 +101,12 @@ def _tiny_run(tiny_microscopy, *sets):
 
 
 def _state(run):
-    opt = {f"{i}.{k}": v.clone() for i, s in enumerate(run.optimizer.state.values())
+    opt = {f"{i}.{k}": v.clone() for i, s in enumerate(run.step.optimizer.state.values())
            for k, v in s.items() if torch.is_tensor(v)}
     # parameters, not buffers: BatchNorm's running statistics are updated by the forward pass (as
     # in torch's GradScaler skip), before any skip is decided
     return ({k: v.detach().clone() for k, v in run.model.named_parameters()}, opt,
-            {k: v.clone() for k, v in run.ema.state_dict().items()})
+            {k: v.clone() for k, v in run.step.ema.state_dict().items()})
 
 
 def _equal(a, b):
@@ -122,23 +122,23 @@ def _equal(a, b):
 @pytest.mark.parametrize("amp", ["off", "bf16"])
 def test_non_finite_step_is_a_no_op_on_the_device(opt, impl, amp, tiny_microscopy):
     run = _tiny_run(tiny_microscopy, f"optim.name={opt}", f"optim.impl={impl}", "optim.weight_decay=0.01")
-    run.precision = type(run.precision)(amp, run.device)
+    run.precision = run.step.precision = type(run.precision)(amp, run.device)
     g = torch.Generator().manual_seed(0)
     good = {"image": torch.rand(4, 1, 32, 32, generator=g), "label": (torch.rand(4, 32, 32, generator=g) > 0.5).long()}
     bad = {"image": good["image"].clone(), "label": good["label"]}
     bad["image"][0, 0, 3, 3] = float("nan")
     for first in (True, False):  # a skipped first step (no optimizer state yet) and a later one
         if not first:
-            engine.train_step(run, iter([good]))
+            engine.train_step(run.step, iter([good]))
         before = _state(run)
-        out = engine.train_step(run, iter([bad]))
+        out = engine.train_step(run.step, iter([bad]))
         assert float(out.skipped) == 1
         after = _state(run)
         assert _equal(before[0], after[0]) and _equal(before[2], after[2])  # weights, EMA
         # optimizer state: unchanged; created by a skipped first step: zeros (a fresh state)
         assert _equal(before[1], {k: v for k, v in after[1].items() if k in before[1]})
         assert all(not v.any() for k, v in after[1].items() if k not in before[1])
-    out = engine.train_step(run, iter([good]))  # and the next finite step trains
+    out = engine.train_step(run.step, iter([good]))  # and the next finite step trains
     assert float(out.skipped) == 0 and not _equal(before[0], _state(run)[0])
     assert all(torch.isfinite(v).all() for v in run.model.parameters())
 
@@ -152,10 +152,10 @@ def test_skipped_first_steps_leave_the_run_as_if_they_never_happened(tiny_micros
     for opt in ("adam", "sgd", "novograd"):
         sets = (f"optim.name={opt}", "optim.impl=loop", "sched.name=constant")
         a, b = _tiny_run(tiny_microscopy, *sets), _tiny_run(tiny_microscopy, *sets)
-        engine.train_step(a, iter([bad]))
+        engine.train_step(a.step, iter([bad]))
         for batch in good:
-            engine.train_step(a, iter([batch]))
-            engine.train_step(b, iter([batch]))
+            engine.train_step(a.step, iter([batch]))
+            engine.train_step(b.step, iter([batch]))
         assert _equal(dict(a.model.named_parameters()), dict(b.model.named_parameters())), opt
 
 

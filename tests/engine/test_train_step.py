@@ -59,7 +59,7 @@ def test_train_step_matches_a_plain_torch_reference(tiny_microscopy):
     micro = [{"image": torch.rand(4, 1, 32, 32, generator=g),
               "label": (torch.rand(4, 32, 32, generator=g) > 0.5).long()} for _ in range(2)]
     ref = {k: v.clone() for k, v in run.model.state_dict().items()}
-    lr = run.optimizer.param_groups[0]["lr"]
+    lr = run.step.optimizer.param_groups[0]["lr"]
     model = engine.build(cfg, loaders=False, data_info={}).model  # same seed: same initial weights
     model.load_state_dict(ref)
     model.train()
@@ -72,7 +72,7 @@ def test_train_step_matches_a_plain_torch_reference(tiny_microscopy):
     with torch.no_grad():
         for p in params:
             p -= lr * coef * p.grad
-    out = engine.train_step(run, iter(micro))
+    out = engine.train_step(run.step, iter(micro))
     assert float(out.skipped) == 0 and out.images == 8
     for (k, a), b in zip(run.model.state_dict().items(), model.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), k

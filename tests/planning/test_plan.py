@@ -11,6 +11,7 @@ from torch import nn
 from fastvision import config, engine
 from fastvision.config import RunConfig
 from fastvision.engine import runtime
+from fastvision.engine.step import StepState
 from fastvision.errors import ConfigError
 from fastvision.planning import autobatch
 from fastvision.planning import estimate as est
@@ -133,9 +134,8 @@ def test_batch_size_auto_finds_known_largest_batch_under_cap():
     cap = (needed(37) + needed(38)) // 2
     model, task, make_optimizer = builder(make, "cpu")()
     cpu = torch.device("cpu")
-    run = engine.Run(RunConfig(), None, cpu, task, model, None, None, {}, runtime.Precision("off", cpu),
-                     generator=torch.Generator(), train_model=model)
-    fits = autobatch.step_fits(run, make_optimizer, cap=cap)
+    state = StepState(task, model, None, None, runtime.Precision("off", cpu), cpu, torch.Generator())
+    fits = autobatch.step_fits(state, make_optimizer, cap=cap)
     calls = []
 
     def counted(b):

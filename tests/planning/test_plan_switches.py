@@ -80,10 +80,11 @@ def _allocator_peak(cfg, batch: int) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run, make_optimizer = recipe_run(cfg, torch.device("cpu"))  # engine.build(train=True): applies the switch
-        run.optimizer = make_optimizer(run.model)
+        run.step.optimizer = make_optimizer(run.model)
+        run.step.scheduler = torch.optim.lr_scheduler.LambdaLR(run.step.optimizer, lambda _: 1.0)
         data = run.task.synthetic_batch(batch, torch.device("cpu"))
         for _ in range(2):
-            engine.train_step(run, itertools.repeat(data))
+            engine.train_step(run.step, itertools.repeat(data))
         del run, data
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
