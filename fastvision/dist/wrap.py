@@ -123,15 +123,22 @@ def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False,
     return ddp
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare module under any DDP and ``torch.compile`` wrappers (for eval and checkpoints)."""
+def _layers(model: nn.Module) -> Iterator[nn.Module]:
+    """``model``, then each module it wraps (DDP's ``module``, ``torch.compile``'s ``_orig_mod``)."""
     while True:
+        yield model
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod
         else:
-            return model
+            return
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare module under any DDP and ``torch.compile`` wrappers (for eval and checkpoints)."""
+    *_, bare = _layers(model)
+    return bare
 
 
 def no_sync(model: nn.Module, skip: bool = True) -> contextlib.AbstractContextManager:
@@ -140,9 +147,5 @@ def no_sync(model: nn.Module, skip: bool = True) -> contextlib.AbstractContextMa
     A plain ``nullcontext`` for a bare model or when ``skip`` is false, so the engine writes
     ``with dist.no_sync(model, not last_micro_step):`` without branching.
     """
-    inner = model
-    if hasattr(inner, "_orig_mod") and not isinstance(inner, nn.parallel.DistributedDataParallel):
-        inner = inner._orig_mod
-    if skip and isinstance(inner, nn.parallel.DistributedDataParallel):
-        return inner.no_sync()
-    return contextlib.nullcontext()
+    ddp = next((m for m in _layers(model) if isinstance(m, nn.parallel.DistributedDataParallel)), None)
+    return ddp.no_sync() if skip and ddp is not None else contextlib.nullcontext()

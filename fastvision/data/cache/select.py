@@ -37,6 +37,7 @@ from fastvision.data.cache.datasets import (
     _Cached,
 )
 from fastvision.data.cache.smart import GPUCacheDataset, SmartCacheDataset
+from fastvision.dist.env import job_key
 from fastvision.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -153,12 +154,7 @@ def default_cache_dir() -> Path:
 def job_name() -> str:
     """A name the local ranks of one job share and other jobs do not (names the /dev/shm folder)."""
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"{uid}-slurm{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
-    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_WORLD_SIZE"):
-        # torchrun's agent is the parent of every local rank of the job.
-        return f"{uid}-tr{os.getppid()}-{os.environ.get('MASTER_PORT', '')}"
-    return f"{uid}-p{os.getpid()}"
+    return f"{uid}-{job_key()}"
 
 
 def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cache_dir: str | None = None,
