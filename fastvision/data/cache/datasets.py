@@ -87,6 +87,15 @@ def fill(fn: Callable[[int], Any], indices: Sequence[int], workers: int, progres
         return out
 
 
+def finish(suffix: Sequence[T.TransformFn], item: dict[str, Any], seed: int, epoch: int,
+           index: int) -> dict[str, Any]:
+    """A cached item as served: the random ``suffix`` run on a shallow copy (so the cache's dict is
+    never edited) with the generator of ``(seed, epoch, index)``, ``index`` being the base index."""
+    if not suffix:
+        return dict(item)
+    return T.apply_random(suffix, dict(item), T.item_generator(seed, epoch, index))
+
+
 class _Cached(Dataset):
     """Shared plumbing: prefix/suffix split, reporting, per-access suffix.
 
@@ -120,9 +129,7 @@ class _Cached(Dataset):
     def finish(self, item: dict[str, Any], index: int) -> dict[str, Any]:
         """Run the suffix on a cached item of base index ``index`` (a shallow copy: suffix
         transforms may replace keys without touching the cached dict)."""
-        if not self.suffix:
-            return dict(item)
-        return T.apply_random(self.suffix, dict(item), T.item_generator(self.seed, self.epoch, index))
+        return finish(self.suffix, item, self.seed, self.epoch, index)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.finish(self._cached(i), i)
