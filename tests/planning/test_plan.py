@@ -168,10 +168,10 @@ def test_every_simulator_hardware_preset_names_a_gpu_in_the_table():
 
 
 def test_plan_with_a_hardware_preset_uses_its_node_shape():
-    from fastvision.planning.plan import make_plan
+    from fastvision.planning.plan import Cluster, make_plan
 
     cfg = config.load("unet2d-microscopy")
-    plan = make_plan(cfg, None, gpus=16, hardware="dgx-h100", switches=False)
+    plan = make_plan(cfg, Cluster(gpus=16, hardware="dgx-h100"), switches=False)
     assert plan["gpu"] == "H100-80GB" and plan["gpus_per_node"] == 8
     assert all(0 < e <= 1 for e in plan["estimate"]["efficiency"])
 
