@@ -39,9 +39,9 @@ class DataConfig:
     val_batch_size: int | None = None
     repeats: int = 1  # yield each training batch this many times (data echoing)
     cache: Literal["none", "ram", "disk", "shared", "smart", "gpu"] = "none"  # training-set cache
-    cache_rate: float = 1.0  # share of items cached (ram, gpu)
+    cache_rate: float = 1.0  # share of items cached (ram, smart)
     cache_dir: str | None = None  # disk cache folder (default: under FASTVISION_CACHE)
-    cache_num: int | None = None  # smart cache: items resident per epoch
+    cache_num: int | None = None  # smart cache: items resident per epoch; None: cache_rate of them (MONAI)
     replace_rate: float = 0.1  # smart cache: share replaced per epoch
 
 

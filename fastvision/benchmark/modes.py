@@ -89,7 +89,7 @@ def setting_config(cfg: RunConfig, batch_size: int, precision: str, *, compile: 
     return out
 
 
-def plan(precisions: list[str], device: torch.device) -> tuple[list[str], list[str]]:
+def runnable_precisions(precisions: list[str], device: torch.device) -> tuple[list[str], list[str]]:
     """Precisions that run on ``device`` and notes for the ones skipped."""
     run, notes = [], []
     for p in precisions:
@@ -133,30 +133,12 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
     if steps < 1 or warmup < 0 or not batch_sizes or min(batch_sizes) < 1:
         raise ConfigError("--steps must be >= 1, --warmup >= 0 and every batch size >= 1")
     device = torch.device(device)
-    todo, notes = plan(precisions, device)
+    todo, notes = runnable_precisions(precisions, device)
     tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    rows = []
     try:
-        for bs in batch_sizes:
-            for prec in todo:
-                log.info("benchmark %s %s batch %d %s", cfg.recipe, mode, bs, prec)
-                row = {"batch_size": bs, "precision": prec}
-                if compile:
-                    torch._dynamo.reset()  # a fresh graph per setting: no recompilation inside the timed steps
-                # every setting is built afresh under the recipe's seed: the same initial weights
-                run = engine.build(setting_config(cfg, bs, prec, compile=compile, channels_last=channels_last,
-                                                  augment=augment, device=device),
-                                   data_info={}, train=mode == "train")
-                try:
-                    times, peak = _measure(run, mode, steps, warmup)
-                    row.update(step_stats(times, bs * (run.step.micro_steps if run.step else 1)))
-                    if peak is not None:
-                        row["peak_memory_mb"] = peak
-                except torch.cuda.OutOfMemoryError:
-                    row["error"] = "out of memory"
-                    torch.cuda.empty_cache()
-                rows.append(row)
-                del run
+        rows = [_measure_setting(cfg, mode, bs, prec, steps, warmup, device=device, compile=compile,
+                                 channels_last=channels_last, augment=augment)
+                for bs in batch_sizes for prec in todo]
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
     add_speedups(rows)
@@ -166,6 +148,30 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
             "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "fastvision": __version__,
             "compile": compile, "channels_last": channels_last, "augment": augment, "steps": steps,
             "warmup": warmup, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "notes": notes, "results": rows}
+
+
+def _measure_setting(cfg: RunConfig, mode: str, bs: int, prec: str, steps: int, warmup: int, *,
+                     device: torch.device, **switches: bool) -> dict[str, Any]:
+    """One row of :func:`run_benchmark`: a run built afresh for (batch size, precision) and timed.
+
+    ``switches`` are ``compile``, ``channels_last`` and ``augment`` (see :func:`setting_config`).
+    """
+    log.info("benchmark %s %s batch %d %s", cfg.recipe, mode, bs, prec)
+    row: dict[str, Any] = {"batch_size": bs, "precision": prec}
+    if switches["compile"]:
+        torch._dynamo.reset()  # a fresh graph per setting: no recompilation inside the timed steps
+    # every setting is built afresh under the recipe's seed: the same initial weights
+    run = engine.build(setting_config(cfg, bs, prec, device=device, **switches), data_info={},
+                       train=mode == "train")
+    try:
+        times, peak = _measure(run, mode, steps, warmup)
+        row.update(step_stats(times, bs * (run.step.micro_steps if run.step else 1)))
+        if peak is not None:
+            row["peak_memory_mb"] = peak
+    except torch.cuda.OutOfMemoryError:
+        row["error"] = "out of memory"
+        torch.cuda.empty_cache()
+    return row
 
 
 def _measure(run: engine.Run, mode: str, steps: int, warmup: int) -> tuple[list[float], float | None]:

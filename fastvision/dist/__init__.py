@@ -29,7 +29,7 @@ from fastvision.dist.comm import (
                                   is_main,
                                   shutdown,
 )
-from fastvision.dist.env import DistEnv, detect_env, expand_nodelist
+from fastvision.dist.env import DistEnv, detect_env, expand_nodelist, job_key
 from fastvision.dist.group import rank, world_size
 from fastvision.dist.launch import horovodrun_command, launch_local, strip_option
 from fastvision.dist.samplers import EvalSampler, TrainSampler
@@ -43,6 +43,6 @@ from fastvision.dist.wrap import (
 )
 
 __all__ = ["DistEnv", "EvalSampler", "TrainSampler", "all_reduce_sum", "barrier", "broadcast_object", "broadcast_state",
-           "detect_env", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init", "is_main",
+           "detect_env", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init", "is_main", "job_key",
            "launch_local", "no_sync", "rank", "shutdown", "strip_option", "synchronized", "unwrap", "world_size",
            "wrap_model", "wrap_optimizer"]

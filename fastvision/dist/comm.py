@@ -87,8 +87,9 @@ def is_main() -> bool:
 
 def all_reduce_sum(t: Tensor) -> Tensor:
     """Sum ``t`` across ranks in place and return it (identity in one process)."""
-    if _active() and _hvd() is not None:
-        _hvd().allreduce_(t, op=_hvd().Sum)
+    hvd = _hvd()
+    if _active() and hvd is not None:
+        hvd.allreduce_(t, op=hvd.Sum)
     elif _active():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
@@ -98,10 +99,11 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank (``obj`` itself in one process)."""
     if not _active():
         return obj
-    if _hvd() is not None:
+    hvd = _hvd()
+    if hvd is not None:
         # horovod matches collectives by name, and its default name is the object's type, which
         # differs between the sending rank (the object) and the others (None): name it explicitly
-        return _hvd().broadcast_object(obj, root_rank=src, name="fastvision.broadcast_object")
+        return hvd.broadcast_object(obj, root_rank=src, name="fastvision.broadcast_object")
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
@@ -111,8 +113,9 @@ def gather_objects(obj: Any) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order, on every rank (e.g. detections for COCO eval)."""
     if not _active():
         return [obj]
-    if _hvd() is not None:
-        return _hvd().allgather_object(obj, name="fastvision.gather_objects")
+    hvd = _hvd()
+    if hvd is not None:
+        return hvd.allgather_object(obj, name="fastvision.gather_objects")
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -120,16 +123,18 @@ def gather_objects(obj: Any) -> list[Any]:
 
 def barrier() -> None:
     """Wait for every rank (no-op in one process)."""
-    if _active() and _hvd() is not None:
-        _hvd().barrier()
+    hvd = _hvd()
+    if _active() and hvd is not None:
+        hvd.barrier()
     elif _active():
         dist.barrier()
 
 
 def shutdown() -> None:
     """Leave the process group, if one was started."""
-    if _hvd() is not None:
-        _hvd().shutdown()
+    hvd = _hvd()
+    if hvd is not None:
+        hvd.shutdown()
         group.HOROVOD.module = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -55,11 +55,32 @@ class DistEnv:
 # --------------------------------------------------------------------------- environment
 
 
-def _int(environ: Mapping[str, str], key: str) -> int:
+def _int(environ: Mapping[str, str], key: str, default: int | None = None) -> int:
+    """``environ[key]`` as an integer; ``default`` when it is not set (None: required)."""
+    if key not in environ and default is not None:
+        return default
     try:
         return int(environ[key])
     except ValueError:
         raise ConfigError(f"environment variable {key}={environ[key]!r} is not an integer") from None
+
+
+def _job_id(environ: Mapping[str, str]) -> str | None:
+    return environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+
+
+def job_key(environ: Mapping[str, str] = os.environ) -> str:
+    """A name the local ranks of one job share and other jobs do not (e.g. a /dev/shm folder).
+
+    ``slurm<job id>.<step id>`` under SLURM; ``tr<agent pid>-<master port>`` under torchrun (its
+    agent is the parent of every local rank); ``p<pid>`` for a single process.
+    """
+    job = _job_id(environ)
+    if job:
+        return f"slurm{job}.{environ.get('SLURM_STEP_ID', '0')}"
+    if environ.get("TORCHELASTIC_RUN_ID") or environ.get("LOCAL_WORLD_SIZE"):
+        return f"tr{os.getppid()}-{environ.get('MASTER_PORT', '')}"
+    return f"p{os.getpid()}"
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -123,9 +144,35 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
 def _slurm_port(environ: Mapping[str, str]) -> int:
     if "MASTER_PORT" in environ:
         return _int(environ, "MASTER_PORT")
-    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "0"
+    job = _job_id(environ) or "0"
     digits = re.sub(r"\D", "", job) or "0"
     return SLURM_PORT_BASE + int(digits) % SLURM_PORT_SPAN
+
+
+def _torchrun_env(environ: Mapping[str, str]) -> DistEnv:
+    world = _int(environ, "WORLD_SIZE")
+    return DistEnv(rank=_int(environ, "RANK"), local_rank=_int(environ, "LOCAL_RANK", 0), world_size=world,
+                   local_world_size=_int(environ, "LOCAL_WORLD_SIZE", world), launcher="torchrun",
+                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                   master_port=_int(environ, "MASTER_PORT", DEFAULT_PORT))
+
+
+def _srun_env(environ: Mapping[str, str]) -> DistEnv:
+    """A task started by ``srun``: rank, node and rendezvous from the SLURM step variables."""
+    world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+    world = _int(environ, world_key, 1)
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    master = environ.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1")
+    return DistEnv(
+        rank=_int(environ, "SLURM_PROCID"),
+        local_rank=_int(environ, "SLURM_LOCALID", 0),
+        world_size=world,
+        local_world_size=_tasks_on_node(per_node, _int(environ, "SLURM_NODEID", 0)) if per_node else world,
+        launcher="slurm",
+        master_addr=master,
+        master_port=_slurm_port(environ),
+    )
 
 
 def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
@@ -145,45 +192,14 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
             it is alone and train on the whole data set), or malformed variables.
     """
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        world = _int(environ, "WORLD_SIZE")
-        return DistEnv(
-            rank=_int(environ, "RANK"),
-            local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
-            world_size=world,
-            local_world_size=_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world,
-            launcher="torchrun",
-            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_PORT,
-        )
-
-    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+        return _torchrun_env(environ)
+    job_id = _job_id(environ)
     step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
     under_srun = "SLURM_PROCID" in environ and step is not None and step != _SLURM_BATCH_STEP
     if job_id is not None and under_srun:
-        world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
-        world = _int(environ, world_key) if world_key in environ else 1
-        node_id = _int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
-        per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-        nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-                    or environ.get("SLURM_NODELIST"))
-        if "MASTER_ADDR" in environ:
-            master = environ["MASTER_ADDR"]
-        elif nodelist:
-            master = expand_nodelist(nodelist)[0]
-        else:
-            master = "127.0.0.1"
-        return DistEnv(
-            rank=_int(environ, "SLURM_PROCID"),
-            local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
-            world_size=world,
-            local_world_size=_tasks_on_node(per_node, node_id) if per_node else world,
-            launcher="slurm",
-            master_addr=master,
-            master_port=_slurm_port(environ),
-        )
-
+        return _srun_env(environ)
     if job_id is not None:
-        ntasks = _int(environ, "SLURM_NTASKS") if "SLURM_NTASKS" in environ else 1
+        ntasks = _int(environ, "SLURM_NTASKS", 1)
         if ntasks > 1:
             raise ConfigError(
                 f"SLURM job {job_id} has {ntasks} tasks (SLURM_NTASKS) but this process was not started by "

@@ -8,16 +8,6 @@ import sys
 from typing import Mapping, Sequence
 
 from fastvision.dist.comm import horovod
-from fastvision.dist.env import (  # noqa: F401
-    DEFAULT_PORT,
-    SLURM_PORT_BASE,
-    SLURM_PORT_SPAN,
-    DistEnv,
-    detect_env,
-    expand_nodelist,
-)
-from fastvision.dist.group import rank, world_size  # noqa: F401  (re-exported)
-from fastvision.dist.samplers import EvalSampler, TrainSampler, _mix_seed  # noqa: F401
 
 log = logging.getLogger(__name__)
 

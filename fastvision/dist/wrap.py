@@ -8,20 +8,10 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from fastvision.dist.env import (  # noqa: F401
-    DEFAULT_PORT,
-    SLURM_PORT_BASE,
-    SLURM_PORT_SPAN,
-    DistEnv,
-    detect_env,
-    expand_nodelist,
-)
-from fastvision.dist.group import rank, world_size  # noqa: F401  (re-exported)
-from fastvision.dist.samplers import EvalSampler, TrainSampler, _mix_seed  # noqa: F401
+from fastvision.dist.comm import _active, _hvd
 from fastvision.errors import ConfigError
 
 log = logging.getLogger(__name__)
-from fastvision.dist.comm import _active, _hvd
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
@@ -37,10 +27,11 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
         model: the bare model (its parameter names name the all-reduces).
         backward_passes_per_step: micro-batches per optimizer step.
     """
-    if _hvd() is None:
+    hvd = _hvd()
+    if hvd is None:
         return optimizer
-    return _hvd().DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                     backward_passes_per_step=backward_passes_per_step, op=_hvd().Average)
+    return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                    backward_passes_per_step=backward_passes_per_step, op=hvd.Average)
 
 
 def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -50,11 +41,12 @@ def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     A fresh optimizer is not broadcast: horovod would first take a zero-gradient step to create its
     state, which moves weights under weight decay and counts a step in Adam's bias correction.
     """
-    if _hvd() is None or _hvd().size() == 1:
+    hvd = _hvd()
+    if hvd is None or hvd.size() == 1:
         return
-    _hvd().broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     if optimizer.state_dict()["state"]:
-        _hvd().broadcast_optimizer_state(optimizer, root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
 
 @contextlib.contextmanager
@@ -96,9 +88,10 @@ def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False,
         The model itself in one process, else a ``DistributedDataParallel`` wrapper.
     """
     model = model.to(device)
-    if _hvd() is not None and sync_bn:
+    horovod = _hvd() is not None
+    if horovod and sync_bn:
         raise ConfigError("train.sync_bn is not supported with --backend horovod; use ddp")
-    if _hvd() is not None or not _active():
+    if horovod or not _active():
         return model  # horovod reduces in its optimizer (wrap_optimizer)
     if sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -123,15 +116,22 @@ def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False,
     return ddp
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare module under any DDP and ``torch.compile`` wrappers (for eval and checkpoints)."""
+def _layers(model: nn.Module) -> Iterator[nn.Module]:
+    """``model``, then each module it wraps (DDP's ``module``, ``torch.compile``'s ``_orig_mod``)."""
     while True:
+        yield model
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod
         else:
-            return model
+            return
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare module under any DDP and ``torch.compile`` wrappers (for eval and checkpoints)."""
+    *_, bare = _layers(model)
+    return bare
 
 
 def no_sync(model: nn.Module, skip: bool = True) -> contextlib.AbstractContextManager:
@@ -140,9 +140,5 @@ def no_sync(model: nn.Module, skip: bool = True) -> contextlib.AbstractContextMa
     A plain ``nullcontext`` for a bare model or when ``skip`` is false, so the engine writes
     ``with dist.no_sync(model, not last_micro_step):`` without branching.
     """
-    inner = model
-    if hasattr(inner, "_orig_mod") and not isinstance(inner, nn.parallel.DistributedDataParallel):
-        inner = inner._orig_mod
-    if skip and isinstance(inner, nn.parallel.DistributedDataParallel):
-        return inner.no_sync()
-    return contextlib.nullcontext()
+    ddp = next((m for m in _layers(model) if isinstance(m, nn.parallel.DistributedDataParallel)), None)
+    return ddp.no_sync() if skip and ddp is not None else contextlib.nullcontext()

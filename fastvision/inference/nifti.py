@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fastvision.ops.regions import regions_to_classes
+
 Predictor = Callable[[Tensor], Tensor]
 
 
@@ -148,31 +150,6 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
         brats = getattr(task, "num_classes", 0) == 4 and tuple(getattr(task, "sample_shape", ()))[:1] == (4,)
     window = tuple(map(float, data_args.get("window", (-57.0, 164.0, 0.0, 1.0))))
     return PreprocessParams(intensity=intensity, window=window, **common), brats
-
-
-def regions_to_classes(masks: Tensor, regions: Sequence[Sequence[int]]) -> Tensor:
-    """Nested region masks -> class indices, inner regions painted over outer ones.
-
-    Each region is labelled with the one class it holds that no region inside it holds (BraTS
-    WT {1,2,3} -> 2, TC {1,3} -> 1, ET {3} -> 3), so ET wins over TC and TC over WT.
-
-    Args:
-        masks: (B, R, *S) bool predictions, one channel per entry of ``regions``.
-        regions: class ids of each region, e.g. ``[[1, 2, 3], [1, 3], [3]]``.
-
-    Returns:
-        (B, *S) int64.
-    """
-    from fastvision.errors import ConfigError
-
-    sets = [set(r) for r in regions]
-    label = torch.zeros((masks.shape[0], *masks.shape[2:]), dtype=torch.long, device=masks.device)
-    for r in sorted(range(len(sets)), key=lambda i: -len(sets[i])):
-        own = sets[r] - set().union(*[s for s in sets if s < sets[r]])
-        if len(own) != 1:
-            raise ConfigError(f"task.args.regions {list(map(list, regions))} are not nested; cannot map to labels")
-        label[masks[:, r]] = own.pop()
-    return label
 
 
 @torch.no_grad()

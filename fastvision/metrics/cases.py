@@ -1,5 +1,6 @@
 """Per-case segmentation metrics (each case's Dice / IoU / HD95 per class or region, then a mean
-over cases), with MONAI's ``DiceMetric`` conventions and an exact cross-rank reduction.
+over cases), with MONAI's ``DiceMetric`` conventions (``mean`` and ``mean_batch`` reductions,
+``ignore_empty``) and an exact cross-rank reduction.
 
 * :func:`case_counts` and :func:`case_scores` give ``(B, C)`` per-case scores from boolean masks,
   with the empty-truth convention ``empty``:
@@ -10,9 +11,6 @@ over cases), with MONAI's ``DiceMetric`` conventions and an exact cross-rank red
     empty scores 1, a prediction on an empty truth scores 0;
   - ``"zero"``: seed 000's TF code, ``2 I / (P + G + 1e-5)``, which scores both-empty as 0.
 
-* :func:`reduce_scores` is MONAI's ``do_metric_reduction`` (``mean``, ``sum``, ``mean_batch``,
-  ``sum_batch``, ``mean_channel``, ``sum_channel``, ``none``) returning ``(value, not_nans)``;
-  :class:`DiceMetric` is the MONAI-style accumulate / ``aggregate`` / ``reset`` object on top.
 * :class:`CaseSums` keeps what the validation loop needs as sums: per class the sum of the cases'
   scores and their count (MONAI ``mean_batch``), and the sum over cases of each case's mean over
   classes with the number of such cases (MONAI ``mean``). Scores are added in fixed point
@@ -28,7 +26,6 @@ import torch
 from torch import Tensor
 
 Empty = Literal["ignore", "one", "zero"]
-REDUCTIONS = ("none", "mean", "sum", "mean_batch", "sum_batch", "mean_channel", "sum_channel")
 
 
 def case_counts(pred: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -73,75 +70,6 @@ def case_scores(tp: Tensor, fp: Tensor, fn: Tensor, metric: Literal["dice", "iou
     else:
         raise ValueError(f"empty must be ignore, one or zero, got {empty!r}")
     return torch.where(truth_empty, fill, score)
-
-
-def reduce_scores(f: Tensor, reduction: str = "mean") -> tuple[Tensor, Tensor]:
-    """MONAI's ``do_metric_reduction`` over NaN-free entries of ``(B, C)`` scores.
-
-    ``mean`` averages each case over its non-NaN channels, then the cases that had any;
-    ``mean_batch`` / ``sum_batch`` reduce over cases per channel; ``mean_channel`` /
-    ``sum_channel`` over channels per case; ``sum`` over both; ``none`` returns ``f``.
-
-    Returns:
-        (value, not_nans): float tensors; ``not_nans`` counts what entered each value.
-    """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
-    valid = ~torch.isnan(f)
-    if reduction == "none":
-        return f, valid.float()
-    f = torch.where(valid, f, 0.0).float()
-    zero = torch.zeros(1, dtype=f.dtype, device=f.device)  # MONAI broadcasts against a (1,) zero
-
-    def mean(total: Tensor, n: Tensor) -> Tensor:
-        return torch.where(n > 0, total / n.clamp(min=1), zero)
-
-    if reduction == "mean":
-        n_c = valid.sum(1).float()
-        per_case = mean(f.sum(1), n_c)
-        n_b = (n_c > 0).sum().float()
-        return mean(per_case.sum(), n_b), n_b
-    if reduction == "sum":
-        return f.sum(), valid.sum().float()
-    dim = 0 if reduction.endswith("batch") else 1
-    n = valid.sum(dim).float()
-    return (mean(f.sum(dim), n) if reduction.startswith("mean") else f.sum(dim)), n
-
-
-class DiceMetric:
-    """MONAI-style cumulative Dice (or IoU): call on batches, then :meth:`aggregate`.
-
-    Args:
-        include_background: keep channel 0 of the one-hot inputs.
-        reduction: default reduction of :meth:`aggregate` (see :func:`reduce_scores`).
-        get_not_nans: :meth:`aggregate` returns ``(value, not_nans)`` instead of ``value``.
-        ignore_empty: MONAI's flag: ``True`` is ``empty="ignore"``, ``False`` is ``empty="one"``.
-        metric: ``"dice"`` or ``"iou"`` (MONAI's ``MeanIoU``).
-    """
-
-    def __init__(self, include_background: bool = True, reduction: str = "mean", get_not_nans: bool = False,
-                 ignore_empty: bool = True, metric: Literal["dice", "iou"] = "dice"):
-        reduce_scores(torch.zeros(1, 1), reduction)  # validates the name
-        self.include_background, self.reduction, self.get_not_nans = include_background, reduction, get_not_nans
-        self.empty: Empty = "ignore" if ignore_empty else "one"
-        self.metric = metric
-        self._scores: list[Tensor] = []
-
-    def __call__(self, y_pred: Tensor, y: Tensor) -> Tensor:
-        """Add a batch. Args: y_pred, y: ``(B, C, *S)`` binarised one-hot masks. Returns ``(B, C')``."""
-        if not self.include_background and y_pred.shape[1] > 1:
-            y_pred, y = y_pred[:, 1:], y[:, 1:]
-        f = case_scores(*case_counts(y_pred, y), metric=self.metric, empty=self.empty)
-        self._scores.append(f)
-        return f
-
-    def aggregate(self, reduction: str | None = None):
-        f = torch.cat(self._scores) if self._scores else torch.zeros(0, 0, dtype=torch.float64)
-        value, not_nans = reduce_scores(f, reduction or self.reduction)
-        return (value, not_nans) if self.get_not_nans else value
-
-    def reset(self) -> None:
-        self._scores = []
 
 
 class CaseSums:

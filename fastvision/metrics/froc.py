@@ -177,9 +177,15 @@ def froc_curve(fp_probs: np.ndarray, tp_probs: np.ndarray, num_lesions: int, num
     return np.asarray(fps, np.float64) / num_slides, np.asarray(tps, np.float64) / max(num_lesions, 1)
 
 
-def froc_score(fps_per_slide: np.ndarray, sensitivity: np.ndarray, rates: Sequence[float] = EVAL_FP_RATES) -> float:
-    """Mean sensitivity at the given FP rates, interpolated on the curve of :func:`froc_curve`."""
-    return float(np.mean(np.interp(rates, fps_per_slide[::-1], sensitivity[::-1])))
+def froc_summary(fps_per_slide: np.ndarray, sensitivity: np.ndarray,
+                 rates: Sequence[float] = EVAL_FP_RATES) -> dict[str, float]:
+    """Sensitivity at each FP rate, interpolated on the curve of :func:`froc_curve`, and their mean.
+
+    Returns:
+        ``{"froc": mean sensitivity, "sens@<rate>": sensitivity, ...}``.
+    """
+    sens = np.interp(rates, fps_per_slide[::-1], sensitivity[::-1])
+    return {"froc": float(np.mean(sens)), **{f"sens@{r:g}": float(s) for r, s in zip(rates, sens)}}
 
 
 def froc(heatmaps: Sequence[np.ndarray], masks: Sequence[np.ndarray | None], threshold: float = 0.5,
@@ -214,10 +220,7 @@ def froc(heatmaps: Sequence[np.ndarray], masks: Sequence[np.ndarray | None], thr
         tps.append(tp)
         lesions += n
     curve = froc_curve(np.concatenate(fps), np.concatenate(tps), lesions, len(heatmaps))
-    sens = np.interp(EVAL_FP_RATES, curve[0][::-1], curve[1][::-1])
-    out = {"froc": float(np.mean(sens))}
-    out.update({f"sens@{r:g}": float(s) for r, s in zip(EVAL_FP_RATES, sens)})
-    return {**out, "slides": float(len(heatmaps)), "lesions": float(lesions)}
+    return {**froc_summary(*curve), "slides": float(len(heatmaps)), "lesions": float(lesions)}
 
 
 # ------------------------------------------------------------------ files and CLI

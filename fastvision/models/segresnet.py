@@ -33,6 +33,10 @@ from fastvision.models.layers import (
 )
 from fastvision.registry import MODELS
 
+# SegResNet's arguments ``norm`` / ``act`` shadow the factories inside it
+_norm = norm
+_act = act
+
 
 def _same(kernel: tuple[int, ...]) -> tuple[int, ...]:
     return tuple((v - 1) // 2 for v in kernel)
@@ -86,9 +90,9 @@ class SegResNet(nn.Module):
         blocks_down: residual blocks per encoder level (its length sets the depth).
         blocks_up: residual blocks per decoder level (one fewer than ``blocks_down``).
         dropout_prob: whole-channel dropout after the stem (0 disables it).
-        norm_name: "group", "batch" or "instance".
+        norm: "group", "batch" or "instance".
         norm_groups: groups for group norm.
-        act_name: activation.
+        act: activation.
         upsample: "nontrainable" ((bi/tri)linear, align_corners=False) or "deconv".
         strides: down-sampling into levels 1.. (``len(blocks_down) - 1`` entries, each an int or one
             per axis, e.g. ``(2, 2, 1)`` for an anisotropic axis); default 2 everywhere.
@@ -112,12 +116,12 @@ class SegResNet(nn.Module):
         blocks_down: tuple[int, ...] = (1, 2, 2, 4),
         blocks_up: tuple[int, ...] = (1, 1, 1),
         dropout_prob: float = 0.2,
-        norm_name: NormName = "group",
+        norm: NormName = "group",
         norm_groups: int = 8,
-        act_name: ActName = "relu",
+        act: ActName = "relu",
         upsample: Literal["nontrainable", "deconv"] = "nontrainable",
-        strides: Sequence[Size] | None = None,
-        kernel_size: Size | Sequence[Size] = 3,
+        strides: tuple[Size, ...] | None = None,
+        kernel_size: Size | tuple[Size, ...] = 3,
     ):
         super().__init__()
         if len(blocks_up) != len(blocks_down) - 1:
@@ -130,7 +134,7 @@ class SegResNet(nn.Module):
         self.dropout = dropout(dropout_prob, spatial_dims)
 
         def res(c: int, n: int, k: tuple[int, ...]) -> list[nn.Module]:
-            return [ResBlock(spatial_dims, c, norm_name, act_name, norm_groups, k) for _ in range(n)]
+            return [ResBlock(spatial_dims, c, norm, act, norm_groups, k) for _ in range(n)]
 
         self.down = nn.ModuleList()
         for i, n in enumerate(blocks_down):
@@ -150,8 +154,8 @@ class SegResNet(nn.Module):
             self.up_samples.append(nn.Sequential(conv_t(c, c // 2, 1, bias=False), resize))
             self.up.append(nn.Sequential(*res(c // 2, n, ks[level - 1])))
         self.head = nn.Sequential(
-            norm(norm_name, spatial_dims, f, groups=norm_groups),
-            act(act_name, inplace=True),
+            _norm(norm, spatial_dims, f, groups=norm_groups),
+            _act(act, inplace=True),
             conv_t(f, out_channels, 1, bias=True),
         )
 
@@ -169,24 +173,6 @@ class SegResNet(nn.Module):
         return self.head(x)
 
 
-@MODELS.register("segresnet")
-def segresnet(
-    *,
-    spatial_dims: int = 3,
-    in_channels: int = 4,
-    out_channels: int = 3,
-    init_filters: int = 16,
-    blocks_down: tuple[int, ...] = (1, 2, 2, 4),
-    blocks_up: tuple[int, ...] = (1, 1, 1),
-    dropout_prob: float = 0.2,
-    norm: NormName = "group",
-    norm_groups: int = 8,
-    act: ActName = "relu",
-    upsample: Literal["nontrainable", "deconv"] = "nontrainable",
-    strides: tuple[Size, ...] | None = None,
-    kernel_size: Size | tuple[Size, ...] = 3,
-) -> SegResNet:
-    """MONAI BraTS SegResNet (16 filters, blocks 1-2-2-4 / 1-1-1, dropout 0.2, 4 in, 3 region outputs);
-    ``strides`` / ``kernel_size`` per level and per axis for anisotropic data (see :class:`SegResNet`)."""
-    return SegResNet(spatial_dims, in_channels, out_channels, init_filters, tuple(blocks_down), tuple(blocks_up),
-                     dropout_prob, norm, norm_groups, act, upsample, strides, kernel_size)
+# MONAI's BraTS SegResNet (16 filters, blocks 1-2-2-4 / 1-1-1, dropout 0.2, 4 in, 3 region outputs);
+# the class is its own builder, its signature the recipe schema
+segresnet = MODELS.register("segresnet")(SegResNet)

@@ -153,14 +153,14 @@ class UNet(nn.Module):
 
     def __init__(
         self,
-        spatial_dims: int,
-        in_channels: int,
-        out_channels: int,
-        filters: tuple[int, ...] | list[int],
+        spatial_dims: int = 2,
+        in_channels: int = 1,
+        out_channels: int = 2,
+        filters: tuple[int, ...] = (32, 64, 128, 256, 512),
         *,
-        strides: Sequence[Size] | None = None,
+        strides: tuple[Size, ...] | None = None,
         n_convs: int = 2,
-        kernel_size: Size | Sequence[Size] = 3,
+        kernel_size: Size | tuple[Size, ...] = 3,
         norm: NormName = "batch",
         act: ActName = "relu",
         act_slope: float = 0.01,
@@ -218,32 +218,8 @@ class UNet(nn.Module):
         return self.head(x)
 
 
-@MODELS.register("unet")
-def unet(
-    *,
-    spatial_dims: int = 2,
-    in_channels: int = 1,
-    out_channels: int = 2,
-    filters: tuple[int, ...] = (32, 64, 128, 256, 512),
-    strides: tuple[Size, ...] | None = None,
-    n_convs: int = 2,
-    kernel_size: Size | tuple[Size, ...] = 3,
-    norm: NormName = "batch",
-    act: ActName = "relu",
-    act_slope: float = 0.01,
-    norm_groups: int = 8,
-    bias: bool | None = None,
-    down: Literal["maxpool", "stride"] = "maxpool",
-    up: Literal["transpose", "interp"] = "transpose",
-    up_kernel: int = 2,
-    head_kernel: int = 1,
-    dropout: float = 0.0,
-    residual: bool = False,
-    init: Literal["default", "xavier"] = "default",
-) -> UNet:
-    """Generic U-Net with every option (see :class:`UNet`)."""
-    kw = dict(locals())
-    return UNet(kw.pop("spatial_dims"), kw.pop("in_channels"), kw.pop("out_channels"), kw.pop("filters"), **kw)
+# the generic U-Net: the class is its own builder, its signature the recipe schema
+unet = MODELS.register("unet")(UNet)
 
 
 def _with_dims(spatial_dims: int):
@@ -252,9 +228,10 @@ def _with_dims(spatial_dims: int):
     def build(**kw) -> UNet:
         return unet(spatial_dims=spatial_dims, **kw)
 
-    sig = inspect.signature(unet)
-    build.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "spatial_dims"])
-    build.__annotations__ = {k: v for k, v in unet.__annotations__.items() if k != "spatial_dims"}
+    sig = inspect.signature(UNet)
+    build.__signature__ = sig.replace(parameters=[p.replace(kind=p.KEYWORD_ONLY) for p in sig.parameters.values()
+                                                  if p.name != "spatial_dims"])
+    build.__annotations__ = {k: v for k, v in UNet.__init__.__annotations__.items() if k != "spatial_dims"}
     build.__doc__ = f"{spatial_dims}-D U-Net with every option of ``unet``."
     return build
 

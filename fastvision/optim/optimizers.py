@@ -27,8 +27,16 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool
 
 
 def effective_lr(cfg: OptimConfig, global_batch: int) -> float:
-    """Linear scaling rule: ``lr * global_batch / ref_batch`` (Goyal et al.); unscaled if no ref."""
-    return cfg.lr if not cfg.ref_batch else cfg.lr * global_batch / cfg.ref_batch
+    """Linear scaling rule (Goyal et al. 2017): ``lr * global_batch / ref_batch``; unscaled if no ref.
+
+    Args:
+        cfg: ``lr`` is the learning rate for ``ref_batch`` images per optimizer step.
+        global_batch: images per optimizer step over all workers (per-worker batch x workers x accum).
+    """
+    if global_batch <= 0 or (cfg.ref_batch is not None and cfg.ref_batch <= 0):
+        raise ConfigError(f"optim: batches must be positive, got global {global_batch}, "
+                          f"optim.ref_batch {cfg.ref_batch}")
+    return cfg.lr if cfg.ref_batch is None else cfg.lr * global_batch / cfg.ref_batch
 
 
 def _impl_kwargs(impl: str, device: torch.device) -> dict:

@@ -38,28 +38,7 @@ from fastvision.planning.configure_recipe import (
     table,
     write_recipe,
 )
-from fastvision.planning.configure_rules import (  # noqa: F401 (re-exported: the rules are part of this API)
-    ANISOTROPY,
-    BASE_FEATURES,
-    BASES,
-    MAX_DATASET_COVERED,
-    MAX_FEATURES_2D,
-    MAX_FEATURES_3D,
-    MIN_BATCH,
-    MIN_EDGE,
-    OVERLAP,
-    PATCH_PIXELS_2D,
-    PATCH_VOXELS_3D,
-    Topology,
-    features,
-    initial_patch,
-    normalisation,
-    resampled_shape,
-    shrink_patch,
-    target_spacing,
-    thin_axis,
-    topology,
-)
+from fastvision.planning import configure_rules as rules
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +69,15 @@ def memory_target(gpu: str | None = None, memory: str | None = None):
 def plan_geometry(fp: dict[str, Any]) -> dict[str, Any]:
     """Spacing, resampled median shape, 2-D / 3-D and the starting patch of a fingerprint."""
     cases = fp["cases"]
-    spacing, spacing_why = target_spacing([c["spacing"] for c in cases], [c["shape_after_crop"] for c in cases])
-    shapes = [resampled_shape(c["shape_after_crop"], c["spacing"], spacing) for c in cases]
+    spacing, spacing_why = rules.target_spacing([c["spacing"] for c in cases], [c["shape_after_crop"] for c in cases])
+    shapes = [rules.resampled_shape(c["shape_after_crop"], c["spacing"], spacing) for c in cases]
     median = np.median(np.asarray(shapes, dtype=float), axis=0).tolist()
-    thin = thin_axis(median)
+    thin = rules.thin_axis(median)
     if thin is None:
-        patch = initial_patch(spacing, median)
+        patch = rules.initial_patch(spacing, median)
     else:
         inplane = [a for a in range(3) if a != thin]
-        p2 = initial_patch([spacing[a] for a in inplane], [median[a] for a in inplane])
+        p2 = rules.initial_patch([spacing[a] for a in inplane], [median[a] for a in inplane])
         patch = [1] * 3
         for a, p in zip(inplane, p2):
             patch[a] = p
@@ -107,13 +86,13 @@ def plan_geometry(fp: dict[str, Any]) -> dict[str, Any]:
             "patch": patch, "n_voxels": n_voxels}
 
 
-def topology_for(geo: dict[str, Any], patch: Sequence[int]) -> Topology:
+def topology_for(geo: dict[str, Any], patch: Sequence[int]) -> rules.Topology:
     """3-D topology, or the in-plane one with depth-1 kernels and strides for a thin stack."""
     thin = geo["thin_axis"]
     if thin is None:
-        return topology(geo["spacing"], patch)
+        return rules.topology(geo["spacing"], patch)
     inplane = [a for a in range(3) if a != thin]
-    t2 = topology([geo["spacing"][a] for a in inplane], [patch[a] for a in inplane])
+    t2 = rules.topology([geo["spacing"][a] for a in inplane], [patch[a] for a in inplane])
 
     def lift(v: list[int], fill: int) -> list[int]:
         out = [fill] * 3
@@ -121,16 +100,16 @@ def topology_for(geo: dict[str, Any], patch: Sequence[int]) -> Topology:
             out[a] = x
         return out
 
-    return Topology([lift(s, 1) for s in t2.strides], [lift(k, 1) for k in t2.kernels], lift(t2.patch, 1),
+    return rules.Topology([lift(s, 1) for s in t2.strides], [lift(k, 1) for k in t2.kernels], lift(t2.patch, 1),
                     lift(t2.pools_per_axis, 0))
 
 
 def _shrink(geo: dict[str, Any], patch: list[int]) -> list[int]:
     thin = geo["thin_axis"]
     if thin is None:
-        return shrink_patch(geo["spacing"], patch, geo["median_shape"])
+        return rules.shrink_patch(geo["spacing"], patch, geo["median_shape"])
     inplane = [a for a in range(3) if a != thin]
-    small = shrink_patch([geo["spacing"][a] for a in inplane], [patch[a] for a in inplane],
+    small = rules.shrink_patch([geo["spacing"][a] for a in inplane], [patch[a] for a in inplane],
                          [geo["median_shape"][a] for a in inplane])
     out = [1] * 3
     for a, p in zip(inplane, small):
@@ -156,13 +135,14 @@ def fit_budget(geo: dict[str, Any], make_cfg, spec, max_traces: int = 12) -> dic
     while True:
         topo = topology_for(geo, patch)
         cfg = make_cfg(topo)
-        t = est.trace(cfg, MIN_BATCH)
+        t = est.trace(cfg, rules.MIN_BATCH)
         traces += 1
         total = est.memory(t).total
         if total <= cap:
             break
         if traces >= max_traces or all(p <= d for p, d in zip(topo.patch, topo.divisor)):
-            raise ConfigError(f"configure: even a {'x'.join(map(str, topo.patch))} patch at batch {MIN_BATCH} needs "
+            raise ConfigError(f"configure: even a {'x'.join(map(str, topo.patch))} patch at batch "
+                              f"{rules.MIN_BATCH} needs "
                               f"{total / 2**30:.1f} GiB, over the {spec.memory_gib:.3g} GiB of {spec.name}")
         # memory is about linear in voxels: drop axes (nnU-Net's order) until the voxels fit, then re-trace
         want = np.prod(topo.patch) * cap / total
@@ -172,10 +152,11 @@ def fit_budget(geo: dict[str, Any], make_cfg, spec, max_traces: int = 12) -> dic
             patch = _shrink(geo, topology_for(geo, patch).patch)
         shrunk = True
     fit = est.largest_batch(cfg, spec, t)
-    cover = max(1, round(geo["n_voxels"] * MAX_DATASET_COVERED / float(np.prod(topo.patch))))
-    batch = max(MIN_BATCH, min(fit, cover))
+    cover = max(1, round(geo["n_voxels"] * rules.MAX_DATASET_COVERED / float(np.prod(topo.patch))))
+    batch = max(rules.MIN_BATCH, min(fit, cover))
     m = est.memory(t)  # linear in the batch (est.linear_batch's model): no extra trace for the figure
-    mem = total + (m.activations + m.inputs) / MIN_BATCH * (batch - MIN_BATCH) * (1 + est.WORKSPACE_FRACTION)
+    per_item = (m.activations + m.inputs) / rules.MIN_BATCH * (1 + est.WORKSPACE_FRACTION)
+    mem = total + per_item * (batch - rules.MIN_BATCH)
     return {"topology": topo, "cfg": cfg, "batch": batch, "batch_fit": fit, "batch_cover": cover,
             "memory_gib": mem / 2**30, "traces": traces, "shrunk": shrunk}
 
@@ -191,18 +172,18 @@ def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = 
     """
     from fastvision.data.fingerprint import fingerprint as take_fingerprint
 
-    if base not in BASES:
-        raise ConfigError(f"--base {base!r}: valid: {', '.join(BASES)}")
+    if base not in rules.BASES:
+        raise ConfigError(f"--base {base!r}: valid: {', '.join(rules.BASES)}")
     fp = fingerprint or take_fingerprint(data)
     spec = memory_target(gpu, memory)
     geo = plan_geometry(fp)
-    norm, norm_why = normalisation(fp["channels"])
+    norm, norm_why = rules.normalisation(fp["channels"])
 
-    def make_cfg(topo: Topology):
+    def make_cfg(topo: rules.Topology):
         from fastvision.config import load
         from fastvision.planning import estimate as est
 
-        cfg = load(BASES[base], [recipe_overrides(fp, geo, topo, norm, base, MIN_BATCH, str(data))])
+        cfg = load(rules.BASES[base], [recipe_overrides(fp, geo, topo, norm, base, rules.MIN_BATCH, str(data))])
         cfg = copy.deepcopy(cfg)
         cfg.train.amp = est.amp_for(cfg.train.amp, spec)  # what it means on the target GPU
         return cfg
@@ -225,7 +206,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("data", help="Decathlon folder (dataset.json, imagesTr/, labelsTr/)")
     p.add_argument("--gpu", help="GPU to fit (a `plan` GPU name; default: this machine's CUDA device, else A100-80GB)")
     p.add_argument("--memory", help="memory budget instead of --gpu, e.g. 24GiB")
-    p.add_argument("--base", default="unet3d", choices=sorted(BASES), help="network family (default unet3d)")
+    p.add_argument("--base", default="unet3d", choices=sorted(rules.BASES), help="network family (default unet3d)")
     p.add_argument("--out", type=Path, help="write the recipe YAML here (default: print the table only)")
     p.add_argument("--json", type=Path, help="also write the plan as JSON")
     p.set_defaults(func=cmd_configure)

@@ -19,6 +19,7 @@ the recipe). Units: bytes, seconds, FLOPs; GiB only in reports.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -197,6 +198,15 @@ def step_time(t: StepTrace, gpu: GPU, precision: str, achieved: tuple[float, flo
     return max(compute[0], mem), compute[1] + mem
 
 
+@functools.lru_cache(maxsize=16)
+def _hardware(name_or_path: str):
+    """The simulator's hardware profile, read once: a plan asks :func:`scaling_efficiency` for every
+    option, switch and GPU count of its curve."""
+    from fastvision.scaling.simulator import load_hardware
+
+    return load_hardware(name_or_path)
+
+
 def scaling_efficiency(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_node: int,
                        link: str, hardware: str | None = None) -> dict[str, float]:
     """Data-parallel efficiency at ``gpus`` from the scaling simulator (weak scaling).
@@ -214,16 +224,10 @@ def scaling_efficiency(step_s: float, batch: int, grad_bytes: float, gpus: int, 
     Returns:
         ``efficiency``, ``step_s`` (the multi-GPU step) and ``exposed_comm_s``.
     """
-    from fastvision.scaling.simulator import (
-        LINKS,
-        StepProfile,
-        bucket_count,
-        load_hardware,
-        predict_step_time,
-    )
+    from fastvision.scaling.simulator import LINKS, StepProfile, bucket_count, predict_step_time
 
     if hardware is not None:
-        where = load_hardware(hardware)
+        where = _hardware(hardware)
         extra = {}
     else:
         if link not in LINKS:

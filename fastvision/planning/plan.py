@@ -14,6 +14,7 @@ import copy
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,67 +51,107 @@ def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: st
     return row
 
 
-def make_plan(cfg: RunConfig, gpu: str | None, gpus: int = 1, nodes: int | None = None, link: str = "infiniband",
-              price: float | None = None, data: str | None = None, dataset_size: int | None = None,
-              batch: int | None = None, achieved: tuple[float, float] | None = None,
-              calibrate: str | None = None, switches: bool = True, hardware: str | None = None) -> dict[str, Any]:
-    """The plan of ``cfg`` on ``gpus`` x ``gpu`` as a JSON-able dict (see the module docstring).
+@dataclass(frozen=True)
+class Cluster:
+    """Where the recipe would train.
 
-    Args:
-        cfg: the loaded recipe (its batch, precision, channels_last, compile and epochs).
-        gpu: a :data:`fastvision.planning.devices.GPUS` name.
+    Attributes:
+        gpu: a :data:`fastvision.planning.devices.GPUS` name; None: the hardware profile's GPU,
+            else A100-80GB.
         gpus: total GPUs; ``nodes`` splits them (default: up to 8 per node).
         link: inter-node link preset of the scaling simulator.
-        hardware: a node profile of the simulator (``dgx-h100``, ``pcie-node``, a YAML file);
-            sets GPUs per node, links and, when ``gpu`` is None, the GPU.
+        hardware: a node profile of the simulator (``dgx-h100``, ``pcie-node``, a YAML file); sets
+            GPUs per node, links and, when ``gpu`` is None, the GPU.
         price: price per GPU-hour, for the cost.
+    """
+
+    gpu: str | None = None
+    gpus: int = 1
+    nodes: int | None = None
+    link: str = "infiniband"
+    hardware: str | None = None
+    price: float | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained where it differs from the recipe, and how close to peak the GPU runs.
+
+    Attributes:
         data, dataset_size: the training set (else the recipe's stated size).
         batch: per-GPU batch (default: the recipe's).
         achieved: (low, high) share of peak dense math; ``calibrate``: a benchmark JSON instead.
-        switches: also trace the what-if switches.
     """
+
+    data: str | None = None
+    dataset_size: int | None = None
+    batch: int | None = None
+    achieved: tuple[float, float] | None = None
+    calibrate: str | None = None
+
+
+def _place(cluster: Cluster) -> tuple[GPU, int, str]:
+    """``(GPU spec, GPUs per node, link name)`` of a cluster."""
     hw = None
-    if hardware is not None:
+    if cluster.hardware is not None:
         from fastvision.scaling.simulator import load_hardware
 
-        hw = load_hardware(hardware)
-    spec = get_gpu(gpu or (hw.gpu if hw else "A100-80GB"))
+        hw = load_hardware(cluster.hardware)
+    gpus, nodes = cluster.gpus, cluster.nodes
+    if gpus < 1 or (nodes is not None and (nodes < 1 or gpus % nodes)):
+        raise ConfigError(f"--gpus {gpus} / --nodes {nodes}: GPUs must be >= 1 and split evenly over nodes")
+    spec = get_gpu(cluster.gpu or (hw.gpu if hw else "A100-80GB"))
+    per_node = hw.gpus_per_node if hw else gpus // nodes if nodes else min(gpus, 8)
+    return spec, per_node, hw.name if hw else cluster.link
+
+
+def _achieved(work: Workload, cfg: RunConfig, t) -> tuple[tuple[float, float], bool, str]:
+    """``(achieved range, calibrated, source)``: from a benchmark JSON, the given range or the default."""
+    if work.calibrate:
+        f, source = est.achieved_from_benchmark(Path(work.calibrate), t, cfg.train.amp, cfg.train.tf32)
+        return (0.85 * f, 1.15 * f), True, source
+    return work.achieved or est.DEFAULT_ACHIEVED, False, "default range"
+
+
+def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Workload(),
+              switches: bool = True) -> dict[str, Any]:
+    """The plan of ``cfg`` on ``cluster`` as a JSON-able dict (see the module docstring).
+
+    Args:
+        cfg: the loaded recipe (its batch, precision, channels_last, compile and epochs).
+        cluster: GPU model and count, nodes, link or hardware profile, price.
+        work: data set size, batch and achieved share of peak where they differ from the recipe.
+        switches: also trace the what-if switches.
+    """
+    spec, per_node, link = _place(cluster)
+    gpus, price = cluster.gpus, cluster.price
     if cfg.train.amp == "auto":
         cfg = copy.deepcopy(cfg)
         cfg.train.amp = est.amp_for("auto", spec)
-    if gpus < 1 or (nodes is not None and (nodes < 1 or gpus % nodes)):
-        raise ConfigError(f"--gpus {gpus} / --nodes {nodes}: GPUs must be >= 1 and split evenly over nodes")
-    per_node = hw.gpus_per_node if hw else gpus // nodes if nodes else min(gpus, 8)
-    link = hw.name if hw else link
-    b = batch or cfg.train.batch_size
+    b = work.batch or cfg.train.batch_size
     precision = est.precision_of(cfg)
     notes = []
     if spec.peak_tflops(precision)[1] != precision:
         notes.append(f"{spec.name} has no {precision} tensor cores: timed at fp32 peak")
     t = est.trace(cfg, b)
-    calibrated, source = False, "default range"
-    if calibrate:
-        f, source = est.achieved_from_benchmark(Path(calibrate), t, cfg.train.amp, cfg.train.tf32)
-        achieved, calibrated = (0.85 * f, 1.15 * f), True
-    achieved = achieved or est.DEFAULT_ACHIEVED
-    items, items_source = est.dataset_items(cfg, data, dataset_size)
+    achieved, calibrated, source = _achieved(work, cfg, t)
+    items, items_source = est.dataset_items(cfg, work.data, work.dataset_size)
     if items is None:
         notes.append(f"dataset size {items_source}; epoch and train time left out")
-    args = dict(gpu=spec, gpus=gpus, gpus_per_node=per_node, link=link, hardware=hardware, items=items,
+    args = dict(gpu=spec, gpus=gpus, gpus_per_node=per_node, link=link, hardware=cluster.hardware, items=items,
                 achieved=achieved, calibrated=calibrated)
     base = _option(cfg, t, compile=cfg.train.compile, batch=b, precision=precision, **args)
     base["largest_batch"] = est.largest_batch(cfg, spec, t, cfg.train.compile)
     plan = {"recipe": cfg.recipe, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib, "gpus": gpus,
-            "gpus_per_node": per_node, "link": link, "hardware": hardware, "epochs": cfg.train.epochs,
-            "dataset_items": items,
-            "dataset_source": items_source, "achieved": list(achieved), "achieved_source": source,
-            "price_per_gpu_hour": price, "params": t.param_count, "grad_bytes": t.grad_bytes,
-            "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes}
+            "gpus_per_node": per_node, "link": link, "hardware": cluster.hardware, "epochs": cfg.train.epochs,
+            "dataset_items": items, "dataset_source": items_source, "achieved": list(achieved),
+            "achieved_source": source, "price_per_gpu_hour": price, "params": t.param_count,
+            "grad_bytes": t.grad_bytes, "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes}
     if price is not None and "gpu_hours" in base:
         base["cost"] = [h * price for h in base["gpu_hours"]]
     if switches:
         plan["switches"] = _switches(cfg, t, base, spec, b, precision, price, args)
-    plan["curve"] = _curve(base, t, b, per_node, link, hardware, items, cfg.train.epochs, price, gpus)
+    plan["curve"] = _curve(base, t, b, per_node, link, cluster.hardware, items, cfg.train.epochs, price, gpus)
     return plan
 
 
@@ -284,9 +325,11 @@ def cmd_plan(args) -> int:
     from fastvision.config import load, parse_override
 
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
-    plan = make_plan(cfg, args.gpu, args.gpus, args.nodes, args.link, args.price_per_gpu_hour, args.data,
-                     args.dataset_size, args.batch_size, _pair(args.achieved) if args.achieved else None,
-                     args.calibrate, switches=not args.no_switches, hardware=args.hardware)
+    cluster = Cluster(gpu=args.gpu, gpus=args.gpus, nodes=args.nodes, link=args.link, hardware=args.hardware,
+                      price=args.price_per_gpu_hour)
+    work = Workload(data=args.data, dataset_size=args.dataset_size, batch=args.batch_size,
+                    achieved=_pair(args.achieved) if args.achieved else None, calibrate=args.calibrate)
+    plan = make_plan(cfg, cluster, work, switches=not args.no_switches)
     print(text_report(plan))  # the CLI's output, not library logging
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

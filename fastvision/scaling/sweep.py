@@ -1,6 +1,7 @@
-"""Data-parallel scaling: LR scaling, the ``fastvision scale`` sweep and its CLI.
+"""Data-parallel scaling: the ``fastvision scale`` sweep and its CLI.
 
-* :func:`scaled_lr` / :func:`warmup_lr`: the linear scaling rule and its warm-up ramp.
+* The linear LR scaling rule and its warm-up are :func:`fastvision.optim.effective_lr` and
+  :func:`fastvision.optim.lr_lambda`, the ones training runs.
 * :func:`sweep`: train a recipe at every world size, ``--repeats`` runs with different seeds each.
 * The report (:mod:`fastvision.scaling.report`): ``scaling.csv/json/md/png`` with mean +- std.
 * The simulator (:mod:`fastvision.scaling.simulator`, re-exported here): predicted speed-up per GPU count
@@ -46,32 +47,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["BACKENDS", "FIELDS", "LINKS", "Backend", "Hardware", "InputPipeline", "Link", "StepProfile", "add_cli",
            "allreduce_s", "bucket_count", "hardware_presets", "load_hardware", "markdown_table", "plot_simulation",
-           "plot_sweep", "predict_step_time", "read_input_rate", "read_run", "ring_allreduce_s", "scaled_lr",
-           "simulate", "simulation_markdown", "summarize", "sweep", "train_args", "tree_allreduce_s", "warmup_lr",
+           "plot_sweep", "predict_step_time", "read_input_rate", "read_run", "ring_allreduce_s",
+           "simulate", "simulation_markdown", "summarize", "sweep", "train_args", "tree_allreduce_s",
            "with_link", "write_report"]
-
-
-# --------------------------------------------------------------------------- learning rate
-
-
-def scaled_lr(base_lr: float, global_batch: int, ref_batch: int) -> float:
-    """Linear scaling rule (Goyal et al. 2017): ``base_lr * global_batch / ref_batch``.
-
-    Args:
-        base_lr: learning rate the recipe states for ``ref_batch`` images per optimizer step.
-        global_batch: images per optimizer step over all workers (per-worker batch x workers x accum).
-        ref_batch: the reference global batch of ``base_lr``.
-    """
-    if global_batch <= 0 or ref_batch <= 0:
-        raise ValueError(f"batches must be positive, got global {global_batch}, reference {ref_batch}")
-    return base_lr * global_batch / ref_batch
-
-
-def warmup_lr(step: int, warmup_steps: int, start_lr: float, target_lr: float) -> float:
-    """Linear ramp from ``start_lr`` at step 0 to ``target_lr`` at ``warmup_steps`` (then constant)."""
-    if warmup_steps <= 0 or step >= warmup_steps:
-        return target_lr
-    return start_lr + (target_lr - start_lr) * step / warmup_steps
 
 
 # --------------------------------------------------------------------------- runs and CLI

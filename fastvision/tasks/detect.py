@@ -7,6 +7,7 @@ device (score threshold, batched NMS, top 100) and scores the whole set with pyc
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,24 @@ PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 13
            (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212)]
 
 
+def focal_params(alpha: float | None, gamma: float | None, loss: nn.Module | None) -> tuple[float, float]:
+    """The focal ``(alpha, gamma)``, set in one place: ``task.args`` or the ``loss: focal`` section.
+
+    Without a focal loss module, ``task.args`` or the seed's 0.25 / 2. With one, its values (alpha
+    None is -1: no class weighting); a ``task.args`` value that differs is a ConfigError rather than
+    silently losing to the loss section.
+    """
+    if loss is None or not hasattr(loss, "gamma"):
+        return (0.25 if alpha is None else float(alpha)), (2.0 if gamma is None else float(gamma))
+    a = getattr(loss, "alpha", None)
+    a = -1.0 if a is None else float(a.reshape(-1)[0]) if torch.is_tensor(a) else float(a)
+    for key, given, used in (("alpha", alpha, a), ("gamma", gamma, float(loss.gamma))):
+        if given is not None and not math.isclose(float(given), used, rel_tol=1e-6):
+            raise ConfigError(f"task.args.{key}={given} but the focal loss has {key}={used:g} (loss.args.{key}): "
+                              f"set {key} in one place")
+    return a, float(loss.gamma)
+
+
 @TASKS.register("detection")
 class DetectionTask(Task):
     """Single-shot detection with sigmoid focal loss and COCO evaluation.
@@ -36,7 +55,8 @@ class DetectionTask(Task):
     Args:
         image_size: square network input side (pixels); must match ``data.args.image_size``.
         num_classes: foreground classes (for benchmark batches; the model has its own).
-        alpha, gamma: focal loss parameters (seed: 0.25, 2).
+        alpha, gamma: focal loss parameters (seed: 0.25, 2), or from the recipe's ``loss: focal``
+            section (:func:`focal_params`).
         match_iou: argmax matcher threshold (seed: 0.5).
         score_threshold, nms_iou, max_detections: post-processing (seed: 1e-8, 0.6, 100).
         max_boxes: pad targets to this fixed count (static shapes for ``--compile``); None: per batch.
@@ -52,18 +72,16 @@ class DetectionTask(Task):
     primary_metric = "map"
     higher_is_better = True
 
-    def __init__(self, *, image_size: int = 320, num_classes: int = 90, alpha: float = 0.25, gamma: float = 2.0,
+    def __init__(self, *, image_size: int = 320, num_classes: int = 90, alpha: float | None = None,
+                 gamma: float | None = None,
                  match_iou: float = 0.5, score_threshold: float = 1e-8, nms_iou: float = 0.6,
                  max_detections: int = 100, max_boxes: int | None = None, ann_file: str | None = None,
                  cat_ids: list[int] | None = None, results_path: str | None = None,
                  loss: nn.Module | None = None, augment: Any = None, info: dict | None = None):
         info = info or {}
         self.image_size, self.num_classes = image_size, num_classes
-        self.alpha, self.gamma, self.match_iou = alpha, gamma, match_iou
-        if loss is not None and hasattr(loss, "gamma"):  # the recipe's ``loss: focal`` section wins
-            a = getattr(loss, "alpha", None)
-            self.gamma = float(loss.gamma)
-            self.alpha = -1.0 if a is None else float(a.reshape(-1)[0]) if torch.is_tensor(a) else float(a)
+        self.alpha, self.gamma = focal_params(alpha, gamma, loss)
+        self.match_iou = match_iou
         self.post = {"score_threshold": score_threshold, "iou_threshold": nms_iou, "max_detections": max_detections}
         self.max_boxes = max_boxes
         self.ann_file = ann_file or info.get("val_ann_file")

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from fastvision.metrics import RegionCounts, hd95
 from fastvision.metrics.cases import CaseSums, case_counts, case_scores
+from fastvision.ops.regions import region_lut, region_masks
 from fastvision.registry import TASKS
 from fastvision.tasks.base import DeviceConstants, Evaluator, Task
 
@@ -81,10 +82,7 @@ class SegmentationTask(Task):
             raise ConfigError("task.args.eval=crop needs task.args.eval_crop, e.g. [224, 224, 160]")
         if self.regions:
             self.primary_metric = "dice"
-            lut = torch.zeros(max(256, 1 + max(max(r) for r in self.regions)), len(self.regions), dtype=torch.bool)
-            for i, r in enumerate(self.regions):
-                lut[r, i] = True
-            self.consts = DeviceConstants(region_lut=lut)
+            self.consts = DeviceConstants(region_lut=region_lut(self.regions))
         self.sample_shape = tuple(sample_shape)
         self.sliding_window = dict(sliding_window) if sliding_window else None
 
@@ -104,8 +102,8 @@ class SegmentationTask(Task):
         return self.region_masks(label).float()
 
     def region_masks(self, label: Tensor) -> Tensor:
-        """(B, *S) labels -> (B, R, *S) bool region masks, by a (label id -> regions) lookup table."""
-        return self.consts.get("region_lut", label.device)[label].movedim(-1, 1)
+        """(B, *S) labels -> (B, R, *S) bool region masks (:func:`fastvision.ops.regions.region_masks`)."""
+        return region_masks(label, self.consts.get("region_lut", label.device))
 
     def loss(self, outputs: Tensor, batch: dict[str, Any]) -> Tensor:
         return self.loss_fn(outputs, self.target(batch["label"]))

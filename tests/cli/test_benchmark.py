@@ -54,17 +54,17 @@ def test_speedups_same_batch_only():
     (["fp32", "tf32", "fp16", "bf16"], ["fp32", "bf16"], ["tf32", "fp16"]),
     (["bf16"], ["bf16"], []),
 ])
-def test_plan_on_cpu_skips_cuda_only_precisions(precisions, runs, skipped):
-    todo, notes = benchmark.plan(precisions, torch.device("cpu"))
+def test_runnable_precisions_on_cpu_skip_cuda_only_ones(precisions, runs, skipped):
+    todo, notes = benchmark.runnable_precisions(precisions, torch.device("cpu"))
     assert todo == runs
     assert [n.split()[0] for n in notes] == skipped
 
 
-def test_plan_rejects_unknown_precision():
+def test_runnable_precisions_reject_unknown_precision():
     from fastvision.errors import ConfigError
 
     with pytest.raises(ConfigError, match="fp8"):
-        benchmark.plan(["fp8"], torch.device("cpu"))
+        benchmark.runnable_precisions(["fp8"], torch.device("cpu"))
 
 
 @pytest.mark.parametrize("mode", ["train", "inference"])

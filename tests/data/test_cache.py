@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from fastvision.data import transforms as T
 from fastvision.data.cache.datasets import CacheDataset, PersistentDataset
-from fastvision.data.cache.smart import GPUCacheDataset, SmartCacheDataset, partitions
+from fastvision.data.cache.smart import PartitionCacheDataset, SmartCacheDataset, partitions
 
 
 class Volumes(Dataset):
@@ -178,7 +178,7 @@ def test_smart_cache_jumps_and_counts_prefix_runs():
 @pytest.mark.parametrize("n, world", [(10, 1), (10, 3), (7, 4), (8, 2)])
 def test_gpu_cache_partitions_cover_every_epoch(n, world):
     base = Volumes(n, size=2)
-    ranks = [GPUCacheDataset(base, "cpu", rank=r, world_size=world, seed=3) for r in range(world)]
+    ranks = [PartitionCacheDataset(base, "cpu", rank=r, world_size=world, seed=3) for r in range(world)]
     held_by_rank0 = set()
     for epoch in range(world + 1):
         served = []
@@ -196,14 +196,14 @@ def test_gpu_cache_partitions_cover_every_epoch(n, world):
 def test_gpu_cache_memory_guard_falls_back():
     base = Volumes(4, size=4)
     with pytest.warns(ResourceWarning, match="caching 2 items"):
-        ds = GPUCacheDataset(base, "cpu", budget_bytes=2 * (4**3 * 4 + 4**3 * 8) + 10)
+        ds = PartitionCacheDataset(base, "cpu", budget_bytes=2 * (4**3 * 4 + 4**3 * 8) + 10)
     assert ds.num_cached == 2 and [ds[j]["id"] for j in range(4)] == [f"case{i}" for i in ds.indices()]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cache_on_cuda():
-    ds = GPUCacheDataset(Volumes(4, size=4), "cuda")
+    ds = PartitionCacheDataset(Volumes(4, size=4), "cuda")
     assert ds[0]["image"].is_cuda and ds.num_cached == 4
 
 

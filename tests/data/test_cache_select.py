@@ -100,16 +100,29 @@ def test_random_dataset_is_refused_not_frozen():
         wrap_train_set(Noisy(), cache="ram")
 
 
-def test_disk_without_identity_and_smart_without_num_are_config_errors(tmp_path):
+def test_disk_without_identity_and_unknown_cache_are_config_errors(tmp_path):
     class NoId(Counted):
         identity = None
 
     with pytest.raises(ConfigError, match="identity"):
         wrap_train_set(NoId(), cache="disk", cache_dir=str(tmp_path))
-    with pytest.raises(ConfigError, match="cache_num"):
-        wrap_train_set(Counted(), cache="smart")
     with pytest.raises(ConfigError, match="data.cache must be one of"):
         wrap_train_set(Counted(), cache="lmdb")
+
+
+@pytest.mark.parametrize("options", [{}, {"cache_rate": 0.5}, {"cache_num": 4}, {"cache_num": 4, "cache_rate": 0.5},
+                                     {"cache_num": 10}])
+def test_smart_cache_defaults_are_monais(options):
+    """``data.cache: smart`` alone works: MONAI SmartCacheDataset's defaults (cache_num unlimited, so
+    cache_rate 1.0 of the items; replace_rate 0.1), and the window it would hold."""
+    from monai.data import SmartCacheDataset as MonaiSmartCache
+
+    ref = MonaiSmartCache(list(range(6)), transform=None, progress=False, **options)
+    smart = wrap_train_set(Counted(n=6), cache="smart", **options)
+    try:
+        assert smart.cache_num == ref.cache_num
+    finally:
+        smart.shutdown()
 
 
 def test_smart_cache_window_moves_with_set_epoch():
@@ -148,12 +161,12 @@ def test_gpu_cache_partitions_cover_every_item_and_refuse_worker_processes():
 def test_cpu_partition_over_budget_holds_only_what_fits():
     """A CPU cache over its memory budget keeps the items that fit and reads the rest from the
     source on each access (holding them anyway would use the memory the guard refused)."""
-    from fastvision.data.cache.smart import GPUCacheDataset
+    from fastvision.data.cache.smart import PartitionCacheDataset
 
     src = Counted(n=5)
     per_item = 4 * 4 * 4 + 4 * 4 * 8  # float32 image + int64 label
     with pytest.warns(ResourceWarning, match="caching 2 items"):
-        ds = GPUCacheDataset(src, "cpu", budget_bytes=2 * per_item + 1)
+        ds = PartitionCacheDataset(src, "cpu", budget_bytes=2 * per_item + 1)
     assert ds.num_cached == 2 and len(ds.items) == 2 and src.reads == 2
     got = {ds[j]["id"]: ds[j] for j in range(len(ds))}
     for i in range(5):

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from fastvision.data.formats.brats import (
+    BRATS_REGIONS,
     find_cases,
     from_brats_labels,
-    labels_to_regions,
-    regions_to_labels,
     to_brats_labels,
 )
 from fastvision.data.formats.decathlon import kfold_split, random_patch
+from fastvision.ops.regions import region_lut, region_masks, regions_to_classes
 from fastvision.data.preprocess3d import (
     PreprocessParams,
     foreground_box,
@@ -80,11 +80,11 @@ def test_brats_label_remap_round_trip_and_regions():
     lab = from_brats_labels(raw)
     assert lab.tolist() == [[0, 1, 2, 3], [3, 2, 1, 0]]
     assert torch.equal(to_brats_labels(lab), raw)
-    regions = labels_to_regions(lab)  # WT, TC, ET
+    regions = region_masks(lab[None], region_lut(BRATS_REGIONS))[0]  # WT, TC, ET
     # MONAI's converter works on BraTS ids and returns TC, WT, ET.
     ref = torch.as_tensor(monai_transforms.ConvertToMultiChannelBasedOnBratsClasses()(raw))
     assert torch.equal(regions, ref[[1, 0, 2]].bool())
-    assert torch.equal(regions_to_labels(regions), lab)
+    assert torch.equal(regions_to_classes(regions[None], BRATS_REGIONS)[0], lab)
 
 
 @pytest.mark.parametrize("shape,spacing,target,expected", [

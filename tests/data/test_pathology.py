@@ -207,7 +207,7 @@ def test_froc_matches_monai():
     ref = compute_froc_curve_data(np.concatenate(m_fp), np.concatenate(m_tp), lesions, 3)
     np.testing.assert_allclose(ours[0], ref[0])
     np.testing.assert_allclose(ours[1], ref[1])
-    assert FR.froc_score(*ours) == pytest.approx(compute_froc_score(*ref))
+    assert FR.froc_summary(*ours)["froc"] == pytest.approx(compute_froc_score(*ref))
 
 
 def test_froc_itc_and_scaled_mask():
@@ -219,7 +219,7 @@ def test_froc_itc_and_scaled_mask():
     # 2 lesions remain; L1 0.9, L2 0.3; FPs as before
     out = FR.froc(heat, mask, threshold=0.05, itc_max_px=3.5)
     fps, sens = FR.froc_curve(np.array([0.6, 0.2, 0.7, 0.1]), np.array([0.9, 0.3]), 2, 3)
-    assert out["froc"] == pytest.approx(FR.froc_score(fps, sens))
+    assert out["froc"] == pytest.approx(FR.froc_summary(fps, sens)["froc"])
     # by hand: thresholds 0.2 0.3 0.6 0.7 0.9 -> FPs 1, 2/3, 2/3, 1/3, 0, 0; sens 1, 1, 1/2, 1/2, 1/2, 0
     # @1/4: between (0, 1/2) and (1/3, 1/2) -> 1/2 ; @1/2 -> 1/2 ; @1.. -> 1  => (1 + 4) / 6
     assert out["froc"] == pytest.approx(5 / 6)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from fastvision.cli import main
-from fastvision.data.formats.brats import find_cases, labels_to_regions
+from fastvision.data.formats.brats import BRATS_REGIONS, find_cases
 from fastvision.data.formats.brats_layouts import detect
 from fastvision.data.inspect import inspect_path
+from fastvision.ops.regions import region_lut, region_masks
 from fastvision.registry import DATASETS
 
 S = 16
@@ -29,6 +30,11 @@ pytestmark = pytest.mark.usefixtures("fresh_logging")
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
+
+
+def _regions(label: torch.Tensor) -> torch.Tensor:
+    """(*S) class ids -> (3, *S) WT, TC, ET masks, as the regions task builds its target."""
+    return region_masks(label[None], region_lut(BRATS_REGIONS))[0]
 
 
 def _label(seed: int, ids: tuple[int, int, int]) -> np.ndarray:
@@ -122,7 +128,7 @@ def test_task01_tarball_layout_loads_with_brats_ids(tmp_path):
     msd = np.asarray(nib.load(str(root / f"labelsTr/{item['id']}.nii.gz")).dataobj)
     # MSD 1 edema -> 2, 2 non-enhancing -> 1, 3 enhancing -> 3 (fastvision's BraTS ids)
     assert torch.equal(item["label"], _expected(msd, {1: 2, 2: 1, 3: 3}))
-    wt, tc, et = labels_to_regions(item["label"])
+    wt, tc, et = _regions(item["label"])
     assert torch.equal(wt, torch.from_numpy(msd > 0)) and torch.equal(et, torch.from_numpy(msd == 3))
     assert torch.equal(tc, torch.from_numpy((msd == 2) | (msd == 3)))
     report = inspect_path(root)
@@ -161,7 +167,7 @@ def test_brats_release_layouts(tmp_path, year, layout, file_ids):
             assert item["image"].shape == (4, S, S, S)
             assert torch.equal(item["label"], _expected(raw, file_ids))
             et_id = 4 if year != "2023" else 3
-            assert torch.equal(labels_to_regions(item["label"])[2], torch.from_numpy(raw == et_id))
+            assert torch.equal(_regions(item["label"])[2], torch.from_numpy(raw == et_id))
     report = inspect_path(tmp_path)
     assert report["layout"] == "brats" and report["cases"] == 4
     assert report["label convention"]["layout"] == layout

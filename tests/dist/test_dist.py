@@ -456,3 +456,14 @@ def _dying_worker(out: Path) -> None:
 if __name__ == "__main__":
     {"basic": _worker, "emulate": _emulation_worker, "die": _dying_worker, "hook": _hook_worker}[sys.argv[2] if len(sys.argv) > 2
                                                                            else "basic"](Path(sys.argv[1]))
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"}, "slurm42.3"),
+    ({"SLURM_JOBID": "42"}, "slurm42.0"),
+    ({"TORCHELASTIC_RUN_ID": "abc", "MASTER_PORT": "29501"}, f"tr{os.getppid()}-29501"),
+    ({"LOCAL_WORLD_SIZE": "2"}, f"tr{os.getppid()}-"),
+    ({}, f"p{os.getpid()}"),
+])
+def test_job_key_names_the_job_from_the_launch_environment(environ, expected):
+    assert dist.job_key(environ) == expected

@@ -142,15 +142,14 @@ def test_keyword_form_with_tta_matches_monai_average():
 
 # ------------------------------------------------------------------ NIfTI prediction (fastvision predict)
 from fastvision.config import RunConfig  # noqa: E402
-from fastvision.data.formats.brats import regions_to_labels  # noqa: E402
 from fastvision.data.synth import load_all  # noqa: E402
 from fastvision.errors import ConfigError  # noqa: E402
 from fastvision.inference.nifti import (  # noqa: E402
     predict_nifti_files,
     prediction_cases,
     prediction_preprocessing,
-    regions_to_classes,
 )
+from fastvision.ops.regions import regions_to_classes  # noqa: E402
 from fastvision.tasks.segment import SegmentationTask  # noqa: E402
 
 BRATS_REGIONS = [[1, 2, 3], [1, 3], [3]]
@@ -176,10 +175,18 @@ def _cfg(name: str, **args) -> RunConfig:
     return cfg
 
 
+def _brats_post_processing(regions: torch.Tensor) -> torch.Tensor:
+    """MONAI / nnU-Net BraTS post-processing by hand: WT -> 2, then TC -> 1, then ET -> 3 on top."""
+    wt, tc, et = regions.bool()
+    label = torch.zeros(wt.shape, dtype=torch.long)
+    label[wt], label[tc], label[et] = 2, 1, 3
+    return label
+
+
 def test_regions_to_classes_matches_brats_post_processing():
     g = torch.Generator().manual_seed(0)
     masks = torch.rand(2, 3, 5, 6, 4, generator=g) > 0.5
-    want = torch.stack([regions_to_labels(m) for m in masks])
+    want = torch.stack([_brats_post_processing(m) for m in masks])
     assert torch.equal(regions_to_classes(masks, BRATS_REGIONS), want)
     with pytest.raises(ConfigError):
         regions_to_classes(masks[:, :2], [[1, 2], [2, 3]])  # overlapping, not nested

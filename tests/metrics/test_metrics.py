@@ -7,18 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastvision.metrics import (
-    ConfusionMatrix,
-    RegionCounts,
-    dice_per_class,
-    hd95,
-    iou_per_class,
-    segmentation_scores,
-    topk_correct,
-)
+from fastvision.losses import DiceLoss
+from fastvision.metrics import RegionCounts, hd95, topk_correct
+from fastvision.metrics.cases import case_counts, case_scores
+from fastvision.tasks.segment import SegmentationTask
 
 # ----------------------------------------------------------------------------------------------
-# Hand-counted confusion matrices
+# Hand-counted cases, through the segmentation evaluator's pooled counts
 
 TARGET = [[0, 0, 1, 1], [0, 2, 2, 1], [0, 0, 2, 2]]
 PRED = [[0, 1, 1, 1], [0, 2, 1, 1], [2, 0, 2, 0]]
@@ -31,56 +26,63 @@ IOU = [0.5, 0.6, 0.4]
 DICE = [2 / 3, 0.75, 4 / 7]
 
 
-def test_confusion_counts_and_scores_by_hand():
-    cm = ConfusionMatrix(3)
-    cm.update(torch.tensor(PRED), torch.tensor(TARGET))
-    assert cm.counts.tolist() == COUNTS and cm.counts.dtype == torch.int64
-    torch.testing.assert_close(iou_per_class(cm), torch.tensor(IOU, dtype=torch.float64))
-    torch.testing.assert_close(dice_per_class(cm.counts), torch.tensor(DICE, dtype=torch.float64))
-    s = segmentation_scores(cm, include_background=False)
+def _pooled_eval(pred, target, c: int, batches: int = 1):
+    """The softmax segmentation evaluator (pooled average) fed one-hot logits of ``pred``."""
+    task = SegmentationTask(num_classes=c, average="pooled", loss=DiceLoss(softmax=True))
+    ev = task.evaluator()
+    logits = F.one_hot(pred, c).movedim(-1, 1).float()
+    for lg, lb in zip(logits.chunk(batches), target.chunk(batches)):
+        ev.update(lg, {"label": lb})
+    return ev
+
+
+def _one_hot_counts(pred, target, c: int) -> RegionCounts:
+    """Pooled counts of every class, background included."""
+    rc = RegionCounts(c)
+    rc.update(F.one_hot(pred, c).movedim(-1, 1), F.one_hot(target, c).movedim(-1, 1))
+    return rc
+
+
+def test_pooled_counts_and_scores_by_hand():
+    pred, target = torch.tensor(PRED), torch.tensor(TARGET)
+    rc = _one_hot_counts(pred, target, 3)
+    m = torch.tensor(COUNTS)
+    assert rc.sums.tolist() == [m.diagonal().tolist(), (m.sum(0) - m.diagonal()).tolist(),
+                                (m.sum(1) - m.diagonal()).tolist()] and rc.sums.dtype == torch.int64
+    torch.testing.assert_close(rc.iou(), torch.tensor(IOU, dtype=torch.float64))
+    torch.testing.assert_close(rc.dice(), torch.tensor(DICE, dtype=torch.float64))
+    s = _pooled_eval(pred, target, 3).compute()  # foreground classes, as training reports them
     assert s["iou"] == pytest.approx(0.5) and s["dice"] == pytest.approx((0.75 + 4 / 7) / 2)
-    assert s["accuracy"] == pytest.approx(8 / 12) and s["iou_0"] == pytest.approx(0.5)
-    assert segmentation_scores(cm)["iou"] == pytest.approx(0.5)
+    assert s["iou/1"] == pytest.approx(0.6) and s["dice/2"] == pytest.approx(4 / 7)
+    assert float(torch.nanmean(rc.iou())) == pytest.approx(0.5)  # background included
 
 
 def test_absent_class_is_nan_and_left_out_of_means():
     # class 3 appears nowhere; class 2 only in the prediction (IoU 0, not NaN)
     target = torch.tensor([[0, 0, 1], [1, 1, 0]])
     pred = torch.tensor([[0, 2, 1], [1, 0, 0]])
-    cm = ConfusionMatrix(4)
-    cm.update(pred, target)
     # class 0: tp 2 fp 1 fn 1 -> 2/4; class 1: tp 2 fp 0 fn 1 -> 2/3; class 2: tp 0 fp 1 -> 0
-    iou = iou_per_class(cm)
+    iou = _one_hot_counts(pred, target, 4).iou()
     torch.testing.assert_close(iou[:3], torch.tensor([0.5, 2 / 3, 0.0], dtype=torch.float64))
     assert math.isnan(iou[3])
-    assert segmentation_scores(cm)["iou"] == pytest.approx((0.5 + 2 / 3 + 0.0) / 3)
-
-
-def test_ignore_index_and_out_of_range_labels_are_dropped():
-    target = torch.tensor([0, 1, 255, 1, 7])
-    pred = torch.tensor([0, 1, 1, 0, 1])
-    cm = ConfusionMatrix(2)
-    cm.update(pred, target, ignore_index=255)
-    assert cm.counts.tolist() == [[1, 0], [1, 1]] and int(cm.dropped) == 2
+    assert float(torch.nanmean(iou)) == pytest.approx((0.5 + 2 / 3 + 0.0) / 3)
+    s = _pooled_eval(pred, target, 4).compute()
+    assert math.isnan(s["iou/3"]) and s["iou"] == pytest.approx((2 / 3 + 0.0) / 2)
 
 
 def test_batches_accumulate_to_one_update_and_state_sums_like_ranks():
     g = torch.Generator().manual_seed(0)
-    preds = [torch.randint(0, 5, (2, 7, 6), generator=g) for _ in range(4)]
-    targets = [torch.randint(0, 5, (2, 7, 6), generator=g) for _ in range(4)]
-    whole = ConfusionMatrix(5)
-    whole.update(torch.cat(preds), torch.cat(targets))
-    batched = ConfusionMatrix(5)
-    for p, t in zip(preds, targets):
-        batched.update(p, t)
-    assert torch.equal(batched.counts, whole.counts)
-    # two "ranks" with half the batches each, combined by summing their states
-    ranks = [ConfusionMatrix(5), ConfusionMatrix(5)]
-    for i, (p, t) in enumerate(zip(preds, targets)):
-        ranks[i % 2].update(p, t)
-    merged = ConfusionMatrix(5)
+    pred, target = torch.randint(0, 5, (8, 7, 6), generator=g), torch.randint(0, 5, (8, 7, 6), generator=g)
+    whole, batched = _pooled_eval(pred, target, 5), _pooled_eval(pred, target, 5, batches=4)
+    for key in ("classes.pooled", "classes.dice", "classes.iou"):
+        assert torch.equal(batched.parts[key].sums, whole.parts[key].sums)
+    # two "ranks" with half the cases each, combined by summing their states
+    ranks = [_pooled_eval(pred[i::2], target[i::2], 5, batches=2) for i in range(2)]
+    merged = SegmentationTask(num_classes=5, average="pooled", loss=DiceLoss(softmax=True)).evaluator()
     merged.load_state(ranks[0].state() + ranks[1].state())
-    assert ranks[0].state().dtype == torch.float64 and torch.equal(merged.counts, whole.counts)
+    assert ranks[0].state().dtype == torch.float64
+    for key in ("classes.pooled", "classes.dice", "classes.iou"):
+        assert torch.equal(merged.parts[key].sums, whole.parts[key].sums)
 
 
 def test_region_counts_by_hand():
@@ -114,21 +116,20 @@ def test_iou_and_dice_match_monai(shape, c):
     pred = torch.where(torch.rand(shape, generator=g) < 0.7, target, torch.randint(0, c, shape, generator=g))
     pred[0][pred[0] == c - 1] = 0  # one image never predicts the last class
     target[0][target[0] == c - 1] = 0  # ... nor contains it: NaN there for MONAI and for us
-    # per image: each image on its own confusion matrix
+    # per image: each image's per-case scores (MONAI's ignore_empty=True: NaN on an empty truth)
     ref_iou = monai_metrics.compute_iou(_onehot(pred, c), _onehot(target, c), include_background=True)
     ref_dice = monai_metrics.DiceMetric(include_background=True, reduction="none")(_onehot(pred, c), _onehot(target, c))
-    for b in range(shape[0]):
-        cm = ConfusionMatrix(c)
-        cm.update(pred[b], target[b])
-        torch.testing.assert_close(iou_per_class(cm), ref_iou[b].double(), equal_nan=True, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(dice_per_class(cm), ref_dice[b].double(), equal_nan=True, rtol=1e-6, atol=1e-6)
+    tp, fp, fn = case_counts(_onehot(pred, c), _onehot(target, c))
+    torch.testing.assert_close(case_scores(tp, fp, fn, "iou"), ref_iou.double(), equal_nan=True, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(case_scores(tp, fp, fn, "dice"), ref_dice.double(), equal_nan=True, rtol=1e-6,
+                               atol=1e-6)
     # whole set: MONAI sees the batch laid side by side as one image
-    cm = ConfusionMatrix(c)
+    rc = RegionCounts(c)
     for b in range(shape[0]):
-        cm.update(pred[b : b + 1], target[b : b + 1])
+        rc.update(_onehot(pred[b : b + 1], c), _onehot(target[b : b + 1], c))
     side_p, side_t = torch.cat(list(pred), dim=0)[None], torch.cat(list(target), dim=0)[None]
     ref = monai_metrics.compute_iou(_onehot(side_p, c), _onehot(side_t, c))[0]
-    torch.testing.assert_close(iou_per_class(cm), ref.double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rc.iou(), ref.double(), rtol=1e-6, atol=1e-6)
 
 
 def test_region_dice_matches_monai_on_multilabel_masks():

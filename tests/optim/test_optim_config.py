@@ -19,6 +19,27 @@ from fastvision.optim import (
 )
 
 
+@pytest.mark.parametrize("base,glob,ref,expected", [
+    (1e-3, 16, 16, 1e-3), (1e-3, 128, 16, 8e-3), (0.1, 64, 256, 0.025), (2e-4, 224, 16, 2.8e-3)])
+def test_effective_lr_linear_scaling(base, glob, ref, expected):
+    """The linear scaling rule (Goyal et al.) as training applies it, hand-computed."""
+    assert effective_lr(OptimConfig(lr=base, ref_batch=ref), glob) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("glob,ref", [(0, 16), (16, 0), (-4, 16)])
+def test_effective_lr_rejects_nonpositive(glob, ref):
+    with pytest.raises(ConfigError):
+        effective_lr(OptimConfig(lr=1e-3, ref_batch=ref), glob)
+
+
+@pytest.mark.parametrize("step,expected", [(0, 0.1), (5, 0.55), (10, 1.0), (50, 1.0)])
+def test_warmup_ramp(step, expected):
+    """Linear warm-up from 0.1 to 1.0 over 10 steps, then constant: the schedule fit runs."""
+    fn = lr_lambda(SchedConfig(name="constant", warmup_epochs=10, warmup_start_factor=0.1), steps_per_epoch=1,
+                   epochs=100)
+    assert fn(step) == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("sched,step,expected", [
     # 10 steps/epoch, 10 epochs = 100 steps; 2 warm-up epochs = 20 steps from factor 0.1
     ({"name": "cosine", "warmup_epochs": 2, "warmup_start_factor": 0.1}, 0, 0.1),

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fastvision.planning import configure as cf
+from fastvision.planning import configure_rules as rules
 
 
 @pytest.mark.parametrize(
@@ -32,7 +33,7 @@ from fastvision.planning import configure as cf
     ],
 )
 def test_target_spacing(spacings, shapes, expected, rule):
-    got, why = cf.target_spacing(spacings, shapes)
+    got, why = rules.target_spacing(spacings, shapes)
     assert got == pytest.approx(expected)
     assert rule in why
 
@@ -53,36 +54,36 @@ def test_target_spacing(spacings, shapes, expected, rule):
     ],
 )
 def test_topology(spacing, patch, strides, kernels, padded):
-    t = cf.topology(spacing, patch)
+    t = rules.topology(spacing, patch)
     assert t.strides == strides and t.kernels == kernels and t.patch == padded
     assert t.divisor == [math.prod(s[a] for s in strides) for a in range(3)]
 
 
 def test_initial_patch_keeps_the_voxel_aspect():
-    assert cf.initial_patch((1, 1, 1), (100, 200, 300)) == [100, 200, 256]
+    assert rules.initial_patch((1, 1, 1), (100, 200, 300)) == [100, 200, 256]
     # 1 / spacing = (2, 2, 0.5) scaled to 256^3 voxels: x (256^3 / 2)^(1/3) = 203.19 -> 406, 406, 102
-    assert cf.initial_patch((0.5, 0.5, 2.0), (500, 500, 80)) == [406, 406, 80]
+    assert rules.initial_patch((0.5, 0.5, 2.0), (500, 500, 80)) == [406, 406, 80]
 
 
 def test_shrink_takes_the_axis_largest_against_the_median():
     # 160 / 160 < 20 / 10: z is the largest relative to the median; its divisor (4) comes off
-    assert cf.shrink_patch((0.6, 0.6, 3.6), (160, 160, 20), (160, 160, 10)) == [160, 160, 16]
+    assert rules.shrink_patch((0.6, 0.6, 3.6), (160, 160, 20), (160, 160, 10)) == [160, 160, 16]
 
 
 def test_normalisation():
     ct = [{"modality": "CT", "mean": 100.0, "std": 50.0, "percentile_00_5": -50.0, "percentile_99_5": 300.0}]
-    args, why = cf.normalisation(ct)
+    args, why = rules.normalisation(ct)
     assert args == {"intensity": "ct", "window": [-50.0, 300.0, -3.0, 4.0]}  # (p - mean) / std
     assert "clip" in why
-    assert cf.normalisation([{"modality": "T2"}, {"modality": "ADC"}])[0] == {"intensity": "mri"}
+    assert rules.normalisation([{"modality": "T2"}, {"modality": "ADC"}])[0] == {"intensity": "mri"}
 
 
 def test_thin_stack_plans_slice_wise():
-    geo = {"spacing": [0.8, 0.8, 6.0], "median_shape": [96, 96, 5], "thin_axis": cf.thin_axis([96, 96, 5])}
+    geo = {"spacing": [0.8, 0.8, 6.0], "median_shape": [96, 96, 5], "thin_axis": rules.thin_axis([96, 96, 5])}
     assert geo["thin_axis"] == 2
     t = cf.topology_for(geo, [96, 96, 1])
     assert all(s[2] == 1 for s in t.strides) and all(k[2] == 1 for k in t.kernels) and t.patch[2] == 1
-    assert cf.thin_axis([40, 50, 35]) is None
+    assert rules.thin_axis([40, 50, 35]) is None
 
 
 def test_memory_budget_parsing():

@@ -168,10 +168,10 @@ def test_every_simulator_hardware_preset_names_a_gpu_in_the_table():
 
 
 def test_plan_with_a_hardware_preset_uses_its_node_shape():
-    from fastvision.planning.plan import make_plan
+    from fastvision.planning.plan import Cluster, make_plan
 
     cfg = config.load("unet2d-microscopy")
-    plan = make_plan(cfg, None, gpus=16, hardware="dgx-h100", switches=False)
+    plan = make_plan(cfg, Cluster(gpus=16, hardware="dgx-h100"), switches=False)
     assert plan["gpu"] == "H100-80GB" and plan["gpus_per_node"] == 8
     assert all(0 < e <= 1 for e in plan["estimate"]["efficiency"])
 
@@ -250,3 +250,17 @@ def test_smaller_input_switch_keeps_the_recipes_divisibility():
     assert spleen.task.args["sample_shape"] == [1, 64, 64, 64] and what == "patch 64x64x64"
     brats, _, _ = est.with_input_scale(config.load("unet3d-brats"), 0.75)
     assert brats.task.args["sample_shape"][1:] == [96, 96, 96]
+
+
+def test_scaling_efficiency_reads_the_hardware_profile_once(monkeypatch):
+    from fastvision.scaling import simulator
+
+    reads = []
+    real = simulator.load_hardware
+    monkeypatch.setattr(simulator, "load_hardware", lambda name: reads.append(name) or real(name))
+    est._hardware.cache_clear()
+    try:
+        runs = [est.scaling_efficiency(0.1, 32, 100e6, g, 8, "infiniband", "dgx-h100") for g in (1, 8, 16)]
+    finally:
+        est._hardware.cache_clear()  # no profile read through the patched loader outlives the test
+    assert reads == ["dgx-h100"] and runs[0]["efficiency"] == pytest.approx(1.0)

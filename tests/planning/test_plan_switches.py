@@ -7,7 +7,7 @@ import pytest
 
 from fastvision import config
 from fastvision.planning import estimate as est
-from fastvision.planning.plan import make_plan, text_report
+from fastvision.planning.plan import Cluster, Workload, make_plan, text_report
 from fastvision.registry import DATASETS, TASKS, check_kwargs
 
 
@@ -31,7 +31,7 @@ def _check_override(recipe: str, text: str) -> None:
 @pytest.mark.slow
 def test_every_switch_plan_names_is_a_set_that_loads():
     recipe = "unet2d-microscopy"
-    plan = make_plan(config.load(recipe), "A100-80GB", dataset_size=64)
+    plan = make_plan(config.load(recipe), Cluster(gpu="A100-80GB"), Workload(dataset_size=64))
     rows = {s["switch"]: s for s in plan["switches"]}
     assert len(rows) == 4
     ck = rows["activation checkpointing on"]

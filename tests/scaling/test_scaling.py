@@ -1,4 +1,4 @@
-"""Tests for fastvision.scaling.sweep: LR rule, the sweep report (mean +- std over seeds), the scale CLI."""
+"""Tests for fastvision.scaling.sweep: the sweep report (mean +- std over seeds), the scale CLI."""
 from __future__ import annotations
 
 import csv
@@ -13,22 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fastvision.scaling import sweep as scaling  # noqa: E402
 from fastvision.scaling.sweep import LINKS, StepProfile  # noqa: E402
-
-
-@pytest.mark.parametrize("base,glob,ref,expected", [
-    (1e-3, 16, 16, 1e-3), (1e-3, 128, 16, 8e-3), (0.1, 64, 256, 0.025), (2e-4, 224, 16, 2.8e-3)])
-def test_scaled_lr(base, glob, ref, expected):
-    assert scaling.scaled_lr(base, glob, ref) == pytest.approx(expected, rel=1e-12)
-
-
-def test_scaled_lr_rejects_nonpositive():
-    with pytest.raises(ValueError):
-        scaling.scaled_lr(1e-3, 0, 16)
-
-
-@pytest.mark.parametrize("step,expected", [(0, 0.1), (5, 0.55), (10, 1.0), (50, 1.0)])
-def test_warmup_lr(step, expected):
-    assert scaling.warmup_lr(step, 10, 0.1, 1.0) == pytest.approx(expected)
 
 
 def test_simulation_plot(tmp_path):

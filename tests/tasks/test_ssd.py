@@ -222,3 +222,25 @@ def test_recipe_two_step_smoke(recipe, tmp_path, monkeypatch):
             "examples": 0}
     summary = engine.fit(from_dict(merge(read_yaml(recipe_path(recipe)), over)), tmp_path / "run", progress=False)
     assert 0.0 <= summary["map"] <= 1.0
+
+
+@pytest.mark.parametrize("task_args,loss_args,expected", [
+    ({}, None, (0.25, 2.0)),                               # the seed's values
+    ({"alpha": 0.5, "gamma": 1.0}, None, (0.5, 1.0)),      # task.args alone
+    ({}, {"alpha": 0.3, "gamma": 3.0}, (0.3, 3.0)),        # loss: focal alone
+    ({"alpha": 0.3, "gamma": 3.0}, {"alpha": 0.3, "gamma": 3.0}, (0.3, 3.0)),  # both, agreeing
+    ({"gamma": 1.0}, {"alpha": 0.25, "gamma": 2.0}, "gamma"),  # both, differing: an error, not a silent winner
+    ({"alpha": 0.5}, {"alpha": 0.25}, "alpha"),
+])
+def test_detection_focal_parameters_set_in_one_place(task_args, loss_args, expected):
+    from fastvision.errors import ConfigError
+    from fastvision.losses import FocalLoss
+    from fastvision.tasks.detect import DetectionTask
+
+    loss = None if loss_args is None else FocalLoss(**loss_args)
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=f"task.args.{expected}"):
+            DetectionTask(image_size=96, num_classes=4, loss=loss, **task_args)
+        return
+    task = DetectionTask(image_size=96, num_classes=4, loss=loss, **task_args)
+    assert (task.alpha, task.gamma) == pytest.approx(expected)

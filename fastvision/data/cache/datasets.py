@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from fastvision.data import transforms as T
 from fastvision.data.cache.format import CorruptEntry, decode, read_item, write_item
+from fastvision.dist.env import detect_env
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,15 @@ def fill(fn: Callable[[int], Any], indices: Sequence[int], workers: int, progres
         return out
 
 
+def finish(suffix: Sequence[T.TransformFn], item: dict[str, Any], seed: int, epoch: int,
+           index: int) -> dict[str, Any]:
+    """A cached item as served: the random ``suffix`` run on a shallow copy (so the cache's dict is
+    never edited) with the generator of ``(seed, epoch, index)``, ``index`` being the base index."""
+    if not suffix:
+        return dict(item)
+    return T.apply_random(suffix, dict(item), T.item_generator(seed, epoch, index))
+
+
 class _Cached(Dataset):
     """Shared plumbing: prefix/suffix split, reporting, per-access suffix.
 
@@ -119,9 +129,7 @@ class _Cached(Dataset):
     def finish(self, item: dict[str, Any], index: int) -> dict[str, Any]:
         """Run the suffix on a cached item of base index ``index`` (a shallow copy: suffix
         transforms may replace keys without touching the cached dict)."""
-        if not self.suffix:
-            return dict(item)
-        return T.apply_random(self.suffix, dict(item), T.item_generator(self.seed, self.epoch, index))
+        return finish(self.suffix, item, self.seed, self.epoch, index)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.finish(self._cached(i), i)
@@ -245,7 +253,8 @@ class SharedCacheDataset(_Cached):
         base: dataset of dict items.
         pipeline: transforms; the prefix before the first ``random`` one is cached.
         name: cache name shared by the ranks of one job (e.g. the run name).
-        local_rank, local_world_size: default ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` (torchrun).
+        local_rank, local_world_size: default: this process's place on its node
+            (:func:`fastvision.dist.env.detect_env`).
         root: folder on a memory file system.
         timeout_s: how long to wait for the other ranks.
         cleanup: local rank 0 deletes the folder at exit (mapped pages stay valid).
@@ -256,8 +265,9 @@ class SharedCacheDataset(_Cached):
                  root: str | Path = "/dev/shm", num_workers: int = 4, progress: bool = True,
                  timeout_s: float = 3600.0, cleanup: bool = True):
         super().__init__(base, pipeline)
-        rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
-        world = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world_size is None else local_world_size
+        env = detect_env() if local_rank is None or local_world_size is None else None
+        rank = env.local_rank if local_rank is None else local_rank
+        world = env.local_world_size if local_world_size is None else local_world_size
         self.dir = Path(root) / f"fastvision-{name}-{self._content_key()}-{len(base)}"
         self.dir.mkdir(parents=True, exist_ok=True)
         if cleanup and rank == 0:

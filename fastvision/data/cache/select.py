@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.utils.data import Dataset
@@ -36,7 +36,8 @@ from fastvision.data.cache.datasets import (
     SharedCacheDataset,
     _Cached,
 )
-from fastvision.data.cache.smart import GPUCacheDataset, SmartCacheDataset
+from fastvision.data.cache.smart import PartitionCacheDataset, SmartCacheDataset
+from fastvision.dist.env import DistEnv, job_key
 from fastvision.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -153,12 +154,7 @@ def default_cache_dir() -> Path:
 def job_name() -> str:
     """A name the local ranks of one job share and other jobs do not (names the /dev/shm folder)."""
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"{uid}-slurm{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
-    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_WORLD_SIZE"):
-        # torchrun's agent is the parent of every local rank of the job.
-        return f"{uid}-tr{os.getppid()}-{os.environ.get('MASTER_PORT', '')}"
-    return f"{uid}-p{os.getpid()}"
+    return f"{uid}-{job_key()}"
 
 
 def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cache_dir: str | None = None,
@@ -178,11 +174,12 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
     Args:
         dataset: the registered training set (items are dicts).
         cache: none, ram, disk, shared, smart or gpu.
-        cache_rate: share of items kept in RAM (ram, one process).
+        cache_rate: share of items kept in RAM (ram, one process; smart).
         cache_dir: folder of the disk cache (None or "auto": :func:`default_cache_dir`). Given with
             a memory cache (ram, shared, smart, gpu), that cache is filled through the disk cache,
             so a second run reads the preprocessed items instead of computing them.
-        cache_num, replace_rate: smart cache window and the share replaced per epoch.
+        cache_num, replace_rate: smart cache window and the share replaced per epoch (MONAI's
+            defaults: no ``cache_num`` limit, so ``cache_rate`` of the items; 0.1).
         env: ``fastvision.dist.DistEnv`` (rank, local rank, world sizes); None: one process.
         device: where the gpu cache places tensors (the training device: also a CPU).
         seed: seed of the random transforms, the smart-cache order and the partitions (same on
@@ -194,53 +191,95 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
     """
     if cache not in CACHES:
         raise ConfigError(f"data.cache must be one of {', '.join(CACHES)}, got {cache!r}")
-    rank, local_rank, world, local_world = ((env.rank, env.local_rank, env.world_size, env.local_world_size)
-                                            if env is not None else (0, 0, 1, 1))
     if cache == "none":
-        if not callable(getattr(dataset, "cache_pipeline", None)):
-            return dataset
-        base, pipeline = dataset.cache_pipeline()
-        out: Any = Pipeline(base, list(pipeline))
-        out.seed = seed
-        return out
+        return _uncached(dataset, seed)
     # A disk cache whose first entry exists was checked when it was written: reading nothing is its point.
     base, pipeline, identity = cache_source(dataset, check=cache != "disk")
     if cache != "disk" and cache_dir:  # a memory cache filled from the persistent one: fast second runs
         base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
-    threads = min(8, os.cpu_count() or 1)
-    progress = rank == 0 and sys.stderr.isatty()
+    env = env if env is not None else DistEnv()
+    src = _Source(base, pipeline, env, seed, threads=min(8, os.cpu_count() or 1),
+                  progress=env.rank == 0 and sys.stderr.isatty())
     if cache == "ram":
-        if not 0 < cache_rate <= 1:
-            raise ConfigError(f"data.cache_rate must be in (0, 1], got {cache_rate}")
-        if world > 1:  # this rank's partition only (MONAI's partition_dataset); shared: one copy per node
-            prefix, suffix = T.split(pipeline)
-            out = GPUCacheDataset(_Cached(base, prefix), "cpu", rank=rank, world_size=world, seed=seed,
-                                  rotate=False, suffix=suffix)
-            out.rank_local = True
-            log.info("data.cache: ram holds partition %d/%d (%d items) on this rank", rank, world, len(out))
-            return out
-        out = CacheDataset(base, pipeline, cache_rate=cache_rate, num_workers=threads, progress=progress)
+        out = _ram(src, cache_rate)
     elif cache == "disk":
-        if identity is None:
-            raise ConfigError(f"data.cache: disk needs {type(dataset).__name__}.identity(i) (a stable name of "
-                              "item i's files) to key its entries; use data.cache: ram")
-        out = PersistentDataset(base, pipeline, disk_dir(cache_dir), identity=identity)
-        if isinstance(pipeline[0], ReadItem) and len(out) and not out.path(0).exists():
-            check_deterministic(dataset)
-        log.info("%s; entries in %s", out.report(), out.dir)
+        out = _disk(src, dataset, identity, cache_dir)
     elif cache == "shared":
-        out = SharedCacheDataset(base, pipeline, job_name(), local_rank=local_rank, local_world_size=local_world,
-                                 num_workers=threads, progress=progress)
+        out = SharedCacheDataset(base, pipeline, job_name(), local_rank=env.local_rank,
+                                 local_world_size=env.local_world_size, num_workers=src.threads, progress=src.progress)
     elif cache == "smart":
-        if cache_num is None:
-            raise ConfigError("data.cache: smart needs data.cache_num (items resident per epoch)")
-        out = SmartCacheDataset(base, pipeline, cache_num=cache_num, replace_rate=replace_rate,
-                                num_workers=max(1, threads // 2), shuffle=True, seed=seed, progress=progress)
-        out.main_process_only = "data.cache: smart replaces items in a background thread of the main process"
-        log.info(out.report())
+        out = _smart(src, cache_num, cache_rate, replace_rate)
     else:
-        return _gpu(base, pipeline, device, rank, local_rank, world, local_world, seed, threads, progress)
+        out = _gpu(src, device)
     out.seed = seed
+    return out
+
+
+class _Source(NamedTuple):
+    """What every cache of :func:`wrap_train_set` is built from."""
+
+    base: Dataset
+    pipeline: list
+    env: Any  # DistEnv
+    seed: int
+    threads: int  # fill threads
+    progress: bool  # show a progress bar
+
+
+def _uncached(dataset: Dataset, seed: int) -> Dataset:
+    """``data.cache: none``: the dataset itself, or its pipeline with nothing cached."""
+    if not callable(getattr(dataset, "cache_pipeline", None)):
+        return dataset
+    base, pipeline = dataset.cache_pipeline()
+    out = Pipeline(base, list(pipeline))
+    out.seed = seed
+    return out
+
+
+def _ram(src: _Source, cache_rate: float) -> Dataset:
+    """``ram``: a share of the items in this process; under DDP this rank's partition only
+    (MONAI's partition_dataset; ``shared`` keeps one copy per node instead)."""
+    if not 0 < cache_rate <= 1:
+        raise ConfigError(f"data.cache_rate must be in (0, 1], got {cache_rate}")
+    env = src.env
+    if env.world_size == 1:
+        return CacheDataset(src.base, src.pipeline, cache_rate=cache_rate, num_workers=src.threads,
+                            progress=src.progress)
+    prefix, suffix = T.split(src.pipeline)
+    out = PartitionCacheDataset(_Cached(src.base, prefix), "cpu", rank=env.rank, world_size=env.world_size,
+                                seed=src.seed, rotate=False, suffix=suffix)
+    out.rank_local = True
+    log.info("data.cache: ram holds partition %d/%d (%d items) on this rank", env.rank, env.world_size, len(out))
+    return out
+
+
+def _disk(src: _Source, dataset: Dataset, identity: Callable[[int], str] | None,
+          cache_dir: str | None) -> Dataset:
+    if identity is None:
+        raise ConfigError(f"data.cache: disk needs {type(dataset).__name__}.identity(i) (a stable name of "
+                          "item i's files) to key its entries; use data.cache: ram")
+    out = PersistentDataset(src.base, src.pipeline, disk_dir(cache_dir), identity=identity)
+    if isinstance(src.pipeline[0], ReadItem) and len(out) and not out.path(0).exists():
+        check_deterministic(dataset)
+    log.info("%s; entries in %s", out.report(), out.dir)
+    return out
+
+
+def smart_cache_num(n: int, cache_num: int | None, cache_rate: float) -> int:
+    """Items resident per epoch, as MONAI's SmartCacheDataset counts them:
+    ``min(cache_num, int(n * cache_rate), n)``, ``cache_num`` None meaning no limit (MONAI's
+    ``sys.maxsize``), so ``data.cache: smart`` alone caches every item."""
+    if not 0 < cache_rate <= 1:
+        raise ConfigError(f"data.cache_rate must be in (0, 1], got {cache_rate}")
+    return min(sys.maxsize if cache_num is None else cache_num, int(n * cache_rate), n)
+
+
+def _smart(src: _Source, cache_num: int | None, cache_rate: float, replace_rate: float) -> Dataset:
+    num = smart_cache_num(len(src.base), cache_num, cache_rate)
+    out = SmartCacheDataset(src.base, src.pipeline, cache_num=num, replace_rate=replace_rate,
+                            num_workers=max(1, src.threads // 2), shuffle=True, seed=src.seed, progress=src.progress)
+    out.main_process_only = "data.cache: smart replaces items in a background thread of the main process"
+    log.info(out.report())
     return out
 
 
@@ -277,26 +316,28 @@ def _through_disk(base: Dataset, pipeline: list, identity: Callable[[int], str] 
     return disk, suffix
 
 
-def _gpu(base: Dataset, pipeline: list, device: torch.device | str, rank: int, local_rank: int, world: int,
-         local_world: int, seed: int, threads: int, progress: bool) -> GPUCacheDataset:
-    prefix, suffix = T.split(pipeline)
-    device = torch.device(device)
+def _gpu(src: _Source, device: torch.device | str) -> PartitionCacheDataset:
+    """``gpu``: this rank's partition on the training device (host RAM on a CPU device)."""
+    prefix, suffix = T.split(src.pipeline)
+    device, env = torch.device(device), src.env
     if device.type != "cuda":
         log.info("data.cache: gpu on %s keeps the items in host memory (the training device)", device)
     rotate = True
-    if world == 1:
-        host: Dataset = _Cached(base, prefix)  # read once, straight onto the device
-    elif local_world > 1:  # partitions rotate: re-uploads read one shared host copy per node
-        host = SharedCacheDataset(base, prefix, job_name(), local_rank=local_rank, local_world_size=local_world,
-                                  num_workers=threads, progress=progress)
+    if env.world_size == 1:
+        host: Dataset = _Cached(src.base, prefix)  # read once, straight onto the device
+    elif env.local_world_size > 1:  # partitions rotate: re-uploads read one shared host copy per node
+        host = SharedCacheDataset(src.base, prefix, job_name(), local_rank=env.local_rank,
+                                  local_world_size=env.local_world_size, num_workers=src.threads,
+                                  progress=src.progress)
     else:  # one rank per node: keep this rank's partition (no host copy of the others)
-        host, rotate = _Cached(base, prefix), False
-    out = GPUCacheDataset(host, device, rank=rank, world_size=world, seed=seed, rotate=rotate, suffix=suffix)
+        host, rotate = _Cached(src.base, prefix), False
+    out = PartitionCacheDataset(host, device, rank=env.rank, world_size=env.world_size, seed=src.seed,
+                                rotate=rotate, suffix=suffix)
     out.rank_local = True  # already this rank's partition: the engine reads it whole
     out.main_process_only = "data.cache: gpu holds device tensors, which worker processes cannot share"
     random = f"; random transforms per access on {device}: {', '.join(T.name(t) for t in suffix)}" if suffix else ""
-    log.info("GPUCacheDataset: %d/%d items of partition %d/%d on %s, the rest in host RAM%s", out.num_cached,
-             len(out), out.part_id, world, device, random)
+    log.info("PartitionCacheDataset: %d/%d items of partition %d/%d on %s, the rest in host RAM%s", out.num_cached,
+             len(out), out.part_id, env.world_size, device, random)
     return out
 
 
@@ -304,7 +345,7 @@ def describe(dataset: Dataset) -> str:
     """One line for logs and the profiler: the cache class and what it holds."""
     if hasattr(dataset, "report"):
         return dataset.report()
-    if isinstance(dataset, GPUCacheDataset):
-        return f"GPUCacheDataset: {dataset.num_cached}/{len(dataset)} items on {dataset.device}"
+    if isinstance(dataset, PartitionCacheDataset):
+        return f"PartitionCacheDataset: {dataset.num_cached}/{len(dataset)} items on {dataset.device}"
     return f"{type(dataset).__name__}: not cached ({len(dataset)} items)"
 

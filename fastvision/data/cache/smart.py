@@ -1,11 +1,12 @@
-"""Smart cache (a sliding window replaced by a background thread) and the per-rank GPU cache.
+"""Smart cache (a sliding window replaced by a background thread) and the per-rank partition cache.
 
 ``SmartCacheDataset`` trains each epoch on ``cache_num`` cached items while a background thread
 prepares the ``ceil(cache_num * replace_rate)`` items that enter the window next epoch (Clara
 SmartCache, MONAI ``SmartCacheDataset``; seed 003's five-image example: epoch e uses items
 ``e*R .. e*R + cache_num - 1`` modulo the dataset length).
 
-``GPUCacheDataset`` places one partition of the data on the device once. In DDP rank r holds
+``PartitionCacheDataset`` places one partition of the data on a device once: the GPU for
+``data.cache: gpu``, host memory for ``gpu`` on a CPU and for ``ram`` under DDP. In DDP rank r holds
 partition ``(r + epoch) % world_size``: partitions are disjoint, together they are the whole
 dataset every epoch, and they rotate between ranks from epoch to epoch so no rank is tied to one
 subset (the MONAI recipe fixes it per rank). A rotation re-uploads 1/world_size of the data from
@@ -25,6 +26,7 @@ from fastvision.data.cache.datasets import (
     _Cached,
     available_ram,
     fill,
+    finish,
     guard,
     item_nbytes,
 )
@@ -111,8 +113,9 @@ def partitions(n: int, world_size: int, seed: int = 0) -> list[list[int]]:
     return [padded[p * per:(p + 1) * per] for p in range(world_size)]
 
 
-class GPUCacheDataset(Dataset):
-    """This rank's partition of ``source`` held on ``device``; ``set_epoch`` rotates partitions.
+class PartitionCacheDataset(Dataset):
+    """This rank's partition of ``source`` held on ``device`` (CUDA or CPU); ``set_epoch`` rotates
+    partitions.
 
     Random transforms (``suffix``) run per access on the cached tensors, so on CUDA the
     foreground-biased crop of a cached volume runs on the GPU (MONAI: CacheDataset + ToDeviced +
@@ -164,7 +167,7 @@ class GPUCacheDataset(Dataset):
             budget = int(torch.cuda.mem_get_info(self.device)[0] * self.memory_fraction)
         else:
             budget = int(available_ram() * self.memory_fraction)
-        n = guard(len(idx), item_nbytes(first), budget, f"GPUCacheDataset on {self.device}")
+        n = guard(len(idx), item_nbytes(first), budget, f"PartitionCacheDataset on {self.device}")
         # beyond the budget: on CUDA the items wait in host RAM; on the CPU that would be the same
         # memory the budget just refused, so they are read from the source on every access
         held = len(idx) if self.device.type != "cpu" else n
@@ -183,7 +186,4 @@ class GPUCacheDataset(Dataset):
             item = _move(self.items[j], self.device)
         else:  # did not fit in the CPU budget: read (the source's pipeline) on every access
             item = self.source[self.indices()[j]]
-        if not self.suffix:
-            return dict(item)
-        index = self.indices()[j]
-        return T.apply_random(self.suffix, dict(item), T.item_generator(self.seed, self.epoch, index))
+        return finish(self.suffix, item, self.seed, self.epoch, self.indices()[j])

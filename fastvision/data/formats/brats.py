@@ -9,7 +9,8 @@ Labels. BraTS files use 0 background, 1 necrotic and non-enhancing tumour core (
 2 peritumoral edema (ED), 4 GD-enhancing tumour (ET). On load 4 becomes 3, so classes are 0..3
 (seed 000's remap); :func:`to_brats_labels` maps 3 back to 4 for files written in BraTS format.
 The evaluated regions are nested: whole tumour WT = {1, 2, 3}, tumour core TC = {1, 3},
-enhancing tumour ET = {3} (:func:`labels_to_regions`).
+enhancing tumour ET = {3} (:data:`BRATS_REGIONS`, the recipes' ``task.args.regions``; masks and
+back through :mod:`fastvision.ops.regions`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from fastvision.registry import DATASETS
 
 MODALITIES = ("flair", "t1", "t1ce", "t2")
 REGION_NAMES = ("wt", "tc", "et")
+BRATS_REGIONS = ((1, 2, 3), (1, 3), (3,))  # class ids of WT, TC, ET (after the 4 -> 3 remap)
 
 
 def from_brats_labels(label: torch.Tensor) -> torch.Tensor:
@@ -37,37 +39,6 @@ def from_brats_labels(label: torch.Tensor) -> torch.Tensor:
 def to_brats_labels(label: torch.Tensor) -> torch.Tensor:
     """Class indices {0, 1, 2, 3} -> BraTS file ids {0, 1, 2, 4}."""
     return remap_labels(label, ((3, 4),))
-
-
-def labels_to_regions(label: torch.Tensor) -> torch.Tensor:
-    """Nested BraTS regions from class indices.
-
-    Args:
-        label: (*S) integer tensor with ids 0..3 (after the 4 -> 3 remap).
-
-    Returns:
-        (3, *S) bool tensor: WT (1, 2, 3), TC (1, 3), ET (3), in that order.
-    """
-    return torch.stack([label > 0, (label == 1) | (label == 3), label == 3])
-
-
-def regions_to_labels(regions: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`labels_to_regions` for predicted (possibly inconsistent) region masks.
-
-    ET wins over TC, TC over WT, as the BraTS post-processing of MONAI and nnU-Net does.
-
-    Args:
-        regions: (3, *S) bool (WT, TC, ET).
-
-    Returns:
-        (*S) int64 class indices 0..3.
-    """
-    wt, tc, et = regions.bool()
-    label = torch.zeros(wt.shape, dtype=torch.long, device=regions.device)
-    label[wt] = 2
-    label[tc] = 1
-    label[et] = 3
-    return label
 
 
 def find_cases(root: str | Path) -> list[dict]:

@@ -158,7 +158,8 @@ class VolumeDataset(Dataset):
 
     def meta(self, index: int) -> dict[str, Any]:
         """Geometry of case ``index`` for :func:`~fastvision.data.preprocess3d.restore_to_input`."""
-        return _unpack(_Preprocess(self.params, self.compute, "int64", meta=True)(_CaseFiles(self.cases)[index]))["meta"]
+        case = _CaseFiles(self.cases)[index]
+        return self.compute({"image": case["image"], "label": case.get("label")}, self.params)["meta"]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         item = self._prefix[0](_CaseFiles(self.cases)[index])
@@ -193,15 +194,15 @@ class _Preprocess(Transform):
     """
 
     def __init__(self, params: PreprocessParams, compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]],
-                 label_dtype: str = "int64", meta: bool = False):
-        self.params, self.compute, self.label_dtype, self.meta = params, compute, label_dtype, meta
+                 label_dtype: str = "int64"):
+        self.params, self.compute, self.label_dtype = params, compute, label_dtype
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
         out = self.compute({"image": item["image"], "label": item.get("label")}, self.params)
         image = out["image"]
         label = out["label"] if "label" in out else torch.zeros(image.shape[1:], dtype=torch.long)
         res = {"image": image, "label": label.to(getattr(torch, self.label_dtype)), "id": item["id"]}
-        return _pack({**res, "meta": out["meta"]}) if self.meta else res
+        return res
 
     def signature(self) -> str:
         module = inspect.getmodule(self.compute)
@@ -211,21 +212,9 @@ class _Preprocess(Transform):
         except (OSError, TypeError):  # no source file: fall back to the function's bytecode
             code = self.compute.__code__.co_code.hex()
         return json.dumps({"params": self.params.key(), "compute": getattr(self.compute, "__qualname__", ""),
-                           "label": self.label_dtype, "meta": self.meta,
+                           # "meta": entries once held the geometry too; the key keeps old entries valid
+                           "label": self.label_dtype, "meta": False,
                            "code": hashlib.sha256(code.encode()).hexdigest()}, sort_keys=True)
-
-
-def _pack(item: dict[str, Any]) -> dict[str, Any]:
-    """Cache entries hold tensors and JSON only: the meta's affines become nested lists."""
-    meta = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in item["meta"].items()}
-    return {**item, "meta": meta}
-
-
-def _unpack(item: dict[str, Any]) -> dict[str, Any]:
-    meta = dict(item["meta"])
-    for k in ("input_affine", "affine"):
-        meta[k] = torch.tensor(meta[k], dtype=torch.float64)
-    return {**item, "meta": meta}
 
 
 def read_dataset_json(root: str | Path) -> dict[str, Any]:
