@@ -57,19 +57,32 @@ def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> 
     dev = _resolve_device(device, env)
     if env.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        if env.launcher == "torchrun":
-            init_method = "env://"  # torchrun publishes MASTER_ADDR/PORT and may use its own store
-        else:
-            host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
-            init_method = f"tcp://{host}:{env.master_port}"
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = dev  # binds the communicator to our GPU: no guessing in barrier()
-        dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
+        if env.launcher == "torchrun":
+            kwargs["store"] = _attempt_store(env, timeout_s)
+        else:
+            host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+            kwargs["init_method"] = f"tcp://{host}:{env.master_port}"
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout_s), **kwargs)
         log.info("joined %s process group: rank %d of %d (%s, %s:%d)", backend, env.rank, env.world_size,
                  env.launcher, env.master_addr, env.master_port)
     return env, dev
+
+
+def _attempt_store(env: DistEnv, timeout_s: float) -> dist.Store:
+    """torchrun's rendezvous store, under a prefix of its own for this restart of the workers.
+
+    The agent keeps one store for all restarts of its workers. A group built on it afresh after a
+    restart reads what the failed attempt wrote under the same keys (gloo's peer addresses, the
+    member counts of a group's barrier): it connects to dead peers or waits for members that never
+    come. That, not the checkpoint, is what made a ``torchrun --max-restarts`` restart fail or hang
+    where a relaunch of the same command resumed cleanly.
+    """
+    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timedelta(seconds=timeout_s)))
+    return dist.PrefixStore(f"fastvision/attempt-{env.restart}", store)
 
 
 _active = group.active

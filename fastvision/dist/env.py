@@ -33,6 +33,7 @@ class DistEnv:
         launcher: ``"single"``, ``"torchrun"`` or ``"slurm"``.
         master_addr: host of rank 0 (rendezvous address).
         master_port: TCP port of the rendezvous store.
+        restart: how often torchrun restarted this job's workers (``TORCHELASTIC_RESTART_COUNT``).
     """
 
     rank: int = 0
@@ -42,6 +43,7 @@ class DistEnv:
     launcher: str = "single"
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
+    restart: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -67,6 +69,12 @@ def _int(environ: Mapping[str, str], key: str, default: int | None = None) -> in
 
 def _job_id(environ: Mapping[str, str]) -> str | None:
     return environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+
+
+def requeue_job_id(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The SLURM job ``scontrol requeue`` takes: an array task's own ``<array id>_<task id>``."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else _job_id(environ)
 
 
 def job_key(environ: Mapping[str, str] = os.environ) -> str:
@@ -154,7 +162,8 @@ def _torchrun_env(environ: Mapping[str, str]) -> DistEnv:
     return DistEnv(rank=_int(environ, "RANK"), local_rank=_int(environ, "LOCAL_RANK", 0), world_size=world,
                    local_world_size=_int(environ, "LOCAL_WORLD_SIZE", world), launcher="torchrun",
                    master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-                   master_port=_int(environ, "MASTER_PORT", DEFAULT_PORT))
+                   master_port=_int(environ, "MASTER_PORT", DEFAULT_PORT),
+                   restart=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def _srun_env(environ: Mapping[str, str]) -> DistEnv:

@@ -13,7 +13,6 @@ connection) or after ``timeout_s``; the others then exit instead of hanging.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from typing import Sequence
 import torch
 import torch.distributed as tdist
 
+from fastvision.dist.env import requeue_job_id
 from fastvision.dist.group import active, world_size
 from fastvision.errors import ConfigError, Preempted  # noqa: F401  (re-exported: raised by the loop)
 
@@ -153,15 +153,9 @@ class Agreement:
         self.group = None
 
 
-def slurm_job_id() -> str | None:
-    """The SLURM job to requeue: the array task's own id where there is one."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
-
-
 def requeue() -> bool:
     """``scontrol requeue $SLURM_JOB_ID``; False (with a warning) outside SLURM or when it fails."""
-    job = slurm_job_id()
+    job = requeue_job_id()
     if job is None:
         log.warning("train.requeue: not a SLURM job (no SLURM_JOB_ID): nothing requeued")
         return False

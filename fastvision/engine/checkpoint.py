@@ -15,7 +15,6 @@ import torch
 from fastvision.errors import ConfigError
 from fastvision.utils.files import (  # noqa: F401
     atomic_link,
-    atomic_save,
     atomic_write,
     load,
     strip_prefixes,

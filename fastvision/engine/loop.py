@@ -205,6 +205,7 @@ class Checkpoints:
             self.step_saves += 1
             if self.keep:  # this one is linked as step-N.pt; the oldest beyond ``keep`` go
                 paths.append(self.folder / checkpoint.STEP_NAME.format(state["step"]))
+                self.writer.join()  # the previous step-N.pt is on disk (write() would wait for it anyway)
                 kept = checkpoint.step_checkpoints(self.folder)
                 prune = kept[: max(0, len(kept) - self.keep + 1)]
         self.writer.write(checkpoint_state(self.run, state, self.resolved, rng_ranks), paths, prune)

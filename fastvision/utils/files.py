@@ -63,9 +63,6 @@ def atomic_link(src: Path, path: Path) -> bool:
     return True
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` atomically (see :func:`atomic_write`)."""
-    atomic_write(path, lambda f: torch.save(obj, f))
 
 def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load a checkpoint safely; a user-facing error names the file if it is missing or corrupt."""

@@ -115,11 +115,13 @@ def test_existing_run_dir_is_never_overwritten(tiny_microscopy, tmp_path):
     assert (run / "notes.txt").read_text() == "keep me"
 
 
-def test_atomic_save_keeps_last_good_checkpoint(tmp_path):
+def test_a_failed_write_keeps_the_last_good_checkpoint(tmp_path):
     path = tmp_path / "last.pt"
-    checkpoint.atomic_save({"model": {"w": torch.ones(3)}}, path)
+    writer = checkpoint.BackgroundWriter()
+    writer.write({"model": {"w": torch.ones(3)}}, [path])
+    writer.write({"model": {"w": torch.zeros(3)}, "bad": lambda: 0}, [path])  # unpicklable: fails in the thread
     with pytest.raises(Exception):
-        checkpoint.atomic_save({"model": {"w": torch.zeros(3)}, "bad": lambda: 0}, path)  # unpicklable
+        writer.join()
     assert torch.equal(checkpoint.load(path)["model"]["w"], torch.ones(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]  # no temp file left behind
 
@@ -127,7 +129,7 @@ def test_atomic_save_keeps_last_good_checkpoint(tmp_path):
 def test_best_is_a_link_of_last_and_survives_later_writes(tmp_path):
     last, best = tmp_path / "last.pt", tmp_path / "best.pt"
     writer = checkpoint.BackgroundWriter()
-    checkpoint.atomic_save({"model": {"w": torch.full((3,), 7.0)}}, best)  # an older best.pt is replaced
+    checkpoint.atomic_write(best, lambda f: torch.save({"model": {"w": torch.full((3,), 7.0)}}, f))  # an older best.pt
     writer.write({"model": {"w": torch.ones(3)}, "epoch": 1}, [last, best])  # improved: both files
     writer.join()
     assert last.stat().st_ino == best.stat().st_ino  # one file written, best.pt linked to it
