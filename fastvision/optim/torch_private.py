@@ -58,9 +58,10 @@ def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> torc
     states = getattr(scaler, "_per_optimizer_states", None)
     try:
         found = list(states[id(optimizer)]["found_inf_per_device"].values())
-    except (TypeError, KeyError):
+        first = found[0]
+    except (TypeError, KeyError, IndexError):
         raise _missing("GradScaler._per_optimizer_states[...]['found_inf_per_device'] (call unscale_ first)") from None
-    return sum(found[1:], found[0]).reshape(())
+    return sum(found[1:], first).reshape(())
 
 
 @contextlib.contextmanager

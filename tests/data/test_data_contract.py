@@ -136,6 +136,24 @@ def test_resume_after_a_checkpoint_equals_the_uninterrupted_run(recipe, datasets
     assert _identical(whole, resumed)
 
 
+@pytest.mark.parametrize("recipe", REPRO)
+def test_a_step_checkpoint_resumes_bit_identically(recipe, datasets, tmp_path):
+    """The checkpoint after step 1 (2 or 3 steps an epoch: batch 1 for the 3-D sets' 2 training cases;
+    train.checkpoint_every=1, kept as step-1.pt), continued in another run directory, ends with the
+    uninterrupted run's weights and epoch losses."""
+    batch = 1 if RECIPES[recipe][0] in ("spleen", "brats") else 2
+    sets = ["train.epochs=2", f"train.batch_size={batch}", "train.steps_per_epoch=3", "train.seed=3",
+            "train.checkpoint_every=1", "train.keep_checkpoints=10"]
+    whole = _train(recipe, datasets, tmp_path / "whole", *sets)
+    step1 = tmp_path / "whole" / "checkpoints" / "step-00000001.pt"
+    assert torch.load(step1, weights_only=True)["position"] == {**torch.load(step1, weights_only=True)["position"],
+                                                                "epoch": 0, "step": 1}
+    resumed = _train(recipe, datasets, tmp_path / "cut", *sets, resume=str(step1))
+    assert _identical(whole, resumed)
+    history = lambda run: torch.load(run / "checkpoints" / "last.pt", weights_only=True)["history"]  # noqa: E731
+    assert [h["train_loss"] for h in history(tmp_path / "whole")] == [h["train_loss"] for h in history(tmp_path / "cut")]
+
+
 def _cli(recipe, data, out, epochs):
     tiny = [f"data.args.path={data}", "train.batch_size=2", "train.target=null", "examples=0",
             "train.steps_per_epoch=3", "train.seed=5", "sched.name=constant", "train.amp=off", *RECIPES[recipe][1]]
