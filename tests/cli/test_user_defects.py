@@ -43,3 +43,41 @@ def test_fp16_run_evaluates_and_predicts_on_cpu(tiny_microscopy, tmp_path, capsy
     code, _, err = run_cli(capsys, "predict", ckpt, tiny_microscopy / "images" / "img_0000.png",
                            "--out", tmp_path / "p", "--device", "cpu")
     assert code == 0 and (tmp_path / "p" / "img_0000_mask.png").is_file(), err
+
+
+RECIPES_3D = ["unet3d-spleen-fast", "unet3d-spleen-baseline", "unet3d-brats", "segresnet-brats"]
+
+
+@pytest.mark.parametrize("command", [["train"], ["profile"], ["benchmark", "--mode", "data"]])
+@pytest.mark.parametrize("recipe", RECIPES_3D)
+def test_3d_recipe_without_data_names_the_flag(recipe, command, tmp_path, capsys):
+    """The 3-D recipes set no data folder: without --data they ended in a TypeError traceback
+    (build_decathlon() missing 'path'), exit 1."""
+    code, _, err = run_cli(capsys, command[0], recipe, *command[1:], "--out", tmp_path / "out")
+    one_line_error(code, err, "decathlon dataset folder", "data.args.path", "--data DIR")
+
+
+@pytest.mark.parametrize("recipe,argv,needles", [
+    ("resnet50-imagenet", [], ["dataset folder not found", "data/imagenet"]),
+    ("ssd320-coco", [], ["COCO dataset folder not found", "data/coco"]),
+    ("resnet18-pathology", [], ["dataset folder not found", "data/synth-pathology"]),
+    ("unet2d-microscopy", ["--data", "NOPE"], ["dataset folder not found", "NOPE"]),
+    ("unet3d-spleen-fast", ["--data", "NOPE"], ["Decathlon dataset folder not found", "NOPE"]),
+    ("unet3d-brats", ["--data", "NOPE", "--set", "data.name=brats"], ["BraTS folder not found", "NOPE"]),
+])
+def test_missing_dataset_folder_names_it_and_the_flag(recipe, argv, needles, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the recipes' default folders (data/...) are relative
+    argv = [str(tmp_path / a) if a == "NOPE" else a for a in argv]
+    code, _, err = run_cli(capsys, "train", recipe, *argv, "--out", tmp_path / "out")
+    one_line_error(code, err, *needles, "(pass --data DIR)")
+
+
+def test_a_builder_missing_a_required_argument_is_a_config_error():
+    """Any builder called without a required keyword is one line naming it, not a TypeError."""
+    from fastvision.errors import ConfigError
+    from fastvision.registry import Registry
+
+    reg = Registry("model")
+    reg.register("needs-width")(lambda *, width: width)
+    with pytest.raises(ConfigError, match=r"model.args: model 'needs-width' needs width"):
+        reg.build("needs-width", {})

@@ -21,7 +21,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from fastvision.data.formats.anomalies import drop_unreadable
-from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.errors import DataError
 from fastvision.registry import DATASETS
 
@@ -284,7 +284,7 @@ def microscopy(*, path: str | None = None, image_size: list[int] = (256, 256),
         skip_unreadable: skip (with one warning) pairs whose image or mask header does not
             decode, instead of stopping with an error naming the file.
     """
-    root = Path(path) if path else default_data_dir()
+    root = dataset_folder(path) if path else default_data_dir()
     pairs = drop_unreadable(pair_files(root), list, header_shape, skip_unreadable, root)
     for img, mask in pairs:  # header-only consistency check, before any training
         if header_shape(img) != header_shape(mask):
