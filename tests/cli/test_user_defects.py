@@ -81,3 +81,52 @@ def test_a_builder_missing_a_required_argument_is_a_config_error():
     reg.register("needs-width")(lambda *, width: width)
     with pytest.raises(ConfigError, match=r"model.args: model 'needs-width' needs width"):
         reg.build("needs-width", {})
+
+
+def test_inspect_lists_every_unusable_file_then_exits_2(tiny_microscopy, tmp_path, capsys):
+    """``data inspect`` stopped at the first file it could not use; it now reports each problem
+    (corrupt file, missing mask, size mismatch, time-lapse stack) and exits 2 after the report."""
+    import shutil
+
+    import numpy as np
+    import tifffile
+    from PIL import Image
+
+    from fastvision.data.inspect import inspect_path
+
+    root = shutil.copytree(tiny_microscopy, tmp_path / "d")
+    (root / "images" / "img_0001.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")
+    (root / "masks" / "img_0002.png").unlink()
+    Image.fromarray(np.zeros((20, 32), np.uint8)).save(root / "masks" / "img_0003.png")
+    tifffile.imwrite(root / "images" / "movie.tif", np.zeros((5, 32, 32), np.uint8), imagej=True,
+                     metadata={"axes": "TYX"})  # a 5-frame time-lapse
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(root / "masks" / "movie.png")
+    code, out, err = run_cli(capsys, "data", "inspect", root)
+    line = one_line_error(code, err, "4 file(s) would stop training")
+    assert "pairs" in out  # the report came first
+    an = inspect_path(root)["anomalies"]
+    assert an["images without a mask of the same stem"] == "1 (img_0002.png)"
+    assert an["image and mask of different sizes"].startswith("1 (img_0003.png (32, 32) vs img_0003.png (20, 32)")
+    bad = an["unreadable files, or Z / T stacks (items are 2-D)"]
+    assert bad.startswith("2 (") and "img_0001.png: cannot read image" in bad
+    assert "movie.tif: a T stack of 5 planes" in bad, line  # frames, not "5 channels"
+    assert inspect_path(root)["pairs"] == 16 - 3
+
+
+@pytest.mark.parametrize("axes,kw", [("TYX", {"imagej": True}), ("TYX", {"ome": True}), ("TYX", {}),
+                                     ("ZYX", {"imagej": True})])
+def test_time_lapse_tiff_is_frames_not_channels(axes, kw, tmp_path):
+    """tifffile's series axes tell frames (T) and planes (Z) from channels (C, S): a 5-frame
+    time-lapse is refused as a stack, naming the file, never read as a 5-channel image."""
+    import numpy as np
+    import tifffile
+
+    from fastvision.data.formats.microscopy import read_array
+    from fastvision.errors import DataError
+
+    f = tmp_path / "movie.tif"
+    tifffile.imwrite(f, np.zeros((5, 16, 16), np.uint8), metadata={"axes": axes}, **kw)
+    with pytest.raises(DataError, match=rf"movie.tif: a {axes[0]} stack of 5 planes"):
+        read_array(f)
+    tifffile.imwrite(tmp_path / "rgb.tif", np.zeros((3, 16, 16), np.uint8), imagej=True, metadata={"axes": "CYX"})
+    assert read_array(tmp_path / "rgb.tif").shape == (16, 16, 3)
