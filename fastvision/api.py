@@ -139,21 +139,37 @@ def load_run(path: str | Path, device: str = "auto", with_data: bool = True):
     cfg.train.device = device
     cfg.train.compile = False
     cfg.train.backend = "ddp"  # evaluation is one process: no horovod needed for a horovod-trained run
+    if cfg.train.amp == "fp16" and not _on_cuda(device):
+        # fp16 autocast (and its loss scaler) is CUDA's; a run trained so on a GPU evaluates and
+        # predicts in fp32 elsewhere instead of stopping on the training-time precision check
+        log.info("precision: off (the run trained with train.amp=fp16 on CUDA; %s device: fp32)", device)
+        cfg.train.amp = "off"
     run = build(cfg, data_info=None if with_data else ckpt.get("data_info", {}))
     run.model.load_state_dict(ckpt.get("eval_model", ckpt["model"]))  # EMA weights when trained with EMA
     run.model.eval()
     return run, ckpt_path
 
 
+def _on_cuda(device: str) -> bool:
+    """Whether ``--device`` (``auto`` picks CUDA where present) is a CUDA device."""
+    import torch
+
+    if device == "auto":
+        return torch.cuda.is_available()
+    try:
+        return torch.device(device).type == "cuda"
+    except RuntimeError:  # not a device name: the build names it in a one-line error
+        return False
+
+
 def evaluate_path(path: str | Path, device: str = "auto", data: str | None = None) -> dict[str, Any]:
     """Validation metrics of a run's best (else last) checkpoint, on its validation split."""
-    from fastvision.engine import evaluate, make_loader, runtime
+    from fastvision.engine import evaluate, make_loader
 
     run, ckpt_path = _load_for(path, device, data)
     loader = make_loader(run.val_set, run.task, run.cfg, run.cfg.data.val_batch_size or run.cfg.train.batch_size,
                          False, run.device)
-    precision = runtime.Precision(run.cfg.train.amp, run.device)
-    metrics = evaluate(run.model, run.task, loader, run.device, precision, run.cfg.train.channels_last)
+    metrics = evaluate(run.model, run.task, loader, run.device, run.precision, run.cfg.train.channels_last)
     return {"checkpoint": str(ckpt_path), "items": len(run.val_set), **metrics}
 
 
@@ -185,4 +201,5 @@ def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: st
                                            if f.is_dir() else [f])]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return run.task.predict_files(run.model, expanded, out, run.cfg, run.device)
+    with run.precision.autocast():  # the run's precision, as evaluate: train.amp=auto is bf16 / fp16 on a GPU
+        return run.task.predict_files(run.model, expanded, out, run.cfg, run.device)

@@ -192,7 +192,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.fingerprint:
         from fastvision.data.fingerprint import cmd_fingerprint
         return cmd_fingerprint(Path(args.path), args.json)
-    print_report(inspect_path(Path(args.path)))
+    report = inspect_path(Path(args.path))
+    print_report(report)
+    unusable = report.get("unusable") or {}
+    if unusable:  # every anomaly is listed above; the exit code says the folder does not train as is
+        raise DataError(f"{args.path}: {sum(unusable.values())} file(s) would stop training "
+                        f"({'; '.join(unusable)}): listed above")
     return 0
 
 
@@ -238,7 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", nargs="?", help="output folder (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_synth, takes_extra=True, parser=p)
-    p = dsub.add_parser("inspect", help="counts, shapes, dtypes, intensity range, class balance")
+    p = dsub.add_parser("inspect", help="counts, shapes, dtypes, intensity range, class balance",
+                        description="Report a dataset folder: counts, shapes, dtypes, intensity range, class "
+                        "balance and every anomaly. Exits 2 (after the full report) when files would stop "
+                        "training: unreadable, a Z/T stack, an image without its mask, sizes that differ.")
     p.add_argument("path")
     p.add_argument("--fingerprint", action="store_true", help="every case (Decathlon): spacing, shape, shape after "
                    "crop, foreground intensity statistics per channel, class fractions; what `configure` plans from")

@@ -66,7 +66,14 @@ class Registry:
         """
         fn = self.get(name)
         kwargs = dict(kwargs or {})
-        check_kwargs(fn, kwargs, where or f"{self.kind}.args", exclude=set(extra))
+        where = where or f"{self.kind}.args"
+        check_kwargs(fn, kwargs, where, exclude=set(extra))
+        missing = [p.name for p in _params(fn)
+                   if p.default is inspect.Parameter.empty and p.name not in kwargs and p.name not in extra]
+        if self.kind == "dataset" and "path" in missing:  # a recipe without a default folder (the 3-D ones)
+            raise ConfigError(f"the {name} dataset folder is not set ({where}.path): pass --data DIR")
+        if missing:
+            raise ConfigError(f"{where}: {self.kind} {name!r} needs {', '.join(missing)}")
         return fn(**kwargs, **extra)
 
 

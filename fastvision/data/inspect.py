@@ -45,7 +45,7 @@ def print_report(report: dict[str, Any]) -> None:
     table.add_column(overflow="fold")  # file names wrap rather than end in "..."
     table.add_row("detected layout", str(report.get("detected", report["layout"])))
     for k, v in report.items():
-        if k in ("layout", "path", "detected", "anomalies"):
+        if k in ("layout", "path", "detected", "anomalies", "unusable"):
             continue
         table.add_row(k, ", ".join(f"{a}: {b}" for a, b in v.items()) if isinstance(v, dict) else str(v))
     anomalies = report.get("anomalies") or {}
@@ -67,15 +67,25 @@ def anomaly_rows(found: dict[str, Sequence[Any]]) -> dict[str, str]:
 def inspect_microscopy(path: Path) -> dict[str, Any]:
     from fastvision.data.formats.microscopy import pair_files, read_array
 
-    pairs = pair_files(path)
+    unusable: dict[str, list[str]] = {}  # what training would stop on: every one listed, then exit 2
+    pairs = pair_files(path, unusable)
     shapes, dtypes, classes, encodings = Counter(), Counter(), Counter(), Counter()
     anomalies: dict[str, list[str]] = {}
     by_encoding: dict[str, list[str]] = {}
     lo, hi = np.inf, -np.inf
+    usable = 0
     for img_path, mask_path in pairs:
-        img, mask = read_array(img_path), read_array(mask_path)
+        try:
+            img, mask = read_array(img_path), read_array(mask_path)
+        except DataError as e:  # "<file>: why" -> "name: why"
+            unusable.setdefault("unreadable files, or Z / T stacks (items are 2-D)", []).append(
+                str(e).replace(str(path) + "/", ""))
+            continue
         if img.shape[:2] != mask.shape[:2]:
-            raise DataError(f"{img_path}: image is {img.shape[:2]} but mask {mask_path} is {mask.shape[:2]}")
+            unusable.setdefault("image and mask of different sizes", []).append(
+                f"{img_path.name} {img.shape[:2]} vs {mask_path.name} {mask.shape[:2]}")
+            continue
+        usable += 1
         shapes[str(tuple(img.shape))] += 1
         dtypes[f"{img.dtype} / mask {mask.dtype}"] += 1
         lo, hi = min(lo, float(img.min())), max(hi, float(img.max()))
@@ -95,13 +105,15 @@ def inspect_microscopy(path: Path) -> dict[str, Any]:
         common = encodings.most_common(1)[0][0]
         anomalies["binary masks encoded differently from most (each read as 0/1)"] = [
             f"{n} ({e})" for e, names in by_encoding.items() if e != common and e.count("/") == 1 for n in names]
-    total = sum(classes.values())
+    total = sum(classes.values()) or 1
     values = sorted(classes)
-    return {"detected": "microscopy images/ + masks/ (paired by file stem)", "pairs": len(pairs),
-            "image shapes": dict(shapes), "dtypes": dict(dtypes), "intensity range": f"{lo:g} .. {hi:g}",
+    return {"detected": "microscopy images/ + masks/ (paired by file stem)", "pairs": usable,
+            "image shapes": dict(shapes), "dtypes": dict(dtypes),
+            "intensity range": f"{lo:g} .. {hi:g}" if usable else "-",
             "mask encodings (files)": dict(encodings),
             "mask values (pixel share)": {v: f"{classes[v] / total:.2%}" for v in values[:20]},
-            "anomalies": anomaly_rows(anomalies)}
+            "anomalies": anomaly_rows({**unusable, **anomalies}),
+            "unusable": {k: len(v) for k, v in unusable.items()}}
 
 
 @inspector("imagefolder", lambda p: (p / "train").is_dir() and any(d.is_dir() for d in (p / "train").iterdir()))

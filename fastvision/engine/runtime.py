@@ -42,6 +42,15 @@ def resolve_amp(mode: str, device: torch.device) -> tuple[str, str]:
     return "fp16", f"{name} (sm_{major}{minor}) has no native bf16: fp16 with dynamic loss scaling"
 
 
+def autocast_dtype(mode: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype ``train.amp`` means on ``device`` (None: fp32), by :func:`resolve_amp`.
+
+    The one amp -> dtype rule: :class:`Precision` (train, evaluate), prediction and ``plan``'s trace
+    all ask it, so ``auto`` means the same everywhere.
+    """
+    return _DTYPES.get(resolve_amp(mode, device)[0])
+
+
 @dataclass
 class Precision:
     """Autocast context and loss scaler for one of ``off``, ``fp16``, ``bf16`` or ``auto``.
@@ -68,7 +77,7 @@ class Precision:
 
     @property
     def dtype(self) -> torch.dtype | None:
-        return _DTYPES.get(self.mode)
+        return autocast_dtype(self.mode, self.device)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.mode == "off":

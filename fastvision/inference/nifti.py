@@ -160,14 +160,16 @@ def predict_nifti_files(task, model: torch.nn.Module, files: Sequence[Path], out
     Each case is preprocessed as the run's dataset did (``cfg.data.args``), predicted with the
     task's ``sliding_window`` settings (``task.eval_forward``), turned into class indices (argmax,
     or regions -> labels for sigmoid regions), returned to the input's voxel grid and written with
-    the input's affine and header; BraTS / Task01 runs write BraTS ids (3 -> 4).
+    the input's affine and header; BraTS / Task01 runs write BraTS ids (3 -> 4). The model runs
+    under the caller's autocast: :func:`fastvision.api.predict` enters the run's
+    ``runtime.Precision``, the one amp -> dtype rule that training and ``evaluate`` use.
 
     Args:
         task: a :class:`~fastvision.tasks.segment.SegmentationTask`.
         model: the trained model (put in eval mode here).
         files: NIfTI files and/or BraTS case folders (:func:`prediction_cases`).
         out_dir: output folder (created).
-        cfg: the run's config (``data.name``, ``data.args``, ``train.amp``).
+        cfg: the run's config (``data.name``, ``data.args``).
         device: where the model runs.
 
     Returns:
@@ -176,13 +178,11 @@ def predict_nifti_files(task, model: torch.nn.Module, files: Sequence[Path], out
     from fastvision.data.preprocess3d import preprocess_case
 
     params, brats_ids = prediction_preprocessing(task, cfg.data.name, cfg.data.args)
-    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.train.amp) if device.type == "cuda" else None
     model.eval()
     written = []
     for case in prediction_cases(files):
         pre = preprocess_case({"image": case["image"], "label": None}, params)
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            logits = task.eval_forward(model, {"image": pre["image"][None].to(device)}).float()
+        logits = task.eval_forward(model, {"image": pre["image"][None].to(device)}).float()
         pred = task.predict_labels(logits)
         if task.mode == "regions":
             pred = regions_to_classes(pred, task.regions)

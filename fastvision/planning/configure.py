@@ -57,6 +57,8 @@ def memory_target(gpu: str | None = None, memory: str | None = None):
             value = float(text[: -len(unit)] if unit else text) * scale[unit or "gib"]
         except ValueError:
             raise ConfigError(f"--memory {memory!r}: expected a size such as 24GiB") from None
+        if not 0 < value < float("inf"):  # "0", "nan", "inf" parse as floats
+            raise ConfigError(f"--memory {memory!r}: expected a positive size such as 24GiB")
         return dataclasses.replace(get_gpu("A100-80GB"), name=f"{value:.3g} GiB budget", memory_gib=value)
     if gpu is None:
         import torch
@@ -131,25 +133,31 @@ def fit_budget(geo: dict[str, Any], make_cfg, spec, max_traces: int = 12) -> dic
     from fastvision.planning import estimate as est
 
     cap = spec.memory_gib * 2**30
-    patch, traces, shrunk = list(geo["patch"]), 0, False
+    patch, traces, shrunk, total, last = list(geo["patch"]), 0, False, None, None
     while True:
         topo = topology_for(geo, patch)
+        if len(topo.strides) < 2:  # a patch this small leaves no pooling stage: not a U-Net
+            raise ConfigError(f"configure: a {'x'.join(map(str, last or topo.patch))} patch at batch {rules.MIN_BATCH} "
+                              f"needs {(total or 0) / 2**30:.1f} GiB, over the {spec.memory_gib:.3g} GiB of "
+                              f"{spec.name}, and a patch small enough to fit leaves no pooling stage")
         cfg = make_cfg(topo)
         t = est.trace(cfg, rules.MIN_BATCH)
         traces += 1
         total = est.memory(t).total
         if total <= cap:
             break
-        if traces >= max_traces or all(p <= d for p, d in zip(topo.patch, topo.divisor)):
-            raise ConfigError(f"configure: even a {'x'.join(map(str, topo.patch))} patch at batch "
-                              f"{rules.MIN_BATCH} needs "
-                              f"{total / 2**30:.1f} GiB, over the {spec.memory_gib:.3g} GiB of {spec.name}")
         # memory is about linear in voxels: drop axes (nnU-Net's order) until the voxels fit, then re-trace
+        last = topo.patch
         want = np.prod(topo.patch) * cap / total
         patch = _shrink(geo, topo.patch)
-        while np.prod(topology_for(geo, patch).patch) > want and any(
-                p > d for p, d in zip(topology_for(geo, patch).patch, topology_for(geo, patch).divisor)):
-            patch = _shrink(geo, topology_for(geo, patch).patch)
+        while np.prod(patch) > want and any(p > d for p, d in zip(patch, topology_for(geo, patch).divisor)):
+            smaller = _shrink(geo, patch)
+            if smaller == patch:  # the axis nnU-Net's rule picks cannot shrink further
+                break
+            patch = smaller
+        if traces >= max_traces or patch == topo.patch:
+            raise ConfigError(f"configure: even a {'x'.join(map(str, topo.patch))} patch at batch {rules.MIN_BATCH} needs "
+                              f"{total / 2**30:.1f} GiB, over the {spec.memory_gib:.3g} GiB of {spec.name}")
         shrunk = True
     fit = est.largest_batch(cfg, spec, t)
     cover = max(1, round(geo["n_voxels"] * rules.MAX_DATASET_COVERED / float(np.prod(topo.patch))))

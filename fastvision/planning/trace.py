@@ -133,11 +133,20 @@ class StepTrace:
     notes: list[str] = field(default_factory=list)
 
 
-def autocast_ctx(amp: str) -> contextlib.AbstractContextManager:
-    """CPU autocast at the recipe's dtype: the trace's stand-in for CUDA autocast."""
-    if amp in (None, "off", "fp32", "tf32"):
+def autocast_ctx(amp: str | None) -> contextlib.AbstractContextManager:
+    """CPU autocast at the recipe's dtype: the trace's stand-in for CUDA autocast.
+
+    ``amp`` is the precision resolved for the planned GPU (``plan`` turns ``auto`` into fp16 or
+    bf16 by the GPU's spec); its dtype comes from the runtime's one rule
+    (:func:`fastvision.engine.runtime.autocast_dtype`) on the device the trace runs on, so an
+    unresolved ``auto`` is fp32 as on any CPU. "fp32" / "tf32" (plan's precision names) and None
+    are fp32.
+    """
+    from fastvision.engine.runtime import autocast_dtype
+
+    dtype = None if amp in (None, "fp32", "tf32") else autocast_dtype(amp, torch.device("cpu"))
+    if dtype is None:
         return contextlib.nullcontext()
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[amp]
     return torch.autocast("cpu", dtype=dtype)
 
 

@@ -98,9 +98,14 @@ def test_instance_masks_need_binarize_and_stacks_are_refused(tmp_path, capsys):
     with pytest.raises(DataError, match=r"b.tif: a Z stack of 5 planes"):
         read_array(root / "images/b.tif")
     Image.fromarray(np.zeros((H, W), np.uint8)).save(root / "masks/a.png")  # a second mask for stem a
-    assert main(["data", "inspect", str(root)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "two masks for stem 'a'" in err[0]
+    assert main(["data", "inspect", str(root)]) == 2  # every problem listed, then exit 2
+    out, err = capsys.readouterr()
+    err = err.strip().splitlines()
+    assert len(err) == 1 and "2 file(s) would stop training" in err[0]
+    assert "stems with two masks" in out
+    an = inspect_path(root)["anomalies"]
+    assert an["stems with two masks (keep one)"] == "1 (a.png+a.tif)"
+    assert "b.tif: a Z stack of 5 planes" in an["unreadable files, or Z / T stacks (items are 2-D)"]
 
 
 def test_inspect_reports_mixed_encodings_and_extensions(tmp_path):

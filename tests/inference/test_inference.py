@@ -248,3 +248,83 @@ def test_prediction_preprocessing_from_run_args(tmp_path):
     with pytest.raises(ConfigError, match="dataset.json"):
         prediction_preprocessing(task, "decathlon", {"path": str(tmp_path / "moved")})
     assert [c["id"] for c in prediction_cases(sorted((dec / "imagesTs").iterdir()))] == ["BRATS_002"]
+
+
+
+class _AutocastRecorder(nn.Module):
+    """Records the CPU autocast state its forward runs under; predicts background everywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[torch.dtype | None] = []
+
+    def forward(self, x):
+        self.seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return torch.cat([torch.ones_like(x), torch.zeros_like(x)], 1)
+
+
+def _fake_loaded_run(monkeypatch, task, model, cfg, device):
+    """``api.load_run`` returning a run as ``build`` makes it (its ``runtime.Precision`` from
+    ``train.amp`` and the device), without a checkpoint."""
+    from types import SimpleNamespace
+
+    from fastvision import api
+    from fastvision.engine import runtime
+
+    run = SimpleNamespace(task=task, model=model, cfg=cfg, device=device,
+                          precision=runtime.Precision(cfg.train.amp, device))
+    monkeypatch.setattr(api, "load_run", lambda *a, **k: (run, None))
+    return run
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16", "auto"])
+def test_predict_precision_is_the_runtime_rule(tmp_path, monkeypatch, amp):
+    """Issue 19: predict had its own amp -> dtype table (fp32 off CUDA, ``auto`` ignored); it now
+    autocasts with the run's ``runtime.Precision``, exactly as training and ``evaluate`` do."""
+    from fastvision import api
+    from fastvision.engine import runtime
+
+    data = load_all().get("spleen")(tmp_path / "Task09", seed=1, cases=1, test_cases=1, size=12, zoom=3.0)
+    image = sorted((data / "imagesTs").glob("*.nii.gz"))[0]
+    task = SegmentationTask(num_classes=2, sample_shape=[1, 8, 8, 8], loss=nn.MSELoss(),
+                            sliding_window={"roi_size": [8, 8, 8], "overlap": 0.0, "mode": "constant"})
+    cfg = _cfg("decathlon", path=str(data), intensity="auto", crop_foreground=False)
+    cfg.train.amp = amp
+    model = _AutocastRecorder()
+    _fake_loaded_run(monkeypatch, task, model, cfg, torch.device("cpu"))
+    (out,) = api.predict("run", [str(image)], tmp_path / "pred", device="cpu")
+    assert out.is_file()
+    want = runtime.Precision(amp, torch.device("cpu")).dtype  # what evaluate on this device uses
+    assert model.seen and set(model.seen) == {want}
+
+
+@pytest.mark.parametrize("capability,bf16,want", [((9, 0), True, torch.bfloat16), ((8, 0), True, torch.bfloat16),
+                                                  ((7, 0), False, torch.float16)])
+def test_predict_auto_on_cuda_autocasts_like_training(tmp_path, monkeypatch, capability, bf16, want):
+    """``amp: auto`` (unet3d-brats, segresnet-brats) on a GPU: predict autocasts in bf16 on A100/H100,
+    fp16 on V100, as training resolves it; the old prediction table ran it in fp32. The device
+    queries and ``torch.autocast`` are replaced: no GPU is needed."""
+    import contextlib
+
+    from fastvision import api
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "GPU")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    entered = []
+
+    def autocast(device_type, dtype=None, enabled=True):
+        entered.append((device_type, dtype if enabled else None))
+        return contextlib.nullcontext()
+
+    class _Task:
+        def predict_files(self, model, files, out_dir, cfg, device):
+            assert entered, "the task predicts outside the run's autocast"
+            return []
+
+    cfg = _cfg("decathlon", path="unused")
+    cfg.train.amp = "auto"
+    _fake_loaded_run(monkeypatch, _Task(), nn.Identity(), cfg, torch.device("cuda"))
+    monkeypatch.setattr(torch, "autocast", autocast)
+    api.predict("run", [], tmp_path / "pred", device="cuda")
+    assert entered == [("cuda", want)]

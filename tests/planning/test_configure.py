@@ -155,3 +155,23 @@ def test_segresnet_base_plans_an_anisotropic_segresnet():
     model = create_model("segresnet", **{**args, "init_filters": 8})
     patch = plan["fit"]["topology"].patch
     assert model(torch.zeros(1, 2, *patch)).shape == (1, 3, *patch)
+
+
+@pytest.mark.parametrize("memory", ["0GiB", "0", "nan", "inf"])
+def test_memory_budget_must_be_positive(memory):
+    """``float`` accepts these; ``0`` used to loop forever shrinking the patch."""
+    with pytest.raises(cf.ConfigError, match="positive size"):
+        cf.memory_target(memory=memory)
+
+
+@pytest.mark.parametrize("budget", ["0.3GiB", "1e-6GiB"])
+def test_budget_too_small_for_any_unet_is_one_line(budget, tmp_path, capsys):
+    """A budget below the smallest U-Net's need: one line, exit 2. It used to end in a ValueError
+    traceback from the model builder (a patch with no pooling stage left) or never return."""
+    from fastvision.cli import main
+    from fastvision.data.synth import load_all
+
+    data = load_all().get("prostate")(tmp_path / "Task05", seed=0)
+    assert main(["configure", str(data), "--memory", budget]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "configure:" in err[0] and "GiB" in err[0] and "Traceback" not in "\n".join(err)

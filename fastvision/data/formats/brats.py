@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from fastvision.data.formats.anomalies import drop_unreadable, nifti_header
-from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.brats_layouts import detect
 from fastvision.data.formats.decathlon import BRATS_CLASS_NAMES, build_splits
 from fastvision.data.preprocess3d import PreprocessParams, remap_labels
@@ -59,7 +59,7 @@ def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int
 
     Args: as :func:`fastvision.data.formats.decathlon.build_decathlon` (no CT options).
     """
-    layout = detect(path)
+    layout = detect(dataset_folder(path, "BraTS"))
     cases = layout.cases
     unlabelled = [c["id"] for c in cases if c["label"] is None]
     if unlabelled:

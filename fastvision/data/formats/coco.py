@@ -36,7 +36,7 @@ from fastvision.data.formats.anomalies import (
     handle_invalid,
     image_header,
 )
-from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.coco_check import check_annotations
 from fastvision.data.transforms import RandomTransform, Transform
 from fastvision.errors import ConfigError, DataError
@@ -325,9 +325,7 @@ def build(*, path: str, train_split: str = "train2017", val_split: str = "val201
         Splits; ``info`` holds ``num_classes``, ``cat_ids``, ``class_names``, ``val_ann_file`` and
         ``image_size`` for the model, the evaluator and result files.
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise DataError(f"COCO dataset folder not found: {root}")
+    root = dataset_folder(path, "COCO dataset")
     ann = root / "annotations"
     checks = dict(invalid=invalid, skip_unreadable=skip_unreadable)
     train = CocoDetection(ann / f"instances_{train_split}.json", root / train_split, image_size, train=True,

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 from fastvision.data import spatial3d
 from fastvision.data.formats.anomalies import drop_unreadable, first_few, nifti_header
-from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
 from fastvision.data.transforms import RandomTransform, Transform
 from fastvision.errors import ConfigError, DataError
@@ -312,7 +312,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
 
     Preprocessed volumes are cached by ``data.cache`` (ram, disk, shared, smart, gpu), not here.
     """
-    found = read_dataset_json(path)
+    found = read_dataset_json(dataset_folder(path, "Decathlon dataset"))
     for kind, names in found["anomalies"].items():
         log.info("%s: %d %s, e.g. %s", path, len(names), kind, first_few(names))
     meta = found["meta"]

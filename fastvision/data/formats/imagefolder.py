@@ -27,7 +27,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from fastvision.data.formats.anomalies import drop_unreadable, image_header
-from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.imagenet_val import flat_val_samples, is_flat
 from fastvision.data.transforms import RandomTransform, Transform
 from fastvision.errors import DataError
@@ -298,9 +298,7 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
         skip_unreadable: skip (with one warning) images whose header does not decode, instead of
             stopping at the first with an error naming it.
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise DataError(f"dataset folder not found: {root}")
+    root = dataset_folder(path)
     classes = find_classes(root / train_dir)
     train = list_samples(root / train_dir, classes)
     val_root = root / val_dir

@@ -21,7 +21,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from fastvision.data.formats.anomalies import drop_unreadable
-from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.errors import DataError
 from fastvision.registry import DATASETS
 
@@ -129,8 +129,14 @@ def _stem(p: Path) -> str:
         name[: -len(".ome.tiff")] if name.lower().endswith(".ome.tiff") else p.stem
 
 
-def pair_files(root: Path) -> list[tuple[Path, Path]]:
-    """Match ``images/<stem>.*`` with ``masks/<stem>.*``; every image must have a mask."""
+def pair_files(root: Path, problems: dict[str, list[str]] | None = None) -> list[tuple[Path, Path]]:
+    """Match ``images/<stem>.*`` with ``masks/<stem>.*``; every image must have a mask.
+
+    Args:
+        root: the folder holding ``images/`` and ``masks/``.
+        problems: given (``data inspect``), an image without a mask or a stem with two masks is
+            recorded here under its kind (and left out) instead of stopping at the first.
+    """
     img_dir, mask_dir = root / "images", root / "masks"
     for d in (root, img_dir, mask_dir):
         if not d.is_dir():
@@ -140,16 +146,22 @@ def pair_files(root: Path) -> list[tuple[Path, Path]]:
         if p.suffix.lower() not in IMAGE_EXTS or p.name.startswith("."):  # "._a.png": macOS companion
             continue
         if _stem(p) in masks:
-            raise DataError(f"{p}: two masks for stem {_stem(p)!r} ({masks[_stem(p)].name} and {p.name}); keep one")
+            if problems is None:
+                raise DataError(f"{p}: two masks for stem {_stem(p)!r} ({masks[_stem(p)].name} and {p.name}); keep one")
+            problems.setdefault("stems with two masks (keep one)", []).append(f"{masks[_stem(p)].name}+{p.name}")
+            continue
         masks[_stem(p)] = p
     pairs = []
     for p in sorted(img_dir.iterdir()):
         if p.suffix.lower() not in IMAGE_EXTS or p.name.startswith("."):
             continue
         if _stem(p) not in masks:
-            raise DataError(f"{p}: no mask with the same stem in {mask_dir}")
+            if problems is None:
+                raise DataError(f"{p}: no mask with the same stem in {mask_dir}")
+            problems.setdefault("images without a mask of the same stem", []).append(p.name)
+            continue
         pairs.append((p, masks[_stem(p)]))
-    if not pairs:
+    if not pairs and not problems:
         raise DataError(f"{img_dir}: no PNG or TIFF images found")
     return pairs
 
@@ -284,7 +296,7 @@ def microscopy(*, path: str | None = None, image_size: list[int] = (256, 256),
         skip_unreadable: skip (with one warning) pairs whose image or mask header does not
             decode, instead of stopping with an error naming the file.
     """
-    root = Path(path) if path else default_data_dir()
+    root = dataset_folder(path) if path else default_data_dir()
     pairs = drop_unreadable(pair_files(root), list, header_shape, skip_unreadable, root)
     for img, mask in pairs:  # header-only consistency check, before any training
         if header_shape(img) != header_shape(mask):

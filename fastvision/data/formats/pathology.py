@@ -34,7 +34,7 @@ from fastvision.data.formats.asap import (
     rasterize,
     read_polygons,
 )
-from fastvision.data.formats.base import DatasetSplits
+from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.camelyon import find_slides, is_slide_split
 from fastvision.errors import DataError
 from fastvision.registry import DATASETS
@@ -285,9 +285,7 @@ def build(*, path: str, patch_size: int = 224, normal_per_tumor: float = 1.0, se
         train_dir: training split folder name.
         val_dir: validation split folder name.
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise DataError(f"dataset folder not found: {root}")
+    root = dataset_folder(path)
     splits = []
     for k, name in enumerate((train_dir, val_dir)):
         d = root / name

@@ -1,0 +1,132 @@
+"""Issue 19's user-facing defects, through the real CLI: each is one line naming what to do, exit 2,
+or the sensible behaviour (never a traceback)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastvision.cli import main
+
+TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.args.image_size=[32,32]",
+        "--set", "model.args.filters=[4,8,16]"]
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code, err, *needles):
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("fastvision: error:")]
+    assert len(lines) == 1, err
+    for n in needles:
+        assert str(n) in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def test_fp16_run_evaluates_and_predicts_on_cpu(tiny_microscopy, tmp_path, capsys):
+    """A run trained with train.amp=fp16 (unet3d-spleen-fast's setting) on a GPU: evaluate and predict
+    on a CPU run in fp32 instead of stopping with "fp16 needs a CUDA device; use --amp bf16", a flag
+    these commands do not have."""
+    run = tmp_path / "run"
+    assert run_cli(capsys, "train", "unet2d-microscopy", "--data", tiny_microscopy, "--out", run, *TINY)[0] == 0
+    ckpt = run / "checkpoints" / "last.pt"
+    state = torch.load(ckpt, weights_only=True)
+    state["config"]["train"]["amp"] = "fp16"  # as if trained on a GPU with fp16
+    for name in ("best.pt", "last.pt"):
+        torch.save(state, run / "checkpoints" / name)
+    code, out, err = run_cli(capsys, "evaluate", run, "--device", "cpu")
+    assert code == 0 and "iou:" in out, err
+    code, _, err = run_cli(capsys, "predict", ckpt, tiny_microscopy / "images" / "img_0000.png",
+                           "--out", tmp_path / "p", "--device", "cpu")
+    assert code == 0 and (tmp_path / "p" / "img_0000_mask.png").is_file(), err
+
+
+RECIPES_3D = ["unet3d-spleen-fast", "unet3d-spleen-baseline", "unet3d-brats", "segresnet-brats"]
+
+
+@pytest.mark.parametrize("command", [["train"], ["profile"], ["benchmark", "--mode", "data"]])
+@pytest.mark.parametrize("recipe", RECIPES_3D)
+def test_3d_recipe_without_data_names_the_flag(recipe, command, tmp_path, capsys):
+    """The 3-D recipes set no data folder: without --data they ended in a TypeError traceback
+    (build_decathlon() missing 'path'), exit 1."""
+    code, _, err = run_cli(capsys, command[0], recipe, *command[1:], "--out", tmp_path / "out")
+    one_line_error(code, err, "decathlon dataset folder", "data.args.path", "--data DIR")
+
+
+@pytest.mark.parametrize("recipe,argv,needles", [
+    ("resnet50-imagenet", [], ["dataset folder not found", "data/imagenet"]),
+    ("ssd320-coco", [], ["COCO dataset folder not found", "data/coco"]),
+    ("resnet18-pathology", [], ["dataset folder not found", "data/synth-pathology"]),
+    ("unet2d-microscopy", ["--data", "NOPE"], ["dataset folder not found", "NOPE"]),
+    ("unet3d-spleen-fast", ["--data", "NOPE"], ["Decathlon dataset folder not found", "NOPE"]),
+    ("unet3d-brats", ["--data", "NOPE", "--set", "data.name=brats"], ["BraTS folder not found", "NOPE"]),
+])
+def test_missing_dataset_folder_names_it_and_the_flag(recipe, argv, needles, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the recipes' default folders (data/...) are relative
+    argv = [str(tmp_path / a) if a == "NOPE" else a for a in argv]
+    code, _, err = run_cli(capsys, "train", recipe, *argv, "--out", tmp_path / "out")
+    one_line_error(code, err, *needles, "(pass --data DIR)")
+
+
+def test_a_builder_missing_a_required_argument_is_a_config_error():
+    """Any builder called without a required keyword is one line naming it, not a TypeError."""
+    from fastvision.errors import ConfigError
+    from fastvision.registry import Registry
+
+    reg = Registry("model")
+    reg.register("needs-width")(lambda *, width: width)
+    with pytest.raises(ConfigError, match=r"model.args: model 'needs-width' needs width"):
+        reg.build("needs-width", {})
+
+
+def test_inspect_lists_every_unusable_file_then_exits_2(tiny_microscopy, tmp_path, capsys):
+    """``data inspect`` stopped at the first file it could not use; it now reports each problem
+    (corrupt file, missing mask, size mismatch, time-lapse stack) and exits 2 after the report."""
+    import shutil
+
+    import numpy as np
+    import tifffile
+    from PIL import Image
+
+    from fastvision.data.inspect import inspect_path
+
+    root = shutil.copytree(tiny_microscopy, tmp_path / "d")
+    (root / "images" / "img_0001.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")
+    (root / "masks" / "img_0002.png").unlink()
+    Image.fromarray(np.zeros((20, 32), np.uint8)).save(root / "masks" / "img_0003.png")
+    tifffile.imwrite(root / "images" / "movie.tif", np.zeros((5, 32, 32), np.uint8), imagej=True,
+                     metadata={"axes": "TYX"})  # a 5-frame time-lapse
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(root / "masks" / "movie.png")
+    code, out, err = run_cli(capsys, "data", "inspect", root)
+    line = one_line_error(code, err, "4 file(s) would stop training")
+    assert "pairs" in out  # the report came first
+    an = inspect_path(root)["anomalies"]
+    assert an["images without a mask of the same stem"] == "1 (img_0002.png)"
+    assert an["image and mask of different sizes"].startswith("1 (img_0003.png (32, 32) vs img_0003.png (20, 32)")
+    bad = an["unreadable files, or Z / T stacks (items are 2-D)"]
+    assert bad.startswith("2 (") and "img_0001.png: cannot read image" in bad
+    assert "movie.tif: a T stack of 5 planes" in bad, line  # frames, not "5 channels"
+    assert inspect_path(root)["pairs"] == 16 - 3
+
+
+@pytest.mark.parametrize("axes,kw", [("TYX", {"imagej": True}), ("TYX", {"ome": True}), ("TYX", {}),
+                                     ("ZYX", {"imagej": True})])
+def test_time_lapse_tiff_is_frames_not_channels(axes, kw, tmp_path):
+    """tifffile's series axes tell frames (T) and planes (Z) from channels (C, S): a 5-frame
+    time-lapse is refused as a stack, naming the file, never read as a 5-channel image."""
+    import numpy as np
+    import tifffile
+
+    from fastvision.data.formats.microscopy import read_array
+    from fastvision.errors import DataError
+
+    f = tmp_path / "movie.tif"
+    tifffile.imwrite(f, np.zeros((5, 16, 16), np.uint8), metadata={"axes": axes}, **kw)
+    with pytest.raises(DataError, match=rf"movie.tif: a {axes[0]} stack of 5 planes"):
+        read_array(f)
+    tifffile.imwrite(tmp_path / "rgb.tif", np.zeros((3, 16, 16), np.uint8), imagej=True, metadata={"axes": "CYX"})
+    assert read_array(tmp_path / "rgb.tif").shape == (16, 16, 3)
