@@ -46,6 +46,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     :class:`fastvision.dist.preempt.Preempted`.
     """
     started = time.perf_counter()
+    when = Checkpoints.settings(cfg.train)  # bad values fail here, before anything is built or written
     ckpt = checkpoint.load(resume, "cpu") if resume is not None else None  # RNG states stay CPU tensors
     if ckpt is not None:
         cfg = keep_global_batch(cfg, ckpt, dist.detect_env().world_size)
@@ -67,7 +68,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     logger.parameters(resolved, {**environment(run.env, run.device), "global_batch": run.global_batch,
                                  "base_lr": cfg.optim.lr, "effective_lr": run.lr, "data": run.info})
-    saver = Checkpoints(run, run_dir, resolved, logger, wall)
+    saver = Checkpoints(run, run_dir, resolved, wall, *when)
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     try:
         with saver.signals:
@@ -147,18 +148,21 @@ class Checkpoints:
     all ranks act at the same step.
     """
 
-    def __init__(self, run: Run, run_dir: Path, resolved: dict, logger: RunLogger, wall: Callable[[], float]):
-        tc = run.cfg.train
-        self.run, self.folder, self.resolved, self.logger, self.wall = run, run_dir / "checkpoints", resolved, logger, wall
+    def __init__(self, run: Run, run_dir: Path, resolved: dict, wall: Callable[[], float],
+                 every: checkpoint.Every, keep: int, signals: StopSignals):
+        self.run, self.folder, self.resolved, self.wall = run, run_dir / "checkpoints", resolved, wall
         self.writer = checkpoint.BackgroundWriter()
-        self.every = checkpoint.Every(tc.checkpoint_every)
-        self.keep = tc.keep_checkpoints
-        if self.keep < 0:
-            raise ConfigError(f"train.keep_checkpoints must be >= 0, got {self.keep}")
-        self.signals = StopSignals(tc.stop_signals)
-        self.agreement = Agreement(tc.dist_timeout_s)
+        self.every, self.keep, self.signals = every, keep, signals
+        self.agreement = Agreement(run.cfg.train.dist_timeout_s)
         self.stopped: int | None = None
         self.step_saves = 0
+
+    @staticmethod
+    def settings(tc) -> tuple[checkpoint.Every, int, StopSignals]:
+        """``train.checkpoint_every``, ``keep_checkpoints`` and ``stop_signals``, checked."""
+        if tc.keep_checkpoints < 0:
+            raise ConfigError(f"train.keep_checkpoints must be >= 0, got {tc.keep_checkpoints}")
+        return checkpoint.Every(tc.checkpoint_every), tc.keep_checkpoints, StopSignals(tc.stop_signals)
 
     def _local(self) -> list[int]:
         flags = [0, 0]
