@@ -55,7 +55,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     if ckpt is not None:
         state = restore(ckpt, run)
         at = state["position"] or {"epoch": state["epoch"] + 1, "step": 0}
-        log.info("resumed from %s at epoch %d step %d", resume, at["epoch"] + 1, at["step"])
+        log.info("resumed from %s at epoch %d step %d", resume, at["epoch"], at["step"])  # 0-based, as logged
     dist.broadcast_state(run.model, run.step.optimizer)  # horovod: rank 0's weights (+ resumed state); DDP: no-op
     wall_before = state["wall_time"]
     wall = lambda: wall_before + time.perf_counter() - started  # noqa: E731

@@ -458,12 +458,12 @@ if __name__ == "__main__":
                                                                            else "basic"](Path(sys.argv[1]))
 
 
-@pytest.mark.parametrize("environ,expected", [
+@pytest.mark.parametrize("environ,expected", [  # {ppid} / {pid}: this process's, filled in by the test
     ({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"}, "slurm42.3"),
     ({"SLURM_JOBID": "42"}, "slurm42.0"),
-    ({"TORCHELASTIC_RUN_ID": "abc", "MASTER_PORT": "29501"}, f"tr{os.getppid()}-29501"),
-    ({"LOCAL_WORLD_SIZE": "2"}, f"tr{os.getppid()}-"),
-    ({}, f"p{os.getpid()}"),
+    ({"TORCHELASTIC_RUN_ID": "abc", "MASTER_PORT": "29501"}, "tr{ppid}-29501"),
+    ({"LOCAL_WORLD_SIZE": "2"}, "tr{ppid}-"),
+    ({}, "p{pid}"),
 ])
 def test_job_key_names_the_job_from_the_launch_environment(environ, expected):
-    assert dist.job_key(environ) == expected
+    assert dist.job_key(environ) == expected.format(ppid=os.getppid(), pid=os.getpid())

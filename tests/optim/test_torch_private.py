@@ -21,7 +21,7 @@ def test_the_running_torch_is_inside_the_window():
     assert torch_private.check()
 
 
-def test_out_of_window_warns_once(caplog, monkeypatch):
+def test_out_of_window_warns_once(caplog, monkeypatch, fresh_logging):
     monkeypatch.setattr(torch_private, "_warned", [])
     with caplog.at_level(logging.WARNING, logger="fastvision.optim.torch_private"):
         torch_private.check("2.99.0")
