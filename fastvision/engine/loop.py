@@ -155,7 +155,7 @@ class Checkpoints:
         self.every, self.keep, self.signals = every, keep, signals
         self.agreement = Agreement(run.cfg.train.dist_timeout_s)
         self.stopped: int | None = None
-        self.step_saves = 0
+        self._asked = False  # rank 0 flagged a period's checkpoint that the ranks have not agreed on yet
 
     @staticmethod
     def settings(tc) -> tuple[checkpoint.Every, int, StopSignals]:
@@ -167,7 +167,8 @@ class Checkpoints:
     def _local(self) -> list[int]:
         flags = [0, 0]
         flags[STOP] = self.signals.received or 0
-        flags[CHECKPOINT] = int(self.run.env.is_main and self.every.due_by_time())
+        if self.run.env.is_main and not self._asked and self.every.due_by_time():
+            flags[CHECKPOINT] = self._asked = True  # once: the ranks agree on it a step later
         return flags
 
     def after_step(self, state: dict, epoch: int, i: int, meter: "EpochMeter") -> bool:
@@ -175,9 +176,7 @@ class Checkpoints:
         (its checkpoint is then written)."""
         agreed = self.agreement.exchange(self._local())
         if agreed[STOP] or agreed[CHECKPOINT] or self.every.due_by_steps(state["step"]):
-            state["position"] = {"epoch": epoch, "step": i, **meter.state()}
-            self.save(state, step=True)
-            state["position"] = None
+            self._save_position(state, epoch, i, meter)
         if agreed[STOP]:
             self.stopped = agreed[STOP]
         return bool(agreed[STOP])
@@ -191,27 +190,31 @@ class Checkpoints:
             return False
         self.stopped = agreed[STOP]
         if steps is not None:
-            state["position"] = {"epoch": epoch, "step": steps, **meter.state()}
-            self.save(state, step=True)
+            self._save_position(state, epoch, steps, meter)
         return True
+
+    def _save_position(self, state: dict, epoch: int, i: int, meter: "EpochMeter") -> None:
+        """A step checkpoint: the loop state at step ``i`` of ``epoch``, the epoch's counters with it."""
+        state["position"] = {"epoch": epoch, "step": i, **meter.state()}
+        self.save(state, step=True)
+        state["position"] = None
 
     def save(self, state: dict, best: bool = False, step: bool = False) -> None:
         """Every rank calls this at the same step; rank 0 snapshots now and writes in the background."""
         rng_ranks = dist.gather_objects(runtime.rng_state(self.run.step.generator))
         self.every.reset()
+        self._asked = False
         state["wall_time"] = self.wall()
         if not self.run.env.is_main:
             return
         paths, prune = [self.folder / "last.pt"], []
         if best:
             paths.append(self.folder / "best.pt")
-        if step:
-            self.step_saves += 1
-            if self.keep:  # this one is linked as step-N.pt; the oldest beyond ``keep`` go
-                paths.append(self.folder / checkpoint.STEP_NAME.format(state["step"]))
-                self.writer.join()  # the previous step-N.pt is on disk (write() would wait for it anyway)
-                kept = checkpoint.step_checkpoints(self.folder)
-                prune = kept[: max(0, len(kept) - self.keep + 1)]
+        if step and self.keep:  # this one is linked as step-N.pt; the oldest beyond ``keep`` go
+            paths.append(self.folder / checkpoint.STEP_NAME.format(state["step"]))
+            self.writer.join()  # the previous step-N.pt is on disk (write() would wait for it anyway)
+            kept = checkpoint.step_checkpoints(self.folder)
+            prune = kept[: max(0, len(kept) - self.keep + 1)]
         self.writer.write(checkpoint_state(self.run, state, self.resolved, rng_ranks), paths, prune)
 
     def stop(self) -> None:

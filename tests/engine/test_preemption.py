@@ -128,3 +128,17 @@ def test_a_bad_stop_signal_is_one_line(tiny_microscopy, tmp_path):
     res = subprocess.run(_cmd(tiny_microscopy, tmp_path / "r", 1, "--set", "train.stop_signals=[SIGKILL]"),
                          env=clean_env(), cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("fastvision: error: train.stop_signals")
+
+
+def test_checkpoints_by_time_are_mid_epoch_positions(tiny_microscopy, tmp_path):
+    import fastvision
+    from tests.conftest import tiny_overrides
+
+    out = tmp_path / "run"
+    summary = fastvision.train("unet2d-microscopy", out=str(out), **tiny_overrides(
+        tiny_microscopy, epochs=2, **{"train.checkpoint_every": "0.01s", "train.keep_checkpoints": 100}))
+    kept = checkpoint.step_checkpoints(out / "checkpoints")
+    assert len(kept) >= 2 and summary["checkpoints_written"] == len(kept) + 2  # + the two epoch checkpoints
+    for path in kept:
+        ck = checkpoint.load(path)
+        assert path.name == checkpoint.STEP_NAME.format(ck["step"]) and ck["position"]["step"] >= 1
