@@ -217,10 +217,16 @@ def add_cli(subparsers) -> None:
     p.add_argument("--base", default="unet3d", choices=sorted(rules.BASES), help="network family (default unet3d)")
     p.add_argument("--out", type=Path, help="write the recipe YAML here (default: print the table only)")
     p.add_argument("--json", type=Path, help="also write the plan as JSON")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out / --json file")
     p.set_defaults(func=cmd_configure)
 
 
 def cmd_configure(args) -> int:
+    from fastvision.api import refuse_overwrite
+
+    for path, flag in ((args.out, "--out"), (args.json, "--json")):
+        if path:
+            refuse_overwrite(path, args.force, flag)  # before the fingerprint: nothing is lost or redone
     plan = configure(args.data, gpu=args.gpu, memory=args.memory, base=args.base)
     print(table(plan))  # the CLI's output
     if args.out:

@@ -175,3 +175,16 @@ def test_budget_too_small_for_any_unet_is_one_line(budget, tmp_path, capsys):
     assert main(["configure", str(data), "--memory", budget]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "configure:" in err[0] and "GiB" in err[0] and "Traceback" not in "\n".join(err)
+
+
+def test_an_existing_out_file_is_kept_unless_forced(tmp_path, capsys):
+    """``--out`` over an existing recipe: one line naming it and --force, exit 2, the file untouched;
+    checked before the fingerprint (the data folder here does not even exist)."""
+    from fastvision.cli import main
+
+    out = tmp_path / "recipe.yaml"
+    out.write_text("mine: true\n")
+    assert main(["configure", str(tmp_path / "no-such-data"), "--memory", "8GiB", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(out) in err[0] and "--force" in err[0]
+    assert out.read_text() == "mine: true\n"
