@@ -467,3 +467,18 @@ if __name__ == "__main__":
 ])
 def test_job_key_names_the_job_from_the_launch_environment(environ, expected):
     assert dist.job_key(environ) == expected.format(ppid=os.getppid(), pid=os.getpid())
+
+
+def test_torchrun_restart_count_is_read():
+    env = dist.detect_env({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert (env.rank, env.world_size, env.restart) == (1, 2, 2)
+    assert dist.detect_env({"RANK": "0", "WORLD_SIZE": "2"}).restart == 0
+
+
+@pytest.mark.parametrize("environ, job", [({"SLURM_JOB_ID": "77"}, "77"), ({"SLURM_JOBID": "77"}, "77"),
+                                          ({"SLURM_JOB_ID": "78", "SLURM_ARRAY_JOB_ID": "70",
+                                            "SLURM_ARRAY_TASK_ID": "3"}, "70_3"), ({}, None)])
+def test_the_job_scontrol_requeues(environ, job):
+    from fastvision.dist.env import requeue_job_id
+
+    assert requeue_job_id(environ) == job
