@@ -228,16 +228,25 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
 
     from fastvision.data.formats.decathlon import read_dataset_json
 
-    ds = read_dataset_json(path)
+    unusable: dict[str, list[str]] = {"files dataset.json lists that do not exist": []}
+    ds = read_dataset_json(path, missing=unusable["files dataset.json lists that do not exist"])
     meta = ds["meta"]
     shapes, spacings, classes = Counter(), Counter(), Counter()
-    for case in ds["training"][:10]:  # the first cases: headers and label voxels
-        img = nib.load(str(case["image"][0]))
-        shapes[str(img.shape)] += 1
-        spacings[str(tuple(round(float(z), 2) for z in img.header.get_zooms()[:3]))] += 1
-        values, counts = np.unique(np.asarray(nib.load(str(case["label"])).dataobj), return_counts=True)
-        for v, c in zip(values.tolist(), counts.tolist()):
-            classes[int(v)] += c
+    read = 0
+    for case in ds["training"]:  # every case's headers; label voxels of the first 10 readable ones
+        try:
+            img, label = (nib.load(str(p)) for p in (case["image"][0], case["label"]))
+            if read < 10:
+                values, counts = np.unique(np.asarray(label.dataobj), return_counts=True)
+        except Exception as e:  # noqa: BLE001  (any nibabel failure: the file is not a usable NIfTI)
+            unusable.setdefault("unreadable NIfTI files", []).append(f"{case['id']}: {str(e).splitlines()[0][:80]}")
+            continue
+        if read < 10:
+            shapes[str(img.shape)] += 1
+            spacings[str(tuple(round(float(z), 2) for z in img.header.get_zooms()[:3]))] += 1
+            for v, c in zip(values.tolist(), counts.tolist()):
+                classes[int(v)] += c
+        read += 1
     total = sum(classes.values()) or 1
     labels = {str(v).lower() for v in meta.get("labels", {}).values()}
     task01 = {"edema", "non-enhancing tumor", "enhancing tumour"} <= labels
@@ -248,7 +257,8 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
             "shapes (first 10)": dict(shapes), "spacing mm (first 10)": dict(spacings),
             "label values (first 10)": sorted(classes),
             "label voxels (first 10)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())},
-            "anomalies": anomaly_rows(ds["anomalies"])}
+            "anomalies": anomaly_rows({**unusable, **ds["anomalies"]}),
+            "unusable": {k: len(v) for k, v in unusable.items() if v}}
 
 
 def _looks_brats(path: Path) -> bool:

@@ -207,3 +207,21 @@ def test_wrong_reader_names_the_right_one(tmp_path, capsys):
         DATASETS.build("decathlon", {"path": str(base), "num_folds": 2})
     with pytest.raises(Exception, match=r"no BraTS cases under .*use data.name=decathlon"):
         DATASETS.build("brats", {"path": str(task), "num_folds": 2})
+
+
+def test_inspect_lists_every_missing_and_corrupt_decathlon_file(tmp_path, capsys):
+    """A Decathlon folder with one listed image gone and one label not a NIfTI: both rows in the
+    report, one summary line naming both kinds, exit 2 (it used to stop at the first missing file)."""
+    from fastvision.data.synth import load_all
+
+    root = load_all().get("spleen")(tmp_path / "Task09", seed=0, cases=4, test_cases=0, size=20)
+    gone = sorted((root / "imagesTr").glob("*.nii.gz"))[0]
+    bad = sorted((root / "labelsTr").glob("*.nii.gz"))[-1]
+    gone.unlink()
+    bad.write_bytes(b"not a nifti")
+    assert main(["data", "inspect", str(root)]) == 2
+    out, err = capsys.readouterr()
+    assert gone.name in out and bad.stem.split(".")[0] in out and "unreadable NIfTI" in out
+    assert "training cases" in out and "volumes not in dataset.json" not in out  # the dropped case's label is listed
+    assert err.strip().splitlines() == [f"fastvision: error: {root}: 2 file(s) would stop training (files "
+                                        "dataset.json lists that do not exist; unreadable NIfTI files): listed above"]

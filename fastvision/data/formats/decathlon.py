@@ -217,8 +217,11 @@ class _Preprocess(Transform):
                            "code": hashlib.sha256(code.encode()).hexdigest()}, sort_keys=True)
 
 
-def read_dataset_json(root: str | Path) -> dict[str, Any]:
+def read_dataset_json(root: str | Path, missing: list[str] | None = None) -> dict[str, Any]:
     """Parse ``root/dataset.json`` and resolve its paths.
+
+    A listed file that does not exist is an error naming it, or, with a ``missing`` list (``data
+    inspect``: every problem listed), its path is appended there and its case left out.
 
     Accepts the archives as released: paths written ``./imagesTr/x.nii.gz`` or bare, ``test`` as a
     list of paths (or of ``{"image": path}``), macOS ``._x.nii.gz`` companions beside the volumes
@@ -245,12 +248,14 @@ def read_dataset_json(root: str | Path) -> dict[str, Any]:
         test = [root / (e["image"] if isinstance(e, dict) else e) for e in meta.get("test", [])]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise DataError(f"{f}: not a Decathlon dataset.json ({e})") from e
-    for case in training:
-        for p in case["image"] + [case["label"]]:
-            if not p.is_file():
-                raise DataError(f"{f} lists {p}, which does not exist")
-    return {"meta": meta, "training": training, "test": [p for p in test if p.is_file()],
-            "anomalies": _folder_anomalies(root, training, test)}
+    absent = [(case, p) for case in training for p in case["image"] + [case["label"]] if not p.is_file()]
+    if absent and missing is None:
+        raise DataError(f"{f} lists {absent[0][1]}, which does not exist")
+    if absent:
+        missing.extend(str(p.relative_to(root)) for _, p in absent)
+    gone = {id(case) for case, _ in absent}
+    return {"meta": meta, "training": [c for c in training if id(c) not in gone],
+            "test": [p for p in test if p.is_file()], "anomalies": _folder_anomalies(root, training, test)}
 
 
 def _folder_anomalies(root: Path, training: list[dict[str, Any]], test: list[Path]) -> dict[str, list[str]]:
