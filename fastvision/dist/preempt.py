@@ -121,13 +121,14 @@ class Agreement:
         if self.group is None and not self._horovod:
             return [int(f) for f in flags]
         t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-        agreed = self._collect()
         if self._horovod:  # no async handle: agree now (a collective per step)
             return [int(v) for v in self._reduce(t, True)[0]]
+        agreed = self._collect()
         self._pending = self._reduce(t, False)
         return agreed
 
     def _collect(self) -> list[int]:
+        """The pending exchange's agreed flags (zeros when none is pending)."""
         if self._pending is None:
             return [0] * self.size
         t, work = self._pending
@@ -136,15 +137,11 @@ class Agreement:
         return [int(v) for v in t]
 
     def now(self, flags: Sequence[int]) -> list[int]:
-        """Agree on ``flags`` now (an epoch's end): the pending exchange is folded in first."""
-        earlier = self._collect() if self._pending is not None else [0] * self.size
+        """Agree on ``flags`` now (an epoch's end), the pending exchange folded in."""
+        merged = [max(int(a), int(b)) for a, b in zip(flags, self._collect())]
         if self.group is None and not self._horovod:
-            return [max(int(a), int(b)) for a, b in zip(flags, earlier)]
-        t, work = self._reduce(torch.tensor([max(int(a), int(b)) for a, b in zip(flags, earlier)],
-                                            dtype=torch.int32), True)
-        if work is not None:
-            work.wait()
-        return [int(v) for v in t]
+            return merged
+        return [int(v) for v in self._reduce(torch.tensor(merged, dtype=torch.int32), True)[0]]
 
     def close(self) -> None:
         self._pending = None

@@ -114,3 +114,26 @@ def test_another_world_size_keeps_the_global_batch_and_the_sample_order():
     uneven = config.load("unet2d-microscopy", [{"train": {"batch_size": 3}}])
     keep_global_batch(uneven, {"global_batch": 8, "world_size": 2}, world_size=1)  # 8 is no multiple of 3
     assert uneven.train.accum_steps == 1
+
+
+def test_a_signal_to_one_rank_stops_both_at_one_step_and_the_restart_continues(data, uninterrupted, tmp_path):
+    """SIGTERM to rank 1 alone: the ranks agree, rank 0 (never signalled) stops at the same step and
+    writes its checkpoint, both exit 143; torchrun restarts them and they end as the uninterrupted job."""
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = subprocess.Popen(_torchrun(data, out, 3, "--set", "train.checkpoint_every=5"), cwd=ROOT,
+                            env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and _steps(out) < 12 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        victim = _worker_pid(tag, 1)
+        assert victim is not None and proc.poll() is None, "no worker to signal"
+        os.kill(victim, signal.SIGTERM)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count("stopped by SIGTERM") == 2, err[-3000:]  # rank 0 stopped too, told by the agreement
+    assert "exitcode: 143" in err or "exitcode  : 143" in err, err[-2000:]
+    weights = _model(out)
+    assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted)
