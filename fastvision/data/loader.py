@@ -103,15 +103,16 @@ class ThreadLoader:
         pool = self._executor()  # one pool for every epoch: no thread start-up and join per epoch
         pending: collections.deque[Future] = collections.deque()
         try:
-            nxt = 0
+            nxt = done = 0
             while nxt < len(batches) or pending:
                 # Keep a bounded window submitted: threads run ahead, memory stays bounded.
                 while nxt < len(batches) and len(pending) < self.window:
                     pending.append(pool.submit(self._make, batches[nxt]))
                     nxt += 1
                 batch = pending.popleft().result()
-                for _ in range(self._first_repeats if nxt - len(pending) == 1 else self.repeats):
+                for _ in range(self._first_repeats if done == 0 else self.repeats):
                     yield batch
+                done += 1
         finally:
             for f in pending:
                 f.cancel()

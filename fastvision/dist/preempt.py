@@ -25,7 +25,7 @@ import torch.distributed as tdist
 
 from fastvision.dist.env import requeue_job_id
 from fastvision.dist.group import active, world_size
-from fastvision.errors import ConfigError, Preempted  # noqa: F401  (re-exported: raised by the loop)
+from fastvision.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

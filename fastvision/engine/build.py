@@ -123,7 +123,7 @@ def _build_training(run: Run, loaders: bool, wrap_train_set: Callable[[Any], Any
     if loaders and run.train_set is not None:
         _build_loaders(run, micro_steps, wrap_train_set)
     generator = torch.Generator(device=device)
-    generator.manual_seed(tc.seed * 1_000_003 + env.rank)
+    generator.manual_seed(runtime.augment_seed(tc.seed, env.rank))
     ema = make_ema(run.model, tc.ema_decay)
     apply_activation_checkpointing(run.model, tc.activation_checkpointing)  # the bare model, before DDP / compile
     ddp = dist.wrap_model(run.model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,

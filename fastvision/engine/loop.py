@@ -43,13 +43,13 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     seeds' time-to-target); ``wall_time_s`` / ``time_to_target_wall_s`` count everything since
     ``fit`` was called (build, data, validation, checkpoints), what a user waits. Both add up
     over resumed runs. A stop signal (``train.stop_signals``) ends the run after a checkpoint with
-    :class:`fastvision.dist.preempt.Preempted`.
+    :class:`fastvision.errors.Preempted`.
     """
     started = time.perf_counter()
     when = Checkpoints.settings(cfg.train)  # bad values fail here, before anything is built or written
     ckpt = checkpoint.load(resume, "cpu") if resume is not None else None  # RNG states stay CPU tensors
     if ckpt is not None:
-        cfg = keep_global_batch(cfg, ckpt, dist.detect_env().world_size)
+        cfg = keep_global_batch(cfg, ckpt, dist.detect_env())
     run = build(cfg, train=True)
     state = initial_state(run.info)
     if ckpt is not None:
@@ -280,6 +280,7 @@ class EpochMeter:
     def __init__(self, device: torch.device):
         self.counts = torch.zeros(4, device=device, dtype=torch.float32)  # loss sum, applied, skipped, streak
         self.images, self.resumed_s, self.skipped_seen = 0, 0.0, 0
+        self.t_start = time.perf_counter()
 
     def add(self, loss: torch.Tensor, skipped: torch.Tensor, images: int) -> None:
         bad = skipped.reshape(()).float()
@@ -294,7 +295,7 @@ class EpochMeter:
         """Plain values (a host read: checkpoints only)."""
         loss_sum, applied, skipped, streak = self.counts.tolist()
         return {"loss_sum": loss_sum, "applied": applied, "skipped": skipped, "streak": streak,
-                "images": self.images, "time_s": self.resumed_s + time.perf_counter() - self.t_start,
+                "images": self.images, "time_s": self.elapsed(),
                 "skipped_seen": self.skipped_seen}
 
     def load(self, saved: dict[str, Any]) -> None:
@@ -303,6 +304,10 @@ class EpochMeter:
 
     def start(self) -> None:
         self.t_start = time.perf_counter()
+
+    def elapsed(self, now: float | None = None) -> float:
+        """Seconds of this epoch's training, the part before a resume included."""
+        return self.resumed_s + (time.perf_counter() if now is None else now) - self.t_start
 
 
 def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter: EpochMeter | None = None,
@@ -331,13 +336,13 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
             micro = (i - start) * step.micro_steps
             logger.step(epoch, i, state["step"], {
                 "loss": float(out.loss), "lr": step.optimizer.param_groups[0]["lr"],
-                "images_per_s": meter.images * dist.world_size() / max(meter.resumed_s + now - meter.t_start, 1e-9),
+                "images_per_s": meter.images * dist.world_size() / max(meter.elapsed(now), 1e-9),
                 "step_time_s": (now - t_log) / (i - last_log),
                 "data_time_s": wait.seconds / micro, "compute_time_s": (now - meter.t_start - wait.seconds) / micro})
             t_log, last_log = now, i
         if saver is not None and saver.after_step(state, epoch, i, meter):
             return None
-    elapsed = meter.resumed_s + time.perf_counter() - meter.t_start
+    elapsed = meter.elapsed()
     # one sync and one collective per epoch: the mean loss over every rank's applied steps
     totals = dist.all_reduce_sum(meter.counts[:2].double())
     mean_loss = float(totals[0] / totals[1]) if float(totals[1]) else math.nan

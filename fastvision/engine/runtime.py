@@ -103,6 +103,12 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = True
 
 
+def augment_seed(seed: int, rank: int, step: int = 0) -> int:
+    """Seed of a rank's batched-augmentation generator: at the start of a run (``step`` 0), and when a
+    checkpoint's per-rank streams cannot continue (another world size) at ``step``."""
+    return seed * 1_000_003 + rank + 7_919 * step
+
+
 def rng_state(generator: torch.Generator | None = None) -> dict[str, Any]:
     """Every RNG the training loop draws from, as tensors and plain types (weights_only-safe)."""
     np_state = np.random.get_state()

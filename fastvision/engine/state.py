@@ -138,7 +138,7 @@ def checkpoint_state(run, state: dict, resolved: dict, rng_ranks: list[dict]) ->
     return {**extra, "model": checkpoint.strip_prefixes(run.model.state_dict()),
             "optimizer": step.optimizer.state_dict(), "scheduler": step.scheduler.state_dict(),
             "scaler": run.precision.scaler.state_dict(), **{k: state[k] for k in STATE_KEYS},
-            "rng": rng_ranks[0], "rng_ranks": rng_ranks, "world_size": len(rng_ranks),
+            "rng": rng_ranks[0], "rng_ranks": rng_ranks, "world_size": len(rng_ranks),  # rng: rank 0's, as before
             "global_batch": run.global_batch, "lr": run.lr, "config": resolved, "fastvision": __version__}
 
 
@@ -158,12 +158,12 @@ def restore(ckpt: dict[str, Any], run) -> dict[str, Any]:
     step.optimizer.load_state_dict(ckpt["optimizer"])
     step.scheduler.load_state_dict(ckpt["scheduler"])
     run.precision.scaler.load_state_dict(ckpt["scaler"])
-    ranks = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    ranks = ckpt.get("rng_ranks") or [ckpt["rng"]]  # before rng_ranks: rank 0's alone
     same_world = len(ranks) == run.env.world_size
     runtime.set_rng_state(ranks[run.env.rank] if same_world else ranks[0], step.generator)
     state = {"wall_time": 0.0, "position": None, **{k: ckpt[k] for k in STATE_KEYS if k in ckpt}}
     if not same_world and "rng_ranks" in ckpt:
-        step.generator.manual_seed(run.cfg.train.seed * 1_000_003 + run.env.rank + 7_919 * state["step"])
+        step.generator.manual_seed(runtime.augment_seed(run.cfg.train.seed, run.env.rank, state["step"]))
         if run.env.is_main:
             log.warning("resuming a %d-rank checkpoint on %d rank(s): each rank's augmentation stream "
                         "restarts from (seed, rank, step); the sample order is kept", len(ranks), run.env.world_size)
@@ -183,7 +183,7 @@ def _rescale_lr(step, factor: float) -> None:
         step.scheduler.base_lrs = [lr * factor for lr in step.scheduler.base_lrs]
 
 
-def keep_global_batch(cfg: RunConfig, ckpt: dict[str, Any], world_size: int) -> RunConfig:
+def keep_global_batch(cfg: RunConfig, ckpt: dict[str, Any], env: dist.DistEnv) -> RunConfig:
     """On another world size, the accumulation that keeps the checkpoint's global batch.
 
     Global batch = per-rank batch x accumulation x emulated workers x world size. Where the saved
@@ -192,19 +192,20 @@ def keep_global_batch(cfg: RunConfig, ckpt: dict[str, Any], world_size: int) -> 
     permutation); where not, one line says so and the learning rate follows the recipe's rule
     (``optim.ref_batch``) for the new global batch.
     """
-    old, tc = ckpt.get("global_batch"), cfg.train
+    old, tc, world_size = ckpt.get("global_batch"), cfg.train, env.world_size
     saved = ckpt.get("world_size")
+    say = log.info if env.is_main else log.debug  # one line per job, not per rank
     if not old or saved is None or saved == world_size:
         return cfg
     per_step = tc.batch_size * tc.emulate_workers * world_size
     if old % per_step == 0:
         if old // per_step != tc.accum_steps:
-            log.info("resuming a %d-rank run on %d rank(s): train.accum_steps %d -> %d keeps the global batch %d",
+            say("resuming a %d-rank run on %d rank(s): train.accum_steps %d -> %d keeps the global batch %d",
                      saved, world_size, tc.accum_steps, old // per_step, old)
             tc.accum_steps = old // per_step
     else:
         now = per_step * tc.accum_steps
-        log.warning("resuming a %d-rank run on %d rank(s): its global batch %d is not a multiple of %d "
+        (log.warning if env.is_main else log.debug)("resuming a %d-rank run on %d rank(s): its global batch %d is not a multiple of %d "
                     "(batch x workers x ranks); training on at global batch %d, learning rate by the recipe's "
                     "rule", saved, world_size, old, per_step, now)
     return cfg

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastvision.dist.env import DistEnv
 from fastvision.dist.samplers import TrainSampler
 from fastvision.engine.state import keep_global_batch
 from fastvision import config
@@ -95,7 +96,7 @@ def test_another_world_size_keeps_the_global_batch_and_the_sample_order():
     """A 2-rank checkpoint (batch 4 per rank) resumed on 1 rank: accumulation 2 keeps the global
     batch 8, and step k reads the same items, from any step on."""
     cfg = config.load("unet2d-microscopy", [{"train": {"batch_size": 4}}])
-    keep_global_batch(cfg, {"global_batch": 8, "world_size": 2}, world_size=1)
+    keep_global_batch(cfg, {"global_batch": 8, "world_size": 2}, DistEnv())
     assert cfg.train.accum_steps == 2
     n, b, epoch, start_step = 37, 4, 3, 2
 
@@ -112,7 +113,7 @@ def test_another_world_size_keeps_the_global_batch_and_the_sample_order():
     two, one = global_batches(2, 1), global_batches(1, 2)
     assert len(one) >= len(two) > 0 and one[:len(two)] == two
     uneven = config.load("unet2d-microscopy", [{"train": {"batch_size": 3}}])
-    keep_global_batch(uneven, {"global_batch": 8, "world_size": 2}, world_size=1)  # 8 is no multiple of 3
+    keep_global_batch(uneven, {"global_batch": 8, "world_size": 2}, DistEnv())  # 8 is no multiple of 3
     assert uneven.train.accum_steps == 1
 
 
