@@ -30,7 +30,9 @@ def count_nonfinite(arr: np.ndarray) -> int:
     """
     if arr.dtype.kind not in "fc" or arr.size == 0:
         return 0
-    if np.isfinite(np.sum(arr, dtype=np.complex128 if arr.dtype.kind == "c" else np.float64)):
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum only means: count them
+        total = np.sum(arr, dtype=np.complex128 if arr.dtype.kind == "c" else np.float64)
+    if np.isfinite(total):
         return 0
     return int(arr.size - np.count_nonzero(np.isfinite(arr)))
 
