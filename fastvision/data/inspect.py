@@ -85,7 +85,8 @@ def inspect_microscopy(path: Path) -> dict[str, Any]:
             unusable.setdefault("unreadable files, or Z / T stacks (items are 2-D)", []).append(
                 str(e).replace(str(path) + "/", ""))
             continue
-        bad = [f"{p.name} ({n})" for p, n in ((img_path, count_nonfinite(img)), (mask_path, count_nonfinite(mask))) if n]
+        counts = ((img_path, count_nonfinite(img)), (mask_path, count_nonfinite(mask)))
+        bad = [f"{p.name} ({n})" for p, n in counts if n]
         if bad:
             unusable.setdefault(NONFINITE, []).extend(bad)
             continue

@@ -62,7 +62,8 @@ def test_policy_checked_and_zero_replaces_with_one_warning_per_file(caplog):
     zero = NonFinite("zero")
     with caplog.at_level(logging.WARNING):
         out = [zero(a, "f.tif") for _ in range(3)]
-    assert [r.getMessage() for r in caplog.records] == ["f.tif: 2 NaN/Inf value(s) read as 0 (data.args.nonfinite=zero)"]
+    want = "f.tif: 2 NaN/Inf value(s) read as 0 (data.args.nonfinite=zero)"
+    assert [r.getMessage() for r in caplog.records] == [want]
     np.testing.assert_array_equal(out[-1], [[1.0, 0.0], [0.0, 4.0]])
     assert np.isnan(a[0, 1])  # the decoded array is not modified in place
 
@@ -107,8 +108,10 @@ def _finite_weights(run) -> None:
 
 def _train(kind, data, tmp_path, *extra):
     if kind == "microscopy":
-        return main(["train", "unet2d-microscopy", "--data", str(data), "--out", str(tmp_path / "run"), *TINY_2D, *extra])
-    return main(["train", "unet3d-spleen-fast", "--data", str(data), "--out", str(tmp_path / "run"), *TINY_3D, *extra])
+        return main(["train", "unet2d-microscopy", "--data", str(data), "--out", str(tmp_path / "run"), *TINY_2D,
+                     *extra])
+    return main(["train", "unet3d-spleen-fast", "--data", str(data), "--out", str(tmp_path / "run"), *TINY_3D,
+                 *extra])
 
 
 @pytest.mark.parametrize("kind", ["microscopy", "nifti"])
