@@ -148,7 +148,7 @@ class DaliImageFolder:
 
     def report(self) -> str:
         """One line for logs and the data benchmark: what DALI runs."""
-        what = "random-resized crop fused into decode, resize, flip" if self.train else "decode, centre-crop resize"
+        what = "random-resized crop window decoded alone, resize, flip" if self.train else "decode, centre-crop resize"
         return (f"DALI {self.dali_device} pipeline ({what}; {self.threads} threads): {len(self)} files, "
                 "not cached")
 
@@ -211,7 +211,7 @@ class _EpochSource:
         self.next += 1
         files = [self.data.samples[i][0] for i in chosen]
         self.pending.append(files)
-        encoded = [np.fromfile(f, dtype=np.uint8) for f in files]
+        encoded = [_read(f) for f in files]
         labels = [np.array(self.data.samples[i][1], dtype=np.int64) for i in chosen]
         if not self.data.train:
             return encoded, labels
@@ -233,6 +233,13 @@ class _EpochSource:
         flip = self.data.hflip > 0 and float(torch.rand((), generator=g)) < self.data.hflip
         return (np.array([left, top], np.float32), np.array([right - left, bottom - top], np.float32),
                 np.array(int(flip), np.int32))
+
+
+def _read(path: str) -> np.ndarray:
+    try:
+        return np.fromfile(path, dtype=np.uint8)
+    except OSError as e:  # removed or unreadable since the listing
+        raise DataError(f"{path}: cannot read image file ({e.strerror or e})") from None
 
 
 def _graph(data: DaliImageFolder, source: _EpochSource, dali_device: str):
@@ -344,6 +351,9 @@ class DaliLoader:
             if found is None:
                 raise
             raise found from None
+        except Exception:  # e.g. the source's DataError: this pipeline is not reused
+            self._iterator, self._open = None, False
+            raise
 
 
 def _detail(text: str) -> str:
