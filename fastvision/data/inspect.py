@@ -1,6 +1,8 @@
 """``fastvision data inspect PATH``: what is in a dataset folder, before you train on it.
 
 Recognises the layout, then reports counts, shapes, dtypes, intensity range and class balance.
+Float files holding NaN or Inf are listed (every float microscopy image, every float-stored NIfTI
+volume is read in full for it, as nnU-Net's integrity check does: integer files cannot hold them).
 Layouts register an inspector with :func:`inspector`; the first whose ``detect`` accepts the
 folder reports on it.
 """
@@ -16,6 +18,7 @@ from rich.table import Table
 
 from fastvision.errors import DataError
 
+NONFINITE = "files with NaN/Inf values (nonfinite=zero reads them as 0)"
 _INSPECTORS: list[tuple[str, Callable[[Path], bool], Callable[[Path], dict[str, Any]]]] = []
 
 
@@ -66,6 +69,7 @@ def anomaly_rows(found: dict[str, Sequence[Any]]) -> dict[str, str]:
 @inspector("microscopy", lambda p: (p / "images").is_dir() and (p / "masks").is_dir())
 def inspect_microscopy(path: Path) -> dict[str, Any]:
     from fastvision.data.formats.microscopy import pair_files, read_array
+    from fastvision.data.nonfinite import count_nonfinite
 
     unusable: dict[str, list[str]] = {}  # what training would stop on: every one listed, then exit 2
     pairs = pair_files(path, unusable)
@@ -80,6 +84,11 @@ def inspect_microscopy(path: Path) -> dict[str, Any]:
         except DataError as e:  # "<file>: why" -> "name: why"
             unusable.setdefault("unreadable files, or Z / T stacks (items are 2-D)", []).append(
                 str(e).replace(str(path) + "/", ""))
+            continue
+        counts = ((img_path, count_nonfinite(img)), (mask_path, count_nonfinite(mask)))
+        bad = [f"{p.name} ({n})" for p, n in counts if n]
+        if bad:
+            unusable.setdefault(NONFINITE, []).extend(bad)
             continue
         if img.shape[:2] != mask.shape[:2]:
             unusable.setdefault("image and mask of different sizes", []).append(
@@ -241,6 +250,9 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001  (any nibabel failure: the file is not a usable NIfTI)
             unusable.setdefault("unreadable NIfTI files", []).append(f"{case['id']}: {str(e).splitlines()[0][:80]}")
             continue
+        bad = _nifti_nonfinite([*case["image"], case["label"]], path)
+        if bad:
+            unusable.setdefault(NONFINITE, []).extend(bad)
         if read < 10:
             shapes[str(img.shape)] += 1
             spacings[str(tuple(round(float(z), 2) for z in img.header.get_zooms()[:3]))] += 1
@@ -261,6 +273,23 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
             "unusable": {k: len(v) for k, v in unusable.items() if v}}
 
 
+def _nifti_nonfinite(files: Sequence[Path], root: Path) -> list[str]:
+    """``["imagesTr/x.nii.gz (12)", ...]``: the float-stored files among ``files`` holding NaN / Inf
+    (each read in full; an integer-stored file cannot hold them, so only its header is read)."""
+    import nibabel as nib
+
+    from fastvision.data.nonfinite import count_nonfinite
+
+    out = []
+    for f in files:
+        img = nib.load(str(f))
+        if img.get_data_dtype().kind in "fc":
+            n = count_nonfinite(np.asarray(img.dataobj))
+            if n:
+                out.append(f"{Path(f).relative_to(root) if Path(f).is_relative_to(root) else f} ({n})")
+    return out
+
+
 def _looks_brats(path: Path) -> bool:
     """Case files (``*_flair.nii*`` or ``*-t2f.nii*``) at most three folders down."""
     return path.is_dir() and any(next(path.glob(depth + pattern), None) is not None
@@ -276,13 +305,15 @@ def inspect_brats(path: Path) -> dict[str, Any]:
     layout = detect(path)
     shapes, values = Counter(), set()
     labelled = [c for c in layout.cases if c["label"] is not None]
+    unusable = {NONFINITE: [b for c in labelled for b in _nifti_nonfinite([*c["image"], c["label"]], path)]}
     for case in labelled[:10]:
         shapes[str(nib.load(str(case["image"][0])).shape)] += 1
         values |= set(np.unique(np.asarray(nib.load(str(case["label"])).dataobj)).tolist())
     return {"detected": f"BraTS {layout.year} ({layout.name})", "cases": len(layout.cases),
             "labelled cases": len(labelled), "label convention": layout.convention(),
             "shapes (first 10)": dict(shapes), "label values (first 10)": sorted(int(v) for v in values),
-            "anomalies": anomaly_rows(layout.anomalies)}
+            "anomalies": anomaly_rows({**unusable, **layout.anomalies}),
+            "unusable": {k: len(v) for k, v in unusable.items() if v}}
 
 
 def _pathology_splits(path: Path) -> list[Path]:

@@ -7,7 +7,9 @@ z-score) -> crop to the foreground box. Orientation and resampling place voxels 
 grid than its image is resampled onto the image grid by world position, with a warning. :func:`preprocess_case` is a pure function of file paths
 and :class:`PreprocessParams`, so its output can be stored in a persistent cache keyed on both.
 :func:`restore_to_input` inverts the geometry (crop, resampling, orientation) so predictions can be
-written back in the voxel space of the input file.
+written back in the voxel space of the input file. A volume holding NaN or Inf stops with one line
+naming the file, or is read with those voxels 0 (``PreprocessParams.nonfinite``; checked as the
+file is decoded, so once per cache fill).
 
 Axis order: arrays are ``(C, X, Y, Z)`` where X, Y, Z are the NIfTI voxel axes (i, j, k) after
 reorientation to RAS: index i grows towards world +x (Right), j towards +y (Anterior), k towards
@@ -32,6 +34,7 @@ from fastvision.data.spatial3d import (  # noqa: F401  (re-exported: the geometr
     spacing_grid,
     spacing_of,
 )
+from fastvision.data.nonfinite import NonFinite
 from fastvision.errors import DataError
 
 try:  # nibabel is the optional "medical" extra
@@ -57,6 +60,7 @@ class PreprocessParams:
             CT: any channel > a_min), plus ``crop_margin`` voxels.
         crop_margin: margin in voxels around the foreground box.
         label_map: ``((from, to), ...)`` applied to label values on load (BraTS: ``((4, 3),)``).
+        nonfinite: a file holding NaN / Inf: ``error`` (DataError naming it) or ``zero`` (read as 0).
     """
 
     target_spacing: tuple[float, float, float] | None = None
@@ -65,6 +69,7 @@ class PreprocessParams:
     crop_foreground: bool = True
     crop_margin: int = 0
     label_map: tuple[tuple[int, int], ...] = ()
+    nonfinite: str = "error"
 
     def key(self) -> dict[str, Any]:
         """Plain-data form for hashing into a cache key."""
@@ -141,8 +146,9 @@ def remap_labels(label: torch.Tensor, mapping: Sequence[tuple[int, int]]) -> tor
     return out
 
 
-def _read_channels(paths: Sequence[str | Path]) -> tuple[np.ndarray, np.ndarray, Any]:
-    """Stack image files into (X, Y, Z, C); a 4-D file contributes its last axis as channels."""
+def _read_channels(paths: Sequence[str | Path], finite: NonFinite) -> tuple[np.ndarray, np.ndarray, Any]:
+    """Stack image files into (X, Y, Z, C); a 4-D file contributes its last axis as channels;
+    ``finite`` checks each file for NaN / Inf (after the float32 cast, which can overflow to Inf)."""
     arrays, affine, header = [], None, None
     for p in paths:
         data, aff, hdr = load_nifti(p)
@@ -154,13 +160,13 @@ def _read_channels(paths: Sequence[str | Path]) -> tuple[np.ndarray, np.ndarray,
             affine, header = aff, hdr
         elif data.shape[:3] != arrays[0].shape[:3] or not np.allclose(aff, affine, atol=1e-3):
             raise DataError(f"{p}: grid (shape/affine) differs from {paths[0]}")
-        arrays.append(np.asarray(data, dtype=np.float32))
+        arrays.append(finite(np.asarray(data, dtype=np.float32), p))
     return np.concatenate(arrays, axis=-1), affine, header
 
 
-def _load_case(paths: dict[str, Any], params: PreprocessParams) -> dict[str, Any]:
+def _load_case(paths: dict[str, Any], params: PreprocessParams, finite: NonFinite) -> dict[str, Any]:
     """Read the image channels and the label, both reoriented to RAS, the label on the image grid."""
-    data, in_affine, _ = _read_channels(paths["image"])
+    data, in_affine, _ = _read_channels(paths["image"], finite)
     input_shape = list(data.shape[:3])
     data, affine = reorient(data, in_affine, orientation_to_ras(in_affine))
     case = {"image": torch.from_numpy(np.moveaxis(data, -1, 0).copy()), "affine": affine, "label": None,
@@ -168,7 +174,7 @@ def _load_case(paths: dict[str, Any], params: PreprocessParams) -> dict[str, Any
                      "ras_shape": list(data.shape[:3])}}
     if paths.get("label"):
         lab, lab_affine, _ = load_nifti(paths["label"])
-        lab = lab[..., 0] if lab.ndim == 4 and lab.shape[3] == 1 else lab
+        lab = finite(lab[..., 0] if lab.ndim == 4 and lab.shape[3] == 1 else lab, paths["label"])
         if lab.ndim != 3:
             raise DataError(f"{paths['label']}: expected a 3-D NIfTI label, got shape {lab.shape}")
         lab, lab_affine = reorient(np.asarray(lab).astype(np.int16), lab_affine, orientation_to_ras(lab_affine))
@@ -199,13 +205,16 @@ def _intensity(image: torch.Tensor, params: PreprocessParams) -> tuple[torch.Ten
     raise DataError(f"preprocess intensity must be ct, mri or none, got {params.intensity!r}")
 
 
-def preprocess_case(paths: dict[str, Any], params: PreprocessParams) -> dict[str, Any]:
+def preprocess_case(paths: dict[str, Any], params: PreprocessParams,
+                    finite: NonFinite | None = None) -> dict[str, Any]:
     """Load and preprocess one case; a pure function of its arguments (safe to cache).
 
     Args:
         paths: ``{"image": [path, ...], "label": path or None}``; image files are stacked as
             channels in the given order.
         params: preprocessing settings.
+        finite: the dataset's NaN / Inf check (it warns once per file under ``zero``); None: a
+            fresh one of ``params.nonfinite``.
 
     Returns:
         ``{"image": float32 (C, X, Y, Z), "label": uint8 (X, Y, Z) (only with a label file),
@@ -213,7 +222,7 @@ def preprocess_case(paths: dict[str, Any], params: PreprocessParams) -> dict[str
         :func:`restore_to_input` needs: ``input_affine`` (4, 4), ``input_shape``, ``ras_shape``,
         ``resampled_shape``, ``crop_box`` and the final ``affine`` and ``spacing``.
     """
-    case = _load_case(paths, params)
+    case = _load_case(paths, params, finite or NonFinite(params.nonfinite))
     _resample_case(case, params.target_spacing)
     res_shape = tuple(case["image"].shape[1:])
     image, fg = _intensity(case["image"].float(), params)

@@ -13,7 +13,8 @@ Random transforms (:class:`RandomTransform`) take ``(item, generator)``. The gen
 per item by :func:`item_generator` from ``(seed, epoch, sample index)``, never torch's global
 one, so an augmented item does not depend on which loader thread or process built it, how many
 there are, the world size, or what else drew random numbers meanwhile; a resumed run redraws
-exactly what the uninterrupted run drew.
+exactly what the uninterrupted run drew. :func:`random_resized_box` is the random-resized-crop
+sampler both ImageNet paths (Pillow and DALI) draw from such a generator.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -146,3 +148,31 @@ def apply(transforms: Sequence[TransformFn], item: Item) -> Item:
 
 def name(t: Any) -> str:
     return getattr(t, "__qualname__", None) or type(t).__name__
+
+
+def random_resized_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float],
+                       generator: torch.Generator | None = None) -> tuple[float, float, float, float]:
+    """A random crop box ``(left, top, right, bottom)`` with area fraction in ``scale`` and aspect
+    (w/h) log-uniform in ``ratio``; falls back to the largest centred box of clamped aspect.
+    Draws from ``generator`` (training: the item's generator)."""
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        u = torch.rand(4, generator=generator).tolist()
+        target = area * (scale[0] + u[0] * (scale[1] - scale[0]))
+        aspect = math.exp(log_lo + u[1] * (log_hi - log_lo))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            left = int(u[2] * (width - w + 1))
+            top = int(u[3] * (height - h + 1))
+            return float(left), float(top), float(left + w), float(top + h)
+    aspect = width / height
+    if aspect < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif aspect > ratio[1]:
+        w, h = round(height * ratio[1]), height
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return float(left), float(top), float(left + w), float(top + h)

@@ -1,10 +1,15 @@
 """Checkpoints: a CPU snapshot written atomically in a background thread; when a step checkpoint
-is due; where to resume."""
+is due; where to resume.
+
+Host memory of a save: one copy of the checkpoint (the snapshot; GPU tensors land in pinned
+buffers kept for the next save), streamed by ``torch.save`` into the temp file: no second,
+serialised copy in RAM (``benchmarks/checkpoint_ram.py`` measures the peak).
+"""
 from __future__ import annotations
 
-import io
 import logging
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -19,7 +24,7 @@ from fastvision.utils.files import (  # noqa: F401
     load,
     strip_prefixes,
 )
-from fastvision.utils.tree import map_tensors
+from fastvision.utils.tree import map_tensors, tensors
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +38,55 @@ def snapshot(obj: Any) -> Any:
     return map_tensors(lambda t: t.detach().to("cpu", copy=True), obj)
 
 
+class PinnedStage:
+    """Host copies of a checkpoint's tensors, GPU ones staged asynchronously into pinned buffers.
+
+    :meth:`copy` returns the tree with every CUDA tensor replaced by a pinned host buffer filled by
+    a ``non_blocking`` copy on the current stream (after the step's kernels, before any later
+    in-place update), and every CPU tensor by a clone; one CUDA event is recorded after the
+    copies. :meth:`wait` (the writer thread) waits on that event, not on the whole device. The
+    pinned buffers are kept and reused by the next save when the shapes match (pinning is slow and
+    pinned memory scarce, so it is allocated once); without CUDA nothing is pinned.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []  # pinned, in the order the tree's CUDA tensors come
+        self._event: Any = None
+
+    def copy(self, obj: Any) -> Any:
+        cuda = [t for t in tensors(obj) if t.is_cuda]
+        if len(self._buffers) != len(cuda) or any(b.shape != t.shape or b.dtype != t.dtype
+                                                  for b, t in zip(self._buffers, cuda)):
+            self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in cuda]
+        buffers = iter(self._buffers)
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            if t.is_cuda:
+                return next(buffers).copy_(t.detach(), non_blocking=True)
+            return t.detach().to("cpu", copy=True)
+
+        out = map_tensors(host, obj)
+        self._event = None
+        if cuda:  # one event after the copies: the thread waits for them, not for the device
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return out
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
 class BackgroundWriter:
     """Writes checkpoints in a background thread, one at a time, each atomically.
 
-    ``write`` waits for the previous write, snapshots the checkpoint, and returns; the thread then
-    serialises it once, writes it to the first path (``last.pt``) with :func:`atomic_write` and makes
-    every other path (``best.pt`` when it improved) a hard link of that file with :func:`atomic_link`
-    (a second atomic write where hard links are not available). A crash or kill mid-write leaves
-    each file's previous version.
+    ``write`` waits for the previous write, stages the checkpoint in host memory
+    (:class:`PinnedStage`: GPU tensors by non-blocking copies into reused pinned buffers, one
+    event) and returns; the thread waits on the event, streams ``torch.save`` into a temp file
+    beside the first path (``last.pt``) and renames it over (:func:`atomic_write`: temp, fsync,
+    rename), then makes every other path (``best.pt`` when it improved) a hard link of that file
+    with :func:`atomic_link` (an atomic copy where hard links are not available). A crash or kill
+    mid-write leaves each file's previous version.
     Call :meth:`join` before relying on the files (the engine does at the end of ``fit``, and in its
     ``finally``). An error in the thread is raised by the next ``write`` or ``join``.
 
@@ -54,12 +100,13 @@ class BackgroundWriter:
         self._error: BaseException | None = None
         self.latencies: list[float] = []  # seconds from write() to durable, per finished write
         self.snapshot_s: list[float] = []  # seconds the training thread spent in write() (wait + snapshot)
+        self._stage = PinnedStage()
 
     def write(self, obj: Any, paths: Sequence[Path], prune: Sequence[Path] = ()) -> None:
         """Snapshot ``obj`` now; write it to ``paths[0]``, link the others, then delete ``prune``."""
         called = time.perf_counter()
         self.join()
-        data, paths = snapshot(obj), [Path(p) for p in paths]
+        data, paths = self._stage.copy(obj), [Path(p) for p in paths]
         self.snapshot_s.append(time.perf_counter() - called)
         self._thread = threading.Thread(target=self._run, args=(data, paths, list(prune), called),
                                         name="fastvision-checkpoint", daemon=True)
@@ -67,11 +114,11 @@ class BackgroundWriter:
 
     def _run(self, data: Any, paths: list[Path], prune: list[Path], called: float) -> None:
         try:
-            buf = io.BytesIO()
-            torch.save(data, buf)
-            for i, p in enumerate(paths):
-                if i == 0 or not atomic_link(paths[0], p):
-                    atomic_write(p, lambda f: f.write(buf.getbuffer()))
+            self._stage.wait()
+            atomic_write(paths[0], lambda f: torch.save(data, f))  # streamed: no serialised copy in RAM
+            for p in paths[1:]:
+                if not atomic_link(paths[0], p):
+                    atomic_write(p, lambda f, src=paths[0]: _copy_file(src, f))
             self.latencies.append(time.perf_counter() - called)
             for p in prune:
                 p.unlink(missing_ok=True)
@@ -88,6 +135,11 @@ class BackgroundWriter:
             if raise_errors:
                 raise error
             log.error("checkpoint write failed: %s", error)
+
+def _copy_file(src: Path, f) -> None:
+    with open(src, "rb") as s:
+        shutil.copyfileobj(s, f, 1 << 20)
+
 
 _PERIOD = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600}
 

@@ -10,6 +10,7 @@ resnet18-imagefolder reaches the Pillow path's top-1 (slow). Skipped, saying why
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -272,3 +273,103 @@ def test_resume_with_dali_replays_the_straight_run(tmp_path):
     assert any(not torch.equal(first[k], straight[k]) for k in straight)  # the second epoch changed something
     for k in straight:
         assert torch.equal(resumed[k], straight[k]), k
+
+
+# ------------------------------------------------------------------ issue 28: build once, errors, threads
+def _epoch_labels(loader, epoch, start=0, take=None):
+    loader.set_epoch(epoch, start_batch=start)
+    out = []
+    for k, b in enumerate(loader):
+        out.append((b["label"].tolist(), b["image"].clone()))
+        if take is not None and k + 1 == take:
+            break  # the loop leaves the epoch early (steps_per_epoch, a benchmark round)
+    return out
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(x[0] == y[0] and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+def test_the_pipeline_is_built_once_and_reset_per_epoch(tmp_path, monkeypatch):
+    """Counted at DALI's own Pipeline.build (the pipelines it is called on; the iterator calls it
+    again on a built one, a no-op): one pipeline for four epochs (one left after a batch),
+    each epoch equal to a fresh loader's (seeded by (seed, epoch), not by the epochs before), and a
+    mid-epoch start equal to the rest of the straight epoch."""
+    from nvidia.dali.pipeline import Pipeline
+
+    builds = []
+    real_build = Pipeline.build
+    monkeypatch.setattr(Pipeline, "build", lambda self, *a, **k: (builds.append(self), real_build(self, *a, **k))[1])
+    samples = _labelled(tmp_path, 13)
+    loader = _loader(samples, True, size=16, resize=16, batch=3)
+    epochs = [_epoch_labels(loader, 0), _epoch_labels(loader, 1, take=1), _epoch_labels(loader, 2),
+              _epoch_labels(loader, 3, start=2)]
+    assert len({id(p) for p in builds}) == 1  # the list holds them: no id is reused
+    assert [len(e) for e in epochs] == [4, 1, 4, 2]
+    fresh = [_epoch_labels(_loader(samples, True, size=16, resize=16, batch=3), e) for e in (0, 1, 2, 3)]
+    assert _same(epochs[0], fresh[0]) and _same(epochs[1], fresh[1][:1]) and _same(epochs[2], fresh[2])
+    assert _same(epochs[3], fresh[3][2:])  # a resume at batch 2 continues the straight epoch
+    assert [x[0] for x in fresh[0]] != [x[0] for x in fresh[2]]
+
+
+def test_threads_follow_the_cpu_affinity(tmp_path):
+    """SLURM (or taskset) grants this process one CPU of the machine: DALI runs one thread, not
+    os.cpu_count()'s."""
+    import os
+
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs a process allowed on two CPUs or more")
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        data = DaliImageFolder(_labelled(tmp_path, 4), train=False, image_size=16, resize_size=16, dali_device="cpu",
+                               **KW)
+        loader = data.make_loader(batch_size=2, shard_id=0, num_shards=1, seed=0, device=CPU)
+        assert data.threads == 1 and len(_batches(loader)) == 2
+        assert loader._iterator._pipes[0].num_threads == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _dali_error(graph, encoded):
+    """The RuntimeError a real one-sample DALI CPU pipeline raises for ``graph(bytes node)``."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+    def pipe():
+        return graph(fn.external_source(source=lambda: [encoded], batch=True, dtype=types.UINT8), fn, types)
+
+    p = pipe()
+    p.build()
+    with pytest.raises(RuntimeError) as e:
+        p.run()
+    return e.value
+
+
+def test_only_decoder_failures_on_a_bad_file_are_reported_as_undecodable(tmp_path):
+    """Real DALI errors: a truncated JPEG in the decoder -> the Pillow path's error naming it; the
+    same decoder error text about a failed CUDA allocation (libdali's words when nvJPEG's device
+    buffer cannot be allocated) or std::bad_alloc -> propagates (None); a decoder's own argument
+    error on files Pillow reads, or a crop operator's error -> propagates."""
+    from fastvision.data.dali import decode_error
+
+    good = _labelled(tmp_path, 1)[0][0]
+    whole = open(good, "rb").read()
+    trunc = tmp_path / "trunc.JPEG"
+    trunc.write_bytes(whole[: len(whole) // 2])
+    explain = functools.partial(F.pillow_error, size=16, resize=16)
+    data = DaliImageFolder([(good, 0)], train=False, image_size=16, resize_size=16, dali_device="cpu", explain=explain,
+                           **KW)
+    decoding = _dali_error(lambda j, fn, t: fn.decoders.image(j, device="cpu"),
+                           np.frombuffer(trunc.read_bytes(), np.uint8))
+    window = _dali_error(lambda j, fn, t: fn.decoders.image_slice(j, [0, 0], [500, 500], normalized_anchor=False,
+                                                                  normalized_shape=False), np.frombuffer(whole, np.uint8))
+    crop = _dali_error(lambda j, fn, t: fn.crop(fn.decoders.image(j), crop=[500, 500], out_of_bounds_policy="error"),
+                       np.frombuffer(whole, np.uint8))
+    detail = str(decoding).split("encountered:", 1)[1].strip().splitlines()[0]
+    oom = RuntimeError(str(decoding).replace(detail, "CUDA allocation failed"))
+    host = RuntimeError(str(decoding).replace(detail, "std::bad_alloc"))
+    got = decode_error(decoding, [good, str(trunc)], data)
+    assert isinstance(got, DataError) and str(got) == str(explain(str(trunc), True)) and "trunc.JPEG" in str(got)
+    for err in (oom, host, window, crop):
+        assert decode_error(err, [good], data) is None, str(err)

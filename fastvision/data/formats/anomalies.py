@@ -6,6 +6,7 @@ call :func:`handle_invalid`, which logs one warning naming the file, the count a
 (``data.args.invalid: warn``, the default) or raises a one-line :class:`DataError`
 (``invalid: error``); nothing is dropped silently. Unreadable files are an error naming the file,
 or skipped with one warning under ``data.args.skip_unreadable: true`` (:func:`drop_unreadable`).
+Float files holding NaN or Inf are found as each file is decoded (:mod:`fastvision.data.nonfinite`).
 """
 from __future__ import annotations
 
@@ -96,3 +97,4 @@ def image_header(path: Path) -> None:
 
     with Image.open(path) as im:
         im.size  # noqa: B018 - the header is parsed on open; touching size keeps linters honest
+

@@ -22,6 +22,7 @@ from fastvision.data.formats.anomalies import drop_unreadable, nifti_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.brats_layouts import detect
 from fastvision.data.formats.decathlon import BRATS_CLASS_NAMES, build_splits
+from fastvision.data.nonfinite import NonFinite
 from fastvision.data.preprocess3d import PreprocessParams, remap_labels
 from fastvision.errors import DataError
 from fastvision.registry import DATASETS
@@ -53,11 +54,12 @@ def find_cases(root: str | Path) -> list[dict]:
 def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int = 0,
                 target_spacing: tuple[float, float, float] | None = None, crop_foreground: bool = True,
                 crop_margin: int = 0, patch_size: tuple[int, int, int] | None = None,
-                pos_fraction: float = 0.5, skip_unreadable: bool = False) -> DatasetSplits:
+                pos_fraction: float = 0.5, skip_unreadable: bool = False, nonfinite: str = "error") -> DatasetSplits:
     """Raw BraTS folder (any release 2017-2024) -> train/val of fold ``fold``; MRI z-score on the
     foreground per channel. The release's label convention is recorded in ``info``.
 
-    Args: as :func:`fastvision.data.formats.decathlon.build_decathlon` (no CT options).
+    Args: as :func:`fastvision.data.formats.decathlon.build_decathlon` (no CT options; ``nonfinite``
+    included).
     """
     layout = detect(dataset_folder(path, "BraTS"))
     cases = layout.cases
@@ -68,7 +70,8 @@ def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int
     cases = drop_unreadable(cases, lambda c: [*c["image"], c["label"]], nifti_header, skip_unreadable, path)
     params = PreprocessParams(
         target_spacing=tuple(map(float, target_spacing)) if target_spacing else None, intensity="mri",
-        crop_foreground=crop_foreground, crop_margin=crop_margin, label_map=layout.label_map)
+        crop_foreground=crop_foreground, crop_margin=crop_margin, label_map=layout.label_map,
+        nonfinite=NonFinite(nonfinite).policy)
     info = {"num_classes": 4, "class_names": BRATS_CLASS_NAMES, "in_channels": 4, "channels": list(MODALITIES),
             "regions": list(REGION_NAMES), "preprocess": params.key(), "label_convention": layout.convention()}
     return build_splits(cases, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,

@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 from fastvision.data import spatial3d
 from fastvision.data.formats.anomalies import drop_unreadable, first_few, nifti_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
+from fastvision.data.nonfinite import NonFinite
 from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
 from fastvision.data.transforms import RandomTransform, Transform
 from fastvision.errors import ConfigError, DataError
@@ -196,9 +197,12 @@ class _Preprocess(Transform):
     def __init__(self, params: PreprocessParams, compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]],
                  label_dtype: str = "int64"):
         self.params, self.compute, self.label_dtype = params, compute, label_dtype
+        # one NaN / Inf check per dataset, so that ``nonfinite: zero`` warns once per file
+        takes = "finite" in inspect.signature(compute).parameters
+        self._finite = {"finite": NonFinite(params.nonfinite)} if takes else {}
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
-        out = self.compute({"image": item["image"], "label": item.get("label")}, self.params)
+        out = self.compute({"image": item["image"], "label": item.get("label")}, self.params, **self._finite)
         image = out["image"]
         label = out["label"] if "label" in out else torch.zeros(image.shape[1:], dtype=torch.long)
         res = {"image": image, "label": label.to(getattr(torch, self.label_dtype)), "id": item["id"]}
@@ -300,7 +304,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
                     window: tuple[float, float, float, float] = (-57.0, 164.0, 0.0, 1.0),
                     crop_foreground: bool = True, crop_margin: int = 0,
                     patch_size: tuple[int, int, int] | None = None, pos_fraction: float = 0.5,
-                    skip_unreadable: bool = False) -> DatasetSplits:
+                    skip_unreadable: bool = False, nonfinite: str = "error") -> DatasetSplits:
     """Decathlon task folder -> train/val of fold ``fold`` (of ``num_folds``).
 
     Args:
@@ -314,6 +318,9 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         pos_fraction: share of patches centred on foreground.
         skip_unreadable: drop (with one warning) cases whose NIfTI headers do not read, instead of
             stopping with an error naming the file.
+        nonfinite: a volume holding NaN or Inf: ``error`` stops with one line naming the file when
+            it is read (the cache fill, or the item); ``zero`` reads those voxels as 0, one warning
+            per file.
 
     Preprocessed volumes are cached by ``data.cache`` (ram, disk, shared, smart, gpu), not here.
     """
@@ -338,7 +345,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     params = PreprocessParams(
         target_spacing=tuple(map(float, target_spacing)) if target_spacing else None, intensity=intensity,
         window=tuple(map(float, window)), crop_foreground=crop_foreground, crop_margin=crop_margin,
-        label_map=label_map)
+        label_map=label_map, nonfinite=NonFinite(nonfinite).policy)
     info = {"num_classes": len(class_names), "class_names": class_names, "in_channels": max(1, len(modalities)),
             "channels": modalities, "regions": ["wt", "tc", "et"] if label_map else None, "test_images": [str(p) for p in found["test"]], "preprocess": params.key(),
             "label_convention": convention}

@@ -29,7 +29,11 @@ from torch.utils.data import Dataset
 from fastvision.data.formats.anomalies import drop_unreadable, image_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.imagenet_val import flat_val_samples, is_flat
-from fastvision.data.transforms import RandomTransform, Transform
+from fastvision.data.transforms import (  # noqa: F401  (random_resized_box: also the DALI path's)
+    RandomTransform,
+    Transform,
+    random_resized_box,
+)
 from fastvision.errors import DataError
 from fastvision.registry import DATASETS
 
@@ -80,34 +84,6 @@ def open_image(path: str, draft_size: tuple[int, int] | None = None) -> Image.Im
         return img.convert("RGB")  # grey, CMYK (Adobe inverted included), palette, RGBA -> RGB
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise DataError(f"{path}: cannot decode image ({e})") from e
-
-
-def random_resized_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float],
-                       generator: torch.Generator | None = None) -> tuple[float, float, float, float]:
-    """A random crop box ``(left, top, right, bottom)`` with area fraction in ``scale`` and aspect
-    (w/h) log-uniform in ``ratio``; falls back to the largest centred box of clamped aspect.
-    Draws from ``generator`` (training: the item's generator)."""
-    area = width * height
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    for _ in range(10):
-        u = torch.rand(4, generator=generator).tolist()
-        target = area * (scale[0] + u[0] * (scale[1] - scale[0]))
-        aspect = math.exp(log_lo + u[1] * (log_hi - log_lo))
-        w = round(math.sqrt(target * aspect))
-        h = round(math.sqrt(target / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            left = int(u[2] * (width - w + 1))
-            top = int(u[3] * (height - h + 1))
-            return float(left), float(top), float(left + w), float(top + h)
-    aspect = width / height
-    if aspect < ratio[0]:
-        w, h = width, round(width / ratio[0])
-    elif aspect > ratio[1]:
-        w, h = round(height * ratio[1]), height
-    else:
-        w, h = width, height
-    left, top = (width - w) // 2, (height - h) // 2
-    return float(left), float(top), float(left + w), float(top + h)
 
 
 def center_box(width: int, height: int, resize: int, crop: int) -> tuple[float, float, float, float]:

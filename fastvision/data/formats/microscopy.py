@@ -3,7 +3,8 @@
 Images are PNG or TIFF (multi-page, ImageJ and OME included), 8- or 16-bit, grey or RGB; masks
 are binary (0/1, 0/255 or 0/65535, mixed freely across files), instance ids (``binarize``) or
 class indices 0..K-1, and may use another extension than their image (``a.tif`` + ``a.png``). Every file header is checked when the dataset is built, so a missing mask or a
-shape mismatch is reported before training starts, naming the file. Items are
+shape mismatch is reported before training starts, naming the file. A float image holding NaN or Inf
+stops the run naming the file when it is read (``data.args.nonfinite``: ``error`` or ``zero``). Items are
 ``{"image": float32 (C, H, W) in [0, 1], "label": int64 (H, W), "id": stem}``.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.data import Dataset
 
 from fastvision.data.formats.anomalies import drop_unreadable
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
+from fastvision.data.nonfinite import NonFinite
 from fastvision.errors import DataError
 from fastvision.registry import DATASETS
 
@@ -176,12 +178,16 @@ class MicroscopyDataset(Dataset):
             then zero-pad bottom/right).
         channels: 1 (grey; RGB is averaged) or 3 (grey is repeated).
         num_classes: mask classes including background.
+        nonfinite: what a float file holding NaN / Inf does: ``error`` (DataError naming it) or
+            ``zero`` (read as 0, one warning per file).
     """
 
     def __init__(self, pairs: list[tuple[Path, Path]], size: tuple[int, int], fit: str, channels: int,
-                 num_classes: int, binarize: bool = False):
+                 num_classes: int, binarize: bool = False, nonfinite: str = "error"):
         self.pairs, self.size, self.fit = pairs, tuple(size), fit
         self.channels, self.num_classes, self.binarize = channels, num_classes, binarize
+        self.nonfinite = nonfinite  # a scalar setting: part of the disk cache's key
+        self._finite = NonFinite(nonfinite)
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -194,8 +200,10 @@ class MicroscopyDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         img_path, mask_path = self.pairs[i]
-        img = to_unit_float(read_array(img_path))
-        mask = mask_to_index(read_array(mask_path), mask_path, self.num_classes, self.binarize)
+        # NaN / Inf checked where the file is decoded (once per read, or once per cache fill)
+        img = to_unit_float(self._finite(read_array(img_path), img_path))
+        mask = mask_to_index(self._finite(read_array(mask_path), mask_path), mask_path, self.num_classes,
+                             self.binarize)
         if img.shape[:2] != mask.shape[:2]:
             raise DataError(f"{img_path}: image is {img.shape[:2]} but mask {mask_path} is {mask.shape[:2]}")
         image = torch.from_numpy(img[None] if img.ndim == 2 else img.transpose(2, 0, 1).copy())
@@ -287,7 +295,7 @@ def microscopy(*, path: str | None = None, image_size: list[int] = (256, 256),
                fit: Literal["resize", "pad"] = "resize", channels: int = 1, num_classes: int = 2,
                val_fraction: float = 0.2, split_seed: int = 0, train_list: str | None = None,
                val_list: str | None = None, repeat: int = 1, binarize: bool = False,
-               skip_unreadable: bool = False) -> DatasetSplits:
+               skip_unreadable: bool = False, nonfinite: Literal["error", "zero"] = "error") -> DatasetSplits:
     """Microscopy folder dataset (``path`` None: the built-in generated sample).
 
     Args:
@@ -295,7 +303,11 @@ def microscopy(*, path: str | None = None, image_size: list[int] = (256, 256),
         binarize: every non-zero mask value is foreground (instance-labelled masks).
         skip_unreadable: skip (with one warning) pairs whose image or mask header does not
             decode, instead of stopping with an error naming the file.
+        nonfinite: a float image (or mask) holding NaN or Inf: ``error`` stops with one line
+            naming the file when it is read (exit 2); ``zero`` reads those values as 0 with one
+            warning per file. ``fastvision data inspect`` lists such files up front.
     """
+    NonFinite(nonfinite)  # a wrong value is a ConfigError now, not in a loader thread
     root = dataset_folder(path) if path else default_data_dir()
     pairs = drop_unreadable(pair_files(root), list, header_shape, skip_unreadable, root)
     for img, mask in pairs:  # header-only consistency check, before any training
@@ -303,7 +315,7 @@ def microscopy(*, path: str | None = None, image_size: list[int] = (256, 256),
             raise DataError(f"{img}: image is {header_shape(img)} but mask {mask} is {header_shape(mask)}")
     train_pairs, val_pairs = split_pairs(pairs, root, val_fraction, split_seed, train_list, val_list)
     size = tuple(image_size)
-    make = lambda ps: MicroscopyDataset(ps, size, fit, channels, num_classes, binarize)  # noqa: E731
+    make = lambda ps: MicroscopyDataset(ps, size, fit, channels, num_classes, binarize, nonfinite)  # noqa: E731
     train = make(train_pairs * repeat)
     return DatasetSplits(train, make(val_pairs), {"root": str(root), "train": len(train_pairs),
                                                   "val": len(val_pairs), "num_classes": num_classes})
