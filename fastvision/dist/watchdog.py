@@ -9,7 +9,7 @@ loader. :class:`Watchdog` turns that into one line and a file per rank:
   bumps every ``interval`` seconds plus the last step, to the job's key-value store.
 * When the loop has not beaten for ``train.hang_timeout_s``, the thread writes this process's
   Python stacks (every thread) to ``RUN/hang/rank-<r>.txt`` (and, on NCCL, PyTorch's flight
-  recorder to ``RUN/hang/nccl-trace-rank-<r>.json``), keeps beating for a grace period, and then
+  recorder to ``RUN/hang/nccl-trace-rank-<r>``), keeps beating for a grace period, and then
   rank 0 names the ranks whose heartbeat did not move in that period (their whole process is
   frozen, or gone), or, when every process is alive, those whose step is behind. One line:
   ``step N: rank 1 (host, pid) did not arrive; stacks in RUN/hang/``. Every live rank then exits
@@ -232,15 +232,16 @@ class Watchdog:
         (self.folder / f"rank-{self.rank}.txt").write_text("".join(lines))
 
     def _write_flight_recorder(self) -> None:
-        """On NCCL: PyTorch's record of the last collectives (which one each rank waits in)."""
+        """On NCCL: PyTorch's record of the last collectives (which one each rank waits in), in the
+        file and format torch's own dump on a timeout uses, so ``torchfrtrace`` reads both."""
         import torch
 
         c10d = getattr(torch._C, "_distributed_c10d", None)
-        dump = getattr(c10d, "_dump_nccl_trace_json", None) or getattr(c10d, "_dump_fr_trace_json", None)
+        dump = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)  # 2.4 / 2.8+
         if dump is None or not torch.cuda.is_available():
             return
         try:
-            (self.folder / f"nccl-trace-rank-{self.rank}.json").write_text(dump())
+            (self.folder / f"nccl-trace-rank-{self.rank}").write_bytes(dump())
         except Exception as e:  # noqa: BLE001 - no NCCL group, or a torch without the recorder
             log.debug("watchdog: no flight recorder dump: %s", e)
 
