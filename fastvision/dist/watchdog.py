@@ -62,9 +62,11 @@ def nccl_flight_recorder_env() -> None:
 
 
 def point_dumps_at(folder: Path) -> None:
-    """NCCL flight-recorder dumps go to ``folder/nccl-trace-rank-<r>`` (unless the user chose)."""
+    """NCCL flight-recorder dumps go to ``folder/nccl-trace-rank-<r>``, unless the user chose a
+    place (a value that is not an earlier run's ``hang`` folder)."""
     for key in DUMP_FILE:
-        os.environ.setdefault(key, str(folder / "nccl-trace-rank-"))
+        if os.environ.get(key, "/hang/nccl-trace-rank-").endswith("/hang/nccl-trace-rank-"):
+            os.environ[key] = str(folder / "nccl-trace-rank-")
 
 
 def check_timeouts(hang_timeout_s: float | None, dist_timeout_s: float) -> None:
