@@ -120,9 +120,9 @@ class Agreement:
         """Agree on ``flags`` now: every rank must call this at the same point."""
         if not active():
             return [int(f) for f in flags]
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
         hvd = HOROVOD.module
-        if hvd is not None:
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device="cpu" if hvd else self.device)
+        if hvd is not None:  # horovod reduces CPU tensors on every build (GPU ops are optional)
             t = hvd.allreduce(t, op=hvd.Max, name="fastvision.agreement")
         else:
             tdist.all_reduce(t, op=tdist.ReduceOp.MAX)

@@ -31,7 +31,7 @@ from tests.dist.test_elastic import TINY, _model, data, uninterrupted  # noqa: F
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, SIGSTOP")]
 
-HANG_S = 6  # seconds without progress that count as a hang (a tiny step takes milliseconds)
+HANG_S = 8  # seconds without progress that count as a hang (a tiny step takes milliseconds)
 
 WRAPPER = """\
 import sys
@@ -93,7 +93,7 @@ def test_a_frozen_rank_is_named_and_the_job_exits_or_restarts(restarts, data, re
     assert f"stacks in {hang}" in line and "rank 0 (" not in line
     assert live_stacks == ["rank-0.txt"], live_stacks  # the live rank's; the frozen one could not write
     stacks = (hang / "rank-0.txt").read_text()
-    assert "Thread MainThread" in stacks and "fastvision-watchdog" in stacks and "train_one_epoch" in stacks
+    assert "Thread MainThread" in stacks and "fastvision-watchdog" in stacks and "engine/loop.py" in stacks
     assert f"exitcode: {HANG_EXIT}" in err or f"exitcode  : {HANG_EXIT}" in err, err[-3000:]
     if restarts == 0:
         assert proc.returncode != 0
