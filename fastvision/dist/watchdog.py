@@ -178,9 +178,12 @@ class Watchdog:
     # -------------------------------------------------------------------- the report
     def _fire(self) -> None:
         """No beat for ``timeout_s``: stacks, the names, exit."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._write_stacks()
-        self._write_flight_recorder()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._write_stacks()
+            self._write_flight_recorder()
+        except OSError as e:  # a full or read-only disk: still name the missing rank and exit
+            log.error("watchdog: stacks not written to %s: %s", self.folder, e)
         if self.store is None:
             log.error("step %d: no progress for %.0f s on rank %d (%s); stacks in %s/", self.step, self.timeout_s,
                       self.rank, self.who, self.folder)
@@ -198,7 +201,8 @@ class Watchdog:
         log.error("%s", line)
         try:
             self.store.set("fastvision/hang/report", line)
-        except Exception:  # noqa: BLE001
+            (self.folder / "report.txt").write_text(line + "\n")
+        except Exception:  # noqa: BLE001 - the line is in the log already
             pass
         self._leave()
 

@@ -79,9 +79,9 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     try:
         with preemption:
             _epochs(run, state, logger, saver, summary, doctor)
+        doctor.close()  # a long last write is no hang; what follows is rank 0's alone
         saver.writer.join()  # the last checkpoint is on disk before the run reports
         dist.barrier()
-        doctor.close()  # what follows is rank 0's alone
         _summarise(run, state, logger, saver, summary, run_dir, wall)
     finally:
         doctor.close()
@@ -101,6 +101,10 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summ
         doctor.beat(state["step"], "validation")
         return stop.requested
 
+    def preempted() -> Exception:  # the stop's checkpoint is written: wait until durable, requeue
+        doctor.close()  # however long the write takes
+        return stop.preempted(saver.writer.join, saver.folder / "last.pt")
+
     target = parse_target(tc.target)
     position = state["position"]
     first = position["epoch"] if position else state["epoch"] + 1
@@ -113,14 +117,14 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summ
         run.train_loader.set_epoch(epoch, start_batch=start * run.step.micro_steps)
         stats = train_one_epoch(run, epoch, state, logger, meter, start, saver, doctor)
         if stats is None or saver.agree_stop(state, epoch, run.steps_per_epoch, meter):
-            raise stop.preempted(saver.writer.join, saver.folder / "last.pt")  # resume continues at this step
+            raise preempted()  # resume continues at this step
         row = {"train_loss": stats["loss"], "lr": run.step.optimizer.param_groups[0]["lr"],
                "images_per_s": stats["images_per_s"], "epoch_time_s": stats["time_s"]}
         if (epoch + 1) % tc.val_every == 0 or epoch + 1 == tc.epochs:
             row.update(evaluate(eval_model(run.model, run.step.ema), task, run.val_loader, run.device,
                                 run.precision, tc.channels_last, stop=validating))
             if saver.agree_stop(state, epoch, run.steps_per_epoch, meter):  # a signal during validation
-                raise stop.preempted(saver.writer.join, saver.folder / "last.pt")  # resume validates again
+                raise preempted()  # resume validates this epoch again
             if target and target[0] not in row:  # checked at the first validation: metrics are task-defined
                 raise ConfigError(f"--target {target[0]}: not a metric of this run; valid: "
                                   f"{', '.join(k for k in row if k not in ('lr', 'epoch_time_s'))}")
@@ -132,7 +136,7 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summ
         state.update(epoch=epoch, history=logger.history, position=None)
         saver.save(state, best=better)
         if saver.agree_stop(state, epoch, None, None):
-            raise stop.preempted(saver.writer.join, saver.folder / "last.pt")
+            raise preempted()
         if target and target[0] in row and reached(task, target[0], row[target[0]], target[1]):
             summary.update(target_reached=True, time_to_target_s=state["train_time"],
                            time_to_target_wall_s=state["wall_time"], target_epoch=epoch + 1)

@@ -73,9 +73,11 @@ def test_a_frozen_rank_is_named_and_the_job_exits_or_restarts(restarts, data, re
         assert victim is not None and proc.poll() is None, "no worker to freeze"
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        reported = _wait(lambda: "did not arrive" in log.read_text(), HANG_S + 90, proc)
+        reported = _wait(lambda: "did not arrive" in log.read_text() and (hang / "report.txt").exists(), HANG_S + 90,
+                         proc)
         seconds = time.monotonic() - stopped_at
         live_stacks = sorted(p.name for p in hang.glob("rank-*.txt")) if hang.exists() else []
+        report = (hang / "report.txt").read_text() if reported else ""
         os.kill(victim, signal.SIGCONT)  # torchrun can stop (or restart) a frozen worker only once it runs
         proc.wait(timeout=240)
     finally:
@@ -92,6 +94,7 @@ def test_a_frozen_rank_is_named_and_the_job_exits_or_restarts(restarts, data, re
     assert f"rank 1 ({socket.gethostname()}, {victim}) did not arrive" in line, line
     assert f"stacks in {hang}" in line and "rank 0 (" not in line
     assert live_stacks == ["rank-0.txt"], live_stacks  # the live rank's; the frozen one could not write
+    assert report.strip() == line.split("watchdog: ", 1)[-1]
     stacks = (hang / "rank-0.txt").read_text()
     assert "Thread MainThread" in stacks and "fastvision-watchdog" in stacks and "engine/loop.py" in stacks
     assert f"exitcode: {HANG_EXIT}" in err or f"exitcode  : {HANG_EXIT}" in err, err[-3000:]
@@ -132,7 +135,8 @@ def test_in_one_process_the_rank_whose_heartbeat_stops_is_named(tmp_path):
     assert exits == [HANG_EXIT]
     line = store.get("fastvision/hang/report").decode()
     assert line == f"step 7: rank 1 ({dogs[1].who}) did not arrive; stacks in {tmp_path / 'hang'}/"
-    assert sorted(p.name for p in (tmp_path / "hang").iterdir()) == ["rank-0.txt"]
+    assert sorted(p.name for p in (tmp_path / "hang").iterdir()) == ["rank-0.txt", "report.txt"]
+    assert (tmp_path / "hang" / "report.txt").read_text() == line + "\n"
     assert "no progress for 0.5 s after step 7" in (tmp_path / "hang" / "rank-0.txt").read_text()
 
 
