@@ -16,7 +16,7 @@ Reported: the median seconds per training step (``train_time_s`` of the summary 
 run: build, validation and checkpoints excluded) of each setting and its ratio to ``none``.
 
 ``--micro`` isolates the exchange itself, where a shared machine's noise hides it in a whole step:
-two gloo ranks run 2000 "steps" of a fixed CPU matmul (about a millisecond), with the tree's own
+two gloo ranks run 2000 "steps" of a fixed CPU matmul (0.1 to 0.4 ms here: a worst case), with the tree's own
 agreement called after each (``Agreement.at`` every 10 steps here; ``Agreement.exchange`` every
 step in the ``--before`` tree) or not at all, in alternating rounds; reported is the median extra
 microseconds per step.
