@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 HANG_EXIT = 124  # what ``timeout`` returns for a command that ran out of time
 
-# torch 2.4 .. 2.13 read these when the NCCL process group is made (newer names first where renamed)
+# torch 2.4 .. 2.13 read these when the NCCL process group is made (TORCH_FR_*: newer releases' names)
 FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "2000",
                    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 DUMP_FILE = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")  # read at the first dump
@@ -243,7 +243,7 @@ class Watchdog:
         import torch
 
         c10d = getattr(torch._C, "_distributed_c10d", None)
-        dump = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)  # 2.4 / 2.8+
+        dump = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)  # older / newer
         if dump is None or not torch.cuda.is_available():
             return
         try:

@@ -160,3 +160,19 @@ def test_the_hang_timeout_must_come_before_the_collectives_own(hang, dist, ok):
     else:
         with pytest.raises(ConfigError, match="train.hang_timeout_s"):
             check_timeouts(hang, dist)
+
+
+def test_nccl_flight_recorder_variables_keep_the_users_and_follow_the_run(monkeypatch, tmp_path):
+    from fastvision.dist.watchdog import DUMP_FILE, FLIGHT_RECORDER, nccl_flight_recorder_env, point_dumps_at
+
+    for key in [*FLIGHT_RECORDER, *DUMP_FILE]:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's choice stays
+    nccl_flight_recorder_env()
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    point_dumps_at(tmp_path / "a" / "hang")
+    point_dumps_at(tmp_path / "b" / "hang")  # a second run in the same process: its own folder
+    assert [os.environ[k] for k in DUMP_FILE] == [str(tmp_path / "b" / "hang" / "nccl-trace-rank-")] * 2
+    monkeypatch.setenv(DUMP_FILE[0], "/scratch/traces/rank_")
+    point_dumps_at(tmp_path / "c" / "hang")
+    assert os.environ[DUMP_FILE[0]] == "/scratch/traces/rank_"
