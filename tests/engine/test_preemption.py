@@ -182,7 +182,7 @@ def test_a_signal_during_validation_stops_before_the_next_batch(tiny_microscopy,
     whole = fastvision.train("unet2d-microscopy", out=str(tmp_path / "whole"), **kw)
     assert resumed["epochs"] == whole["epochs"] == 2
     assert _identical(_model(tmp_path / "whole"), _model(cut))
-    assert len(signal_in_validation) == 1 + 3 + 3 + 3 + 3  # the resume validated epoch 0 again, then epoch 1
+    assert len(signal_in_validation) == 1 + 3 + 3 + 6  # the resume validated epoch 0 again and epoch 1; whole: 6
 
 
 def test_a_requeue_that_times_out_still_exits_128_plus_the_signal(tiny_microscopy, tmp_path, signal_in_validation,
