@@ -12,7 +12,8 @@ loader. :class:`Watchdog` turns that into one line and a file per rank:
   recorder to ``RUN/hang/nccl-trace-rank-<r>``), keeps beating for a grace period, and then
   rank 0 names the ranks whose heartbeat did not move in that period (their whole process is
   frozen, or gone), or, when every process is alive, those whose step is behind. One line:
-  ``step N: rank 1 (host, pid) did not arrive; stacks in RUN/hang/``. Every live rank then exits
+  ``step N: rank 1 (host, pid) did not arrive; stacks in RUN/hang/`` (logged, and kept in
+  ``RUN/hang/report.txt``). Every live rank then exits
   with :data:`HANG_EXIT` (124, as ``timeout`` reports), so torchrun ``--max-restarts`` or a SLURM
   requeue restarts the job from its last checkpoint, which an exit never touches (checkpoints are
   renamed into place whole).
