@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -82,9 +83,9 @@ d.destroy_process_group()
 
 def _micro(tree: Path, mode: str, steps: int = 2000) -> float:
     """Seconds per step of 2 gloo ranks running the step's stand-in with ``mode``'s agreement."""
-    from tests.conftest import free_port
-
-    port = str(free_port())
+    with socket.socket() as sock:  # a free port for this pair's process group
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", MICRO, str(r), port, mode, str(steps)], cwd=tree, env=env,
                               stdout=subprocess.PIPE, text=True) for r in range(2)]
