@@ -105,16 +105,21 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
     from fastvision.engine import fit
 
     cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
+    joined = not dist.joined()  # a group the caller made stays theirs
     env, device = dist.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
-    if cfg.train.batch_size == "auto":  # rank 0 searches; every rank trains with its answer
-        from fastvision.planning.autobatch import resolve_auto_batch
+    try:
+        if cfg.train.batch_size == "auto":  # rank 0 searches; every rank trains with its answer
+            from fastvision.planning.autobatch import resolve_auto_batch
 
-        cfg.train.batch_size = dist.broadcast_object(resolve_auto_batch(cfg, device) if env.is_main else None)
-    # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
-    run_dir, ckpt = dist.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
-    summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
-    if env.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            cfg.train.batch_size = dist.broadcast_object(resolve_auto_batch(cfg, device) if env.is_main else None)
+        # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
+        run_dir, ckpt = dist.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
+        summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
+        if env.is_main:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    finally:
+        if joined:  # leave the process group this call joined, also after an error or a stop signal
+            dist.shutdown()
     return summary
 
 

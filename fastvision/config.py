@@ -110,10 +110,15 @@ class TrainConfig:
     # period ("20min", "90s", "2h") or whichever comes first ("500,20min"), beside the epoch's
     checkpoint_every: int | str | None = None
     keep_checkpoints: int = 0  # older step checkpoints kept as checkpoints/step-N.pt (0: only last.pt)
-    # on these signals every rank finishes its step, rank 0 writes a checkpoint, all exit 128 + signal
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # on these signals (names or numbers) the ranks agree on a step (in a multi-rank run at the next
+    # log interval), rank 0 writes a checkpoint, all exit 128 + signal; [] for none
+    stop_signals: list[str | int] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     requeue: bool = False  # under SLURM: `scontrol requeue $SLURM_JOB_ID` after a signal's checkpoint
     dist_timeout_s: float = 300.0  # a collective waiting longer on a lost peer fails the job
+    # a multi-rank run without progress this long (no step, no validation batch) is hung: every live
+    # rank writes its stacks to RUN/hang/, rank 0 names the missing ranks, exit 124 (dist/watchdog.py);
+    # below dist_timeout_s; 0 or null: off
+    hang_timeout_s: float | None = 240.0
 
 
 @dataclass

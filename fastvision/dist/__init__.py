@@ -27,6 +27,7 @@ from fastvision.dist.comm import (
                                   horovod,
                                   init,
                                   is_main,
+                                  joined,
                                   shutdown,
 )
 from fastvision.dist.env import DistEnv, detect_env, expand_nodelist, job_key
@@ -43,6 +44,6 @@ from fastvision.dist.wrap import (
 )
 
 __all__ = ["DistEnv", "EvalSampler", "TrainSampler", "all_reduce_sum", "barrier", "broadcast_object", "broadcast_state",
-           "detect_env", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init", "is_main", "job_key",
+           "detect_env", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init", "is_main", "job_key", "joined",
            "launch_local", "no_sync", "rank", "shutdown", "strip_option", "synchronized", "unwrap", "world_size",
            "wrap_model", "wrap_optimizer"]

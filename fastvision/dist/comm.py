@@ -12,6 +12,7 @@ from torch import Tensor
 from fastvision.dist import group
 from fastvision.dist.env import DistEnv, detect_env
 from fastvision.dist.group import rank
+from fastvision.dist.watchdog import nccl_flight_recorder_env
 from fastvision.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> 
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = dev  # binds the communicator to our GPU: no guessing in barrier()
+            nccl_flight_recorder_env()  # read when the group is made: the hang report's NCCL half
         if env.launcher == "torchrun":
             kwargs["store"] = _attempt_store(env, timeout_s)
         else:
@@ -143,6 +145,11 @@ def barrier() -> None:
         dist.barrier()
 
 
+def joined() -> bool:
+    """A process group is joined (torch.distributed's or horovod's), by anyone in this process."""
+    return _hvd() is not None or (dist.is_available() and dist.is_initialized())
+
+
 def shutdown() -> None:
     """Leave the process group, if one was started."""
     hvd = _hvd()
@@ -151,6 +158,7 @@ def shutdown() -> None:
         group.HOROVOD.module = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
 
 def horovod() -> Any:
     """``horovod.torch``, or a ConfigError that says how to get it and that DDP is the default."""

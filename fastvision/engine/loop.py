@@ -13,7 +13,8 @@ from torch import nn
 
 from fastvision import dist
 from fastvision.config import RunConfig
-from fastvision.dist.preempt import CHECKPOINT, STOP, Agreement, StopSignals, requeue
+from fastvision.dist.preempt import Preemption
+from fastvision.dist.watchdog import Watchdog, check_timeouts, point_dumps_at
 from fastvision.engine import checkpoint, runtime
 from fastvision.engine.build import Run, build
 from fastvision.engine.log import RunLogger
@@ -30,7 +31,7 @@ from fastvision.engine.state import (
     restore,
 )
 from fastvision.engine.step import NonFiniteLossError, train_step
-from fastvision.errors import ConfigError, Preempted
+from fastvision.errors import ConfigError
 from fastvision.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     """
     started = time.perf_counter()
     when = Checkpoints.settings(cfg.train)  # bad values fail here, before anything is built or written
+    preemption = Preemption(cfg.train.stop_signals, cfg.train.requeue, every=cfg.train.log_every)
+    check_timeouts(cfg.train.hang_timeout_s, cfg.train.dist_timeout_s)
     ckpt = checkpoint.load(resume, "cpu") if resume is not None else None  # RNG states stay CPU tensors
     if ckpt is not None:
         cfg = keep_global_batch(cfg, ckpt, dist.detect_env())
@@ -68,15 +71,20 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     logger.parameters(resolved, {**environment(run.env, run.device), "global_batch": run.global_batch,
                                  "base_lr": cfg.optim.lr, "effective_lr": run.lr, "data": run.info})
-    saver = Checkpoints(run, run_dir, resolved, wall, *when)
+    saver = Checkpoints(run, run_dir, resolved, wall, *when, preemption)
+    preemption.start(run.device, timed_checkpoints=saver.every.seconds is not None)
+    point_dumps_at(run_dir / "hang")
+    doctor = Watchdog.for_run(cfg.train.hang_timeout_s, run_dir / "hang", run.env.rank, dist.world_size())
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     try:
-        with saver.signals:
-            _epochs(run, state, logger, saver, summary)
+        with preemption:
+            _epochs(run, state, logger, saver, summary, doctor)
+        doctor.close()  # a long last write is no hang; what follows is rank 0's alone
         saver.writer.join()  # the last checkpoint is on disk before the run reports
         dist.barrier()
         _summarise(run, state, logger, saver, summary, run_dir, wall)
     finally:
+        doctor.close()
         saver.close()
         logger.close()
         if hasattr(run.train_set, "shutdown"):  # smart cache: stop its replacement threads
@@ -84,9 +92,19 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     return summary
 
 
-def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summary: dict) -> None:
-    """The epochs from where ``state`` stands: train, validate, checkpoint, check the target."""
-    tc, task = run.cfg.train, run.task
+def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summary: dict, doctor: Watchdog) -> None:
+    """The epochs from where ``state`` stands: train, validate, checkpoint, check the target. A stop
+    signal raises :class:`fastvision.errors.Preempted` once its checkpoint is durable."""
+    tc, task, stop = run.cfg.train, run.task, saver.preemption
+
+    def validating() -> bool:  # between validation batches: progress, and whether to stop now
+        doctor.beat(state["step"], "validation")
+        return stop.requested
+
+    def preempted() -> Exception:  # the stop's checkpoint is written: wait until durable, requeue
+        doctor.close()  # however long the write takes
+        return stop.preempted(saver.writer.join, saver.folder / "last.pt")
+
     target = parse_target(tc.target)
     position = state["position"]
     first = position["epoch"] if position else state["epoch"] + 1
@@ -97,18 +115,20 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summ
             meter.load(position)
             start = position["step"]
         run.train_loader.set_epoch(epoch, start_batch=start * run.step.micro_steps)
-        stats = train_one_epoch(run, epoch, state, logger, meter, start, saver)
+        stats = train_one_epoch(run, epoch, state, logger, meter, start, saver, doctor)
         if stats is None or saver.agree_stop(state, epoch, run.steps_per_epoch, meter):
-            return saver.stop()  # a checkpoint of this step is on disk: resume continues here
-        state["train_time"] += stats["time_s"]  # the whole epoch, the part before a resume included
+            raise preempted()  # resume continues at this step
         row = {"train_loss": stats["loss"], "lr": run.step.optimizer.param_groups[0]["lr"],
                "images_per_s": stats["images_per_s"], "epoch_time_s": stats["time_s"]}
         if (epoch + 1) % tc.val_every == 0 or epoch + 1 == tc.epochs:
             row.update(evaluate(eval_model(run.model, run.step.ema), task, run.val_loader, run.device,
-                                run.precision, tc.channels_last))
+                                run.precision, tc.channels_last, stop=validating))
+            if saver.agree_stop(state, epoch, run.steps_per_epoch, meter):  # a signal during validation
+                raise preempted()  # resume validates this epoch again
             if target and target[0] not in row:  # checked at the first validation: metrics are task-defined
                 raise ConfigError(f"--target {target[0]}: not a metric of this run; valid: "
                                   f"{', '.join(k for k in row if k not in ('lr', 'epoch_time_s'))}")
+        state["train_time"] += stats["time_s"]  # the whole epoch, the part before a resume included
         logger.epoch_end(epoch, row)
         better = improved(task, row, state["best"])
         if better:
@@ -116,7 +136,7 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summ
         state.update(epoch=epoch, history=logger.history, position=None)
         saver.save(state, best=better)
         if saver.agree_stop(state, epoch, None, None):
-            return saver.stop()
+            raise preempted()
         if target and target[0] in row and reached(task, target[0], row[target[0]], target[1]):
             summary.update(target_reached=True, time_to_target_s=state["train_time"],
                            time_to_target_wall_s=state["wall_time"], target_epoch=epoch + 1)
@@ -139,56 +159,47 @@ def _summarise(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", s
 
 
 class Checkpoints:
-    """When a run writes checkpoints, and its stop on a signal.
+    """When a run writes checkpoints.
 
     Rank 0 writes ``last.pt`` at every epoch's end (``best.pt`` linked when the epoch improved),
     every ``train.checkpoint_every`` steps or minutes (``step-N.pt`` links kept for the newest
     ``train.keep_checkpoints``), and at a stop signal; always in the background, atomically. Every
-    rank takes part in deciding (the :class:`Agreement`) and sends its random-generator states, so
-    all ranks act at the same step.
+    rank takes part in deciding (through ``preemption``, which owns the signals and the ranks'
+    agreement) and sends its random-generator states, so all ranks act at the same step.
     """
 
     def __init__(self, run: Run, run_dir: Path, resolved: dict, wall: Callable[[], float],
-                 every: checkpoint.Every, keep: int, signals: StopSignals):
+                 every: checkpoint.Every, keep: int, preemption: Preemption):
         self.run, self.folder, self.resolved, self.wall = run, run_dir / "checkpoints", resolved, wall
         self.writer = checkpoint.BackgroundWriter()
-        self.every, self.keep, self.signals = every, keep, signals
-        self.agreement = Agreement(run.cfg.train.dist_timeout_s)
-        self.stopped: int | None = None
-        self._asked = False  # rank 0 flagged a period's checkpoint that the ranks have not agreed on yet
+        self.every, self.keep, self.preemption = every, keep, preemption
 
     @staticmethod
-    def settings(tc) -> tuple[checkpoint.Every, int, StopSignals]:
-        """``train.checkpoint_every``, ``keep_checkpoints`` and ``stop_signals``, checked."""
+    def settings(tc) -> tuple[checkpoint.Every, int]:
+        """``train.checkpoint_every`` and ``keep_checkpoints``, checked."""
         if tc.keep_checkpoints < 0:
             raise ConfigError(f"train.keep_checkpoints must be >= 0, got {tc.keep_checkpoints}")
-        return checkpoint.Every(tc.checkpoint_every), tc.keep_checkpoints, StopSignals(tc.stop_signals)
+        return checkpoint.Every(tc.checkpoint_every), tc.keep_checkpoints
 
-    def _local(self) -> list[int]:
-        flags = [0, 0]
-        flags[STOP] = self.signals.received or 0
-        if self.run.env.is_main and not self._asked and self.every.due_by_time():
-            flags[CHECKPOINT] = self._asked = True  # once: the ranks agree on it a step later
-        return flags
+    def _timed(self) -> bool:
+        """Rank 0's clock says a period's checkpoint is due (the ranks agree on it)."""
+        return self.run.env.is_main and self.every.due_by_time()
 
     def after_step(self, state: dict, epoch: int, i: int, meter: "EpochMeter") -> bool:
         """After step ``i`` of ``epoch``: write a step checkpoint when due; True when the run must stop
         (its checkpoint is then written)."""
-        agreed = self.agreement.exchange(self._local())
-        if agreed[STOP] or agreed[CHECKPOINT] or self.every.due_by_steps(state["step"]):
+        stop, timed = self.preemption.after_step(state["step"], self._timed())
+        if stop or timed or self.every.due_by_steps(state["step"]):
             self._save_position(state, epoch, i, meter)
-        if agreed[STOP]:
-            self.stopped = agreed[STOP]
-        return bool(agreed[STOP])
+        return stop
 
     def agree_stop(self, state: dict, epoch: int, steps: int | None, meter: "EpochMeter | None") -> bool:
         """At an epoch's end (``steps`` given: before validation, else after the epoch checkpoint):
         whether the ranks stop now. Before validation its checkpoint is of the last step, so a resume
         validates the epoch."""
-        agreed = self.agreement.now(self._local())
-        if not agreed[STOP]:
+        stop, _ = self.preemption.agree_now()
+        if not stop:
             return False
-        self.stopped = agreed[STOP]
         if steps is not None:
             self._save_position(state, epoch, steps, meter)
         return True
@@ -203,7 +214,6 @@ class Checkpoints:
         """Every rank calls this at the same step; rank 0 snapshots now and writes in the background."""
         rng_ranks = dist.gather_objects(runtime.rng_state(self.run.step.generator))
         self.every.reset()
-        self._asked = False
         state["wall_time"] = self.wall()
         if not self.run.env.is_main:
             return
@@ -217,18 +227,6 @@ class Checkpoints:
             prune = kept[: max(0, len(kept) - self.keep + 1)]
         self.writer.write(checkpoint_state(self.run, state, self.resolved, rng_ranks), paths, prune)
 
-    def stop(self) -> None:
-        """The stop after a signal's checkpoint: wait until it is durable, requeue, raise Preempted."""
-        import signal as signals
-
-        self.writer.join()
-        name = signals.Signals(self.stopped).name
-        if self.run.env.is_main and self.run.cfg.train.requeue:
-            requeue()
-        dist.barrier()
-        raise Preempted(self.stopped, f"stopped by {name}: checkpoint {self.folder / 'last.pt'} written; "
-                                      "continue with --resume auto")
-
     def report(self) -> dict[str, float]:
         """Checkpoint latencies for the summary: seconds from a step's end to its file being durable."""
         lat = self.writer.latencies
@@ -237,7 +235,6 @@ class Checkpoints:
 
     def close(self) -> None:
         self.writer.join(raise_errors=False)  # after an error: still wait for (and log) a write in flight
-        self.agreement.close()
 
 
 def _finish(run: Run, model: nn.Module, logger: RunLogger, summary: dict, run_dir: Path,
@@ -311,10 +308,11 @@ class EpochMeter:
 
 
 def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter: EpochMeter | None = None,
-                    start: int = 0, saver: Checkpoints | None = None) -> dict[str, float] | None:
+                    start: int = 0, saver: Checkpoints | None = None,
+                    doctor: Watchdog | None = None) -> dict[str, float] | None:
     """Steps ``start + 1 .. run.steps_per_epoch`` of ``epoch``, each one :func:`train_step`, logging every
     ``train.log_every`` steps; returns the epoch's loss and speed, or None when ``saver`` stopped the
-    run after a step (its checkpoint written)."""
+    run after a step (its checkpoint written). ``doctor`` hears of every step (the hang watchdog)."""
     tc, device, steps, step = run.cfg.train, run.device, run.steps_per_epoch, run.step
     meter = meter or EpochMeter(device)
     step.model.train()
@@ -327,6 +325,8 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
         out = train_step(step, batches, wait)
         meter.add(out.loss, out.skipped, out.images)
         state["step"] += 1
+        if doctor is not None:
+            doctor.beat(state["step"])
         logger.advance()
         if state["step"] % tc.log_every == 0 or i == steps:
             if device.type == "cuda":
@@ -368,12 +368,20 @@ def _check_skipped(meter: EpochMeter, tc, state: dict) -> None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, loader, device: torch.device, precision: runtime.Precision,
-             channels_last: bool = False) -> dict[str, float]:
-    """Metrics over the whole validation set: per-rank sums, one all-reduce, then compute."""
+             channels_last: bool = False, stop: Callable[[], bool] | None = None) -> dict[str, float]:
+    """Metrics over the whole validation set: per-rank sums, one all-reduce, then compute.
+
+    ``stop`` is asked before every batch; when it says True the rest of this rank's batches are
+    skipped (the all-reduce still happens, so ranks stay in step) and the caller discards the metrics.
+    """
     was_training = model.training
     model.eval()
     ev = task.evaluator()
+    stopped = False
     for batch in loader:
+        if stop is not None and stop():
+            stopped = True
+            break
         batch = task.to_device(batch, device, channels_last)
         with precision.autocast():
             out = task.eval_forward(model, batch)
@@ -381,4 +389,4 @@ def evaluate(model: nn.Module, task: Task, loader, device: torch.device, precisi
     state = ev.state().to(device)
     ev.load_state(dist.all_reduce_sum(state).cpu())
     model.train(was_training)
-    return ev.compute()
+    return {} if stopped else ev.compute()

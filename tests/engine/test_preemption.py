@@ -142,3 +142,83 @@ def test_checkpoints_by_time_are_mid_epoch_positions(tiny_microscopy, tmp_path):
     for path in kept:
         ck = checkpoint.load(path)
         assert path.name == checkpoint.STEP_NAME.format(ck["step"]) and ck["position"]["step"] >= 1
+
+
+@pytest.fixture
+def signal_in_validation(monkeypatch) -> list[int]:
+    """SIGTERM to this process from inside the first validation forward (a real signal, at a known
+    moment); returns the list the forwards are counted in."""
+    from fastvision.tasks.segment import SegmentationTask
+
+    calls, forward = [], SegmentationTask.eval_forward
+
+    def counted(self, model, batch):
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward(self, model, batch)
+
+    monkeypatch.setattr(SegmentationTask, "eval_forward", counted)
+    return calls
+
+
+def test_a_signal_during_validation_stops_before_the_next_batch(tiny_microscopy, tmp_path, signal_in_validation):
+    """3 validation items at batch 1: the signal in the first batch ends validation there, without the
+    epoch's checkpoint; the checkpoint is the epoch's last step, so the resume validates the epoch and
+    ends as the uninterrupted run does."""
+    import fastvision
+    from fastvision.errors import Preempted
+    from tests.conftest import tiny_overrides
+
+    kw = tiny_overrides(tiny_microscopy, epochs=2, **{"data.val_batch_size": 1, "examples": 0})
+    cut = tmp_path / "cut"
+    with pytest.raises(Preempted) as stop:
+        fastvision.train("unet2d-microscopy", out=str(cut), **kw)
+    assert stop.value.exit_code == 128 + signal.SIGTERM
+    assert len(signal_in_validation) == 1  # not the other two validation batches
+    ckpt = checkpoint.load(cut / "checkpoints" / "last.pt")
+    assert ckpt["history"] == [] and ckpt["position"]["epoch"] == 0 and ckpt["step"] == ckpt["position"]["step"] > 0
+    resumed = fastvision.train("unet2d-microscopy", out=str(cut), resume="auto", **kw)
+    whole = fastvision.train("unet2d-microscopy", out=str(tmp_path / "whole"), **kw)
+    assert resumed["epochs"] == whole["epochs"] == 2
+    assert _identical(_model(tmp_path / "whole"), _model(cut))
+    assert len(signal_in_validation) == 1 + 3 + 3 + 6  # the resume validated epoch 0 again and epoch 1; whole: 6
+
+
+def test_a_requeue_that_times_out_still_exits_128_plus_the_signal(tiny_microscopy, tmp_path, signal_in_validation,
+                                                                   monkeypatch, capfd, fresh_logging):
+    from fastvision.cli import main
+    from fastvision.dist import preempt
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nexec sleep 120\n")  # a controller that does not answer
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setattr(preempt, "REQUEUE_TIMEOUT_S", 0.5, raising=False)  # (today: 60 s, then a traceback)
+    rc = main(["train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(tmp_path / "r"),
+               "--epochs", "1", *TINY, "--set", "train.requeue=true"])
+    err = capfd.readouterr().err
+    assert rc == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err
+    assert len([x for x in err.splitlines() if "scontrol requeue 4242 did not finish" in x]) == 1, err[-2000:]
+    assert "stopped by SIGTERM" in err
+
+
+@pytest.mark.parametrize("names, numbers", [(["SIGTERM", "usr1", 12, "15"], [15, 10, 12, 15]), ([], [])])
+def test_stop_signals_by_name_or_number(names, numbers):
+    from fastvision.dist.preempt import signal_numbers
+
+    assert signal_numbers(names) == numbers
+
+
+@pytest.mark.parametrize("bad", [999, 0, -3, 9, "9", 19, "SIGSTOP", "NOPE"])
+def test_a_stop_signal_that_cannot_be_caught_is_refused_up_front(bad):
+    """Numbers too: 999 is no signal, 9 and 19 are SIGKILL and SIGSTOP (no handler can be installed)."""
+    from fastvision.config import load
+    from fastvision.engine.loop import fit
+
+    cfg = load("unet2d-microscopy", [{"train": {"stop_signals": [bad]}}])  # a number is a valid config value
+    with pytest.raises(ConfigError, match="^train.stop_signals: "):
+        fit(cfg, Path("/nonexistent/never-written"))  # refused before anything is built or written
