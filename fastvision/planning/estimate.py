@@ -23,6 +23,7 @@ import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -208,10 +209,21 @@ def _hardware(name_or_path: str):
 
 
 def scaling_efficiency(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_node: int,
-                       link: str, hardware: str | None = None) -> dict[str, float]:
-    """Data-parallel efficiency at ``gpus`` from the scaling simulator (weak scaling).
+                       link: str, hardware: str | None = None, input_rate: float | None = None) -> dict[str, Any]:
+    """Data-parallel efficiency at ``gpus`` from the scaling simulator (weak scaling): :func:`at_scale`."""
+    return at_scale(step_s, batch, grad_bytes, gpus, gpus_per_node, link, hardware, input_rate)
 
-    The one adapter between planning and :mod:`fastvision.scaling.simulator`.
+
+def at_scale(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_node: int, link: str,
+             hardware: str | None = None, input_rate: float | None = None) -> dict[str, Any]:
+    """One data-parallel step at ``gpus``: the one adapter between planning and the simulator.
+
+    The simulator adds the all-reduce (two-level fabric, overlap with backward by bucket) and the
+    stragglers (``jitter_ms`` fitted on the MLPerf anchors, :func:`fastvision.scaling.validation.fitted`)
+    to the single-GPU step; the per-GPU batch stays the recipe's (weak scaling), so the fixed
+    per-step cost is already inside ``step_s``. The host input path caps the per-GPU rate at
+    ``cores per node x input_rate / GPUs on the node`` (at one GPU too: the traced step holds no
+    input pipeline); it binds when that is below the GPU-side rate.
 
     Args:
         step_s: single-GPU step time at ``batch``.
@@ -220,24 +232,84 @@ def scaling_efficiency(step_s: float, batch: int, grad_bytes: float, gpus: int, 
         gpus: GPU count.
         gpus_per_node, link: the node shape and inter-node link preset, when no ``hardware``.
         hardware: a hardware profile (preset name or YAML file, ``fastvision/scaling/hardware/``).
+        input_rate: items/s one host core decodes and augments; ``None``: no host limit known.
 
     Returns:
-        ``efficiency``, ``step_s`` (the multi-GPU step) and ``exposed_comm_s``.
+        ``efficiency`` (per-GPU rate at ``gpus`` over that at one GPU), ``step_s``, ``items_per_s_gpu``,
+        ``items_per_s``, ``exposed_comm_s``, ``straggler_s``, ``limit``, ``cores_per_gpu`` (host cores a
+        GPU needs at its rate; None without ``input_rate``) and ``cores_available_per_gpu``.
     """
     from fastvision.scaling.simulator import LINKS, StepProfile, bucket_count, predict_step_time
+    from fastvision.scaling.validation import fitted
 
     if hardware is not None:
         where = _hardware(hardware)
-        extra = {}
+        extra, cores = {}, where.cpu_cores
     else:
         if link not in LINKS:
             raise ConfigError(f"--link: unknown {link!r}; valid: {', '.join(LINKS)}")
-        where, extra = LINKS[link], {"gpus_per_node": gpus_per_node}
-    prof = StepProfile(compute_s=step_s, batch=batch, grad_bytes=grad_bytes, buckets=bucket_count(grad_bytes))
-    one = predict_step_time(prof, 1, where, **extra)
-    many = predict_step_time(prof, gpus, where, **extra)
-    return {"efficiency": many["images_per_s"] / (one["images_per_s"] * gpus), "step_s": many["step_s"],
-            "exposed_comm_s": many["exposed_comm_s"]}
+        where, extra, cores = LINKS[link], {"gpus_per_node": gpus_per_node}, None
+    prof = StepProfile(compute_s=step_s, batch=batch, grad_bytes=grad_bytes, buckets=bucket_count(grad_bytes),
+                       jitter_s=fitted()["jitter_ms"] * 1e-3)
+
+    def per_gpu(n: int) -> tuple[float, dict[str, Any], float]:
+        p = predict_step_time(prof, n, where, **extra)
+        on_node = min(n, gpus_per_node if hardware is None else where.gpus_per_node)
+        cap = cores * input_rate / on_node if input_rate and cores else float("inf")
+        return min(batch / p["step_s"], cap), p, cap
+
+    one, _, _ = per_gpu(1)
+    rate, many, cap = per_gpu(gpus)
+    on_node = min(gpus, gpus_per_node if hardware is None else where.gpus_per_node)
+    return {"efficiency": rate / one, "step_s": batch / rate, "items_per_s_gpu": rate, "items_per_s": rate * gpus,
+            "exposed_comm_s": many["exposed_comm_s"], "straggler_s": many["straggler_s"],
+            "limit": "input pipeline" if cap < batch / many["step_s"] else many["limit"],
+            "cores_per_gpu": rate / input_rate if input_rate else None,
+            "cores_available_per_gpu": cores / on_node if cores else None}
+
+
+def largest_gpus(step_s: float, batch: int, grad_bytes: float, gpus_per_node: int, link: str,
+                 hardware: str | None, input_rate: float | None, min_efficiency: float,
+                 limit: int = 65536) -> int:
+    """The largest GPU count (1, 2, 4, then whole nodes doubling up to ``limit``) whose efficiency
+    stays at or above ``min_efficiency``, scanning upward until the first count below it."""
+    counts = [n for n in (1, 2, 4) if n < gpus_per_node]
+    n = gpus_per_node
+    while n <= limit:
+        counts.append(n)
+        n *= 2
+    best = 1
+    for n in counts:
+        e = at_scale(step_s, batch, grad_bytes, n, gpus_per_node, link, hardware, input_rate)["efficiency"]
+        if e < min_efficiency:
+            break
+        best = n
+    return best
+
+
+def input_rate_of(cfg: RunConfig, given: float | None = None) -> tuple[float | None, str]:
+    """``(items/s per host core, source)`` of the recipe's input path for the planner's input limit.
+
+    A measured rate (``--input-rate``, e.g. ``fastvision benchmark --mode data`` items/s over its
+    loader workers) wins. A JPEG folder decoded on the host (Pillow, or DALI on the CPU) takes the
+    published per-process rate of the DLE PyTorch ResNet-50 loader (JPEG decode +
+    RandomResizedCrop), calibrated in ``fastvision/scaling/anchors.yaml`` (``dle-pytorch-loader``:
+    8,322 img/s on 8 V100 x 8 loader processes). DALI on the GPU decodes inside the step: no host
+    limit. Other formats (cached volumes, COCO) have no published per-core rate: no limit, said so.
+    """
+    if given is not None:
+        if given <= 0:
+            raise ConfigError(f"--input-rate {given}: items/s per host core must be > 0")
+        return float(given), "--input-rate (measured)"
+    args = cfg.data.args or {}
+    if cfg.data.name != "imagefolder":
+        return None, f"no published per-core rate for {cfg.data.name!r}: give --input-rate"
+    if args.get("backend") == "dali" and args.get("dali_device", "auto") != "cpu":
+        return None, "DALI decodes on the GPU: no host limit"
+    from fastvision.scaling.validation import input_rates, load_anchors
+
+    rate = input_rates(load_anchors())["dle-pytorch-loader"]
+    return rate, "published: DLE PyTorch ResNet-50 loader, 8,322 img/s / (8 V100 x 8 processes)"
 
 
 def train_time(step_s: float, batch: int, gpus: int, efficiency: float, items: int, epochs: int) -> float:

@@ -7,6 +7,7 @@ Input-path rates are either stated in the YAML (with a source) or calibrated fro
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,9 @@ from fastvision.scaling.simulator import (
 from fastvision.utils.tables import markdown
 
 ANCHORS = Path(__file__).resolve().parent / "anchors.yaml"
+
+
+_hardware = functools.lru_cache(maxsize=32)(load_hardware)  # the fit predicts each row many times
 
 
 def load_anchors(path: Path = ANCHORS) -> dict[str, Any]:
@@ -72,7 +76,7 @@ def predict_row(row: dict[str, Any], anchors: dict[str, Any], rates: dict[str, f
     ``overhead_ms`` per implementation group (:func:`fit`); ``None``: no at-scale terms.
     """
     consts = consts or {"jitter_ms": 0.0, "overhead_ms": {}}
-    hw = load_hardware(row["hardware"])
+    hw = _hardware(row["hardware"])
     path = anchors["input_paths"][row["input"]]
     pipe = InputPipeline(row["input"], path["device"], rates[row["input"]], row.get("workers_per_gpu"))
     overhead = consts["overhead_ms"].get(row.get("overhead"), 0.0) * 1e-3
@@ -140,6 +144,13 @@ def fit(anchors: dict[str, Any], rates: dict[str, float | None]) -> dict[str, An
         return -predict_row(rows[jit_row], anchors, rates, {"jitter_ms": cv, "overhead_ms": overheads(cv)})["error_points"]
     cv = _bisect(jit_err, 0.0, 5.0, iters=40)
     return {"jitter_ms": cv, "overhead_ms": overheads(cv)}
+
+
+@functools.lru_cache(maxsize=4)
+def fitted(path: Path = ANCHORS) -> dict[str, Any]:
+    """:func:`fit` of the anchors file, computed once per process (``plan`` asks for every GPU count)."""
+    anchors = load_anchors(path)
+    return fit(anchors, input_rates(anchors))
 
 
 def validate(path: Path = ANCHORS) -> list[dict[str, Any]]:
