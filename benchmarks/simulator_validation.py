@@ -50,9 +50,12 @@ def section() -> str:
     big = [r for r in held if r["gpus"] > 8]
     rn8 = [r for r in rows if r["workload"] == "resnet50" and r["gpus"] == 8 and r["role"] == "held-out"]
     worst8 = max(rn8, key=lambda r: abs(r["error_points"]))
-    over = [r for r in held if abs(r["error_points"]) > 10]
+    over = [r for r in held if abs(r["error_points"]) > 10 and r["input"] == "unknown-cpu"]
     by_id = {r["id"]: r for r in anchors["rows"]}
     bare = {i: sv.predict_row(by_id[i], anchors, rates) for i in ("mlperf-v4.0-h100-2528", "mlperf-v3.0-h100-3584")}
+    l40s = next(r for r in rows if r["id"] == "mlperf-v4.0-l40s-64")
+    hidden = sv.predict_row(by_id["mlperf-v4.0-l40s-64"], anchors, rates,
+                            dict(consts, hide_comm=True))
     no_jit = sv.predict_row(by_id["mlperf-v3.0-h100-3584"], anchors, rates,
                             {"jitter_ms": 0.0, "overhead_ms": consts["overhead_ms"]})
     ml = {r["id"]: r for r in rows}
@@ -92,10 +95,19 @@ def section() -> str:
            f"the fixed cost is {fixed:.2f} ms, the stragglers {ml['mlperf-v4.0-h100-2528']['straggler_ms']:.2f} ms and the "
            f"exposed all-reduce {ml['mlperf-v4.0-h100-2528']['exposed_comm_ms']:.2f} ms. The fit is nearly one constant: "
            f"with the jitter set to 0 (fixed cost unchanged) the 3,584-GPU row reads {no_jit['error_points']:+.1f}.",
-           "- Rows over 10 points, named: " + over_txt
+           "- Other held-out rows over 10 points: " + over_txt
            + ": TensorFlow tf.data CPU pipelines whose per-core rate no source gives (`unknown-cpu`: no host limit "
            "modelled), so the prediction is the fabric-only bound. They are what the model cannot see without a "
            "measured input rate.",
+           f"- **What the model cannot see, and the row that shows it: `mlperf-v4.0-l40s-64` "
+           f"({l40s['error_points']:+.1f}).** The same implementation on L40S nodes (PCIe, 4 per node) keeps 95.0 % "
+           f"from 2 to 16 nodes while its per-GPU batch falls from 200 to 50; the model exposes "
+           f"{l40s['exposed_comm_ms']:.1f} ms of all-reduce in a {l40s['step_ms']:.1f} ms step, because it fuses the "
+           "51 MB into one 64 MiB Horovod buffer sent after backward over a 20 GB/s PCIe ring (the pcie-node preset, "
+           "not measured on this system). Horovod's 0.1 ms cycle instead sends what is ready every cycle during "
+           "backward; with the all-reduce fully hidden the same model reads "
+           f"{hidden['predicted_efficiency']:.1%} ({hidden['error_points']:+.1f}). Overlap by readiness inside "
+           "backward, and a measured PCIe busbw, are what it lacks; it is held out and not tuned on.",
            "- 3,584 GPUs is MLPerf v3.0 software (ngc23.04) on CoreWeave HGX H100, referenced to the v4.0 8-GPU rate "
            "(no v3.0 NVIDIA 8-GPU rate is stated); its 10.1 M img/s has three significant digits.", "",
            "**Rows looked for and left out:**", ""] + [f"- {t}" for t in LEFT_OUT] + [

@@ -8,6 +8,7 @@ Input-path rates are either stated in the YAML (with a source) or calibrated fro
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,10 @@ def predict_row(row: dict[str, Any], anchors: dict[str, Any], rates: dict[str, f
     overhead = consts["overhead_ms"].get(row.get("overhead"), 0.0) * 1e-3
     prof, ref_rate, ref_gpus = _profile(row, overhead, consts["jitter_ms"])
     kw = dict(pipeline=pipe, backend=row["backend"], algo=row.get("algo", "auto"))
+    if consts.get("hide_comm"):  # sensitivity check only: the all-reduce costs nothing
+        hw = replace(hw, intra=replace(hw.intra, bandwidth_gbps=1e9, latency_us=0.0),
+                     nic=replace(hw.nic, bandwidth_gbps=1e9, latency_us=0.0))
+        kw["backend"] = "ddp"
     ref = predict_step_time(prof, ref_gpus, hw, per_worker_batch=prof.batch, **kw)
     p = predict_step_time(prof, row["gpus"], hw, per_worker_batch=row["batch"], **kw)
     eff = (p["images_per_s"] / row["gpus"]) / (ref["images_per_s"] / ref_gpus)
