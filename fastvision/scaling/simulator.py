@@ -45,12 +45,11 @@ from typing import Any, Sequence
 
 import yaml
 
+from fastvision.scaling.report import simulation_markdown  # re-exported: the table of simulate() rows
 from fastvision.scaling.terms import sharp_allreduce_s, straggler_s
 
 HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
 DEFAULT_WORKERS = tuple(2**i for i in range(11))
-
-from fastvision.utils.tables import markdown
 
 
 @dataclass(frozen=True)
@@ -334,15 +333,6 @@ def simulate(profile: StepProfile, hardware: Hardware | Link | str, workers: Seq
         rows.append({"hardware": hw.name, "link": hw.name, "workers": n, "mode": mode, **p,
                      "speedup": speedup, "efficiency": speedup / n})
     return rows
-
-
-def simulation_markdown(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of :func:`simulate` rows, with the binding limit per GPU count."""
-    columns = ["hardware", "GPUs:", "step (ms):", "exposed comm (ms):", "all-reduce", "images/s:", "speed-up:",
-               "efficiency:", "binding limit"]
-    return markdown(columns, ([r["link"], str(r["workers"]), f"{r['step_s'] * 1e3:.2f}",
-                               f"{r['exposed_comm_s'] * 1e3:.2f}", r.get("algo", ""), f"{r['images_per_s']:.1f}", f"{r['speedup']:.2f}",
-                               f"{r['efficiency']:.1%}", r.get("limit", "")] for r in rows))
 
 
 def with_link(link: Link, bandwidth_gbps: float | None = None, latency_us: float | None = None) -> Link:

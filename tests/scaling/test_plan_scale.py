@@ -61,3 +61,27 @@ def test_bad_input_is_one_line_exit_2(args, needle, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and needle in err and err.startswith("fastvision: error:")
     assert not out.exists()  # nothing half-written
+
+
+def test_scale_simulate_draws_1_to_n_with_the_published_points(tmp_path):
+    out = tmp_path / "sim"
+    args = ["scale", "--simulate", "--compute-ms", "55.87", "--batch", "400", "--grad-mb", "51.2", "--overhead-ms",
+            "2.97", "--hardware", "dgx-h100", "--dali", "--sync", "horovod-mlperf", "--gpus", "3584", "--jitter-ms",
+            "0.5", "--anchors", "resnet50", "--out", str(out)]
+    assert main(args) == 0
+    rows = json.loads((out / "simulation.json").read_text())["rows"]
+    assert [r["workers"] for r in rows][:3] == [1, 2, 4] and rows[-1]["workers"] == 3584
+    # the stragglers term: 0.5 ms x sqrt(2 ln 3584) (hand-computed: 2.0259 ms)
+    assert rows[-1]["straggler_s"] * 1e3 == pytest.approx(0.5 * (2 * 8.18423) ** 0.5, rel=1e-4)
+    assert (out / "simulation.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("extra,needle", [(["--gpus", "0"], "--gpus 0"), (["--jitter-ms", "-1"], "--jitter-ms -1"),
+                                          (["--anchors", "no-such-workload"], "--anchors 'no-such-workload'")])
+def test_scale_simulate_bad_input_is_one_line_exit_2(extra, needle, tmp_path, capsys):
+    args = ["scale", "--simulate", "--compute-ms", "50", "--batch", "64", "--grad-mb", "51.2", "--hardware",
+            "dgx-h100", "--out", str(tmp_path / "sim"), *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and needle in err
+    assert not (tmp_path / "sim" / "simulation.json").exists()
