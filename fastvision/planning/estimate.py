@@ -32,6 +32,7 @@ from fastvision.config import RunConfig
 from fastvision.errors import ConfigError, DataError
 from fastvision.planning.devices import GPU, get_gpu, training_precision
 from fastvision.planning.trace import StepTrace, trace_step
+from fastvision.scaling.validation import fitted  # the at-scale constants, fitted once on anchors.yaml
 
 WORKSPACE_FRACTION = 0.05  # allocator block rounding and fragmentation, share of the tensor peak
 WORKSPACE_FIXED = 0.75 * 2**30  # CUDA context (~0.3-0.5 GiB) + cuBLAS/cuDNN workspaces
@@ -215,7 +216,7 @@ def scaling_efficiency(step_s: float, batch: int, grad_bytes: float, gpus: int, 
 
 
 def at_scale(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_node: int, link: str,
-             hardware: str | None = None, input_rate: float | None = None) -> dict[str, Any]:
+             hardware: str | None = None, input_rate: float | None = None, fixed_s: float = 0.0) -> dict[str, Any]:
     """One data-parallel step at ``gpus``: the one adapter between planning and the simulator.
 
     The simulator adds the all-reduce (two-level fabric, overlap with backward by bucket) and the
@@ -233,6 +234,7 @@ def at_scale(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_n
         gpus_per_node, link: the node shape and inter-node link preset, when no ``hardware``.
         hardware: a hardware profile (preset name or YAML file, ``fastvision/scaling/hardware/``).
         input_rate: items/s one host core decodes and augments; ``None``: no host limit known.
+        fixed_s: the part of ``step_s`` that does not shrink with the batch (names the limit).
 
     Returns:
         ``efficiency`` (per-GPU rate at ``gpus`` over that at one GPU), ``step_s``, ``items_per_s_gpu``,
@@ -240,7 +242,6 @@ def at_scale(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_n
         GPU needs at its rate; None without ``input_rate``) and ``cores_available_per_gpu``.
     """
     from fastvision.scaling.simulator import LINKS, StepProfile, bucket_count, predict_step_time
-    from fastvision.scaling.validation import fitted
 
     if hardware is not None:
         where = _hardware(hardware)
@@ -249,8 +250,8 @@ def at_scale(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_n
         if link not in LINKS:
             raise ConfigError(f"--link: unknown {link!r}; valid: {', '.join(LINKS)}")
         where, extra, cores = LINKS[link], {"gpus_per_node": gpus_per_node}, None
-    prof = StepProfile(compute_s=step_s, batch=batch, grad_bytes=grad_bytes, buckets=bucket_count(grad_bytes),
-                       jitter_s=fitted()["jitter_ms"] * 1e-3)
+    prof = StepProfile(compute_s=step_s - fixed_s, batch=batch, grad_bytes=grad_bytes,
+                       buckets=bucket_count(grad_bytes), overhead_s=fixed_s, jitter_s=fitted()["jitter_ms"] * 1e-3)
 
     def per_gpu(n: int) -> tuple[float, dict[str, Any], float]:
         p = predict_step_time(prof, n, where, **extra)
@@ -270,7 +271,7 @@ def at_scale(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_n
 
 def largest_gpus(step_s: float, batch: int, grad_bytes: float, gpus_per_node: int, link: str,
                  hardware: str | None, input_rate: float | None, min_efficiency: float,
-                 limit: int = 65536) -> int:
+                 limit: int = 65536, fixed_s: float = 0.0) -> int:
     """The largest GPU count (1, 2, 4, then whole nodes doubling up to ``limit``) whose efficiency
     stays at or above ``min_efficiency``, scanning upward until the first count below it."""
     counts = [n for n in (1, 2, 4) if n < gpus_per_node]
@@ -280,11 +281,23 @@ def largest_gpus(step_s: float, batch: int, grad_bytes: float, gpus_per_node: in
         n *= 2
     best = 1
     for n in counts:
-        e = at_scale(step_s, batch, grad_bytes, n, gpus_per_node, link, hardware, input_rate)["efficiency"]
+        e = at_scale(step_s, batch, grad_bytes, n, gpus_per_node, link, hardware, input_rate, fixed_s)["efficiency"]
         if e < min_efficiency:
             break
         best = n
     return best
+
+
+def fixed_step_ms(given: float | None = None) -> tuple[float, str]:
+    """``(ms, source)``: the per-step cost that does not shrink with the batch (launches, optimizer,
+    host). Given, or the value fitted on MLPerf ResNet-50 (MXNet, LARS, DALI: 64 H100 at 50 per GPU,
+    :func:`fastvision.scaling.validation.fitted`), a floor for a tuned implementation; an eager
+    PyTorch step's is likely larger (measure two batch sizes with ``fastvision benchmark``)."""
+    if given is not None:
+        if given < 0:
+            raise ConfigError(f"--fixed-ms {given}: must be >= 0")
+        return float(given), "--fixed-ms"
+    return fitted()["overhead_ms"]["mlperf-resnet-mxnet"], "fitted on MLPerf ResNet-50"
 
 
 def input_rate_of(cfg: RunConfig, given: float | None = None) -> tuple[float | None, str]:

@@ -32,16 +32,19 @@ def _gm(pair: tuple[float, float]) -> float:
 
 def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: str, hardware: str | None,
             items: int | None, achieved, calibrated: bool, compile: bool, batch: int,
-            precision: str, input_rate: float | None = None) -> dict[str, Any]:
+            precision: str, input_rate: float | None = None, fixed_s: float = 0.0) -> dict[str, Any]:
     """Memory, step, epoch and train time of one configuration (one trace)."""
     mem = est.memory(t, compile)
     scale = 1 - t.recomputable / max(1, t.activations) if compile else 1.0
     fast, slow = est.step_time(t, gpu, precision, achieved, calibrated, traffic_scale=scale)
+    if not calibrated:  # a measured (calibrated) step already holds its fixed cost
+        fast, slow = fast + fixed_s, slow + fixed_s
     row: dict[str, Any] = {"batch": batch, "precision": gpu.peak_tflops(precision)[1], "compile": compile,
                            "memory_gib": mem.total / 2**30, "fits": est.fits(mem.total, gpu),
                            "memory_parts_gib": mem.gib(), "largest_batch": est.linear_batch(t, gpu, compile),
                            "step_s": [fast, slow], "flops_per_step": t.flops, "traffic_bytes": t.traffic_bytes}
-    effs = [est.at_scale(s, batch, t.grad_bytes, gpus, gpus_per_node, link, hardware, input_rate) for s in (fast, slow)]
+    effs = [est.at_scale(s, batch, t.grad_bytes, gpus, gpus_per_node, link, hardware, input_rate, fixed_s)
+            for s in (fast, slow)]
     row["efficiency"] = [e["efficiency"] for e in effs]
     row["scale"] = effs
     if items:
@@ -83,6 +86,8 @@ class Workload:
         batch: per-GPU batch (default: the recipe's).
         achieved: (low, high) share of peak dense math; ``calibrate``: a benchmark JSON instead.
         input_rate: items/s one host core delivers through the recipe's input path (measured).
+        fixed_ms: per-step time that does not shrink with the batch (launches, optimizer, host);
+            ``None``: the value fitted on the MLPerf anchors (small batches are slower per item).
     """
 
     data: str | None = None
@@ -91,6 +96,7 @@ class Workload:
     achieved: tuple[float, float] | None = None
     calibrate: str | None = None
     input_rate: float | None = None
+    fixed_ms: float | None = None
 
 
 def _place(cluster: Cluster) -> tuple[GPU, int, str]:
@@ -145,8 +151,10 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
     if items is None:
         notes.append(f"dataset size {items_source}; epoch and train time left out")
     input_rate, input_source = est.input_rate_of(cfg, work.input_rate)
+    fixed_ms, fixed_source = est.fixed_step_ms(work.fixed_ms)
     args = dict(gpu=spec, gpus=gpus, gpus_per_node=per_node, link=link, hardware=cluster.hardware, items=items,
-                achieved=achieved, calibrated=calibrated, input_rate=input_rate)
+                achieved=achieved, calibrated=calibrated, input_rate=input_rate,
+                fixed_s=0.0 if calibrated else fixed_ms / 1e3)
     base = _option(cfg, t, compile=cfg.train.compile, batch=b, precision=precision, **args)
     base["largest_batch"] = est.largest_batch(cfg, spec, t, cfg.train.compile)
     plan = {"recipe": cfg.recipe, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib, "gpus": gpus,
@@ -154,16 +162,18 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
             "dataset_items": items, "dataset_source": items_source, "achieved": list(achieved),
             "achieved_source": source, "price_per_gpu_hour": price, "params": t.param_count,
             "grad_bytes": t.grad_bytes, "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes,
-            "input_rate_per_core": input_rate, "input_source": input_source, "min_efficiency": min_efficiency}
+            "input_rate_per_core": input_rate, "input_source": input_source, "min_efficiency": min_efficiency,
+            "fixed_ms": 0.0 if calibrated else fixed_ms, "fixed_source": "inside the calibrated step" if calibrated
+            else fixed_source}
     if min_efficiency is not None:
         plan["largest_gpus"] = [est.largest_gpus(s, b, t.grad_bytes, per_node, link, cluster.hardware, input_rate,
-                                                 min_efficiency) for s in base["step_s"]]
+                                                 min_efficiency, fixed_s=args["fixed_s"]) for s in base["step_s"]]
     if price is not None and "gpu_hours" in base:
         base["cost"] = [h * price for h in base["gpu_hours"]]
     if switches:
         plan["switches"] = _switches(cfg, t, base, spec, b, precision, price, args)
     plan["curve"] = _curve(base, t, b, per_node, link, cluster.hardware, items, cfg.train.epochs, price, gpus,
-                           input_rate)
+                           input_rate, args["fixed_s"])
     return plan
 
 
@@ -204,13 +214,14 @@ def _switches(cfg, t, base, spec: GPU, b: int, precision: str, price, args) -> l
     return sorted(out, key=lambda r: -max(abs(r["change"]), abs(r["memory_change"])))
 
 
-def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus, input_rate) -> list[dict[str, Any]]:
+def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus, input_rate,
+           fixed_s) -> list[dict[str, Any]]:
     """Time to train and cost (middle of the range) against GPU count, for the PNG."""
     counts = [2**i for i in range(0, 11) if 2**i <= max(64, 4 * gpus)]
     step = _gm(base["step_s"])
     rows = []
     for n in counts:
-        e = est.at_scale(step, b, t.grad_bytes, n, min(n, per_node), link, hardware, input_rate)["efficiency"]
+        e = est.at_scale(step, b, t.grad_bytes, n, min(n, per_node), link, hardware, input_rate, fixed_s)["efficiency"]
         row = {"gpus": n, "efficiency": e}
         if items:
             row["train_h"] = est.train_time(step, b, n, e, items, epochs) / 3600
@@ -249,7 +260,8 @@ def text_report(plan: dict[str, Any]) -> str:
             ("FLOPs per step", f"{e['flops_per_step'] / 1e12:.3g} TFLOP ({e['flops_per_step'] / e['batch'] / 1e9:,.1f} "
                                f"GFLOP per item)"),
             ("step time", f"{_range(e['step_s'], 1e3)} ms (achieved {_range(plan['achieved'], 100, '{:.0f}')} % of "
-                          f"peak, {plan['achieved_source']})"),
+                          f"peak, {plan['achieved_source']}; + {plan['fixed_ms']:.2f} ms per step fixed, "
+                          f"{plan['fixed_source']})"),
             ("items/s per GPU", _range([e["batch"] / e["step_s"][1], e["batch"] / e["step_s"][0]], 1, "{:.0f}")),
             (f"scaling efficiency at {plan['gpus']}", _range(sorted(e["efficiency"]), 100, "{:.0f}") + " %")]
     rows += _scale_rows(plan)
@@ -345,6 +357,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--input-rate", type=float, help="items/s one host core delivers through the recipe's input path "
                                                     "(from `fastvision benchmark --mode data`); default: a published "
                                                     "rate for JPEG folders, else no host limit")
+    p.add_argument("--fixed-ms", type=float, help="per-step time that does not shrink with the batch (launches, "
+                                                  "optimizer, host); default: fitted on MLPerf ResNet-50")
     p.add_argument("--no-switches", action="store_true", help="skip the what-if switches (fewer traces)")
     p.add_argument("--json", type=Path, help="write the plan as JSON")
     p.add_argument("--png", type=Path, help="write time and cost against GPU count")
@@ -370,7 +384,7 @@ def cmd_plan(args) -> int:
                       price=args.price_per_gpu_hour)
     work = Workload(data=args.data, dataset_size=args.dataset_size, batch=args.batch_size,
                     achieved=_pair(args.achieved) if args.achieved else None, calibrate=args.calibrate,
-                    input_rate=args.input_rate)
+                    input_rate=args.input_rate, fixed_ms=args.fixed_ms)
     plan = make_plan(cfg, cluster, work, switches=not args.no_switches, min_efficiency=args.min_efficiency)
     print(text_report(plan))  # the CLI's output, not library logging
     if args.json:
