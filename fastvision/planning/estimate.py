@@ -238,8 +238,9 @@ def at_scale(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_n
 
     Returns:
         ``efficiency`` (per-GPU rate at ``gpus`` over that at one GPU), ``step_s``, ``items_per_s_gpu``,
-        ``items_per_s``, ``exposed_comm_s``, ``straggler_s``, ``limit``, ``cores_per_gpu`` (host cores a
-        GPU needs at its rate; None without ``input_rate``) and ``cores_available_per_gpu``.
+        ``items_per_s``, ``gpu_items_per_s_gpu`` (the GPU-side rate, host unlimited), ``exposed_comm_s``,
+        ``straggler_s``, ``limit``, ``cores_per_gpu`` (host cores a GPU needs to be fed at its GPU-side
+        rate; None without ``input_rate``) and ``cores_available_per_gpu``.
     """
     from fastvision.scaling.simulator import LINKS, StepProfile, bucket_count, predict_step_time
 
@@ -261,11 +262,12 @@ def at_scale(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_n
 
     one, _, _ = per_gpu(1)
     rate, many, cap = per_gpu(gpus)
+    gpu_rate = batch / many["step_s"]  # what the GPU would take if the host kept up
     on_node = min(gpus, gpus_per_node if hardware is None else where.gpus_per_node)
     return {"efficiency": rate / one, "step_s": batch / rate, "items_per_s_gpu": rate, "items_per_s": rate * gpus,
-            "exposed_comm_s": many["exposed_comm_s"], "straggler_s": many["straggler_s"],
-            "limit": "input pipeline" if cap < batch / many["step_s"] else many["limit"],
-            "cores_per_gpu": rate / input_rate if input_rate else None,
+            "gpu_items_per_s_gpu": gpu_rate, "exposed_comm_s": many["exposed_comm_s"],
+            "straggler_s": many["straggler_s"], "limit": "input pipeline" if cap < gpu_rate else many["limit"],
+            "cores_per_gpu": gpu_rate / input_rate if input_rate else None,
             "cores_available_per_gpu": cores / on_node if cores else None}
 
 

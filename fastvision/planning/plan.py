@@ -233,8 +233,8 @@ def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus, inp
 
 # ------------------------------------------------------------------------------ reports
 def _range(pair, scale=1.0, spec="{:.3g}") -> str:
-    lo, hi = pair[0] * scale, pair[1] * scale
-    return spec.format(lo) if abs(hi - lo) <= 1e-9 * max(1, abs(hi)) else f"{spec.format(lo)}-{spec.format(hi)}"
+    lo, hi = spec.format(pair[0] * scale), spec.format(pair[1] * scale)
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def _duration(pair) -> str:
@@ -296,7 +296,7 @@ def _scale_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
     need = [s["cores_per_gpu"] for s in sc if s["cores_per_gpu"] is not None]
     if need:
         have = sc[0]["cores_available_per_gpu"]
-        rows.append(("host cores per GPU needed", _range(sorted(need), 1, "{:.1f}") + f" at {plan['input_rate_per_core']:.0f} "
+        rows.append(("host cores per GPU to feed it", _range(sorted(need), 1, "{:.1f}") + f" at {plan['input_rate_per_core']:.0f} "
                      f"items/s per core ({plan['input_source']}); " + (f"{have:.1f} per GPU on the node" if have
                                                                        else "node cores unknown: give --hardware")))
     else:

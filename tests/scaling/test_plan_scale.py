@@ -34,7 +34,10 @@ def test_plan_gpus_with_a_binding_input_path_and_min_efficiency_on_the_cli(tmp_p
         assert s["items_per_s"] == pytest.approx(64 * cores / 8)
         assert s["efficiency"] == pytest.approx(1 / 8)
         assert s["limit"] == "input pipeline"
-        assert s["cores_per_gpu"] == pytest.approx(cores / 8) == s["cores_available_per_gpu"]
+        # to feed the GPU-side rate it needs that many 1-item/s cores; it has 112 / 8 = 14
+        assert s["cores_per_gpu"] == pytest.approx(s["gpu_items_per_s_gpu"] / 1.0)
+        assert s["cores_per_gpu"] > s["cores_available_per_gpu"]
+        assert s["cores_available_per_gpu"] == pytest.approx(cores / 8)
     # 2 GPUs: 56 per GPU = 50 %; 4 GPUs: 28 = 25 %: the largest count at >= 50 % is 2
     assert plan["largest_gpus"] == [2, 2] and plan["min_efficiency"] == 0.5
 
