@@ -21,6 +21,7 @@ from typing import Any
 from fastvision.config import RunConfig
 from fastvision.errors import ConfigError
 from fastvision.planning import estimate as est
+from fastvision.planning import scale as sc
 from fastvision.planning.devices import GPU, GPUS, get_gpu
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ def _gm(pair: tuple[float, float]) -> float:
 
 def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: str, hardware: str | None,
             items: int | None, achieved, calibrated: bool, compile: bool, batch: int,
-            precision: str, input_rate: float | None = None, fixed_s: float = 0.0) -> dict[str, Any]:
+            precision: str, input_rate: float | None = None, fixed_s: float = 0.0,
+            host_cores: int | None = None) -> dict[str, Any]:
     """Memory, step, epoch and train time of one configuration (one trace)."""
     mem = est.memory(t, compile)
     scale = 1 - t.recomputable / max(1, t.activations) if compile else 1.0
@@ -43,7 +45,7 @@ def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: st
                            "memory_gib": mem.total / 2**30, "fits": est.fits(mem.total, gpu),
                            "memory_parts_gib": mem.gib(), "largest_batch": est.linear_batch(t, gpu, compile),
                            "step_s": [fast, slow], "flops_per_step": t.flops, "traffic_bytes": t.traffic_bytes}
-    effs = [est.at_scale(s, batch, t.grad_bytes, gpus, gpus_per_node, link, hardware, input_rate, fixed_s)
+    effs = [sc.at_scale(s, batch, t.grad_bytes, gpus, gpus_per_node, link, hardware, input_rate, fixed_s, host_cores)
             for s in (fast, slow)]
     row["efficiency"] = [e["efficiency"] for e in effs]
     row["scale"] = effs
@@ -150,11 +152,13 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
     items, items_source = est.dataset_items(cfg, work.data, work.dataset_size)
     if items is None:
         notes.append(f"dataset size {items_source}; epoch and train time left out")
-    input_rate, input_source = est.input_rate_of(cfg, work.input_rate)
-    fixed_ms, fixed_source = est.fixed_step_ms(work.fixed_ms)
+    input_rate, input_source = sc.input_rate_of(cfg, work.input_rate)
+    fixed_ms, fixed_source = sc.fixed_step_ms(work.fixed_ms)
+    host_cores, host_source = (None, f"the {cluster.hardware} node") if cluster.hardware else \
+        sc.host_cores_for(spec, per_node)
     args = dict(gpu=spec, gpus=gpus, gpus_per_node=per_node, link=link, hardware=cluster.hardware, items=items,
                 achieved=achieved, calibrated=calibrated, input_rate=input_rate,
-                fixed_s=0.0 if calibrated else fixed_ms / 1e3)
+                fixed_s=0.0 if calibrated else fixed_ms / 1e3, host_cores=host_cores)
     base = _option(cfg, t, compile=cfg.train.compile, batch=b, precision=precision, **args)
     base["largest_batch"] = est.largest_batch(cfg, spec, t, cfg.train.compile)
     plan = {"recipe": cfg.recipe, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib, "gpus": gpus,
@@ -163,17 +167,19 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
             "achieved_source": source, "price_per_gpu_hour": price, "params": t.param_count,
             "grad_bytes": t.grad_bytes, "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes,
             "input_rate_per_core": input_rate, "input_source": input_source, "min_efficiency": min_efficiency,
+            "host_source": host_source,
             "fixed_ms": 0.0 if calibrated else fixed_ms, "fixed_source": "inside the calibrated step" if calibrated
             else fixed_source}
     if min_efficiency is not None:
-        plan["largest_gpus"] = [est.largest_gpus(s, b, t.grad_bytes, per_node, link, cluster.hardware, input_rate,
-                                                 min_efficiency, fixed_s=args["fixed_s"]) for s in base["step_s"]]
+        plan["largest_gpus"] = [sc.largest_gpus(s, b, t.grad_bytes, per_node, link, cluster.hardware, input_rate,
+                                                 min_efficiency, fixed_s=args["fixed_s"], host_cores=host_cores)
+                              for s in base["step_s"]]
     if price is not None and "gpu_hours" in base:
         base["cost"] = [h * price for h in base["gpu_hours"]]
     if switches:
         plan["switches"] = _switches(cfg, t, base, spec, b, precision, price, args)
     plan["curve"] = _curve(base, t, b, per_node, link, cluster.hardware, items, cfg.train.epochs, price, gpus,
-                           input_rate, args["fixed_s"])
+                           input_rate, args["fixed_s"], host_cores)
     return plan
 
 
@@ -215,13 +221,14 @@ def _switches(cfg, t, base, spec: GPU, b: int, precision: str, price, args) -> l
 
 
 def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus, input_rate,
-           fixed_s) -> list[dict[str, Any]]:
+           fixed_s, host_cores) -> list[dict[str, Any]]:
     """Time to train and cost (middle of the range) against GPU count, for the PNG."""
     counts = [2**i for i in range(0, 11) if 2**i <= max(64, 4 * gpus)]
     step = _gm(base["step_s"])
     rows = []
     for n in counts:
-        e = est.at_scale(step, b, t.grad_bytes, n, min(n, per_node), link, hardware, input_rate, fixed_s)["efficiency"]
+        e = sc.at_scale(step, b, t.grad_bytes, n, min(n, per_node), link, hardware, input_rate, fixed_s,
+                         host_cores)["efficiency"]
         row = {"gpus": n, "efficiency": e}
         if items:
             row["train_h"] = est.train_time(step, b, n, e, items, epochs) / 3600
@@ -294,17 +301,14 @@ def _scale_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
             (f"items/s on {n} GPUs", _range(sorted(s["items_per_s"] for s in sc), 1, "{:,.0f}")),
             ("binding limit", " / ".join(dict.fromkeys(s["limit"] for s in sc)))]
     need = [s["cores_per_gpu"] for s in sc if s["cores_per_gpu"] is not None]
-    if need:
-        have = sc[0]["cores_available_per_gpu"]
-        rows.append(("host cores per GPU to feed it", _range(sorted(need), 1, "{:.1f}") + f" at {plan['input_rate_per_core']:.0f} "
-                     f"items/s per core ({plan['input_source']}); " + (f"{have:.1f} per GPU on the node" if have
-                                                                       else "node cores unknown: give --hardware")))
-    else:
-        rows.append(("input path", plan["input_source"]))
+    have = sc[0]["cores_available_per_gpu"]
+    where = f"{have:.1f} per GPU on the node ({plan['host_source']})" if have else plan["host_source"]
+    rows.append(("host cores per GPU to feed it", f"{_range(sorted(need), 1, '{:.1f}')} at "
+                 f"{plan['input_rate_per_core']:.0f} items/s per core ({plan['input_source']}); {where}")
+                if need else ("input path", plan["input_source"]))
     if plan.get("largest_gpus"):
-        lo, hi = sorted(plan["largest_gpus"])
         rows.append((f"largest N at >= {plan['min_efficiency']:.0%} efficiency",
-                     f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"))
+                     _range(sorted(plan["largest_gpus"]), 1, "{:,}")))
     return rows
 
 
@@ -354,9 +358,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--calibrate", help="a `fastvision benchmark --mode train` JSON measured on any GPU")
     p.add_argument("--min-efficiency", type=float, help="also report the largest GPU count whose scaling efficiency "
                                                         "stays at or above this share, e.g. 0.8")
-    p.add_argument("--input-rate", type=float, help="items/s one host core delivers through the recipe's input path "
-                                                    "(from `fastvision benchmark --mode data`); default: a published "
-                                                    "rate for JPEG folders, else no host limit")
+    p.add_argument("--input-rate", type=float, help="items/s per host core through the recipe's input path (from "
+                                                    "`benchmark --mode data`); default: published for JPEG folders")
     p.add_argument("--fixed-ms", type=float, help="per-step time that does not shrink with the batch (launches, "
                                                   "optimizer, host); default: fitted on MLPerf ResNet-50")
     p.add_argument("--no-switches", action="store_true", help="skip the what-if switches (fewer traces)")
