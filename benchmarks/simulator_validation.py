@@ -111,12 +111,32 @@ def section() -> str:
            "- 3,584 GPUs is MLPerf v3.0 software (ngc23.04) on CoreWeave HGX H100, referenced to the v4.0 8-GPU rate "
            "(no v3.0 NVIDIA 8-GPU rate is stated); its 10.1 M img/s has three significant digits.", "",
            "**Rows looked for and left out:**", ""] + [f"- {t}" for t in LEFT_OUT] + [
+           "", "**Small batches: the fixed per-step cost other implementations imply.** Published rates of one "
+           "implementation at two per-GPU batches give the line t(b) = b x t_item + fixed "
+           "(`validation.implied_fixed_ms`; `batch_pairs` in anchors.yaml). Not used by the fit; they say the "
+           "2.97 ms of MXNet is a floor and a PyTorch (Lightning) step carries several times more (part of it the "
+           "kernels' own small-batch inefficiency: the TF32 3-D pair implies 26 ms where AMP implies 12), so "
+           "`fastvision plan --fixed-ms` should be measured for a PyTorch recipe:", "",
+           pairs_table(anchors),
            "", "`fastvision scale --simulate` with the headline DLE row's inputs (`fastvision scale --simulate "
            "--compute-ms 103.64 --batch 256 --grad-mb 102.4 --hardware dgx-a100 --input-rate 130 --input-workers 16`):",
            "", cli_table(rates),
            "Below a full node (2-4 GPUs) the input limit is pessimistic: the per-process rate is the full-node "
            "one. No published 2- or 4-GPU row exists to say by how much.", ""]
     return "\n".join(out) + "\n"
+
+
+def pairs_table(anchors: dict) -> str:
+    """The fixed per-step cost implied by each published pair of batch sizes."""
+    from fastvision.utils.tables import markdown
+
+    rows = []
+    for p in anchors["batch_pairs"]:
+        fixed, item = sv.implied_fixed_ms(p["points"])
+        (b1, r1), (b2, r2) = p["points"]
+        rows.append([p["id"], p["impl"], f"{p['gpus']} x {p['gpu']} {p['precision']}", f"bs {b1}: {r1:g}, bs {b2}: {r2:g}",
+                     f"{item:.3f}", f"{fixed:.1f}"])
+    return markdown(["pair", "impl", "GPUs", "items/s per GPU", "ms per item:", "fixed ms per step:"], rows)
 
 
 def cli_table(rates: dict) -> str:

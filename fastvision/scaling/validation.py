@@ -151,6 +151,16 @@ def fit(anchors: dict[str, Any], rates: dict[str, float | None]) -> dict[str, An
     return {"jitter_ms": cv, "overhead_ms": overheads(cv)}
 
 
+def implied_fixed_ms(points: list[list[float]]) -> tuple[float, float]:
+    """``(fixed ms per step, ms per item)`` from rates at two per-GPU batches, ``[[b1, items/s], [b2, items/s]]``:
+    the line ``t(b) = b * t_item + fixed`` through both step times (a negative fixed cost means the
+    larger batch ran less efficiently per item)."""
+    (b1, r1), (b2, r2) = points
+    t1, t2 = b1 / r1, b2 / r2
+    per_item = (t2 - t1) / (b2 - b1)
+    return 1e3 * (t1 - b1 * per_item), 1e3 * per_item
+
+
 @functools.lru_cache(maxsize=4)
 def fitted(path: Path = ANCHORS) -> dict[str, Any]:
     """:func:`fit` of the anchors file, computed once per process (``plan`` asks for every GPU count)."""

@@ -69,6 +69,13 @@ def test_sharp_two_level_allreduce(workers, expected):
     assert t < ring or workers == 8
 
 
+def test_implied_fixed_cost_from_two_batch_sizes():
+    # 2 items at 20/s = 100 ms, 4 items at 32/s = 125 ms: 12.5 ms per item, 75 ms fixed
+    assert sv.implied_fixed_ms([[2, 20.0], [4, 32.0]]) == pytest.approx((75.0, 12.5))
+    # linear scaling in the batch (rate independent of it) implies no fixed cost
+    assert sv.implied_fixed_ms([[16, 100.0], [64, 100.0]]) == pytest.approx((0.0, 10.0))
+
+
 def test_fit_solves_each_constant_on_its_named_row_and_is_reproducible():
     anchors = sv.load_anchors()
     rates = sv.input_rates(anchors)
