@@ -40,32 +40,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
-
+from fastvision.scaling.presets import HARDWARE_DIR, Hardware, Link, hardware_presets, load_hardware  # noqa: F401
 from fastvision.scaling.report import simulation_markdown  # re-exported: the table of simulate() rows
-from fastvision.scaling.terms import sharp_allreduce_s, straggler_s
+from fastvision.scaling.terms import nvls_allreduce_s, sharp_allreduce_s, straggler_s
 
-HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
 DEFAULT_WORKERS = tuple(2**i for i in range(11))
-
-
-@dataclass(frozen=True)
-class Link:
-    """An interconnect as one all-reduce sees it.
-
-    Attributes:
-        name: preset name.
-        bandwidth_gbps: achievable bandwidth in GB/s (1e9 bytes/s): NCCL bus bandwidth within a
-            node; per GPU (its NIC) between nodes.
-        latency_us: per-hop latency in microseconds (wire + software).
-    """
-
-    name: str
-    bandwidth_gbps: float
-    latency_us: float
 
 
 # Legacy link presets (``scale --links``): NVLink 3 with NVSwitch (NCCL busbw about 200-230 GB/s on
@@ -100,33 +81,6 @@ class StepProfile:
     optimizer_s: float = 0.0
     overhead_s: float = 0.0
     jitter_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One node type, repeated: GPUs, host cores, the intra-node link and the NIC per GPU.
-
-    Attributes:
-        name: preset name (file stem in ``fastvision/scaling/hardware/``).
-        gpu: GPU model name (its peak figures live in ``fastvision.planning.devices``, not here).
-        gpus_per_node: GPUs per node.
-        cpu_cores: physical CPU cores per node.
-        cpu_threads: hardware threads per node (SMT); loader processes beyond it share a thread.
-        intra: NCCL all-reduce bus bandwidth and hop latency inside a node.
-        nic: achieved network bandwidth per GPU and hop latency between nodes.
-        description: one line on what the preset is.
-        sources: where the figures come from.
-    """
-
-    name: str
-    gpu: str
-    gpus_per_node: int
-    cpu_cores: int
-    intra: Link
-    nic: Link
-    cpu_threads: int = 0
-    description: str = ""
-    sources: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,12 +162,18 @@ def allreduce_s(nbytes: float, workers: int, hw: Hardware, algo: str = "auto") -
         workers: GPUs.
         hw: node description.
         algo: ``"ring"``, ``"tree"``, ``"sharp"`` (in-network reduction across nodes, where the
-            fabric has it) or ``"auto"`` (the faster of ring and tree, as NCCL's tuner picks).
+            fabric has it), ``"nvls"`` (NVLink SHARP inside the node, tree across) or ``"auto"``
+            (the faster of ring and tree, as NCCL's tuner picks).
     """
-    if algo not in ("auto", "ring", "tree", "sharp"):
-        raise ValueError(f"algo must be auto, ring, tree or sharp, got {algo!r}")
+    if algo not in ("auto", "ring", "tree", "sharp", "nvls"):
+        raise ValueError(f"algo must be auto, ring, tree, sharp or nvls, got {algo!r}")
     if workers <= 1:
         return 0.0, "none"
+    if algo == "nvls":
+        if not hw.nvls_gbps:
+            raise ValueError(f"algo nvls: hardware {hw.name!r} states no node.intra.nvls_gbps")
+        return nvls_allreduce_s(nbytes, workers, hw.gpus_per_node, hw.nvls_gbps, hw.intra.latency_us,
+                                hw.nic.bandwidth_gbps, hw.nic.latency_us), "nvls"
     if algo == "sharp":
         return sharp_allreduce_s(nbytes, workers, hw.gpus_per_node, hw.intra.bandwidth_gbps, hw.intra.latency_us,
                                  hw.nic.bandwidth_gbps, hw.nic.latency_us), "sharp"
@@ -339,50 +299,6 @@ def with_link(link: Link, bandwidth_gbps: float | None = None, latency_us: float
     """``link`` with measured bandwidth / latency substituted where given."""
     changes = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}
     return replace(link, name=link.name + ("*" if changes else ""), **changes)
-
-
-# --------------------------------------------------------------------------- hardware profiles
-
-
-def hardware_presets() -> list[str]:
-    """Names of the shipped hardware profiles (``fastvision/scaling/hardware/*.yaml``)."""
-    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
-
-
-def load_hardware(name_or_path: str | Path) -> Hardware:
-    """A :class:`Hardware` from a preset name or a YAML file (format: ``fastvision/hardware/dgx-a100.yaml``).
-
-    Raises:
-        ConfigError: unknown preset, unreadable file, or a missing or invalid key (named).
-    """
-    from fastvision.errors import ConfigError
-
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = HARDWARE_DIR / f"{name_or_path}.yaml"
-        if not path.is_file():
-            raise ConfigError(f"--hardware: unknown preset {name_or_path!r}; presets: {', '.join(hardware_presets())}, "
-                              "or a YAML file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read hardware profile: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a hardware profile is a mapping (see fastvision/hardware/dgx-a100.yaml)")
-    try:
-        node = data["node"]
-        links = {k: Link(k, float(node[k]["bandwidth_gbps"]), float(node[k]["latency_us"])) for k in ("intra", "nic")}
-        hw = Hardware(name=str(data.get("name", path.stem)), gpu=str(data["gpu"]), gpus_per_node=int(node["gpus"]),
-                      cpu_cores=int(node["cpu_cores"]), cpu_threads=int(node.get("cpu_threads", node["cpu_cores"])),
-                      intra=links["intra"], nic=links["nic"],
-                      description=str(data.get("description", "")), sources=tuple(data.get("sources", ())))
-    except KeyError as e:
-        raise ConfigError(f"{path}: hardware profile misses key {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: invalid hardware profile value: {e}") from None
-    if hw.gpus_per_node < 1 or hw.cpu_cores < 1 or min(hw.intra.bandwidth_gbps, hw.nic.bandwidth_gbps) <= 0:
-        raise ConfigError(f"{path}: node.gpus and node.cpu_cores must be >= 1 and bandwidths > 0")
-    return hw
 
 
 def _hardware(hardware: Hardware | Link | str, gpus_per_node: int, intra: Link) -> Hardware:

@@ -198,8 +198,9 @@ def add_cli(subparsers) -> None:
     s.add_argument("--dali", action="store_true", help="GPU-side decode (DALI 'mixed'): no host input limit")
     s.add_argument("--sync", default="ddp", choices=sorted(BACKENDS),
                    help="gradient sync: ddp, horovod (>= 0.21: 1 ms cycle, 128 MB fusion), horovod-0.20 (5 ms, 64 MB)")
-    s.add_argument("--algo", default="auto", choices=["auto", "ring", "tree", "sharp"],
-                   help="NCCL algorithm beyond a node (sharp: in-network reduction, where the fabric has it)")
+    s.add_argument("--algo", default="auto", choices=["auto", "ring", "tree", "sharp", "nvls"],
+                   help="NCCL algorithm beyond a node (sharp: in-network reduction, where the fabric has it; nvls: "
+                        "NVLink SHARP inside the node, needs node.intra.nvls_gbps)")
     s.add_argument("--gpus", type=int, help="draw the curve from 1 GPU to this count (default 1024)")
     s.add_argument("--jitter-ms", type=float, help="per-rank step-time jitter for the stragglers term "
                                                    "(default: the value fitted on the MLPerf anchors)")

@@ -1,4 +1,5 @@
-"""The step-time terms that only show at cluster scale: stragglers and in-network (SHARP) reduction.
+"""The step-time terms that only show at cluster scale: stragglers, in-network reduction (SHARP across
+nodes, NVLS inside one).
 
 Used by :func:`fastvision.scaling.simulator.predict_step_time`; each term states where its form
 comes from. The free constants (the per-step fixed cost of an implementation and the step-time
@@ -61,3 +62,21 @@ def sharp_allreduce_s(nbytes: float, workers: int, gpus_per_node: int, intra_bw_
         return intra
     inter = nbytes / g / (nic_bw_gbps * 1e9) + 2 * sharp_levels(nodes) * nic_lat_us * 1e-6
     return intra + inter
+
+
+def nvls_allreduce_s(nbytes: float, workers: int, gpus_per_node: int, nvls_bw_gbps: float, intra_lat_us: float,
+                     nic_bw_gbps: float, nic_lat_us: float) -> float:
+    """NCCL's NVLS inside a node (the NVSwitch reduces: NVLink SHARP) and NVLSTree across nodes.
+
+    Inside a node the all-reduce moves at the NVLS bus bandwidth, ``2 (g-1)/g * S / nvls_busbw`` plus
+    one switch hop each way (nccl-tests report busbw with that ``2 (g-1)/g`` factor; about 480 GB/s
+    on 8 H100 against ~370 for the ring, NVIDIA/nccl-tests#212). Across nodes each GPU's ``S/g``
+    shard goes over a double binary tree of its own rail: ``2 S/g / nic_bw`` plus
+    ``2 log2(nodes)`` NIC hops.
+    """
+    g = min(workers, gpus_per_node)
+    nodes = math.ceil(workers / gpus_per_node)
+    intra = 2 * (g - 1) / g * nbytes / (nvls_bw_gbps * 1e9) + 2 * intra_lat_us * 1e-6 if g > 1 else 0.0
+    if nodes <= 1:
+        return intra
+    return intra + 2 * nbytes / g / (nic_bw_gbps * 1e9) + 2 * math.ceil(math.log2(nodes)) * nic_lat_us * 1e-6

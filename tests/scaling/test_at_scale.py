@@ -109,3 +109,19 @@ def test_without_the_at_scale_terms_the_2528_gpu_row_is_far_off():
     rates = sv.input_rates(anchors)
     row = next(r for r in anchors["rows"] if r["id"] == "mlperf-v4.0-h100-2528")
     assert sv.predict_row(row, anchors, rates)["error_points"] > 40  # compute + fabric only: ~+50 points
+
+
+@pytest.mark.parametrize("workers,expected", [
+    # one node: 2 x 7/8 x 8e6 / 400e9 at the NVLS busbw + 2 switch hops of 3 us
+    (8, 2 * 7 / 8 * 8e6 / 400e9 + 2 * 3e-6),
+    # four nodes: + a tree of each GPU's 1e6-byte shard over its 10 GB/s rail, 2 x log2(4) hops of 5 us
+    (32, 2 * 7 / 8 * 8e6 / 400e9 + 2 * 3e-6 + 2 * 1e6 / 10e9 + 4 * 5e-6),
+])
+def test_nvls_allreduce(workers, expected):
+    hw = Hardware("t", "X", 8, 64, Link("intra", 300.0, 3.0), Link("nic", 10.0, 5.0), nvls_gbps=400.0)
+    t, algo = allreduce_s(8e6, workers, hw, "nvls")
+    assert algo == "nvls" and t == pytest.approx(expected)
+    # inside a node it beats the 300 GB/s ring; a node without NVLS refuses the algorithm
+    assert t < allreduce_s(8e6, 8, hw, "ring")[0] or workers > 8
+    with pytest.raises(ValueError, match="nvls"):
+        allreduce_s(8e6, 8, node(), "nvls")
