@@ -4,82 +4,139 @@
     python benchmarks/simulator_validation.py --write    # also replace it in benchmarks/RESULTS.md
 
 No timing: the predictions are arithmetic on published figures. Prints the validation table
-(predicted vs published speed-up and the error in points of efficiency), the worst 8-GPU
-ResNet-50 error (the test's bound is 5 points), and two checks of the model's sensitivity:
-the headline row without the input-pipeline term, and the assumed batch of the Paddle rows.
+(predicted vs published speed-up, the error in points of efficiency, calibration or held-out),
+the fitted constants and the rows they are solved on, the rows left out and why, and the model
+without its at-scale terms.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 from pathlib import Path
 
 from fastvision.scaling import validation as sv
 
-HEADING = "## Scaling simulator against published multi-GPU tables (issue 15)"
+HEADING = "## Scaling simulator against published multi-GPU tables, 8 to 3,584 GPUs (issues 15, 30)"
+OLD_HEADINGS = ("## Scaling simulator against published multi-GPU tables (issue 15)",)
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+# Published rows that were looked for and are not compared, with why (issue 30 asked for them).
+LEFT_OUT = [
+    "3D U-Net MLPerf v4.0 at 72 and 768 H100: not data parallel. The 72-GPU log "
+    "(`training_results_v4.0:NVIDIA/results/eos_n9_ngc24.04_mxnet/unet3d/result_00.txt`) states "
+    "global_batch_size 56, the same as the 8-GPU system (7 x 8), at 3,488 samples/s (48.4 per GPU against "
+    "72.5 at 8 GPUs = 66.8 %); the 768-GPU config (`eos_n96_ngc23.09_mxnet/config_DGXH100_96x8x1.sh`) runs "
+    "batch 1 with spatial groups of 8 (`-sgs 8`) and 12 nodes for evaluation. A sample split over GPUs "
+    "is model parallelism this simulator does not model, so neither row is predicted.",
+    "RetinaNet MLPerf v4.0 at 2,528 H100 (`eos_n316_ngc24.04_pytorch/ssd`, config 316x08x001: batch 1 per GPU): "
+    "the per-GPU throughput is in a 1 MB log not read here; perf_anchors.md gives only its time to train "
+    "(0.778 min), which mixes epochs to converge with throughput. Left out.",
+    "RetinaNet on 8 B200 and 72 / 512 GB200 (v5.0 / v5.1): the v5.1 results in the index hold no NVIDIA "
+    "RetinaNet logs, and no hardware preset for GB200 NVL72 racks is sourced. Left out; the 8 H100 row "
+    "(291 img/s/GPU) has no multi-node partner in the same submission and is not a scaling row.",
+    "MONAI BraTS SegResNet 1 / 8 / 16 / 32 A100 (`Project-MONAI/tutorials:acceleration/fast_model_training_guide.md`): "
+    "the guide gives time to target against a *different* 1-GPU baseline (110 epochs, other loss, "
+    "optimizer and caching) - '>11x' at 8 and '30x' at 32 GPUs - and no 16-GPU figure and no per-epoch "
+    "times. Those ratios mix convergence and pipeline changes with throughput, so they are not converted.",
+]
 
 
 def section() -> str:
     anchors = sv.load_anchors()
     rates = sv.input_rates(anchors)
+    consts = sv.fit(anchors, rates)
     rows = sv.validate()
-    ml = next(r for r in rows if r["id"] == "mlperf-v4.0-h100-2528")
-    rn8 = [r for r in rows if r["workload"] == "resnet50" and r["role"] == "validation" and r["gpus"] == 8]
-    worst = max(rn8, key=lambda r: abs(r["error_points"]))
-    mean_abs = sum(abs(r["error_points"]) for r in rn8) / len(rn8)
+    fixed = consts["overhead_ms"]["mlperf-resnet-mxnet"]
+    held = [r for r in rows if r["role"] == "held-out"]
+    big = [r for r in held if r["gpus"] > 8]
+    rn8 = [r for r in rows if r["workload"] == "resnet50" and r["gpus"] == 8 and r["role"] == "held-out"]
+    worst8 = max(rn8, key=lambda r: abs(r["error_points"]))
+    over = [r for r in held if abs(r["error_points"]) > 10 and r["input"] == "unknown-cpu"]
     by_id = {r["id"]: r for r in anchors["rows"]}
-    blind = sv.predict_row(by_id["dle-pt-a100-amp"], anchors, {k: None for k in rates})
-    paddle = []
-    for bs in (128, 256, 512):
-        row = copy.deepcopy(by_id["dle-paddle-a100-amp"])
-        row["batch"] = bs
-        paddle.append(f"bs {bs}: {sv.predict_row(row, anchors, rates)['error_points']:+.2f}")
+    bare = {i: sv.predict_row(by_id[i], anchors, rates) for i in ("mlperf-v4.0-h100-2528", "mlperf-v3.0-h100-3584")}
+    l40s = next(r for r in rows if r["id"] == "mlperf-v4.0-l40s-64")
+    hidden = sv.predict_row(by_id["mlperf-v4.0-l40s-64"], anchors, rates,
+                            dict(consts, hide_comm=True))
+    no_jit = sv.predict_row(by_id["mlperf-v3.0-h100-3584"], anchors, rates,
+                            {"jitter_ms": 0.0, "overhead_ms": consts["overhead_ms"]})
+    ml = {r["id"]: r for r in rows}
+    big_txt = ", ".join("`{}` {:+.1f}".format(r["id"], r["error_points"]) for r in big)
+    over_txt = ", ".join("`{}` ({:+.1f})".format(r["id"], r["error_points"]) for r in over)
     out = [HEADING, "",
-           "Command: `.venv/bin/python benchmarks/simulator_validation.py --write` (2026-11-23; arithmetic on "
+           "Command: `.venv/bin/python benchmarks/simulator_validation.py --write` (2026-11-25; arithmetic on "
            "published figures, no timing, any machine).", "",
-           "Every multi-GPU row of `../shared/reference/perf_anchors.md` that states its hardware and 1-GPU rate, "
-           "copied with its source into `fastvision/scaling/anchors.yaml`, predicted by `fastvision/scaling/simulator.py` "
-           "from the 1-GPU rate, the hardware preset, the input path and the gradient synchroniser. Error = "
-           "predicted minus published efficiency, in percentage points.", "",
+           "Every row of `fastvision/scaling/anchors.yaml` (each with its source: DLE READMEs via "
+           "`../shared/reference/perf_anchors.md`, and the MLPerf Training logs themselves), predicted by "
+           "`fastvision/scaling/simulator.py`. Efficiency = throughput per GPU at N over throughput per GPU at the "
+           "reference (1 GPU for the DLE rows; the 8-GPU system at 400 images per GPU for MLPerf, which publishes no "
+           "1-GPU rate), predicted over predicted and published over published; speed-up = efficiency x N / "
+           "reference GPUs. MLPerf rates are the logs' epoch throughput, not time to train: the 2,528-GPU run "
+           "needs about twice the epochs of the 8-GPU run (large-batch convergence), which is not a throughput "
+           "effect and is not compared. Error = predicted minus published efficiency, in points.", "",
            sv.validation_markdown(rows),
-           "**Constants and where they come from** (one set, none chosen per row):", "",
-           f"- `dle-pytorch-loader`: {rates['dle-pytorch-loader']:.1f} img/s per loader process, **calibrated** on "
-           "one row, `dle-pt-v100-amp` (8,322 img/s / (8 GPUs x 8 workers per GPU, DLE `configs.yml` DGX1V)); "
-           "that row is marked calibration and is not validation. It then predicts the DGX A100 AMP row "
-           "(16 workers per GPU) independently.",
-           f"- `tf-data-cpu`: {rates['tf-data-cpu']} img/s per core, a lower bound from the TF1 README's DGX-1 "
-           "AMP row (9,510 img/s on 40 cores), which is not a validation row; on a DGX A100 it does not bind.",
-           "- `dali-gpu` (MXNet, Paddle, nnU-Net, SSD300 PyTorch, MLPerf): decode on the GPU, no host limit.",
-           "- Horovod cycle and fusion buffer: Horovod's documented defaults (5 ms / 64 MB up to 0.20, "
-           "1 ms / 128 MB from 0.21, changelog #2468); TF 20.06 containers take the first.",
-           "- Links: NCCL bus bandwidths and NIC rates in `fastvision/scaling/hardware/*.yaml`, each with its source.",
-           "- Per-step overhead: 0 for every row (none of the tables gives one).", "",
-           f"**Result.** ResNet-50 at 8 GPUs, {len(rn8)} validation rows: worst error {worst['error_points']:+.1f} "
-           f"points (`{worst['id']}`), mean absolute error {mean_abs:.1f} points; `tests/scaling/test_simulator.py` fails "
-           "above 5. The DLE PyTorch AMP gap (6.72x) is the input pipeline: 16 loader processes x 8 GPUs x "
-           f"{rates['dle-pytorch-loader']:.0f} img/s; without that term the same row is predicted at "
-           f"{blind['predicted_speedup']:.2f}x ({blind['error_points']:+.1f} points) - the interconnect costs "
-           f"{blind['exposed_comm_ms']:.2f} ms of a {blind['step_ms']:.0f} ms step. The TF1 rows' gap is "
-           "Horovod's 5 ms cycle for each of two 64 MB fusion buffers (10 ms per step).",
-           f"- Paddle rows: perf_anchors.md gives no batch; 256 assumed. AMP error by assumed batch: {', '.join(paddle)}.",
-           f"- What the model misses, reported not hidden: (1) the MLPerf 2,528-GPU row is predicted at "
-           f"{ml['predicted_efficiency']:.1%} of the 8-GPU per-GPU rate against {ml['published_efficiency']:.1%} "
-           "published: at 16 images per GPU the step is 2.2 ms of compute, and "
-           "the model has no figure for the per-step fixed costs (launches, LARS, DALI, stragglers) that dominate "
-           "there; (2) the TensorFlow segmentation and SSD320 rows (70-93 %) run CPU tf.data pipelines whose "
-           "per-core rates no source gives (`unknown-cpu`: no host limit modelled), so their prediction is the "
-           "interconnect-only bound; (3) superlinear rows (Paddle AMP 103 %, nnU-Net 3D bs2 100.4 %) cannot be "
-           "reached by a model whose efficiency is at most 100 %; (4) compute-bound 8-GPU rows come out 1-3.3 points "
-           "optimistic (every row above the published one except the superlinear): eight processes waiting for "
-           "the slowest each step and sharing the host are not modelled.", "",
-           "`fastvision scale --simulate` with the same inputs as the headline row names the binding limit per GPU "
-           "count (`fastvision scale --simulate --compute-ms 103.64 --batch 256 --grad-mb 102.4 --hardware dgx-a100 "
-           "--input-rate 130 --input-workers 16`):", "", cli_table(rates),
+           "**Constants** (one set; role `calibration` marks the row each is solved on, every other row is held out):",
+           "",
+           f"- fixed per-step cost **{fixed:.2f} ms** (`overhead_ms`, implementation group `mlperf-resnet-mxnet`: "
+           "kernel launches, the LARS optimizer, DALI and host work per step, none of which shrinks with the "
+           "batch), solved on `mlperf-v4.0-h100-64` (64 H100 at 50 per GPU: 68.5 % of the 8-GPU per-GPU rate).",
+           f"- step-time jitter **{consts['jitter_ms']:.3f} ms** per rank (`jitter_ms`, all rows): the slowest of N "
+           "ranks costs jitter x sqrt(2 ln N) (expected maximum of N normals), solved on `mlperf-v4.0-h100-2528`.",
+           f"- `dle-pytorch-loader`: {rates['dle-pytorch-loader']:.1f} img/s per loader process, calibrated on "
+           "`dle-pt-v100-amp` (issue 15). `tf-data-cpu` 238 img/s per core: a stated lower bound. Horovod cycles and "
+           "buffers: documented defaults, and 0.1 ms / 64 MiB from the MLPerf config. Links: "
+           "`fastvision/scaling/hardware/*.yaml`.", "",
+           f"**Result.** Held out beyond one node: {big_txt} "
+           f"points (goal 10). ResNet-50 at 8 GPUs, {len(rn8)} held-out rows: worst {worst8['error_points']:+.1f} "
+           f"(`{worst8['id']}`; goal 5). Without the fixed cost and the stragglers the same model predicts "
+           f"{bare['mlperf-v4.0-h100-2528']['predicted_efficiency']:.1%} at 2,528 GPUs "
+           f"({bare['mlperf-v4.0-h100-2528']['error_points']:+.1f}) and "
+           f"{bare['mlperf-v3.0-h100-3584']['predicted_efficiency']:.1%} at 3,584 "
+           f"({bare['mlperf-v3.0-h100-3584']['error_points']:+.1f}): at 16 images per GPU the compute is "
+           f"{16 / 400 * (1e3 * 400 / 7160 - fixed):.2f} ms of a {ml['mlperf-v4.0-h100-2528']['step_ms']:.2f} ms step; "
+           f"the fixed cost is {fixed:.2f} ms, the stragglers {ml['mlperf-v4.0-h100-2528']['straggler_ms']:.2f} ms and the "
+           f"exposed all-reduce {ml['mlperf-v4.0-h100-2528']['exposed_comm_ms']:.2f} ms. The fit is nearly one constant: "
+           f"with the jitter set to 0 (fixed cost unchanged) the 3,584-GPU row reads {no_jit['error_points']:+.1f}.",
+           "- Other held-out rows over 10 points: " + over_txt
+           + ": TensorFlow tf.data CPU pipelines whose per-core rate no source gives (`unknown-cpu`: no host limit "
+           "modelled), so the prediction is the fabric-only bound. They are what the model cannot see without a "
+           "measured input rate.",
+           f"- **What the model cannot see, and the row that shows it: `mlperf-v4.0-l40s-64` "
+           f"({l40s['error_points']:+.1f}).** The same implementation on L40S nodes (PCIe, 4 per node) keeps 95.0 % "
+           f"from 2 to 16 nodes while its per-GPU batch falls from 200 to 50; the model exposes "
+           f"{l40s['exposed_comm_ms']:.1f} ms of all-reduce in a {l40s['step_ms']:.1f} ms step, because it fuses the "
+           "51 MB into one 64 MiB Horovod buffer sent after backward over a 20 GB/s PCIe ring (the pcie-node preset, "
+           "not measured on this system). Horovod's 0.1 ms cycle instead sends what is ready every cycle during "
+           "backward; with the all-reduce fully hidden the same model reads "
+           f"{hidden['predicted_efficiency']:.1%} ({hidden['error_points']:+.1f}). Overlap by readiness inside "
+           "backward, and a measured PCIe busbw, are what it lacks; it is held out and not tuned on.",
+           "- 3,584 GPUs is MLPerf v3.0 software (ngc23.04) on CoreWeave HGX H100, referenced to the v4.0 8-GPU rate "
+           "(no v3.0 NVIDIA 8-GPU rate is stated); its 10.1 M img/s has three significant digits.", "",
+           "**Rows looked for and left out:**", ""] + [f"- {t}" for t in LEFT_OUT] + [
+           "", "**Small batches: the fixed per-step cost other implementations imply.** Published rates of one "
+           "implementation at two per-GPU batches give the line t(b) = b x t_item + fixed "
+           "(`validation.implied_fixed_ms`; `batch_pairs` in anchors.yaml). Not used by the fit; they say the "
+           "2.97 ms of MXNet is a floor and a PyTorch (Lightning) step carries several times more (part of it the "
+           "kernels' own small-batch inefficiency: the TF32 3-D pair implies 26 ms where AMP implies 12), so "
+           "`fastvision plan --fixed-ms` should be measured for a PyTorch recipe:", "",
+           pairs_table(anchors),
+           "", "`fastvision scale --simulate` with the headline DLE row's inputs (`fastvision scale --simulate "
+           "--compute-ms 103.64 --batch 256 --grad-mb 102.4 --hardware dgx-a100 --input-rate 130 --input-workers 16`):",
+           "", cli_table(rates),
            "Below a full node (2-4 GPUs) the input limit is pessimistic: the per-process rate is the full-node "
-           "one, while the 1-GPU row itself runs 16 processes at >= 154 img/s each (boost clocks on an idle "
-           "node). No published 2- or 4-GPU row exists to say by how much.", ""]
+           "one. No published 2- or 4-GPU row exists to say by how much.", ""]
     return "\n".join(out) + "\n"
+
+
+def pairs_table(anchors: dict) -> str:
+    """The fixed per-step cost implied by each published pair of batch sizes."""
+    from fastvision.utils.tables import markdown
+
+    rows = []
+    for p in anchors["batch_pairs"]:
+        fixed, item = sv.implied_fixed_ms(p["points"])
+        (b1, r1), (b2, r2) = p["points"]
+        rows.append([p["id"], p["impl"], f"{p['gpus']} x {p['gpu']} {p['precision']}", f"bs {b1}: {r1:g}, bs {b2}: {r2:g}",
+                     f"{item:.3f}", f"{fixed:.1f}"])
+    return markdown(["pair", "impl", "GPUs", "items/s per GPU", "ms per item:", "fixed ms per step:"], rows)
 
 
 def cli_table(rates: dict) -> str:
@@ -97,8 +154,20 @@ def cli_table(rates: dict) -> str:
     return simulation_markdown(simulate(prof, "dgx-a100", pipeline=pipe))
 
 
+def _drop(old: str, heading: str) -> str:
+    if heading not in old:
+        return old
+    start = old.index(heading)
+    nxt = old.find("\n## ", start + len(heading))
+    return old[:start] + (old[nxt + 1:] if nxt != -1 else "")
+
+
 def write(text: str) -> None:
     old = RESULTS.read_text()
+    for h in OLD_HEADINGS:
+        if h in old and HEADING not in old:  # the new section takes the old one's place
+            old = old.replace(h, HEADING)
+        old = _drop(old, h)
     if HEADING in old:
         start = old.index(HEADING)
         nxt = old.find("\n## ", start + len(HEADING))

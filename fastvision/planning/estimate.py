@@ -13,16 +13,16 @@ the recipe). Units: bytes, seconds, FLOPs; GiB only in reports.
 * Step time: a roofline range, ``max(FLOPs / (peak x f_hi), traffic / bandwidth)`` to
   ``FLOPs / (peak x f_lo) + traffic / bandwidth``, with the achieved fraction ``f`` of peak dense
   math either the default range or calibrated from a measured ``fastvision benchmark`` JSON.
-* Scaling: the data-parallel simulator of :mod:`fastvision.scaling.sweep`, called through
-  :func:`scaling_efficiency` only.
+* Scaling: the at-scale step model of :mod:`fastvision.scaling.simulator`, called through
+  :mod:`fastvision.planning.scale` only.
 """
 from __future__ import annotations
 
 import copy
-import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +31,7 @@ from fastvision.config import RunConfig
 from fastvision.errors import ConfigError, DataError
 from fastvision.planning.devices import GPU, get_gpu, training_precision
 from fastvision.planning.trace import StepTrace, trace_step
+from fastvision.planning.scale import _hardware, at_scale  # noqa: F401 (_hardware: the profile cache)
 
 WORKSPACE_FRACTION = 0.05  # allocator block rounding and fragmentation, share of the tensor peak
 WORKSPACE_FIXED = 0.75 * 2**30  # CUDA context (~0.3-0.5 GiB) + cuBLAS/cuDNN workspaces
@@ -198,46 +199,11 @@ def step_time(t: StepTrace, gpu: GPU, precision: str, achieved: tuple[float, flo
     return max(compute[0], mem), compute[1] + mem
 
 
-@functools.lru_cache(maxsize=16)
-def _hardware(name_or_path: str):
-    """The simulator's hardware profile, read once: a plan asks :func:`scaling_efficiency` for every
-    option, switch and GPU count of its curve."""
-    from fastvision.scaling.simulator import load_hardware
-
-    return load_hardware(name_or_path)
-
-
 def scaling_efficiency(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_node: int,
-                       link: str, hardware: str | None = None) -> dict[str, float]:
-    """Data-parallel efficiency at ``gpus`` from the scaling simulator (weak scaling).
-
-    The one adapter between planning and :mod:`fastvision.scaling.simulator`.
-
-    Args:
-        step_s: single-GPU step time at ``batch``.
-        batch: per-GPU batch.
-        grad_bytes: gradient bytes all-reduced per step.
-        gpus: GPU count.
-        gpus_per_node, link: the node shape and inter-node link preset, when no ``hardware``.
-        hardware: a hardware profile (preset name or YAML file, ``fastvision/scaling/hardware/``).
-
-    Returns:
-        ``efficiency``, ``step_s`` (the multi-GPU step) and ``exposed_comm_s``.
-    """
-    from fastvision.scaling.simulator import LINKS, StepProfile, bucket_count, predict_step_time
-
-    if hardware is not None:
-        where = _hardware(hardware)
-        extra = {}
-    else:
-        if link not in LINKS:
-            raise ConfigError(f"--link: unknown {link!r}; valid: {', '.join(LINKS)}")
-        where, extra = LINKS[link], {"gpus_per_node": gpus_per_node}
-    prof = StepProfile(compute_s=step_s, batch=batch, grad_bytes=grad_bytes, buckets=bucket_count(grad_bytes))
-    one = predict_step_time(prof, 1, where, **extra)
-    many = predict_step_time(prof, gpus, where, **extra)
-    return {"efficiency": many["images_per_s"] / (one["images_per_s"] * gpus), "step_s": many["step_s"],
-            "exposed_comm_s": many["exposed_comm_s"]}
+                       link: str, hardware: str | None = None, input_rate: float | None = None) -> dict[str, Any]:
+    """Data-parallel efficiency at ``gpus`` from the scaling simulator (weak scaling):
+    :func:`fastvision.planning.scale.at_scale`."""
+    return at_scale(step_s, batch, grad_bytes, gpus, gpus_per_node, link, hardware, input_rate)
 
 
 def train_time(step_s: float, batch: int, gpus: int, efficiency: float, items: int, epochs: int) -> float:

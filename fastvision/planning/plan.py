@@ -21,6 +21,7 @@ from typing import Any
 from fastvision.config import RunConfig
 from fastvision.errors import ConfigError
 from fastvision.planning import estimate as est
+from fastvision.planning import scale as sc
 from fastvision.planning.devices import GPU, GPUS, get_gpu
 
 log = logging.getLogger(__name__)
@@ -32,19 +33,24 @@ def _gm(pair: tuple[float, float]) -> float:
 
 def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: str, hardware: str | None,
             items: int | None, achieved, calibrated: bool, compile: bool, batch: int,
-            precision: str) -> dict[str, Any]:
+            precision: str, input_rate: float | None = None, fixed_s: float = 0.0,
+            host_cores: int | None = None) -> dict[str, Any]:
     """Memory, step, epoch and train time of one configuration (one trace)."""
     mem = est.memory(t, compile)
     scale = 1 - t.recomputable / max(1, t.activations) if compile else 1.0
     fast, slow = est.step_time(t, gpu, precision, achieved, calibrated, traffic_scale=scale)
+    if not calibrated:  # a measured (calibrated) step already holds its fixed cost
+        fast, slow = fast + fixed_s, slow + fixed_s
     row: dict[str, Any] = {"batch": batch, "precision": gpu.peak_tflops(precision)[1], "compile": compile,
                            "memory_gib": mem.total / 2**30, "fits": est.fits(mem.total, gpu),
                            "memory_parts_gib": mem.gib(), "largest_batch": est.linear_batch(t, gpu, compile),
                            "step_s": [fast, slow], "flops_per_step": t.flops, "traffic_bytes": t.traffic_bytes}
-    effs = [est.scaling_efficiency(s, batch, t.grad_bytes, gpus, gpus_per_node, link, hardware) for s in (fast, slow)]
+    effs = [sc.at_scale(s, batch, t.grad_bytes, gpus, gpus_per_node, link, hardware, input_rate, fixed_s, host_cores)
+            for s in (fast, slow)]
     row["efficiency"] = [e["efficiency"] for e in effs]
+    row["scale"] = effs
     if items:
-        ep = [items / (batch * gpus * e["efficiency"] / s) for s, e in zip((fast, slow), effs)]
+        ep = [items / e["items_per_s"] for e in effs]
         row["epoch_s"] = ep
         row["train_s"] = [v * cfg.train.epochs for v in ep]
         row["gpu_hours"] = [v / 3600 * gpus for v in row["train_s"]]
@@ -81,6 +87,9 @@ class Workload:
         data, dataset_size: the training set (else the recipe's stated size).
         batch: per-GPU batch (default: the recipe's).
         achieved: (low, high) share of peak dense math; ``calibrate``: a benchmark JSON instead.
+        input_rate: items/s one host core delivers through the recipe's input path (measured).
+        fixed_ms: per-step time that does not shrink with the batch (launches, optimizer, host);
+            ``None``: the value fitted on the MLPerf anchors (small batches are slower per item).
     """
 
     data: str | None = None
@@ -88,6 +97,8 @@ class Workload:
     batch: int | None = None
     achieved: tuple[float, float] | None = None
     calibrate: str | None = None
+    input_rate: float | None = None
+    fixed_ms: float | None = None
 
 
 def _place(cluster: Cluster) -> tuple[GPU, int, str]:
@@ -114,7 +125,7 @@ def _achieved(work: Workload, cfg: RunConfig, t) -> tuple[tuple[float, float], b
 
 
 def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Workload(),
-              switches: bool = True) -> dict[str, Any]:
+              switches: bool = True, min_efficiency: float | None = None) -> dict[str, Any]:
     """The plan of ``cfg`` on ``cluster`` as a JSON-able dict (see the module docstring).
 
     Args:
@@ -122,7 +133,10 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
         cluster: GPU model and count, nodes, link or hardware profile, price.
         work: data set size, batch and achieved share of peak where they differ from the recipe.
         switches: also trace the what-if switches.
+        min_efficiency: also report the largest GPU count whose efficiency stays at or above it.
     """
+    if min_efficiency is not None and not 0 < min_efficiency <= 1:
+        raise ConfigError(f"--min-efficiency {min_efficiency}: must be in (0, 1], e.g. 0.8")
     spec, per_node, link = _place(cluster)
     gpus, price = cluster.gpus, cluster.price
     if cfg.train.amp == "auto":
@@ -138,20 +152,34 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
     items, items_source = est.dataset_items(cfg, work.data, work.dataset_size)
     if items is None:
         notes.append(f"dataset size {items_source}; epoch and train time left out")
+    input_rate, input_source = sc.input_rate_of(cfg, work.input_rate)
+    fixed_ms, fixed_source = sc.fixed_step_ms(work.fixed_ms)
+    host_cores, host_source = (None, f"the {cluster.hardware} node") if cluster.hardware else \
+        sc.host_cores_for(spec, per_node)
     args = dict(gpu=spec, gpus=gpus, gpus_per_node=per_node, link=link, hardware=cluster.hardware, items=items,
-                achieved=achieved, calibrated=calibrated)
+                achieved=achieved, calibrated=calibrated, input_rate=input_rate,
+                fixed_s=0.0 if calibrated else fixed_ms / 1e3, host_cores=host_cores)
     base = _option(cfg, t, compile=cfg.train.compile, batch=b, precision=precision, **args)
     base["largest_batch"] = est.largest_batch(cfg, spec, t, cfg.train.compile)
     plan = {"recipe": cfg.recipe, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib, "gpus": gpus,
             "gpus_per_node": per_node, "link": link, "hardware": cluster.hardware, "epochs": cfg.train.epochs,
             "dataset_items": items, "dataset_source": items_source, "achieved": list(achieved),
             "achieved_source": source, "price_per_gpu_hour": price, "params": t.param_count,
-            "grad_bytes": t.grad_bytes, "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes}
+            "grad_bytes": t.grad_bytes, "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes,
+            "input_rate_per_core": input_rate, "input_source": input_source, "min_efficiency": min_efficiency,
+            "host_source": host_source,
+            "fixed_ms": 0.0 if calibrated else fixed_ms, "fixed_source": "inside the calibrated step" if calibrated
+            else fixed_source}
+    if min_efficiency is not None:
+        plan["largest_gpus"] = [sc.largest_gpus(s, b, t.grad_bytes, per_node, link, cluster.hardware, input_rate,
+                                                 min_efficiency, fixed_s=args["fixed_s"], host_cores=host_cores)
+                              for s in base["step_s"]]
     if price is not None and "gpu_hours" in base:
         base["cost"] = [h * price for h in base["gpu_hours"]]
     if switches:
         plan["switches"] = _switches(cfg, t, base, spec, b, precision, price, args)
-    plan["curve"] = _curve(base, t, b, per_node, link, cluster.hardware, items, cfg.train.epochs, price, gpus)
+    plan["curve"] = _curve(base, t, b, per_node, link, cluster.hardware, items, cfg.train.epochs, price, gpus,
+                           input_rate, args["fixed_s"], host_cores)
     return plan
 
 
@@ -192,13 +220,15 @@ def _switches(cfg, t, base, spec: GPU, b: int, precision: str, price, args) -> l
     return sorted(out, key=lambda r: -max(abs(r["change"]), abs(r["memory_change"])))
 
 
-def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus) -> list[dict[str, Any]]:
+def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus, input_rate,
+           fixed_s, host_cores) -> list[dict[str, Any]]:
     """Time to train and cost (middle of the range) against GPU count, for the PNG."""
     counts = [2**i for i in range(0, 11) if 2**i <= max(64, 4 * gpus)]
     step = _gm(base["step_s"])
     rows = []
     for n in counts:
-        e = est.scaling_efficiency(step, b, t.grad_bytes, n, min(n, per_node), link, hardware)["efficiency"]
+        e = sc.at_scale(step, b, t.grad_bytes, n, min(n, per_node), link, hardware, input_rate, fixed_s,
+                         host_cores)["efficiency"]
         row = {"gpus": n, "efficiency": e}
         if items:
             row["train_h"] = est.train_time(step, b, n, e, items, epochs) / 3600
@@ -210,8 +240,8 @@ def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus) -> 
 
 # ------------------------------------------------------------------------------ reports
 def _range(pair, scale=1.0, spec="{:.3g}") -> str:
-    lo, hi = pair[0] * scale, pair[1] * scale
-    return spec.format(lo) if abs(hi - lo) <= 1e-9 * max(1, abs(hi)) else f"{spec.format(lo)}-{spec.format(hi)}"
+    lo, hi = spec.format(pair[0] * scale), spec.format(pair[1] * scale)
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def _duration(pair) -> str:
@@ -237,9 +267,11 @@ def text_report(plan: dict[str, Any]) -> str:
             ("FLOPs per step", f"{e['flops_per_step'] / 1e12:.3g} TFLOP ({e['flops_per_step'] / e['batch'] / 1e9:,.1f} "
                                f"GFLOP per item)"),
             ("step time", f"{_range(e['step_s'], 1e3)} ms (achieved {_range(plan['achieved'], 100, '{:.0f}')} % of "
-                          f"peak, {plan['achieved_source']})"),
+                          f"peak, {plan['achieved_source']}; + {plan['fixed_ms']:.2f} ms per step fixed, "
+                          f"{plan['fixed_source']})"),
             ("items/s per GPU", _range([e["batch"] / e["step_s"][1], e["batch"] / e["step_s"][0]], 1, "{:.0f}")),
             (f"scaling efficiency at {plan['gpus']}", _range(sorted(e["efficiency"]), 100, "{:.0f}") + " %")]
+    rows += _scale_rows(plan)
     if "epoch_s" in e:
         rows += [("dataset", f"{plan['dataset_items']:,} items ({plan['dataset_source']})"),
                  ("epoch time", _duration(e["epoch_s"])),
@@ -258,6 +290,26 @@ def text_report(plan: dict[str, Any]) -> str:
                          f"largest batch {s['largest_batch']}, {when}  [{flags}]")
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
+
+
+def _scale_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """The at-scale answer: step, throughput per GPU and in total, binding limit, input path, largest N."""
+    sc = plan["estimate"]["scale"]
+    n = plan["gpus"]
+    rows = [(f"step at {n} GPUs", _range(sorted(s["step_s"] for s in sc), 1e3) + " ms"),
+            ("items/s per GPU at scale", _range(sorted(s["items_per_s_gpu"] for s in sc), 1, "{:,.0f}")),
+            (f"items/s on {n} GPUs", _range(sorted(s["items_per_s"] for s in sc), 1, "{:,.0f}")),
+            ("binding limit", " / ".join(dict.fromkeys(s["limit"] for s in sc)))]
+    need = [s["cores_per_gpu"] for s in sc if s["cores_per_gpu"] is not None]
+    have = sc[0]["cores_available_per_gpu"]
+    where = f"{have:.1f} per GPU on the node ({plan['host_source']})" if have else plan["host_source"]
+    rows.append(("host cores per GPU to feed it", f"{_range(sorted(need), 1, '{:.1f}')} at "
+                 f"{plan['input_rate_per_core']:.0f} items/s per core ({plan['input_source']}); {where}")
+                if need else ("input path", plan["input_source"]))
+    if plan.get("largest_gpus"):
+        rows.append((f"largest N at >= {plan['min_efficiency']:.0%} efficiency",
+                     _range(sorted(plan["largest_gpus"]), 1, "{:,}")))
+    return rows
 
 
 def plot(plan: dict[str, Any], path: Path) -> Path:
@@ -304,6 +356,12 @@ def add_cli(subparsers) -> None:
     p.add_argument("--achieved", help="LOW,HIGH share of peak dense math, e.g. 0.2,0.5 (default "
                                       f"{est.DEFAULT_ACHIEVED[0]},{est.DEFAULT_ACHIEVED[1]})")
     p.add_argument("--calibrate", help="a `fastvision benchmark --mode train` JSON measured on any GPU")
+    p.add_argument("--min-efficiency", type=float, help="also report the largest GPU count whose scaling efficiency "
+                                                        "stays at or above this share, e.g. 0.8")
+    p.add_argument("--input-rate", type=float, help="items/s per host core through the recipe's input path (from "
+                                                    "`benchmark --mode data`); default: published for JPEG folders")
+    p.add_argument("--fixed-ms", type=float, help="per-step time that does not shrink with the batch (launches, "
+                                                  "optimizer, host); default: fitted on MLPerf ResNet-50")
     p.add_argument("--no-switches", action="store_true", help="skip the what-if switches (fewer traces)")
     p.add_argument("--json", type=Path, help="write the plan as JSON")
     p.add_argument("--png", type=Path, help="write time and cost against GPU count")
@@ -328,8 +386,9 @@ def cmd_plan(args) -> int:
     cluster = Cluster(gpu=args.gpu, gpus=args.gpus, nodes=args.nodes, link=args.link, hardware=args.hardware,
                       price=args.price_per_gpu_hour)
     work = Workload(data=args.data, dataset_size=args.dataset_size, batch=args.batch_size,
-                    achieved=_pair(args.achieved) if args.achieved else None, calibrate=args.calibrate)
-    plan = make_plan(cfg, cluster, work, switches=not args.no_switches)
+                    achieved=_pair(args.achieved) if args.achieved else None, calibrate=args.calibrate,
+                    input_rate=args.input_rate, fixed_ms=args.fixed_ms)
+    plan = make_plan(cfg, cluster, work, switches=not args.no_switches, min_efficiency=args.min_efficiency)
     print(text_report(plan))  # the CLI's output, not library logging
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

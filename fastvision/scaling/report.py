@@ -151,8 +151,10 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "Scaling") -
     return save(fig, path)
 
 
-def plot_simulation(rows: list[dict[str, Any]], path: Path, measured: list[dict[str, Any]] = ()) -> Path:
-    """Speed-up against GPUs (log-log) per hardware profile with the ideal line; measured points overlaid."""
+def plot_simulation(rows: list[dict[str, Any]], path: Path, measured: list[dict[str, Any]] = (),
+                    published: list[dict[str, Any]] = ()) -> Path:
+    """Speed-up against GPUs (log-log) per hardware profile with the ideal line; measured points and
+    published rows (``workers``, ``speedup``, ``label``) overlaid."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     links = sorted({r["link"] for r in rows}, key=[r["link"] for r in rows].index)
@@ -163,6 +165,10 @@ def plot_simulation(rows: list[dict[str, Any]], path: Path, measured: list[dict[
         ax.plot([r["workers"] for r in pts], [r["speedup"] for r in pts], marker=".", label=f"predicted: {name}")
     if measured:
         ax.plot([r["workers"] for r in measured], [r["speedup"] for r in measured], "ko", label="measured")
+    for i, r in enumerate(published):  # filled: published; hollow: the model at that row's own batch
+        ax.plot([r["workers"]], [r["speedup"]], "s", color=f"C{i + 2}", ms=6, label=f"published: {r['label']}")
+        if r.get("predicted") is not None:
+            ax.plot([r["workers"]], [r["predicted"]], "o", color=f"C{i + 2}", mfc="none", ms=8)
     ax.set(xscale="log", yscale="log", xlabel="workers (GPUs)", ylabel="speed-up", title="Predicted data-parallel speed-up")
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
@@ -195,3 +201,12 @@ def save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     _pyplot().close(fig)
     return path
+
+
+def simulation_markdown(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of :func:`simulate` rows, with the binding limit per GPU count."""
+    columns = ["hardware", "GPUs:", "step (ms):", "exposed comm (ms):", "all-reduce", "images/s:", "speed-up:",
+               "efficiency:", "binding limit"]
+    return markdown(columns, ([r["link"], str(r["workers"]), f"{r['step_s'] * 1e3:.2f}",
+                               f"{r['exposed_comm_s'] * 1e3:.2f}", r.get("algo", ""), f"{r['images_per_s']:.1f}", f"{r['speedup']:.2f}",
+                               f"{r['efficiency']:.1%}", r.get("limit", "")] for r in rows))

@@ -26,7 +26,12 @@ Model (times in seconds, sizes in bytes; ``docs/distributed.md`` states where it
    The GPUs of a node share that. A GPU-side decoder (DALI "mixed") has no host limit: its cost is inside the measured step.
    The rate is the one with every worker of a node busy; the single-GPU measurement already holds
    its own input pipeline, so the limit applies from 2 GPUs on.
-5. ``step = max(compute + exposed communication + sync + optimizer + overhead, input time)``;
+5. **Cluster scale** (:mod:`fastvision.scaling.terms`): the slowest of ``N`` ranks sets the step,
+   ``+ jitter_s * sqrt(2 ln N)`` (expected maximum of N normal jitters); ``algo="sharp"``
+   reduces across nodes in the switches (NCCL CollNet / SHARP: ``S/g / NIC bw`` once). The fixed
+   per-step cost (``overhead_s``: launches, optimizer such as LARS, host) is what a small per-GPU
+   batch cannot hide; it and ``jitter_s`` are fitted in :mod:`fastvision.scaling.validation`.
+6. ``step = max(compute + exposed communication + sync + optimizer + overhead + stragglers, input)``;
    ``speedup(N) = throughput(N) / throughput(1)``. The binding limit is ``input pipeline`` when the
    input time is the larger; ``communication`` when the buckets' all-reduces outlast backward or the
    exposed communication and sync exceed 5 % of the step; else ``compute``.
@@ -35,31 +40,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
+from fastvision.scaling.presets import HARDWARE_DIR, Hardware, Link, hardware_presets, load_hardware  # noqa: F401
+from fastvision.scaling.report import simulation_markdown  # re-exported: the table of simulate() rows
+from fastvision.scaling.terms import nvls_allreduce_s, sharp_allreduce_s, straggler_s
 
-HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
 DEFAULT_WORKERS = tuple(2**i for i in range(11))
-
-from fastvision.utils.tables import markdown
-
-
-@dataclass(frozen=True)
-class Link:
-    """An interconnect as one all-reduce sees it.
-
-    Attributes:
-        name: preset name.
-        bandwidth_gbps: achievable bandwidth in GB/s (1e9 bytes/s): NCCL bus bandwidth within a
-            node; per GPU (its NIC) between nodes.
-        latency_us: per-hop latency in microseconds (wire + software).
-    """
-
-    name: str
-    bandwidth_gbps: float
-    latency_us: float
 
 
 # Legacy link presets (``scale --links``): NVLink 3 with NVSwitch (NCCL busbw about 200-230 GB/s on
@@ -83,6 +70,7 @@ class StepProfile:
         backward_fraction: share of ``compute_s`` spent in backward.
         optimizer_s: optimizer step time (independent of the batch).
         overhead_s: other per-step time independent of the batch (launch latency, Python).
+        jitter_s: standard deviation of one rank's step time in seconds (stragglers).
     """
 
     compute_s: float
@@ -92,33 +80,7 @@ class StepProfile:
     backward_fraction: float = 2 / 3
     optimizer_s: float = 0.0
     overhead_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One node type, repeated: GPUs, host cores, the intra-node link and the NIC per GPU.
-
-    Attributes:
-        name: preset name (file stem in ``fastvision/scaling/hardware/``).
-        gpu: GPU model name (its peak figures live in ``fastvision.planning.devices``, not here).
-        gpus_per_node: GPUs per node.
-        cpu_cores: physical CPU cores per node.
-        cpu_threads: hardware threads per node (SMT); loader processes beyond it share a thread.
-        intra: NCCL all-reduce bus bandwidth and hop latency inside a node.
-        nic: achieved network bandwidth per GPU and hop latency between nodes.
-        description: one line on what the preset is.
-        sources: where the figures come from.
-    """
-
-    name: str
-    gpu: str
-    gpus_per_node: int
-    cpu_cores: int
-    intra: Link
-    nic: Link
-    cpu_threads: int = 0
-    description: str = ""
-    sources: tuple[str, ...] = ()
+    jitter_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -155,8 +117,11 @@ class Backend:
 
 
 # Horovod's defaults: 5 ms / 64 MB up to 0.20, 1 ms / 128 MB from 0.21.0 (its changelog, #2468).
+# MLPerf v4.0 NVIDIA ResNet sets HOROVOD_CYCLE_TIME=0.1 and HOROVOD_FUSION_THRESHOLD=67108864
+# (training_results_v4.0:NVIDIA/benchmarks/resnet/implementations/eos_n316_ngc24.04_mxnet/config_*.sh).
 BACKENDS: dict[str, Backend] = {
     "ddp": Backend("ddp"),
+    "horovod-mlperf": Backend("horovod-mlperf", 0.1, 64.0),
     "horovod": Backend("horovod", 1.0, 128.0),
     "horovod-0.20": Backend("horovod-0.20", 5.0, 64.0),
 }
@@ -196,12 +161,22 @@ def allreduce_s(nbytes: float, workers: int, hw: Hardware, algo: str = "auto") -
         nbytes: bytes per GPU.
         workers: GPUs.
         hw: node description.
-        algo: ``"ring"``, ``"tree"`` or ``"auto"`` (the faster, as NCCL's tuner picks beyond a node).
+        algo: ``"ring"``, ``"tree"``, ``"sharp"`` (in-network reduction across nodes, where the
+            fabric has it), ``"nvls"`` (NVLink SHARP inside the node, tree across) or ``"auto"``
+            (the faster of ring and tree, as NCCL's tuner picks).
     """
-    if algo not in ("auto", "ring", "tree"):
-        raise ValueError(f"algo must be auto, ring or tree, got {algo!r}")
+    if algo not in ("auto", "ring", "tree", "sharp", "nvls"):
+        raise ValueError(f"algo must be auto, ring, tree, sharp or nvls, got {algo!r}")
     if workers <= 1:
         return 0.0, "none"
+    if algo == "nvls":
+        if not hw.nvls_gbps:
+            raise ValueError(f"algo nvls: hardware {hw.name!r} states no node.intra.nvls_gbps")
+        return nvls_allreduce_s(nbytes, workers, hw.gpus_per_node, hw.nvls_gbps, hw.intra.latency_us,
+                                hw.nic.bandwidth_gbps, hw.nic.latency_us), "nvls"
+    if algo == "sharp":
+        return sharp_allreduce_s(nbytes, workers, hw.gpus_per_node, hw.intra.bandwidth_gbps, hw.intra.latency_us,
+                                 hw.nic.bandwidth_gbps, hw.nic.latency_us), "sharp"
     if workers <= hw.gpus_per_node:
         return ring_allreduce_s(nbytes, workers, hw.intra), "ring"
     ring = ring_allreduce_s(nbytes, workers, Link("inter", inter_busbw_gbps(hw), hw.nic.latency_us))
@@ -248,8 +223,9 @@ def predict_step_time(profile: StepProfile, workers: int, hardware: Hardware | L
     Returns:
         ``step_s``, ``gpu_step_s`` (without the input limit), ``input_s``, ``comm_s`` (all buckets),
         ``exposed_comm_s`` (communication and sync not hidden behind backward), ``sync_s``,
-        ``algo``, ``per_worker_batch``, ``images_per_s`` (all GPUs), ``limit`` (``compute``,
-        ``input pipeline`` or ``communication``).
+        ``straggler_s`` (waiting for the slowest rank), ``fixed_s`` (optimizer + overhead), ``algo``,
+        ``per_worker_batch``, ``images_per_s`` (all GPUs), ``limit`` (``compute``, ``input pipeline``,
+        ``communication``, ``stragglers`` or ``fixed per-step cost``).
     """
     if mode not in ("weak", "strong"):
         raise ValueError(f"mode must be 'weak' or 'strong', got {mode!r}")
@@ -267,18 +243,26 @@ def predict_step_time(profile: StepProfile, workers: int, hardware: Hardware | L
     end = max(compute, done) if workers > 1 else compute
     sync = be.cycle_ms * 1e-3 * k if workers > 1 else 0.0
     gpu_step = end + sync + profile.optimizer_s + profile.overhead_s
+    straggle = straggler_s(profile.jitter_s, workers)
+    gpu_step += straggle
     per_gpu_input = input_limit_items_s(pipeline, hw, workers)
     input_s = per_worker / per_gpu_input if math.isfinite(per_gpu_input) else 0.0
     step = max(gpu_step, input_s)
     exposed = end - compute + sync
+    fixed = profile.optimizer_s + profile.overhead_s
     if input_s > gpu_step:
         limit = "input pipeline"
-    elif workers > 1 and (k * c > t_b or exposed > 0.05 * step):
+    elif workers > 1 and (k * c > t_b or exposed > 0.05 * step) and exposed >= max(straggle, fixed):
         limit = "communication"
+    elif workers > 1 and straggle > 0.05 * step and straggle >= fixed:
+        limit = "stragglers"
+    elif fixed > compute:
+        limit = "fixed per-step cost"
     else:
         limit = "compute"
     return {"step_s": step, "gpu_step_s": gpu_step, "input_s": input_s, "comm_s": k * c if workers > 1 else 0.0,
-            "exposed_comm_s": exposed, "sync_s": sync, "algo": used, "per_worker_batch": per_worker,
+            "exposed_comm_s": exposed, "sync_s": sync, "straggler_s": straggle, "fixed_s": fixed, "algo": used,
+            "per_worker_batch": per_worker,
             "images_per_s": per_worker * workers / step, "limit": limit}
 
 
@@ -311,63 +295,10 @@ def simulate(profile: StepProfile, hardware: Hardware | Link | str, workers: Seq
     return rows
 
 
-def simulation_markdown(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of :func:`simulate` rows, with the binding limit per GPU count."""
-    columns = ["hardware", "GPUs:", "step (ms):", "exposed comm (ms):", "all-reduce", "images/s:", "speed-up:",
-               "efficiency:", "binding limit"]
-    return markdown(columns, ([r["link"], str(r["workers"]), f"{r['step_s'] * 1e3:.2f}",
-                               f"{r['exposed_comm_s'] * 1e3:.2f}", r.get("algo", ""), f"{r['images_per_s']:.1f}", f"{r['speedup']:.2f}",
-                               f"{r['efficiency']:.1%}", r.get("limit", "")] for r in rows))
-
-
 def with_link(link: Link, bandwidth_gbps: float | None = None, latency_us: float | None = None) -> Link:
     """``link`` with measured bandwidth / latency substituted where given."""
     changes = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}
     return replace(link, name=link.name + ("*" if changes else ""), **changes)
-
-
-# --------------------------------------------------------------------------- hardware profiles
-
-
-def hardware_presets() -> list[str]:
-    """Names of the shipped hardware profiles (``fastvision/scaling/hardware/*.yaml``)."""
-    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
-
-
-def load_hardware(name_or_path: str | Path) -> Hardware:
-    """A :class:`Hardware` from a preset name or a YAML file (format: ``fastvision/hardware/dgx-a100.yaml``).
-
-    Raises:
-        ConfigError: unknown preset, unreadable file, or a missing or invalid key (named).
-    """
-    from fastvision.errors import ConfigError
-
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = HARDWARE_DIR / f"{name_or_path}.yaml"
-        if not path.is_file():
-            raise ConfigError(f"--hardware: unknown preset {name_or_path!r}; presets: {', '.join(hardware_presets())}, "
-                              "or a YAML file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read hardware profile: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a hardware profile is a mapping (see fastvision/hardware/dgx-a100.yaml)")
-    try:
-        node = data["node"]
-        links = {k: Link(k, float(node[k]["bandwidth_gbps"]), float(node[k]["latency_us"])) for k in ("intra", "nic")}
-        hw = Hardware(name=str(data.get("name", path.stem)), gpu=str(data["gpu"]), gpus_per_node=int(node["gpus"]),
-                      cpu_cores=int(node["cpu_cores"]), cpu_threads=int(node.get("cpu_threads", node["cpu_cores"])),
-                      intra=links["intra"], nic=links["nic"],
-                      description=str(data.get("description", "")), sources=tuple(data.get("sources", ())))
-    except KeyError as e:
-        raise ConfigError(f"{path}: hardware profile misses key {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: invalid hardware profile value: {e}") from None
-    if hw.gpus_per_node < 1 or hw.cpu_cores < 1 or min(hw.intra.bandwidth_gbps, hw.nic.bandwidth_gbps) <= 0:
-        raise ConfigError(f"{path}: node.gpus and node.cpu_cores must be >= 1 and bandwidths > 0")
-    return hw
 
 
 def _hardware(hardware: Hardware | Link | str, gpus_per_node: int, intra: Link) -> Hardware:

@@ -25,6 +25,7 @@ from fastvision.scaling.report import (
 )
 from fastvision.scaling.simulator import (
     BACKENDS,
+    DEFAULT_WORKERS,
     LINKS,
     Backend,
     Hardware,
@@ -197,7 +198,14 @@ def add_cli(subparsers) -> None:
     s.add_argument("--dali", action="store_true", help="GPU-side decode (DALI 'mixed'): no host input limit")
     s.add_argument("--sync", default="ddp", choices=sorted(BACKENDS),
                    help="gradient sync: ddp, horovod (>= 0.21: 1 ms cycle, 128 MB fusion), horovod-0.20 (5 ms, 64 MB)")
-    s.add_argument("--algo", default="auto", choices=["auto", "ring", "tree"], help="NCCL algorithm beyond a node")
+    s.add_argument("--algo", default="auto", choices=["auto", "ring", "tree", "sharp", "nvls"],
+                   help="NCCL algorithm beyond a node (sharp: in-network reduction, where the fabric has it; nvls: "
+                        "NVLink SHARP inside the node, needs node.intra.nvls_gbps)")
+    s.add_argument("--gpus", type=int, help="draw the curve from 1 GPU to this count (default 1024)")
+    s.add_argument("--jitter-ms", type=float, help="per-rank step-time jitter for the stragglers term "
+                                                   "(default: the value fitted on the MLPerf anchors)")
+    s.add_argument("--anchors", help="overlay the published rows of anchors.yaml for this workload, e.g. resnet50 "
+                                     "(their efficiency against their own reference, x GPUs)")
     p.set_defaults(func=_cli)
 
 
@@ -216,6 +224,45 @@ def _pipeline(args) -> InputPipeline | None:
         rate, measured = read_input_rate(args.input_json)
         log.info("input path: %.1f items/s per loader process from %s (%s processes)", rate, args.input_json, measured)
     return InputPipeline("cpu", "cpu", rate, workers) if rate else None
+
+
+def _counts(top: int | None) -> list[int]:
+    """GPU counts 1, 2, 4, ... up to ``top`` and ``top`` itself (default: up to 1024)."""
+    from fastvision.errors import ConfigError
+
+    if top is None:
+        return list(DEFAULT_WORKERS)
+    if top < 1:
+        raise ConfigError(f"--gpus {top}: must be >= 1")
+    counts = [n for n in (2**i for i in range(40)) if n <= top]
+    return counts + ([top] if counts[-1] != top else [])
+
+
+def _jitter_ms(args) -> float:
+    """The stragglers' per-rank jitter: given, or fitted on the MLPerf anchors (validation.fitted)."""
+    from fastvision.errors import ConfigError
+    from fastvision.scaling.validation import fitted
+
+    if args.jitter_ms is None:
+        return fitted()["jitter_ms"]
+    if args.jitter_ms < 0:
+        raise ConfigError(f"--jitter-ms {args.jitter_ms}: must be >= 0")
+    return args.jitter_ms
+
+
+def _published(workload: str, top: int, hardware: set[str]) -> list[dict[str, Any]]:
+    """Published anchor points of ``workload`` on the drawn ``hardware`` up to ``top`` GPUs, as speed-up =
+    efficiency x GPUs, each with the model's own prediction for that row (its per-GPU batch)."""
+    from fastvision.errors import ConfigError
+    from fastvision.scaling.validation import validate
+
+    rows = [r for r in validate() if r["workload"] == workload and r["gpus"] <= top and r["hardware"] in hardware]
+    if not rows:
+        raise ConfigError(f"--anchors {workload!r}: no published row of that workload on {', '.join(sorted(hardware))} "
+                          f"up to {top} GPUs")
+    return [{"workers": r["gpus"], "speedup": r["published_efficiency"] * r["gpus"],
+             "predicted": r["predicted_efficiency"] * r["gpus"], "label": f"{r['id']} (bs {r['batch']})"}
+            for r in rows]
 
 
 def _cli(args) -> int:
@@ -254,10 +301,14 @@ def _cli(args) -> int:
         overhead = args.overhead_ms / 1e3
         if not 0 <= overhead < step:
             raise ConfigError(f"--overhead-ms {args.overhead_ms}: must be >= 0 and below the step ({step * 1e3:.1f} ms)")
+        jitter = _jitter_ms(args)
         prof = StepProfile(compute_s=step - overhead, batch=batch, grad_bytes=grad,
-                           buckets=bucket_count(grad, args.bucket_mb), overhead_s=overhead)
+                           buckets=bucket_count(grad, args.bucket_mb), overhead_s=overhead, jitter_s=jitter / 1e3)
         pipe = _pipeline(args)
-        rows = [r for t in targets for r in simulate(prof, t, mode=args.mode, gpus_per_node=args.gpus_per_node,
+        counts = _counts(args.gpus)
+        published = _published(args.anchors, max(counts), {getattr(t, "name", "") for t in targets}) \
+            if args.anchors else ()
+        rows = [r for t in targets for r in simulate(prof, t, counts, mode=args.mode, gpus_per_node=args.gpus_per_node,
                                                      pipeline=pipe, backend=args.sync, algo=args.algo)]
         out.mkdir(parents=True, exist_ok=True)
         (out / "simulation.md").write_text(simulation_markdown(rows))
@@ -268,7 +319,8 @@ def _cli(args) -> int:
         pred = {r["workers"]: r["speedup"] for r in rows if r["link"] == rows[0]["link"]}
         for r in results:
             r["predicted_speedup"] = pred.get(r["workers"])
-        plot_simulation(rows, out / "simulation.png", measured=summarize(results) if results else ())
+        plot_simulation(rows, out / "simulation.png", measured=summarize(results) if results else (),
+                        published=published)
         print((out / "simulation.md").read_text())  # the CLI's output, not library logging
         print(f"simulation: {out / 'simulation.json'}, {out / 'simulation.png'}")
     if results:

@@ -1,0 +1,158 @@
+"""``plan --gpus N`` at cluster scale: the one adapter between planning and the scaling simulator.
+
+:func:`at_scale` gives the step, throughput per GPU and in total, efficiency and the binding limit at
+N GPUs; :func:`largest_gpus` the largest N above an efficiency; :func:`input_rate_of`,
+:func:`host_cores_for` and :func:`fixed_step_ms` say where the input path's rate, the node's host
+cores and the fixed per-step cost come from. The fitted constants (fixed cost, stragglers' jitter)
+are :func:`fastvision.scaling.validation.fitted`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from fastvision.config import RunConfig
+from fastvision.errors import ConfigError
+from fastvision.planning.devices import GPU, get_gpu
+from fastvision.scaling.validation import fitted  # the at-scale constants, fitted once on anchors.yaml
+
+
+@functools.lru_cache(maxsize=16)
+def _hardware(name_or_path: str):
+    """The simulator's hardware profile, read once: a plan asks :func:`at_scale` for every
+    option, switch and GPU count of its curve."""
+    from fastvision.scaling.simulator import load_hardware
+
+    return load_hardware(name_or_path)
+
+
+def at_scale(step_s: float, batch: int, grad_bytes: float, gpus: int, gpus_per_node: int, link: str,
+             hardware: str | None = None, input_rate: float | None = None, fixed_s: float = 0.0,
+             host_cores: int | None = None) -> dict[str, Any]:
+    """One data-parallel step at ``gpus``: the one adapter between planning and the simulator.
+
+    The simulator adds the all-reduce (two-level fabric, overlap with backward by bucket) and the
+    stragglers (``jitter_ms`` fitted on the MLPerf anchors, :func:`fastvision.scaling.validation.fitted`)
+    to the single-GPU step; the per-GPU batch stays the recipe's (weak scaling), so the fixed
+    per-step cost is already inside ``step_s``. The host input path caps the per-GPU rate at
+    ``cores per node x input_rate / GPUs on the node`` (at one GPU too: the traced step holds no
+    input pipeline); it binds when that is below the GPU-side rate.
+
+    Args:
+        step_s: single-GPU step time at ``batch``.
+        batch: per-GPU batch.
+        grad_bytes: gradient bytes all-reduced per step.
+        gpus: GPU count.
+        gpus_per_node, link: the node shape and inter-node link preset, when no ``hardware``.
+        hardware: a hardware profile (preset name or YAML file, ``fastvision/scaling/hardware/``).
+        input_rate: items/s one host core decodes and augments; ``None``: no host limit known.
+        fixed_s: the part of ``step_s`` that does not shrink with the batch (names the limit).
+        host_cores: CPU cores per node when no ``hardware`` says (:func:`host_cores_for`).
+
+    Returns:
+        ``efficiency`` (per-GPU rate at ``gpus`` over that at one GPU), ``step_s``, ``items_per_s_gpu``,
+        ``items_per_s``, ``gpu_items_per_s_gpu`` (the GPU-side rate, host unlimited), ``exposed_comm_s``,
+        ``straggler_s``, ``limit``, ``cores_per_gpu`` (host cores a GPU needs to be fed at its GPU-side
+        rate; None without ``input_rate``) and ``cores_available_per_gpu``.
+    """
+    from fastvision.scaling.simulator import LINKS, StepProfile, bucket_count, predict_step_time
+
+    if hardware is not None:
+        where = _hardware(hardware)
+        extra, cores = {}, where.cpu_cores
+    else:
+        if link not in LINKS:
+            raise ConfigError(f"--link: unknown {link!r}; valid: {', '.join(LINKS)}")
+        where, extra, cores = LINKS[link], {"gpus_per_node": gpus_per_node}, host_cores
+    prof = StepProfile(compute_s=step_s - fixed_s, batch=batch, grad_bytes=grad_bytes,
+                       buckets=bucket_count(grad_bytes), overhead_s=fixed_s, jitter_s=fitted()["jitter_ms"] * 1e-3)
+
+    def per_gpu(n: int) -> tuple[float, dict[str, Any], float]:
+        p = predict_step_time(prof, n, where, **extra)
+        on_node = min(n, gpus_per_node if hardware is None else where.gpus_per_node)
+        cap = cores * input_rate / on_node if input_rate and cores else float("inf")
+        return min(batch / p["step_s"], cap), p, cap
+
+    one, _, _ = per_gpu(1)
+    rate, many, cap = per_gpu(gpus)
+    gpu_rate = batch / many["step_s"]  # what the GPU would take if the host kept up
+    on_node = min(gpus, gpus_per_node if hardware is None else where.gpus_per_node)
+    return {"efficiency": rate / one, "step_s": batch / rate, "items_per_s_gpu": rate, "items_per_s": rate * gpus,
+            "gpu_items_per_s_gpu": gpu_rate, "exposed_comm_s": many["exposed_comm_s"],
+            "straggler_s": many["straggler_s"], "limit": "input pipeline" if cap < gpu_rate else many["limit"],
+            "cores_per_gpu": gpu_rate / input_rate if input_rate else None,
+            "cores_available_per_gpu": cores / on_node if cores else None}
+
+
+def largest_gpus(step_s: float, batch: int, grad_bytes: float, gpus_per_node: int, link: str,
+                 hardware: str | None, input_rate: float | None, min_efficiency: float,
+                 limit: int = 65536, fixed_s: float = 0.0, host_cores: int | None = None) -> int:
+    """The largest GPU count (1, 2, 4, then whole nodes doubling up to ``limit``) whose efficiency
+    stays at or above ``min_efficiency``, scanning upward until the first count below it."""
+    counts = [n for n in (1, 2, 4) if n < gpus_per_node]
+    n = gpus_per_node
+    while n <= limit:
+        counts.append(n)
+        n *= 2
+    best = 1
+    for n in counts:
+        e = at_scale(step_s, batch, grad_bytes, n, gpus_per_node, link, hardware, input_rate, fixed_s,
+                     host_cores)["efficiency"]
+        if e < min_efficiency:
+            break
+        best = n
+    return best
+
+
+def host_cores_for(gpu: GPU, gpus_per_node: int) -> tuple[int | None, str]:
+    """``(CPU cores per node, source)`` when no ``--hardware`` is given: the cores per GPU of the shipped
+    node preset built around the same GPU (a DGX H100 for an H100: 112 / 8), times the GPUs per node."""
+    from fastvision.scaling.simulator import hardware_presets, load_hardware
+
+    for name in hardware_presets():
+        hw = load_hardware(name)
+        try:
+            same = get_gpu(hw.gpu).name == gpu.name
+        except ConfigError:
+            same = False
+        if same:
+            cores = round(hw.cpu_cores / hw.gpus_per_node * gpus_per_node)
+            return cores, f"the {name} preset's {hw.cpu_cores / hw.gpus_per_node:g} cores per GPU; --hardware for yours"
+    return None, "no node preset for this GPU: give --hardware"
+
+
+def fixed_step_ms(given: float | None = None) -> tuple[float, str]:
+    """``(ms, source)``: the per-step cost that does not shrink with the batch (launches, optimizer,
+    host). Given, or the value fitted on MLPerf ResNet-50 (MXNet, LARS, DALI: 64 H100 at 50 per GPU,
+    :func:`fastvision.scaling.validation.fitted`), a floor for a tuned implementation; an eager
+    PyTorch step's is likely larger (measure two batch sizes with ``fastvision benchmark``)."""
+    if given is not None:
+        if given < 0:
+            raise ConfigError(f"--fixed-ms {given}: must be >= 0")
+        return float(given), "--fixed-ms"
+    return fitted()["overhead_ms"]["mlperf-resnet-mxnet"], "fitted on MLPerf ResNet-50"
+
+
+def input_rate_of(cfg: RunConfig, given: float | None = None) -> tuple[float | None, str]:
+    """``(items/s per host core, source)`` of the recipe's input path for the planner's input limit.
+
+    A measured rate (``--input-rate``, e.g. ``fastvision benchmark --mode data`` items/s over its
+    loader workers) wins. A JPEG folder decoded on the host (Pillow, or DALI on the CPU) takes the
+    published per-process rate of the DLE PyTorch ResNet-50 loader (JPEG decode +
+    RandomResizedCrop), calibrated in ``fastvision/scaling/anchors.yaml`` (``dle-pytorch-loader``:
+    8,322 img/s on 8 V100 x 8 loader processes). DALI on the GPU decodes inside the step: no host
+    limit. Other formats (cached volumes, COCO) have no published per-core rate: no limit, said so.
+    """
+    if given is not None:
+        if given <= 0:
+            raise ConfigError(f"--input-rate {given}: items/s per host core must be > 0")
+        return float(given), "--input-rate (measured)"
+    args = cfg.data.args or {}
+    if cfg.data.name != "imagefolder":
+        return None, f"no published per-core rate for {cfg.data.name!r}: give --input-rate"
+    if args.get("backend") == "dali" and args.get("dali_device", "auto") != "cpu":
+        return None, "DALI decodes on the GPU: no host limit"
+    from fastvision.scaling.validation import input_rates, load_anchors
+
+    rate = input_rates(load_anchors())["dle-pytorch-loader"]
+    return rate, "published: DLE PyTorch ResNet-50 loader, 8,322 img/s / (8 V100 x 8 processes)"
