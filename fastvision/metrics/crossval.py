@@ -145,22 +145,23 @@ def print_fold_table(res: dict[str, Any], title: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    names = res["targets"]
+    names, console = res["targets"], Console()
     for label, tab in (("", res), (" after postprocessing", res.get("postprocessed"))):
         if not tab:
             continue
-        table = Table(title=f"{title or 'out-of-fold predictions'}{label}: Dice per case")
+        console.print(f"{title or 'out-of-fold predictions'}{label}:", soft_wrap=True)
+        table = Table(title="Dice per case")
         for col in ("fold", "case", *names, "mean"):
             table.add_column(col, justify="left" if col == "case" else "right")
         for c in tab["cases"]:
             table.add_row(str(c["fold"]), c["id"], *(_fmt(c["dice"][k]) for k in names), _fmt(c["mean_dice"]))
         table.add_row("", "mean over cases", *(_fmt(tab["mean"]["dice"][k]) for k in names), _fmt(tab["dice"]))
         table.add_row("", "pooled", *(_fmt(tab["pooled"]["dice"][k]) for k in names), _fmt(tab["dice_pooled"]))
-        Console().print(table)
+        console.print(table)
     if "postprocessing" in res:
         steps = res["postprocessing"].get("steps", [])
-        Console().print(f"postprocessing: {'largest component of ' + '; '.join(map(str, steps)) if steps else 'none'} "
-                        f"({res['postprocessing'].get('rule', '')})")
+        console.print(f"postprocessing: {'largest component of ' + '; '.join(map(str, steps)) if steps else 'none'} "
+                        f"({res['postprocessing'].get('rule', '')})", soft_wrap=True)
 
 
 def _main(args) -> int:
