@@ -130,7 +130,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from fastvision.api import expand_inputs, is_volume_input, predict, refuse_overwrite
     from fastvision.inference.folds import is_folds_dir, predict_volumes
 
-    if not is_folds_dir(args.checkpoint) and not is_volume_input(expand_inputs(args.inputs)):  # 2-D images
+    try:
+        volumes = is_folds_dir(args.checkpoint) or is_volume_input(expand_inputs(args.inputs))
+    except DataError:  # a missing input: named below (after the --out check of a plain predict)
+        volumes = bool(args.folds or args.tta or args.nproc > 1 or args.postprocess != "auto")
+    if not volumes:  # 2-D images (or a missing input)
         if args.folds or args.tta or args.nproc > 1 or args.postprocess != "auto":
             raise ConfigError("--folds, --tta, --nproc and --postprocess apply to NIfTI volumes")
         refuse_overwrite(args.out, args.force)
