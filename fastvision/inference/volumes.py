@@ -76,7 +76,8 @@ class Ensemble:
         if self.device.type != "cuda":
             return self.device, torch.float32
         voxels = x[0, 0].numel()
-        need = voxels * channels * (2 + 4 * 2) + voxels * 4  # acc fp16, blend + one pass fp32, normaliser
+        # fp16 accumulator, the window's fp32 blend, its softmax, a mirrored copy; the normaliser
+        need = voxels * channels * (2 + 4 * 3) + voxels * 4
         free, _ = torch.cuda.mem_get_info(self.device)
         return (self.device, torch.float16) if need < 0.8 * free else (torch.device("cpu"), torch.float32)
 
