@@ -170,7 +170,7 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
 
 
 def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Sequence[Sequence[int]] = (),
-                  force: bool = False, rank: int = 0, world: int = 1) -> tuple[list[Path], int]:
+                  force: bool = False, rank: int = 0, world: int = 1, overlap: bool = True) -> tuple[list[Path], int]:
     """Predict this rank's share of ``cases`` into ``out/<case>.nii.gz`` (input geometry, atomic),
     through :func:`~fastvision.inference.volumes.run_pipeline` (reading and writing beside the network).
 
@@ -183,6 +183,7 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
             where cross-validation decided them.
         force: predict cases whose output exists too.
         rank, world: this process's share (:func:`~fastvision.inference.volumes.shard`).
+        overlap: read and write beside the network (False: one step after another, a baseline).
 
     Returns:
         (written paths, count of this rank's cases skipped because written already).
@@ -205,7 +206,7 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
         written.append(save_segmentation(label, pre["meta"], case["image"][0], out / f"{case['id']}.nii.gz",
                                          brats_ids=brats_ids))
 
-    run_pipeline(todo, prepare, infer, export)
+    run_pipeline(todo, prepare, infer, export, overlap=overlap)
     for c in mine:  # temp files that a killed earlier writer of this rank's cases left behind
         for tmp in out.glob(f".{c['id']}.nii.gz.*.tmp"):
             tmp.unlink(missing_ok=True)

@@ -226,10 +226,17 @@ def _get(q: queue.Queue, stop: threading.Event) -> Any:
 
 
 def run_pipeline(items: Sequence[Any], prepare: Callable[[Any], Any], infer: Callable[[Any], Any],
-                 export: Callable[[Any, Any, Any], None], depth: int = QUEUE_DEPTH) -> None:
+                 export: Callable[[Any, Any, Any], None], depth: int = QUEUE_DEPTH, overlap: bool = True) -> None:
     """``export(item, prepared, infer(prepared))`` for every item, in order, with ``prepare`` of the
     next items (a thread) and ``export`` of the previous ones (another thread) beside ``infer``
-    (this thread). Bounded queues of ``depth``; the first error stops all three and is raised."""
+    (this thread). Bounded queues of ``depth``; the first error stops all three and is raised.
+    ``overlap=False`` runs the three one after another in this thread (the baseline of
+    ``benchmarks/predict_pipeline.py``)."""
+    if not overlap:
+        for it in items:
+            pre = prepare(it)
+            export(it, pre, infer(pre))
+        return
     stop, errors = threading.Event(), []
     q_in: queue.Queue = queue.Queue(depth)
     q_out: queue.Queue = queue.Queue(depth)
