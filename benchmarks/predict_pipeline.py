@@ -8,7 +8,7 @@ window, foreground crop, and back at export) predicted through ``inference.nifti
 and ``overlap=False`` (read, predict, write one after another), in interleaved rounds. Reported:
 median wall time of each and the ratio per round.
 
-Memory (``--memory``, in a fresh process per mode): the peak resident set (``ru_maxrss``) over one
+Memory (``--memory``, in a fresh process per mode): the peak resident set (VmRSS polled every 2 ms) over one
 predict of a single case of ``--edge``^2 x slices voxels, minus the resident set before it,
 divided by the voxels on the network's grid; next to ``docs/segmentation3d.md``'s estimate
 ``4 * (4 K + 2 C + 1)`` bytes per voxel (K = 2 classes, C = 1 channel: 44).
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,17 +74,37 @@ def speed(args) -> dict:
             "ratio_per_round": [p / s for p, s in zip(times["pipelined"], times["serial"])]}
 
 
-def memory_child(size: int, overlap: bool) -> dict:
+def _rss() -> int:
+    """This process's resident set now (bytes), from /proc."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def memory_child(data: Path, overlap: bool) -> dict:
+    """In a fresh process (the data written by the parent, so its generation is not the peak)."""
     import nibabel as nib
 
     with tempfile.TemporaryDirectory() as tmp:
-        data = load_all().get("spleen")(Path(tmp) / "sp", seed=0, cases=2, test_cases=1, size=size)
         cfg, ens = _setup(data, SAME_GRID)
         cases = prediction_cases(sorted((data / "imagesTs").glob("*.nii.gz")))
         voxels = int(torch.tensor(nib.load(str(cases[0]["image"][0])).shape).prod())
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        import scipy.ndimage  # noqa: F401  (loaded by predict's first case otherwise: not the case's memory)
+
+        before = _rss()  # imports and the model
+        peak, done = [before], threading.Event()
+
+        def sample() -> None:  # ru_maxrss would be the import-time high-water mark: poll instead
+            while not done.wait(0.002):
+                peak.append(_rss())
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
         _run(cfg, ens, cases, Path(tmp) / "out", overlap)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        done.set()
+        sampler.join()
+        peak = max(peak)
     return {"voxels": voxels, "rss_before_bytes": before, "rss_peak_bytes": peak,
             "bytes_per_voxel": (peak - before) / voxels, "estimate_bytes_per_voxel": 4 * (4 * 2 + 2 * 1 + 1)}
 
@@ -96,17 +116,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--memory", action="store_true")
     p.add_argument("--child", choices=["serial", "pipelined"], help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--json")
     args = p.parse_args()
     if args.child:
-        print(json.dumps(memory_child(args.size, args.child == "pipelined")))
+        print(json.dumps(memory_child(Path(args.data), args.child == "pipelined")))
         return
     if args.memory:
         res = {}
-        for mode in ("serial", "pipelined"):
-            out = subprocess.run([sys.executable, __file__, "--child", mode, "--size", str(args.size)],
-                                 capture_output=True, text=True, check=True).stdout
-            res[mode] = json.loads(out.strip().splitlines()[-1])
+        with tempfile.TemporaryDirectory() as tmp:
+            data = load_all().get("spleen")(Path(tmp) / "sp", seed=0, cases=2, test_cases=1, size=args.size)
+            for mode in ("serial", "pipelined"):
+                out = subprocess.run([sys.executable, __file__, "--child", mode, "--data", str(data)],
+                                     capture_output=True, text=True, check=True).stdout
+                res[mode] = json.loads(out.strip().splitlines()[-1])
     else:
         res = speed(args)
     print(json.dumps(res, indent=2))

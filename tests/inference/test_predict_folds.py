@@ -85,7 +85,7 @@ def _written(stdout: str) -> int:
 
 @pytest.fixture(scope="module")
 def one_process(spleen_folds, tmp_path_factory):
-    """The reference: all test cases predicted by one process."""
+    """The reference: all test cases predicted by one process (a subprocess: one thread, as each rank)."""
     data, out, _ = spleen_folds
     dest = tmp_path_factory.mktemp("one") / "pred"
     r = subprocess.run(_predict_cmd(out, [data / "imagesTs"], dest), env=clean_env(), capture_output=True,
