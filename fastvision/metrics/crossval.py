@@ -178,6 +178,9 @@ def _main(args) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2))
         return 0
+    if len(args.runs) == 1 and list(Path(args.runs[0]).glob("fold-[0-9]*/metrics.jsonl")):
+        # a train --folds folder before its cross-validation step: the folds' final metrics
+        args.runs = [str(p.parent) for p in sorted(Path(args.runs[0]).glob("fold-[0-9]*/metrics.jsonl"))]
     res = cross_validate(args.runs, args.metrics)
     table = Table(title=f"cross-validation over {len(args.runs)} runs (folds {res['folds']})")
     table.add_column("metric")
