@@ -231,17 +231,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from fastvision import __version__
-
-    parser = argparse.ArgumentParser(prog="fastvision", description="Train image models fast: CPU, one GPU, many nodes.")
-    parser.add_argument("--version", action="version", version=f"fastvision {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("train", help="train a recipe", description="Train a recipe (name or YAML path).")
-    p.add_argument("recipe", help="shipped recipe name (see `fastvision recipes`) or a YAML file")
-    _common_flags(p)
+def _fold_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cross-validation")
     g.add_argument("--folds", help="all, K or 0,2,4: train those folds of data.args.num_folds one after another "
                    "into --out DIR/fold-<k> (finished folds skipped, interrupted ones resumed), then write "
@@ -249,15 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--postprocess", choices=["auto", "none", "lcc"], default="auto",
                    help="with --folds: auto = keep the largest component where cross-validation says it helps "
                         "(nnU-Net's rule); none; lcc = for every class")
-    p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("evaluate", help="validation metrics of a run or checkpoint")
-    p.add_argument("run", help="run directory (uses best.pt, else last.pt) or checkpoint file")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--data", help="evaluate on another dataset folder of the same format")
-    p.add_argument("--json", help="also write the metrics to this JSON file")
-    p.set_defaults(func=cmd_evaluate)
 
+def _predict_parser(sub) -> None:
     p = sub.add_parser("predict", help="predict files with a checkpoint, a run or the ensemble of its folds")
     p.add_argument("checkpoint", help="checkpoint file, run directory, or a train --folds folder (ensemble)")
     p.add_argument("inputs", nargs="+", help="input files or folders")
@@ -272,6 +256,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "component of every class")
     p.add_argument("--nproc", type=int, default=1, help="shard the cases over N local processes (torchrun)")
     p.set_defaults(func=cmd_predict)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fastvision import __version__
+
+    parser = argparse.ArgumentParser(prog="fastvision", description="Train image models fast: CPU, one GPU, many nodes.")
+    parser.add_argument("--version", action="version", version=f"fastvision {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a recipe", description="Train a recipe (name or YAML path).")
+    p.add_argument("recipe", help="shipped recipe name (see `fastvision recipes`) or a YAML file")
+    _common_flags(p)
+    _fold_flags(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("evaluate", help="validation metrics of a run or checkpoint")
+    p.add_argument("run", help="run directory (uses best.pt, else last.pt) or checkpoint file")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--data", help="evaluate on another dataset folder of the same format")
+    p.add_argument("--json", help="also write the metrics to this JSON file")
+    p.set_defaults(func=cmd_evaluate)
+
+    _predict_parser(sub)
 
     p = sub.add_parser("recipes", help="list shipped recipes, or show one")
     p.add_argument("name", nargs="?")
