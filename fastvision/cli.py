@@ -241,8 +241,7 @@ def _fold_flags(p: argparse.ArgumentParser) -> None:
                         "(nnU-Net's rule); none; lcc = for every class")
 
 
-def _predict_parser(sub) -> None:
-    p = sub.add_parser("predict", help="predict files with a checkpoint, a run or the ensemble of its folds")
+def _predict_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="checkpoint file, run directory, or a train --folds folder (ensemble)")
     p.add_argument("inputs", nargs="+", help="input files or folders")
     p.add_argument("--out", required=True, help="output folder: new or empty, or (NIfTI) one holding this same "
@@ -255,7 +254,6 @@ def _predict_parser(sub) -> None:
                    help="auto = the folder's postprocessing.json (cross-validated), none, lcc = largest "
                         "component of every class")
     p.add_argument("--nproc", type=int, default=1, help="shard the cases over N local processes (torchrun)")
-    p.set_defaults(func=cmd_predict)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -279,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the metrics to this JSON file")
     p.set_defaults(func=cmd_evaluate)
 
-    _predict_parser(sub)
+    p = sub.add_parser("predict", help="predict files with a checkpoint, a run or the ensemble of its folds")
+    _predict_flags(p)
+    p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("recipes", help="list shipped recipes, or show one")
     p.add_argument("name", nargs="?")
