@@ -146,3 +146,51 @@ def test_out_with_other_files_refused(spleen_folds, tmp_path, capsys):
     assert "(1 of 1 cases; 1 written already)" in capsys.readouterr().out
     assert cli.main(["predict", str(out), str(image), "--out", str(dest2), "--device", "cpu", "--folds", "0"]) == 2
     assert "another predict" in capsys.readouterr().err
+
+
+class _Threshold(torch.nn.Module):
+    """Class 1 where the input exceeds 0.5 (a 1x1x1 convolution: the model's channel count is 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(1, 2, 1)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.tensor([0.0, 1.0]).view(2, 1, 1, 1, 1))
+            self.conv.bias.copy_(torch.tensor([0.0, -0.5]))
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_postprocessing_steps_reach_the_written_case(tmp_path):
+    """Two bright blobs, a threshold model: with the step [1] only the larger blob is written."""
+    import json
+
+    from torch import nn
+
+    from fastvision.config import RunConfig
+    from fastvision.inference.folds import _postprocess_steps
+    from fastvision.inference.nifti import predict_cases, prediction_cases
+    from fastvision.inference.volumes import Ensemble, prepare_output
+    from fastvision.tasks.segment import SegmentationTask
+
+    vol = np.zeros((20, 16, 12), np.float32)
+    vol[2:9, 2:9, 2:9] = 1.0  # 343 voxels
+    vol[13:17, 10:14, 6:10] = 1.0  # 64 voxels, not touching the first
+    image = tmp_path / "in" / "blobs.nii.gz"
+    image.parent.mkdir()
+    nib.save(nib.Nifti1Image(vol, np.diag([1.0, 1.0, 1.0, 1.0])), str(image))
+    cfg = RunConfig()
+    cfg.data.name, cfg.data.args = "decathlon", {"intensity": "none", "crop_foreground": False}
+    task = SegmentationTask(num_classes=2, sample_shape=[1, 8, 8, 8], loss=nn.MSELoss(),
+                            sliding_window={"roi_size": [8, 8, 8], "overlap": 0.5, "mode": "gaussian"})
+    (tmp_path / "postprocessing.json").write_text(json.dumps({"steps": [[1]]}))
+    both, larger = (vol > 0.5).astype(np.uint8), np.zeros(vol.shape, np.uint8)
+    larger[2:9, 2:9, 2:9] = 1
+    for mode, want in (("auto", larger), ("none", both), ("lcc", larger)):
+        steps = _postprocess_steps(mode, task, tmp_path / "postprocessing.json")
+        out = tmp_path / mode
+        prepare_output(out, {"mode": mode}, force=False)
+        predict_cases(Ensemble(task, _Threshold(), [], torch.device("cpu")), cfg, prediction_cases([image]), out,
+                      steps=steps)
+        np.testing.assert_array_equal(np.asarray(nib.load(str(out / image.name)).dataobj), want)
