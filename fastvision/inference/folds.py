@@ -86,6 +86,18 @@ def _manifest(root: Path, recipe: str, cfg, folds: list[int]) -> dict[str, Any]:
     return {**want, "folds": folds}
 
 
+def _check_reader_folds(cfg) -> None:
+    """The recipe's reader splits by ``fold`` (before anything is written)."""
+    import inspect
+
+    import fastvision.data.formats  # noqa: F401  (registers the readers)
+    from fastvision.registry import DATASETS
+
+    if "fold" not in inspect.signature(DATASETS.get(cfg.data.name)).parameters:
+        raise ConfigError(f"data.name={cfg.data.name}: its reader has no folds (data.args.fold); --folds needs "
+                          "one that splits by fold (decathlon, brats)")
+
+
 def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | None = None,
                 extra: Sequence[dict[str, Any]] = (), postprocess_mode: str = "auto") -> dict[str, Any] | None:
     """Train the folds of ``spec`` one after another into ``out/fold-<k>``, then cross-validate.
@@ -99,6 +111,7 @@ def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | No
     if not out:
         raise ConfigError("train --folds needs --out DIR (the folder of the folds)")
     cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
+    _check_reader_folds(cfg)
     folds = parse_folds(spec, int(cfg.data.args.get("num_folds", 5)))
     env, _ = dist.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
     root = Path(out)

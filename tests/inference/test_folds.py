@@ -127,3 +127,9 @@ def test_bad_folds_spec(spleen_folds, tmp_path, capsys, spec, error):
     err = _error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", spec,
                           "--out", str(tmp_path / "x"), *FOLD_FLAGS])
     assert error in err and not (tmp_path / "x").exists()
+
+
+def test_reader_without_folds_refused(tmp_path, capsys):
+    err = _error(capsys, ["train", "unet2d-microscopy", "--folds", "all", "--out", str(tmp_path / "x"),
+                          "--device", "cpu"])
+    assert "data.name=microscopy" in err and "no folds" in err and not (tmp_path / "x").exists()
