@@ -133,10 +133,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     try:
         volumes = is_folds_dir(args.checkpoint) or is_volume_input(expand_inputs(args.inputs))
     except DataError:  # a missing input: named below (after the --out check of a plain predict)
-        volumes = bool(args.folds or args.tta or args.nproc > 1 or args.postprocess != "auto")
+        volumes = bool(args.folds or args.tta or args.tta_axes or args.nproc > 1 or args.postprocess != "auto")
     if not volumes:  # 2-D images (or a missing input)
-        if args.folds or args.tta or args.nproc > 1 or args.postprocess != "auto":
-            raise ConfigError("--folds, --tta, --nproc and --postprocess apply to NIfTI volumes")
+        if args.folds or args.tta or args.tta_axes or args.nproc > 1 or args.postprocess != "auto":
+            raise ConfigError("--folds, --tta, --tta-axes, --nproc and --postprocess apply to NIfTI volumes")
         refuse_overwrite(args.out, args.force)
         written = predict(args.checkpoint, args.inputs, args.out, device=args.device)
         print(f"wrote {len(written)} files to {args.out}")
@@ -144,7 +144,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.nproc > 1 and dist.detect_env().launcher == "single":
         # one process per shard of the cases, under torch's launcher (as train --nproc)
         return dist.launch_local(args.nproc, ["-m", "fastvision.cli", *dist.strip_option(args.argv, "--nproc")])
-    res = predict_volumes(args.checkpoint, args.inputs, args.out, folds=args.folds, tta=args.tta,
+    tta = args.tta_axes if args.tta_axes else args.tta
+    res = predict_volumes(args.checkpoint, args.inputs, args.out, folds=args.folds, tta=tta,
                           postprocess_mode=args.postprocess, device=args.device, force=args.force)
     where = f"rank {res['rank']} of {res['world']}: " if res["world"] > 1 else ""
     print(f"{where}wrote {len(res['written'])} files to {args.out} ({res['mine']} of {res['cases']} cases; "
@@ -250,6 +251,7 @@ def _predict_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--folds", help="with a folds folder: the folds to ensemble, e.g. 0,1 (default: all trained)")
     p.add_argument("--tta", action="store_true", help="also average mirrored inputs on the recipe's flip axes")
+    p.add_argument("--tta-axes", help="mirror these spatial axes instead, e.g. 0,1,2 (implies --tta)")
     p.add_argument("--postprocess", choices=["auto", "none", "lcc"], default="auto",
                    help="auto = the folder's postprocessing.json (cross-validated), none, lcc = largest "
                         "component of every class")

@@ -246,8 +246,25 @@ def _postprocess_steps(mode: str, task, pp_file: Path) -> list[list[int]]:
     return postprocess.fixed(task, mode)["steps"]
 
 
+def _tta_axes(tta: bool | str, cfg) -> list[int]:
+    """Mirroring axes: none, the recipe's flip axes (True), or the ones given (``"0,1,2"``)."""
+    from fastvision.inference.volumes import tta_axes
+
+    if not tta:
+        return []
+    if tta is True:
+        return tta_axes(cfg, 3)
+    try:
+        axes = sorted({int(a) for a in str(tta).split(",") if a.strip()})
+    except ValueError:
+        axes = [-1]
+    if not axes or any(not 0 <= a < 3 for a in axes):
+        raise ConfigError(f"--tta-axes {tta!r}: spatial axes 0, 1, 2, e.g. 0,1,2")
+    return axes
+
+
 def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *, folds: str | None = None,
-                    tta: bool = False, postprocess_mode: str = "auto", device: str = "auto",
+                    tta: bool | str = False, postprocess_mode: str = "auto", device: str = "auto",
                     force: bool = False) -> dict[str, Any]:
     """``fastvision predict`` on NIfTI volumes: a run, a checkpoint, or the ensemble of a folds folder.
 
@@ -256,13 +273,15 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
     (:func:`fastvision.inference.nifti.predict_cases`). Rank and world size come from the launch
     environment (torchrun / srun / single).
 
+    ``tta``: False, True (the recipe's flip axes) or axes as text (``"0,1,2"``).
+
     Returns:
         ``{"written": [paths], "skipped": n, "mine": n, "cases": n, "rank": r, "world": w}``.
     """
     from fastvision.api import expand_inputs, load_run
     from fastvision.engine.checkpoint import load
     from fastvision.inference.nifti import predict_cases, prediction_cases
-    from fastvision.inference.volumes import Ensemble, check_cases, input_channels, prepare_output, shard, tta_axes
+    from fastvision.inference.volumes import Ensemble, check_cases, input_channels, prepare_output, shard
 
     path, env = Path(model), dist.detect_env()
     if is_folds_dir(path):
@@ -276,7 +295,7 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
         run, ckpt = load_run(path, device, with_data=False)
         ckpts, states = [ckpt], []
         pp_file = (path if path.is_dir() else ckpt.resolve().parent.parent) / POSTPROCESSING_FILE
-    axes = tta_axes(run.cfg, 3) if tta else []
+    axes = _tta_axes(tta, run.cfg)
     if tta and not axes:
         log.warning("--tta: %s trains without flips (data.augment.flip), so nothing is mirrored", run.cfg.recipe)
     steps = _postprocess_steps(postprocess_mode, run.task, pp_file)

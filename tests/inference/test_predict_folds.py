@@ -68,6 +68,9 @@ def test_ensemble_is_the_mean_of_the_folds(spleen_folds, tmp_path, tta):
     assert cli.main(args) == 0
     got = np.asarray(nib.load(str(tmp_path / "pred" / image.name)).dataobj)
     np.testing.assert_array_equal(got, restore_to_input(want.argmax(0).to(torch.uint8), pre["meta"]))
+    if tta:  # the same axes given by hand
+        assert cli.main(args[:-1] + ["--tta-axes", "1,0", "--out", str(tmp_path / "axes")]) == 0
+        np.testing.assert_array_equal(np.asarray(nib.load(str(tmp_path / "axes" / image.name)).dataobj), got)
 
 
 def _predict_cmd(out, inputs, dest, *extra):
