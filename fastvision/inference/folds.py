@@ -83,6 +83,8 @@ def _manifest(root: Path, recipe: str, cfg, folds: list[int]) -> dict[str, Any]:
                 raise DataError(f"{f}: folds of {key} {have.get(key)!r}, this command trains {want[key]!r}; "
                                 "choose another --out")
         folds = sorted(set(have.get("folds", [])) | set(folds))
+    elif root.is_dir() and any(root.iterdir()):
+        raise DataError(f"{root}: exists and is not a train --folds folder (no {FOLDS_FILE}); choose another --out")
     return {**want, "folds": folds}
 
 

@@ -133,3 +133,13 @@ def test_reader_without_folds_refused(tmp_path, capsys):
     err = _error(capsys, ["train", "unet2d-microscopy", "--folds", "all", "--out", str(tmp_path / "x"),
                           "--device", "cpu"])
     assert "data.name=microscopy" in err and "no folds" in err and not (tmp_path / "x").exists()
+
+
+def test_out_that_is_another_folder_refused(spleen_folds, tmp_path, capsys):
+    data, _, _ = spleen_folds
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("recipe: x\n")
+    err = _error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", "all",
+                          "--out", str(run), *FOLD_FLAGS])
+    assert "not a train --folds folder" in err and sorted(p.name for p in run.iterdir()) == ["config.yaml"]
