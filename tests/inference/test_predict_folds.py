@@ -1,12 +1,14 @@
 """``predict DIR``: the fold ensemble against an independent computation, mirroring, shards, resume."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -86,18 +88,21 @@ def _written(stdout: str) -> int:
     return sum(int(n) for n in re.findall(r"wrote (\d+) files", stdout))
 
 
-@pytest.fixture(scope="module")
-def one_process(spleen_folds, tmp_path_factory):
-    """The reference: all test cases predicted by this one process, on one thread as each rank."""
-    data, out, _ = spleen_folds
-    dest = tmp_path_factory.mktemp("one") / "pred"
+def _one_thread_predict(out, inputs, dest) -> dict:
+    """The reference: the cases predicted by this one process, on one thread as each rank."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks run with OMP_NUM_THREADS=1 (clean_env)
     try:
-        assert cli.main(_predict_cmd(out, [data / "imagesTs"], dest)[3:]) == 0
+        assert cli.main(_predict_cmd(out, [inputs], dest)[3:]) == 0
     finally:
         torch.set_num_threads(threads)
     return _bytes(dest)
+
+
+@pytest.fixture(scope="module")
+def one_process(spleen_folds, tmp_path_factory):
+    data, out, _ = spleen_folds
+    return _one_thread_predict(out, data / "imagesTs", tmp_path_factory.mktemp("one") / "pred")
 
 
 @pytest.mark.dist
@@ -115,24 +120,46 @@ def test_two_processes_write_each_case_once_same_bytes(spleen_folds, one_process
     assert not [p.name for p in dest.iterdir() if p.name.endswith(".tmp")]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, so a
+    process-group kill would miss them), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 @pytest.mark.dist
-def test_killed_sharded_predict_resumes(spleen_folds, one_process, tmp_path):
-    data, out, _ = spleen_folds
+def test_killed_sharded_predict_resumes(spleen_folds, tmp_path):
+    from fastvision.data.synth import load_all
+
+    _, out, _ = spleen_folds
+    # larger cases than the fixture's (about a second each here), so the kill lands mid-way
+    data = load_all().get("spleen")(tmp_path / "big", seed=5, cases=0, test_cases=6, size=48)
+    want = _one_thread_predict(out, data / "imagesTs", tmp_path / "one")
     dest = tmp_path / "pred"
     cmd = _predict_cmd(out, [data / "imagesTs"], dest, "--nproc", "2")
-    job = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           start_new_session=True)
+    job = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while not list(dest.glob("*.nii.gz")) and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.killpg(job.pid, signal.SIGKILL)  # the whole job (launcher and both ranks), mid-way
+        time.sleep(0.01)
+    for pid in [job.pid, *_descendants(job.pid)]:  # the whole job (launchers and both ranks), mid-way
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     job.communicate()
     before = {p.name: p.stat().st_ino for p in dest.glob("*.nii.gz")}
-    assert 0 < len(before) < len(one_process), "the kill did not land mid-way"
+    assert 0 < len(before) < len(want), "the kill did not land mid-way"
     r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert _written(r.stdout) == len(one_process) - len(before)  # only what was missing
-    assert _bytes(dest) == one_process
+    assert _written(r.stdout) == len(want) - len(before)  # only what was missing
+    assert _bytes(dest) == want
     assert all(dest.joinpath(n).stat().st_ino == ino for n, ino in before.items())  # not rewritten
 
 
