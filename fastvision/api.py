@@ -192,18 +192,28 @@ def _load_for(path, device: str, data: str | None):
     return run, ckpt_path
 
 
-def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: str = "auto") -> list[Path]:
-    """Write one prediction per input file (format chosen by the task) into ``out_dir``."""
-    run, _ = load_run(ckpt, device, with_data=False)
-    if not hasattr(run.task, "predict_files"):
-        raise ConfigError(f"task {run.cfg.task.name!r} has no file prediction")
+def expand_inputs(inputs: list[str]) -> list[Path]:
+    """Input paths with each folder replaced by its entries (sorted); a missing one is a DataError."""
     files = [Path(p) for p in inputs]
     for f in files:
         if not f.exists():
             raise DataError(f"{f}: input not found")
     # macOS archives carry "._name" companions (AppleDouble metadata) beside every file: not inputs.
-    expanded = [p for f in files for p in (sorted(q for q in f.iterdir() if not q.name.startswith("."))
-                                           if f.is_dir() else [f])]
+    return [p for f in files for p in (sorted(q for q in f.iterdir() if not q.name.startswith("."))
+                                       if f.is_dir() else [f])]
+
+
+def is_volume_input(files: list[Path]) -> bool:
+    """NIfTI volumes or BraTS case folders (the 3-D predict), as ``SegmentationTask.predict_files`` tells them."""
+    return any(f.is_dir() or f.name.endswith((".nii", ".nii.gz")) for f in files)
+
+
+def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: str = "auto") -> list[Path]:
+    """Write one prediction per input file (format chosen by the task) into ``out_dir``."""
+    run, _ = load_run(ckpt, device, with_data=False)
+    if not hasattr(run.task, "predict_files"):
+        raise ConfigError(f"task {run.cfg.task.name!r} has no file prediction")
+    expanded = expand_inputs(inputs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with run.precision.autocast():  # the run's precision, as evaluate: train.amp=auto is bf16 / fp16 on a GPU

@@ -76,8 +76,20 @@ def cmd_train(args: argparse.Namespace) -> int:
                                           "channels_last", "device", "seed", "target", "tensorboard",
                                           "emulate_workers", "backend")
             if getattr(args, k) is not None}  # only the flags the user gave
-    summary = run_training(args.recipe, out=args.out, resume=args.resume, overrides=flat,
-                           extra=[parse_override(s) for s in args.set])
+    extra = [parse_override(s) for s in args.set]
+    if args.folds is not None:
+        from fastvision.inference.folds import train_folds
+        from fastvision.metrics.crossval import print_fold_table
+
+        if args.resume not in (None, "auto"):
+            raise ConfigError("--folds resumes each fold by itself (from DIR/fold-<k>); drop --resume PATH")
+        res = train_folds(args.recipe, args.out, args.folds, flat, extra, args.postprocess)
+        if res is not None:  # rank 0
+            print_fold_table(res, f"{args.out}: out-of-fold predictions, folds {res['folds']}")
+            print(f"cross-validation: {Path(args.out) / 'crossval.json'}, postprocessing: "
+                  f"{Path(args.out) / 'postprocessing.json'}")
+        return 0
+    summary = run_training(args.recipe, out=args.out, resume=args.resume, overrides=flat, extra=extra)
     _print_result(summary)
     return 0
 
@@ -114,11 +126,30 @@ def _format_value(key: str, value: Any) -> str:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from fastvision.api import predict, refuse_overwrite
+    from fastvision import dist
+    from fastvision.api import expand_inputs, is_volume_input, predict, refuse_overwrite
+    from fastvision.inference.folds import is_folds_dir, predict_volumes
 
-    refuse_overwrite(args.out, args.force)
-    written = predict(args.checkpoint, args.inputs, args.out, device=args.device)
-    print(f"wrote {len(written)} files to {args.out}")
+    try:
+        volumes = is_folds_dir(args.checkpoint) or is_volume_input(expand_inputs(args.inputs))
+    except DataError:  # a missing input: named below (after the --out check of a plain predict)
+        volumes = bool(args.folds or args.tta or args.tta_axes or args.nproc > 1 or args.postprocess != "auto")
+    if not volumes:  # 2-D images (or a missing input)
+        if args.folds or args.tta or args.tta_axes or args.nproc > 1 or args.postprocess != "auto":
+            raise ConfigError("--folds, --tta, --tta-axes, --nproc and --postprocess apply to NIfTI volumes")
+        refuse_overwrite(args.out, args.force)
+        written = predict(args.checkpoint, args.inputs, args.out, device=args.device)
+        print(f"wrote {len(written)} files to {args.out}")
+        return 0
+    if args.nproc > 1 and dist.detect_env().launcher == "single":
+        # one process per shard of the cases, under torch's launcher (as train --nproc)
+        return dist.launch_local(args.nproc, ["-m", "fastvision.cli", *dist.strip_option(args.argv, "--nproc")])
+    tta = args.tta_axes if args.tta_axes else args.tta
+    res = predict_volumes(args.checkpoint, args.inputs, args.out, folds=args.folds, tta=tta,
+                          postprocess_mode=args.postprocess, device=args.device, force=args.force)
+    where = f"rank {res['rank']} of {res['world']}: " if res["world"] > 1 else ""
+    print(f"{where}wrote {len(res['written'])} files to {args.out} ({res['mine']} of {res['cases']} cases; "
+          f"{res['skipped']} written already)")
     return 0
 
 
@@ -201,6 +232,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fold_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cross-validation")
+    g.add_argument("--folds", help="all, K or 0,2,4: train those folds of data.args.num_folds one after another "
+                   "into --out DIR/fold-<k> (finished folds skipped, interrupted ones resumed), then write "
+                   "DIR/crossval.json and DIR/postprocessing.json")
+    g.add_argument("--postprocess", choices=["auto", "none", "lcc"], default="auto",
+                   help="with --folds: auto = keep the largest component where cross-validation says it helps "
+                        "(nnU-Net's rule); none; lcc = for every class")
+
+
+def _predict_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint file, run directory, or a train --folds folder (ensemble)")
+    p.add_argument("inputs", nargs="+", help="input files or folders")
+    p.add_argument("--out", required=True, help="output folder: new or empty, or (NIfTI) one holding this same "
+                   "predict's partial output, which is resumed; anything else needs --force")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing files")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--folds", help="with a folds folder: the folds to ensemble, e.g. 0,1 (default: all trained)")
+    p.add_argument("--tta", action="store_true", help="also average mirrored inputs on the recipe's flip axes")
+    p.add_argument("--tta-axes", help="mirror these spatial axes instead, e.g. 0,1,2 (implies --tta)")
+    p.add_argument("--postprocess", choices=["auto", "none", "lcc"], default="auto",
+                   help="auto = the folder's postprocessing.json (cross-validated), none, lcc = largest "
+                        "component of every class")
+    p.add_argument("--nproc", type=int, default=1, help="shard the cases over N local processes (torchrun)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fastvision import __version__
 
@@ -212,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a recipe", description="Train a recipe (name or YAML path).")
     p.add_argument("recipe", help="shipped recipe name (see `fastvision recipes`) or a YAML file")
     _common_flags(p)
+    _fold_flags(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("evaluate", help="validation metrics of a run or checkpoint")
@@ -221,12 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the metrics to this JSON file")
     p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("predict", help="predict files with a checkpoint")
-    p.add_argument("checkpoint", help="checkpoint file or run directory")
-    p.add_argument("inputs", nargs="+", help="input files or folders")
-    p.add_argument("--out", required=True, help="output folder (must be new or empty unless --force)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing files")
-    p.add_argument("--device", default="auto")
+    p = sub.add_parser("predict", help="predict files with a checkpoint, a run or the ensemble of its folds")
+    _predict_flags(p)
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("recipes", help="list shipped recipes, or show one")

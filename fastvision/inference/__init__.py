@@ -6,6 +6,9 @@ windows and blends the outputs with a constant or Gaussian weight, the scheme of
 rounding). :func:`flip_tta` averages predictions over mirrored inputs. :func:`write_nifti` and
 :func:`save_segmentation` write predictions in the geometry (affine and header) of the input file;
 :func:`predict_nifti_files` runs all of it for ``fastvision predict`` on NIfTI files and BraTS folders.
+``volumes`` (ensembles of folds, the pipelined and sharded predict), ``postprocess`` (largest
+component, decided by cross-validation) and ``folds`` (``train --folds``, ``predict DIR``; above the
+engine, so never imported here) complete the path from folds to deployed predictions.
 """
 from fastvision.inference.window import (
     flip_tta,

@@ -1,6 +1,8 @@
 """NIfTI prediction: cases from files, the recipe's preprocessing, regions to labels, writers."""
 from __future__ import annotations
 
+import gzip
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -9,9 +11,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fastvision.ops.regions import regions_to_classes
+from fastvision.inference import postprocess
+from fastvision.inference.volumes import Ensemble, check_cases, input_channels, run_pipeline, shard
+from fastvision.utils.files import atomic_write
 
 Predictor = Callable[[Tensor], Tensor]
+_UMASK = os.umask(0o022)  # read once at import (os.umask can only be read by setting it) ...
+os.umask(_UMASK)  # ... and put back at once
 
 
 def write_nifti(array: np.ndarray | Tensor, reference_nifti_path: str | Path, out_path: str | Path) -> Path:
@@ -21,7 +27,8 @@ def write_nifti(array: np.ndarray | Tensor, reference_nifti_path: str | Path, ou
         array: (X, Y, Z[, ...]) data already on the reference's voxel grid (see
             :func:`fastvision.data.preprocess3d.restore_to_input`); its dtype is kept.
         reference_nifti_path: the input image the prediction belongs to.
-        out_path: output ``.nii.gz`` path (parent folders are created).
+        out_path: output ``.nii.gz`` path (parent folders are created); written atomically (temp
+            file, fsync, rename), gzip without a time stamp, so equal data gives equal bytes.
 
     Returns:
         ``out_path``.
@@ -41,8 +48,18 @@ def write_nifti(array: np.ndarray | Tensor, reference_nifti_path: str | Path, ou
     img.set_qform(ref.header.get_qform(), code=int(ref.header["qform_code"]))
     img.set_sform(ref.header.get_sform(), code=int(ref.header["sform_code"]))
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    nib.save(img, str(out_path))
+    raw = img.to_bytes()
+    if out_path.name.endswith(".gz"):
+        # no time stamp or file name in the gzip header: the same prediction is the same bytes,
+        # whichever process wrote it and under whichever temp name
+        raw = gzip.compress(raw, compresslevel=1, mtime=0)
+
+
+    def write(f) -> None:
+        os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # what a plain open() would give, not mkstemp's 0600
+        f.write(raw)
+
+    atomic_write(out_path, write)  # a killed writer never leaves a partial case
     return out_path
 
 
@@ -153,17 +170,64 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
     return PreprocessParams(intensity=intensity, window=window, **common), brats
 
 
+def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Sequence[Sequence[int]] = (),
+                  force: bool = False, rank: int = 0, world: int = 1, overlap: bool = True) -> tuple[list[Path], int]:
+    """Predict this rank's share of ``cases`` into ``out/<case>.nii.gz`` (input geometry, atomic),
+    through :func:`~fastvision.inference.volumes.run_pipeline` (reading and writing beside the network).
+
+    Args:
+        ensemble: a :class:`~fastvision.inference.volumes.Ensemble` (the model(s), mirroring).
+        cfg: the run's config (its ``data`` section is the preprocessing).
+        cases: :func:`prediction_cases` of the inputs, all of them (every rank passes the same list).
+        out: an output folder ready for writing (:func:`~fastvision.inference.volumes.prepare_output`).
+        steps: largest-component postprocessing steps (label sets), applied on the preprocessed grid,
+            where cross-validation decided them.
+        force: predict cases whose output exists too.
+        rank, world: this process's share (:func:`~fastvision.inference.volumes.shard`).
+        overlap: read and write beside the network (False: one step after another, a baseline).
+
+    Returns:
+        (written paths, count of this rank's cases skipped because written already).
+    """
+    from fastvision.data.preprocess3d import preprocess_case
+
+    params, brats_ids = prediction_preprocessing(ensemble.task, cfg.data.name, cfg.data.args)
+    mine = shard(cases, rank, world)
+    todo = [c for c in mine if force or not (out / f"{c['id']}.nii.gz").is_file()]
+    written: list[Path] = []
+
+    def prepare(case: dict) -> dict:
+        return preprocess_case({"image": case["image"], "label": None}, params)
+
+    def infer(pre: dict) -> Tensor:
+        return ensemble.labels(ensemble.probabilities(pre["image"]))
+
+    def export(case: dict, pre: dict, label: Tensor) -> None:
+        label = postprocess.apply(label, steps)
+        written.append(save_segmentation(label, pre["meta"], case["image"][0], out / f"{case['id']}.nii.gz",
+                                         brats_ids=brats_ids))
+
+    run_pipeline(todo, prepare, infer, export, overlap=overlap)
+    for c in mine:  # temp files that a killed earlier writer of this rank's cases left behind
+        for tmp in out.glob(f".{c['id']}.nii.gz.*.tmp"):
+            tmp.unlink(missing_ok=True)
+    return written, len(mine) - len(todo)
+
+
 @torch.no_grad()
 def predict_nifti_files(task, model: torch.nn.Module, files: Sequence[Path], out_dir: Path, cfg,
                         device: torch.device) -> list[Path]:
-    """Segment NIfTI volumes (or raw BraTS case folders) and write ``OUT/<case>.nii.gz`` per case.
+    """Segment NIfTI volumes (or raw BraTS case folders) with one model: ``OUT/<case>.nii.gz`` per case.
 
     Each case is preprocessed as the run's dataset did (``cfg.data.args``), predicted with the
-    task's ``sliding_window`` settings (``task.eval_forward``), turned into class indices (argmax,
-    or regions -> labels for sigmoid regions), returned to the input's voxel grid and written with
-    the input's affine and header; BraTS / Task01 runs write BraTS ids (3 -> 4). The model runs
-    under the caller's autocast: :func:`fastvision.api.predict` enters the run's
-    ``runtime.Precision``, the one amp -> dtype rule that training and ``evaluate`` use.
+    task's ``sliding_window`` settings (softmax / sigmoid of the blended logits; the recipe's
+    ``tta_flips`` if it sets them), turned into class indices (argmax, or regions -> labels for
+    sigmoid regions), returned to the input's voxel grid and written with the input's affine and
+    header; BraTS / Task01 runs write BraTS ids (3 -> 4). The model runs under the caller's
+    autocast: :func:`fastvision.api.predict` enters the run's ``runtime.Precision``, the one
+    amp -> dtype rule that training and ``evaluate`` use. Existing outputs are replaced.
+    ``fastvision predict`` runs the same :func:`predict_cases` with folds, mirroring,
+    postprocessing and shards.
 
     Args:
         task: a :class:`~fastvision.tasks.segment.SegmentationTask`.
@@ -174,19 +238,11 @@ def predict_nifti_files(task, model: torch.nn.Module, files: Sequence[Path], out
         device: where the model runs.
 
     Returns:
-        Written segmentation paths, one per case.
+        Written segmentation paths, one per case, in case-id order.
     """
-    from fastvision.data.preprocess3d import preprocess_case
-
-    params, brats_ids = prediction_preprocessing(task, cfg.data.name, cfg.data.args)
-    model.eval()
-    written = []
-    for case in prediction_cases(files):
-        pre = preprocess_case({"image": case["image"], "label": None}, params)
-        logits = task.eval_forward(model, {"image": pre["image"][None].to(device)}).float()
-        pred = task.predict_labels(logits)
-        if task.mode == "regions":
-            pred = regions_to_classes(pred, task.regions)
-        out = Path(out_dir) / f"{case['id']}.nii.gz"
-        written.append(save_segmentation(pred[0], pre["meta"], case["image"][0], out, brats_ids=brats_ids))
+    cases = prediction_cases(files)
+    check_cases(cases, input_channels(model))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written, _ = predict_cases(Ensemble(task, model, [], device), cfg, cases, out, force=True)
     return written

@@ -1,4 +1,5 @@
-"""``fastvision cv RUNS...``: average the final metrics of k cross-validation folds.
+"""``fastvision cv RUNS...``: average the final metrics of k cross-validation folds; ``fastvision cv
+DIR`` on a ``train --folds`` folder: the per-case and pooled table of its out-of-fold predictions.
 
 Seed 000 trains folds 0-4 (``--fold k --num_folds 5``) and ``runtime/parse_results.py`` averages the
 final evaluation of the fold logs. Here each run directory's ``metrics.jsonl`` (DLLogger-style
@@ -89,10 +90,97 @@ def cross_validate(runs: Sequence[str | Path], metrics: Sequence[str] | None = N
     return {"runs": [str(r) for r in runs], "folds": folds, "mean": mean, "std": std, "per_run": per_run}
 
 
+def fold_table(cases: Sequence[dict[str, Any]], names: Sequence[str], empty: str = "ignore") -> dict[str, Any]:
+    """Per-case and pooled Dice / IoU of out-of-fold predictions.
+
+    Args:
+        cases: ``{"id", "fold", "tp", "fp", "fn"}`` per case, the counts per target (class or region)
+            as sequences of ints, in ``names`` order.
+        names: the targets' names.
+        empty: the task's rule for a case whose truth lacks a target (``metrics.cases.case_scores``).
+
+    Returns:
+        ``{"cases": [{"id", "fold", "dice": {name: v}, "iou": {...}, "mean_dice"}], "mean": {"dice":
+        {name: v}, "iou": {...}}, "dice", "iou"`` (mean over cases of each case's mean over targets,
+        as MONAI's DiceMetric), ``"pooled": {"dice": {name: v}, "iou": {...}}, "dice_pooled",
+        "iou_pooled"}``; None where a value is undefined.
+    """
+    import torch
+
+    from fastvision.metrics.cases import case_scores
+
+    def num(v: float) -> float | None:
+        return None if math.isnan(v) else float(v)
+
+    n = len(names)
+    counts = [torch.tensor([[int(x) for x in c[k]] for c in cases] or [[0] * n], dtype=torch.int64)
+              for k in ("tp", "fp", "fn")]
+    out: dict[str, Any] = {"targets": list(names), "cases": [], "mean": {}, "pooled": {}}
+    for metric in ("dice", "iou"):
+        scores = case_scores(*counts, metric, empty)[: len(cases)]  # (N, T), NaN: left out
+        out["mean"][metric] = {k: num(torch.nanmean(scores[:, j]).item()) for j, k in enumerate(names)}
+        per_case = torch.nanmean(scores, 1)
+        out[metric] = num(torch.nanmean(per_case).item()) if len(cases) else None
+        tp, fp, fn = (c.sum(0).double() for c in counts)
+        den = (2 * tp + fp + fn) if metric == "dice" else (tp + fp + fn)
+        pooled = torch.where(den > 0, (2 * tp if metric == "dice" else tp) / den.clamp(min=1), torch.nan)
+        out["pooled"][metric] = {k: num(pooled[j].item()) for j, k in enumerate(names)}
+        out[f"{metric}_pooled"] = num(torch.nanmean(pooled).item())
+        for i, c in enumerate(cases):
+            if metric == "dice":
+                out["cases"].append({"id": c["id"], "fold": c["fold"], "dice": {}, "iou": {}})
+            row = out["cases"][i]
+            row[metric] = {k: num(scores[i, j].item()) for j, k in enumerate(names)}
+            row[f"mean_{metric}"] = num(per_case[i].item())
+    return out
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def print_fold_table(res: dict[str, Any], title: str = "") -> None:
+    """The table of :func:`fold_table` (and, when present, after postprocessing): one row per case,
+    then the mean over cases and the pooled figures."""
+    from rich.console import Console
+    from rich.table import Table
+
+    names, console = res["targets"], Console()
+    for label, tab in (("", res), (" after postprocessing", res.get("postprocessed"))):
+        if not tab:
+            continue
+        console.print(f"{title or 'out-of-fold predictions'}{label}:", soft_wrap=True)
+        table = Table(title="Dice per case")
+        for col in ("fold", "case", *names, "mean"):
+            table.add_column(col, justify="left" if col == "case" else "right")
+        for c in tab["cases"]:
+            table.add_row(str(c["fold"]), c["id"], *(_fmt(c["dice"][k]) for k in names), _fmt(c["mean_dice"]))
+        table.add_row("", "mean over cases", *(_fmt(tab["mean"]["dice"][k]) for k in names), _fmt(tab["dice"]))
+        table.add_row("", "pooled", *(_fmt(tab["pooled"]["dice"][k]) for k in names), _fmt(tab["dice_pooled"]))
+        console.print(table)
+    if "postprocessing" in res:
+        steps = res["postprocessing"].get("steps", [])
+        console.print(f"postprocessing: {'largest component of ' + '; '.join(map(str, steps)) if steps else 'none'} "
+                        f"({res['postprocessing'].get('rule', '')})", soft_wrap=True)
+
+
 def _main(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    if len(args.runs) == 1 and (Path(args.runs[0]) / "crossval.json").is_file():  # a train --folds folder
+        f = Path(args.runs[0]) / "crossval.json"
+        try:
+            res = json.loads(f.read_text())
+        except ValueError as e:
+            raise DataError(f"{f}: not JSON ({e})") from e
+        print_fold_table(res, f"{args.runs[0]}: out-of-fold predictions, folds {res.get('folds')}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        return 0
+    if len(args.runs) == 1 and list(Path(args.runs[0]).glob("fold-[0-9]*/metrics.jsonl")):
+        # a train --folds folder before its cross-validation step: the folds' final metrics
+        args.runs = [str(p.parent) for p in sorted(Path(args.runs[0]).glob("fold-[0-9]*/metrics.jsonl"))]
     res = cross_validate(args.runs, args.metrics)
     table = Table(title=f"cross-validation over {len(args.runs)} runs (folds {res['folds']})")
     table.add_column("metric")
@@ -110,8 +198,9 @@ def _main(args) -> int:
 
 def add_cli(subparsers) -> None:
     """Register ``fastvision cv RUNS... [--metrics M ...] [--json OUT]``."""
-    p = subparsers.add_parser("cv", help="average the final metrics of cross-validation folds (seed 000)")
-    p.add_argument("runs", nargs="+", help="run directories, one per fold")
+    p = subparsers.add_parser("cv", help="average the final metrics of cross-validation folds (seed 000), or the "
+                                         "out-of-fold table of a train --folds folder")
+    p.add_argument("runs", nargs="+", help="run directories, one per fold; or one train --folds folder (its crossval.json)")
     p.add_argument("--metrics", nargs="+", help="metrics to report (default: all common numeric metrics)")
     p.add_argument("--json", help="also write the result as JSON to this file")
     p.set_defaults(func=_main)

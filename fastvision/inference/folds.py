@@ -1,0 +1,315 @@
+"""Cross-validation as one folder: ``train RECIPE --folds`` trains it, ``predict DIR`` ensembles it.
+
+Above the engine, like ``api``::
+
+    DIR/folds.json           recipe, num_folds, folds asked for (written before the first fold)
+    DIR/fold-<k>/            an ordinary run directory (data.args.fold = k); finished when its
+                             summary.json exists, resumed from checkpoints/last.pt when it does not
+    DIR/crossval.json        per-case and pooled Dice / IoU of the out-of-fold predictions (each fold's
+                             final checkpoint on its own validation cases, preprocessed grid), before
+                             and after postprocessing: what ``fastvision cv DIR`` prints
+    DIR/postprocessing.json  the largest-component steps (``--postprocess auto``: decided by the
+                             cross-validation as nnU-Net v2 decides them; ``none``; ``lcc``: every target)
+
+Folds are the data readers' own (``data.args.fold`` of ``data.args.num_folds``, the sorted, seeded
+split of ``formats.decathlon.kfold_split``). ``predict DIR`` uses each fold's final checkpoint
+(``last.pt``, as nnU-Net's ``checkpoint_final``), the same weights the cross-validation scored.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from fastvision import config, dist
+from fastvision.errors import ConfigError, DataError
+from fastvision.inference import postprocess
+from fastvision.utils.files import atomic_write
+
+log = logging.getLogger(__name__)
+
+FOLDS_FILE, CROSSVAL_FILE, POSTPROCESSING_FILE = "folds.json", "crossval.json", "postprocessing.json"
+
+
+def parse_folds(spec: str, num_folds: int) -> list[int]:
+    """``all`` -> 0..num_folds-1; ``K`` -> [K]; ``0,2,4`` -> [0, 2, 4] (each checked against num_folds)."""
+    if spec == "all":
+        return list(range(num_folds))
+    try:
+        folds = sorted({int(x) for x in str(spec).split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--folds {spec!r}: give all, a fold number or a list like 0,2,4") from None
+    bad = [k for k in folds if not 0 <= k < num_folds]
+    if not folds or bad:
+        raise ConfigError(f"--folds {spec!r}: folds are 0..{num_folds - 1} (data.args.num_folds={num_folds})")
+    return folds
+
+
+def fold_dir(root: str | Path, k: int) -> Path:
+    return Path(root) / f"fold-{k}"
+
+
+def is_folds_dir(path: str | Path) -> bool:
+    """A ``train --folds`` folder: it holds folds.json or fold-<k>/ folders."""
+    p = Path(path)
+    return p.is_dir() and ((p / FOLDS_FILE).is_file() or any(p.glob("fold-[0-9]*")))
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    text = json.dumps(data, indent=2, default=str).encode()
+    atomic_write(path, lambda f: f.write(text))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not readable JSON ({e})") from e
+
+
+def _manifest(root: Path, recipe: str, cfg, folds: list[int]) -> dict[str, Any]:
+    """folds.json: refuses a folder whose folds came from another recipe or split."""
+    num = int(cfg.data.args.get("num_folds", 5))
+    want = {"recipe": recipe, "recipe_name": cfg.recipe, "num_folds": num,
+            "split_seed": int(cfg.data.args.get("split_seed", 0))}
+    f = root / FOLDS_FILE
+    if f.is_file():
+        have = _read_json(f)
+        for key in ("recipe_name", "num_folds", "split_seed"):
+            if have.get(key) != want[key]:
+                raise DataError(f"{f}: folds of {key} {have.get(key)!r}, this command trains {want[key]!r}; "
+                                "choose another --out")
+        folds = sorted(set(have.get("folds", [])) | set(folds))
+    elif root.is_dir() and any(root.iterdir()):
+        raise DataError(f"{root}: exists and is not a train --folds folder (no {FOLDS_FILE}); choose another --out")
+    return {**want, "folds": folds}
+
+
+def _check_reader_folds(cfg) -> None:
+    """The recipe's reader splits by ``fold`` (before anything is written)."""
+    import inspect
+
+    import fastvision.data.formats  # noqa: F401  (registers the readers)
+    from fastvision.registry import DATASETS
+
+    if "fold" not in inspect.signature(DATASETS.get(cfg.data.name)).parameters:
+        raise ConfigError(f"data.name={cfg.data.name}: its reader has no folds (data.args.fold); --folds needs "
+                          "one that splits by fold (decathlon, brats)")
+
+
+def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | None = None,
+                extra: Sequence[dict[str, Any]] = (), postprocess_mode: str = "auto") -> dict[str, Any] | None:
+    """Train the folds of ``spec`` one after another into ``out/fold-<k>``, then cross-validate.
+
+    A finished fold (summary.json) is skipped; an interrupted one resumes from its last checkpoint
+    (``--resume auto``). Every rank of a torchrun / srun job trains every fold; rank 0 then scores
+    the out-of-fold predictions (:func:`cross_validate`). Returns the cross-validation (rank 0) or None.
+    """
+    from fastvision.api import overrides_to_dicts, run_training
+
+    if not out:
+        raise ConfigError("train --folds needs --out DIR (the folder of the folds)")
+    cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
+    _check_reader_folds(cfg)
+    folds = parse_folds(spec, int(cfg.data.args.get("num_folds", 5)))
+    env, _ = dist.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
+    root = Path(out)
+    if env.is_main:
+        if root.exists() and not root.is_dir():
+            raise DataError(f"{root}: is a file; --out must be a folder")
+        manifest = _manifest(root, recipe, cfg, folds)
+        root.mkdir(parents=True, exist_ok=True)
+        _write_json(root / FOLDS_FILE, manifest)
+    for k in folds:
+        done = dist.broadcast_object((fold_dir(root, k) / "summary.json").is_file() if env.is_main else None)
+        if done:
+            log.info("fold %d: finished already (%s), skipped", k, fold_dir(root, k) / "summary.json")
+            continue
+        log.info("fold %d of %s: training into %s", k, folds, fold_dir(root, k))
+        run_training(recipe, out=str(fold_dir(root, k)), resume="auto", overrides=overrides,
+                     extra=[*extra, {"data": {"args": {"fold": k}}}])
+    if not env.is_main:
+        return None
+    finished = [k for k in _read_json(root / FOLDS_FILE)["folds"] if (fold_dir(root, k) / "summary.json").is_file()]
+    return cross_validate(root, finished, postprocess_mode, cfg.train.device)
+
+
+def _oof_cases(root: Path, k: int, device: str) -> tuple[Any, list[dict[str, Any]]]:
+    """Fold ``k``'s final model on its validation cases: (task, [{"id", "fold", "pred", "truth"}])."""
+    from fastvision.api import load_run
+    from fastvision.inference.volumes import Ensemble
+
+    run, _ = load_run(fold_dir(root, k) / "checkpoints" / "last.pt", device)
+    ens = Ensemble(run.task, run.model, [], run.device, autocast=run.precision.autocast)
+    out = []
+    for i in range(len(run.val_set)):
+        item = run.val_set[i]
+        label = ens.labels(ens.probabilities(item["image"])).numpy()
+        out.append({"id": str(item["id"]), "fold": k, "pred": label, "truth": item["label"].numpy().astype(np.uint8)})
+    return run.task, out
+
+
+def _counts(pred: np.ndarray, truth: np.ndarray, sets: list[list[int]]) -> dict[str, list[int]]:
+    tp, fp, fn = [], [], []
+    for s in sets:
+        p, t = np.isin(pred, s), np.isin(truth, s)
+        both = int(np.count_nonzero(p & t))
+        tp.append(both)
+        fp.append(int(np.count_nonzero(p)) - both)
+        fn.append(int(np.count_nonzero(t)) - both)
+    return {"tp": tp, "fp": fp, "fn": fn}
+
+
+def cross_validate(root: str | Path, folds: Sequence[int], postprocess_mode: str = "auto",
+                   device: str = "auto") -> dict[str, Any]:
+    """Score the out-of-fold predictions of ``folds``, choose the postprocessing, write
+    crossval.json and postprocessing.json into ``root``; returns crossval.json's content."""
+    from fastvision.metrics.crossval import fold_table
+
+    root = Path(root)
+    if not folds:
+        raise DataError(f"{root}: no finished fold to cross-validate")
+    task, cases = None, []
+    for k in folds:
+        task, found = _oof_cases(root, k, device)
+        cases += found
+    named = postprocess.targets(task)
+    names, sets = [n for n, _ in named], [s for _, s in named]
+    pairs = [(c["pred"], c["truth"]) for c in cases]
+    pp = postprocess.decide(pairs, task) if postprocess_mode == "auto" else postprocess.fixed(task, postprocess_mode)
+    pp["folds"] = list(folds)
+    res = fold_table([{"id": c["id"], "fold": c["fold"], **_counts(c["pred"], c["truth"], sets)} for c in cases],
+                     names, task.empty)
+    if pp["steps"]:
+        after = [postprocess.apply(c["pred"], pp["steps"]) for c in cases]
+        res["postprocessed"] = fold_table([{"id": c["id"], "fold": c["fold"], **_counts(p, c["truth"], sets)}
+                                           for c, p in zip(cases, after)], names, task.empty)
+    res.update({"folds": list(folds), "postprocessing": pp, "grid": "preprocessed (data.args spacing and crop)"})
+    _write_json(root / POSTPROCESSING_FILE, pp)
+    _write_json(root / CROSSVAL_FILE, res)
+    return res
+
+
+# ----------------------------------------------------------------------------- ensembles
+def _identity(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """What folds of one ensemble must share: recipe, network, task outputs, label set, preprocessing."""
+    cfg, info = ckpt.get("config", {}), ckpt.get("data_info", {}) or {}
+    task = cfg.get("task", {}).get("args", {})
+    data = cfg.get("data", {}).get("args", {})
+    return {"recipe": cfg.get("recipe"), "model": cfg.get("model"),
+            "labels": {"num_classes": task.get("num_classes"), "mode": task.get("mode"), "regions": task.get("regions"),
+                       "class_names": info.get("class_names")},
+            "preprocessing": {k: data.get(k) for k in ("target_spacing", "intensity", "window", "crop_foreground")}}
+
+
+def fold_checkpoints(root: str | Path, spec: str | None) -> list[Path]:
+    """The final checkpoints of the folds to ensemble, every one checked: present, finished, alike.
+
+    ``spec`` None: the folds folds.json lists (else every fold-<k>/ present).
+
+    Raises:
+        DataError: one line naming the missing / unfinished fold or the fold that differs.
+    """
+    from fastvision.engine.checkpoint import load
+
+    root = Path(root)
+    listed = _read_json(root / FOLDS_FILE) if (root / FOLDS_FILE).is_file() else {}
+    present = sorted(int(p.name.split("-", 1)[1]) for p in root.glob("fold-[0-9]*") if p.name.split("-", 1)[1].isdigit())
+    num = int(listed.get("num_folds", max(present, default=0) + 1))
+    folds = parse_folds(spec, num) if spec else (listed.get("folds") or present)
+    hint = f"fastvision train {listed.get('recipe', 'RECIPE')} --folds {{k}} --out {root}"
+    paths, first = [], None
+    for k in folds:
+        d = fold_dir(root, k)
+        if not d.is_dir():
+            raise DataError(f"{d}: missing (fold {k} of {root} was never trained); train it with: {hint.format(k=k)}")
+        if not (d / "summary.json").is_file() or not (d / "checkpoints" / "last.pt").is_file():
+            raise DataError(f"{d}: unfinished (no summary.json); finish it with: {hint.format(k=k)}")
+        ident = _identity(load(d / "checkpoints" / "last.pt"))
+        if first is None:
+            first = (d, ident)
+        for key in ("recipe", "labels", "model", "preprocessing"):
+            if ident[key] != first[1][key]:
+                what = {"recipe": "recipe", "labels": "label set", "model": "network",
+                        "preprocessing": "preprocessing"}[key]
+                raise DataError(f"{d}: trained with another {what} than {first[0]} ({ident[key]} vs "
+                                f"{first[1][key]}): the folds of one ensemble need one recipe and label set")
+        paths.append(d / "checkpoints" / "last.pt")
+    return paths
+
+
+def _postprocess_steps(mode: str, task, pp_file: Path) -> list[list[int]]:
+    """``auto``: the folder's postprocessing.json (none without one); ``none``; ``lcc``: every target."""
+    if mode == "auto":
+        return postprocess.load_steps(pp_file) if pp_file.is_file() else []
+    return postprocess.fixed(task, mode)["steps"]
+
+
+def _tta_axes(tta: bool | str, cfg) -> list[int]:
+    """Mirroring axes: none, the recipe's flip axes (True), or the ones given (``"0,1,2"``)."""
+    from fastvision.inference.volumes import tta_axes
+
+    if not tta:
+        return []
+    if tta is True:
+        return tta_axes(cfg, 3)
+    try:
+        axes = sorted({int(a) for a in str(tta).split(",") if a.strip()})
+    except ValueError:
+        axes = [-1]
+    if not axes or any(not 0 <= a < 3 for a in axes):
+        raise ConfigError(f"--tta-axes {tta!r}: spatial axes 0, 1, 2, e.g. 0,1,2")
+    return axes
+
+
+def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *, folds: str | None = None,
+                    tta: bool | str = False, postprocess_mode: str = "auto", device: str = "auto",
+                    force: bool = False) -> dict[str, Any]:
+    """``fastvision predict`` on NIfTI volumes: a run, a checkpoint, or the ensemble of a folds folder.
+
+    Everything is checked before ``out`` is touched (folds present, finished and alike; every
+    input's channels); then this rank's share of the cases is predicted
+    (:func:`fastvision.inference.nifti.predict_cases`). Rank and world size come from the launch
+    environment (torchrun / srun / single).
+
+    ``tta``: False, True (the recipe's flip axes) or axes as text (``"0,1,2"``).
+
+    Returns:
+        ``{"written": [paths], "skipped": n, "mine": n, "cases": n, "rank": r, "world": w}``.
+    """
+    from fastvision.api import expand_inputs, load_run
+    from fastvision.engine.checkpoint import load
+    from fastvision.inference.nifti import predict_cases, prediction_cases
+    from fastvision.inference.volumes import Ensemble, check_cases, input_channels, prepare_output, shard
+
+    path, env = Path(model), dist.detect_env()
+    if is_folds_dir(path):
+        ckpts = fold_checkpoints(path, folds)
+        run, _ = load_run(ckpts[0], device, with_data=False)
+        states = [(lambda c: c.get("eval_model", c["model"]))(load(p)) for p in ckpts]
+        pp_file = path / POSTPROCESSING_FILE
+    else:
+        if folds:
+            raise ConfigError(f"--folds: {path} is not a train --folds folder (no folds.json or fold-<k>/)")
+        run, ckpt = load_run(path, device, with_data=False)
+        ckpts, states = [ckpt], []
+        pp_file = (path if path.is_dir() else ckpt.resolve().parent.parent) / POSTPROCESSING_FILE
+    axes = _tta_axes(tta, run.cfg)
+    if tta and not axes:
+        log.warning("--tta: %s trains without flips (data.augment.flip), so nothing is mirrored", run.cfg.recipe)
+    steps = _postprocess_steps(postprocess_mode, run.task, pp_file)
+    cases = prediction_cases(expand_inputs(list(inputs)))
+    check_cases(cases, input_channels(run.model))
+    manifest = {"model": str(path.resolve()), "tta_axes": axes, "postprocess": steps,
+                "checkpoints": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                                for p in ckpts]}
+    out = Path(out)
+    prepare_output(out, manifest, force)
+    ens = Ensemble(run.task, run.model, states, run.device, tta_axes=axes, autocast=run.precision.autocast)
+    written, skipped = predict_cases(ens, run.cfg, cases, out, steps=steps, force=force, rank=env.rank,
+                                     world=env.world_size)
+    return {"written": written, "skipped": skipped, "mine": len(shard(cases, env.rank, env.world_size)),
+            "cases": len(cases), "rank": env.rank, "world": env.world_size}

@@ -1,0 +1,145 @@
+"""``train --folds``: folds trained one after another, resumed, cross-validated; bad fold folders."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from fastvision import cli
+from fastvision.data.formats.decathlon import kfold_split
+from tests.inference.conftest import FOLD_FLAGS
+
+
+def test_train_folds_writes_cross_validation(spleen_folds):
+    data, out, printed = spleen_folds
+    assert json.loads((out / "folds.json").read_text())["folds"] == [0, 1]
+    res = json.loads((out / "crossval.json").read_text())
+    ids = sorted(e["image"].split("/")[-1][: -len(".nii.gz")] for e in json.loads((data / "dataset.json").read_text())["training"])
+    for k in (0, 1):
+        # each fold's validation cases are the reader's split of data.args.fold = k ...
+        assert sorted(c["id"] for c in res["cases"] if c["fold"] == k) == kfold_split(ids, k, 2)[1]
+        # ... scored by this runner as the training loop's own evaluator scored them (another code path)
+        summary = json.loads((out / f"fold-{k}" / "summary.json").read_text())
+        mine = [c["mean_dice"] for c in res["cases"] if c["fold"] == k and c["mean_dice"] is not None]
+        assert np.mean(mine) == pytest.approx(summary["dice"], abs=1e-6)
+    # pooled Dice by hand from the per-case counts is in the table, the mean over cases too
+    assert res["dice"] == pytest.approx(np.mean([c["mean_dice"] for c in res["cases"] if c["mean_dice"] is not None]))
+    assert "out-of-fold" in printed and "pooled" in printed and "mean over cases" in printed
+    pp = json.loads((out / "postprocessing.json").read_text())
+    assert pp["folds"] == [0, 1] and isinstance(pp["steps"], list) and pp["trials"][0]["target"] == "foreground"
+
+
+def test_cv_prints_the_folds_table(spleen_folds, capsys):
+    _, out, _ = spleen_folds
+    assert cli.main(["cv", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Dice per case" in text and "pooled" in text
+
+
+def test_finished_folds_skipped_and_unfinished_resumed(spleen_folds, tmp_path, capsys):
+    data, out, _ = spleen_folds
+    copy = tmp_path / "cv"
+    shutil.copytree(out, copy)
+    (copy / "fold-1" / "summary.json").unlink()  # fold 1 stopped after its checkpoint, before the end
+    stamp = (copy / "fold-0" / "checkpoints" / "last.pt").stat().st_mtime_ns
+    assert cli.main(["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", "all",
+                     "--out", str(copy), "--postprocess", "lcc", *FOLD_FLAGS]) == 0
+    assert (copy / "fold-0" / "checkpoints" / "last.pt").stat().st_mtime_ns == stamp  # not retrained
+    log = capsys.readouterr().err
+    assert "fold 0: finished already" in log and "resumed from" in log
+    assert (copy / "fold-1" / "summary.json").is_file()
+    assert json.loads((copy / "postprocessing.json").read_text())["steps"] == [[1]]  # --postprocess lcc
+
+
+def _error(capsys, argv) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def _test_image(data):
+    return sorted((data / "imagesTs").glob("*.nii.gz"))[0]
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("missing", "fold-1: missing"),
+    ("unfinished", "fold-1: unfinished"),
+    ("recipe", "another recipe"),
+    ("labels", "another label set"),
+])
+def test_bad_folds_folder(spleen_folds, tmp_path, capsys, damage, words):
+    data, out, _ = spleen_folds
+    bad = tmp_path / "cv"
+    shutil.copytree(out, bad)
+    ckpt = bad / "fold-1" / "checkpoints" / "last.pt"
+    if damage == "missing":
+        shutil.rmtree(bad / "fold-1")
+    elif damage == "unfinished":
+        (bad / "fold-1" / "summary.json").unlink()
+    else:  # fold 1 as if trained with another recipe / label set (a real checkpoint file, rewritten)
+        state = torch.load(ckpt, weights_only=True)
+        if damage == "recipe":
+            state["config"]["recipe"] = "unet3d-spleen-fast"
+        else:
+            state["config"]["task"]["args"]["num_classes"] = 3
+            state["data_info"]["class_names"] = ["background", "spleen", "tumour"]
+        torch.save(state, ckpt)
+    pred = tmp_path / "pred"
+    err = _error(capsys, ["predict", str(bad), str(_test_image(data)), "--out", str(pred), "--device", "cpu"])
+    assert words in err and str(bad / "fold-1") in err
+    assert not pred.exists()  # nothing written
+
+
+def test_input_channels_must_match(spleen_folds, tmp_path, capsys):
+    data, out, _ = spleen_folds
+    src = nib.load(str(_test_image(data)))
+    two = np.stack([np.asarray(src.dataobj)] * 2, -1)
+    bad = tmp_path / "in" / "two_channels.nii.gz"
+    bad.parent.mkdir()
+    nib.save(nib.Nifti1Image(two, src.affine), str(bad))
+    good = _test_image(data)
+    pred = tmp_path / "pred"
+    err = _error(capsys, ["predict", str(out), str(good), str(bad), "--out", str(pred), "--device", "cpu"])
+    assert str(bad) in err and "2 channel" in err and "expects 1" in err
+    assert not pred.exists()  # checked before the first case: the good one is not written either
+
+
+def test_folds_of_another_recipe_refused(spleen_folds, tmp_path, capsys):
+    data, out, _ = spleen_folds
+    other = tmp_path / "cv"
+    other.mkdir()
+    (other / "folds.json").write_text(json.dumps({"recipe_name": "unet3d-spleen-fast", "num_folds": 2,
+                                                  "split_seed": 0, "folds": [0]}))
+    err = _error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", "0",
+                          "--out", str(other), *FOLD_FLAGS])
+    assert "folds.json" in err and "unet3d-spleen-fast" in err
+    assert sorted(p.name for p in other.iterdir()) == ["folds.json"]
+
+
+@pytest.mark.parametrize("spec,error", [("5", "folds are 0..1"), ("a,b", "give all")])
+def test_bad_folds_spec(spleen_folds, tmp_path, capsys, spec, error):
+    data, _, _ = spleen_folds
+    err = _error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", spec,
+                          "--out", str(tmp_path / "x"), *FOLD_FLAGS])
+    assert error in err and not (tmp_path / "x").exists()
+
+
+def test_reader_without_folds_refused(tmp_path, capsys):
+    err = _error(capsys, ["train", "unet2d-microscopy", "--folds", "all", "--out", str(tmp_path / "x"),
+                          "--device", "cpu"])
+    assert "data.name=microscopy" in err and "no folds" in err and not (tmp_path / "x").exists()
+
+
+def test_out_that_is_another_folder_refused(spleen_folds, tmp_path, capsys):
+    data, _, _ = spleen_folds
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("recipe: x\n")
+    err = _error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", "all",
+                          "--out", str(run), *FOLD_FLAGS])
+    assert "not a train --folds folder" in err and sorted(p.name for p in run.iterdir()) == ["config.yaml"]

@@ -1,0 +1,229 @@
+"""``predict DIR``: the fold ensemble against an independent computation, mirroring, shards, resume."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from fastvision import cli
+from tests.conftest import clean_env
+
+monai_inferers = pytest.importorskip("monai.inferers")
+
+
+def _fold_model(out, k):
+    """Fold k's network and its final weights, rebuilt from the checkpoint by the API."""
+    from fastvision.api import load_run
+
+    run, _ = load_run(out / f"fold-{k}" / "checkpoints" / "last.pt", "cpu", with_data=False)
+    return run
+
+
+def _reference_probs(runs, image, flips):
+    """Mean over folds and mirrors of softmax(MONAI sliding window of each fold's model)."""
+    total, n = 0, 0
+    for run in runs:
+        sw = run.task.sliding_window
+        for f in flips:
+            x = torch.flip(image[None], f) if f else image[None]
+            with torch.no_grad():
+                logits = monai_inferers.sliding_window_inference(x, sw["roi_size"], sw.get("sw_batch_size", 1),
+                                                                 run.model, overlap=sw["overlap"], mode=sw["mode"])
+            p = torch.softmax(torch.as_tensor(logits).float(), 1)
+            total = total + (torch.flip(p, f) if f else p)
+            n += 1
+    return (total / n)[0]
+
+
+@pytest.mark.parametrize("tta", [False, True])
+def test_ensemble_is_the_mean_of_the_folds(spleen_folds, tmp_path, tta):
+    from fastvision.data.preprocess3d import preprocess_case, restore_to_input
+    from fastvision.inference.nifti import prediction_preprocessing
+    from fastvision.inference.volumes import Ensemble
+
+    data, out, _ = spleen_folds
+    image = sorted((data / "imagesTs").glob("*.nii.gz"))[0]
+    runs = [_fold_model(out, k) for k in (0, 1)]
+    params, _ = prediction_preprocessing(runs[0].task, "decathlon", runs[0].cfg.data.args)
+    pre = preprocess_case({"image": [image], "label": None}, params)
+    flips = [(), (2,), (3,), (2, 3)] if tta else [()]  # the recipe flips axes 0 and 1: (B, C, X, Y, Z) dims 2, 3
+    want = _reference_probs(runs, pre["image"], flips)
+    # the single folds really differ, so the mean is not one of them
+    assert not torch.allclose(_reference_probs(runs[:1], pre["image"], flips), want, atol=1e-4)
+
+    states = [r.model.state_dict() for r in runs]
+    ens = Ensemble(runs[0].task, _fold_model(out, 0).model, states, torch.device("cpu"), tta_axes=(0, 1) if tta else ())
+    torch.testing.assert_close(ens.probabilities(pre["image"]), want, atol=1e-5, rtol=0)
+
+    args = ["predict", str(out), str(image), "--out", str(tmp_path / "pred"), "--device", "cpu",
+            "--postprocess", "none"] + (["--tta"] if tta else [])
+    assert cli.main(args) == 0
+    got = np.asarray(nib.load(str(tmp_path / "pred" / image.name)).dataobj)
+    np.testing.assert_array_equal(got, restore_to_input(want.argmax(0).to(torch.uint8), pre["meta"]))
+    if tta:  # the same axes given by hand
+        assert cli.main(args[:-1] + ["--tta-axes", "1,0", "--out", str(tmp_path / "axes")]) == 0
+        np.testing.assert_array_equal(np.asarray(nib.load(str(tmp_path / "axes" / image.name)).dataobj), got)
+
+
+def _predict_cmd(out, inputs, dest, *extra):
+    return [sys.executable, "-m", "fastvision", "predict", str(out), *map(str, inputs), "--out", str(dest),
+            "--device", "cpu", "--tta", *extra]
+
+
+def _bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.nii.gz"))}
+
+
+def _written(stdout: str) -> int:
+    return sum(int(n) for n in re.findall(r"wrote (\d+) files", stdout))
+
+
+def _one_thread_predict(out, inputs, dest) -> dict:
+    """The reference: the cases predicted by this one process, on one thread as each rank."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks run with OMP_NUM_THREADS=1 (clean_env)
+    try:
+        assert cli.main(_predict_cmd(out, [inputs], dest)[3:]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return _bytes(dest)
+
+
+@pytest.fixture(scope="module")
+def one_process(spleen_folds, tmp_path_factory):
+    data, out, _ = spleen_folds
+    return _one_thread_predict(out, data / "imagesTs", tmp_path_factory.mktemp("one") / "pred")
+
+
+@pytest.mark.dist
+def test_two_processes_write_each_case_once_same_bytes(spleen_folds, one_process, tmp_path):
+    data, out, _ = spleen_folds
+    dest = tmp_path / "pred"
+    r = subprocess.run(_predict_cmd(out, [data / "imagesTs"], dest, "--nproc", "2"), env=clean_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = re.findall(r"rank (\d) of 2: wrote (\d+) files", r.stdout)
+    assert sorted(rank for rank, _ in lines) == ["0", "1"]
+    # every case exists and the ranks' counts add up to the case count: none written twice
+    assert sum(int(n) for _, n in lines) == len(one_process) == 10
+    assert _bytes(dest) == one_process
+    assert not [p.name for p in dest.iterdir() if p.name.endswith(".tmp")]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, so a
+    process-group kill would miss them), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+@pytest.mark.dist
+def test_killed_sharded_predict_resumes(spleen_folds, tmp_path):
+    from fastvision.data.synth import load_all
+
+    _, out, _ = spleen_folds
+    # larger cases than the fixture's (about a second each here), so the kill lands mid-way
+    data = load_all().get("spleen")(tmp_path / "big", seed=5, cases=0, test_cases=6, size=48)
+    want = _one_thread_predict(out, data / "imagesTs", tmp_path / "one")
+    dest = tmp_path / "pred"
+    cmd = _predict_cmd(out, [data / "imagesTs"], dest, "--nproc", "2")
+    job = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not list(dest.glob("*.nii.gz")) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pid in [job.pid, *_descendants(job.pid)]:  # the whole job (launchers and both ranks), mid-way
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job.communicate()
+    before = {p.name: p.stat().st_ino for p in dest.glob("*.nii.gz")}
+    assert 0 < len(before) < len(want), "the kill did not land mid-way"
+    r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert _written(r.stdout) == len(want) - len(before)  # only what was missing
+    assert _bytes(dest) == want
+    assert all(dest.joinpath(n).stat().st_ino == ino for n, ino in before.items())  # not rewritten
+
+
+def test_out_with_other_files_refused(spleen_folds, tmp_path, capsys):
+    data, out, _ = spleen_folds
+    dest = tmp_path / "pred"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    image = sorted((data / "imagesTs").glob("*.nii.gz"))[0]
+    assert cli.main(["predict", str(out), str(image), "--out", str(dest), "--device", "cpu"]) == 2
+    assert "notes.txt" in capsys.readouterr().err and sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
+    # a finished predict rerun into its own folder skips everything; another setting is refused
+    dest2 = tmp_path / "pred2"
+    assert cli.main(["predict", str(out), str(image), "--out", str(dest2), "--device", "cpu"]) == 0
+    assert "wrote 1 files" in capsys.readouterr().out
+    assert cli.main(["predict", str(out), str(image), "--out", str(dest2), "--device", "cpu"]) == 0
+    assert "(1 of 1 cases; 1 written already)" in capsys.readouterr().out
+    assert cli.main(["predict", str(out), str(image), "--out", str(dest2), "--device", "cpu", "--folds", "0"]) == 2
+    assert "another predict" in capsys.readouterr().err
+
+
+class _Threshold(torch.nn.Module):
+    """Class 1 where the input exceeds 0.5 (a 1x1x1 convolution: the model's channel count is 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(1, 2, 1)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.tensor([0.0, 1.0]).view(2, 1, 1, 1, 1))
+            self.conv.bias.copy_(torch.tensor([0.0, -0.5]))
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_postprocessing_steps_reach_the_written_case(tmp_path):
+    """Two bright blobs, a threshold model: with the step [1] only the larger blob is written."""
+    import json
+
+    from torch import nn
+
+    from fastvision.config import RunConfig
+    from fastvision.inference.folds import _postprocess_steps
+    from fastvision.inference.nifti import predict_cases, prediction_cases
+    from fastvision.inference.volumes import Ensemble, prepare_output
+    from fastvision.tasks.segment import SegmentationTask
+
+    vol = np.zeros((20, 16, 12), np.float32)
+    vol[2:9, 2:9, 2:9] = 1.0  # 343 voxels
+    vol[13:17, 10:14, 6:10] = 1.0  # 64 voxels, not touching the first
+    image = tmp_path / "in" / "blobs.nii.gz"
+    image.parent.mkdir()
+    nib.save(nib.Nifti1Image(vol, np.diag([1.0, 1.0, 1.0, 1.0])), str(image))
+    cfg = RunConfig()
+    cfg.data.name, cfg.data.args = "decathlon", {"intensity": "none", "crop_foreground": False}
+    task = SegmentationTask(num_classes=2, sample_shape=[1, 8, 8, 8], loss=nn.MSELoss(),
+                            sliding_window={"roi_size": [8, 8, 8], "overlap": 0.5, "mode": "gaussian"})
+    (tmp_path / "postprocessing.json").write_text(json.dumps({"steps": [[1]]}))
+    both, larger = (vol > 0.5).astype(np.uint8), np.zeros(vol.shape, np.uint8)
+    larger[2:9, 2:9, 2:9] = 1
+    for mode, want in (("auto", larger), ("none", both), ("lcc", larger)):
+        steps = _postprocess_steps(mode, task, tmp_path / "postprocessing.json")
+        out = tmp_path / mode
+        prepare_output(out, {"mode": mode}, force=False)
+        predict_cases(Ensemble(task, _Threshold(), [], torch.device("cpu")), cfg, prediction_cases([image]), out,
+                      steps=steps)
+        np.testing.assert_array_equal(np.asarray(nib.load(str(out / image.name)).dataobj), want)
