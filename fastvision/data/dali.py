@@ -192,11 +192,11 @@ class DaliLoader:
     def __len__(self) -> int:
         return self.batches
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """The next iteration reads epoch ``epoch``'s order and draws, from its batch ``start_batch``
-        (a mid-epoch resume: DALI decodes the batches before it again, since its random crops are a
-        stream per (seed, epoch, shard), and drops them)."""
-        self.epoch, self.start_batch = epoch, start_batch
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        """The next iteration reads epoch ``epoch``'s order and draws, from sample ``start_sample`` of
+        the epoch, all shards together (a mid-epoch resume: DALI decodes the batches before it
+        again, since its random crops are a stream per (seed, epoch, shard), and drops them)."""
+        self.epoch, self.start_batch = epoch, start_sample // (self.batch_size * self.num_shards)
 
     def _pipeline(self, samples: list[tuple[str, int]]):
         from nvidia.dali import pipeline_def
