@@ -43,23 +43,27 @@ def _items_at(data: Path, step: int, batch: int = 2) -> list[str]:
     return [train[i]["id"] for i in list(sampler)[(step - 1) * batch: step * batch]]
 
 
-def test_a_forced_nonfinite_streak_rolls_back_lowers_the_lr_and_names_the_items(tiny_microscopy, tmp_path):
-    """Steps 4-6 NaN, max_nonfinite 3, a checkpoint every 2 steps: at step 6 the run rolls back to
-    step 2's checkpoint (step 4's was written during the streak: not healthy), halves the learning
-    rate, and finishes with finite weights."""
+@pytest.mark.parametrize("action, factor", [("rollback_lower_lr", 0.5), ("rollback", 1.0)])
+def test_a_forced_nonfinite_streak_rolls_back_and_names_the_items(action, factor, tiny_microscopy, tmp_path):
+    """Steps 4-6 NaN, max_nonfinite 3, a checkpoint every 2 steps, an EMA: at step 6 the run rolls
+    back to step 2's checkpoint (step 4's was written during the streak: not healthy), lowers the
+    learning rate or not, and finishes with finite weights."""
     out = tmp_path / "run"
-    res = _train(tiny_microscopy, out, "--set", "model.args.nonfinite_steps=[4,5,6]", "--set", "train.checkpoint_every=2")
+    res = _train(tiny_microscopy, out, "--set", "model.args.nonfinite_steps=[4,5,6]", "--set", "train.checkpoint_every=2",
+                 "--set", f"train.on_nonfinite={action}", "--set", "train.ema_decay=0.9")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert re.search(r"step 6: 3 consecutive steps skipped .*rolled back to \S*rollback\.pt \(step 2\), "
-                     r"learning rate x0\.5", res.stderr), res.stderr[-3000:]
+    lowered = r", learning rate x0\.5" if factor != 1 else ""
+    assert re.search(r"step 6: 3 consecutive steps skipped .*rolled back to \S*rollback\.pt \(step 2\)"
+                     + lowered + "; continuing", res.stderr), res.stderr[-3000:]
     for step in (4, 5, 6):
         items = ", ".join(_items_at(tiny_microscopy, step))
         assert f"step {step} (non-finite loss; items {items})" in res.stderr, res.stderr[-3000:]
     last = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
-    assert all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
+    for weights in (last["model"], last["eval_model"]):
+        assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
     assert last["step"] == 12  # 13 items, batch 2: 6 steps an epoch; the run went on after the rollback
     lr = config.load("unet2d-microscopy").optim.lr * 2 / 16  # linear scaling to batch 2 (ref_batch 16)
-    assert last["optimizer"]["param_groups"][0]["lr"] == pytest.approx(lr * 0.5)
+    assert last["optimizer"]["param_groups"][0]["lr"] == pytest.approx(lr * factor)
 
 
 @pytest.mark.parametrize("every, expect", [("2", r"last healthy checkpoint is \S*rollback\.pt \(step 2\)"),
