@@ -147,8 +147,8 @@ class Ema(nn.Module):
             diff = torch._foreach_sub([p.detach() for p in model.parameters()], e_p)
             torch._foreach_mul_(diff, w.to(e_p[0].dtype))
             torch._foreach_add_(e_p, diff)
-        # buffers: a skipped step's forward may have put NaN in BatchNorm's running statistics,
-        # and NaN * 0 is NaN, so they are selected, not weighted (few tensors)
+        # buffers: selected, not weighted (few tensors): the step puts a skipped forward's
+        # BatchNorm statistics back, but a NaN that reached them any other way stays out (NaN * 0 is NaN)
         skip = keep == 0
         for e, c in zip(self.module.buffers(), model.buffers()):
             if e.is_floating_point():
