@@ -23,6 +23,7 @@ rank.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +113,15 @@ class NonFiniteGuard:
         bad = [(n, ids, loss) for (n, ids, _, _), s, loss in zip(pending, skips, losses) if s > 0]
         if not bad:
             return 0
+        # every rank skipped the same steps (all-reduced gradients): gather their items, a collective
+        # at a log interval that had skipped steps only
+        mine = [([i for part in ids for i in ids_text(part)], not math.isfinite(loss)) for _, ids, loss in bad[:_NAMED_STEPS]]
+        ranks = dist.gather_objects(mine)
         named = []
-        for n, ids, loss in bad[:_NAMED_STEPS]:
-            items = [i for part in ids for i in ids_text(part)]
+        for k, (n, _, _) in enumerate(bad[:_NAMED_STEPS]):
+            items = [i for rank in ranks for i in rank[k][0]]
             more = f" +{len(items) - _NAMED_ITEMS}" if len(items) > _NAMED_ITEMS else ""
-            why = "non-finite loss" if loss != loss or abs(loss) == float("inf") else "non-finite gradient"
+            why = "non-finite loss" if any(rank[k][1] for rank in ranks) else "non-finite gradient"
             named.append(f"{n} ({why}; items {', '.join(items[:_NAMED_ITEMS]) or '?'}{more})")
         rest = f", and {len(bad) - _NAMED_STEPS} more" if len(bad) > _NAMED_STEPS else ""
         (log.warning if dist.is_main() else log.debug)(

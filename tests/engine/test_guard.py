@@ -66,6 +66,25 @@ def test_a_forced_nonfinite_streak_rolls_back_and_names_the_items(action, factor
     assert last["optimizer"]["param_groups"][0]["lr"] == pytest.approx(lr * factor)
 
 
+@pytest.mark.dist
+def test_two_ranks_roll_back_together_and_name_every_ranks_items(tiny_microscopy, tmp_path):
+    """torchrun, 2 gloo ranks at batch 1: the same global batches as one process at batch 2, so the
+    same items are named (both ranks' together), and both ranks load the rollback and finish (13 items
+    padded to 14: 7 steps)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "fastvision.cli", "train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(out),
+           "--epochs", "1", *TINY, "--batch-size", "1", "--set", "model.args.nonfinite_steps=[4,5,6]",
+           "--set", "train.checkpoint_every=2"]
+    res = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.search(r"step 6: 3 consecutive steps skipped .*rolled back to \S*rollback\.pt \(step 2\)", res.stderr)
+    for step in (4, 5, 6):
+        assert f"step {step} (non-finite loss; items {', '.join(_items_at(tiny_microscopy, step))})" in res.stderr
+    last = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert last["step"] == 7 and all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
+
+
 @pytest.mark.parametrize("every, expect", [("2", r"last healthy checkpoint is \S*rollback\.pt \(step 2\)"),
                                            (None, "no healthy checkpoint of this run to roll back to")])
 def test_on_nonfinite_stop_names_the_checkpoint_to_resume_from(every, expect, tiny_microscopy, tmp_path):
