@@ -12,7 +12,8 @@ is not finite, the run applies ``train.on_nonfinite``:
   *next* batches at the current step and schedule (the PaLM recipe: re-reading the batches that
   diverged would diverge again, since a run is deterministic);
 * ``rollback_lower_lr`` (default): the same, and the learning rate x 0.5 from then on;
-* ``stop``: :class:`NonFiniteLossError`, naming the checkpoint to resume from.
+* ``stop``: :class:`NonFiniteLossError`, naming the checkpoint to resume from. So does a rollback
+  with no healthy checkpoint yet, or a fourth within ``WINDOW`` x ``max_nonfinite`` steps.
 
 A rollback is on disk, not in memory: every rank loads the file rank 0 wrote, as ``--resume``
 does, so a healthy run pays nothing (an in-memory copy would cost host RAM of the checkpoint's
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 
 ACTIONS = ("stop", "rollback", "rollback_lower_lr")
 LR_FACTOR = 0.5  # rollback_lower_lr: the learning rate after each rollback, as a factor
-MAX_ROLLBACKS = 3  # rollbacks to one checkpoint before the run stops instead
+MAX_ROLLBACKS = 3  # rollbacks within WINDOW x max_nonfinite steps; one more stops the run instead
+WINDOW = 10
 _NAMED_STEPS, _NAMED_ITEMS = 5, 8  # what one warning lists at most
 
 
@@ -62,7 +64,7 @@ class NonFiniteGuard:
         self.max_nonfinite, self.action, self.module = max_nonfinite, on_nonfinite, module
         self.pending: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
         self.meter: Any = None  # the running epoch's counters (EpochMeter): its streak
-        self.rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
+        self.rollbacks: list[int] = []  # the steps of the recent rollbacks
 
     def watch(self, meter: Any) -> None:
         """A new epoch's counters (their device streak is the one checked)."""
@@ -89,18 +91,21 @@ class NonFiniteGuard:
         weights_bad = bool(optim.found_non_finite(list(self.module.parameters())))
         if streak < self.max_nonfinite and not weights_bad:
             return
-        why = "a weight is not finite" if weights_bad else f"{streak} consecutive steps skipped"
+        why = "a weight is not finite" if weights_bad else \
+            f"{streak} consecutive steps skipped (non-finite loss or gradient, or fp16 overflow)"
         good = getattr(rollback, "good", None)
-        if self.action == "stop" or good is None or self.rollbacks.get(good[1], 0) >= MAX_ROLLBACKS:
+        # a run that keeps diverging soon after each rollback needs a person, not another rollback
+        self.rollbacks = [n for n in self.rollbacks if n > step - WINDOW * self.max_nonfinite]
+        if self.action == "stop" or good is None or len(self.rollbacks) >= MAX_ROLLBACKS:
             raise NonFiniteLossError(self._stop_message(why, step, good))
-        self.rollbacks[good[1]] = self.rollbacks.get(good[1], 0) + 1
+        self.rollbacks.append(step)
         rollback.wait_written()
         factor = LR_FACTOR if self.action == "rollback_lower_lr" else 1.0
         load_weights(checkpoint.load(good[0], "cpu"), rollback.run, lr_factor=factor)
         self.meter.counts[3].zero_()
         lr = f", learning rate x{factor:g}" if factor != 1 else ""
         (log.warning if dist.is_main() else log.debug)(
-            "step %d: %s (non-finite loss or gradient); rolled back to %s (step %d)%s; continuing with the "
+            "step %d: %s; rolled back to %s (step %d)%s; continuing with the "
             "next batches (train.on_nonfinite: %s)", step, why, good[0], good[1], lr, self.action)
 
     def _report(self, step: int) -> int:
@@ -135,6 +140,6 @@ class NonFiniteGuard:
         elif self.action == "stop":
             where = f"the last healthy checkpoint is {good[0]} (step {good[1]}): resume with --resume {good[0]}"
         else:
-            where = f"already rolled back {MAX_ROLLBACKS} times to {good[0]} (step {good[1]})"
-        return (f"stopping at step {step}: {why} (non-finite gradients or fp16 overflow); {where}; lower optim.lr, "
-                "set train.clip_grad, or use --amp bf16/off")
+            where = (f"rolled back {MAX_ROLLBACKS} times in the last {WINDOW * self.max_nonfinite} steps "
+                     f"already (last healthy checkpoint: {good[0]}, step {good[1]})")
+        return f"stopping at step {step}: {why}; {where}; lower optim.lr, set train.clip_grad, or use --amp bf16/off"

@@ -96,6 +96,19 @@ def test_on_nonfinite_stop_names_the_checkpoint_to_resume_from(every, expect, ti
     assert "stopping at step 6: 3 consecutive steps skipped" in line and re.search(expect, line), line
 
 
+def test_non_finite_weights_roll_back_and_a_run_that_keeps_diverging_stops(tiny_microscopy, tmp_path):
+    """SGD at lr 1e38 makes the weights infinite at each applied step: each time the run rolls back
+    (to the checkpoint of the step before) and halves the rate; the fourth time within
+    10 x max_nonfinite steps it stops, exit 2, naming the last healthy checkpoint."""
+    res = _train(tiny_microscopy, tmp_path / "run", "--set", "optim.name=sgd", "--set", "optim.lr=1e38",
+                 "--set", "train.checkpoint_every=1")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.count("a weight is not finite; rolled back to") == 3, res.stderr[-3000:]
+    line = res.stderr.strip().splitlines()[-1]
+    assert "a weight is not finite; rolled back 3 times in the last 30 steps already" in line, line
+    assert re.search(r"last healthy checkpoint: \S*rollback\.pt", line), line
+
+
 def _probe_run(tiny_microscopy, nonfinite_steps):
     over = [f"data.args.path={tiny_microscopy}", "data.args.image_size=[32,32]", "model.name=probe",
             f"model.args.nonfinite_steps={nonfinite_steps}", "train.device=cpu", "train.batch_size=4",
