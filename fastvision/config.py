@@ -96,7 +96,10 @@ class TrainConfig:
     log_every: int = 10
     target: str | None = None  # "iou=0.9": stop once reached and record the time to target
     check_finite: bool = True  # skip steps with non-finite gradients (decided on the device, no host sync)
-    max_nonfinite: int = 20  # consecutive skipped steps before the run stops (checked at log intervals)
+    max_nonfinite: int = 20  # consecutive skipped steps that trigger on_nonfinite (checked at log intervals)
+    # then: roll back to the last healthy checkpoint (rollback.pt) and go on with the next batches,
+    # the learning rate halved (rollback_lower_lr), kept (rollback), or stop (docs/distributed.md)
+    on_nonfinite: Literal["stop", "rollback", "rollback_lower_lr"] = "rollback_lower_lr"
     steps_per_epoch: int | None = None  # cap on steps per epoch (smoke tests, benchmarks)
     ema_decay: float | None = None  # exponential moving average of the weights, used for validation
     emulate_workers: int = 1  # one process trains as N data-parallel workers would (same global batch)

@@ -298,10 +298,10 @@ class DaliLoader:
     def __len__(self) -> int:
         return self.batches
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """The next iteration reads epoch ``epoch``'s order and draws, from its batch ``start_batch``
-        (a mid-epoch resume: the batches before it are not decoded)."""
-        self.epoch, self.start_batch = epoch, start_batch
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        """The next iteration reads epoch ``epoch``'s order and draws, from sample ``start_sample`` of
+        the epoch, all shards together (a mid-epoch resume: the batches before it are not decoded)."""
+        self.epoch, self.start_batch = epoch, start_sample // (self.batch_size * self.num_shards)
 
     def _build(self) -> Any:
         """Build the pipeline and its iterator (which runs the first batches of the started epoch)."""

@@ -84,10 +84,10 @@ class ThreadLoader:
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         return self._pool
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Epoch ``epoch``'s order; the next iteration begins at its batch ``start_batch`` (counting
-        repeats), reading none of the items before it."""
-        self._first_repeats = _set_epoch(self.sampler, self.dataset, epoch, start_batch, self.batch_size, self.repeats)
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        """Epoch ``epoch``'s order; the next iteration begins at sample ``start_sample`` of the epoch
+        (all ranks together, repeats counted), reading none of the items before it."""
+        self._first_repeats = _set_epoch(self.sampler, self.dataset, epoch, start_sample, self.batch_size, self.repeats)
 
     def __len__(self) -> int:
         n = len(self.sampler)
@@ -135,11 +135,11 @@ class ProcessLoader:
                                  collate_fn=collate_fn or default_collate, num_workers=num_workers,
                                  drop_last=drop_last, pin_memory=pin_memory, persistent_workers=persistent)
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
         # The dataset here is the main process's copy; workers fork from it at the next
         # iteration (not persistent for such datasets), so they see this epoch. Main-process
         # caches (smart, gpu) refuse worker processes.
-        self._first_repeats = _set_epoch(self.sampler, self.dataset, epoch, start_batch, self.batch_size, self.repeats)
+        self._first_repeats = _set_epoch(self.sampler, self.dataset, epoch, start_sample, self.batch_size, self.repeats)
 
     def __len__(self) -> int:
         return len(self.loader) * self.repeats
@@ -150,14 +150,20 @@ class ProcessLoader:
                 yield batch
 
 
-def _set_epoch(sampler, dataset, epoch: int, start_batch: int, batch_size: int, repeats: int) -> int:
-    """``set_epoch`` on the sampler and dataset, the sampler starting at loader batch ``start_batch``
-    (each batch yielded ``repeats`` times); returns how often the first batch is still yielded."""
-    first, done = divmod(start_batch, repeats)
-    if start_batch and not isinstance(sampler, TrainSampler):
+def _set_epoch(sampler, dataset, epoch: int, start_sample: int, batch_size: int, repeats: int) -> int:
+    """``set_epoch`` on the sampler and dataset, the sampler starting at sample ``start_sample`` of
+    the epoch (all ranks together, repeats counted: each batch is yielded ``repeats`` times);
+    returns how often the first batch is still yielded."""
+    done = 0
+    if start_sample and not isinstance(sampler, TrainSampler):
         raise ValueError("a mid-epoch start needs a TrainSampler")
     if isinstance(sampler, TrainSampler):
-        sampler.set_epoch(epoch, start=first * batch_size)
+        start = start_sample
+        if repeats > 1:  # this rank's yields so far, in whole batches of every rank
+            ranks = sampler.num_replicas
+            first, done = divmod(start_sample // (batch_size * ranks), repeats)
+            start = first * batch_size * ranks
+        sampler.set_epoch(epoch, start=start)
     elif hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     if hasattr(dataset, "set_epoch"):
@@ -220,8 +226,8 @@ class DevicePrefetcher:
         self.to_device = to_device or _move
         self.sampler = getattr(loader, "sampler", None)
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.loader.set_epoch(epoch, start_batch=start_batch)
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        self.loader.set_epoch(epoch, start_sample=start_sample)
 
     def __len__(self) -> int:
         return len(self.loader)

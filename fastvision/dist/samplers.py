@@ -82,8 +82,10 @@ class TrainSampler(Sampler[int]):
             self.total = math.ceil(self.n / shards) * shards
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Epoch ``epoch``'s order; iteration begins at its index ``start`` (a mid-epoch resume:
-        the skipped items are never read)."""
+        """Epoch ``epoch``'s order; iteration begins at position ``start`` of the epoch's (padded)
+        permutation, counted over all ranks: a mid-epoch resume continues at the sample it reached,
+        whatever the world size then and now (the items before it are never read). Rank ``r``
+        begins at its first position ``>= start``."""
         self.epoch, self.start = epoch, start
 
     def permutation(self) -> list[int]:
@@ -101,7 +103,8 @@ class TrainSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         order = self.permutation()
         if self.emulate == 1:
-            return iter(order[self.rank :: self.num_replicas][self.start:])
+            first = max(0, -(-(self.start - self.rank) // self.num_replicas))  # ceil((start - rank) / ranks)
+            return iter(order[self.rank :: self.num_replicas][first:])
         # Emulation: worker w's j-th batch comes right after worker w-1's j-th batch, so a loader
         # with ``batch_size`` and ``emulate`` x accumulation steps sees exactly the micro-batches
         # the ranks of a real ``emulate``-process job would see (same BatchNorm batches).

@@ -1,5 +1,5 @@
-"""Checkpoints: a CPU snapshot written atomically in a background thread; when a step checkpoint
-is due; where to resume.
+"""Checkpoints: a CPU snapshot written atomically in a background thread; where to resume. (When a
+checkpoint is due and which files it becomes: :mod:`fastvision.engine.policy`.)
 
 Host memory of a save: one copy of the checkpoint (the snapshot; GPU tensors land in pinned
 buffers kept for the next save), streamed by ``torch.save`` into the temp file: no second,
@@ -8,7 +8,6 @@ serialised copy in RAM (``benchmarks/checkpoint_ram.py`` measures the peak).
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 import threading
 import time
@@ -17,7 +16,6 @@ from typing import Any, Sequence
 
 import torch
 
-from fastvision.errors import ConfigError
 from fastvision.utils.files import (  # noqa: F401
     atomic_link,
     atomic_write,
@@ -136,56 +134,10 @@ class BackgroundWriter:
                 raise error
             log.error("checkpoint write failed: %s", error)
 
+
 def _copy_file(src: Path, f) -> None:
     with open(src, "rb") as s:
         shutil.copyfileobj(s, f, 1 << 20)
-
-
-_PERIOD = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600}
-
-
-class Every:
-    """When a step checkpoint is due: ``train.checkpoint_every`` as steps (``500``), a period
-    (``"20min"``, ``"90s"``, ``"2h"``) or whichever comes first (``"500,20min"``); None: never.
-
-    Steps count optimizer steps of the whole run. The period runs from the last checkpoint (step or
-    epoch); only rank 0's clock decides, and the ranks agree on the step through the loop's
-    per-step agreement.
-    """
-
-    def __init__(self, spec: int | str | None):
-        self.steps: int | None = None
-        self.seconds: float | None = None
-        for part in ([] if spec is None else str(spec).replace(" ", "").split(",")):
-            m = re.fullmatch(r"(\d+(?:\.\d+)?)(s|sec|m|min|h)?", part.lower())
-            if not m or float(m.group(1)) <= 0 or (m.group(2) is None and not m.group(1).isdigit()):
-                raise ConfigError(f"train.checkpoint_every: {spec!r}; expected steps (500), a period "
-                                  "(20min, 90s, 2h) or both (500,20min)")
-            if m.group(2) is None:
-                self.steps = int(m.group(1))
-            else:
-                self.seconds = float(m.group(1)) * _PERIOD[m.group(2)]
-        self.last = time.monotonic()
-
-    def due_by_steps(self, global_step: int) -> bool:
-        """Due at this step count (the same on every rank: no agreement needed)."""
-        return self.steps is not None and global_step % self.steps == 0
-
-    def due_by_time(self) -> bool:
-        """Rank 0's clock says the period is over (the ranks agree on it one step later)."""
-        return self.seconds is not None and time.monotonic() - self.last >= self.seconds
-
-    def reset(self) -> None:
-        """A checkpoint was just taken: the period starts again."""
-        self.last = time.monotonic()
-
-
-STEP_NAME = "step-{:08d}.pt"
-
-
-def step_checkpoints(folder: Path) -> list[Path]:
-    """The kept step checkpoints (``step-N.pt``) in ``folder``, oldest first."""
-    return sorted(Path(folder).glob("step-*.pt"))
 
 
 def find_resume(run_dir: Path) -> Path | None:

@@ -84,6 +84,25 @@ class RunLogger:
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
 
+    def rewind(self, epochs_done: int, position: tuple[int, int] | None) -> int:
+        """After a resume: drop the events that the resumed run writes again, so ``metrics.jsonl``
+        keeps one record per step; returns how many went. Kept: training steps up to ``position``
+        (``(epoch, step)`` of a mid-epoch checkpoint) or of the epochs done, epoch events up to
+        ``epochs_done`` (0-based), configs and summaries. A line a kill cut short goes too."""
+        if not self.enabled:
+            return 0
+        from fastvision.utils.files import atomic_write
+
+        cut = position or (epochs_done, float("inf"))
+        path = self.run_dir / "metrics.jsonl"
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _before(line, epochs_done, cut)]
+        if len(kept) < len(lines):
+            self._file.close()
+            atomic_write(path, lambda f: f.write("".join(kept).encode()))
+            self._file = open(path, "a")
+        return len(lines) - len(kept)
+
     def parameters(self, config: dict[str, Any], environment: dict[str, Any]) -> None:
         self.event("PARAMETER", {"config": config, "environment": environment})
 
@@ -176,6 +195,19 @@ class RunLogger:
             self._file = None
         if self._tb:
             self._tb.close()
+
+
+def _before(line: str, epochs_done: int, cut: tuple[int, float]) -> bool:
+    """Whether a ``metrics.jsonl`` line belongs to the run before its resume point."""
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    if isinstance(step, list) and len(step) == 2:
+        return tuple(step) <= cut
+    if isinstance(step, list) and len(step) == 1:
+        return step[0] <= epochs_done
+    return True
 
 
 def _start_plot_import() -> threading.Thread:

@@ -17,8 +17,11 @@ from fastvision.dist.preempt import Preemption
 from fastvision.dist.watchdog import Watchdog, check_timeouts, point_dumps_at
 from fastvision.engine import checkpoint, runtime
 from fastvision.engine.build import Run, build
+from fastvision.engine.guard import NonFiniteGuard
 from fastvision.engine.log import RunLogger
+from fastvision.engine.policy import CheckpointPolicy
 from fastvision.engine.state import (
+    Position,
     checkpoint_state,
     environment,
     eval_model,
@@ -30,7 +33,7 @@ from fastvision.engine.state import (
     resolved_config,
     restore,
 )
-from fastvision.engine.step import NonFiniteLossError, train_step
+from fastvision.engine.step import train_step
 from fastvision.errors import ConfigError
 from fastvision.tasks.base import Task
 
@@ -47,34 +50,41 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     :class:`fastvision.errors.Preempted`.
     """
     started = time.perf_counter()
-    when = Checkpoints.settings(cfg.train)  # bad values fail here, before anything is built or written
-    preemption = Preemption(cfg.train.stop_signals, cfg.train.requeue, every=cfg.train.log_every)
-    check_timeouts(cfg.train.hang_timeout_s, cfg.train.dist_timeout_s)
+    tc = cfg.train
+    # bad values fail here, before anything is built or written
+    policy = CheckpointPolicy.from_config(tc, run_dir / "checkpoints")
+    preemption = Preemption(tc.stop_signals, tc.requeue, every=tc.log_every)
+    check_timeouts(tc.hang_timeout_s, tc.dist_timeout_s)
     ckpt = checkpoint.load(resume, "cpu") if resume is not None else None  # RNG states stay CPU tensors
-    if ckpt is not None:
-        cfg = keep_global_batch(cfg, ckpt, dist.detect_env())
+    if ckpt is not None:  # the world this process joined decides (horovodrun sets no variable detect_env reads)
+        joined, _ = dist.init(tc.device, timeout_s=tc.dist_timeout_s, backend=tc.backend)
+        cfg = keep_global_batch(cfg, ckpt, joined.world_size, joined.is_main)
     run = build(cfg, train=True)
     state = initial_state(run.info)
     if ckpt is not None:
         state = restore(ckpt, run)
-        at = state["position"] or {"epoch": state["epoch"] + 1, "step": 0}
-        log.info("resumed from %s at epoch %d step %d", resume, at["epoch"], at["step"])  # 0-based, as logged
+        at = state["position"] or Position(state["epoch"] + 1, 0, 0)
+        log.info("resumed from %s at epoch %d step %d", resume, at.epoch, at.step)  # 0-based, as logged
     dist.broadcast_state(run.model, run.step.optimizer)  # horovod: rank 0's weights (+ resumed state); DDP: no-op
     wall_before = state["wall_time"]
     wall = lambda: wall_before + time.perf_counter() - started  # noqa: E731
     if run.env.is_main:
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     logger = RunLogger(run_dir, enabled=run.env.is_main, tensorboard=cfg.tensorboard, progress=progress)
+    if ckpt is not None:  # the steps after the checkpoint are trained again: one record per step
+        at = state["position"]
+        logger.rewind(state["epoch"], (at.epoch, at.step) if at else None)
     logger.history = list(state["history"])
     resolved = resolved_config(cfg)
     if run.env.is_main:  # the resolved config, every builder default filled in
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     logger.parameters(resolved, {**environment(run.env, run.device), "global_batch": run.global_batch,
                                  "base_lr": cfg.optim.lr, "effective_lr": run.lr, "data": run.info})
-    saver = Checkpoints(run, run_dir, resolved, wall, *when, preemption)
+    guard = NonFiniteGuard(tc.max_nonfinite, tc.on_nonfinite, run.model)
+    saver = Checkpoints(run, resolved, wall, policy, preemption, guard)
     preemption.start(run.device, timed_checkpoints=saver.every.seconds is not None)
     point_dumps_at(run_dir / "hang")
-    doctor = Watchdog.for_run(cfg.train.hang_timeout_s, run_dir / "hang", run.env.rank, dist.world_size())
+    doctor = Watchdog.for_run(tc.hang_timeout_s, run_dir / "hang", run.env.rank, dist.world_size())
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     try:
         with preemption:
@@ -106,15 +116,16 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summ
         return stop.preempted(saver.writer.join, saver.folder / "last.pt")
 
     target = parse_target(tc.target)
-    position = state["position"]
-    first = position["epoch"] if position else state["epoch"] + 1
+    position: Position | None = state["position"]
+    first = position.epoch if position else state["epoch"] + 1
     for epoch in range(first, tc.epochs):
         meter = EpochMeter(run.device)
+        saver.guard.watch(meter)
         start = 0
-        if position and position["epoch"] == epoch:  # a mid-epoch checkpoint: continue after its step
+        if position and position.epoch == epoch:  # a mid-epoch checkpoint: continue at its sample
             meter.load(position)
-            start = position["step"]
-        run.train_loader.set_epoch(epoch, start_batch=start * run.step.micro_steps)
+            start = position.first_step(run.global_batch)
+        run.train_loader.set_epoch(epoch, start_sample=meter.samples)
         stats = train_one_epoch(run, epoch, state, logger, meter, start, saver, doctor)
         if stats is None or saver.agree_stop(state, epoch, run.steps_per_epoch, meter):
             raise preempted()  # resume continues at this step
@@ -159,27 +170,29 @@ def _summarise(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", s
 
 
 class Checkpoints:
-    """When a run writes checkpoints.
+    """The checkpoints of a run as it trains.
 
-    Rank 0 writes ``last.pt`` at every epoch's end (``best.pt`` linked when the epoch improved),
-    every ``train.checkpoint_every`` steps or minutes (``step-N.pt`` links kept for the newest
-    ``train.keep_checkpoints``), and at a stop signal; always in the background, atomically. Every
-    rank takes part in deciding (through ``preemption``, which owns the signals and the ranks'
-    agreement) and sends its random-generator states, so all ranks act at the same step.
+    Which files and when: :class:`CheckpointPolicy`; this writes them, always in the background and
+    atomically (rank 0). Every rank takes part in deciding (through ``preemption``, which owns the
+    signals and the ranks' agreement) and sends its random-generator states, so all ranks act at the
+    same step.
     """
 
-    def __init__(self, run: Run, run_dir: Path, resolved: dict, wall: Callable[[], float],
-                 every: checkpoint.Every, keep: int, preemption: Preemption):
-        self.run, self.folder, self.resolved, self.wall = run, run_dir / "checkpoints", resolved, wall
+    def __init__(self, run: Run, resolved: dict, wall: Callable[[], float], policy: CheckpointPolicy,
+                 preemption: Preemption, guard: NonFiniteGuard):
+        self.run, self.resolved, self.wall, self.policy = run, resolved, wall, policy
+        self.folder, self.every, self.preemption, self.guard = policy.folder, policy.every, preemption, guard
         self.writer = checkpoint.BackgroundWriter()
-        self.every, self.keep, self.preemption = every, keep, preemption
 
-    @staticmethod
-    def settings(tc) -> tuple[checkpoint.Every, int]:
-        """``train.checkpoint_every`` and ``keep_checkpoints``, checked."""
-        if tc.keep_checkpoints < 0:
-            raise ConfigError(f"train.keep_checkpoints must be >= 0, got {tc.keep_checkpoints}")
-        return checkpoint.Every(tc.checkpoint_every), tc.keep_checkpoints
+    @property
+    def good(self) -> tuple[Path, int] | None:
+        """The newest healthy checkpoint of this run (``rollback.pt``, its step), or None."""
+        return self.policy.good
+
+    def wait_written(self) -> None:
+        """Every rank: the checkpoints rank 0 queued are on disk (before a rank reads one)."""
+        self.writer.join()
+        dist.barrier()
 
     def _timed(self) -> bool:
         """Rank 0's clock says a period's checkpoint is due (the ranks agree on it)."""
@@ -206,7 +219,7 @@ class Checkpoints:
 
     def _save_position(self, state: dict, epoch: int, i: int, meter: "EpochMeter") -> None:
         """A step checkpoint: the loop state at step ``i`` of ``epoch``, the epoch's counters with it."""
-        state["position"] = {"epoch": epoch, "step": i, **meter.state()}
+        state["position"] = Position(epoch, i, meter.samples, meter.state())
         self.save(state, step=True)
         state["position"] = None
 
@@ -215,16 +228,13 @@ class Checkpoints:
         rng_ranks = dist.gather_objects(runtime.rng_state(self.run.step.generator))
         self.every.reset()
         state["wall_time"] = self.wall()
+        paths = self.policy.files(state["step"], best=best, step=step, healthy=self.guard.healthy())
         if not self.run.env.is_main:
             return
-        paths, prune = [self.folder / "last.pt"], []
-        if best:
-            paths.append(self.folder / "best.pt")
-        if step and self.keep:  # this one is linked as step-N.pt; the oldest beyond ``keep`` go
-            paths.append(self.folder / checkpoint.STEP_NAME.format(state["step"]))
+        prune = []
+        if step:
             self.writer.join()  # the previous step-N.pt is on disk (write() would wait for it anyway)
-            kept = checkpoint.step_checkpoints(self.folder)
-            prune = kept[: max(0, len(kept) - self.keep + 1)]
+            prune = self.policy.prune(state["step"])
         self.writer.write(checkpoint_state(self.run, state, self.resolved, rng_ranks), paths, prune)
 
     def report(self) -> dict[str, float]:
@@ -270,13 +280,14 @@ class _DataWait:
 
 class EpochMeter:
     """One epoch's running counters: on the device (read at log intervals and checkpoints only) the
-    loss sum and applied / skipped / consecutive-skipped step counts; on the host the items and the
-    seconds before a resume. :meth:`state` / :meth:`load` carry them through a mid-epoch checkpoint,
-    so a resumed epoch reports what the uninterrupted one would."""
+    loss sum and applied / skipped / consecutive-skipped step counts; on the host this rank's items,
+    the samples all ranks consumed (where a resume continues) and the seconds before a resume.
+    :meth:`state` / :meth:`load` carry them through a mid-epoch checkpoint, so a resumed epoch
+    reports what the uninterrupted one would."""
 
     def __init__(self, device: torch.device):
         self.counts = torch.zeros(4, device=device, dtype=torch.float32)  # loss sum, applied, skipped, streak
-        self.images, self.resumed_s, self.skipped_seen = 0, 0.0, 0
+        self.images, self.samples, self.resumed_s = 0, 0, 0.0
         self.t_start = time.perf_counter()
 
     def add(self, loss: torch.Tensor, skipped: torch.Tensor, images: int) -> None:
@@ -287,17 +298,18 @@ class EpochMeter:
         skipped_n += bad
         streak.mul_(bad).add_(bad)  # +1 when skipped, back to 0 when applied
         self.images += images
+        self.samples += images * dist.world_size()  # every rank trains as many items per step
 
     def state(self) -> dict[str, Any]:
         """Plain values (a host read: checkpoints only)."""
         loss_sum, applied, skipped, streak = self.counts.tolist()
         return {"loss_sum": loss_sum, "applied": applied, "skipped": skipped, "streak": streak,
-                "images": self.images, "time_s": self.elapsed(),
-                "skipped_seen": self.skipped_seen}
+                "images": self.images, "time_s": self.elapsed()}
 
-    def load(self, saved: dict[str, Any]) -> None:
+    def load(self, position: Position) -> None:
+        saved = position.meter
         self.counts.copy_(torch.tensor([saved["loss_sum"], saved["applied"], saved["skipped"], saved["streak"]]))
-        self.images, self.resumed_s, self.skipped_seen = saved["images"], saved["time_s"], saved["skipped_seen"]
+        self.images, self.resumed_s, self.samples = saved["images"], saved["time_s"], position.samples
 
     def start(self) -> None:
         self.t_start = time.perf_counter()
@@ -315,6 +327,8 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
     run after a step (its checkpoint written). ``doctor`` hears of every step (the hang watchdog)."""
     tc, device, steps, step = run.cfg.train, run.device, run.steps_per_epoch, run.step
     meter = meter or EpochMeter(device)
+    guard = saver.guard if saver is not None else NonFiniteGuard(tc.max_nonfinite, "stop", run.model)
+    guard.watch(meter)
     step.model.train()
     logger.start_epoch(epoch, tc.epochs, steps)
     wait = _DataWait()
@@ -325,13 +339,14 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
         out = train_step(step, batches, wait)
         meter.add(out.loss, out.skipped, out.images)
         state["step"] += 1
+        guard.record(state["step"], out)
         if doctor is not None:
             doctor.beat(state["step"])
         logger.advance()
         if state["step"] % tc.log_every == 0 or i == steps:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # deliberate: honest images/s at log intervals only
-            _check_skipped(meter, tc, state)
+            guard.check(state["step"], saver)  # names skipped batches' items; rolls back on a long streak
             now = time.perf_counter()
             micro = (i - start) * step.micro_steps
             logger.step(epoch, i, state["step"], {
@@ -347,23 +362,6 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
     totals = dist.all_reduce_sum(meter.counts[:2].double())
     mean_loss = float(totals[0] / totals[1]) if float(totals[1]) else math.nan
     return {"loss": mean_loss, "images_per_s": meter.images * dist.world_size() / max(elapsed, 1e-9), "time_s": elapsed}
-
-
-def _check_skipped(meter: EpochMeter, tc, state: dict) -> None:
-    """At a log interval: warn about steps skipped since the last one, stop on a long bad streak.
-
-    The streak is checked here only, so a run stops up to ``train.log_every`` steps after it
-    reaches ``train.max_nonfinite``.
-    """
-    skipped, streak = int(meter.counts[2]), int(meter.counts[3])
-    if streak >= tc.max_nonfinite:
-        raise NonFiniteLossError(f"stopping: {streak} consecutive steps skipped (non-finite gradients or fp16 "
-                                 f"overflow) at step {state['step']}; lower optim.lr, set train.clip_grad, "
-                                 "or use --amp bf16/off")
-    if skipped > meter.skipped_seen:
-        log.warning("%d step(s) skipped (non-finite gradients or fp16 overflow) this epoch, up to step %d",
-                    skipped, state["step"])
-    meter.skipped_seen = skipped
 
 
 @torch.no_grad()

@@ -3,9 +3,12 @@ their restore, the EMA weights, the best-metric / target bookkeeping, and what
 the run records about itself (resolved config, environment)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import platform
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,9 +24,46 @@ from fastvision.tasks.base import Task
 log = logging.getLogger(__name__)
 
 # Keys of the loop state saved in every checkpoint (and restored by ``--resume``). ``position`` is
-# None at an epoch's end; after step k of epoch e it is {"epoch": e, "step": k, ...the epoch's
-# running counters (EpochMeter.state())}: a resume continues at step k + 1 of epoch e.
+# None at an epoch's end, else a :class:`Position` (saved as its plain dict).
 STATE_KEYS = ("epoch", "step", "best", "train_time", "wall_time", "history", "data_info", "position")
+
+
+@dataclass
+class Position:
+    """Where a mid-epoch checkpoint stands, shared by the loop (which makes and continues it), the
+    checkpoint (a plain dict: ``weights_only``) and the loader (which starts at ``samples``).
+
+    Attributes:
+        epoch: the epoch (0-based) the checkpoint was taken in.
+        step: optimizer steps of that epoch done, at the saving run's global batch (what was logged).
+        samples: items of the epoch's permutation consumed by all ranks together (repeats counted):
+            ``step`` x the global batch. Any world size continues from this sample.
+        meter: the epoch's running counters (``EpochMeter.state()``), so the resumed epoch reports
+            what the uninterrupted one would.
+    """
+
+    epoch: int
+    step: int
+    samples: int
+    meter: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "step": self.step, "samples": self.samples, **self.meter}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any] | None, global_batch: int) -> "Position | None":
+        """A checkpoint's position; one written before ``samples`` was kept counts ``step`` x its
+        ``global_batch``."""
+        if not saved:
+            return None
+        meter = {k: v for k, v in saved.items() if k not in ("epoch", "step", "samples")}
+        return cls(saved["epoch"], saved["step"], saved.get("samples", saved["step"] * global_batch), meter)
+
+    def first_step(self, global_batch: int) -> int:
+        """Steps of the epoch counted done at this run's ``global_batch``: the loop continues at the
+        next one, reading from sample ``samples`` (a partial step's worth, where the global batches
+        do not divide, shortens the epoch's end instead of repeating items)."""
+        return math.ceil(self.samples / global_batch)
 
 
 def initial_state(info: dict) -> dict[str, Any]:
@@ -107,8 +147,8 @@ class Ema(nn.Module):
             diff = torch._foreach_sub([p.detach() for p in model.parameters()], e_p)
             torch._foreach_mul_(diff, w.to(e_p[0].dtype))
             torch._foreach_add_(e_p, diff)
-        # buffers: a skipped step's forward may have put NaN in BatchNorm's running statistics,
-        # and NaN * 0 is NaN, so they are selected, not weighted (few tensors)
+        # buffers: selected, not weighted (few tensors): the step puts a skipped forward's
+        # BatchNorm statistics back, but a NaN that reached them any other way stays out (NaN * 0 is NaN)
         skip = keep == 0
         for e, c in zip(self.module.buffers(), model.buffers()):
             if e.is_floating_point():
@@ -138,6 +178,7 @@ def checkpoint_state(run, state: dict, resolved: dict, rng_ranks: list[dict]) ->
     return {**extra, "model": checkpoint.strip_prefixes(run.model.state_dict()),
             "optimizer": step.optimizer.state_dict(), "scheduler": step.scheduler.state_dict(),
             "scaler": run.precision.scaler.state_dict(), **{k: state[k] for k in STATE_KEYS},
+            "position": state["position"].to_dict() if isinstance(state["position"], Position) else state["position"],
             "rng": rng_ranks[0], "rng_ranks": rng_ranks, "world_size": len(rng_ranks),  # rng: rank 0's, as before
             "global_batch": run.global_batch, "lr": run.lr, "config": resolved, "fastvision": __version__}
 
@@ -162,6 +203,7 @@ def restore(ckpt: dict[str, Any], run) -> dict[str, Any]:
     same_world = len(ranks) == run.env.world_size
     runtime.set_rng_state(ranks[run.env.rank] if same_world else ranks[0], step.generator)
     state = {"wall_time": 0.0, "position": None, **{k: ckpt[k] for k in STATE_KEYS if k in ckpt}}
+    state["position"] = Position.from_dict(state["position"], ckpt.get("global_batch", run.global_batch))
     if not same_world and "rng_ranks" in ckpt:
         step.generator.manual_seed(runtime.augment_seed(run.cfg.train.seed, run.env.rank, state["step"]))
         if run.env.is_main:
@@ -171,6 +213,25 @@ def restore(ckpt: dict[str, Any], run) -> dict[str, Any]:
     if old_lr and run.lr != old_lr:
         _rescale_lr(step, run.lr / old_lr)
     return state
+
+
+def load_weights(ckpt: dict[str, Any], run, lr_factor: float = 1.0) -> None:
+    """A rollback: model, EMA, optimizer and loss-scaler state from ``ckpt``; the schedule, the step
+    count, the data position and the random streams stay where the run is. The learning rates
+    are the run's current ones, times ``lr_factor`` (the schedule's base too, from now on)."""
+    step = run.step
+    lrs = [(g["lr"], g.get("initial_lr")) for g in step.optimizer.param_groups]
+    run.model.load_state_dict(ckpt["model"])
+    if step.ema is not None:
+        step.ema.load_state_dict(ckpt["ema"])
+    step.optimizer.load_state_dict(ckpt["optimizer"])  # its param groups carry the saved lr: put back
+    for group, (lr, initial) in zip(step.optimizer.param_groups, lrs):
+        group["lr"] = lr
+        if initial is not None:
+            group["initial_lr"] = initial
+    run.precision.scaler.load_state_dict(ckpt["scaler"])
+    if lr_factor != 1.0:
+        _rescale_lr(step, lr_factor)
 
 
 def _rescale_lr(step, factor: float) -> None:
@@ -183,31 +244,35 @@ def _rescale_lr(step, factor: float) -> None:
         step.scheduler.base_lrs = [lr * factor for lr in step.scheduler.base_lrs]
 
 
-def keep_global_batch(cfg: RunConfig, ckpt: dict[str, Any], env: dist.DistEnv) -> RunConfig:
-    """On another world size, the accumulation that keeps the checkpoint's global batch.
+def keep_global_batch(cfg: RunConfig, ckpt: dict[str, Any], world_size: int, is_main: bool = True) -> RunConfig:
+    """On another world size, the config whose accumulation keeps the checkpoint's global batch
+    (a new config: ``cfg`` is not changed).
 
-    Global batch = per-rank batch x accumulation x emulated workers x world size. Where the saved
-    global batch divides by this run's batch x world size, ``train.accum_steps`` is set to keep it
-    (the sample order is then the same: step k reads positions [k*G, (k+1)*G) of the epoch's
-    permutation); where not, one line says so and the learning rate follows the recipe's rule
-    (``optim.ref_batch``) for the new global batch.
+    Global batch = per-rank batch x accumulation x emulated workers x world size, where
+    ``world_size`` is the size of the group this process joined (``dist.init``'s: Horovod's
+    launcher, for one, sets no variable ``dist.detect_env`` reads). Where the saved global batch
+    divides by this run's batch x world size, ``train.accum_steps`` is set to keep it (the sample
+    order is then the same: step k reads positions [k*G, (k+1)*G) of the epoch's permutation);
+    where not, one line says so and the learning rate follows the recipe's rule
+    (``optim.ref_batch``) for the new global batch (the resume still continues at the saved sample:
+    :class:`Position`).
     """
-    old, tc, world_size = ckpt.get("global_batch"), cfg.train, env.world_size
+    old, tc = ckpt.get("global_batch"), cfg.train
     saved = ckpt.get("world_size")
-    say = log.info if env.is_main else log.debug  # one line per job, not per rank
     if not old or saved is None or saved == world_size:
         return cfg
     per_step = tc.batch_size * tc.emulate_workers * world_size
     if old % per_step == 0:
         if old // per_step != tc.accum_steps:
-            say("resuming a %d-rank run on %d rank(s): train.accum_steps %d -> %d keeps the global batch %d",
-                     saved, world_size, tc.accum_steps, old // per_step, old)
-            tc.accum_steps = old // per_step
+            (log.info if is_main else log.debug)(  # one line per job, not per rank
+                "resuming a %d-rank run on %d rank(s): train.accum_steps %d -> %d keeps the global batch %d",
+                saved, world_size, tc.accum_steps, old // per_step, old)
+            return dataclasses.replace(cfg, train=dataclasses.replace(tc, accum_steps=old // per_step))
     else:
-        now = per_step * tc.accum_steps
-        (log.warning if env.is_main else log.debug)("resuming a %d-rank run on %d rank(s): its global batch %d is not a multiple of %d "
-                    "(batch x workers x ranks); training on at global batch %d, learning rate by the recipe's "
-                    "rule", saved, world_size, old, per_step, now)
+        (log.warning if is_main else log.debug)(
+            "resuming a %d-rank run on %d rank(s): its global batch %d is not a multiple of %d (batch x workers x "
+            "ranks); training on at global batch %d, learning rate by the recipe's rule", saved, world_size, old,
+            per_step, per_step * tc.accum_steps)
     return cfg
 
 

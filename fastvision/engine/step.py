@@ -32,11 +32,14 @@ class StepResult(NamedTuple):
         skipped: 0-d float32 on the device: 1.0 when the update was skipped (non-finite
             gradients, fp16 overflow; the same on every rank), 0.0 when applied. Read it only at
             log intervals: reading it is a host sync.
+        ids: each micro-batch's item names as the task gives them (``Task.item_ids``), unread (a
+            device tensor is read only when a message names a skipped batch's items).
     """
 
     loss: torch.Tensor
     images: int
     skipped: torch.Tensor
+    ids: tuple = ()
 
 
 @dataclass
@@ -90,10 +93,14 @@ def train_step(state: StepState, batches: Iterator[Any], clock: Callable[[str], 
     """
     mark = clock or _no_clock
     task, model, optimizer, scaler = state.task, state.model, state.optimizer, state.precision.scaler
-    micro_losses, images = [], 0
+    micro_losses, images, ids = [], 0, []
+    # a skipped step must leave the whole module state as it was, and the forward already updates
+    # buffers (BatchNorm's running statistics, num_batches_tracked): keep them to put back
+    kept = _keep_buffers(state.bare if state.bare is not None else model) if _checks(state) else None
     for micro in range(state.micro_steps):
         mark("data")
         batch = next(batches)
+        ids.append(task.item_ids(batch))
         mark("h2d")
         batch = task.to_device(batch, state.device, state.channels_last)
         mark("augment")
@@ -115,6 +122,8 @@ def train_step(state: StepState, batches: Iterator[Any], clock: Callable[[str], 
         optim.step_unless(optimizer, found_inf)
         if found_inf is None:  # nothing checked (train.check_finite off): nothing skipped
             found_inf = torch.zeros((), device=state.device)
+        else:
+            _restore_buffers(kept, found_inf)
         if state.precision.mode == "fp16":
             scaler.update()  # backs the scale off on found_inf, on the device
         optimizer.zero_grad()  # set_to_none by default (torch >= 2); horovod takes no argument
@@ -123,7 +132,38 @@ def train_step(state: StepState, batches: Iterator[Any], clock: Callable[[str], 
     if state.ema is not None:
         state.ema.update_parameters(state.bare if state.bare is not None else model, found_inf)
     mark("end")
-    return StepResult(loss, images, found_inf)
+    return StepResult(loss, images, found_inf, tuple(ids))
+
+
+def _checks(state: StepState) -> bool:
+    """Whether this step can be skipped (a found-inf flag is computed): fp16 always, else ``check_finite``."""
+    return state.precision.mode == "fp16" or state.check_finite
+
+
+def _keep_buffers(module: nn.Module) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """Every buffer, grouped by dtype and device, with one flat copy of each group's values before the
+    forward (transient memory of the buffers: BatchNorm's statistics, a few KB to MB). One flat copy
+    per group, not one per buffer: a few kernels instead of two per buffer (launches dominate, the
+    bytes are few)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for b in module.buffers():
+        groups.setdefault((b.dtype, b.device), []).append(b)
+    return [(bufs, _flat(bufs)) for bufs in groups.values()]
+
+
+def _flat(bufs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([b.detach().reshape(-1) for b in bufs])
+
+
+def _restore_buffers(kept: list[tuple[list[torch.Tensor], torch.Tensor]], found_inf: torch.Tensor) -> None:
+    """Put the buffers back where ``found_inf`` is set: ``torch.where`` on the device, no host read
+    (a skipped step's NaN must not stay in the running statistics: NaN * 0 is NaN, so select)."""
+    skip = found_inf.reshape(()) > 0
+    with torch.no_grad():
+        for bufs, old in kept:
+            chosen = torch.where(skip.to(old.device), old, _flat(bufs))
+            parts = chosen.split([b.numel() for b in bufs])
+            torch._foreach_copy_(bufs, [p.view_as(b) for p, b in zip(parts, bufs)])
 
 
 def _found_inf(state: StepState) -> torch.Tensor | None:

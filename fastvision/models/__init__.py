@@ -36,4 +36,4 @@ def list_models() -> list[str]:
     return MODELS.names()
 
 
-from fastvision.models import resnet, segresnet, ssd, unet  # noqa: E402,F401  (importing a module registers its models)
+from fastvision.models import probe, resnet, segresnet, ssd, unet  # noqa: E402,F401  (importing a module registers its models)

@@ -10,7 +10,7 @@ from fastvision.optim.optimizers import (
            param_groups,
 )
 from fastvision.optim.schedules import build_scheduler, lr_lambda
-from fastvision.optim.step import grads_found_inf, step_unless
+from fastvision.optim.step import found_non_finite, grads_found_inf, step_unless
 
-__all__ = ["Novograd", "build_optimizer", "build_scheduler", "effective_lr", "grads_found_inf", "lr_lambda",
+__all__ = ["Novograd", "build_optimizer", "build_scheduler", "effective_lr", "found_non_finite", "grads_found_inf", "lr_lambda",
            "param_groups", "step_unless"]

@@ -15,15 +15,21 @@ def grads_found_inf(optimizer: Optimizer) -> torch.Tensor:
     (after backward) and horovod (after ``synchronize``) the gradients are all-reduced, so every
     rank reaches the same decision without a collective of its own.
     """
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    return found_non_finite([p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None])
+
+
+def found_non_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """0-d float32 on the tensors' device: 1.0 when any floating-point tensor holds a NaN or Inf,
+    else 0.0; on the device (multi-tensor kernels, one per dtype), no host read."""
+    tensors = [t.detach() for t in tensors if t.is_floating_point()]
+    device = tensors[0].device if tensors else torch.device("cpu")
     found = torch.zeros((), dtype=torch.float32, device=device)
     one = torch.ones((), dtype=torch.float32, device=device)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
-        torch_private.non_finite_check_(same, found, one)
+        torch_private.non_finite_check_(same, found, one)  # x * 1 in place: values unchanged
     return found
 
 
@@ -50,6 +56,8 @@ def step_unless(optimizer: Optimizer, found_inf: torch.Tensor | None) -> None:
         # 3-D U-Net's CPU step)
         if found_inf is None or not bool(found_inf.reshape(()) > 0):
             optimizer.step()
+        else:
+            torch_private.mark_stepped(optimizer)  # the schedule steps anyway: no torch warning
         return
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     fresh = [p for p in params if not optimizer.state.get(p)]  # state this step creates (a host-side check)

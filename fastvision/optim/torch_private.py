@@ -1,12 +1,14 @@
 """The private torch API fastvision relies on, in one place, checked against the torch it runs on.
 
-Three internals make the skip-on-non-finite step free of host syncs; torch has no public form of
-them (pytorch#76710 asks for one):
+Three internals make the skip-on-non-finite step free of host syncs, and a fourth keeps its skipped
+first step quiet; torch has no public form of them (pytorch#76710 asks for one):
 
 * ``GradScaler._per_optimizer_states``: the found-inf tensors its ``unscale_`` produced;
 * the ``found_inf`` / ``grad_scale`` attributes a fused optimizer reads in ``step`` (how GradScaler
   tells fused Adam / AdamW / SGD to skip an update on the device);
-* ``torch._amp_foreach_non_finite_check_and_unscale_``: the on-device finiteness check.
+* ``torch._amp_foreach_non_finite_check_and_unscale_``: the on-device finiteness check;
+* ``Optimizer._opt_called``: what torch's LR schedulers read to warn "lr_scheduler.step() before
+  optimizer.step()".
 
 :func:`check` says, once, when the running torch is outside the versions these were verified
 against (:data:`VERIFIED`); each accessor raises a one-line error naming the missing internal, so a
@@ -85,3 +87,11 @@ def non_finite_check_(tensors: list[torch.Tensor], found: torch.Tensor, inv_scal
     if fn is None:
         raise _missing("torch._amp_foreach_non_finite_check_and_unscale_")
     fn(tensors, found, inv_scale)
+
+
+def mark_stepped(optimizer: Optimizer) -> None:
+    """Tell torch's LR scheduler that ``optimizer`` took its step, where a skipped step did not call
+    ``optimizer.step()`` on purpose: the schedule advances on skipped steps (deciding otherwise
+    needs a host read), so its warning about a schedule stepped before the optimizer (meant for
+    swapped calls) would be about fastvision's design, not the user's code."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # set by the scheduler's step wrapper

@@ -84,3 +84,17 @@ class Task:
 
     def batch_size(self, batch: dict[str, Any]) -> int:
         return int(batch[self.input_key].shape[0])
+
+    def item_ids(self, batch: dict[str, Any]) -> Any:
+        """The batch's item names for messages (``id``, else ``image_id``), as they are: a device
+        tensor is not read here (the step calls this; :func:`ids_text` reads at a log interval)."""
+        return batch.get("id", batch.get("image_id")) if isinstance(batch, dict) else None
+
+
+def ids_text(ids: Any) -> list[str]:
+    """:meth:`Task.item_ids`'s value as strings (a host read of a device tensor: call off the hot path)."""
+    if ids is None:
+        return []
+    if isinstance(ids, Tensor):
+        ids = ids.reshape(-1).tolist()
+    return [str(i) for i in ids]

@@ -277,7 +277,7 @@ def test_resume_with_dali_replays_the_straight_run(tmp_path):
 
 # ------------------------------------------------------------------ issue 28: build once, errors, threads
 def _epoch_labels(loader, epoch, start=0, take=None):
-    loader.set_epoch(epoch, start_batch=start)
+    loader.set_epoch(epoch, start_sample=start * loader.batch_size * loader.num_shards)
     out = []
     for k, b in enumerate(loader):
         out.append((b["label"].tolist(), b["image"].clone()))

@@ -96,7 +96,7 @@ def test_another_world_size_keeps_the_global_batch_and_the_sample_order():
     """A 2-rank checkpoint (batch 4 per rank) resumed on 1 rank: accumulation 2 keeps the global
     batch 8, and step k reads the same items, from any step on."""
     cfg = config.load("unet2d-microscopy", [{"train": {"batch_size": 4}}])
-    keep_global_batch(cfg, {"global_batch": 8, "world_size": 2}, DistEnv())
+    cfg = keep_global_batch(cfg, {"global_batch": 8, "world_size": 2}, DistEnv().world_size)
     assert cfg.train.accum_steps == 2
     n, b, epoch, start_step = 37, 4, 3, 2
 
@@ -104,7 +104,7 @@ def test_another_world_size_keeps_the_global_batch_and_the_sample_order():
         per_rank = []
         for r in range(world):
             s = TrainSampler(n, num_replicas=world, rank=r, seed=5, drop_last=True)
-            s.set_epoch(epoch, start=start_step * micro * b)  # what the loader asks after a resume at that step
+            s.set_epoch(epoch, start=start_step * micro * b * world)  # the samples all ranks consumed by that step
             idx = list(s)
             per_rank.append([idx[i:i + b] for i in range(0, len(idx) - len(idx) % b, b)])
         steps = min(len(p) for p in per_rank) // micro
@@ -113,7 +113,7 @@ def test_another_world_size_keeps_the_global_batch_and_the_sample_order():
     two, one = global_batches(2, 1), global_batches(1, 2)
     assert len(one) >= len(two) > 0 and one[:len(two)] == two
     uneven = config.load("unet2d-microscopy", [{"train": {"batch_size": 3}}])
-    keep_global_batch(uneven, {"global_batch": 8, "world_size": 2}, DistEnv())  # 8 is no multiple of 3
+    uneven = keep_global_batch(uneven, {"global_batch": 8, "world_size": 2}, 1)  # 8 is no multiple of 3
     assert uneven.train.accum_steps == 1
 
 

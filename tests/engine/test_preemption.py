@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastvision.engine import checkpoint
+from fastvision.engine import checkpoint, policy
 from fastvision.errors import ConfigError
 from tests.conftest import ROOT, clean_env
 
@@ -114,14 +114,14 @@ def test_step_checkpoints_every_n_steps_and_kept_ones(tiny_microscopy, tmp_path)
                                                   ("90s", None, 90.0), ("2h", None, 7200.0),
                                                   ("500,20min", 500, 1200.0), (None, None, None)])
 def test_checkpoint_every_parses_steps_and_periods(spec, steps, seconds):
-    every = checkpoint.Every(spec)
+    every = policy.Every(spec)
     assert (every.steps, every.seconds) == (steps, seconds)
 
 
 @pytest.mark.parametrize("spec", ["0", "-5", "5.5", "20 fortnights", "min"])
 def test_checkpoint_every_rejects_bad_specs(spec):
     with pytest.raises(ConfigError, match="train.checkpoint_every"):
-        checkpoint.Every(spec)
+        policy.Every(spec)
 
 
 def test_a_bad_stop_signal_is_one_line(tiny_microscopy, tmp_path):
@@ -137,11 +137,11 @@ def test_checkpoints_by_time_are_mid_epoch_positions(tiny_microscopy, tmp_path):
     out = tmp_path / "run"
     summary = fastvision.train("unet2d-microscopy", out=str(out), **tiny_overrides(
         tiny_microscopy, epochs=2, **{"train.checkpoint_every": "0.01s", "train.keep_checkpoints": 100}))
-    kept = checkpoint.step_checkpoints(out / "checkpoints")
+    kept = policy.step_checkpoints(out / "checkpoints")
     assert len(kept) >= 2 and summary["checkpoints_written"] == len(kept) + 2  # + the two epoch checkpoints
     for path in kept:
         ck = checkpoint.load(path)
-        assert path.name == checkpoint.STEP_NAME.format(ck["step"]) and ck["position"]["step"] >= 1
+        assert path.name == policy.STEP_NAME.format(ck["step"]) and ck["position"]["step"] >= 1
 
 
 @pytest.fixture

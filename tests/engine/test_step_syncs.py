@@ -103,9 +103,9 @@ def _tiny_run(tiny_microscopy, *sets):
 def _state(run):
     opt = {f"{i}.{k}": v.clone() for i, s in enumerate(run.step.optimizer.state.values())
            for k, v in s.items() if torch.is_tensor(v)}
-    # parameters, not buffers: BatchNorm's running statistics are updated by the forward pass (as
-    # in torch's GradScaler skip), before any skip is decided
-    return ({k: v.detach().clone() for k, v in run.model.named_parameters()}, opt,
+    # parameters and buffers: the forward updates BatchNorm's running statistics before any skip
+    # is decided (torch's GradScaler skip leaves them so); the step puts them back
+    return ({k: v.detach().clone() for k, v in run.model.state_dict().items()}, opt,
             {k: v.clone() for k, v in run.step.ema.state_dict().items()})
 
 

@@ -1,0 +1,146 @@
+"""The non-finite guard (engine/guard.py) and the skipped step it relies on.
+
+A forced non-finite loss comes from the registered test model ``probe`` (BatchNorm on the input, a
+1x1 convolution), whose ``nonfinite_steps`` make the listed training forward calls NaN: the real
+engine, the real CLI, no mock. References: the items at a step come from the epoch's permutation
+(``TrainSampler``, seed 0) and the dataset's own ids; BatchNorm's running statistics are computed
+by hand from the good batches (momentum 0.1, unbiased variance).
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastvision import config, engine
+from fastvision.dist.samplers import TrainSampler
+from fastvision.registry import DATASETS
+from tests.conftest import ROOT, clean_env
+
+TINY = ["--device", "cpu", "--batch-size", "2", "--set", "data.args.image_size=[32,32]", "--set", "data.num_workers=0",
+        "--set", "examples=0", "--set", "train.log_every=1", "--set", "model.name=probe",
+        "--set", "sched.name=constant", "--set", "sched.warmup_epochs=0", "--set", "train.max_nonfinite=3"]
+
+
+def _train(data: Path, out: Path, *more: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "fastvision", "train", "unet2d-microscopy", "--data", str(data), "--out", str(out),
+           "--epochs", "2", *TINY, *more]
+    return subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _items_at(data: Path, step: int, batch: int = 2) -> list[str]:
+    """The ids of the training items step ``step`` (1-based) of epoch 0 reads: the permutation's
+    positions [(step-1)*batch, step*batch) (one rank, seed 0)."""
+    cfg = config.load("unet2d-microscopy", [{"data": {"args": {"path": str(data), "image_size": [32, 32]}}}])
+    train = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args").train
+    sampler = TrainSampler(len(train), num_replicas=1, rank=0, seed=cfg.train.seed)
+    sampler.set_epoch(0)
+    return [train[i]["id"] for i in list(sampler)[(step - 1) * batch: step * batch]]
+
+
+@pytest.mark.parametrize("action, factor", [("rollback_lower_lr", 0.5), ("rollback", 1.0)])
+def test_a_forced_nonfinite_streak_rolls_back_and_names_the_items(action, factor, tiny_microscopy, tmp_path):
+    """Steps 4-6 NaN, max_nonfinite 3, a checkpoint every 2 steps, an EMA: at step 6 the run rolls
+    back to step 2's checkpoint (step 4's was written during the streak: not healthy), lowers the
+    learning rate or not, and finishes with finite weights."""
+    out = tmp_path / "run"
+    res = _train(tiny_microscopy, out, "--set", "model.args.nonfinite_steps=[4,5,6]", "--set", "train.checkpoint_every=2",
+                 "--set", f"train.on_nonfinite={action}", "--set", "train.ema_decay=0.9")
+    assert res.returncode == 0, res.stderr[-3000:]
+    lowered = r", learning rate x0\.5" if factor != 1 else ""
+    assert re.search(r"step 6: 3 consecutive steps skipped .*rolled back to \S*rollback\.pt \(step 2\)"
+                     + lowered + "; continuing", res.stderr), res.stderr[-3000:]
+    for step in (4, 5, 6):
+        items = ", ".join(_items_at(tiny_microscopy, step))
+        assert f"step {step} (non-finite loss; items {items})" in res.stderr, res.stderr[-3000:]
+    last = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    for weights in (last["model"], last["eval_model"]):
+        assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
+    assert last["step"] == 12  # 13 items, batch 2: 6 steps an epoch; the run went on after the rollback
+    lr = config.load("unet2d-microscopy").optim.lr * 2 / 16  # linear scaling to batch 2 (ref_batch 16)
+    assert last["optimizer"]["param_groups"][0]["lr"] == pytest.approx(lr * factor)
+
+
+@pytest.mark.dist
+def test_two_ranks_roll_back_together_and_name_every_ranks_items(tiny_microscopy, tmp_path):
+    """torchrun, 2 gloo ranks at batch 1: the same global batches as one process at batch 2, so the
+    same items are named (both ranks' together), and both ranks load the rollback and finish (13 items
+    padded to 14: 7 steps)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "fastvision.cli", "train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(out),
+           "--epochs", "1", *TINY, "--batch-size", "1", "--set", "model.args.nonfinite_steps=[4,5,6]",
+           "--set", "train.checkpoint_every=2"]
+    res = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.search(r"step 6: 3 consecutive steps skipped .*rolled back to \S*rollback\.pt \(step 2\)", res.stderr)
+    for step in (4, 5, 6):
+        assert f"step {step} (non-finite loss; items {', '.join(_items_at(tiny_microscopy, step))})" in res.stderr
+    last = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert last["step"] == 7 and all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("every, expect", [("2", r"last healthy checkpoint is \S*rollback\.pt \(step 2\)"),
+                                           (None, "no healthy checkpoint of this run to roll back to")])
+def test_on_nonfinite_stop_names_the_checkpoint_to_resume_from(every, expect, tiny_microscopy, tmp_path):
+    more = ["--set", f"train.checkpoint_every={every}"] if every else []
+    res = _train(tiny_microscopy, tmp_path / "run", "--set", "model.args.nonfinite_steps=[4,5,6]",
+                 "--set", "train.on_nonfinite=stop", *more)
+    assert res.returncode == 2, res.stderr[-3000:]
+    line = res.stderr.strip().splitlines()[-1]
+    assert "stopping at step 6: 3 consecutive steps skipped" in line and re.search(expect, line), line
+
+
+def test_non_finite_weights_roll_back_and_a_run_that_keeps_diverging_stops(tiny_microscopy, tmp_path):
+    """SGD at lr 1e38 makes the weights infinite at each applied step: each time the run rolls back
+    (to the checkpoint of the step before) and halves the rate; the fourth time within
+    10 x max_nonfinite steps it stops, exit 2, naming the last healthy checkpoint."""
+    res = _train(tiny_microscopy, tmp_path / "run", "--set", "optim.name=sgd", "--set", "optim.lr=1e38",
+                 "--set", "train.checkpoint_every=1")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.count("a weight is not finite; rolled back to") == 3, res.stderr[-3000:]
+    line = res.stderr.strip().splitlines()[-1]
+    assert "a weight is not finite; rolled back 3 times in the last 30 steps already" in line, line
+    assert re.search(r"last healthy checkpoint: \S*rollback\.pt", line), line
+
+
+def _probe_run(tiny_microscopy, nonfinite_steps):
+    over = [f"data.args.path={tiny_microscopy}", "data.args.image_size=[32,32]", "model.name=probe",
+            f"model.args.nonfinite_steps={nonfinite_steps}", "train.device=cpu", "train.batch_size=4",
+            "sched.name=constant", "sched.warmup_epochs=0", "optim.impl=loop"]
+    cfg = config.load("unet2d-microscopy", [config.parse_override(s) for s in over])
+    cfg.data.augment = {}
+    return engine.build(cfg, train=True, loaders=False, data_info={})
+
+
+def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(tiny_microscopy):
+    """Forward calls 1 and 3 are NaN (a skipped first step, then a later one): the running statistics
+    are those of the good batches 2 and 4 alone, computed by hand; no torch scheduler warning."""
+    run = _probe_run(tiny_microscopy, "[1,3]")
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand(4, 1, 32, 32, generator=g) * (k + 1) for k in range(4)]
+    label = (torch.rand(4, 32, 32, generator=g) > 0.5).long()
+    bn = run.model.norm
+    run.step.model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = engine.train_step(run.step, iter([{"image": xs[0], "label": label}]))
+    assert float(out.skipped) == 1
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    assert torch.equal(bn.running_mean, torch.zeros(1)) and torch.equal(bn.running_var, torch.ones(1))
+    assert int(bn.num_batches_tracked) == 0
+    for x in xs[1:]:
+        engine.train_step(run.step, iter([{"image": x, "label": label}]))
+    mean, var = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    for x in (xs[1], xs[3]):  # momentum 0.1; the running variance takes the unbiased batch variance
+        mean = 0.9 * mean + 0.1 * x.double().mean()
+        var = 0.9 * var + 0.1 * x.double().var(unbiased=True)
+    assert torch.allclose(bn.running_mean.double(), mean, rtol=1e-5)
+    assert torch.allclose(bn.running_var.double(), var, rtol=1e-5)
+    assert int(bn.num_batches_tracked) == 2
+    assert all(torch.isfinite(p).all() for p in run.model.parameters())
