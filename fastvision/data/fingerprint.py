@@ -197,6 +197,8 @@ def summarize(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -
         "median_spacing": median_spacing.tolist(),
         "median_shape": np.median([r["shape"] for r in records], axis=0).tolist(),
         "median_shape_after_crop": np.median([r["shape_after_crop"] for r in records], axis=0).tolist(),
+        "median_relative_size_after_cropping": float(np.median([np.prod(r["shape_after_crop"]) / np.prod(r["shape"])
+                                                                for r in records])),
         "class_fractions": {v: n / all_voxels for v, n in sorted(totals.items())},
         "empty_label_cases": empty,
         "anomalies": anomalies,

@@ -91,10 +91,13 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
                  "3 along an axis once its spacing is within 2x of the finest, else 1 (3x3x1 for thick slices)"))
     if "filters" in m:
         rows.append(("model.args.filters", m["filters"], "32 x 2^stage, capped at 320 (3-D) / 512 (2-D), as nnU-Net"))
+    split = plan["cluster"]
     rows.append(("train.batch_size", ov["train"]["batch_size"],
                  f"largest that fits {_budget(plan)} by plan's estimate: "
                  f"{fit['batch_fit']}; at most {MAX_DATASET_COVERED:.0%} of the dataset's voxels per step: "
-                 f"{fit['batch_cover']}; at least {MIN_BATCH} (estimated {fit['memory_gib']:.2f} GiB)"))
+                 f"{fit['batch_cover']}; at least {MIN_BATCH} (estimated {fit['memory_gib']:.2f} GiB)"
+                 + (f"; {split.why_batch}" if split.gpus > 1 else "")))
+    rows.append(("data.num_workers", ov["data"]["num_workers"], f"CPU workers per GPU: {split.why_workers}"))
     rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; fp32 on CPU (the batch was sized for "
                                       "the target GPU's precision)"))
     rows.append(("task.args.sliding_window", t["sliding_window"],
@@ -152,8 +155,9 @@ def table(plan: dict[str, Any]) -> str:
 
 def plan_json(plan: dict[str, Any]) -> str:
     """The plan without its traced config, as JSON."""
-    out = {k: v for k, v in plan.items() if k not in ("fit", "choices")}
-    fit = {k: v for k, v in plan["fit"].items() if k != "cfg"}
+    out = {k: v for k, v in plan.items() if k not in ("fit", "choices", "cluster")}
+    out["cluster"] = dataclasses.asdict(plan["cluster"])
+    fit = {k: v for k, v in plan["fit"].items() if k not in ("cfg", "trace")}
     fit["topology"] = dataclasses.asdict(fit["topology"])
     out["fit"] = fit
     out["choices"] = [{"key": k, "value": v, "why": w} for k, v, w in choices(plan)]
