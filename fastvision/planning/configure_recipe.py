@@ -24,7 +24,8 @@ from fastvision.planning.configure_rules import (
 
 
 def _model(fp: dict[str, Any], topo: Topology, base: str, thin: bool) -> dict[str, Any]:
-    c_in, c_out, stages = len(fp["channels"]), len(fp["labels"]), len(topo.strides)
+    c_in, stages = len(fp["channels"]), len(topo.strides)
+    c_out = len(fp["regions"]) if fp.get("regions") else len(fp["labels"])  # one sigmoid per region
     if base == "segresnet":
         blocks = ([1, 2, 2] + [4] * stages)[:stages]
         return {"name": "segresnet", "args": {
@@ -41,9 +42,13 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
                      batch: int, data: str) -> dict[str, Any]:
     """The mapping layered on the base recipe (``extends``)."""
     patch = list(topo.patch)
+    regions = fp.get("regions")
     out: dict[str, Any] = {
         "task": {"name": "segmentation", "args": {
-            "num_classes": len(fp["labels"]), "mode": "softmax", "regions": None, "region_names": None,
+            "num_classes": max(map(int, fp["labels"])) + 1 if regions else len(fp["labels"]),
+            "mode": "regions" if regions else "softmax",
+            "regions": list(regions.values()) if regions else None,
+            "region_names": list(regions) if regions else None,
             "sample_shape": [len(fp["channels"]), *patch],
             "sliding_window": {"roi_size": patch, "overlap": OVERLAP, "mode": "gaussian", "sw_batch_size": batch}}},
         "model": _model(fp, topo, base, geo["thin_axis"] is not None),
@@ -52,7 +57,9 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
             "patch_size": patch, "pos_fraction": 0.33}},
         "train": {"batch_size": batch, "amp": "auto"},
     }
-    if base == "segresnet":
+    if regions:  # nnU-Net's region training: a sigmoid per region, every channel a foreground region
+        out["loss"] = {"args": {"sigmoid": True, "softmax": False, "include_background": True}}
+    elif base == "segresnet":
         out["loss"] = {"args": {"sigmoid": False, "softmax": True, "include_background": False}}
     return out
 
