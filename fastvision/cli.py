@@ -123,13 +123,22 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from fastvision.config import list_recipes, recipe_path
+    from fastvision.config import list_recipes, recipe_path, recipe_summary
 
     if args.name:
         print(recipe_path(args.name).read_text(), end="")
-    else:
-        for name in list_recipes():
-            print(name)
+        return 0
+    rows = [recipe_summary(name) for name in list_recipes()]
+    if args.names:
+        print("\n".join(r["name"] for r in rows))
+        return 0
+    cols = ("name", "task", "model", "seed", "purpose")
+    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    print("  ".join(c.upper().ljust(width[c]) for c in cols).rstrip())
+    for r in rows:  # the data line under each row: the format and where to get it is too long for a column
+        print("  ".join(r[c].ljust(width[c]) for c in cols).rstrip())
+        print(" " * (width["name"] + 2) + "data " + r["data"])
+    print("\n`fastvision recipes NAME` prints one; `fastvision train NAME --data DIR` trains it.")
     return 0
 
 
@@ -229,8 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_predict)
 
-    p = sub.add_parser("recipes", help="list shipped recipes, or show one")
-    p.add_argument("name", nargs="?")
+    p = sub.add_parser("recipes", help="table of shipped recipes (task, model, data and where to get it, seed, "
+                                        "purpose), or print one")
+    p.add_argument("name", nargs="?", help="print this recipe's YAML")
+    p.add_argument("--names", action="store_true", help="names only, one per line (for scripts)")
     p.set_defaults(func=cmd_recipes)
 
     data = sub.add_parser("data", help="synthetic data and dataset inspection")
