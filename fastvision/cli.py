@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fastvision.config import AMP_MODES
-from fastvision.errors import ConfigError, DataError, FastvisionError, Preempted
+from fastvision.errors import ConfigError, DataError, DataWarning, FastvisionError, Preempted
 
 # Every subcommand is one hop from here. ``train``, ``evaluate``, ``predict``, ``recipes`` and ``data``
 # are defined in build_parser below; each feature subcommand by the function named here, which adds
@@ -271,12 +271,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_data_warning(message, category, filename, lineno, file=None, line=None, *, shown=None) -> None:
+    """``warnings.showwarning`` of the CLI: a :class:`DataWarning` (a data problem fastvision steps
+    over; its message names the file) becomes one ``fastvision: warning: ...`` log line; any other
+    warning keeps Python's format (``shown``), where the source line helps whoever reads it."""
+    if issubclass(category, DataWarning):
+        logging.getLogger("fastvision").warning("warning: %s", message)
+    else:
+        shown(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import functools
+    import warnings
+
     from fastvision.engine.log import setup_logging
 
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     setup_logging(debug)
+    shown = warnings.showwarning
+    warnings.showwarning = functools.partial(_log_data_warning, shown=shown)
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
@@ -296,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fastvision: interrupted", file=sys.stderr)
         return 130
     finally:
+        warnings.showwarning = shown
         logging.shutdown()
 
 

@@ -207,3 +207,28 @@ def test_label_on_another_grid_is_resampled_as_training_does(tmp_path):
     with pytest.warns(RuntimeWarning, match="c0.nii.gz.*resampled onto the image grid"):
         rec = fpm.case_fingerprint(case)
     assert rec["label_counts"] == {0: 20, 1: 100}
+
+
+def test_a_resampled_label_reaches_the_cli_user_as_one_log_line(tmp_path):
+    """``fastvision data inspect DIR --fingerprint`` in a real process, on a case whose label is one
+    voxel off its image: stderr has one ``fastvision: warning:`` line naming the label file, and no
+    Python warning format (category, fastvision source line)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import clean_env
+
+    lab = np.zeros((6, 5, 4))
+    lab[2:4, 1:3, 1:3] = 1
+    root = _dataset(tmp_path / "d", [(np.ones((6, 5, 4)), lab, (1, 1, 1), False)])
+    moved = root / "labelsTr/c0.nii.gz"
+    affine = np.eye(4)
+    affine[0, 3] = 1.0
+    nib.save(nib.Nifti1Image(lab.astype(np.uint8), affine), str(moved))
+    env = clean_env(FASTVISION_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "fastvision", "data", "inspect", str(root), "--fingerprint"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "resampled" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"fastvision: warning: {moved}: label grid")
+    assert "Warning:" not in proc.stderr and "warnings.warn" not in proc.stderr and ".py:" not in proc.stderr
