@@ -201,7 +201,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.fingerprint:
         from fastvision.data.fingerprint import cmd_fingerprint
         return cmd_fingerprint(Path(args.path), args.json)
-    report = inspect_path(Path(args.path))
+    import yaml
+
+    settings = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"data inspect --set {item!r}: expected KEY=VALUE, e.g. channels=3")
+        settings[key.strip().removeprefix("data.args.")] = yaml.safe_load(value)
+    report = inspect_path(Path(args.path), settings)
     print_report(report)
     unusable = report.get("unusable") or {}
     if unusable:  # every anomaly is listed above; the exit code says the folder does not train as is
@@ -262,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fingerprint", action="store_true", help="every case (Decathlon): spacing, shape, shape after "
                    "crop, foreground intensity statistics per channel, class fractions; what `configure` plans from")
     p.add_argument("--json", help="with --fingerprint: also write it to this JSON file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="microscopy: check as training with these data.args would (channels, num_classes, "
+                        "binarize; default the builder's: channels=1, num_classes=2, binarize=false)")
     p.set_defaults(func=cmd_inspect)
 
     for name, where in FEATURES:
