@@ -134,7 +134,9 @@ def recipe_text(plan: dict[str, Any]) -> str:
     """The recipe YAML: ``extends`` the base, every planned value commented."""
     fp = plan["fingerprint"]
     why = {k: w for k, _, w in choices(plan)}
-    head = [f"# Planned by `fastvision configure {plan['data']} --base {plan['base']}` for {_budget(plan)}",
+    gpus = plan["cluster"].gpus
+    head = [f"# Planned by `fastvision configure {plan['data']} --base {plan['base']}"
+            f"{f' --gpus {gpus}' if gpus > 1 else ''}` for {_budget(plan)}",
             f"# from the fingerprint of {fp['n_cases']} cases ({fp['name']}): nnU-Net v2's planning rules, batch by",
             "# `fastvision plan`'s estimator. docs/configure.md says when to override a value.",
             f"extends: {BASES[plan['base']]}"]
