@@ -139,7 +139,7 @@ def same_plan(plan: dict, nn_plans: dict) -> dict:
             "match": theirs["patch"] == ours.patch and theirs["strides"] == ours.strides}
 
 
-def geometry_agreement(inputs: list[Path], fv_out: Path, nn_out: Path) -> list[dict]:
+def geometry_agreement(inputs: list[Path], folders: dict[str, Path]) -> list[dict]:
     """Per case: each tool's segmentation on the input's grid (shape equal, affine within 1e-4 mm)."""
     import nibabel as nib
     import numpy as np
@@ -149,7 +149,7 @@ def geometry_agreement(inputs: list[Path], fv_out: Path, nn_out: Path) -> list[d
         case = f.name[: -len(".nii.gz")]
         ref = nib.load(str(f))
         row = {"case": case}
-        for who, folder in (("fastvision", fv_out), ("nnunet", nn_out)):
+        for who, folder in folders.items():
             seg = nib.load(str(folder / f"{case}.nii.gz"))
             row[who] = bool(seg.shape == ref.shape and np.allclose(seg.affine, ref.affine, atol=1e-4))
         rows.append(row)
@@ -201,6 +201,7 @@ def main() -> int:
     ap.add_argument("--nnunet-procs", type=int, default=2,
                     help="nnU-Net's preprocessing and export processes (its CLI default is 3; 2 cores here)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before one process is given up")
+    ap.add_argument("--predict-args", default="", help="more `fastvision predict` flags, e.g. '--nproc 2'")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="predict_vs_nnunet_"))
@@ -231,29 +232,38 @@ def main() -> int:
     has_tta = "--tta" in help_text
     train = ["--epochs", "1", "--set", "train.steps_per_epoch=1", "--set", "data.cache=ram",
              "--set", "data.cache_dir=null", "--set", "data.args.num_folds=2"]
-    runs = {False: work / "run", True: work / ("run" if has_tta else "run-tta")}
-    for mirror, run_dir in runs.items():
-        if not (run_dir / "summary.json").exists():  # trained already (a rerun with the same --work)
-            extra = [] if not mirror or has_tta else ["--set", "task.args.sliding_window.tta_flips=[0,1,2]"]
-            fastvision(["train", str(recipe), "--out", str(run_dir), *train, *extra], args.timeout)
+    # "fastvision": the recipe as configured (its CT crop to the voxels above the window's lower
+    # bound: fewer voxels than nnU-Net's crop to non-zero); "fastvision-whole": crop_foreground off,
+    # so the network sees nnU-Net's voxels (a CT has no zero voxel to crop)
+    variants = {"fastvision": [], "fastvision-whole": ["--set", "data.args.crop_foreground=false"]}
+    runs = {}
+    for who, extra in variants.items():
+        for mirror in (False, True):
+            tta = mirror and not has_tta
+            run_dir = work / f"run{'-whole' if extra else ''}{'-tta' if tta else ''}"
+            runs[who, mirror] = run_dir
+            if not (run_dir / "summary.json").exists():  # trained already (a rerun with the same --work)
+                more = ["--set", "task.args.sliding_window.tta_flips=[0,1,2]"] if tta else []
+                fastvision(["train", str(recipe), "--out", str(run_dir), *train, *extra, *more], args.timeout)
 
-    times = {m: {"fastvision": [], "nnunet": [], "nnunet_predict_s": []} for m in (False, True)}
+    sides = ["nnunet", *variants]
+    times = {m: {**{w: [] for w in sides}, "nnunet_predict_s": []} for m in (False, True)}
     params = None
     for r in range(args.rounds):
         for mirror in (False, True):
             tag = "mirror" if mirror else "plain"
-            fv_out, nn_out = work / f"out-fv-{tag}", work / f"out-nn-{tag}"
-            order = ("fastvision", "nnunet") if r % 2 == 0 else ("nnunet", "fastvision")
-            for who in order:  # interleaved: the shared machine's load falls on both
-                if who == "fastvision":
-                    cmd = ["predict", str(runs[mirror]), *map(str, inputs), "--out", str(fv_out), "--force"]
-                    wall, _ = fastvision(cmd + (["--tta"] if mirror and has_tta else []), args.timeout)
-                else:
+            order = sides[r % 3:] + sides[:r % 3]  # rotated each round: the shared machine's load falls on all
+            for who in order:
+                if who == "nnunet":
                     wall, res = nnunet(args.nnunet_python, nn, ["predict", str(DATASET_ID), "1" if mirror else "0",
-                                                                str(nn_out), str(args.nnunet_procs),
+                                                                str(work / f"out-nn-{tag}"), str(args.nnunet_procs),
                                                                 *map(str, nn_inputs)], args.timeout)
                     times[mirror]["nnunet_predict_s"].append(res["predict_s"])
                     params = res["parameters"]
+                else:
+                    cmd = ["predict", str(runs[who, mirror]), *map(str, inputs), "--out", str(work / f"out-{who}-{tag}"),
+                           "--force"] + (["--tta"] if mirror and has_tta else []) + args.predict_args.split()
+                    wall, _ = fastvision(cmd, args.timeout)
                 times[mirror][who].append(wall)
                 print(f"round {r} {tag} {who}: {wall:.1f} s", file=sys.stderr)
 
@@ -261,10 +271,12 @@ def main() -> int:
     pre_dir.mkdir(exist_ok=True)
     _, pre = nnunet(args.nnunet_python, nn, ["preprocess", str(DATASET_ID), str(pre_dir), *map(str, nn_inputs)],
                     args.timeout)
-    geometry = geometry_agreement(inputs, work / "out-fv-plain", work / "out-nn-plain")
+    geometry = geometry_agreement(inputs, {"nnunet": work / "out-nn-plain", "fastvision": work / "out-fastvision-plain",
+                                           "fastvision-whole": work / "out-fastvision-whole-plain"})
     prep = preprocessing_agreement(recipe, inputs, pre_dir, pre["transpose_forward"])
     report = {"nnunetv2": version, "cases": len(inputs), "plan": plan, "nnunet_parameters": params,
-              "fastvision_tta_flag": has_tta, "nnunet_procs": args.nnunet_procs, "rounds": args.rounds,
+              "fastvision_tta_flag": has_tta, "predict_args": args.predict_args, "nnunet_procs": args.nnunet_procs,
+              "rounds": args.rounds,
               "times": {("mirror" if m else "plain"): t for m, t in times.items()},
               "geometry": geometry, "preprocessing": prep}
     print(text(report))
@@ -277,16 +289,19 @@ def text(rep: dict) -> str:
     lines = [f"nnunetv2 {rep['nnunetv2']}, {rep['cases']} cases, plan {'the same' if rep['plan']['match'] else 'DIFFERS'}"
              f" (patch {rep['plan']['fastvision']['patch']} / {rep['plan']['nnunet']['patch']}), "
              f"nnU-Net network {rep['nnunet_parameters']:,} parameters", "",
-             "| mirroring | fastvision predict s (median) | nnU-Net s (median) | nnU-Net predict_from_files s | ratio |",
-             "|---|---:|---:|---:|---:|"]
+             "| mirroring | nnU-Net process s | nnU-Net predict_from_files s | fastvision predict s (as configured) "
+             "| ratio | fastvision, whole volume s | ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for tag, t in rep["times"].items():
-        fv, nn = statistics.median(t["fastvision"]), statistics.median(t["nnunet"])
-        lines.append(f"| {'8 flips, 3 axes' if tag == 'mirror' else 'none'} | {fv:.1f} | {nn:.1f} | "
-                     f"{statistics.median(t['nnunet_predict_s']):.1f} | {fv / nn:.2f} |")
+        nn = statistics.median(t["nnunet"])
+        fv, whole = statistics.median(t["fastvision"]), statistics.median(t["fastvision-whole"])
+        lines.append(f"| {'8 flips, 3 axes' if tag == 'mirror' else 'none'} | {nn:.1f} | "
+                     f"{statistics.median(t['nnunet_predict_s']):.1f} | {fv:.1f} | {fv / nn:.2f} | {whole:.1f} | "
+                     f"{whole / nn:.2f} |")
     geo = rep["geometry"]
     lines.append("")
-    lines.append(f"output on the input's grid (shape and affine): fastvision {sum(g['fastvision'] for g in geo)}/"
-                 f"{len(geo)}, nnU-Net {sum(g['nnunet'] for g in geo)}/{len(geo)}")
+    lines.append("output on the input's grid (shape and affine): " + ", ".join(
+        f"{who} {sum(g[who] for g in geo)}/{len(geo)}" for who in ("nnunet", "fastvision", "fastvision-whole")))
     prep = rep["preprocessing"]
     same = [p for p in prep if "mean_abs_diff" in p]
     lines.append(f"resampled volume shape equal (fastvision uncropped vs nnU-Net) in {len(same)}/{len(prep)} cases" + (
