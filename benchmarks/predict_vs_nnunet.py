@@ -198,6 +198,7 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=32, help="in-plane voxels of the generated CT")
     ap.add_argument("--zoom", type=float, default=2.0, help="spacing multiplier (the body fits at size 32)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds per setting")
+    ap.add_argument("--first-round", type=int, default=0, help="start the order's rotation here (a second run)")
     ap.add_argument("--nnunet-procs", type=int, default=2,
                     help="nnU-Net's preprocessing and export processes (its CLI default is 3; 2 cores here)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before one process is given up")
@@ -252,7 +253,8 @@ def main() -> int:
     for r in range(args.rounds):
         for mirror in (False, True):
             tag = "mirror" if mirror else "plain"
-            order = sides[r % 3:] + sides[:r % 3]  # rotated each round: the shared machine's load falls on all
+            k = (r + args.first_round) % 3
+            order = sides[k:] + sides[:k]  # rotated each round: the shared machine's load falls on all
             for who in order:
                 if who == "nnunet":
                     wall, res = nnunet(args.nnunet_python, nn, ["predict", str(DATASET_ID), "1" if mirror else "0",
