@@ -88,14 +88,23 @@ elif mode == "preprocess":
 """
 
 
+CPU_S: list[float] = []  # CPU seconds (user + system, the process and the children it waited for) of each run()
+
+
 def run(cmd: list[str], env: dict, timeout: float) -> tuple[float, str]:
-    """(wall seconds, stdout) of a whole process; a hang or a failure stops the benchmark with its tail."""
+    """(wall seconds, stdout) of a whole process; a hang or a failure stops the benchmark with its tail.
+    Its CPU seconds are appended to ``CPU_S``: on a shared machine the work done is steadier than the wall."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         raise SystemExit(f"timed out after {timeout:.0f} s: {' '.join(cmd[:6])} ...")
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU_S.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     if r.returncode:
         raise SystemExit(f"failed ({r.returncode}): {' '.join(cmd[:6])} ...\n{r.stderr[-3000:]}")
     return wall, r.stdout
@@ -248,7 +257,8 @@ def main() -> int:
                 fastvision(["train", str(recipe), "--out", str(run_dir), *train, *extra, *more], args.timeout)
 
     sides = ["nnunet", *variants]
-    times = {m: {**{w: [] for w in sides}, "nnunet_predict_s": []} for m in (False, True)}
+    times = {m: {**{w: [] for w in sides}, **{f"{w}_cpu": [] for w in sides}, "nnunet_predict_s": []}
+             for m in (False, True)}
     params = None
     for r in range(args.rounds):
         for mirror in (False, True):
@@ -267,7 +277,8 @@ def main() -> int:
                            "--force"] + (["--tta"] if mirror and has_tta else []) + args.predict_args.split()
                     wall, _ = fastvision(cmd, args.timeout)
                 times[mirror][who].append(wall)
-                print(f"round {r} {tag} {who}: {wall:.1f} s", file=sys.stderr)
+                times[mirror][f"{who}_cpu"].append(CPU_S[-1])
+                print(f"round {r} {tag} {who}: {wall:.1f} s wall, {CPU_S[-1]:.1f} s CPU", file=sys.stderr)
 
     pre_dir = work / "nn-preprocessed"
     pre_dir.mkdir(exist_ok=True)
@@ -291,15 +302,15 @@ def text(rep: dict) -> str:
     lines = [f"nnunetv2 {rep['nnunetv2']}, {rep['cases']} cases, plan {'the same' if rep['plan']['match'] else 'DIFFERS'}"
              f" (patch {rep['plan']['fastvision']['patch']} / {rep['plan']['nnunet']['patch']}), "
              f"nnU-Net network {rep['nnunet_parameters']:,} parameters", "",
-             "| mirroring | nnU-Net process s | nnU-Net predict_from_files s | fastvision predict s (as configured) "
-             "| ratio | fastvision, whole volume s | ratio |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| mirroring | time | nnU-Net process | fastvision predict (as configured) | ratio "
+             "| fastvision predict, whole volume | ratio |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for tag, t in rep["times"].items():
-        nn = statistics.median(t["nnunet"])
-        fv, whole = statistics.median(t["fastvision"]), statistics.median(t["fastvision-whole"])
-        lines.append(f"| {'8 flips, 3 axes' if tag == 'mirror' else 'none'} | {nn:.1f} | "
-                     f"{statistics.median(t['nnunet_predict_s']):.1f} | {fv:.1f} | {fv / nn:.2f} | {whole:.1f} | "
-                     f"{whole / nn:.2f} |")
+        for kind, suffix in (("wall s", ""), ("CPU s", "_cpu")):
+            nn = statistics.median(t["nnunet" + suffix])
+            fv, whole = statistics.median(t["fastvision" + suffix]), statistics.median(t["fastvision-whole" + suffix])
+            lines.append(f"| {'8 flips, 3 axes' if tag == 'mirror' else 'none'} | {kind} | {nn:.1f} | {fv:.1f} | "
+                         f"{fv / nn:.2f} | {whole:.1f} | {whole / nn:.2f} |")
     geo = rep["geometry"]
     lines.append("")
     lines.append("output on the input's grid (shape and affine): " + ", ".join(
