@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fastvision.config import AMP_MODES
-from fastvision.errors import ConfigError, DataError, FastvisionError, Preempted
+from fastvision.errors import ConfigError, DataError, DataWarning, FastvisionError, Preempted
 
 # Every subcommand is one hop from here. ``train``, ``evaluate``, ``predict``, ``recipes`` and ``data``
 # are defined in build_parser below; each feature subcommand by the function named here, which adds
@@ -154,13 +154,22 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from fastvision.config import list_recipes, recipe_path
+    from fastvision.config import list_recipes, recipe_path, recipe_summary
 
     if args.name:
         print(recipe_path(args.name).read_text(), end="")
-    else:
-        for name in list_recipes():
-            print(name)
+        return 0
+    rows = [recipe_summary(name) for name in list_recipes()]
+    if args.names:
+        print("\n".join(r["name"] for r in rows))
+        return 0
+    cols = ("name", "task", "model", "seed", "purpose")
+    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    print("  ".join(c.upper().ljust(width[c]) for c in cols).rstrip())
+    for r in rows:  # the data line under each row: the format and where to get it is too long for a column
+        print("  ".join(r[c].ljust(width[c]) for c in cols).rstrip())
+        print(" " * (width["name"] + 2) + "data " + r["data"])
+    print("\n`fastvision recipes NAME` prints one; `fastvision train NAME --data DIR` trains it.")
     return 0
 
 
@@ -223,7 +232,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.fingerprint:
         from fastvision.data.fingerprint import cmd_fingerprint
         return cmd_fingerprint(Path(args.path), args.json)
-    report = inspect_path(Path(args.path))
+    import yaml
+
+    settings = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"data inspect --set {item!r}: expected KEY=VALUE, e.g. channels=3")
+        settings[key.strip().removeprefix("data.args.")] = yaml.safe_load(value)
+    report = inspect_path(Path(args.path), settings)
     print_report(report)
     unusable = report.get("unusable") or {}
     if unusable:  # every anomaly is listed above; the exit code says the folder does not train as is
@@ -283,8 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     _predict_flags(p)
     p.set_defaults(func=cmd_predict)
 
-    p = sub.add_parser("recipes", help="list shipped recipes, or show one")
-    p.add_argument("name", nargs="?")
+    p = sub.add_parser("recipes", help="table of shipped recipes (task, model, data and where to get it, seed, "
+                                        "purpose), or print one")
+    p.add_argument("name", nargs="?", help="print this recipe's YAML")
+    p.add_argument("--names", action="store_true", help="names only, one per line (for scripts)")
     p.set_defaults(func=cmd_recipes)
 
     data = sub.add_parser("data", help="synthetic data and dataset inspection")
@@ -305,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fingerprint", action="store_true", help="every case (Decathlon): spacing, shape, shape after "
                    "crop, foreground intensity statistics per channel, class fractions; what `configure` plans from")
     p.add_argument("--json", help="with --fingerprint: also write it to this JSON file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="microscopy: check as training with these data.args would (channels, num_classes, "
+                        "binarize; default the builder's: channels=1, num_classes=2, binarize=false)")
     p.set_defaults(func=cmd_inspect)
 
     for name, where in FEATURES:
@@ -314,12 +336,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_data_warning(message, category, filename, lineno, file=None, line=None, *, shown=None) -> None:
+    """``warnings.showwarning`` of the CLI: a :class:`DataWarning` (a data problem fastvision steps
+    over; its message names the file) becomes one ``fastvision: warning: ...`` log line; any other
+    warning keeps Python's format (``shown``), where the source line helps whoever reads it."""
+    if issubclass(category, DataWarning):
+        logging.getLogger("fastvision").warning("warning: %s", message)
+    else:
+        shown(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import functools
+    import warnings
+
     from fastvision.engine.log import setup_logging
 
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     setup_logging(debug)
+    shown = warnings.showwarning
+    warnings.showwarning = functools.partial(_log_data_warning, shown=shown)
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
@@ -339,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fastvision: interrupted", file=sys.stderr)
         return 130
     finally:
+        warnings.showwarning = shown
         logging.shutdown()
 
 

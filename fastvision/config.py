@@ -243,6 +243,41 @@ def list_recipes() -> list[str]:
     return sorted(p.stem for p in recipe_dir().glob("*.yaml"))
 
 
+def _header(path: Path) -> list[str]:
+    """The comment lines a recipe file starts with, without the ``#``."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line[1:].strip())
+    return lines
+
+
+def recipe_summary(name: str) -> dict[str, str]:
+    """One row of ``fastvision recipes``: name, task, model, data (format and where to get it), the
+    reference seed it follows, and its purpose. ``purpose`` and ``data`` are the recipe's
+    ``# purpose:`` / ``# data:`` header lines; the seed is the first "seed 00N" its header names;
+    a recipe that ``extends`` another and lacks one takes its base's."""
+    import re
+
+    cfg = load(name)
+    found: dict[str, str] = {}
+    path: Path | None = recipe_path(name)
+    while path is not None and len(found) < 3:
+        for line in _header(path):
+            for key in ("purpose", "data"):
+                if line.startswith(f"{key}:"):
+                    found.setdefault(key, line[len(key) + 1:].strip())
+            seed = re.search(r"\bseed[ -](\d{3})\b", line, re.IGNORECASE)
+            if seed:
+                found.setdefault("seed", seed.group(1))
+        base = read_yaml(path).get("extends")
+        path = recipe_path(str(base)) if base else None
+    return {"name": name, "task": cfg.task.name, "model": cfg.model.name,
+            "data": f"{cfg.data.name}: {found.get('data', '-')}", "seed": found.get("seed", "-"),
+            "purpose": found.get("purpose", "-")}
+
+
 def recipe_path(name_or_path: str) -> Path:
     """A shipped recipe name (``unet2d-microscopy``) or a path to a YAML file."""
     p = Path(name_or_path)

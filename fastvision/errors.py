@@ -18,6 +18,12 @@ class DataError(FastvisionError):
     """A data path is missing, unreadable, corrupt or inconsistent."""
 
 
+class DataWarning(RuntimeWarning):
+    """A data problem fastvision steps over (a label resampled onto its image's grid, a corrupt cache
+    entry recomputed). Its message names the file; the CLI shows it as one log line
+    (``fastvision: warning: ...``), not Python's warning format with a source line."""
+
+
 class Preempted(FastvisionError):
     """A run stopped on a signal after writing its checkpoint; the CLI exits with ``exit_code``
     (128 + the signal, the shell's code for "ended by signal N": a scheduler sees a stop, not a success)."""

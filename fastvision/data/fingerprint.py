@@ -12,8 +12,15 @@ each case cached by the identity of its files: path, size and mtime) and reports
   foreground voxels when it has fewer, else a seeded uniform sample of that many (nnU-Net v2 draws
   ``1e8 / cases`` per case with replacement; a smaller bound keeps the cache small and moves the
   percentiles by well under 1 % of their spread);
-* class voxel fractions and the cases whose label is empty.
+* class voxel fractions and the cases whose label is empty: labels counted by ``torch.bincount``
+  on their stored dtype (no int64 copy, no sort); ``labels`` in dataset.json as MSD writes them
+  (``{value: name}``), as nnU-Net v2 does (``{name: value}``), or with nnU-Net v2's regions (a list
+  of values per name: ``regions`` in the fingerprint, planned as one sigmoid output each);
+* ``median_relative_size_after_cropping`` (voxels kept by the crop, median over cases), which
+  decides nnU-Net's non-zero mask for z-scoring.
 
+A label on another grid than its image is resampled onto the image grid (nearest) with the warning
+training gives (:func:`fastvision.data.spatial3d.label_onto_image`: one rule for both).
 Bad inputs: channels of one case on different grids, or label values that dataset.json does not
 name, stop with one line naming the case (training would fail or learn wrong classes); a case with
 no foreground, or far off the others' spacing (more than ``FAR_SPACING`` x the median on an axis),
@@ -41,6 +48,7 @@ from fastvision.data.preprocess3d import (
     reorient,
     spacing_of,
 )
+from fastvision.data.spatial3d import label_onto_image
 from fastvision.errors import DataError
 from fastvision.utils.files import atomic_write
 
@@ -48,14 +56,34 @@ log = logging.getLogger(__name__)
 
 SAMPLES_PER_CASE = 10_000  # foreground voxels per case for the intensity statistics
 FAR_SPACING = 2.0  # a case whose spacing is this far (either way) from the median on an axis is named
-_VERSION = 1  # bump when the per-case record changes: it is part of the cache key
+_VERSION = 2  # bump when the per-case record changes: it is part of the cache key
 
 
 def _read_ras(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(X, Y, Z[, C]) array in RAS voxel order and its spacing (3,) in mm."""
+    """(X, Y, Z[, C]) array as stored (dtype kept) in RAS voxel order and its RAS affine."""
     data, affine, _ = load_nifti(path)
-    data, affine = reorient(np.asarray(data), affine, orientation_to_ras(affine))
-    return data, spacing_of(affine)
+    return reorient(np.asarray(data), affine, orientation_to_ras(affine))
+
+
+def label_counts(label: np.ndarray, name: str) -> dict[int, int]:
+    """Voxels per label value, by ``torch.bincount`` on the stored integer dtype (no int64 copy, no
+    sort); a float label (many tools store labels as float32) must hold whole non-negative values
+    and is counted in the smallest unsigned type that holds its maximum."""
+    if label.dtype.kind == "b":
+        label = label.view(np.uint8)
+    if label.dtype.kind == "f":
+        if not np.isfinite(label).all() or not (np.rint(label) == label).all():
+            raise DataError(f"{name}: label values must be whole numbers (this file stores fractions)")
+        top = float(label.max()) if label.size else 0.0
+        label = label.astype(np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.int32)
+    if label.dtype.kind not in "iu":
+        raise DataError(f"{name}: label dtype {label.dtype} is not an integer or float type")
+    if label.dtype.kind == "i" and label.size and int(label.min()) < 0:
+        raise DataError(f"{name}: negative label value {int(label.min())}")
+    if label.dtype in (np.uint16, np.uint32, np.uint64):  # torch.bincount lacks these; values are checked small
+        label = label.astype(np.int32 if label.dtype == np.uint16 or int(label.max()) < 2**31 else np.int64)
+    counts = torch.bincount(torch.from_numpy(np.ascontiguousarray(label).reshape(-1)))
+    return {int(v): int(n) for v, n in enumerate(counts.tolist()) if n}
 
 
 def case_fingerprint(case: dict[str, Any], samples_per_case: int = SAMPLES_PER_CASE, seed: int = 1234) -> dict[str, Any]:
@@ -70,22 +98,30 @@ def case_fingerprint(case: dict[str, Any], samples_per_case: int = SAMPLES_PER_C
         ``{"id", "shape", "spacing", "shape_after_crop", "label_counts": {value: voxels},
         "samples": [[floats] per channel]}``.
     """
-    channels, spacing = [], None
+    channels, affine = [], None
     for p in case["image"]:
-        data, sp = _read_ras(Path(p))
+        data, aff = _read_ras(Path(p))
         data = data[..., None] if data.ndim == 3 else data
-        if spacing is not None and (not np.allclose(sp, spacing, rtol=1e-3) or data.shape[:3] != channels[0].shape[:3]):
-            raise DataError(f"case {case['id']}: channel {Path(p).name} has spacing {np.round(sp, 3).tolist()} and "
-                            f"shape {list(data.shape[:3])}, channel {Path(case['image'][0]).name} "
-                            f"{np.round(spacing, 3).tolist()} and {list(channels[0].shape[:3])}")
-        spacing = sp if spacing is None else spacing
+        if affine is not None and (not np.allclose(spacing_of(aff), spacing_of(affine), rtol=1e-3)
+                                   or data.shape[:3] != channels[0].shape[:3]):
+            raise DataError(f"case {case['id']}: channel {Path(p).name} has spacing "
+                            f"{np.round(spacing_of(aff), 3).tolist()} and shape {list(data.shape[:3])}, channel "
+                            f"{Path(case['image'][0]).name} {np.round(spacing_of(affine), 3).tolist()} and "
+                            f"{list(channels[0].shape[:3])}")
+        affine = aff if affine is None else affine
         channels.append(data)
     image = np.concatenate(channels, axis=-1).astype(np.float32)  # (X, Y, Z, C)
-    label, label_spacing = _read_ras(Path(case["label"]))
-    if label.shape != image.shape[:3] or not np.allclose(label_spacing, spacing, rtol=1e-3):
-        raise DataError(f"case {case['id']}: label grid {list(label.shape)} at {np.round(label_spacing, 3).tolist()} "
-                        f"mm does not match the image {list(image.shape[:3])} at {np.round(spacing, 3).tolist()} mm")
-    label = np.rint(label).astype(np.int64)
+    spacing = spacing_of(affine)
+    label, label_affine = _read_ras(Path(case["label"]))
+    label = label[..., 0] if label.ndim == 4 and label.shape[3] == 1 else label
+    counts = label_counts(label, str(case["label"]))  # on the stored dtype; also checks the values
+    if label.dtype.kind not in "iu":
+        label = label.astype(np.int16)  # training's label dtype (preprocess3d._load_case)
+    # training's rule: a label on another grid is resampled onto the image grid, with a warning
+    moved = label_onto_image(label, label_affine, affine, image.shape[:3], str(case["label"]))
+    if moved is not label:
+        counts = label_counts(moved, str(case["label"]))
+    label = moved
     box = foreground_box(torch.from_numpy((image != 0).any(-1)))
     fg = label > 0
     n_fg = int(fg.sum())
@@ -95,10 +131,8 @@ def case_fingerprint(case: dict[str, Any], samples_per_case: int = SAMPLES_PER_C
     for c in range(image.shape[-1]):
         v = image[..., c][fg]
         samples.append((v if pick is None else v[np.sort(pick)]).astype(float).tolist())
-    values, counts = np.unique(label, return_counts=True)
     return {"id": case["id"], "shape": list(image.shape[:3]), "spacing": [float(s) for s in spacing],
-            "shape_after_crop": [b - a for a, b in box],
-            "label_counts": {int(v): int(n) for v, n in zip(values, counts)}, "samples": samples}
+            "shape_after_crop": [b - a for a, b in box], "label_counts": counts, "samples": samples}
 
 
 def _cached(case: dict[str, Any], cache: Path | None, samples_per_case: int) -> dict[str, Any]:
@@ -159,11 +193,42 @@ def _modalities(meta: dict[str, Any], n: int) -> list[str]:
     return [str(names.get(str(c), "unknown")) for c in range(n)]
 
 
+def parse_labels(meta: dict[str, Any], path: Path) -> tuple[dict[int, str], dict[str, list[int]] | None]:
+    """dataset.json ``labels``: ``({value: name}, regions or None)``.
+
+    MSD writes ``{"0": "background", "1": "spleen"}``; nnU-Net v2 ``{"background": 0, "spleen": 1}``
+    and, for region-based training, lists: ``{"background": 0, "whole tumor": [1, 2, 3],
+    "tumor core": [2, 3], "enhancing tumor": 3}`` (each region the union of those values; v2 then
+    also names ``regions_class_order``). Regions are returned by name, background left out; every
+    value a region lists is a valid label value (named ``label <v>`` where no single entry names it).
+    """
+    raw = meta.get("labels") or {}
+    if all(str(k).lstrip("-").isdigit() for k in raw):
+        return {int(k): str(v) for k, v in raw.items()}, None
+    labels: dict[int, str] = {}
+    regions: dict[str, list[int]] = {}
+    for name, value in raw.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        try:
+            values = [int(v) for v in values]
+        except (TypeError, ValueError):
+            raise DataError(f"{path / 'dataset.json'}: labels.{name} must be an integer or a list of integers, "
+                            f"got {value!r}") from None
+        if isinstance(value, (list, tuple)):
+            regions[str(name)] = values
+        else:
+            labels[values[0]] = str(name)
+            if values[0] != 0:
+                regions[str(name)] = values
+    has_lists = any(isinstance(v, (list, tuple)) for v in raw.values())
+    for v in sorted({v for r in regions.values() for v in r} - set(labels)):
+        labels[v] = f"label {v}"
+    return dict(sorted(labels.items())), (regions if has_lists else None)
+
+
 def summarize(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -> dict[str, Any]:
     """Pool per-case records into the dataset fingerprint; raise on label values dataset.json lacks."""
-    labels = {int(k): str(v) for k, v in (meta.get("labels") or {}).items()} if all(
-        str(k).lstrip("-").isdigit() for k in (meta.get("labels") or {})) else {
-        int(v): str(k) for k, v in meta["labels"].items()}  # nnU-Net v2 writes {name: value}
+    labels, regions = parse_labels(meta, path)
     for r in records:
         extra = sorted(set(map(int, r["label_counts"])) - set(labels)) if labels else []
         if extra:
@@ -190,13 +255,16 @@ def summarize(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -
     for kind, ids in anomalies.items():
         log.warning("%s: %d %s: %s", path, len(ids), kind, ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else ""))
     return {
-        "dataset": str(path), "name": meta.get("name", path.name), "labels": labels, "n_cases": len(records),
+        "dataset": str(path), "name": meta.get("name", path.name), "labels": labels, "regions": regions,
+        "n_cases": len(records),
         "axis_order": "X, Y, Z (RAS voxel axes)",
         "cases": [{k: v for k, v in r.items() if k != "samples"} for r in records],
         "channels": channels,
         "median_spacing": median_spacing.tolist(),
         "median_shape": np.median([r["shape"] for r in records], axis=0).tolist(),
         "median_shape_after_crop": np.median([r["shape_after_crop"] for r in records], axis=0).tolist(),
+        "median_relative_size_after_cropping": float(np.median([np.prod(r["shape_after_crop"]) / np.prod(r["shape"])
+                                                                for r in records])),
         "class_fractions": {v: n / all_voxels for v, n in sorted(totals.items())},
         "empty_label_cases": empty,
         "anomalies": anomalies,

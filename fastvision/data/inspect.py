@@ -16,7 +16,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from fastvision.errors import DataError
+from fastvision.errors import ConfigError, DataError
 
 NONFINITE = "files with NaN/Inf values (nonfinite=zero reads them as 0)"
 _INSPECTORS: list[tuple[str, Callable[[Path], bool], Callable[[Path], dict[str, Any]]]] = []
@@ -32,12 +32,16 @@ def inspector(name: str, detect: Callable[[Path], bool]):
     return deco
 
 
-def inspect_path(path: Path) -> dict[str, Any]:
+def inspect_path(path: Path, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report of the first layout that detects ``path``; ``settings``: the dataset builder
+    arguments its checks follow (``data inspect --set channels=3``; microscopy only)."""
     if not path.exists():
         raise DataError(f"{path}: not found")
     for name, detect, fn in _INSPECTORS:
         if detect(path):
-            return {"layout": name, "path": str(path), **fn(path)}
+            if settings and name != "microscopy":
+                raise ConfigError(f"data inspect --set: only the microscopy layout takes settings, {path} is {name}")
+            return {"layout": name, "path": str(path), **(fn(path, **settings) if settings else fn(path))}
     raise DataError(f"{path}: unrecognised dataset layout; known: {', '.join(n for n, _, _ in _INSPECTORS)}")
 
 
@@ -67,9 +71,22 @@ def anomaly_rows(found: dict[str, Sequence[Any]]) -> dict[str, str]:
 
 
 @inspector("microscopy", lambda p: (p / "images").is_dir() and (p / "masks").is_dir())
-def inspect_microscopy(path: Path) -> dict[str, Any]:
-    from fastvision.data.formats.microscopy import pair_files, read_array
+def inspect_microscopy(path: Path, **settings: Any) -> dict[str, Any]:
+    """Every pair read and put through training's own :func:`prepare_pair` with the microscopy
+    builder's ``channels`` / ``num_classes`` / ``binarize`` (its defaults, or ``settings``)."""
+    import inspect as pyinspect
+
+    from fastvision.data.formats.microscopy import microscopy, pair_files, prepare_pair, read_array
     from fastvision.data.nonfinite import count_nonfinite
+
+    defaults = {k: p.default for k, p in pyinspect.signature(microscopy).parameters.items()
+                if k in ("channels", "num_classes", "binarize")}
+    unknown = set(settings) - set(defaults)
+    if unknown:
+        raise ConfigError(f"data inspect --set {sorted(unknown)[0]}: valid for microscopy: {', '.join(defaults)}")
+    rule = {**defaults, **settings}
+    stops = (f"files training stops on (as data.args "
+             + ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in rule.items()) + ")")
 
     unusable: dict[str, list[str]] = {}  # what training would stop on: every one listed, then exit 2
     pairs = pair_files(path, unusable)
@@ -94,7 +111,11 @@ def inspect_microscopy(path: Path) -> dict[str, Any]:
             unusable.setdefault("image and mask of different sizes", []).append(
                 f"{img_path.name} {img.shape[:2]} vs {mask_path.name} {mask.shape[:2]}")
             continue
-        usable += 1
+        try:
+            prepare_pair(img, mask, img_path, mask_path, **rule)
+            usable += 1
+        except DataError as e:  # still described below (shape, dtype): the row says why it stops
+            unusable.setdefault(stops, []).append(str(e).replace(str(path) + "/", ""))
         shapes[str(tuple(img.shape))] += 1
         dtypes[f"{img.dtype} / mask {mask.dtype}"] += 1
         lo, hi = min(lo, float(img.min())), max(hi, float(img.max()))

@@ -54,7 +54,8 @@ class PreprocessParams:
 
     Attributes:
         target_spacing: output voxel size in mm along (X, Y, Z), or None to keep the input grid.
-        intensity: "ct" (window ``window``), "mri" (per-channel z-score on non-zero voxels) or "none".
+        intensity: "ct" (window ``window``), "mri" (per-channel z-score on non-zero voxels), "zscore"
+            (per-channel z-score over every voxel: nnU-Net where the crop keeps >= 3/4) or "none".
         window: CT window ``(a_min, a_max, b_min, b_max)`` in HU -> output range, clipped.
         crop_foreground: crop to the bounding box of the foreground (MRI: any channel != 0;
             CT: any channel > a_min), plus ``crop_margin`` voxels.
@@ -119,6 +120,19 @@ def zscore_nonzero(x: torch.Tensor) -> torch.Tensor:
         std = std if std > 0 else torch.ones_like(std)
         out[c][mask] = ((v - mean) / std).to(x.dtype)
     return out
+
+
+def zscore(x: torch.Tensor) -> torch.Tensor:
+    """Per-channel z-score over every voxel (population std; a constant channel is only mean-shifted).
+
+    Args:
+        x: (C, *S) float tensor.
+    """
+    v = x.flatten(1).double()
+    mean, std = v.mean(1), v.std(1, unbiased=False)
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    return ((x.double() - mean.view(shape)) / std.view(shape)).to(x.dtype)
 
 
 def foreground_box(mask: torch.Tensor, margin: int = 0) -> list[tuple[int, int]]:
@@ -200,9 +214,11 @@ def _intensity(image: torch.Tensor, params: PreprocessParams) -> tuple[torch.Ten
         return window(image, *params.window), (image > params.window[0]).any(0)
     if params.intensity == "mri":
         return zscore_nonzero(image), (image != 0).any(0)
+    if params.intensity == "zscore":
+        return zscore(image), (image != 0).any(0)
     if params.intensity == "none":
         return image, (image != 0).any(0)
-    raise DataError(f"preprocess intensity must be ct, mri or none, got {params.intensity!r}")
+    raise DataError(f"preprocess intensity must be ct, mri, zscore or none, got {params.intensity!r}")
 
 
 def preprocess_case(paths: dict[str, Any], params: PreprocessParams,

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fastvision.errors import DataWarning
+
 try:  # nibabel is the optional "medical" extra
     from nibabel import orientations as nio
 except ModuleNotFoundError:  # pragma: no cover - reported by preprocess3d when used
@@ -202,7 +204,7 @@ def label_onto_image(label: np.ndarray, label_affine: np.ndarray, affine: np.nda
            f"voxels apart); resampled onto the image grid by world position (nearest)")
     # warnings, not the log: an uncached run preprocesses every epoch, and the warnings registry
     # prints one message once per process
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    warnings.warn(msg, DataWarning, stacklevel=3)
     x = torch.from_numpy(np.ascontiguousarray(label))[None]
     return resample_to(x, label_affine, affine, shape, "nearest", padding="zeros")[0].numpy()
 

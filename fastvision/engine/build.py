@@ -14,7 +14,7 @@ from fastvision.data import formats  # noqa: F401  (importing the package regist
 from fastvision.data.formats import DatasetSplits
 from fastvision.data.loader import DevicePrefetcher, build_loader
 from fastvision.engine import runtime
-from fastvision.engine.state import make_ema
+from fastvision.engine.state import make_ema, parse_target
 from fastvision.engine.step import StepState
 from fastvision.errors import ConfigError
 from fastvision.models.checkpointing import apply_activation_checkpointing
@@ -73,6 +73,9 @@ def build_components(cfg: RunConfig, info: dict, device: torch.device | str, *, 
     if str(device) != "meta":
         loss = loss.to(device)  # class-weight buffers
     task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=augment, info=info)
+    target = parse_target(cfg.train.target)
+    if target:  # best.pt, curves.png and best_* follow the metric the recipe targets
+        task.follow_target(target[0])
     return task, model
 
 

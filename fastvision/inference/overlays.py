@@ -22,8 +22,15 @@ def to_grey_uint8(image: torch.Tensor) -> np.ndarray:
     return (np.clip((img - lo) / max(hi - lo, 1e-8), 0, 1) * 255).astype(np.uint8)
 
 
-def overlay_png(image: torch.Tensor, label: torch.Tensor | None, pred: torch.Tensor, path: Path) -> Path:
-    """Write an overlay: prediction filled red at 35 %, its outline red, ground truth outline green."""
+def overlay_png(image: torch.Tensor, label: torch.Tensor | None, pred: torch.Tensor, path: Path,
+                pixel: tuple[float, float] = (1.0, 1.0)) -> Path:
+    """Write an overlay: prediction filled red at 35 %, its outline red, ground truth outline green.
+
+    Args:
+        image: (C, H, W); label, pred: (H, W).
+        pixel: (height, width) of one pixel in any unit (a 3-D slice's voxel spacing): the picture
+            is stretched to that aspect, so a 0.6 x 3.6 mm pixel is drawn 6x as tall as wide.
+    """
     grey = to_grey_uint8(image)
     rgb = np.repeat(grey[..., None], 3, -1).astype(np.float32)
     p = pred.detach().cpu().numpy() > 0
@@ -31,6 +38,9 @@ def overlay_png(image: torch.Tensor, label: torch.Tensor | None, pred: torch.Ten
     rgb[_outline(p)] = (255, 40, 40)
     if label is not None:
         rgb[_outline(label.detach().cpu().numpy() > 0)] = (40, 255, 40)
-    zoom = max(1, 256 // max(rgb.shape[:2]))  # small images are enlarged (nearest) to be legible
-    Image.fromarray(rgb.astype(np.uint8)).resize((rgb.shape[1] * zoom, rgb.shape[0] * zoom), Image.NEAREST).save(path)
+    fine = min(pixel)
+    rows, cols = rgb.shape[0] * pixel[0] / fine, rgb.shape[1] * pixel[1] / fine  # in units of the finer side
+    zoom = max(1.0, 256 // max(rows, cols))  # small images are enlarged (nearest) to be legible
+    size = (max(1, round(cols * zoom)), max(1, round(rows * zoom)))
+    Image.fromarray(rgb.astype(np.uint8)).resize(size, Image.NEAREST).save(path)
     return path

@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 
 def memory_target(gpu: str | None = None, memory: str | None = None):
     """The :class:`~fastvision.planning.devices.GPU` to fit: a named GPU, or a budget (``24GiB``)
-    on an A100-80GB's speeds; default the local CUDA device, else an A100-80GB."""
-    from fastvision.planning.devices import get_gpu
+    on an A100-80GB's speeds; default the local CUDA device (its own memory where the table lacks
+    it), else an A100-80GB."""
+    from fastvision.planning.devices import get_gpu, local_gpu
 
     if gpu and memory:
         raise ConfigError("configure: give --gpu or --memory, not both")
@@ -63,7 +64,7 @@ def memory_target(gpu: str | None = None, memory: str | None = None):
     if gpu is None:
         import torch
 
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "A100-80GB"
+        return local_gpu() if torch.cuda.is_available() else get_gpu("A100-80GB")
     return get_gpu(gpu)
 
 
@@ -166,12 +167,36 @@ def fit_budget(geo: dict[str, Any], make_cfg, spec, max_traces: int = 12) -> dic
     per_item = (m.activations + m.inputs) / rules.MIN_BATCH * (1 + est.WORKSPACE_FRACTION)
     mem = total + per_item * (batch - rules.MIN_BATCH)
     return {"topology": topo, "cfg": cfg, "batch": batch, "batch_fit": fit, "batch_cover": cover,
-            "memory_gib": mem / 2**30, "traces": traces, "shrunk": shrunk}
+            "memory_gib": mem / 2**30, "traces": traces, "shrunk": shrunk, "trace": t,
+            "bytes_at_2": total, "bytes_per_item": per_item}
+
+
+def relative_size_after_crop(cases: Sequence[dict[str, Any]]) -> float:
+    """nnU-Net's ``median_relative_size_after_cropping``: median over cases of voxels after / before the crop."""
+    return float(np.median([np.prod(c["shape_after_crop"]) / np.prod(c["shape"]) for c in cases]))
+
+
+def plan_cluster(geo: dict[str, Any], fit: dict[str, Any], spec, gpus: int, channels: int) -> rules.Cluster:
+    """:func:`configure_rules.cluster` with this plan's figures: the step time by ``plan``'s estimator
+    at the per-GPU batch (linear from the batch-2 trace), patch and dataset bytes (float32 channels
+    + int64 label, as cached), and the GPU memory the step leaves."""
+    from fastvision.planning import estimate as est
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: expected 1 or more")
+    per_gpu = max(1, -(-fit["batch"] // gpus))
+    t = fit["trace"]
+    step_s = est.step_time(t, spec, est.precision_of(fit["cfg"]))[0] * per_gpu / t.batch
+    voxel_bytes = 4 * channels + 8
+    used = fit["bytes_at_2"] + fit["bytes_per_item"] * (per_gpu - rules.MIN_BATCH)
+    return rules.cluster(fit["batch"], gpus, step_s, float(np.prod(fit["topology"].patch)) * voxel_bytes,
+                         geo["n_voxels"] * voxel_bytes, max(0.0, spec.memory_gib * 2**30 - used))
 
 
 def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = None, base: str = "unet3d",
-              fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Plan a recipe for the Decathlon folder ``data`` (see the module docstring).
+              fingerprint: dict[str, Any] | None = None, gpus: int = 1) -> dict[str, Any]:
+    """Plan a recipe for the Decathlon folder ``data`` (see the module docstring); ``gpus``: the
+    GPUs of the job, each taking ``ceil(batch / gpus)`` of the planned batch.
 
     Returns:
         ``{"fingerprint", "geometry", "fit", "gpu", "base", "choices": [(key, value, why)],
@@ -185,7 +210,8 @@ def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = 
     fp = fingerprint or take_fingerprint(data)
     spec = memory_target(gpu, memory)
     geo = plan_geometry(fp)
-    norm, norm_why = rules.normalisation(fp["channels"])
+    kept = fp.get("median_relative_size_after_cropping", None)
+    norm, norm_why = rules.normalisation(fp["channels"], relative_size_after_crop(fp["cases"]) if kept is None else kept)
 
     def make_cfg(topo: rules.Topology):
         from fastvision.config import load
@@ -197,9 +223,11 @@ def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = 
         return cfg
 
     fit = fit_budget(geo, make_cfg, spec)
+    split = plan_cluster(geo, fit, spec, gpus, len(fp["channels"]))
     plan = {"fingerprint": fp, "geometry": geo, "fit": fit, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib,
-            "base": base, "normalisation": norm, "normalisation_why": norm_why, "data": str(data)}
-    plan["overrides"] = recipe_overrides(fp, geo, fit["topology"], norm, base, fit["batch"], str(data))
+            "base": base, "normalisation": norm, "normalisation_why": norm_why, "data": str(data), "cluster": split}
+    plan["overrides"] = recipe_overrides(fp, geo, fit["topology"], norm, base, split.per_gpu, str(data))
+    plan["overrides"]["data"]["num_workers"] = split.workers
     plan["choices"] = choices(plan)
     return plan
 
@@ -214,6 +242,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("data", help="Decathlon folder (dataset.json, imagesTr/, labelsTr/)")
     p.add_argument("--gpu", help="GPU to fit (a `plan` GPU name; default: this machine's CUDA device, else A100-80GB)")
     p.add_argument("--memory", help="memory budget instead of --gpu, e.g. 24GiB")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="GPUs of the job: the planned (global) batch is split over them; also states the CPU "
+                        "workers each GPU needs (default 1)")
     p.add_argument("--base", default="unet3d", choices=sorted(rules.BASES), help="network family (default unet3d)")
     p.add_argument("--out", type=Path, help="write the recipe YAML here (default: print the table only)")
     p.add_argument("--json", type=Path, help="also write the plan as JSON")
@@ -227,7 +258,7 @@ def cmd_configure(args) -> int:
     for path, flag in ((args.out, "--out"), (args.json, "--json")):
         if path:
             refuse_overwrite(path, args.force, flag)  # before the fingerprint: nothing is lost or redone
-    plan = configure(args.data, gpu=args.gpu, memory=args.memory, base=args.base)
+    plan = configure(args.data, gpu=args.gpu, memory=args.memory, base=args.base, gpus=args.gpus)
     print(table(plan))  # the CLI's output
     if args.out:
         write_recipe(plan, args.out)

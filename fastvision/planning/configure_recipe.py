@@ -24,7 +24,8 @@ from fastvision.planning.configure_rules import (
 
 
 def _model(fp: dict[str, Any], topo: Topology, base: str, thin: bool) -> dict[str, Any]:
-    c_in, c_out, stages = len(fp["channels"]), len(fp["labels"]), len(topo.strides)
+    c_in, stages = len(fp["channels"]), len(topo.strides)
+    c_out = len(fp["regions"]) if fp.get("regions") else len(fp["labels"])  # one sigmoid per region
     if base == "segresnet":
         blocks = ([1, 2, 2] + [4] * stages)[:stages]
         return {"name": "segresnet", "args": {
@@ -41,9 +42,13 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
                      batch: int, data: str) -> dict[str, Any]:
     """The mapping layered on the base recipe (``extends``)."""
     patch = list(topo.patch)
+    regions = fp.get("regions")
     out: dict[str, Any] = {
         "task": {"name": "segmentation", "args": {
-            "num_classes": len(fp["labels"]), "mode": "softmax", "regions": None, "region_names": None,
+            "num_classes": max(map(int, fp["labels"])) + 1 if regions else len(fp["labels"]),
+            "mode": "regions" if regions else "softmax",
+            "regions": list(regions.values()) if regions else None,
+            "region_names": list(regions) if regions else None,
             "sample_shape": [len(fp["channels"]), *patch],
             "sliding_window": {"roi_size": patch, "overlap": OVERLAP, "mode": "gaussian", "sw_batch_size": batch}}},
         "model": _model(fp, topo, base, geo["thin_axis"] is not None),
@@ -52,7 +57,9 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
             "patch_size": patch, "pos_fraction": 0.33}},
         "train": {"batch_size": batch, "amp": "auto"},
     }
-    if base == "segresnet":
+    if regions:  # nnU-Net's region training: a sigmoid per region, every channel a foreground region
+        out["loss"] = {"args": {"sigmoid": True, "softmax": False, "include_background": True}}
+    elif base == "segresnet":
         out["loss"] = {"args": {"sigmoid": False, "softmax": True, "include_background": False}}
     return out
 
@@ -91,10 +98,13 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
                  "3 along an axis once its spacing is within 2x of the finest, else 1 (3x3x1 for thick slices)"))
     if "filters" in m:
         rows.append(("model.args.filters", m["filters"], "32 x 2^stage, capped at 320 (3-D) / 512 (2-D), as nnU-Net"))
+    split = plan["cluster"]
     rows.append(("train.batch_size", ov["train"]["batch_size"],
                  f"largest that fits {_budget(plan)} by plan's estimate: "
                  f"{fit['batch_fit']}; at most {MAX_DATASET_COVERED:.0%} of the dataset's voxels per step: "
-                 f"{fit['batch_cover']}; at least {MIN_BATCH} (estimated {fit['memory_gib']:.2f} GiB)"))
+                 f"{fit['batch_cover']}; at least {MIN_BATCH} (estimated {fit['memory_gib']:.2f} GiB)"
+                 + (f"; {split.why_batch}" if split.gpus > 1 else "")))
+    rows.append(("data.num_workers", ov["data"]["num_workers"], f"CPU workers per GPU: {split.why_workers}"))
     rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; fp32 on CPU (the batch was sized for "
                                       "the target GPU's precision)"))
     rows.append(("task.args.sliding_window", t["sliding_window"],
@@ -124,7 +134,9 @@ def recipe_text(plan: dict[str, Any]) -> str:
     """The recipe YAML: ``extends`` the base, every planned value commented."""
     fp = plan["fingerprint"]
     why = {k: w for k, _, w in choices(plan)}
-    head = [f"# Planned by `fastvision configure {plan['data']} --base {plan['base']}` for {_budget(plan)}",
+    gpus = plan["cluster"].gpus
+    head = [f"# Planned by `fastvision configure {plan['data']} --base {plan['base']}"
+            f"{f' --gpus {gpus}' if gpus > 1 else ''}` for {_budget(plan)}",
             f"# from the fingerprint of {fp['n_cases']} cases ({fp['name']}): nnU-Net v2's planning rules, batch by",
             "# `fastvision plan`'s estimator. docs/configure.md says when to override a value.",
             f"extends: {BASES[plan['base']]}"]
@@ -152,8 +164,9 @@ def table(plan: dict[str, Any]) -> str:
 
 def plan_json(plan: dict[str, Any]) -> str:
     """The plan without its traced config, as JSON."""
-    out = {k: v for k, v in plan.items() if k not in ("fit", "choices")}
-    fit = {k: v for k, v in plan["fit"].items() if k != "cfg"}
+    out = {k: v for k, v in plan.items() if k not in ("fit", "choices", "cluster")}
+    out["cluster"] = dataclasses.asdict(plan["cluster"])
+    fit = {k: v for k, v in plan["fit"].items() if k not in ("cfg", "trace")}
     fit["topology"] = dataclasses.asdict(fit["topology"])
     out["fit"] = fit
     out["choices"] = [{"key": k, "value": v, "why": w} for k, v, w in choices(plan)]

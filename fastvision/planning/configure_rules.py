@@ -20,6 +20,9 @@ BASE_FEATURES, MAX_FEATURES_3D, MAX_FEATURES_2D = 32, 320, 512
 MIN_BATCH = 2
 MAX_DATASET_COVERED = 0.05  # nnU-Net: a batch covers at most 5 % of the dataset's voxels
 OVERLAP = 0.5
+MASK_NORM_BELOW = 0.75  # nnU-Net: z-score inside the non-zero mask when the median case keeps < 3/4 after the crop
+NNUNET_DA_PROCS = 12  # nnU-Net's get_allowed_n_proc_DA default: CPU augmentation processes per GPU
+HOST_COPY_GBS = 1.0  # bytes/s one CPU core cuts and pins from a host-RAM cache (a strided copy; conservative)
 BASES = {"unet3d": "unet3d-spleen-fast", "segresnet": "segresnet-brats"}
 
 
@@ -124,8 +127,17 @@ def features(stages: int, max_features: int) -> list[int]:
     return [min(BASE_FEATURES * 2**i, max_features) for i in range(stages)]
 
 
-def normalisation(channels: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
-    """``data.args`` intensity keys and the reason: CT -> clip + z-score as one window; else per-case z-score."""
+def normalisation(channels: list[dict[str, Any]], relative_size_after_crop: float = 0.0) -> tuple[dict[str, Any], str]:
+    """``data.args`` intensity keys and the reason: CT -> clip + z-score as one window; else per-case z-score,
+    over the non-zero mask only where the crop to the non-zero region kept less than 3/4 of the median
+    case (nnU-Net v2 ``determine_normalization_scheme_and_whether_mask_is_used_for_norm``), else over
+    every voxel.
+
+    Args:
+        channels: the fingerprint's per-channel records (``modality`` and, for CT, the statistics).
+        relative_size_after_crop: the fingerprint's ``median_relative_size_after_cropping``
+            (voxels after the crop / before, the median over cases).
+    """
     mods = [str(c["modality"]).upper() for c in channels]
     if mods == ["CT"]:
         c = channels[0]
@@ -133,10 +145,67 @@ def normalisation(channels: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
         window = [round(lo, 4), round(hi, 4), round((lo - mean) / std, 6), round((hi - mean) / std, 6)]
         return {"intensity": "ct", "window": window}, (
             f"CT: clip to foreground p0.5..p99.5 = {lo:.4g}..{hi:.4g}, z-score with mean {mean:.4g} std {std:.4g}")
-    why = "per-case z-score over non-zero voxels (" + ", ".join(map(str, mods)) + ")"
+    kept = float(relative_size_after_crop)
+    if kept < MASK_NORM_BELOW:
+        intensity, over = "mri", (f"over non-zero voxels: the crop to the non-zero region keeps {kept:.0%} of the "
+                                  f"median case (< {MASK_NORM_BELOW:.0%})")
+    else:
+        intensity, over = "zscore", (f"over every voxel: the crop to the non-zero region keeps {kept:.0%} of the "
+                                     f"median case (>= {MASK_NORM_BELOW:.0%}, so zeros are image, not background)")
+    why = f"per-case z-score {over} (" + ", ".join(map(str, mods)) + ")"
     if "CT" in mods:
         why += "; CT beside other channels: one scheme serves all channels, so CT is z-scored too"
-    return {"intensity": "mri"}, why
+    return {"intensity": intensity}, why
+
+
+@dataclasses.dataclass
+class Cluster:
+    """The batch and CPU workers of one GPU among ``gpus`` (see :func:`cluster`)."""
+
+    gpus: int
+    per_gpu: int
+    global_batch: int
+    workers: int
+    why_batch: str
+    why_workers: str
+
+
+def cluster(batch: int, gpus: int, step_s: float, item_bytes: float, dataset_bytes: float,
+            free_bytes: float) -> Cluster:
+    """Split nnU-Net's global batch over ``gpus`` and count the CPU workers one GPU needs.
+
+    nnU-Net plans one batch for one GPU and, under DDP, splits that global batch over the GPUs
+    (``nnUNetTrainer._set_batch_size_and_oversample``); fastvision's ``train.batch_size`` is per GPU
+    and equal on every rank, so it is ``ceil(batch / gpus)`` (at least 1 item per GPU: the global
+    batch grows to ``gpus`` where it was smaller). fastvision augments batched on the GPU, so CPU
+    workers only cut patches from a host-RAM cache: none where this GPU's share of the cache
+    (``1 / gpus`` of the dataset under DDP) fits beside the step, else enough cores to cut
+    ``per_gpu`` patches per step at ``HOST_COPY_GBS`` each.
+
+    Args:
+        batch: the planned (global) batch; gpus: GPUs of the job (>= 1).
+        step_s: estimated seconds per step at the per-GPU batch.
+        item_bytes: bytes of one training patch (image channels float32 + label).
+        dataset_bytes: the preprocessed dataset (float32 images + labels).
+        free_bytes: GPU memory left beside the training step.
+    """
+    per_gpu = max(1, math.ceil(batch / gpus))
+    why_batch = (f"nnU-Net's global batch {batch} split over {gpus} GPUs: ceil({batch} / {gpus}) = {per_gpu} per GPU, "
+                 f"global {per_gpu * gpus}")
+    share = dataset_bytes / gpus
+    if share <= free_bytes:
+        workers = 0
+        why = (f"augmentation runs batched on the GPU and this GPU's 1/{gpus} of the dataset "
+               f"({share / 2**30:.2f} GiB) fits beside the step ({free_bytes / 2**30:.1f} GiB free): the training "
+               f"process feeds it, no CPU worker (nnU-Net: {NNUNET_DA_PROCS} augmentation processes per GPU)")
+    else:
+        need = per_gpu * item_bytes / max(step_s, 1e-6)
+        workers = max(1, math.ceil(need / (HOST_COPY_GBS * 1e9)))
+        why = (f"this GPU's 1/{gpus} of the dataset ({share / 2**30:.1f} GiB) exceeds the {free_bytes / 2**30:.1f} GiB "
+               f"free: patches are cut on the host, {need / 1e6:.0f} MB/s at an estimated {step_s * 1e3:.0f} ms per "
+               f"step, {HOST_COPY_GBS:g} GB/s per core; augmentation stays on the GPU (nnU-Net: "
+               f"{NNUNET_DA_PROCS} processes per GPU)")
+    return Cluster(gpus, per_gpu, per_gpu * gpus, workers, why_batch, why)
 
 
 def thin_axis(median_shape: Sequence[float], min_edge: int = MIN_EDGE) -> int | None:

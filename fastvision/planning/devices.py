@@ -78,6 +78,26 @@ def get_gpu(name: str) -> GPU:
     raise ConfigError(f"--gpu: unknown GPU {name!r}; valid: {', '.join(GPUS)}")
 
 
+def local_gpu(device: int | None = None) -> GPU:
+    """This machine's CUDA device as a table entry; a model the table lacks (an RTX 4090, an L4) is
+    planned on its own memory (``torch.cuda.get_device_properties``), with bf16 where its compute
+    capability has it (8.0+), and an A100-80GB's speeds, which only ``plan``'s time figures use."""
+    import dataclasses
+
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    try:
+        return get_gpu(name)
+    except ConfigError:
+        pass
+    memory = torch.cuda.get_device_properties(device).total_memory / 2**30
+    bf16 = torch.cuda.get_device_capability(device) >= (8, 0)
+    base = GPUS["A100-80GB"]
+    return dataclasses.replace(base, name=f"{name} ({memory:.3g} GiB, not in the table: A100 speeds)",
+                               memory_gib=memory, bf16=base.bf16 if bf16 else None, aliases=())
+
+
 def training_precision(amp: str, tf32: bool) -> str:
     """The math of a training step: the autocast dtype, else TF32 or plain fp32."""
     if amp in ("fp16", "bf16"):

@@ -46,6 +46,15 @@ class Task:
     higher_is_better: bool = True
     input_key: str = "image"
 
+    def follow_target(self, metric: str) -> None:
+        """Make the recipe's target metric (``train.target: dice=0.94``) the primary one: the run's
+        best checkpoint, curves and ``best_*`` then follow what the recipe is judged by. Losses and
+        distances (``hd95``) are lower-is-better; an unknown name is refused at the first validation."""
+        if metric == self.primary_metric:
+            return
+        self.primary_metric = metric
+        self.higher_is_better = not ("loss" in metric or metric.startswith("hd95"))
+
     def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         return default_collate(items)
 

@@ -85,6 +85,8 @@ class SegmentationTask(Task):
             self.consts = DeviceConstants(region_lut=region_lut(self.regions))
         self.sample_shape = tuple(sample_shape)
         self.sliding_window = dict(sliding_window) if sliding_window else None
+        spacing = ((info or {}).get("preprocess") or {}).get("target_spacing") or (info or {}).get("spacing")
+        self.spacing = tuple(float(s) for s in spacing) if spacing else None  # the voxel size the overlays draw
 
     # -- training ------------------------------------------------------------------
     def augment(self, batch: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
@@ -160,7 +162,8 @@ class SegmentationTask(Task):
 
     # -- pictures ------------------------------------------------------------------
     def save_examples(self, logits: Tensor, batch: dict[str, Any], out_dir: Path, limit: int) -> list[Path]:
-        """Overlay PNGs: image in grey, ground truth outline green, prediction red."""
+        """Overlay PNGs: image in grey, ground truth outline green, prediction red; a 3-D case is cut
+        in the plane of its two finest axes (:func:`finest_plane`) at the voxel aspect."""
         from fastvision.inference.overlays import overlay_png
 
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -169,12 +172,14 @@ class SegmentationTask(Task):
             pred = pred.any(1).long()
         paths = []
         for i in range(min(limit, pred.shape[0])):
-            image, label, p = batch["image"][i], batch["label"][i], pred[i]
-            if image.dim() == 4:  # 3-D: the axial slice with the most foreground
-                z = int(label.flatten(1).sum(1).argmax()) if label.any() else label.shape[0] // 2
-                image, label, p = image[:, z], label[z], p[z]
+            image, label, p, pixel = batch["image"][i], batch["label"][i], pred[i], (1.0, 1.0)
+            if image.dim() == 4:
+                spacing = self.spacing
+                if spacing is None and "spacing" in batch:  # a dataset without a target spacing
+                    spacing = tuple(batch["spacing"][i].tolist())
+                image, label, p, pixel = finest_plane(image, label, p, spacing)
             name = batch.get("id", [str(i)] * pred.shape[0])[i]
-            paths.append(overlay_png(image, label, p, out_dir / f"{name}_overlay.png"))
+            paths.append(overlay_png(image, label, p, out_dir / f"{name}_overlay.png", pixel))
         return paths
 
 
@@ -337,6 +342,31 @@ class SegEvaluator(Evaluator):
         n = float(self.loss_sum[1])
         out["val_loss"] = float(self.loss_sum[0]) / n if n else float("nan")
         return out
+
+
+def finest_plane(image: Tensor, label: Tensor, pred: Tensor, spacing: tuple[float, ...] | None):
+    """The slice of a RAS (X, Y, Z) case in the plane of its two finest axes (axial for CT and
+    thick-slice MR; a tie keeps X, Y) through the most foreground (truth, else prediction, else the
+    middle); rows run along the later axis flipped (anterior / superior up), columns along the earlier.
+
+    Args:
+        image: (C, X, Y, Z); label, pred: (X, Y, Z) (label may be class ids or a region mask).
+        spacing: voxel size (3,) in mm; None: isotropic.
+
+    Returns:
+        (image (C, H, W), label (H, W), pred (H, W), (pixel height, pixel width) in mm).
+    """
+    spacing = tuple(spacing) if spacing else (1.0, 1.0, 1.0)
+    cut = max(range(3), key=lambda a: (spacing[a], a))  # the coarsest axis; on a tie the last (Z)
+    a, b = [d for d in range(3) if d != cut]
+    fg = label if label.any() else pred
+    k = int((fg > 0).sum(dim=[d for d in range(3) if d != cut]).argmax()) if fg.any() else label.shape[cut] // 2
+
+    def plane(x: Tensor) -> Tensor:  # (..., X, Y, Z) -> (..., rows = b flipped, cols = a)
+        s = x.select(x.dim() - 3 + cut, k)
+        return s.transpose(-1, -2).flip(-2)
+
+    return plane(image), plane(label), plane(pred), (spacing[b], spacing[a])
 
 
 def _hd95_cases(pred: Tensor, truth: Tensor) -> Tensor:

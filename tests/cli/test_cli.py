@@ -115,8 +115,28 @@ def test_train_evaluate_predict_roundtrip(tiny_microscopy, tmp_path, capsys):
 
 
 def test_recipes_list_and_show(capsys):
+    import yaml
+
+    from fastvision.config import list_recipes, recipe_path
+
     code, out, _ = run_cli(capsys, "recipes")
     assert code == 0 and "unet2d-microscopy" in out.split()
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line and not line.startswith(" ")
+            and not line.startswith("`")}
+    assert out.splitlines()[0].split() == ["NAME", "TASK", "MODEL", "SEED", "PURPOSE"]
+    assert sorted(rows) == list_recipes()
+    def named(name, section):  # the section's name in the YAML or the recipe it extends
+        raw = yaml.safe_load(recipe_path(name).read_text())
+        return (raw.get(section) or {}).get("name") or named(raw["extends"], section)
+
+    for name, cells in rows.items():  # task and model as the YAML names them; a seed and a purpose
+        assert cells[1:3] == [named(name, "task"), named(name, "model")], name
+        assert cells[3].isdigit() and len(cells) > 4, name
+    assert rows["unet3d-spleen-fast"][3] == "003" and rows["unet2d-seed001"][3] == "001"
+    data = [line.split("data ", 1)[1] for line in out.splitlines() if line.lstrip().startswith("data ")]
+    assert len(data) == len(rows) and all("synth" in d or "docs/" in d for d in data)
+    code, out, _ = run_cli(capsys, "recipes", "--names")
+    assert out.split() == list_recipes()
     code, out, _ = run_cli(capsys, "recipes", "unet2d-microscopy")
     assert code == 0 and "unet2d-seed001" in out
 

@@ -134,3 +134,101 @@ def test_cli_writes_json(tmp_path, capsys, monkeypatch):
     assert "foreground mean 7.2" in capsys.readouterr().out
     assert json.loads(out.read_text())["channels"][0]["percentile_99_5"] == pytest.approx(19.8)
     assert len(list((tmp_path / "cache" / "fingerprint").glob("*.json"))) == 3
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.uint16, np.int32, np.float32, np.float64, bool])
+def test_label_counts_against_numpy_unique(dtype):
+    """Counts per value on the stored dtype, checked against ``np.unique`` (the reference)."""
+    rng = np.random.default_rng(0)
+    lab = rng.integers(0, 2 if dtype is bool else 5, (7, 6, 5)).astype(dtype)
+    values, counts = np.unique(lab.astype(np.int64), return_counts=True)
+    assert fpm.label_counts(lab, "x.nii.gz") == {int(v): int(n) for v, n in zip(values, counts)}
+
+
+def test_label_counts_make_no_wide_copy():
+    """A 2 Mi-voxel uint8 label is counted without an int64 copy or a sorted one (16 MiB each):
+    numpy's allocations during the count stay under the label's own 2 MiB (tracemalloc sees numpy)."""
+    import tracemalloc
+
+    lab = np.zeros((128, 128, 128), np.uint8)
+    lab[10:20, 10:20, 10:20] = 2
+    tracemalloc.start()
+    try:
+        counts = fpm.label_counts(lab, "big.nii.gz")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert counts == {0: 128**3 - 1000, 2: 1000}
+    assert peak < lab.nbytes
+
+
+@pytest.mark.parametrize("values,match", [([0.0, 1.5], "whole numbers"), ([0, -1], "negative")])
+def test_label_counts_refuse_bad_values(values, match):
+    dtype = np.float32 if isinstance(values[1], float) else np.int16
+    with pytest.raises(DataError, match=f"lab.nii.gz: .*{match}"):
+        fpm.label_counts(np.asarray(values, dtype), "lab.nii.gz")
+
+
+def test_region_labels_in_dataset_json(tmp_path):
+    """nnU-Net v2 region-based labels (lists): accepted; every value a region lists is valid; the
+    regions reach ``configure``, which plans one sigmoid output per region. They used to fail with
+    ``int()`` of a list."""
+    from fastvision.planning import configure as cf
+
+    lab = np.zeros((8, 8, 8))
+    lab[2:5, 2:5, 2:5] = 1
+    lab[3, 3, 3] = 2
+    img = np.where(lab > 0, 5.0, 1.0)
+    labels = {"background": 0, "whole": [1, 2], "core": 2}
+    root = _dataset(tmp_path / "d", [(img, lab, (1, 1, 1), False)] * 2, labels=labels)
+    fp = fpm.fingerprint(root, cache=False)
+    assert fp["regions"] == {"whole": [1, 2], "core": [2]}
+    assert fp["labels"] == {0: "background", 1: "label 1", 2: "core"}
+    assert fp["class_fractions"] == {0: pytest.approx(1 - 27 / 512), 1: pytest.approx(26 / 512),
+                                     2: pytest.approx(1 / 512)}
+    plan = cf.configure(root, fingerprint=fp, memory="8GiB")
+    task = plan["overrides"]["task"]["args"]
+    assert task["mode"] == "regions" and task["regions"] == [[1, 2], [2]] and task["region_names"] == ["whole", "core"]
+    assert plan["overrides"]["model"]["args"]["out_channels"] == 2
+
+
+def test_label_on_another_grid_is_resampled_as_training_does(tmp_path):
+    """A label whose origin is one voxel off its image's: resampled onto the image grid (nearest)
+    with training's warning naming the file, not refused. Hand count: the label (all 1) shifted by
+    +1 voxel along x leaves image column x = 0 (5 x 4 voxels) outside it, so background there."""
+    img = np.ones((6, 5, 4), np.float32)
+    _save(img, (1, 1, 1), tmp_path / "imagesTr/c0.nii.gz")
+    path = tmp_path / "labelsTr/c0.nii.gz"
+    path.parent.mkdir(parents=True)
+    affine = np.diag([1.0, 1.0, 1.0, 1.0])
+    affine[0, 3] = 1.0
+    nib.save(nib.Nifti1Image(np.ones((6, 5, 4), np.uint8), affine), str(path))
+    case = {"id": "c0", "image": [tmp_path / "imagesTr/c0.nii.gz"], "label": path}
+    with pytest.warns(RuntimeWarning, match="c0.nii.gz.*resampled onto the image grid"):
+        rec = fpm.case_fingerprint(case)
+    assert rec["label_counts"] == {0: 20, 1: 100}
+
+
+def test_a_resampled_label_reaches_the_cli_user_as_one_log_line(tmp_path):
+    """``fastvision data inspect DIR --fingerprint`` in a real process, on a case whose label is one
+    voxel off its image: stderr has one ``fastvision: warning:`` line naming the label file, and no
+    Python warning format (category, fastvision source line)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import clean_env
+
+    lab = np.zeros((6, 5, 4))
+    lab[2:4, 1:3, 1:3] = 1
+    root = _dataset(tmp_path / "d", [(np.ones((6, 5, 4)), lab, (1, 1, 1), False)])
+    moved = root / "labelsTr/c0.nii.gz"
+    affine = np.eye(4)
+    affine[0, 3] = 1.0
+    nib.save(nib.Nifti1Image(lab.astype(np.uint8), affine), str(moved))
+    env = clean_env(FASTVISION_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "fastvision", "data", "inspect", str(root), "--fingerprint"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "resampled" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"fastvision: warning: {moved}: label grid")
+    assert "Warning:" not in proc.stderr and "warnings.warn" not in proc.stderr and ".py:" not in proc.stderr

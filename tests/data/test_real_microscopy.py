@@ -118,3 +118,38 @@ def test_inspect_reports_mixed_encodings_and_extensions(tmp_path):
         "2 (cell_001.tif+cell_001.png, cell_003.png+cell_003.tif)"
     assert an["binary masks encoded differently from most (each read as 0/1)"] == \
         "2 (cell_001.png (0/255), cell_003.tif (0/65535))"
+
+
+def test_inspect_lists_every_file_training_stops_on(tmp_path, capsys):
+    """Untagged multi-page TIFFs (5 pages written one by one: read as 5 channels) beside 1- and
+    3-channel images: inspect names each of the three TIFFs, and they are exactly the items the
+    training dataset (the recipe's channels=1) stops on."""
+    root = tmp_path / "mixed"
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    rng = np.random.default_rng(0)
+    for name in ("p1", "p2", "p3"):
+        for k in range(5):
+            tifffile.imwrite(root / f"images/{name}.tif", rng.integers(0, 255, (H, W), np.uint8), append=k > 0)
+    Image.fromarray(rng.integers(0, 255, (H, W), np.uint8)).save(root / "images/grey.png")
+    Image.fromarray(rng.integers(0, 255, (H, W, 3), np.uint8)).save(root / "images/rgb.png")
+    for name in ("p1", "p2", "p3", "grey", "rgb"):
+        Image.fromarray((rng.random((H, W)) > 0.5).astype(np.uint8) * 255).save(root / f"masks/{name}.png")
+    pairs = pair_files(root)
+    ds = MicroscopyDataset(pairs, (H, W), "resize", channels=1, num_classes=2)
+    stops = set()
+    for i, (img, _) in enumerate(pairs):
+        try:
+            ds[i]
+        except DataError as e:
+            assert "has 5 channels, recipe expects 1" in str(e)
+            stops.add(img.name)
+    assert stops == {"p1.tif", "p2.tif", "p3.tif"}
+    assert main(["data", "inspect", str(root)]) == 2
+    out, err = capsys.readouterr()
+    assert "3 file(s) would stop training" in err.strip().splitlines()[-1]
+    [(kind, text)] = [(k, v) for k, v in inspect_path(root)["anomalies"].items() if "training stops on" in k]
+    assert "channels=1" in kind and text.startswith("3 (") and all(n in text for n in stops)
+    # with channels=3 training takes none of them either (5 is neither 1 nor 3): the same three
+    assert main(["data", "inspect", str(root), "--set", "channels=3"]) == 2
+    assert "3 file(s) would stop training" in capsys.readouterr().err

@@ -139,7 +139,8 @@ def test_recipe_loads_and_trains_one_epoch(tmp_path):
                            extra=[{"model": {"args": {"filters": [4, 8, 16, 32][:len(cfg.model.args["filters"])]}},
                                    "data": {"cache": "ram", "cache_dir": None, "args": {"num_folds": 2}}}],
                            progress=False)
-    assert summary
+    # the base recipe targets dice=0.94: best.pt and best_* follow Dice (they followed IoU)
+    assert "best_dice" in summary and "best_iou" not in summary
 
 
 def test_segresnet_base_plans_an_anisotropic_segresnet():
@@ -188,3 +189,105 @@ def test_an_existing_out_file_is_kept_unless_forced(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(out) in err[0] and "--force" in err[0]
     assert out.read_text() == "mine: true\n"
+
+
+@pytest.mark.parametrize("name,memory_gib,capability,amp", [
+    ("NVIDIA GeForce RTX 4090", 23.99, (8, 9), "bf16"),
+    ("NVIDIA L4", 22.03, (8, 9), "bf16"),
+    ("Tesla P100-PCIE-16GB", 15.89, (6, 0), "fp16"),
+])
+def test_a_local_gpu_missing_from_the_table_is_planned_on_its_own_memory(monkeypatch, name, memory_gib, capability,
+                                                                           amp):
+    """A plain ``configure`` (no --gpu) on a CUDA device the table lacks used to stop with
+    "unknown GPU". The device queries are replaced (this machine has no GPU): the name, memory and
+    compute capability torch reports for that board."""
+    import types
+
+    import torch
+
+    from fastvision.planning import estimate as est
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d=None: types.SimpleNamespace(total_memory=int(memory_gib * 2**30)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    spec = cf.memory_target()
+    assert spec.memory_gib == pytest.approx(memory_gib, rel=1e-6) and name in spec.name
+    assert est.amp_for("auto", spec) == amp
+    plan = cf.configure("unused", fingerprint=_fingerprint(cases=4, shape=(32, 32, 8)))
+    assert plan["gpu_memory_gib"] == pytest.approx(memory_gib, rel=1e-6)
+    with pytest.raises(cf.ConfigError, match="unknown GPU"):  # a name the user typed is still checked
+        cf.memory_target(gpu=name)
+
+
+def _cropped_fingerprint(kept: list[float]):
+    """Cases whose crop to the non-zero region keeps the given share of the voxels (along x)."""
+    fp = _fingerprint(cases=len(kept), shape=(40, 40, 8))
+    for c, k in zip(fp["cases"], kept):
+        c["shape_after_crop"] = [round(40 * k), 40, 8]
+    return fp
+
+
+@pytest.mark.parametrize("kept,intensity", [
+    ([0.5, 0.7, 0.9], "mri"),  # median 0.7 < 3/4: nnU-Net z-scores inside the non-zero mask
+    ([0.8, 0.8, 0.9], "zscore"),  # median 0.8: every voxel (nnU-Net's use_mask_for_norm False)
+    ([0.5, 0.75, 1.0], "zscore"),  # exactly 3/4 is not below it (nnU-Net compares with <)
+    ([1.0, 1.0, 1.0], "zscore"),  # nothing cropped (a scan that fills its field of view)
+])
+def test_mri_uses_the_nonzero_mask_only_where_the_crop_shrank_the_volume(kept, intensity):
+    """nnU-Net v2 ``determine_normalization_scheme_and_whether_mask_is_used_for_norm``: the mask
+    is used when ``median_relative_size_after_cropping < 3/4``. Today's rule was: always."""
+    fp = _cropped_fingerprint(kept)
+    assert cf.relative_size_after_crop(fp["cases"]) == pytest.approx(float(np.median(kept)), abs=0.013)
+    plan = cf.configure("unused", fingerprint=fp, memory="8GiB")
+    assert plan["overrides"]["data"]["args"]["intensity"] == intensity
+    assert rules.normalisation(fp["channels"], float(np.median(kept)))[0] == {"intensity": intensity}
+
+
+def test_zscore_over_every_voxel_against_numpy():
+    """``intensity: zscore``: each channel minus its mean over all voxels (zeros included), over the
+    population std; a constant channel is only mean-shifted."""
+    import torch
+
+    from fastvision.data.preprocess3d import PreprocessParams, _intensity
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(3.0, 2.0, (2, 5, 6, 7)).astype(np.float32)
+    x[0, :2] = 0.0  # background zeros count
+    x[1] = 4.0
+    out, _ = _intensity(torch.from_numpy(x), PreprocessParams(intensity="zscore"))
+    ref0 = (x[0].astype(np.float64) - x[0].mean(dtype=np.float64)) / x[0].std(dtype=np.float64)
+    np.testing.assert_allclose(out[0].numpy(), ref0, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[1].numpy(), 0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch,gpus,per_gpu", [(2, 1, 2), (5, 2, 3), (8, 4, 2), (2, 8, 1)])
+def test_cluster_splits_the_global_batch(batch, gpus, per_gpu):
+    """ceil(batch / gpus) per GPU (fastvision's batch is per rank and equal on every rank)."""
+    c = rules.cluster(batch, gpus, step_s=0.5, item_bytes=8e6, dataset_bytes=1e9, free_bytes=2**34)
+    assert (c.per_gpu, c.global_batch, c.workers) == (per_gpu, per_gpu * gpus, 0)
+
+
+def test_cluster_counts_host_workers_where_the_cache_does_not_fit():
+    """10 GiB of data, 1 GiB free per GPU on 4 GPUs: patches are cut on the host. 2 items of 300 MB
+    per 0.2 s step need 3 GB/s: 3 cores at 1 GB/s each."""
+    c = rules.cluster(4, 2, step_s=0.2, item_bytes=3e8, dataset_bytes=10 * 2**30, free_bytes=2**30)
+    assert c.per_gpu == 2 and c.workers == 3 and "host" in c.why_workers
+
+
+def test_configure_gpus_writes_the_per_gpu_batch(tmp_path, capsys):
+    """``configure --gpus 2``: train.batch_size is half the one-GPU plan's batch (rounded up) and
+    the table states the workers; the recipe loads."""
+    from fastvision.cli import main
+    from fastvision.config import load
+    from fastvision.data.synth import load_all
+
+    data = load_all().get("prostate")(tmp_path / "Task05", seed=0, cases=4, size=24, slices=14)
+    one = cf.configure(data, memory="8GiB")
+    assert main(["configure", str(data), "--memory", "8GiB", "--gpus", "2", "--out", str(tmp_path / "r.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "num_workers" in out and "split over 2 GPUs" in out
+    cfg = load(str(tmp_path / "r.yaml"))
+    assert cfg.train.batch_size == math.ceil(one["fit"]["batch"] / 2)
+    assert cfg.data.num_workers == one["cluster"].workers

@@ -1,6 +1,7 @@
 """Segmentation task pieces on hand-computed cases."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,3 +30,75 @@ def test_regions_evaluator_counts_by_hand():
     # one case: its Dice is the pooled Dice (per-case sums are fixed point to 2**-32)
     assert out["dice/0"] == pytest.approx(2 * 2 / (2 * 2 + 0 + 1), abs=1e-9) and out["dice/1"] == pytest.approx(1.0)
     assert out["iou/0"] == pytest.approx(2 / 3, abs=1e-9) and out["dice_pooled/0"] == 2 * 2 / (2 * 2 + 0 + 1)
+
+
+def _task_3d(spacing):
+    from fastvision.losses import DiceLoss
+    from fastvision.tasks.segment import SegmentationTask
+
+    info = {"preprocess": {"target_spacing": list(spacing)}} if spacing else {}
+    return SegmentationTask(num_classes=2, sample_shape=[1, 20, 16, 6], loss=DiceLoss(softmax=True), info=info)
+
+
+@pytest.mark.parametrize("spacing,blob,size", [
+    # thick-slice MR: Z coarsest -> the axial (X, Y) plane: 16 rows (Y) x 20 columns (X), zoom 256 // 20 = 12
+    ((0.6, 0.6, 3.6), (slice(5, 9), slice(4, 8), 4), (240, 192)),
+    # isotropic CT: a tie keeps X, Y (axial)
+    (None, (slice(5, 9), slice(4, 8), 4), (240, 192)),
+    # in-plane 0.5 x 1.0 mm: pixels twice as tall as wide: 16 rows x 2 = 32 units x 20 columns, zoom 256 // 32 = 8
+    ((0.5, 1.0, 3.0), (slice(5, 9), slice(4, 8), 4), (160, 256)),
+    # X coarsest (a sagittal acquisition): the (Y, Z) plane: 6 rows (Z) x 16 columns (Y), zoom 16
+    ((4.0, 1.0, 1.0), (12, slice(4, 8), slice(2, 4)), (256, 96)),
+])
+def test_3d_overlay_is_the_plane_of_the_two_finest_axes(tmp_path, spacing, blob, size):
+    """RAS (X, Y, Z) cases: the overlay is cut across the coarsest axis (it used to cut along the
+    first array axis, X: a sagittal strip, called axial), through the slice with the most truth,
+    drawn at the voxel aspect. Sizes are worked out by hand from the shape and spacing."""
+    from PIL import Image
+
+    task = _task_3d(spacing)
+    label = torch.zeros(1, 20, 16, 6, dtype=torch.long)
+    label[(0, *blob)] = 1
+    image = torch.rand(1, 1, 20, 16, 6)
+    logits = torch.stack([1 - label.float(), label.float()], 1)  # a perfect prediction
+    [path] = task.save_examples(logits, {"image": image, "label": label, "id": ["c0"]}, tmp_path, 1)
+    png = np.asarray(Image.open(path))
+    assert (png.shape[1], png.shape[0]) == size
+    assert ((png[..., 1] == 255) & (png[..., 0] == 40)).any()  # the truth's green outline is in the slice
+
+
+def test_finest_plane_picks_the_slice_with_most_foreground():
+    from fastvision.tasks.segment import finest_plane
+
+    label = torch.zeros(6, 5, 4, dtype=torch.long)
+    label[1:3, 1:3, 1] = 1  # 4 voxels in z = 1
+    label[0:5, 0:4, 3] = 1  # 20 voxels in z = 3
+    image = torch.arange(6 * 5 * 4, dtype=torch.float32).reshape(1, 6, 5, 4)
+    img, lab, _, pixel = finest_plane(image, label, label, (1.0, 1.0, 2.0))
+    assert pixel == (1.0, 1.0) and lab.sum() == 20 and img.shape == (1, 5, 6)
+    # rows: Y flipped (anterior up), columns: X
+    assert img[0, 0, 0] == image[0, 0, 4, 3] and img[0, 4, 5] == image[0, 5, 0, 3]
+
+
+@pytest.mark.parametrize("recipe,primary,higher", [
+    ("unet3d-spleen-fast", "dice", True),  # target dice=0.94: best.pt by Dice (it was IoU)
+    ("unet3d-spleen-baseline", "dice", True),
+    ("unet3d-brats", "dice", True),  # no target: the task's own (regions: dice)
+    ("unet2d-microscopy", "iou", True),  # no target: the task's own
+])
+def test_primary_metric_is_the_recipes_target(recipe, primary, higher):
+    from fastvision.config import load
+    from fastvision.engine.build import build_components
+
+    task, _ = build_components(load(recipe), {}, "meta", weights=False)
+    assert (task.primary_metric, task.higher_is_better) == (primary, higher)
+
+
+@pytest.mark.parametrize("target,primary,higher", [("iou=0.8", "iou", True), ("val_loss=0.3", "val_loss", False),
+                                                   ("hd95=4", "hd95", False)])
+def test_a_target_override_sets_the_primary_metric(target, primary, higher):
+    from fastvision.config import load
+    from fastvision.engine.build import build_components
+
+    task, _ = build_components(load("unet3d-spleen-fast", [{"train": {"target": target}}]), {}, "meta", weights=False)
+    assert (task.primary_metric, task.higher_is_better) == (primary, higher)

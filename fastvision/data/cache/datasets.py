@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from fastvision.data import transforms as T
 from fastvision.data.cache.format import CorruptEntry, decode, read_item, write_item
 from fastvision.dist.env import detect_env
+from fastvision.errors import DataWarning
 
 log = logging.getLogger(__name__)
 
@@ -229,9 +230,8 @@ class PersistentDataset(_Cached):
             try:
                 return read_item(p)
             except (CorruptEntry, OSError) as e:
-                msg = f"cache entry {p} is corrupt ({e}); recomputing item {i}"
-                log.warning(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                # a DataWarning: the CLI logs it as one line naming the entry
+                warnings.warn(f"cache entry {p} is corrupt ({e}); recomputing item {i}", DataWarning, stacklevel=2)
                 self.recomputed += 1
         item = self._compute(i)
         write_item(p, item)

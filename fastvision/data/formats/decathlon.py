@@ -311,7 +311,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         path: folder with dataset.json (e.g. ``Task09_Spleen``).
         fold, num_folds, split_seed: cross-validation split (:func:`kfold_split`).
         target_spacing: resample to this voxel size in mm (spleen recipe: 1.5, 1.5, 2.0).
-        intensity: "ct", "mri", "none" or "auto" (ct when dataset.json's modality is CT).
+        intensity: "ct", "mri", "zscore", "none" or "auto" (ct when dataset.json's modality is CT).
         window: CT window a_min, a_max, b_min, b_max.
         crop_foreground, crop_margin: crop to the foreground box.
         patch_size: training patch shape; None trains on whole volumes.

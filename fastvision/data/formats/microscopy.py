@@ -201,16 +201,24 @@ class MicroscopyDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         img_path, mask_path = self.pairs[i]
         # NaN / Inf checked where the file is decoded (once per read, or once per cache fill)
-        img = to_unit_float(self._finite(read_array(img_path), img_path))
-        mask = mask_to_index(self._finite(read_array(mask_path), mask_path), mask_path, self.num_classes,
-                             self.binarize)
-        if img.shape[:2] != mask.shape[:2]:
-            raise DataError(f"{img_path}: image is {img.shape[:2]} but mask {mask_path} is {mask.shape[:2]}")
-        image = torch.from_numpy(img[None] if img.ndim == 2 else img.transpose(2, 0, 1).copy())
-        image = _to_channels(image, self.channels, img_path)
-        label = torch.from_numpy(mask)
+        image, label = prepare_pair(self._finite(read_array(img_path), img_path),
+                                    self._finite(read_array(mask_path), mask_path), img_path, mask_path,
+                                    self.channels, self.num_classes, self.binarize)
         image, label = fit_size(image, label, self.size, self.fit)
         return {"image": image.contiguous(), "label": label.contiguous(), "id": img_path.stem}
+
+
+def prepare_pair(img: np.ndarray, mask: np.ndarray, img_path: Path, mask_path: Path, channels: int,
+                 num_classes: int, binarize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoded image and mask -> ``(image (C, H, W) float in [0, 1], label (H, W) int64)``: the one
+    rule training and ``data inspect`` apply (sizes, mask values, channels), so inspect lists every
+    file training would stop on. DataError names the file."""
+    img = to_unit_float(img)
+    label = mask_to_index(mask, mask_path, num_classes, binarize)
+    if img.shape[:2] != label.shape[:2]:
+        raise DataError(f"{img_path}: image is {img.shape[:2]} but mask {mask_path} is {label.shape[:2]}")
+    image = torch.from_numpy(img[None] if img.ndim == 2 else img.transpose(2, 0, 1).copy())
+    return _to_channels(image, channels, img_path), torch.from_numpy(label)
 
 
 def _to_channels(image: torch.Tensor, channels: int, path: Path) -> torch.Tensor:
