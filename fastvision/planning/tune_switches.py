@@ -38,7 +38,8 @@ def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch
                 Switch("train.compile", ("reduce-overhead",), "numeric", "host")]
     else:
         out += [Switch("train.amp", ("bf16",), "numeric", "compute"),
-                Switch("train.cpu_threads", tuple(sorted({1, cores})), "exact", "compute")]
+                # None (the start) means torch's current count: only the other ones are candidates
+                Switch("train.cpu_threads", tuple(sorted({1, cores} - {torch.get_num_threads()})), "exact", "compute")]
     if allow_batch and bs:
         out.append(Switch("train.batch_size", (2 * bs, 4 * bs), "batch", "host"))
     if world_size > 1:

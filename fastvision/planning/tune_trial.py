@@ -60,20 +60,23 @@ class _Live:
         losses = [engine.train_step(self.run.step, self.batches).loss for _ in range(n)]
         return [float(x) for x in losses[:keep]]
 
-    def timed(self, k: int) -> None:
-        """One round: ``k`` steps, items/s over the round, per-step seconds, data-wait seconds."""
+    def timed(self, k: int, limit_s: float) -> None:
+        """One round: ``k`` steps, or fewer (at least 2) once ``limit_s`` passed (a much slower
+        candidate ends its round early); items/s over the round, per-step seconds, data-wait seconds."""
         self.activate()
         cuda = self.run.device.type == "cuda"
         wait = _DataWait()
         t0 = last = time.perf_counter()
-        for _ in range(k):
+        done = 0
+        while done < k and (done < 2 or last - t0 < limit_s):
             engine.train_step(self.run.step, self.batches, wait)
+            done += 1
             if cuda:
                 torch.cuda.synchronize(self.run.device)  # deliberate: a measured step ends when the GPU is done
             now = time.perf_counter()
             self.steps.append(now - last)
             last = now
-        self.rates.append(k * self.run.global_batch / (last - t0))
+        self.rates.append(done * self.run.global_batch / (last - t0))
         self.data_s += wait.seconds
         self.total_s += last - t0
 
@@ -143,7 +146,7 @@ class TrialRunner:
                 return Comparison(error=f"train.compile auto fell back to {note}")
             for r in range(self.rounds):
                 for one in ((inc, cand) if r % 2 == 0 else (cand, inc)):
-                    one.timed(self.k)
+                    one.timed(self.k, 3 * self.round_s)
             return Comparison(incumbent_rates=inc.rates, candidate_rates=cand.rates,
                               p90_ms=float(np.percentile(cand.steps, 90)) * 1e3, peak_mib=cand.peak,
                               data_share=cand.data_s / max(cand.total_s, 1e-9),

@@ -170,7 +170,7 @@ def test_missing_data_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
 def test_two_ranks_run_the_same_trials_and_agree(tiny_microscopy, tmp_path):
     out = tmp_path / "t"
     cmd = [sys.executable, "-m", "fastvision.cli", "tune", "unet2d-microscopy", "--data", str(tiny_microscopy),
-           "--out", str(out / "tuned.yaml"), "--json", str(out / "trials.json"), "--budget", "120s", "--nproc", "2",
+           "--out", str(out / "tuned.yaml"), "--json", str(out / "trials.json"), "--budget", "30s", "--nproc", "2",
            *TINY, *PIN, "--keep", "data.num_workers", "train.ddp_bucket_mb", "train.ddp_comm_hook",
            "--set", "train.batch_size=2"]
     res = subprocess.run(cmd, cwd=ROOT, env=clean_env(FASTVISION_CACHE=str(tmp_path / "cache")),

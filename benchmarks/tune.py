@@ -1,0 +1,146 @@
+"""``fastvision tune`` against its start and a brute-force grid, end to end with ``fastvision train``.
+
+For each recipe (on generated data, at reduced sizes for a shared 2-core CPU) and each start,
+(a) the recipe and (b) a naive configuration (``data.cache: none``, ``data.num_workers: 0``,
+``train.channels_last: false``), ``fastvision tune`` runs with ``--budget``; a grid over the
+same switches (cache none/ram x workers 0/2 x channels-last off/on) is trained once per point,
+end to end; then the start configurations, the tuned ones and the grid's best train again in
+``--rounds`` interleaved rounds (order rotated each round). Throughput is items per second of
+``fit``'s wall time (build, cache fill, loaders, every epoch, validation): the same items for
+every configuration of a recipe, so the ratios are ratios of wall times. Every run gets a fresh
+``FASTVISION_CACHE`` (cold caches, as a first run would have).
+
+    OMP_NUM_THREADS=2 python benchmarks/tune.py [--budget 75s] [--rounds 2] [--out /tmp/h27-tune/bench]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NAIVE = ["data.cache=none", "data.num_workers=0", "train.channels_last=false"]
+GRID = {"data.cache": ["none", "ram"], "data.num_workers": [0, 2], "train.channels_last": [False, True]}
+# switches the grid does not cover are pinned in tune too (compile costs ~20-60 s a build here)
+KEEP = ["data.loader", "train.compile", "train.amp", "train.cpu_threads"]
+COMMON = ["examples=0", "train.val_every=100", "train.target=null", "train.log_every=50"]
+
+RECIPES = {  # kind, synth options, reductions (--set) for a shared 2-core CPU
+    "unet2d-microscopy": ("microscopy", ["--count", "64", "--size", "64"],
+                          ["data.args.image_size=[64,64]", "train.batch_size=8"]),
+    "unet3d-spleen-fast": ("spleen", ["--cases", "6", "--size", "48"],
+                           ["data.args.patch_size=[32,32,32]", "task.args.sample_shape=[1,32,32,32]",
+                            "task.args.sliding_window.roi_size=[32,32,32]", "model.args.filters=[8,16,32,64,128]",
+                            "train.amp=off", "train.batch_size=2", "data.args.num_folds=3"]),
+    "resnet18-imagefolder": ("imagenet", ["--classes", "4", "--per-class", "48", "--val-per-class", "4"],
+                             ["task.args.num_classes=4", "model.args.num_classes=4", "train.batch_size=32"]),
+    "ssd320-small-shapes": ("coco", ["--train", "64", "--val", "8"], ["train.batch_size=8"]),
+}
+
+
+def fv(*args: str, env: dict | None = None, log: Path | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "fastvision", *args]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if log is not None:
+        with open(log, "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}\n")
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:2])} failed: {res.stderr[-1500:]}")
+    return res
+
+
+def sets(items: list[str]) -> list[str]:
+    return [a for s in items for a in ("--set", s)]
+
+
+def train(config: str, data: Path, extra: list[str], epochs: int, work: Path, log: Path) -> float:
+    """One end-to-end ``fastvision train``: fit's wall seconds (fresh FASTVISION_CACHE)."""
+    out = Path(tempfile.mkdtemp(dir=work, prefix="run-"))
+    env = {**os.environ, "FASTVISION_CACHE": tempfile.mkdtemp(dir=work, prefix="cache-")}
+    fv("train", config, "--data", str(data), "--device", "cpu", "--epochs", str(epochs), "--out", str(out / "r"),
+       *sets(extra + COMMON), env=env, log=log)
+    return json.loads((out / "r" / "summary.json").read_text())["wall_time_s"]
+
+
+def one_recipe(recipe: str, args, work: Path, log: Path) -> dict:
+    kind, synth_opts, reduce = RECIPES[recipe]
+    data = work / f"data-{recipe}"
+    if not data.exists():
+        fv("data", "synth", kind, str(data), *synth_opts, log=log)
+    configs: dict[str, tuple[str, list[str]]] = {"start (a) recipe": (recipe, reduce),
+                                                 "start (b) naive": (recipe, reduce + NAIVE)}
+    tuned = {}
+    for name, extra in (("a", reduce), ("b", reduce + NAIVE)):
+        t0 = time.monotonic()
+        out = work / f"tuned-{recipe}-{name}.yaml"
+        fv("tune", recipe, "--data", str(data), "--device", "cpu", "--budget", args.budget, "--out", str(out),
+           "--json", str(out.with_suffix(".json")), "--fresh", "--force", "--keep", *KEEP,
+           *sets(extra + COMMON), env={**os.environ, "FASTVISION_CACHE": str(work / "tune-cache")}, log=log)
+        result = json.loads(out.with_suffix(".json").read_text())
+        tuned[name] = {"seconds": time.monotonic() - t0, "chosen": result["chosen"], "verdict": result["verdict"],
+                       "trials": len(result["trials"]), "untried": result["untried"], "speedup": result["speedup"]}
+        configs[f"tuned from ({name})"] = (str(out), [])
+        print(f"{recipe} tune ({name}): {tuned[name]}", flush=True)
+    grid = {}
+    for values in itertools.product(*GRID.values()):
+        point = dict(zip(GRID, values))
+        extra = reduce + [f"{k}={str(v).lower()}" for k, v in point.items()]
+        grid[json.dumps(point)] = train(recipe, data, extra, args.epochs, work, log)
+        print(f"{recipe} grid {point}: {grid[json.dumps(point)]:.1f} s", flush=True)
+    best = min(grid, key=grid.get)
+    configs["grid best"] = (recipe, reduce + [f"{k}={str(v).lower()}" for k, v in json.loads(best).items()])
+    walls: dict[str, list[float]] = {k: [] for k in configs}
+    names = list(configs)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotated each round
+            cfg, extra = configs[name]
+            walls[name].append(train(cfg, data, extra, args.epochs, work, log))
+            print(f"{recipe} round {r} {name}: {walls[name][-1]:.1f} s", flush=True)
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    return {"recipe": recipe, "reductions": reduce, "tuned": tuned, "grid_wall_s": grid, "grid_best": json.loads(best),
+            "wall_s": walls, "median_wall_s": med,
+            "tuned_a_vs_start_a": med["start (a) recipe"] / med["tuned from (a)"],
+            "tuned_b_vs_start_b": med["start (b) naive"] / med["tuned from (b)"],
+            "tuned_a_vs_grid_best": med["grid best"] / med["tuned from (a)"],
+            "tuned_b_vs_grid_best": med["grid best"] / med["tuned from (b)"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget", default="75s")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    p.add_argument("--out", type=Path, default=Path("/tmp/h27-tune/bench"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "commands.log"
+    results = []
+    for recipe in args.recipes:
+        try:
+            results.append(one_recipe(recipe, args, args.out, log))
+        except RuntimeError as e:
+            results.append({"recipe": recipe, "error": str(e)})
+            print(f"{recipe}: {e}", flush=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    print("| recipe | tuned (a) / start (a) | tuned (b) / start (b) | tuned (a) / grid best | tuned (b) / grid best "
+          "| chosen (a) | chosen (b) | grid best |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['recipe']} | error: {r['error'][:80]} |")
+            continue
+        print(f"| {r['recipe']} | {r['tuned_a_vs_start_a']:.2f} | {r['tuned_b_vs_start_b']:.2f} | "
+              f"{r['tuned_a_vs_grid_best']:.2f} | {r['tuned_b_vs_grid_best']:.2f} | {r['tuned']['a']['chosen']} | "
+              f"{r['tuned']['b']['chosen']} | {r['grid_best']} |")
+
+
+if __name__ == "__main__":
+    main()
