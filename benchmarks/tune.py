@@ -2,10 +2,10 @@
 
 For each recipe (on generated data, at reduced sizes for a shared 2-core CPU) and each start,
 (a) the recipe and (b) a naive configuration (``data.cache: none``, ``data.num_workers: 0``,
-``train.channels_last: false``), ``fastvision tune`` runs with ``--budget``; a grid over the
-same switches (cache none/ram x workers 0/2 x channels-last off/on) is trained once per point,
-end to end; then the start configurations, the tuned ones and the grid's best train again in
-``--rounds`` interleaved rounds (order rotated each round). Throughput is items per second of
+``train.channels_last: false``), ``fastvision tune`` runs with ``--budget``. Then every point of
+a grid over the same switches (cache none/ram x workers 0/2; both starts
+are grid points unless the recipe's cache is another tier, which is then added) and both tuned
+recipes train end to end in ``--rounds`` interleaved rounds (order rotated each round). Throughput is items per second of
 ``fit``'s wall time (build, cache fill, loaders, every epoch, validation): the same items for
 every configuration of a recipe, so the ratios are ratios of wall times. Every run gets a fresh
 ``FASTVISION_CACHE`` (cold caches, as a first run would have).
@@ -27,21 +27,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NAIVE = ["data.cache=none", "data.num_workers=0", "train.channels_last=false"]
-GRID = {"data.cache": ["none", "ram"], "data.num_workers": [0, 2], "train.channels_last": [False, True]}
-# switches the grid does not cover are pinned in tune too (compile costs ~20-60 s a build here)
-KEEP = ["data.loader", "train.compile", "train.amp", "train.cpu_threads"]
+GRID = {"data.cache": ["none", "ram"], "data.num_workers": [0, 2]}
+# switches the grid does not cover are pinned in tune too, so both search the same switches (time:
+# compile costs 20-60 s a build here, and every grid point is two end-to-end runs)
+KEEP = ["data.loader", "train.compile", "train.amp", "train.cpu_threads", "train.channels_last"]
 COMMON = ["examples=0", "train.val_every=100", "train.target=null", "train.log_every=50"]
 
-RECIPES = {  # kind, synth options, reductions (--set) for a shared 2-core CPU
-    "unet2d-microscopy": ("microscopy", ["--count", "64", "--size", "64"],
-                          ["data.args.image_size=[64,64]", "train.batch_size=8"]),
-    "unet3d-spleen-fast": ("spleen", ["--cases", "6", "--size", "48"],
+RECIPES = {  # kind, synth options, reductions (--set) for a shared 2-core CPU, epochs
+    "unet2d-microscopy": ("microscopy", ["--count", "160", "--size", "64"],
+                          ["data.args.image_size=[64,64]", "train.batch_size=8"], 2),
+    "unet3d-spleen-fast": ("spleen", ["--cases", "12", "--size", "48"],
                            ["data.args.patch_size=[32,32,32]", "task.args.sample_shape=[1,32,32,32]",
                             "task.args.sliding_window.roi_size=[32,32,32]", "model.args.filters=[8,16,32,64,128]",
-                            "train.amp=off", "train.batch_size=2", "data.args.num_folds=3"]),
-    "resnet18-imagefolder": ("imagenet", ["--classes", "4", "--per-class", "48", "--val-per-class", "4"],
-                             ["task.args.num_classes=4", "model.args.num_classes=4", "train.batch_size=32"]),
-    "ssd320-small-shapes": ("coco", ["--train", "64", "--val", "8"], ["train.batch_size=8"]),
+                            "train.amp=off", "train.batch_size=2", "data.args.num_folds=3"], 4),
+    "resnet18-imagefolder": ("imagenet", ["--classes", "4", "--per-class", "96", "--val-per-class", "4"],
+                             ["task.args.num_classes=4", "model.args.num_classes=4", "train.batch_size=32"], 2),
+    "ssd320-small-shapes": ("coco", ["--train", "64", "--val", "8"], ["train.batch_size=8"], 2),
 }
 
 
@@ -69,13 +70,31 @@ def train(config: str, data: Path, extra: list[str], epochs: int, work: Path, lo
     return json.loads((out / "r" / "summary.json").read_text())["wall_time_s"]
 
 
+def _point_name(point: dict) -> str:
+    return "grid " + ",".join(f"{k.split('.')[-1]}={v}" for k, v in point.items())
+
+
+def start_point(recipe: str, extra: list[str]) -> dict:
+    """The grid switches' values in the recipe with ``extra`` applied."""
+    from fastvision import config
+
+    cfg = config.load(recipe, [config.parse_override(s) for s in extra])
+    return {"data.cache": cfg.data.cache, "data.num_workers": cfg.data.num_workers}
+
+
 def one_recipe(recipe: str, args, work: Path, log: Path) -> dict:
-    kind, synth_opts, reduce = RECIPES[recipe]
+    kind, synth_opts, reduce, epochs = RECIPES[recipe]
     data = work / f"data-{recipe}"
     if not data.exists():
         fv("data", "synth", kind, str(data), *synth_opts, log=log)
-    configs: dict[str, tuple[str, list[str]]] = {"start (a) recipe": (recipe, reduce),
-                                                 "start (b) naive": (recipe, reduce + NAIVE)}
+    configs: dict[str, tuple[str, list[str]]] = {}
+    for values in itertools.product(*GRID.values()):
+        point = dict(zip(GRID, values))
+        configs[_point_name(point)] = (recipe, reduce + [f"{k}={str(v).lower()}" for k, v in point.items()])
+    starts = {"a": _point_name(start_point(recipe, reduce)), "b": _point_name(start_point(recipe, reduce + NAIVE))}
+    if starts["a"] not in configs:  # e.g. the spleen recipe's gpu cache: not a grid point
+        starts["a"] = "start (a) recipe"
+        configs[starts["a"]] = (recipe, reduce)
     tuned = {}
     for name, extra in (("a", reduce), ("b", reduce + NAIVE)):
         t0 = time.monotonic()
@@ -86,37 +105,29 @@ def one_recipe(recipe: str, args, work: Path, log: Path) -> dict:
         result = json.loads(out.with_suffix(".json").read_text())
         tuned[name] = {"seconds": time.monotonic() - t0, "chosen": result["chosen"], "verdict": result["verdict"],
                        "trials": len(result["trials"]), "untried": result["untried"], "speedup": result["speedup"]}
-        configs[f"tuned from ({name})"] = (str(out), [])
+        configs[f"tuned ({name})"] = (str(out), [])
         print(f"{recipe} tune ({name}): {tuned[name]}", flush=True)
-    grid = {}
-    for values in itertools.product(*GRID.values()):
-        point = dict(zip(GRID, values))
-        extra = reduce + [f"{k}={str(v).lower()}" for k, v in point.items()]
-        grid[json.dumps(point)] = train(recipe, data, extra, args.epochs, work, log)
-        print(f"{recipe} grid {point}: {grid[json.dumps(point)]:.1f} s", flush=True)
-    best = min(grid, key=grid.get)
-    configs["grid best"] = (recipe, reduce + [f"{k}={str(v).lower()}" for k, v in json.loads(best).items()])
     walls: dict[str, list[float]] = {k: [] for k in configs}
     names = list(configs)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # rotated each round
+        shift = r * len(names) // max(1, args.rounds)  # rotated each round: no config always first
+        for name in names[shift:] + names[:shift]:
             cfg, extra = configs[name]
-            walls[name].append(train(cfg, data, extra, args.epochs, work, log))
+            walls[name].append(train(cfg, data, extra, epochs, work, log))
             print(f"{recipe} round {r} {name}: {walls[name][-1]:.1f} s", flush=True)
     med = {k: statistics.median(v) for k, v in walls.items()}
-    return {"recipe": recipe, "reductions": reduce, "tuned": tuned, "grid_wall_s": grid, "grid_best": json.loads(best),
-            "wall_s": walls, "median_wall_s": med,
-            "tuned_a_vs_start_a": med["start (a) recipe"] / med["tuned from (a)"],
-            "tuned_b_vs_start_b": med["start (b) naive"] / med["tuned from (b)"],
-            "tuned_a_vs_grid_best": med["grid best"] / med["tuned from (a)"],
-            "tuned_b_vs_grid_best": med["grid best"] / med["tuned from (b)"]}
+    grid_best = min((k for k in med if k.startswith("grid ")), key=med.get)
+    speed = lambda a, b: med[b] / med[a]  # noqa: E731  (same items: throughput ratio = inverse wall ratio)
+    return {"recipe": recipe, "reductions": reduce, "epochs": epochs, "synth": [kind, *synth_opts],
+            "tuned": tuned, "starts": starts, "grid_best": grid_best, "wall_s": walls, "median_wall_s": med,
+            "tuned_a_vs_start_a": speed("tuned (a)", starts["a"]), "tuned_b_vs_start_b": speed("tuned (b)", starts["b"]),
+            "tuned_a_vs_grid_best": speed("tuned (a)", grid_best), "tuned_b_vs_grid_best": speed("tuned (b)", grid_best)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget", default="75s")
+    p.add_argument("--budget", default="120s")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--recipes", nargs="+", default=list(RECIPES))
     p.add_argument("--out", type=Path, default=Path("/tmp/h27-tune/bench"))
     args = p.parse_args()
@@ -140,6 +151,10 @@ def main() -> None:
         print(f"| {r['recipe']} | {r['tuned_a_vs_start_a']:.2f} | {r['tuned_b_vs_start_b']:.2f} | "
               f"{r['tuned_a_vs_grid_best']:.2f} | {r['tuned_b_vs_grid_best']:.2f} | {r['tuned']['a']['chosen']} | "
               f"{r['tuned']['b']['chosen']} | {r['grid_best']} |")
+    print("\nmedian fit wall seconds per configuration:")
+    for r in results:
+        if "error" not in r:
+            print(r["recipe"], json.dumps({k: round(v, 1) for k, v in r["median_wall_s"].items()}))
 
 
 if __name__ == "__main__":

@@ -116,12 +116,12 @@ def run_tune(cfg: config.RunConfig, *, budget_s: float, keep: list[str], allow_b
     report = runner.baseline(start)
     base_s = time.monotonic() - t0
     verdict = _agree(report["verdict"])
-    trial_s = _agree(2 * base_s)  # a trial builds and steps two runs: about twice the baseline
+    trial_s = _agree(runner.trial_estimate())
     if base_s + trial_s > budget_s:
         raise ConfigError(f"--budget {budget_s:.0f} s cannot fit one trial here (the baseline took {base_s:.0f} s, "
-                          f"a trial takes about {trial_s:.0f} s): raise --budget")
+                          f"a trial takes at least {trial_s:.0f} s more): raise --budget")
     # one trial's time is kept back for the final check of the whole tuned setting against the start
-    result = search(start, order(switches, verdict), runner.measure, budget_s=budget_s - trial_s, spent_s=base_s,
+    result = search(start, order(switches, verdict), runner.measure, budget_s=budget_s, spent_s=base_s, reserve=1,
                     agree=_agree)
     best, final = final_check(runner, start, result.best, [t for t in result.trials if t.kept])
     chosen = {k: v for k, v in best.items() if v != start.get(k)}

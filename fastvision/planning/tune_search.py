@@ -113,7 +113,7 @@ def judge(switch: Switch, value: Any, comp: Comparison, min_gain: float = MIN_GA
 
 
 def search(start: dict[str, Any], switches: list[Switch], measure: Callable[[dict, dict, Switch], Comparison], *,
-           budget_s: float, spent_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+           budget_s: float, spent_s: float = 0.0, reserve: int = 0, clock: Callable[[], float] = time.monotonic,
            agree: Callable[[Trial], Trial] = lambda t: t,
            expand: Callable[[dict, Switch], dict] = lambda cand, sw: cand) -> SearchResult:
     """Greedy search in ``switches`` order from ``start``: each value of each switch is tried
@@ -125,6 +125,7 @@ def search(start: dict[str, Any], switches: list[Switch], measure: Callable[[dic
         measure: times ``candidate`` against ``incumbent`` (interleaved rounds), checks parity.
         budget_s: total seconds; a trial starts only when the mean trial so far still fits.
         spent_s: seconds already spent (the baseline profile).
+        reserve: trials (of the mean duration) to leave in the budget for what follows (the final check).
         clock: seconds, monotonic (injected by tests).
         agree: every rank's judged trial -> the one all ranks act on (rank 0's).
         expand: adds what a candidate implies (a batch change: the scaled LR).
@@ -138,7 +139,7 @@ def search(start: dict[str, Any], switches: list[Switch], measure: Callable[[dic
                 continue
             seen.add(repr(value))
             mean = sum(durations) / len(durations) if durations else 0.0
-            if clock() - t0 + mean > budget_s:
+            if clock() - t0 + mean * (1 + reserve) > budget_s:
                 untried.append(f"{sw.key}={value}")
                 continue
             cand = expand({**incumbent, sw.key: value}, sw)

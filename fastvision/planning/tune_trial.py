@@ -110,7 +110,7 @@ class TrialRunner:
 
     def __init__(self, cfg: RunConfig, *, probe: int = 3, rounds: int = 5, round_s: float = 1.0):
         self.cfg, self.probe, self.rounds, self.round_s = cfg, probe, rounds, round_s
-        self.k = 5  # steps per round until the baseline measured a step
+        self.k, self.step_s = 5, 0.0  # steps per round, seconds per step: set by the baseline
         self.default_threads = torch.get_num_threads()
 
     def baseline(self, setting: dict[str, Any], steps: int = 10, warmup: int = 3) -> dict[str, Any]:
@@ -125,9 +125,14 @@ class TrialRunner:
         finally:
             if hasattr(run.train_set, "shutdown"):
                 run.train_set.shutdown()
-        step_s = report["step_ms"]["p50"] / 1e3
-        self.k = int(min(30, max(3, round(self.round_s / max(step_s, 1e-3)))))
+        self.step_s = report["step_ms"]["p50"] / 1e3
+        self.k = int(min(30, max(3, round(self.round_s / max(self.step_s, 1e-3)))))
         return report
+
+    def trial_estimate(self) -> float:
+        """Seconds one trial takes at least: both runs' probe and warm-up steps and their rounds
+        at the baseline's step time (the two builds come on top)."""
+        return 2 * self.step_s * (self.probe + 2 + self.rounds * self.k)
 
     def measure(self, incumbent: dict[str, Any], candidate: dict[str, Any], switch: Switch) -> Comparison:
         """Parity of the probe steps, then interleaved rounds: :class:`Comparison` of the candidate."""
