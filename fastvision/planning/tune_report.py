@@ -83,15 +83,17 @@ def chart(result: dict[str, Any], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    names, values, colours = ["start"], [result["baseline"]["items_per_s"]], ["#4c72b0"]
+    names, values, colours, labels = ["start"], [result["baseline"]["items_per_s"]], ["#4c72b0"], [""]
     for i, t in enumerate(result["trials"] + ([result["final"]] if result.get("final") else []), 1):
         names.append("final" if t["key"] == "final" else f"{i}. {t['key'].split('.')[-1]}={t['value']}")
         values.append(t["items_per_s"] or 0.0)
+        labels.append("" if t["ratio"] is None else f"x{t['ratio']:.2f}")
         colours.append("#55a868" if t["kept"] else "#c44e52" if t["reason"].startswith("error") else "#999999")
     fig = Figure(figsize=(max(5.0, 0.7 * len(names) + 2), 4))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.bar(range(len(names)), values, color=colours)
+    bars = ax.bar(range(len(names)), values, color=colours)
+    ax.bar_label(bars, labels, fontsize=7)  # the round ratio against the incumbent of the moment
     ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
     ax.set_ylabel("items/s (median of rounds)")
     ax.set_title(f"tune {result['recipe']}: green kept, grey not faster / parity, red error", fontsize=9)

@@ -83,7 +83,7 @@ class SearchResult:
 def order(switches: list[Switch], verdict: str | None) -> list[Switch]:
     """The verdict's group first (``input-bound`` -> input switches), then :data:`GROUPS` in order;
     switches keep their catalogue order inside a group."""
-    first = (verdict or "").replace("-bound", "")
+    first = (verdict or "").replace("-bound", "").replace("host-sync", "host")
     rank = {g: i + 1 for i, g in enumerate(GROUPS)}
     rank[first] = 0
     return sorted(switches, key=lambda s: rank.get(s.group, len(GROUPS) + 1))  # stable
