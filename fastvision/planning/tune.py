@@ -150,11 +150,14 @@ def final_check(runner: TrialRunner, start: dict[str, Any], best: dict[str, Any]
     kinds = {t.kind for t in kept}
     kind = "batch" if "batch" in kinds else "numeric" if "numeric" in kinds else "exact"
     switch = Switch("final", (), kind, "final")
+    t0 = time.monotonic()
     try:
         comp = runner.measure(start, best, switch)
     except Exception as e:  # noqa: BLE001  (the start stays)
         comp = Comparison(error=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
-    final = _agree(judge(switch, "tuned vs start", comp))
+    final = judge(switch, "tuned vs start", comp)
+    final.seconds = time.monotonic() - t0
+    final = _agree(final)
     return (best if final.kept else start), final
 
 
