@@ -6,12 +6,14 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fastvision.engine.runtime import AutoCompile, maybe_compile
 from tests.conftest import ROOT, clean_env
 
 
+@pytest.mark.slow
 def test_train_compile_auto_falls_back_to_eager_on_a_forced_compile_error(tiny_microscopy, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fastvision.cli", "train", "unet2d-microscopy", "--data", str(tiny_microscopy),

@@ -103,6 +103,7 @@ def _cfg(data):
         "train.batch_size=4", "train.device=cpu", "data.num_workers=0")])
 
 
+@pytest.mark.slow
 def test_parity_refuses_a_switch_that_changes_the_loss_and_passes_an_exact_one(tiny_microscopy):
     runner = TrialRunner(_cfg(tiny_microscopy), probe=2, rounds=1)
     runner.k = 2
@@ -119,6 +120,7 @@ def _tune(data, out, *extra):
                      "--json", str(out / "trials.json"), "--budget", "90s", *TINY, *PIN, *extra])
 
 
+@pytest.mark.slow
 def test_tune_writes_a_recipe_that_trains_as_is_and_reuses_its_result(tiny_microscopy, tmp_path, monkeypatch,
                                                                        capsys):
     monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
@@ -168,6 +170,7 @@ def test_missing_data_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_two_ranks_run_the_same_trials_and_agree(tiny_microscopy, tmp_path):
     out = tmp_path / "t"
     cmd = [sys.executable, "-m", "fastvision.cli", "tune", "unet2d-microscopy", "--data", str(tiny_microscopy),
