@@ -10,7 +10,8 @@ recipes train end to end in ``--rounds`` interleaved rounds (order rotated each 
 every configuration of a recipe, so the ratios are ratios of wall times. Every run gets a fresh
 ``FASTVISION_CACHE`` (cold caches, as a first run would have).
 
-    OMP_NUM_THREADS=2 python benchmarks/tune.py [--budget 75s] [--rounds 2] [--out /tmp/h27-tune/bench]
+    OMP_NUM_THREADS=1 python benchmarks/tune.py [--budget 120s] [--rounds 2] [--out /tmp/h27-tune/bench]
+    OMP_NUM_THREADS=1 python benchmarks/tune.py --confirm 4 --out /tmp/h27-tune/bench   # the key rows again
 """
 from __future__ import annotations
 
@@ -82,6 +83,53 @@ def start_point(recipe: str, extra: list[str]) -> dict:
     return {"data.cache": cfg.data.cache, "data.num_workers": cfg.data.num_workers}
 
 
+def interleave(recipe: str, configs: dict, rounds: int, data: Path, epochs: int, work: Path,
+               log: Path) -> dict[str, list[float]]:
+    """Every configuration trained end to end once per round, the order rotated each round."""
+    walls: dict[str, list[float]] = {k: [] for k in configs}
+    names = list(configs)
+    for r in range(rounds):
+        shift = r * len(names) // max(1, rounds)  # no configuration always first
+        for name in names[shift:] + names[:shift]:
+            cfg, extra = configs[name]
+            walls[name].append(train(cfg, data, extra, epochs, work, log))
+            print(f"{recipe} round {r} {name}: {walls[name][-1]:.1f} s", flush=True)
+    return walls
+
+
+def confirm(args, log: Path) -> None:
+    """``--confirm N``: the starts, the tuned recipes and the grid's best of an earlier run's
+    results.json, again in N interleaved rounds (the grid pass gives each point few rounds)."""
+    rows = []
+    for r in json.loads((args.out / "results.json").read_text()):
+        if "error" in r:
+            continue
+        recipe = r["recipe"]
+        _, _, reduce, epochs = RECIPES[recipe]
+        keys = {r["starts"]["a"], r["starts"]["b"], r["grid_best"]}
+        configs = {}
+        for key in sorted(keys):
+            if key.startswith("grid "):
+                point = dict(kv.split("=") for kv in key[5:].split(","))
+                configs[key] = (recipe, reduce + [f"data.cache={point['cache']}",
+                                                  f"data.num_workers={point['num_workers']}"])
+            else:
+                configs[key] = (recipe, reduce)
+        for n in "ab":
+            configs[f"tuned ({n})"] = (str(args.out / f"tuned-{recipe}-{n}.yaml"), [])
+        walls = interleave(recipe, configs, args.confirm, args.out / f"data-{recipe}", epochs, args.out, log)
+        med = {k: statistics.median(v) for k, v in walls.items()}
+        best = r["grid_best"]
+        rows.append({"recipe": recipe, "wall_s": walls, "median_wall_s": med, "starts": r["starts"], "grid_best": best,
+                     "tuned_a_vs_start_a": med[r["starts"]["a"]] / med["tuned (a)"],
+                     "tuned_b_vs_start_b": med[r["starts"]["b"]] / med["tuned (b)"],
+                     "tuned_a_vs_grid_best": med[best] / med["tuned (a)"],
+                     "tuned_b_vs_grid_best": med[best] / med["tuned (b)"],
+                     "tuned": r["tuned"]})
+        (args.out / "confirm.json").write_text(json.dumps(rows, indent=2))
+    report(rows)
+
+
 def one_recipe(recipe: str, args, work: Path, log: Path) -> dict:
     kind, synth_opts, reduce, epochs = RECIPES[recipe]
     data = work / f"data-{recipe}"
@@ -107,14 +155,7 @@ def one_recipe(recipe: str, args, work: Path, log: Path) -> dict:
                        "trials": len(result["trials"]), "untried": result["untried"], "speedup": result["speedup"]}
         configs[f"tuned ({name})"] = (str(out), [])
         print(f"{recipe} tune ({name}): {tuned[name]}", flush=True)
-    walls: dict[str, list[float]] = {k: [] for k in configs}
-    names = list(configs)
-    for r in range(args.rounds):
-        shift = r * len(names) // max(1, args.rounds)  # rotated each round: no config always first
-        for name in names[shift:] + names[:shift]:
-            cfg, extra = configs[name]
-            walls[name].append(train(cfg, data, extra, epochs, work, log))
-            print(f"{recipe} round {r} {name}: {walls[name][-1]:.1f} s", flush=True)
+    walls = interleave(recipe, configs, args.rounds, data, epochs, work, log)
     med = {k: statistics.median(v) for k, v in walls.items()}
     grid_best = min((k for k in med if k.startswith("grid ")), key=med.get)
     speed = lambda a, b: med[b] / med[a]  # noqa: E731  (same items: throughput ratio = inverse wall ratio)
@@ -130,9 +171,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--recipes", nargs="+", default=list(RECIPES))
     p.add_argument("--out", type=Path, default=Path("/tmp/h27-tune/bench"))
+    p.add_argument("--confirm", type=int, metavar="ROUNDS",
+                   help="re-time the starts, tuned recipes and grid best of --out/results.json in ROUNDS rounds")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "commands.log"
+    if args.confirm:
+        return confirm(args, log)
     results = []
     for recipe in args.recipes:
         try:
@@ -141,6 +186,10 @@ def main() -> None:
             results.append({"recipe": recipe, "error": str(e)})
             print(f"{recipe}: {e}", flush=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    report(results)
+
+
+def report(results: list[dict]) -> None:
     print("| recipe | tuned (a) / start (a) | tuned (b) / start (b) | tuned (a) / grid best | tuned (b) / grid best "
           "| chosen (a) | chosen (b) | grid best |")
     print("|---|---|---|---|---|---|---|---|")
