@@ -34,16 +34,19 @@ GRID = {"data.cache": ["none", "ram"], "data.num_workers": [0, 2]}
 KEEP = ["data.loader", "train.compile", "train.amp", "train.cpu_threads", "train.channels_last"]
 COMMON = ["examples=0", "train.val_every=100", "train.target=null", "train.log_every=50"]
 
-RECIPES = {  # kind, synth options, reductions (--set) for a shared 2-core CPU, epochs
-    "unet2d-microscopy": ("microscopy", ["--count", "160", "--size", "64"],
+SPLEEN = ["data.args.patch_size=[32,32,32]", "task.args.sample_shape=[1,32,32,32]",
+          "task.args.sliding_window.roi_size=[32,32,32]", "model.args.filters=[8,16,32,64,128]",
+          "train.amp=off", "train.batch_size=2", "data.args.num_folds=3"]
+RECIPES = {  # label: recipe, synth kind and options, reductions (--set) for a shared 2-core CPU, epochs
+    "unet2d-microscopy": ("unet2d-microscopy", "microscopy", ["--count", "160", "--size", "64"],
                           ["data.args.image_size=[64,64]", "train.batch_size=8"], 2),
-    "unet3d-spleen-fast": ("spleen", ["--cases", "12", "--size", "48"],
-                           ["data.args.patch_size=[32,32,32]", "task.args.sample_shape=[1,32,32,32]",
-                            "task.args.sliding_window.roi_size=[32,32,32]", "model.args.filters=[8,16,32,64,128]",
-                            "train.amp=off", "train.batch_size=2", "data.args.num_folds=3"], 4),
-    "resnet18-imagefolder": ("imagenet", ["--classes", "4", "--per-class", "96", "--val-per-class", "4"],
+    "unet3d-spleen-fast": ("unet3d-spleen-fast", "spleen", ["--cases", "12", "--size", "48"], SPLEEN, 4),
+    "resnet18-imagefolder": ("resnet18-imagefolder", "imagenet",
+                             ["--classes", "4", "--per-class", "96", "--val-per-class", "4"],
                              ["task.args.num_classes=4", "model.args.num_classes=4", "train.batch_size=32"], 2),
-    "ssd320-small-shapes": ("coco", ["--train", "64", "--val", "8"], ["train.batch_size=8"], 2),
+    "ssd320-small-shapes": ("ssd320-small-shapes", "coco", ["--train", "64", "--val", "8"], ["train.batch_size=8"], 2),
+    # input-bound variant: 96^3 generated cases, so resampling every item costs more than the step
+    "unet3d-spleen-fast-96": ("unet3d-spleen-fast", "spleen", ["--cases", "12", "--size", "96"], SPLEEN, 4),
 }
 
 
@@ -104,8 +107,8 @@ def confirm(args, log: Path) -> None:
     for r in json.loads((args.out / "results.json").read_text()):
         if "error" in r:
             continue
-        recipe = r["recipe"]
-        _, _, reduce, epochs = RECIPES[recipe]
+        label = r["recipe"]
+        recipe, _, _, reduce, epochs = RECIPES[label]
         keys = {r["starts"]["a"], r["starts"]["b"], r["grid_best"]}
         configs = {}
         for key in sorted(keys):
@@ -116,11 +119,11 @@ def confirm(args, log: Path) -> None:
             else:
                 configs[key] = (recipe, reduce)
         for n in "ab":
-            configs[f"tuned ({n})"] = (str(args.out / f"tuned-{recipe}-{n}.yaml"), [])
-        walls = interleave(recipe, configs, args.confirm, args.out / f"data-{recipe}", epochs, args.out, log)
+            configs[f"tuned ({n})"] = (str(args.out / f"tuned-{label}-{n}.yaml"), [])
+        walls = interleave(label, configs, args.confirm, args.out / f"data-{label}", epochs, args.out, log)
         med = {k: statistics.median(v) for k, v in walls.items()}
         best = r["grid_best"]
-        rows.append({"recipe": recipe, "wall_s": walls, "median_wall_s": med, "starts": r["starts"], "grid_best": best,
+        rows.append({"recipe": label, "wall_s": walls, "median_wall_s": med, "starts": r["starts"], "grid_best": best,
                      "tuned_a_vs_start_a": med[r["starts"]["a"]] / med["tuned (a)"],
                      "tuned_b_vs_start_b": med[r["starts"]["b"]] / med["tuned (b)"],
                      "tuned_a_vs_grid_best": med[best] / med["tuned (a)"],
@@ -130,9 +133,9 @@ def confirm(args, log: Path) -> None:
     report(rows)
 
 
-def one_recipe(recipe: str, args, work: Path, log: Path) -> dict:
-    kind, synth_opts, reduce, epochs = RECIPES[recipe]
-    data = work / f"data-{recipe}"
+def one_recipe(label: str, args, work: Path, log: Path) -> dict:
+    recipe, kind, synth_opts, reduce, epochs = RECIPES[label]
+    data = work / f"data-{label}"
     if not data.exists():
         fv("data", "synth", kind, str(data), *synth_opts, log=log)
     configs: dict[str, tuple[str, list[str]]] = {}
@@ -146,7 +149,7 @@ def one_recipe(recipe: str, args, work: Path, log: Path) -> dict:
     tuned = {}
     for name, extra in (("a", reduce), ("b", reduce + NAIVE)):
         t0 = time.monotonic()
-        out = work / f"tuned-{recipe}-{name}.yaml"
+        out = work / f"tuned-{label}-{name}.yaml"
         fv("tune", recipe, "--data", str(data), "--device", "cpu", "--budget", args.budget, "--out", str(out),
            "--json", str(out.with_suffix(".json")), "--fresh", "--force", "--keep", *KEEP,
            *sets(extra + COMMON), env={**os.environ, "FASTVISION_CACHE": str(work / "tune-cache")}, log=log)
@@ -154,12 +157,12 @@ def one_recipe(recipe: str, args, work: Path, log: Path) -> dict:
         tuned[name] = {"seconds": time.monotonic() - t0, "chosen": result["chosen"], "verdict": result["verdict"],
                        "trials": len(result["trials"]), "untried": result["untried"], "speedup": result["speedup"]}
         configs[f"tuned ({name})"] = (str(out), [])
-        print(f"{recipe} tune ({name}): {tuned[name]}", flush=True)
-    walls = interleave(recipe, configs, args.rounds, data, epochs, work, log)
+        print(f"{label} tune ({name}): {tuned[name]}", flush=True)
+    walls = interleave(label, configs, args.rounds, data, epochs, work, log)
     med = {k: statistics.median(v) for k, v in walls.items()}
     grid_best = min((k for k in med if k.startswith("grid ")), key=med.get)
     speed = lambda a, b: med[b] / med[a]  # noqa: E731  (same items: throughput ratio = inverse wall ratio)
-    return {"recipe": recipe, "reductions": reduce, "epochs": epochs, "synth": [kind, *synth_opts],
+    return {"recipe": label, "reductions": reduce, "epochs": epochs, "synth": [kind, *synth_opts],
             "tuned": tuned, "starts": starts, "grid_best": grid_best, "wall_s": walls, "median_wall_s": med,
             "tuned_a_vs_start_a": speed("tuned (a)", starts["a"]), "tuned_b_vs_start_b": speed("tuned (b)", starts["b"]),
             "tuned_a_vs_grid_best": speed("tuned (a)", grid_best), "tuned_b_vs_grid_best": speed("tuned (b)", grid_best)}
@@ -169,7 +172,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", default="120s")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES)[:4], choices=list(RECIPES))
     p.add_argument("--out", type=Path, default=Path("/tmp/h27-tune/bench"))
     p.add_argument("--confirm", type=int, metavar="ROUNDS",
                    help="re-time the starts, tuned recipes and grid best of --out/results.json in ROUNDS rounds")
@@ -179,12 +182,12 @@ def main() -> None:
     if args.confirm:
         return confirm(args, log)
     results = []
-    for recipe in args.recipes:
+    for label in args.recipes:
         try:
-            results.append(one_recipe(recipe, args, args.out, log))
+            results.append(one_recipe(label, args, args.out, log))
         except RuntimeError as e:
-            results.append({"recipe": recipe, "error": str(e)})
-            print(f"{recipe}: {e}", flush=True)
+            results.append({"recipe": label, "error": str(e)})
+            print(f"{label}: {e}", flush=True)
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
     report(results)
 
