@@ -186,3 +186,19 @@ def test_two_ranks_run_the_same_trials_and_agree(tiny_microscopy, tmp_path):
     ranks = result["rank_settings"]
     assert len(ranks) == 2 and ranks[0] == ranks[1]  # every rank ends on rank 0's choice
     assert res.stdout.count("wrote ") == 3  # rank 0 alone writes
+
+
+def test_allow_batch_adds_the_batch_switch_and_says_the_lr_rule_in_one_line():
+    import torch
+
+    from fastvision.planning.tune_switches import catalogue, lr_line
+
+    cfg = config.load("unet2d-microscopy")  # batch 16, optim.lr 0.003 at ref_batch 16
+    keys = lambda allow: {s.key: s for s in catalogue(cfg, torch.device("cpu"), 1, allow)}  # noqa: E731
+    assert "train.batch_size" not in keys(False)
+    batch = keys(True)["train.batch_size"]
+    assert (batch.values, batch.kind) == ((32, 64), "batch")
+    line = lr_line(cfg, 32, 1, 1)
+    assert "\n" not in line and "= 0.006 at global batch 32" in line  # 0.003 x 32 / 16
+    cfg.optim.ref_batch = None
+    assert "optim.lr stays 0.003" in lr_line(cfg, 32, 1, 1)
