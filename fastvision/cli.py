@@ -29,6 +29,7 @@ FEATURES = (
     ("froc", "fastvision.metrics.froc:add_cli"),
     ("plan", "fastvision.planning.plan:add_cli"),
     ("configure", "fastvision.planning.configure:add_cli"),
+    ("tune", "fastvision.planning.tune:add_cli"),
 )
 
 

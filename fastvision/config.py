@@ -84,7 +84,9 @@ class TrainConfig:
     clip_grad: float | None = None  # max global grad norm
     amp: AmpMode = "off"  # auto: bf16 if native, else fp16 + scaling; CPU fp32
     tf32: bool = True
-    compile: bool | Literal["default", "reduce-overhead", "max-autotune"] = False  # true == default
+    # true == default; auto: compiled, eager after a compile error or when the first steps are slower
+    compile: bool | Literal["default", "reduce-overhead", "max-autotune", "auto"] = False
+    cpu_threads: int | None = None  # CPU intra-op threads (torch.set_num_threads); None: OMP_NUM_THREADS
     channels_last: bool = False
     # recompute named blocks in the backward instead of keeping their activations: true (the model
     # family's blocks), false, or a list of block names (fastvision.models.checkpointing)

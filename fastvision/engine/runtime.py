@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,19 +154,96 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 def maybe_compile(model: nn.Module, mode: bool | str) -> nn.Module:
-    """``torch.compile`` (the seeds' XLA) for ``train.compile``: false, true (== default), or a mode.
+    """``torch.compile`` (the seeds' XLA) for ``train.compile``: false, true (== default), auto, or a mode.
 
     ``reduce-overhead`` replays the step's kernels as CUDA graphs (for launch-bound small models);
     it needs static shapes (fixed crop sizes, ``drop_last`` loaders, no data-dependent shapes in
     the step); a new shape records a new graph. ``max-autotune`` also searches kernel configs (long
-    first steps).
+    first steps). ``auto`` compiles (default mode) and falls back to eager on an error or when the
+    first compiled steps are slower (:class:`AutoCompile`).
     """
     if mode is False or mode in ("false", "off", "none"):
         return model
     if mode is True or mode in ("true", "on"):
         mode = "default"
-    if mode not in COMPILE_MODES:
-        raise ConfigError(f"train.compile: expected false, true or one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode != "auto" and mode not in COMPILE_MODES:
+        raise ConfigError(f"train.compile: expected false, true, auto or one of {', '.join(COMPILE_MODES)}, "
+                          f"got {mode!r}")
     if not hasattr(torch, "compile"):
         raise ConfigError("train.compile needs torch >= 2.0")
-    return torch.compile(model, mode=mode)
+    return AutoCompile(model) if mode == "auto" else torch.compile(model, mode=mode)
+
+
+class AutoCompile(nn.Module):
+    """``train.compile: auto``: the compiled model while it works and is faster, else the eager one.
+
+    The first call runs compiled; an exception there (no C++ compiler, an unsupported op, out of
+    memory while compiling) logs one line with the reason and the step goes on eagerly. Then
+    ``trial`` calls run compiled and ``trial`` eagerly, each timed from its start to the next
+    call's start (a whole step with one micro-batch per step); when the compiled median is slower,
+    it falls back to eager for good. ``choice`` is ``"trying"``, ``"compiled"`` or ``"eager"``,
+    ``reason`` says why. A compile error raised only in the backward is not caught here.
+
+    Args:
+        model: the (DDP-wrapped) model, registered as ``_orig_mod`` (torch.compile's name), so
+            ``parameters()``, ``dist.unwrap`` and ``no_sync`` see it; the compiled view shares it.
+        trial: timed calls of each kind.
+    """
+
+    def __init__(self, model: nn.Module, trial: int = 3):
+        super().__init__()
+        self._orig_mod = model  # torch.compile's name: dist.unwrap / no_sync and checkpoint keys see through it
+        self.__dict__["compiled"] = torch.compile(model)  # not a submodule: no second parameter set
+        self.trial, self.choice, self.reason = trial, "trying", ""
+        self._calls, self._starts = 0, []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.choice == "eager":
+            return self._orig_mod(*args, **kwargs)
+        if self.choice == "compiled":
+            return self.compiled(*args, **kwargs)
+        self._calls += 1
+        if self._calls > 1:  # call 1 compiles: its time is not a step's
+            self._stamp(args)
+        if self._calls == 2 + 2 * self.trial:
+            self._decide()
+            return self.forward(*args, **kwargs)
+        if self._calls > 1 + self.trial:  # the eager half of the trial
+            return self._orig_mod(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001  (any compile failure: the run goes on eagerly)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            self._fall_back(f"compile failed: {type(e).__name__}: {first}")
+            return self._orig_mod(*args, **kwargs)
+
+    def _stamp(self, args: tuple) -> None:
+        device = next((a.device for a in args if torch.is_tensor(a)), None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)  # deliberate, during the 2 x trial timed calls only
+        self._starts.append(time.perf_counter())
+
+    def _decide(self) -> None:
+        steps = np.diff(self._starts)
+        compiled = float(np.median(steps[: self.trial]))
+        eager = float(np.median(steps[self.trial: 2 * self.trial]))
+        if compiled > eager:
+            self._fall_back(f"compiled steps were slower ({compiled * 1e3:.1f} ms vs eager {eager * 1e3:.1f} ms)")
+        else:
+            self.choice, self.reason = "compiled", f"{compiled * 1e3:.1f} ms per step vs eager {eager * 1e3:.1f} ms"
+            log.info("train.compile auto: compiled (%s)", self.reason)
+
+    def _fall_back(self, reason: str) -> None:
+        self.choice, self.reason = "eager", reason
+        log.warning("train.compile auto: eager (%s)", reason)
+
+
+def set_threads(n: int | None) -> None:
+    """CPU intra-op threads (``train.cpu_threads``); None leaves torch's default (OMP_NUM_THREADS).
+
+    Process-wide: whoever builds several runs in one process (``tune``) sets it before each one's steps.
+    """
+    if n is not None:
+        if n < 1:
+            raise ConfigError(f"train.cpu_threads must be >= 1, got {n}")
+        torch.set_num_threads(n)

@@ -1,0 +1,100 @@
+"""The speed switches ``fastvision tune`` may change, which apply where, and the batch-size rule.
+
+Each is a config key with the values worth trying, grouped by the profiler verdict it answers and
+ordered inside its group by the profiler's advice (``profiling.profiler.advice``): the cache before
+the loader before the workers; channels-last, then compile, then precision and threads.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import torch
+
+from fastvision.config import RunConfig
+from fastvision.errors import ConfigError
+from fastvision.planning.tune_search import Switch
+from fastvision.registry import DATASETS
+
+
+def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch: bool) -> list[Switch]:
+    """Every switch that can run here, in catalogue order (see :func:`fastvision.planning.tune_search.order`)."""
+    cuda, cores = device.type == "cuda", os.cpu_count() or 1
+    bs = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else None
+    caches = ("ram", "disk") + (("gpu",) if cuda else ()) + (("shared",) if world_size > 1 else ())
+    workers = tuple(n for n in (0, 2, 4, 8) if n <= max(2, 2 * cores))
+    out = [Switch("data.cache", caches, "exact", "input"),
+           Switch("data.loader", ("threads", "processes"), "exact", "input"),
+           Switch("data.num_workers", workers, "exact", "input")]
+    if _has_dali() and "backend" in _dataset_params(cfg):
+        out.append(Switch("data.args.backend", ("dali",), "numeric", "input"))
+    out += [Switch("train.channels_last", (True, False), "numeric", "compute"),
+            Switch("train.compile", ("auto",), "numeric", "compute")]
+    if cuda:
+        out += [Switch("train.amp", ("bf16",) if torch.cuda.is_bf16_supported() else ("fp16",), "numeric", "compute"),
+                Switch("train.tf32", (True,), "numeric", "compute"),
+                Switch("train.compile", ("max-autotune",), "numeric", "compute"),
+                Switch("train.compile", ("reduce-overhead",), "numeric", "host")]
+    else:
+        out += [Switch("train.amp", ("bf16",), "numeric", "compute"),
+                # None (the start) means torch's current count: only the other ones are candidates
+                Switch("train.cpu_threads", tuple(sorted({1, cores} - {torch.get_num_threads()})), "exact", "compute")]
+    if allow_batch and bs:
+        out.append(Switch("train.batch_size", (2 * bs, 4 * bs), "batch", "host"))
+    if world_size > 1:
+        out += [Switch("train.ddp_bucket_mb", (50.0, 100.0), "exact", "communication"),
+                Switch("train.ddp_comm_hook", ("bf16",), "numeric", "communication")]
+        if allow_batch:
+            out.append(Switch("train.accum_steps", (2,), "batch", "communication"))
+    return out
+
+
+# every key a switch may set on some machine: what --keep accepts
+SWITCH_KEYS = ("data.cache", "data.loader", "data.num_workers", "data.args.backend", "train.channels_last",
+               "train.compile", "train.amp", "train.tf32", "train.cpu_threads", "train.batch_size",
+               "train.ddp_bucket_mb", "train.ddp_comm_hook", "train.accum_steps")
+
+
+def check_keep(keys: list[str]) -> None:
+    """An unknown ``--keep`` key is an error naming it and the valid keys."""
+    for k in keys:
+        if k not in SWITCH_KEYS:
+            raise ConfigError(f"--keep {k}: not a speed switch; valid: {', '.join(SWITCH_KEYS)}")
+
+
+def current(cfg: RunConfig, keys: list[str]) -> dict[str, Any]:
+    """The config's value of each dotted key (``data.args.backend`` absent: None)."""
+    out = {}
+    for key in keys:
+        node: Any = cfg
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+        out[key] = node
+    return out
+
+
+def lr_line(cfg: RunConfig, batch: int, accum: int, world_size: int) -> str:
+    """The recipe's LR scaling rule for a new batch, in one line."""
+    o = cfg.optim
+    global_batch = batch * accum * world_size
+    if o.ref_batch:
+        return (f"LR scaled linearly by the recipe's rule: optim.lr {o.lr:g} x {global_batch} / optim.ref_batch "
+                f"{o.ref_batch} = {o.lr * global_batch / o.ref_batch:g} at global batch {global_batch}")
+    return (f"the recipe sets no optim.ref_batch: optim.lr stays {o.lr:g} at global batch {global_batch} "
+            "(set optim.ref_batch to scale it)")
+
+
+def _has_dali() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+    except Exception:  # noqa: BLE001  (absent or broken: not a candidate)
+        return False
+    return True
+
+
+def _dataset_params(cfg: RunConfig) -> set[str]:
+    try:
+        return set(inspect.signature(DATASETS.get(cfg.data.name)).parameters)
+    except Exception:  # noqa: BLE001
+        return set()

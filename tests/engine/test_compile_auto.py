@@ -1,0 +1,42 @@
+"""``train.compile: auto``: a real compile failure (no C++ compiler for Inductor) falls back to eager
+with one line and the run trains on; slower compiled steps fall back too."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastvision.engine.runtime import AutoCompile, maybe_compile
+from tests.conftest import ROOT, clean_env
+
+
+@pytest.mark.slow
+def test_train_compile_auto_falls_back_to_eager_on_a_forced_compile_error(tiny_microscopy, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fastvision.cli", "train", "unet2d-microscopy", "--data", str(tiny_microscopy),
+           "--out", str(out), "--epochs", "1", "--batch-size", "4", "--device", "cpu",
+           "--set", "data.args.image_size=[32,32]", "--set", "model.args.filters=[4,8,16]",
+           "--set", "data.num_workers=0", "--set", "examples=0", "--set", "train.compile=auto"]
+    # Inductor finds no C++ compiler: a real compile error; a fresh kernel cache so nothing is reused
+    env = clean_env(CXX="/nonexistent/g++", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stderr.splitlines() if "train.compile auto" in line]
+    assert len(lines) == 1 and "eager (compile failed:" in lines[0] and "C++ compiler" in lines[0], res.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 1
+
+
+def test_auto_compile_sees_through_to_the_model_and_falls_back_when_compiled_steps_are_slower():
+    model = torch.nn.Linear(3, 2)
+    auto = maybe_compile(model, "auto")
+    assert isinstance(auto, AutoCompile)
+    assert list(auto.parameters()) == list(model.parameters())  # clip_grad_norm_ and the optimizer see them
+    assert [k.replace("_orig_mod.", "") for k in auto.state_dict()] == list(model.state_dict())
+    auto._starts = [0.0, 0.3, 0.6, 0.9, 1.0, 1.1, 1.2]  # 3 compiled steps of 300 ms, then 3 eager of 100 ms
+    auto._decide()
+    assert auto.choice == "eager" and "slower (300.0 ms vs eager 100.0 ms)" in auto.reason
+    x = torch.randn(4, 3)
+    assert torch.equal(auto(x), model(x))  # eager from now on: the model itself

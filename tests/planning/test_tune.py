@@ -1,0 +1,204 @@
+"""``fastvision tune``: the search on a deterministic cost model, dropped switches, parity on the real
+step, the CLI end to end (tuned.yaml trains as is, the stored result is reused), bad inputs, and
+two ranks under torchrun agreeing."""
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fastvision import cli, config
+from fastvision.planning.tune_search import Comparison, Switch, order, search
+from fastvision.planning.tune_trial import TrialRunner
+from tests.conftest import ROOT, clean_env
+
+TINY = ["--set", "data.args.image_size=[32,32]", "--set", "model.args.filters=[4,8,16]",
+        "--set", "train.batch_size=4", "--device", "cpu"]
+# pin every switch but the cache (and in a test the workers too): a few trials keep the CLI tests short
+PIN = ["--keep", "data.loader", "train.channels_last", "train.compile", "train.amp", "train.cpu_threads"]
+
+
+# ------------------------------------------------------------------ the search on a stub cost model
+COST = {  # seconds per item of each switch value; a setting costs the product (independent switches)
+    "data.cache": {"none": 1.0, "ram": 0.5, "disk": 0.7},
+    "data.num_workers": {0: 1.0, 2: 0.8, 4: 0.9},
+    "train.channels_last": {False: 1.0, True: 1.3},
+}
+
+
+def cost(setting: dict) -> float:
+    c = 1.0
+    for key, table in COST.items():
+        c *= table[setting[key]]
+    return c
+
+
+def stub_measure(incumbent: dict, candidate: dict, switch: Switch) -> Comparison:
+    """Five identical rounds of items/s = 1 / cost: no spread."""
+    return Comparison(incumbent_rates=[1 / cost(incumbent)] * 5, candidate_rates=[1 / cost(candidate)] * 5,
+                      parity={"ok": True, "detail": "stub"})
+
+
+SWITCHES = [Switch("train.channels_last", (True, False), "numeric", "compute"),
+            Switch("data.cache", ("ram", "disk"), "exact", "input"),
+            Switch("data.num_workers", (0, 2, 4), "exact", "input")]
+START = {"data.cache": "none", "data.num_workers": 0, "train.channels_last": False}
+
+
+def test_search_on_a_stub_cost_model_picks_the_grid_best():
+    grid = [dict(zip(COST, values)) for values in itertools.product(*(t.keys() for t in COST.values()))]
+    best = min(grid, key=cost)  # brute force over every combination: the independent reference
+    result = search(START, order(SWITCHES, "input-bound"), stub_measure, budget_s=1e9)
+    assert result.best == best == {"data.cache": "ram", "data.num_workers": 2, "train.channels_last": False}
+    # the verdict orders the groups: input switches are tried before compute ones
+    assert [t.key for t in result.trials][:2] == ["data.cache", "data.cache"]
+    assert result.trials[-1].key == "train.channels_last" and not result.trials[-1].kept
+    assert [t.key for t in search(START, order(SWITCHES, "compute-bound"), stub_measure, budget_s=1e9).trials][0] \
+        == "train.channels_last"
+
+
+def test_budget_stops_the_search_and_names_what_it_did_not_try():
+    now = [0.0]
+
+    def measure(inc, cand, sw):
+        now[0] += 10.0  # every trial takes 10 s on the stub clock
+        return stub_measure(inc, cand, sw)
+
+    result = search(START, order(SWITCHES, "input-bound"), measure, budget_s=25.0, clock=lambda: now[0])
+    assert len(result.trials) == 2
+    assert result.untried == ["data.num_workers=2", "data.num_workers=4", "train.channels_last=True"]
+
+
+def test_a_switch_that_raises_is_dropped_with_its_reason_and_the_search_goes_on():
+    def measure(inc, cand, sw):
+        if cand["data.cache"] == "ram":
+            raise RuntimeError("out of memory while caching\nsecond line")
+        return stub_measure(inc, cand, sw)
+
+    result = search(START, order(SWITCHES, "input-bound"), measure, budget_s=1e9)
+    first = result.trials[0]
+    assert (first.key, first.value, first.kept) == ("data.cache", "ram", False)
+    assert first.reason == "error: RuntimeError: out of memory while caching"
+    assert result.best == {"data.cache": "disk", "data.num_workers": 2, "train.channels_last": False}
+
+
+def test_not_faster_than_the_spread_is_not_kept():
+    def noisy(inc, cand, sw):  # +5 % in the median, but rounds range over +-10 %
+        return Comparison(incumbent_rates=[1.0] * 5, candidate_rates=[0.95, 1.05, 1.05, 1.15, 1.25], parity=None)
+
+    result = search(START, [SWITCHES[1]], noisy, budget_s=1e9)
+    assert [t.kept for t in result.trials] == [False, False]
+    assert result.trials[0].reason.startswith("not faster: +5% vs spread 15%")
+
+
+# ------------------------------------------------------------------ parity on the real step
+def _cfg(data):
+    return config.load("unet2d-microscopy", [config.parse_override(s) for s in (
+        f"data.args.path={data}", "data.args.image_size=[32,32]", "model.args.filters=[4,8,16]",
+        "train.batch_size=4", "train.device=cpu", "data.num_workers=0")])
+
+
+@pytest.mark.slow
+def test_parity_refuses_a_switch_that_changes_the_loss_and_passes_an_exact_one(tiny_microscopy):
+    runner = TrialRunner(_cfg(tiny_microscopy), probe=2, rounds=1)
+    runner.k = 2
+    start = {"data.cache": "none", "optim.lr": 0.003}
+    changed = runner.measure(start, {**start, "optim.lr": 0.3}, Switch("optim.lr", (0.3,), "exact", "compute"))
+    assert changed.parity["ok"] is False and "exact switch" in changed.parity["detail"]
+    same = runner.measure(start, {**start, "data.cache": "ram"}, Switch("data.cache", ("ram",), "exact", "input"))
+    assert same.parity["ok"] is True and len(same.candidate_rates) == 1
+
+
+# ------------------------------------------------------------------ the CLI
+def _tune(data, out, *extra):
+    return cli.main(["tune", "unet2d-microscopy", "--data", str(data), "--out", str(out / "tuned.yaml"),
+                     "--json", str(out / "trials.json"), "--budget", "90s", *TINY, *PIN, *extra])
+
+
+@pytest.mark.slow
+def test_tune_writes_a_recipe_that_trains_as_is_and_reuses_its_result(tiny_microscopy, tmp_path, monkeypatch,
+                                                                       capsys):
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "t"
+    assert _tune(tiny_microscopy, out, "--set", "data.num_workers=0", "--keep", "data.num_workers") == 0
+    first = json.loads((out / "trials.json").read_text())
+    assert (out / "tuned.png").read_bytes()[:4] == b"\x89PNG"
+    assert {t["key"] for t in first["trials"]} == {"data.cache"}
+    assert first["verdict"].endswith("-bound") and first["trials"]
+    tuned = yaml.safe_load((out / "tuned.yaml").read_text())
+    assert tuned["extends"] == "unet2d-microscopy" and tuned["model"]["args"]["filters"] == [4, 8, 16]
+    cfg = config.load(str(out / "tuned.yaml"))
+    for key, value in first["chosen"].items():
+        assert config.to_dict(cfg)[key.split(".")[0]][key.split(".")[1]] == value
+    assert cli.main(["train", str(out / "tuned.yaml"), "--data", str(tiny_microscopy), "--epochs", "1",
+                     "--out", str(tmp_path / "run"), "--set", "examples=0"]) == 0
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+    # the same recipe, overrides, hardware and data: the stored result, not a new measurement
+    again = ["--set", "data.num_workers=0", "--keep", "data.num_workers"]
+    assert _tune(tiny_microscopy, out, *again) == 2  # --out exists: refused
+    assert "--force" in capsys.readouterr().err
+    assert _tune(tiny_microscopy, out, *again, "--force") == 0
+    assert json.loads((out / "trials.json").read_text()) == first
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--keep", "train.epochs"], "--keep train.epochs: not a speed switch"),
+    (["--budget", "5s"], "cannot fit one trial"),
+    (["--budget", "soon"], "--budget 'soon'"),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tiny_microscopy, tmp_path, capsys, extra, message):
+    out = tmp_path / "t"
+    assert _tune(tiny_microscopy, out, *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not out.exists()
+
+
+def test_missing_data_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
+    out = tmp_path / "t"
+    assert _tune(tmp_path / "nowhere", out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nowhere" in err[0] and "not found" in err[0]
+    assert not out.exists()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_ranks_run_the_same_trials_and_agree(tiny_microscopy, tmp_path):
+    out = tmp_path / "t"
+    cmd = [sys.executable, "-m", "fastvision.cli", "tune", "unet2d-microscopy", "--data", str(tiny_microscopy),
+           "--out", str(out / "tuned.yaml"), "--json", str(out / "trials.json"), "--budget", "30s", "--nproc", "2",
+           *TINY, *PIN, "--keep", "data.num_workers", "train.ddp_bucket_mb", "train.ddp_comm_hook",
+           "--set", "train.batch_size=2"]
+    res = subprocess.run(cmd, cwd=ROOT, env=clean_env(FASTVISION_CACHE=str(tmp_path / "cache")),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((out / "trials.json").read_text())
+    assert result["hardware"]["world_size"] == 2
+    assert [t["key"] for t in result["trials"]] == ["data.cache"] * len(result["trials"]) and result["trials"]
+    ranks = result["rank_settings"]
+    assert len(ranks) == 2 and ranks[0] == ranks[1]  # every rank ends on rank 0's choice
+    assert res.stdout.count("wrote ") == 3  # rank 0 alone writes
+
+
+def test_allow_batch_adds_the_batch_switch_and_says_the_lr_rule_in_one_line():
+    import torch
+
+    from fastvision.planning.tune_switches import catalogue, lr_line
+
+    cfg = config.load("unet2d-microscopy")  # batch 16, optim.lr 0.003 at ref_batch 16
+    keys = lambda allow: {s.key: s for s in catalogue(cfg, torch.device("cpu"), 1, allow)}  # noqa: E731
+    assert "train.batch_size" not in keys(False)
+    batch = keys(True)["train.batch_size"]
+    assert (batch.values, batch.kind) == ((32, 64), "batch")
+    line = lr_line(cfg, 32, 1, 1)
+    assert "\n" not in line and "= 0.006 at global batch 32" in line  # 0.003 x 32 / 16
+    cfg.optim.ref_batch = None
+    assert "optim.lr stays 0.003" in lr_line(cfg, 32, 1, 1)
