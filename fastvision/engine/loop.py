@@ -265,8 +265,8 @@ def _finish(run: Run, model: nn.Module, logger: RunLogger, summary: dict, run_di
     logger.summary(summary)
 
 
-class _DataWait:
-    """``train_step``'s clock in ``fit``: seconds spent waiting for the loader (the "data" phase)."""
+class DataWait:
+    """``train_step``'s clock in ``fit`` and tune's trials: seconds spent waiting for the loader (the "data" phase)."""
 
     def __init__(self) -> None:
         self.seconds, self._t = 0.0, 0.0
@@ -331,7 +331,7 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
     guard.watch(meter)
     step.model.train()
     logger.start_epoch(epoch, tc.epochs, steps)
-    wait = _DataWait()
+    wait = DataWait()
     meter.start()
     t_log, last_log = meter.t_start, start
     batches = iter(run.train_loader)

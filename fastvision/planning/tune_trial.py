@@ -23,6 +23,7 @@ from fastvision import config, engine
 from fastvision.config import RunConfig
 from fastvision.data.loader import endless_batches
 from fastvision.engine import runtime
+from fastvision.engine.loop import DataWait
 from fastvision.planning.tune_search import EXACT_RTOL, NUMERIC_RTOL, Comparison, Switch
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class _Live:
         candidate ends its round early); items/s over the round, per-step seconds, data-wait seconds."""
         self.activate()
         cuda = self.run.device.type == "cuda"
-        wait = _DataWait()
+        wait = DataWait()
         t0 = last = time.perf_counter()
         done = 0
         while done < k and (done < 2 or last - t0 < limit_s):
@@ -83,19 +84,6 @@ class _Live:
     def close(self) -> None:
         if hasattr(self.run.train_set, "shutdown"):  # smart cache threads
             self.run.train_set.shutdown()
-
-
-class _DataWait:
-    """``train_step``'s clock: seconds waiting for the loader."""
-
-    def __init__(self) -> None:
-        self.seconds, self._t = 0.0, 0.0
-
-    def __call__(self, phase: str) -> None:
-        if phase == "data":
-            self._t = time.perf_counter()
-        elif phase == "h2d":
-            self.seconds += time.perf_counter() - self._t
 
 
 class TrialRunner:
