@@ -55,7 +55,7 @@ def test_count_nonfinite_equals_numpy_elementwise(values, dtype, expected):
     assert count_nonfinite(a) == expected == int((~np.isfinite(a.astype(np.float64))).sum())
 
 
-def test_policy_checked_and_zero_replaces_with_one_warning_per_file(caplog):
+def test_policy_checked_and_zero_replaces_with_one_warning_per_file(caplog, fresh_logging):
     with pytest.raises(ConfigError, match="data.args.nonfinite must be one of error, zero"):
         NonFinite("skip")
     a = np.array([[1.0, NAN], [-INF, 4.0]], np.float32)
