@@ -239,7 +239,7 @@ def main() -> int:
     print(f"plan: fastvision {plan['fastvision']} / nnU-Net {plan['nnunet']}: "
           f"{'same' if plan['match'] else 'DIFFERENT'}", file=sys.stderr)
     _, help_text = fastvision(["predict", "--help"], args.timeout)
-    has_tta = "--tta" in help_text
+    has_tta = "--tta-axes" in help_text  # the 3 axes nnU-Net mirrors (configured recipes train no flips)
     train = ["--epochs", "1", "--set", "train.steps_per_epoch=1", "--set", "data.cache=ram",
              "--set", "data.cache_dir=null", "--set", "data.args.num_folds=2"]
     # "fastvision": the recipe as configured (its CT crop to the voxels above the window's lower
@@ -274,7 +274,7 @@ def main() -> int:
                     params = res["parameters"]
                 else:
                     cmd = ["predict", str(runs[who, mirror]), *map(str, inputs), "--out", str(work / f"out-{who}-{tag}"),
-                           "--force"] + (["--tta"] if mirror and has_tta else []) + args.predict_args.split()
+                           "--force"] + (["--tta-axes", "0,1,2"] if mirror and has_tta else []) + args.predict_args.split()
                     wall, _ = fastvision(cmd, args.timeout)
                 times[mirror][who].append(wall)
                 times[mirror][f"{who}_cpu"].append(CPU_S[-1])
