@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr) once it ends; one that runs past ``timeout`` seconds is killed
+    (its returncode then says so) and what it wrote is still returned."""
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate())
+    return outs
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))  # also run as a worker script
 
 from fastvision import dist  # noqa: E402
 from fastvision.errors import ConfigError  # noqa: E402
-from tests.conftest import clean_env, free_port  # noqa: E402
+from tests.conftest import clean_env, communicate_all, free_port  # noqa: E402
 
 # --------------------------------------------------------------------------- environment table
 
@@ -208,14 +208,7 @@ def test_two_rank_slurm_srun_variables(tmp_path):
                    MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(tmp_path)], cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    errs = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, err = p.communicate()
-        errs.append(err)
+    errs = [err for _, err in communicate_all(procs, timeout=180)]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
     _check_results(tmp_path, 2, "slurm")
 

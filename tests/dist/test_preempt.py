@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, clean_env, free_port
+from tests.conftest import ROOT, clean_env, communicate_all, free_port
 
 pytestmark = pytest.mark.dist
 
@@ -47,12 +47,7 @@ def test_two_ranks_agree_every_k_steps_only_when_asked_and_on_the_default_group(
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port)], cwd=ROOT, env=clean_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
+    for p, (out, err) in zip(procs, communicate_all(procs, timeout=120)):
         assert p.returncode == 0, err[-2000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
     no, stop, ckpt = [False, False], [True, False], [True, True]
