@@ -57,14 +57,19 @@ class NonFiniteGuard:
     """
 
     def __init__(self, max_nonfinite: int, on_nonfinite: str, module: nn.Module):
-        if max_nonfinite < 1:
-            raise ConfigError(f"train.max_nonfinite must be >= 1, got {max_nonfinite}")
-        if on_nonfinite not in ACTIONS:
-            raise ConfigError(f"train.on_nonfinite: {on_nonfinite!r}; valid: {', '.join(ACTIONS)}")
+        self.validate(max_nonfinite, on_nonfinite)
         self.max_nonfinite, self.action, self.module = max_nonfinite, on_nonfinite, module
         self.pending: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
         self.meter: Any = None  # the running epoch's counters (EpochMeter): its streak
         self.rollbacks: list[int] = []  # the steps of the recent rollbacks
+
+    @staticmethod
+    def validate(max_nonfinite: int, on_nonfinite: str) -> None:
+        """``train.max_nonfinite`` / ``on_nonfinite``, checked (``fit`` asks before anything is built)."""
+        if max_nonfinite < 1:
+            raise ConfigError(f"train.max_nonfinite must be >= 1, got {max_nonfinite}")
+        if on_nonfinite not in ACTIONS:
+            raise ConfigError(f"train.on_nonfinite: {on_nonfinite!r}; valid: {', '.join(ACTIONS)}")
 
     def watch(self, meter: Any) -> None:
         """A new epoch's counters (their device streak is the one checked)."""

@@ -55,6 +55,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     policy = CheckpointPolicy.from_config(tc, run_dir / "checkpoints")
     preemption = Preemption(tc.stop_signals, tc.requeue, every=tc.log_every)
     check_timeouts(tc.hang_timeout_s, tc.dist_timeout_s)
+    NonFiniteGuard.validate(tc.max_nonfinite, tc.on_nonfinite)
     ckpt = checkpoint.load(resume, "cpu") if resume is not None else None  # RNG states stay CPU tensors
     if ckpt is not None:  # the world this process joined decides (horovodrun sets no variable detect_env reads)
         joined, _ = dist.init(tc.device, timeout_s=tc.dist_timeout_s, backend=tc.backend)

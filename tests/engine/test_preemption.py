@@ -222,3 +222,17 @@ def test_a_stop_signal_that_cannot_be_caught_is_refused_up_front(bad):
     cfg = load("unet2d-microscopy", [{"train": {"stop_signals": [bad]}}])  # a number is a valid config value
     with pytest.raises(ConfigError, match="^train.stop_signals: "):
         fit(cfg, Path("/nonexistent/never-written"))  # refused before anything is built or written
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"max_nonfinite": 0}, "^train.max_nonfinite must be >= 1, got 0"),
+    ({"keep_checkpoints": -1}, "^train.keep_checkpoints must be >= 0"),
+    ({"checkpoint_every": "soon"}, "^train.checkpoint_every: 'soon'"),
+])
+def test_bad_checkpoint_and_guard_settings_are_refused_before_anything_is_written(train, message):
+    """``fit`` on a folder that cannot exist: reaching the build or a write would fail otherwise."""
+    from fastvision.config import load
+    from fastvision.engine.loop import fit
+
+    with pytest.raises(ConfigError, match=message):
+        fit(load("unet2d-microscopy", [{"train": train}]), Path("/nonexistent/never-written"))
