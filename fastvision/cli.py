@@ -131,12 +131,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from fastvision.api import expand_inputs, is_volume_input, predict, refuse_overwrite
     from fastvision.inference.folds import is_folds_dir, predict_volumes
 
+    volume_flags = bool(args.folds or args.tta or args.tta_axes or args.nproc > 1 or args.postprocess != "auto")
     try:
         volumes = is_folds_dir(args.checkpoint) or is_volume_input(expand_inputs(args.inputs))
     except DataError:  # a missing input: named below (after the --out check of a plain predict)
-        volumes = bool(args.folds or args.tta or args.tta_axes or args.nproc > 1 or args.postprocess != "auto")
+        volumes = volume_flags
     if not volumes:  # 2-D images (or a missing input)
-        if args.folds or args.tta or args.tta_axes or args.nproc > 1 or args.postprocess != "auto":
+        if volume_flags:
             raise ConfigError("--folds, --tta, --tta-axes, --nproc and --postprocess apply to NIfTI volumes")
         refuse_overwrite(args.out, args.force)
         written = predict(args.checkpoint, args.inputs, args.out, device=args.device)
@@ -233,14 +234,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.fingerprint:
         from fastvision.data.fingerprint import cmd_fingerprint
         return cmd_fingerprint(Path(args.path), args.json)
-    import yaml
+    from fastvision.config import parse_override
 
-    settings = {}
+    settings = {}  # KEY=VALUE of data.args, parsed as train's --set parses them
     for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"data inspect --set {item!r}: expected KEY=VALUE, e.g. channels=3")
-        settings[key.strip().removeprefix("data.args.")] = yaml.safe_load(value)
+        settings.update(parse_override("data.args." + item.strip().removeprefix("data.args."))["data"]["args"])
     report = inspect_path(Path(args.path), settings)
     print_report(report)
     unusable = report.get("unusable") or {}
