@@ -95,6 +95,8 @@ def predict_row(row: dict[str, Any], anchors: dict[str, Any], rates: dict[str, f
     else:
         published_eff = row["published_rate"] / row["gpus"] / ref_rate
     ideal = row["gpus"] / ref_gpus
+    # the step time the model misses: published step at N minus predicted, both on the reference's rate
+    missing_ms = 1e3 * row["batch"] / ref_rate * (1 / published_eff - 1 / eff)
     return {"id": row["id"], "workload": row["workload"], "impl": row["impl"], "gpu": row["gpu"],
             "hardware": row["hardware"], "precision": row["precision"], "batch": row["batch"], "gpus": row["gpus"],
             "ref_gpus": ref_gpus, "input": row["input"], "backend": row["backend"], "role": row["role"],
@@ -102,7 +104,7 @@ def predict_row(row: dict[str, Any], anchors: dict[str, Any], rates: dict[str, f
             "predicted_efficiency": eff, "published_efficiency": published_eff,
             "error_points": 100 * (eff - published_eff), "limit": p["limit"], "step_ms": p["step_s"] * 1e3,
             "exposed_comm_ms": p["exposed_comm_s"] * 1e3, "straggler_ms": p["straggler_s"] * 1e3,
-            "fixed_ms": p["fixed_s"] * 1e3, "note": row.get("note", "")}
+            "fixed_ms": p["fixed_s"] * 1e3, "missing_ms": missing_ms, "note": row.get("note", "")}
 
 
 def _bisect(f, lo: float, hi: float, iters: int = 60) -> float:
@@ -177,11 +179,13 @@ def validate(path: Path = ANCHORS) -> list[dict[str, Any]]:
 
 
 def validation_markdown(rows: list[dict[str, Any]]) -> str:
-    """Markdown table: row, hardware, input path, predicted vs published speed-up and the error."""
+    """Markdown table: row, hardware, input path, predicted vs published speed-up, the error and the
+    step time the model misses (published minus predicted step at N, ms)."""
     columns = ["row", "impl", "GPU / precision / batch", "GPUs:", "input, sync", "predicted:", "published:",
-               "error (pts):", "binding limit", "role"]
+               "error (pts):", "missed ms/step:", "binding limit", "role"]
     return markdown(columns, ([r["id"], r["impl"], f"{r['gpu']} {r['precision']} bs{r['batch']}", str(r["gpus"]),
                                f"{r['input']}, {r['backend']}",
                                f"{r['predicted_speedup']:.2f}x ({r['predicted_efficiency']:.1%})",
                                f"{r['published_speedup']:.2f}x ({r['published_efficiency']:.1%})",
-                               f"{r['error_points']:+.1f}", r["limit"], r["role"]] for r in rows))
+                               f"{r['error_points']:+.1f}", f"{r['missing_ms']:+.1f}", r["limit"], r["role"]]
+                              for r in rows))
