@@ -239,7 +239,7 @@ def main() -> int:
     print(f"plan: fastvision {plan['fastvision']} / nnU-Net {plan['nnunet']}: "
           f"{'same' if plan['match'] else 'DIFFERENT'}", file=sys.stderr)
     _, help_text = fastvision(["predict", "--help"], args.timeout)
-    has_tta = "--tta-axes" in help_text  # the 3 axes nnU-Net mirrors (configured recipes train no flips)
+    has_tta = "--tta-axes" in help_text  # the 3 axes nnU-Net mirrors, named (recipes configured before 2026-11-26 trained no flips)
     train = ["--epochs", "1", "--set", "train.steps_per_epoch=1", "--set", "data.cache=ram",
              "--set", "data.cache_dir=null", "--set", "data.args.num_folds=2"]
     # "fastvision": the recipe as configured (its CT crop to the voxels above the window's lower

@@ -38,11 +38,45 @@ def _model(fp: dict[str, Any], topo: Topology, base: str, thin: bool) -> dict[st
         "down": "stride", "up": "transpose", "up_kernel": 2, "head_kernel": 1, "dropout": 0.0, "residual": False}}
 
 
+def augmentation(patch: list[int], spacing: list[float], thin: int | None) -> tuple[dict[str, Any], str]:
+    """nnU-Net v2's training augmentation (``nnUNetTrainer.get_training_transforms`` and
+    ``configure_rotation_dummyDA_mirroring_and_inital_patch_size``) as fastvision's batched ops, and why.
+
+    A patch whose longest edge is over ``ANISOTROPY`` times its edge along the coarsest axis (or a thin
+    stack, trained slice-wise) is augmented slice by slice ("dummy 2-D"): rotation up to 180 degrees
+    about that axis only and zoom in the slice plane; otherwise rotation up to 30 degrees about every
+    axis. Mirroring on every axis a patch has more than one voxel along (nnU-Net mirrors (0, 1, 2) in 3-D;
+    ``predict --tta`` mirrors the same axes).
+    """
+    coarse = thin if thin is not None else int(np.argmax(spacing))
+    dummy_2d = thin is not None or max(patch) / patch[coarse] > ANISOTROPY
+    others = [a for a in range(3) if a != coarse]
+    affine: dict[str, Any] = {"prob": 0.2, "degrees": 180 if dummy_2d else 30, "scale": [0.7, 1.4], "same_zoom": True}
+    if dummy_2d:
+        affine.update(rotate_axes=[coarse], zoom_axes=others)
+    aug = {"flip": {"prob": 0.5, "axes": [a for a in range(3) if patch[a] > 1]}, "affine": affine,
+           "noise": {"prob": 0.1, "std": 0.316}, "brightness": {"prob": 0.15, "factor": 0.25},
+           "contrast": {"prob": 0.15, "factor": 0.25}, "gamma": {"prob": 0.3, "range": [0.7, 1.5]}}
+    why = ("nnU-Net v2's training augmentation in batched GPU ops: mirror each axis with p 0.5 (`predict --tta` "
+           "mirrors the same axes); rotation and one zoom 0.7-1.4 with p 0.2, "
+           + (f"rotation up to 180 deg about axis {coarse} only, zoom in its plane (anisotropic patch: nnU-Net's "
+              "dummy 2-D)" if dummy_2d else "rotation up to 30 deg about every axis")
+           + "; Gaussian noise p 0.1 (std up to sqrt 0.1); brightness and contrast 0.75-1.25 p 0.15; gamma 0.7-1.5 "
+           "p 0.3. Not carried over: blur, low-resolution simulation, the inverted-gamma variant, and separate "
+           "probabilities for rotation and zoom")
+    return aug, why
+
+
 def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, norm: dict[str, Any], base: str,
                      batch: int, data: str) -> dict[str, Any]:
     """The mapping layered on the base recipe (``extends``)."""
     patch = list(topo.patch)
     regions = fp.get("regions")
+    augment, _ = augmentation(patch, geo["spacing"], geo["thin_axis"])
+    from fastvision.config import read_recipe, recipe_path
+
+    for op in (read_recipe(recipe_path(BASES[base])).get("data") or {}).get("augment") or {}:
+        augment.setdefault(op, None)  # the base recipe's other ops (seed 003's intensity shift) are off
     out: dict[str, Any] = {
         "task": {"name": "segmentation", "args": {
             "num_classes": max(map(int, fp["labels"])) + 1 if regions else len(fp["labels"]),
@@ -54,7 +88,7 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
         "model": _model(fp, topo, base, geo["thin_axis"] is not None),
         "data": {"name": "decathlon", "args": {
             "path": data, "target_spacing": [round(s, 4) for s in geo["spacing"]], **norm, "crop_foreground": True,
-            "patch_size": patch, "pos_fraction": 0.33}},
+            "patch_size": patch, "pos_fraction": 0.33}, "augment": augment},
         "train": {"batch_size": batch, "amp": "auto"},
     }
     if regions:  # nnU-Net's region training: a sigmoid per region, every channel a foreground region
@@ -105,6 +139,7 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
                  f"{fit['batch_cover']}; at least {MIN_BATCH} (estimated {fit['memory_gib']:.2f} GiB)"
                  + (f"; {split.why_batch}" if split.gpus > 1 else "")))
     rows.append(("data.num_workers", ov["data"]["num_workers"], f"CPU workers per GPU: {split.why_workers}"))
+    rows.append(("data.augment", ov["data"]["augment"], augmentation(d["patch_size"], geo["spacing"], thin)[1]))
     rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; fp32 on CPU (the batch was sized for "
                                       "the target GPU's precision)"))
     rows.append(("task.args.sliding_window", t["sliding_window"],

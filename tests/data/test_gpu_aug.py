@@ -43,6 +43,8 @@ def gen(seed: int) -> torch.Generator:
     ({"crop": {"pos": 1}}, "data.augment.crop"),
     ({"crop": {"size": [4, 4, 4]}}, "data.augment.crop.size"),
     ({"affine": {"scale": [1.2, 0.8]}}, "data.augment.affine.scale"),
+    ({"affine": {"rotate_axes": [2]}}, "data.augment.affine.rotate_axes"),
+    ({"affine": {"zoom_axes": [0, 5]}}, "data.augment.affine.zoom_axes"),
     ({"noise": 0.1}, "data.augment.noise"),
 ])
 def test_bad_spec_names_the_key(spec, match):
@@ -132,6 +134,45 @@ def test_affine_identity_and_label_alignment(nd):
     inside = (yo > 0) & (xo[:, 0] > 0)
     agree = (xo[:, 0].round().long() == yo) & inside
     assert agree.sum() > 0.5 * inside.sum()
+
+
+@pytest.mark.parametrize("restrict", [True, False])
+def test_affine_in_plane_of_one_axis(restrict):
+    """rotate_axes=[2], zoom_axes=[0, 1]: every slice along axis 2 is turned and zoomed in its own
+    plane, so a volume whose value is the slice index keeps that value (or the zero padding) in
+    every slice; rotating about all axes mixes the slices."""
+    vol = torch.arange(8.0).expand(4, 1, 16, 16, 8).clone()  # (B, C, X, Y, Z): value = z index
+    opts = {"prob": 1.0, "degrees": 180, "scale": [0.7, 1.4], "same_zoom": True}
+    if restrict:
+        opts.update(rotate_axes=[2], zoom_axes=[0, 1])
+    out, _ = build_augment(3, affine=opts)(vol, None, gen(0))
+    z = torch.arange(8.0).expand_as(out)
+    # in-plane interpolation only blends a slice's value with the zero padding: 0 <= out <= z, slice 0
+    # stays 0, and away from the edges the slice's value is exact; blending across slices breaks this
+    in_plane = (out >= -1e-5) & (out <= z + 1e-4)
+    if restrict:
+        assert in_plane.all() and out[..., 0].abs().max() < 1e-5
+        assert torch.isclose(out, z, atol=1e-4)[..., 1:].float().mean() > 0.3
+    else:
+        assert not (in_plane.all() and out[..., 0].abs().max() < 1e-5)
+
+
+def test_affine_same_zoom_is_one_factor_per_sample():
+    """A box of 1s in the centre zoomed with same_zoom keeps its aspect: its extent grows by the same
+    factor along the zoomed axes; with zoom_axes=[0] axis 1 keeps its extent."""
+    img = torch.zeros(6, 1, 32, 32)
+    img[:, :, 12:20, 12:20] = 1.0
+
+    def extents(out):
+        m = out[:, 0] > 0.5
+        return m.any(2).sum(1).float(), m.any(1).sum(1).float()  # along axis 0, along axis 1
+
+    out, _ = build_augment(2, affine={"prob": 1.0, "scale": [0.5, 1.5], "same_zoom": True})(img, None, gen(1))
+    e0, e1 = extents(out)
+    assert torch.allclose(e0, e1, atol=1.0) and (e0 - 8).abs().max() > 1  # zoomed, and the same along both
+    out, _ = build_augment(2, affine={"prob": 1.0, "scale": [0.5, 1.5], "zoom_axes": [0]})(img, None, gen(1))
+    e0, e1 = extents(out)
+    assert torch.equal(e1, torch.full_like(e1, 8.0)) and (e0 - 8).abs().max() > 1
 
 
 @pytest.mark.parametrize("pos, neg", [(1.0, 0.0), (0.0, 1.0)])

@@ -86,6 +86,28 @@ def test_thin_stack_plans_slice_wise():
     assert rules.thin_axis([40, 50, 35]) is None
 
 
+@pytest.mark.parametrize("patch,spacing,thin,flip_axes,rotate_axes,degrees", [
+    # nnU-Net's rule: dummy 2-D when max(patch) / patch[coarsest-spacing axis] > 3
+    ([128, 128, 128], [1.0, 1.0, 1.0], None, [0, 1, 2], None, 30),
+    ([160, 160, 48], [0.8, 0.8, 3.0], None, [0, 1, 2], [2], 180),   # 160 / 48 = 3.33 > 3
+    ([160, 160, 56], [0.8, 0.8, 3.0], None, [0, 1, 2], None, 30),   # 160 / 56 = 2.86: full 3-D rotation
+    ([40, 192, 160], [4.0, 0.7, 0.7], None, [0, 1, 2], [0], 180),   # the coarse axis may be any of the three
+    ([96, 96, 1], [0.8, 0.8, 6.0], 2, [0, 1], [2], 180),            # thin stack: slice-wise, no flip of depth 1
+])
+def test_augmentation_follows_nnunet_rotation_and_mirroring(patch, spacing, thin, flip_axes, rotate_axes, degrees):
+    from fastvision.data.augment.spatial import build_augment
+    from fastvision.planning.configure_recipe import augmentation
+
+    aug, why = augmentation(patch, spacing, thin)
+    assert aug["flip"] == {"prob": 0.5, "axes": flip_axes}
+    assert aug["affine"]["degrees"] == degrees and aug["affine"].get("rotate_axes") == rotate_axes
+    assert aug["affine"]["scale"] == [0.7, 1.4] and aug["affine"]["prob"] == 0.2 and aug["affine"]["same_zoom"]
+    if rotate_axes:  # zoom in the plane of the slices only
+        assert aug["affine"]["zoom_axes"] == [a for a in range(3) if a != rotate_axes[0]]
+    assert (aug["gamma"]["prob"], aug["noise"]["prob"], aug["brightness"]["prob"]) == (0.3, 0.1, 0.15)
+    assert "nnU-Net" in why and build_augment(3, **aug) is not None  # every option is valid
+
+
 def test_memory_budget_parsing():
     assert cf.memory_target(memory="24GiB").memory_gib == pytest.approx(24)
     assert cf.memory_target(gpu="H100-80GB").name == "H100-80GB"
@@ -135,6 +157,11 @@ def test_recipe_loads_and_trains_one_epoch(tmp_path):
     cfg = load(str(path))
     assert cfg.model.args["kernel_size"][0] == [3, 3, 1] and cfg.model.args["strides"][1] == [2, 2, 1]
     assert cfg.data.args["patch_size"] == list(plan["fit"]["topology"].patch)
+    # nnU-Net's augmentation, the base's intensity shift off, and predict --tta mirrors what training mirrored
+    from fastvision.inference.volumes import tta_axes
+
+    assert cfg.data.augment["flip"]["axes"] == tta_axes(cfg) == [0, 1, 2] and cfg.data.augment["gamma"]["prob"] == 0.3
+    assert "data.augment" in {k for k, _, _ in plan["choices"]} and "augment: {" in text
     summary = run_training(str(path), out=str(tmp_path / "run"), overrides={"epochs": 1},
                            extra=[{"model": {"args": {"filters": [4, 8, 16, 32][:len(cfg.model.args["filters"])]}},
                                    "data": {"cache": "ram", "cache_dir": None, "args": {"num_folds": 2}}}],
@@ -150,6 +177,7 @@ def test_segresnet_base_plans_an_anisotropic_segresnet():
 
     plan = cf.configure("unused", fingerprint=_fingerprint(cases=4, shape=(32, 32, 8)), memory="8GiB", base="segresnet")
     cfg = plan["fit"]["cfg"]
+    assert cfg.data.augment["intensity"] is None  # seed 003's intensity shift is replaced by nnU-Net's ops
     assert cfg.model.name == "segresnet" and cfg.task.args["mode"] == "softmax" and cfg.task.args["regions"] is None
     args = dict(cfg.model.args)
     assert args["strides"][0] == [2, 2, 1] and args["kernel_size"][0] == [3, 3, 1]

@@ -13,7 +13,7 @@ Recipe form (``data.augment``), one dict per op, applied in this order::
     crop: {size: [96, 96, 96], pos: 1, neg: 1}   # foreground-biased when pos + neg > 0
     flip: {prob: 0.5, axes: [0, 1, 2]}           # each spatial axis independently
     rot90: {prob: 0.5}                           # in the plane of the last two spatial axes
-    affine: {prob: 0.2, degrees: 15, scale: [0.9, 1.1]}
+    affine: {prob: 0.2, degrees: 15, scale: [0.9, 1.1]}   # also rotate_axes, zoom_axes, same_zoom
     intensity: {prob: 0.5, scale: 0.1, shift: 0.1}
     noise: {prob: 0.15, std: 0.1}
     brightness: {prob: 0.15, factor: 0.25}
@@ -211,19 +211,36 @@ class Rot90:
 class Affine:
     """Rotation (uniform in +-``degrees`` about each axis in 3-D, in-plane in 2-D) and per-axis
     zoom (uniform in ``scale``) about the centre, in pixel units so non-square images are not
-    sheared. Bilinear for images, nearest for labels, zeros outside."""
+    sheared. Bilinear for images, nearest for labels, zeros outside.
+
+    ``rotate_axes`` (3-D): the spatial axes to rotate about (default all three; ``[2]`` turns each
+    slice along axis 2 in its own plane, nnU-Net's "dummy 2-D" augmentation of anisotropic patches).
+    ``zoom_axes``: the spatial axes to zoom along (default all; the others keep their size).
+    ``same_zoom``: one zoom factor for every zoomed axis of a sample (nnU-Net's scaling) instead of
+    one per axis."""
 
     prob: float = 0.2
     degrees: float = 0.0
     scale: list[float] | None = None
+    rotate_axes: list[int] | None = None
+    zoom_axes: list[int] | None = None
+    same_zoom: bool = False
 
     def __call__(self, image: Tensor, label: Label, rng: _Rng) -> tuple[Tensor, Label]:
         nd = image.dim() - 2
         m = rng.mask(self.prob)
         n_angles = 1 if nd == 2 else 3
         ang = rng.uniform(-self.degrees, self.degrees, n_angles) * (math.pi / 180) * m[:, None]
+        if nd == 3 and self.rotate_axes is not None:  # angles are about (x, y, z) = spatial axes (2, 1, 0)
+            ang = ang * _const(tuple(float(2 - i in self.rotate_axes) for i in range(3)), image.device, torch.float32)
         lo, hi = self.scale if self.scale is not None else (1.0, 1.0)
-        zoom = torch.where(m[:, None], rng.uniform(lo, hi, nd), torch.ones((), device=image.device))
+        draw = rng.uniform(lo, hi, nd)
+        if self.same_zoom:
+            draw = draw[:, :1].expand(-1, nd)
+        if self.zoom_axes is not None:  # zoom is in (x, y[, z]) = reversed spatial order too
+            keep = _const(tuple(float(nd - 1 - i in self.zoom_axes) for i in range(nd)), image.device, torch.float32)
+            draw = draw * keep + (1 - keep)
+        zoom = torch.where(m[:, None], draw, torch.ones((), device=image.device))
         return affine(image, label, ang, zoom, m)
 
 
@@ -357,6 +374,11 @@ def _validate(name: str, op: Any, nd: int) -> None:
         raise ConfigError(f"{where}.size needs {nd} positive sizes, got {op.size}")
     if name == "flip" and op.axes is not None and any(not 0 <= a < nd for a in op.axes):
         raise ConfigError(f"{where}.axes must be spatial axes in [0, {nd}), got {op.axes}")
+    if name == "affine":
+        for key in ("rotate_axes", "zoom_axes"):
+            axes = getattr(op, key)
+            if axes is not None and any(not 0 <= a < nd for a in axes):
+                raise ConfigError(f"{where}.{key} must be spatial axes in [0, {nd}), got {axes}")
     for key in ("scale", "range"):
         v = getattr(op, key, None)
         if name in ("affine", "gamma") and v is not None and not (len(v) == 2 and 0 < v[0] <= v[1]):
