@@ -35,7 +35,7 @@ from fastvision.data.spatial3d import (  # noqa: F401  (re-exported: the geometr
     spacing_of,
 )
 from fastvision.data.nonfinite import NonFinite
-from fastvision.errors import DataError
+from fastvision.errors import ConfigError, DataError
 
 try:  # nibabel is the optional "medical" extra
     import nibabel as nib
@@ -57,8 +57,11 @@ class PreprocessParams:
         intensity: "ct" (window ``window``), "mri" (per-channel z-score on non-zero voxels), "zscore"
             (per-channel z-score over every voxel: nnU-Net where the crop keeps >= 3/4) or "none".
         window: CT window ``(a_min, a_max, b_min, b_max)`` in HU -> output range, clipped.
-        crop_foreground: crop to the bounding box of the foreground (MRI: any channel != 0;
-            CT: any channel > a_min), plus ``crop_margin`` voxels.
+        crop_foreground: crop to the bounding box of the foreground, plus ``crop_margin`` voxels:
+            ``True`` - MRI and z-score: any channel != 0; CT: any channel > a_min (MONAI's
+            ``CropForegroundd`` after its window); ``"nonzero"`` - any channel != 0 for every
+            modality (nnU-Net's ``crop_to_nonzero``, what ``data inspect --fingerprint`` measures and
+            ``configure`` plans on; for CT it keeps the whole scanned volume); ``False`` - no crop.
         crop_margin: margin in voxels around the foreground box.
         label_map: ``((from, to), ...)`` applied to label values on load (BraTS: ``((4, 3),)``).
         nonfinite: a file holding NaN / Inf: ``error`` (DataError naming it) or ``zero`` (read as 0).
@@ -67,10 +70,14 @@ class PreprocessParams:
     target_spacing: tuple[float, float, float] | None = None
     intensity: str = "mri"
     window: tuple[float, float, float, float] = (-57.0, 164.0, 0.0, 1.0)
-    crop_foreground: bool = True
+    crop_foreground: bool | str = True
     crop_margin: int = 0
     label_map: tuple[tuple[int, int], ...] = ()
     nonfinite: str = "error"
+
+    def __post_init__(self):
+        if self.crop_foreground not in (True, False, "nonzero"):
+            raise ConfigError(f"data.args.crop_foreground: true, false or nonzero, got {self.crop_foreground!r}")
 
     def key(self) -> dict[str, Any]:
         """Plain-data form for hashing into a cache key."""
@@ -241,7 +248,10 @@ def preprocess_case(paths: dict[str, Any], params: PreprocessParams,
     case = _load_case(paths, params, finite or NonFinite(params.nonfinite))
     _resample_case(case, params.target_spacing)
     res_shape = tuple(case["image"].shape[1:])
-    image, fg = _intensity(case["image"].float(), params)
+    raw = case["image"].float()
+    image, fg = _intensity(raw, params)
+    if params.crop_foreground == "nonzero":
+        fg = (raw != 0).any(0)
     box = foreground_box(fg, params.crop_margin) if params.crop_foreground else [(0, n) for n in res_shape]
     sl = tuple(slice(a, b) for a, b in box)
     shift = np.eye(4)

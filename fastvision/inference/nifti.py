@@ -149,7 +149,7 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
         raise ConfigError(f"NIfTI prediction needs a decathlon or brats run, this one used data.name={data_name!r}")
     spacing = data_args.get("target_spacing")
     common = {"target_spacing": tuple(map(float, spacing)) if spacing else None,
-              "crop_foreground": bool(data_args.get("crop_foreground", True)),
+              "crop_foreground": _crop_mode(data_args.get("crop_foreground", True)),
               "crop_margin": int(data_args.get("crop_margin", 0)),
               "nonfinite": str(data_args.get("nonfinite", "error"))}  # a NaN input: the run's policy
     if data_name == "brats":
@@ -246,3 +246,8 @@ def predict_nifti_files(task, model: torch.nn.Module, files: Sequence[Path], out
     out.mkdir(parents=True, exist_ok=True)
     written, _ = predict_cases(Ensemble(task, model, [], device), cfg, cases, out, force=True)
     return written
+
+
+def _crop_mode(value: Any) -> bool | str:
+    """The recipe's ``data.args.crop_foreground`` as training read it: ``"nonzero"`` or a bool."""
+    return "nonzero" if value == "nonzero" else bool(value)

@@ -87,7 +87,8 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
             "sliding_window": {"roi_size": patch, "overlap": OVERLAP, "mode": "gaussian", "sw_batch_size": batch}}},
         "model": _model(fp, topo, base, geo["thin_axis"] is not None),
         "data": {"name": "decathlon", "args": {
-            "path": data, "target_spacing": [round(s, 4) for s in geo["spacing"]], **norm, "crop_foreground": True,
+            "path": data, "target_spacing": [round(s, 4) for s in geo["spacing"]], **norm,
+            "crop_foreground": "nonzero",
             "patch_size": patch, "pos_fraction": 0.33}, "augment": augment},
         "train": {"batch_size": batch, "amp": "auto"},
     }
@@ -116,6 +117,9 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
              f"{geo['spacing_why']} (fingerprint median {_vec(fp['median_spacing'])} mm over {fp['n_cases']} cases; "
              f"anisotropic when one axis is >= {ANISOTROPY:g}x coarser)"),
             ("data.args.intensity", d["intensity"], plan["normalisation_why"])]
+    rows.append(("data.args.crop_foreground", d["crop_foreground"],
+                 "nnU-Net's crop to the non-zero region (any channel != 0), the region the fingerprint measured "
+                 "the shapes on (for CT the whole scan: air is -1000 HU, not 0)"))
     if "window" in d:
         rows.append(("data.args.window", d["window"], "foreground p0.5, p99.5 -> (p - mean) / std: clip, then z-score"))
     thin = geo["thin_axis"]

@@ -154,6 +154,35 @@ def test_foreground_box_with_margin():
     assert foreground_box(torch.zeros(3, 4, 5, dtype=torch.bool)) == [(0, 3), (0, 4), (0, 5)]
 
 
+@pytest.mark.parametrize("mode,box", [
+    (True, [(2, 7), (1, 5), (1, 4)]),      # CT, MONAI-style: the voxels above the window's low end (the body)
+    ("nonzero", [(0, 10), (0, 6), (0, 5)]),  # nnU-Net's crop_to_nonzero: CT is non-zero almost everywhere
+    (False, [(0, 10), (0, 6), (0, 5)]),
+])
+def test_ct_crop_modes(tmp_path, mode, box):
+    hu = np.full((10, 6, 5), -2048.0, np.float32)  # outside the scanner's field of view (padding value)
+    hu[1:9, :, :] = -1000.0                        # air in the scanned slab
+    hu[2:7, 1:5, 1:4] = 40.0                       # the body, soft tissue
+    nib.save(nib.Nifti1Image(hu, np.eye(4)), str(tmp_path / "ct.nii.gz"))
+    item = preprocess_case({"image": [tmp_path / "ct.nii.gz"], "label": None},
+                           PreprocessParams(intensity="ct", window=(-57.0, 164.0, 0.0, 1.0), crop_foreground=mode))
+    assert item["meta"]["crop_box"] == [list(b) for b in box]
+    assert tuple(item["image"].shape[1:]) == tuple(b - a for a, b in box)
+    with pytest.raises(ConfigError, match="crop_foreground"):
+        PreprocessParams(crop_foreground="body")
+
+
+def test_nonzero_crop_on_mri_matches_the_default(tmp_path):
+    """MR: the default crop already is the non-zero one; "nonzero" gives the same box."""
+    vol = np.zeros((9, 7, 6), np.float32)
+    vol[2:6, 1:4, 3:5] = np.arange(1, 25, dtype=np.float32).reshape(4, 3, 2)
+    nib.save(nib.Nifti1Image(vol, np.eye(4)), str(tmp_path / "mr.nii.gz"))
+    boxes = [preprocess_case({"image": [tmp_path / "mr.nii.gz"], "label": None},
+                             PreprocessParams(intensity="mri", crop_foreground=m))["meta"]["crop_box"]
+             for m in (True, "nonzero")]
+    assert boxes[0] == boxes[1] == [[2, 6], [1, 4], [3, 5]]
+
+
 @pytest.mark.parametrize("n,k", [(10, 5), (11, 5), (7, 3), (41, 5)])
 def test_kfold_deterministic_disjoint_covering(n, k):
     ids = [f"case_{i:03d}" for i in range(n)]

@@ -52,7 +52,7 @@ def find_cases(root: str | Path) -> list[dict]:
 
 @DATASETS.register("brats")
 def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int = 0,
-                target_spacing: tuple[float, float, float] | None = None, crop_foreground: bool = True,
+                target_spacing: tuple[float, float, float] | None = None, crop_foreground: bool | str = True,
                 crop_margin: int = 0, patch_size: tuple[int, int, int] | None = None,
                 pos_fraction: float = 0.5, skip_unreadable: bool = False, nonfinite: str = "error") -> DatasetSplits:
     """Raw BraTS folder (any release 2017-2024) -> train/val of fold ``fold``; MRI z-score on the

@@ -302,7 +302,7 @@ def build_splits(cases: list[dict[str, Any]], params: PreprocessParams, info: di
 def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int = 0,
                     target_spacing: tuple[float, float, float] | None = None, intensity: str = "auto",
                     window: tuple[float, float, float, float] = (-57.0, 164.0, 0.0, 1.0),
-                    crop_foreground: bool = True, crop_margin: int = 0,
+                    crop_foreground: bool | str = True, crop_margin: int = 0,
                     patch_size: tuple[int, int, int] | None = None, pos_fraction: float = 0.5,
                     skip_unreadable: bool = False, nonfinite: str = "error") -> DatasetSplits:
     """Decathlon task folder -> train/val of fold ``fold`` (of ``num_folds``).
@@ -313,7 +313,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         target_spacing: resample to this voxel size in mm (spleen recipe: 1.5, 1.5, 2.0).
         intensity: "ct", "mri", "zscore", "none" or "auto" (ct when dataset.json's modality is CT).
         window: CT window a_min, a_max, b_min, b_max.
-        crop_foreground, crop_margin: crop to the foreground box.
+        crop_foreground, crop_margin: crop to the foreground box (``"nonzero"``: nnU-Net's crop to the non-zero region, see :class:`~fastvision.data.preprocess3d.PreprocessParams`).
         patch_size: training patch shape; None trains on whole volumes.
         pos_fraction: share of patches centred on foreground.
         skip_unreadable: drop (with one warning) cases whose NIfTI headers do not read, instead of
