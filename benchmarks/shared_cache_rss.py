@@ -140,7 +140,7 @@ def main() -> int:
                                     ("1 rank, data.cache=shared", 1, "shared"),
                                     ("2 ranks, data.cache=shared", 2, "shared"),
                                     ("2 ranks, data.cache=gpu (recipe default; CPU device)", 2, "gpu"),
-                                    ("2 ranks, data.cache=ram (a partition per rank)", 2, "ram")]:
+                                    ("2 ranks, data.cache=ram (every item on each rank)", 2, "ram")]:
             cmd = base + ["--out", str(tmp / f"run-{nproc}-{cache}"), "--nproc", str(nproc)]
             for s in sets + [f"data.cache={cache}"]:
                 cmd += ["--set", s]

@@ -162,17 +162,16 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
     """Loader over a rank's shard: deterministic per (seed, epoch) for training. A validation set
     is cached as it is first read when ``data.cache`` is not ``none``.
 
-    A dataset that is already this rank's partition (GPU cache under DDP: ``rank_local``) is read
-    whole by its rank; every other dataset is sharded here.
+    The training sampler is the one order of every cache tier: a cache is indexed as the dataset,
+    so ``data.cache`` never changes which items a step reads (docs/CONTRACTS.md).
     """
     if hasattr(dataset, "make_loader"):  # a dataset with its own sharding loader (DALI)
         return dataset.make_loader(batch_size=batch_size, shard_id=dist.rank(), num_shards=dist.world_size(),
                                    seed=cfg.train.seed, device=device)
     if train:
         emulate = cfg.train.emulate_workers
-        local = getattr(dataset, "rank_local", False)
         sampler = dist.TrainSampler(dataset, seed=cfg.train.seed, shuffle=True, emulate_workers=emulate,
-                                    batch_size=batch_size, **({"num_replicas": 1, "rank": 0} if local else {}))
+                                    batch_size=batch_size)
         drop_last = emulate > 1 or len(sampler) >= batch_size
     else:
         if cfg.data.cache != "none":  # deterministic items: cached as first read (this rank's shard)

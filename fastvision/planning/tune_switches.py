@@ -22,10 +22,13 @@ def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch
     """Every switch that can run here, in catalogue order (see :func:`fastvision.planning.tune_search.order`)."""
     cuda, cores = device.type == "cuda", os.cpu_count() or 1
     bs = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else None
+    # Every cache tier serves the sampler's items (docs/CONTRACTS.md), so a tier is an exact switch;
+    # ``smart`` is never a candidate: with a window smaller than the set it trains on other samples.
+    # From such a start (a cache_num or cache_rate that may cut the window) no tier is a speed switch.
     caches = ("ram", "disk") + (("gpu",) if cuda else ()) + (("shared",) if world_size > 1 else ())
     workers = tuple(n for n in (0, 2, 4, 8) if n <= max(2, 2 * cores))
-    out = [Switch("data.cache", caches, "exact", "input"),
-           Switch("data.loader", ("threads", "processes"), "exact", "input"),
+    out = [] if smart_window(cfg) else [Switch("data.cache", caches, "exact", "input")]
+    out += [Switch("data.loader", ("threads", "processes"), "exact", "input"),
            Switch("data.num_workers", workers, "exact", "input")]
     if _has_dali() and "backend" in _dataset_params(cfg):
         out.append(Switch("data.args.backend", ("dali",), "numeric", "input"))
@@ -48,6 +51,13 @@ def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch
         if allow_batch:
             out.append(Switch("train.accum_steps", (2,), "batch", "communication"))
     return out
+
+
+def smart_window(cfg: RunConfig) -> bool:
+    """The config trains on a smart cache whose window may be smaller than the dataset
+    (``data.cache_num`` set or ``data.cache_rate`` below 1): not a speed switch to leave."""
+    d = cfg.data
+    return d.cache == "smart" and (d.cache_num is not None or d.cache_rate < 1)
 
 
 # every key a switch may set on some machine: what --keep accepts

@@ -110,7 +110,7 @@ class _NvtxItems(torch.utils.data.Dataset):
         with torch.cuda.nvtx.range(self._name):
             return self.dataset[i]
 
-    def __getattr__(self, name: str) -> Any:  # rank_local, set_epoch, main_process_only...
+    def __getattr__(self, name: str) -> Any:  # set_epoch, main_process_only...
         return getattr(self.__dict__["dataset"], name)
 
 

@@ -1,5 +1,5 @@
 """Caches: equal to uncached outputs (and MONAI's CacheDataset), invalidation, corruption, the smart
-cache schedule of seed 003 (and MONAI's SmartCacheDataset), node-shared PSS, GPU partitions."""
+cache schedule of seed 003 (and MONAI's SmartCacheDataset), node-shared PSS, the device cache."""
 from __future__ import annotations
 
 import math
@@ -17,7 +17,8 @@ from torch.utils.data import Dataset
 
 from fastvision.data import transforms as T
 from fastvision.data.cache.datasets import CacheDataset, PersistentDataset
-from fastvision.data.cache.smart import PartitionCacheDataset, SmartCacheDataset, partitions
+from fastvision.data.cache.device import DeviceCacheDataset, fill_order
+from fastvision.data.cache.smart import SmartCacheDataset
 
 
 class Volumes(Dataset):
@@ -147,6 +148,8 @@ SEED_003 = [["image1", "image2", "image3", "image4"], ["image2", "image3", "imag
 
 
 def test_smart_cache_schedule_matches_seed_and_monai():
+    """The windows are seed 003's and MONAI's; positions hold them in index order (MONAI's in its
+    cache order: the sampler shuffles positions, so only the membership is the schedule)."""
     monai = pytest.importorskip("monai")
     from monai.data import SmartCacheDataset as MonaiSmart
 
@@ -158,12 +161,24 @@ def test_smart_cache_schedule_matches_seed_and_monai():
     for epoch in range(7):
         ds.set_epoch(epoch)
         got.append([ds[j]["name"] for j in range(len(ds))])
-        want.append([ref[j]["name"] for j in range(len(ref))])
+        want.append(sorted(ref[j]["name"] for j in range(len(ref))))  # image1..image5: name order is index order
         ref.update_cache()
     ref.shutdown()
     ds.shutdown()
-    assert got[:4] == SEED_003 and got == want
+    assert got[:4] == [sorted(w) for w in SEED_003] and got == want
     assert got[5] == got[0]  # period 5: epoch N starts at image[N % 5 + 1]
+
+
+def test_a_smart_window_of_the_whole_set_serves_item_j_at_position_j():
+    """With every item in the window (MONAI's default) the smart cache is indexed as the dataset,
+    every epoch, so it serves what no cache serves (docs/CONTRACTS.md: caches are speed switches)."""
+    ds = SmartCacheDataset(Volumes(5, size=2), [], cache_num=5, replace_rate=0.4, shuffle=True, seed=3,
+                           progress=False)
+    assert ds.order != sorted(ds.order)  # the seeded order is shuffled; the positions are not
+    for epoch in (0, 1, 3):
+        ds.set_epoch(epoch)
+        assert [ds[j]["id"] for j in range(5)] == [f"case{i}" for i in range(5)]
+    ds.shutdown()
 
 
 def test_smart_cache_jumps_and_counts_prefix_runs():
@@ -175,35 +190,44 @@ def test_smart_cache_jumps_and_counts_prefix_runs():
     ds.shutdown()
 
 
-@pytest.mark.parametrize("n, world", [(10, 1), (10, 3), (7, 4), (8, 2)])
-def test_gpu_cache_partitions_cover_every_epoch(n, world):
-    base = Volumes(n, size=2)
-    ranks = [PartitionCacheDataset(base, "cpu", rank=r, world_size=world, seed=3) for r in range(world)]
-    held_by_rank0 = set()
-    for epoch in range(world + 1):
-        served = []
-        for ds in ranks:
-            ds.set_epoch(epoch)
-            served += [ds[j]["id"] for j in range(len(ds))]
-        assert {f"case{i}" for i in range(n)} == set(served)  # every item, every epoch
-        assert len(served) == world * math.ceil(n / world)  # equal steps per rank
-        held_by_rank0 |= {ranks[0][j]["id"] for j in range(len(ranks[0]))}
-    assert len(held_by_rank0) == n  # rotation: rank 0 sees every partition over world epochs
-    parts = partitions(n, world, seed=3)
-    assert sorted(set(sum(parts, []))) == list(range(n))
+class Reads(Volumes):
+    """Volumes that record the order of their reads."""
+
+    def __init__(self, n: int, size: int = 2):
+        super().__init__(n, size)
+        self.order: list[int] = []
+
+    def __getitem__(self, i):
+        self.order.append(i)
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("n, world, rank, order", [(5, 1, 0, [0, 1, 2, 3, 4]), (7, 3, 1, [1, 4, 0, 2, 3, 5, 6]),
+                                                   (4, 2, 0, [0, 2, 1, 3])])
+def test_device_cache_is_indexed_as_its_source_whatever_the_fill_order(n, world, rank, order):
+    """Item i of the cache is item i of the source on every rank; a rank only reads its own stripe
+    first (ranks filling through one disk cache then read each other's entries)."""
+    base = Reads(n)
+    ds = DeviceCacheDataset(base, "cpu", order=fill_order(n, rank, world))
+    assert base.order == order and len(ds) == n and ds.num_cached == n
+    for epoch in (0, 2):
+        ds.set_epoch(epoch)
+        for i in range(n):
+            assert ds[i]["id"] == f"case{i}" and torch.equal(ds[i]["image"], Volumes(n, 2)[i]["image"])
+    assert base.order == order  # served from the cache
 
 
 def test_gpu_cache_memory_guard_falls_back():
     base = Volumes(4, size=4)
     with pytest.warns(ResourceWarning, match="caching 2 items"):
-        ds = PartitionCacheDataset(base, "cpu", budget_bytes=2 * (4**3 * 4 + 4**3 * 8) + 10)
-    assert ds.num_cached == 2 and [ds[j]["id"] for j in range(4)] == [f"case{i}" for i in ds.indices()]
+        ds = DeviceCacheDataset(base, "cpu", budget_bytes=2 * (4**3 * 4 + 4**3 * 8) + 10)
+    assert ds.num_cached == 2 and [ds[j]["id"] for j in range(4)] == [f"case{i}" for i in range(4)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cache_on_cuda():
-    ds = PartitionCacheDataset(Volumes(4, size=4), "cuda")
+    ds = DeviceCacheDataset(Volumes(4, size=4), "cuda")
     assert ds[0]["image"].is_cuda and ds.num_cached == 4
 
 

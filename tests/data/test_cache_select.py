@@ -1,6 +1,6 @@
 """data.cache through the engine: cached training is bit-identical to uncached, the disk cache's
-second run reads its entries, random datasets are refused, the gpu cache partitions and refuses
-worker processes."""
+second run reads its entries, random datasets are refused, the gpu cache holds every item (under
+DDP too) and refuses worker processes."""
 from __future__ import annotations
 
 import os
@@ -133,41 +133,48 @@ def test_smart_cache_window_moves_with_set_epoch():
         loader.set_epoch(epoch)
         ids.append([i for b in loader for i in b["id"]])
     order = smart.order
-    # seed 003 schedule: window e starts at e * ceil(2 * 0.5) in the (seeded) order
-    assert ids == [[f"item{order[(e + j) % 5]}" for j in range(2)] for e in range(3)]
+    # seed 003 schedule: window e starts at e * ceil(2 * 0.5) in the (seeded) order; positions
+    # hold the window in index order
+    assert ids == [[f"item{i}" for i in sorted(order[(e + j) % 5] for j in range(2))] for e in range(3)]
     smart.shutdown()
 
 
-def test_gpu_cache_partitions_cover_every_item_and_refuse_worker_processes():
+@pytest.mark.parametrize("cache", ["gpu", "ram"])
+def test_ddp_memory_caches_hold_every_item_indexed_as_the_dataset(cache):
+    """Under DDP a rank reads a different share of the items every epoch (the sampler's global
+    permutation), so its cache holds all of them, item i at index i: no per-rank partition and no
+    order of its own (which changed the samples of every step)."""
     n, world = 7, 2
-    parts = []
-    for epoch in range(2):
-        seen = []
-        for rank in range(world):
-            env = DistEnv(rank=rank, local_rank=0, world_size=world, local_world_size=1)
-            ds = wrap_train_set(Counted(n=n), cache="gpu", env=env, device="cpu", seed=3)
+    for rank in range(world):
+        base = Counted(n=n)
+        env = DistEnv(rank=rank, local_rank=0, world_size=world, local_world_size=1)
+        ds = wrap_train_set(base, cache=cache, env=env, device="cpu", seed=3)
+        reads = base.reads
+        assert len(ds) == n and not getattr(ds, "rank_local", False)
+        for epoch in (0, 1):
             ds.set_epoch(epoch)
-            assert ds.rank_local is True and len(ds) == 4
-            seen += [ds[j]["id"] for j in range(len(ds))]
-        parts.append(seen)
-        assert set(seen) == {f"item{i}" for i in range(n)}  # the ranks together see every item
-    # one rank per node: a rank keeps its own partition (rotating would preprocess the others' items)
-    assert parts[0][:4] == parts[1][:4]
+            assert [ds[i]["id"] for i in range(n)] == [f"item{i}" for i in range(n)]
+            assert all(torch.equal(ds[i]["image"], Counted()[i]["image"]) for i in range(n))
+        assert base.reads == reads  # served from the cache
+
+
+def test_gpu_cache_refuses_worker_processes():
+    ds = wrap_train_set(Counted(n=7), cache="gpu", device="cpu", seed=3)
     with pytest.raises(ConfigError, match="data.loader: threads"):
         build_loader(ds, batch_size=2, loader="processes", num_workers=2)
-    assert len(build_loader(ds, batch_size=2, loader="processes", num_workers=0)) == 2
+    assert len(build_loader(ds, batch_size=2, loader="processes", num_workers=0)) == 4
 
 
 def test_cpu_partition_over_budget_holds_only_what_fits():
     """A CPU cache over its memory budget keeps the items that fit and reads the rest from the
     source on each access (holding them anyway would use the memory the guard refused)."""
-    from fastvision.data.cache.smart import PartitionCacheDataset
+    from fastvision.data.cache.device import DeviceCacheDataset
 
     src = Counted(n=5)
     per_item = 4 * 4 * 4 + 4 * 4 * 8  # float32 image + int64 label
     with pytest.warns(ResourceWarning, match="caching 2 items"):
-        ds = PartitionCacheDataset(src, "cpu", budget_bytes=2 * per_item + 1)
-    assert ds.num_cached == 2 and len(ds.items) == 2 and src.reads == 2
+        ds = DeviceCacheDataset(src, "cpu", budget_bytes=2 * per_item + 1)
+    assert ds.num_cached == 2 and sum(x is not None for x in ds.items) == 2 and src.reads == 2
     got = {ds[j]["id"]: ds[j] for j in range(len(ds))}
     for i in range(5):
         assert torch.equal(got[f"item{i}"]["image"], Counted()[i]["image"])
@@ -208,20 +215,6 @@ def test_volume_dataset_has_a_disk_cache_identity(tmp_path, monkeypatch):
     splits = DATASETS.build("decathlon", {"path": str(root), "patch_size": None})
     _, _, identity = cache_source(splits.train)
     assert identity is not None and str(root) in identity(0)
-
-
-def test_ddp_ram_cache_holds_only_this_ranks_partition():
-    """Under DDP data.cache: ram preprocesses and keeps one partition per rank; together they are the set."""
-    n, world, seen = 7, 2, []
-    for rank in range(world):
-        base = Counted(n=n)
-        ds = wrap_train_set(base, cache="ram", env=DistEnv(rank=rank, local_rank=0, world_size=world, local_world_size=1),
-                            seed=3)
-        reads = base.reads - 2  # cache_source reads item 0 twice to check determinism
-        assert ds.rank_local is True and len(ds) == 4 and reads == 4  # ceil(7 / 2): no other rank's items
-        seen += [ds[j]["id"] for j in range(len(ds))]
-        assert base.reads - 2 == 4  # served from the cache
-    assert set(seen) == {f"item{i}" for i in range(n)}
 
 
 @pytest.mark.parametrize("cache", ["ram", "disk"])

@@ -64,7 +64,7 @@ def test_cpu_quick_suite_runs_end_to_end_without_monai_nibabel_pycocotools(tmp_p
     for r in rows.values():
         if r["kind"] in ("train", "inference") and "value" in r:
             assert 0 < r["p50_ms"] <= r["p99_ms"]
-    assert "PartitionCacheDataset" in rows["Spleen input path, data.cache gpu"]["note"]
+    assert "DeviceCacheDataset" in rows["Spleen input path, data.cache gpu"]["note"]
 
     md = (tmp_path / "gpu_suite.md").read_text().splitlines()
     table = [line for line in md if line.startswith("|")]

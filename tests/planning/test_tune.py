@@ -202,3 +202,19 @@ def test_allow_batch_adds_the_batch_switch_and_says_the_lr_rule_in_one_line():
     assert "\n" not in line and "= 0.006 at global batch 32" in line  # 0.003 x 32 / 16
     cfg.optim.ref_batch = None
     assert "optim.lr stays 0.003" in lr_line(cfg, 32, 1, 1)
+
+
+def test_the_cache_switch_never_offers_smart_nor_leaves_a_smart_window():
+    """Cache tiers are exact switches (they serve the sampler's items); a smart window smaller than
+    the set trains on other samples, so tune neither tries it nor switches away from it."""
+    import torch
+
+    from fastvision.planning.tune_switches import catalogue
+
+    cfg = config.load("unet2d-microscopy")
+    cache = {s.key: s for s in catalogue(cfg, torch.device("cpu"), 2, False)}["data.cache"]
+    assert cache.kind == "exact" and "smart" not in cache.values and "shared" in cache.values
+    cfg.data.cache, cfg.data.cache_num = "smart", 64
+    assert "data.cache" not in {s.key for s in catalogue(cfg, torch.device("cpu"), 1, False)}
+    cfg.data.cache_num = None  # MONAI's default window: the whole set, served as uncached
+    assert "data.cache" in {s.key for s in catalogue(cfg, torch.device("cpu"), 1, False)}

@@ -6,7 +6,7 @@ are designed out: the number cached and where the prefix ends are logged (no sil
 cache); a memory guard measures item bytes first and caches only what fits, with a warning; disk
 entries are keyed by item identity *and* the prefix's signature (no stale cache), written
 atomically, checksummed and pickle-free; ranks on one node share one copy through ``/dev/shm``.
-Smart and GPU caches live in :mod:`fastvision.data.cache.smart`.
+The smart cache lives in :mod:`fastvision.data.cache.smart`, the GPU cache in :mod:`fastvision.data.cache.device`.
 """
 from __future__ import annotations
 

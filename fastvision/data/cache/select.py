@@ -12,6 +12,13 @@ and on :func:`dataset_signature` (class, code and scalar settings such as ``imag
 changed file or setting recomputes. Caches that live in the main process (smart: a replacement
 thread; gpu: CUDA tensors) set ``main_process_only`` and ``build_loader`` refuses worker
 processes for them.
+
+A cache is storage keyed by the item's index, never an order: item ``i`` of every cache is item
+``i`` of ``none`` (the same tensors, the same random draws of ``(seed, epoch, i)``), and the engine's
+``TrainSampler`` alone decides which items a rank reads and in which order, on one process or N
+ranks. So ``data.cache`` is a speed (and memory) switch, except ``smart`` with a window smaller
+than the dataset, which trains each epoch on the window (warned at build; ``fastvision tune``
+never switches it).
 """
 from __future__ import annotations
 
@@ -36,7 +43,8 @@ from fastvision.data.cache.datasets import (
     SharedCacheDataset,
     _Cached,
 )
-from fastvision.data.cache.smart import PartitionCacheDataset, SmartCacheDataset
+from fastvision.data.cache.device import DeviceCacheDataset, fill_order
+from fastvision.data.cache.smart import SmartCacheDataset
 from fastvision.dist.env import DistEnv, job_key
 from fastvision.errors import ConfigError
 
@@ -167,9 +175,11 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
     what gets cached, the random transforms run per access with generators of
     ``(seed, epoch, sample index)``.
 
-    Under DDP no rank holds items it does not train on: ``ram`` and ``gpu`` keep this rank's
-    partition only (``rank_local``), ``shared`` keeps one copy per node, ``disk`` entries are
-    written by whichever rank reads them first.
+    Every cache serves item ``i`` as ``none`` does; the sampler alone orders them. Under DDP a rank
+    reads a different share of the items every epoch, so a rank's memory cache holds all of them:
+    ``ram`` and ``gpu`` one copy per rank (``gpu`` with several ranks per node fills from one
+    node-shared host copy), ``shared`` one copy per node, ``disk`` entries are written by whichever
+    rank reads them first.
 
     Args:
         dataset: the registered training set (items are dicts).
@@ -182,12 +192,11 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
             defaults: no ``cache_num`` limit, so ``cache_rate`` of the items; 0.1).
         env: ``fastvision.dist.DistEnv`` (rank, local rank, world sizes); None: one process.
         device: where the gpu cache places tensors (the training device: also a CPU).
-        seed: seed of the random transforms, the smart-cache order and the partitions (same on
-            every rank).
+        seed: seed of the random transforms and the smart-cache order (same on every rank).
 
     Returns:
-        A dataset of the same items. Partitioned caches set ``rank_local = True`` (read whole, no
-        further sharding); ``set_epoch`` moves the random draws to the next epoch.
+        A dataset of the same items, indexed as ``dataset`` (``smart``: its window);
+        ``set_epoch`` moves the random draws to the next epoch.
     """
     if cache not in CACHES:
         raise ConfigError(f"data.cache must be one of {', '.join(CACHES)}, got {cache!r}")
@@ -237,20 +246,17 @@ def _uncached(dataset: Dataset, seed: int) -> Dataset:
 
 
 def _ram(src: _Source, cache_rate: float) -> Dataset:
-    """``ram``: a share of the items in this process; under DDP this rank's partition only
-    (MONAI's partition_dataset; ``shared`` keeps one copy per node instead)."""
+    """``ram``: a share of the items in this process. Under DDP too: a rank reads a different share
+    of the items every epoch (the sampler's global permutation), so it holds all of them (``shared``
+    keeps one copy per node instead). A per-rank partition would change which items a step sees."""
     if not 0 < cache_rate <= 1:
         raise ConfigError(f"data.cache_rate must be in (0, 1], got {cache_rate}")
-    env = src.env
-    if env.world_size == 1:
-        return CacheDataset(src.base, src.pipeline, cache_rate=cache_rate, num_workers=src.threads,
-                            progress=src.progress)
-    prefix, suffix = T.split(src.pipeline)
-    out = PartitionCacheDataset(_Cached(src.base, prefix), "cpu", rank=env.rank, world_size=env.world_size,
-                                seed=src.seed, rotate=False, suffix=suffix)
-    out.rank_local = True
-    log.info("data.cache: ram holds partition %d/%d (%d items) on this rank", env.rank, env.world_size, len(out))
-    return out
+    if src.env.world_size > 1 and src.env.local_world_size > 1:
+        log.info("data.cache: ram under DDP holds every item on each of the %d ranks of this node (each reads "
+                 "a different share every epoch); data.cache: shared keeps one copy per node",
+                 src.env.local_world_size)
+    return CacheDataset(src.base, src.pipeline, cache_rate=cache_rate, num_workers=src.threads,
+                        progress=src.progress)
 
 
 def _disk(src: _Source, dataset: Dataset, identity: Callable[[int], str] | None,
@@ -276,6 +282,10 @@ def smart_cache_num(n: int, cache_num: int | None, cache_rate: float) -> int:
 
 def _smart(src: _Source, cache_num: int | None, cache_rate: float, replace_rate: float) -> Dataset:
     num = smart_cache_num(len(src.base), cache_num, cache_rate)
+    if num < len(src.base):
+        log.warning("data.cache: smart trains each epoch on a window of %d of the %d items (data.cache_num / "
+                    "data.cache_rate): not a speed switch, the samples of every step differ from data.cache: "
+                    "none, ram, disk, shared and gpu", num, len(src.base))
     out = SmartCacheDataset(src.base, src.pipeline, cache_num=num, replace_rate=replace_rate,
                             num_workers=max(1, src.threads // 2), shuffle=True, seed=src.seed, progress=src.progress)
     out.main_process_only = "data.cache: smart replaces items in a background thread of the main process"
@@ -316,28 +326,23 @@ def _through_disk(base: Dataset, pipeline: list, identity: Callable[[int], str] 
     return disk, suffix
 
 
-def _gpu(src: _Source, device: torch.device | str) -> PartitionCacheDataset:
-    """``gpu``: this rank's partition on the training device (host RAM on a CPU device)."""
+def _gpu(src: _Source, device: torch.device | str) -> DeviceCacheDataset:
+    """``gpu``: every item on the training device (host RAM on a CPU device), indexed as the
+    dataset; under DDP on every rank, since each rank reads a different share every epoch."""
     prefix, suffix = T.split(src.pipeline)
     device, env = torch.device(device), src.env
     if device.type != "cuda":
         log.info("data.cache: gpu on %s keeps the items in host memory (the training device)", device)
-    rotate = True
-    if env.world_size == 1:
-        host: Dataset = _Cached(src.base, prefix)  # read once, straight onto the device
-    elif env.local_world_size > 1:  # partitions rotate: re-uploads read one shared host copy per node
-        host = SharedCacheDataset(src.base, prefix, job_name(), local_rank=env.local_rank,
-                                  local_world_size=env.local_world_size, num_workers=src.threads,
-                                  progress=src.progress)
-    else:  # one rank per node: keep this rank's partition (no host copy of the others)
-        host, rotate = _Cached(src.base, prefix), False
-    out = PartitionCacheDataset(host, device, rank=env.rank, world_size=env.world_size, seed=src.seed,
-                                rotate=rotate, suffix=suffix)
-    out.rank_local = True  # already this rank's partition: the engine reads it whole
+    if env.world_size > 1 and env.local_world_size > 1:  # one host copy per node feeds its ranks' devices
+        host: Dataset = SharedCacheDataset(src.base, prefix, job_name(), local_rank=env.local_rank,
+                                           local_world_size=env.local_world_size, num_workers=src.threads,
+                                           progress=src.progress)
+    else:
+        host = _Cached(src.base, prefix)  # read once, straight onto the device
+    out = DeviceCacheDataset(host, device, seed=src.seed, suffix=suffix,
+                             order=fill_order(len(host), env.rank, env.world_size))
     out.main_process_only = "data.cache: gpu holds device tensors, which worker processes cannot share"
-    random = f"; random transforms per access on {device}: {', '.join(T.name(t) for t in suffix)}" if suffix else ""
-    log.info("PartitionCacheDataset: %d/%d items of partition %d/%d on %s, the rest in host RAM%s", out.num_cached,
-             len(out), out.part_id, env.world_size, device, random)
+    log.info(out.report())
     return out
 
 
@@ -345,7 +350,5 @@ def describe(dataset: Dataset) -> str:
     """One line for logs and the profiler: the cache class and what it holds."""
     if hasattr(dataset, "report"):
         return dataset.report()
-    if isinstance(dataset, PartitionCacheDataset):
-        return f"PartitionCacheDataset: {dataset.num_cached}/{len(dataset)} items on {dataset.device}"
     return f"{type(dataset).__name__}: not cached ({len(dataset)} items)"
 
