@@ -148,3 +148,31 @@ def test_each_rank_holds_only_its_epoch_share_on_two_ranks(spleen, tmp_path):
         assert [e["batches"] for e in got["epochs"]] == want == got["none"], f"rank {r}"
         assert got["resumed"]["batches"] == want[1][1:2], f"rank {r}"
     assert set(_share(8, SEED, 0, 2, 0)) | set(_share(8, SEED, 0, 2, 1)) == set(range(8))  # together: the set
+
+
+class _Slices(torch.utils.data.Dataset):
+    """8 items of one 64 KiB float32 image each (a whole number of the CUDA allocator's blocks)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"image": torch.full((128, 128), float(i)), "id": f"item{i}"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_device_memory_is_the_share_and_each_item_is_held_once():
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    sampler = TrainSampler(8, num_replicas=2, rank=1, seed=4)
+    ds = DeviceCacheDataset(_Slices(), "cuda", share=sampler.indices)
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        share = _share(8, 4, epoch, 2, 1)
+        assert _on_device(ds) == share and torch.cuda.memory_allocated() - before == 4 * 128 * 128 * 4
+        # one copy: the share on the device only, the rest (moved back at the swap) on the host only
+        assert [i for i, h in enumerate(ds.host) if h is not None] == sorted(set(range(8)) - set(share))
+        assert all(ds.dev[i]["image"].is_cuda for i in share)
+        for i in range(8):
+            assert ds[i]["image"].is_cuda and torch.equal(ds[i]["image"].cpu(), torch.full((128, 128), float(i)))
