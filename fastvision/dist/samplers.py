@@ -88,11 +88,11 @@ class TrainSampler(Sampler[int]):
         begins at its first position ``>= start``."""
         self.epoch, self.start = epoch, start
 
-    def permutation(self) -> list[int]:
-        """The whole (padded) permutation of this epoch, identical on every rank."""
+    def permutation(self, epoch: int | None = None) -> list[int]:
+        """The whole (padded) permutation of ``epoch`` (default: the current one), identical on every rank."""
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed(_mix_seed(self.seed, self.epoch))
+            g.manual_seed(_mix_seed(self.seed, self.epoch if epoch is None else epoch))
             order = torch.randperm(self.n, generator=g).tolist()
         else:
             order = list(range(self.n))
@@ -100,17 +100,25 @@ class TrainSampler(Sampler[int]):
             order = (order * math.ceil(self.total / self.n))[: self.total]
         return order[: self.total]
 
-    def __iter__(self) -> Iterator[int]:
-        order = self.permutation()
+    def indices(self, epoch: int | None = None) -> list[int]:
+        """This rank's indices of ``epoch`` (default: the current one) in the order it reads them,
+        from the epoch's first position (a mid-epoch start skips a prefix of them): what a cache
+        that holds one epoch's share (``data.cache: gpu``) places on the device."""
+        order = self.permutation(epoch)
         if self.emulate == 1:
-            first = max(0, -(-(self.start - self.rank) // self.num_replicas))  # ceil((start - rank) / ranks)
-            return iter(order[self.rank :: self.num_replicas][first:])
+            return order[self.rank :: self.num_replicas]
         # Emulation: worker w's j-th batch comes right after worker w-1's j-th batch, so a loader
         # with ``batch_size`` and ``emulate`` x accumulation steps sees exactly the micro-batches
         # the ranks of a real ``emulate``-process job would see (same BatchNorm batches).
         shards = [order[w :: self.emulate] for w in range(self.emulate)]
         b, full = self.batch_size, len(shards[0]) // self.batch_size
-        return iter([i for j in range(full) for shard in shards for i in shard[j * b:(j + 1) * b]][self.start:])
+        return [i for j in range(full) for shard in shards for i in shard[j * b:(j + 1) * b]]
+
+    def __iter__(self) -> Iterator[int]:
+        mine = self.indices()
+        if self.emulate == 1:  # this rank's first position >= start: ceil((start - rank) / ranks)
+            return iter(mine[max(0, -(-(self.start - self.rank) // self.num_replicas)):])
+        return iter(mine[self.start:])
 
     def __len__(self) -> int:
         if self.emulate > 1:

@@ -142,9 +142,12 @@ def _build_loaders(run: Run, micro_steps: int, wrap_train_set: Callable[[Any], A
     """The cached training set, both loaders (a device prefetcher on CUDA) and the steps per epoch."""
     cfg, tc, device = run.cfg, run.cfg.train, run.device
     raw = run.train_set
-    run.train_set = cached_train_set(raw, cfg, run.env, device)
+    # the sampler first: the gpu cache holds on the device the share it reads each epoch
+    sampler = train_sampler(len(raw), cfg, tc.batch_size)
+    run.train_set = cached_train_set(raw, cfg, run.env, device, share=sampler.indices)
     data = wrap_train_set(run.train_set) if wrap_train_set else run.train_set
-    run.train_loader = make_loader(data, run.task, cfg, tc.batch_size, True, device)
+    run.train_loader = make_loader(data, run.task, cfg, tc.batch_size, True, device,
+                                   sampler=sampler if len(data) == len(raw) else None)  # smart: its window
     if device.type == "cuda" and not hasattr(data, "make_loader"):
         # copy batch k+1 to the GPU on a side stream while batch k computes
         run.train_loader = DevicePrefetcher(run.train_loader, device,
@@ -158,21 +161,28 @@ def _build_loaders(run: Run, micro_steps: int, wrap_train_set: Callable[[Any], A
                           f"the {len(raw)} training items")
 
 
-def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device):
+def train_sampler(n: int, cfg: RunConfig, batch_size: int) -> dist.TrainSampler:
+    """The training order of ``n`` items: this rank's share of the (train.seed, epoch) permutation
+    (emulated workers' micro-batches with ``train.emulate_workers``)."""
+    return dist.TrainSampler(n, seed=cfg.train.seed, shuffle=True, emulate_workers=cfg.train.emulate_workers,
+                             batch_size=batch_size)
+
+
+def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device,
+                sampler: dist.TrainSampler | None = None):
     """Loader over a rank's shard: deterministic per (seed, epoch) for training. A validation set
     is cached as it is first read when ``data.cache`` is not ``none``.
 
-    The training sampler is the one order of every cache tier: a cache is indexed as the dataset,
-    so ``data.cache`` never changes which items a step reads (docs/CONTRACTS.md).
+    The training sampler (``sampler``, default :func:`train_sampler`) is the one order of every
+    cache tier: a cache is indexed as the dataset, so ``data.cache`` never changes which items a
+    step reads (docs/CONTRACTS.md).
     """
     if hasattr(dataset, "make_loader"):  # a dataset with its own sharding loader (DALI)
         return dataset.make_loader(batch_size=batch_size, shard_id=dist.rank(), num_shards=dist.world_size(),
                                    seed=cfg.train.seed, device=device)
     if train:
-        emulate = cfg.train.emulate_workers
-        sampler = dist.TrainSampler(dataset, seed=cfg.train.seed, shuffle=True, emulate_workers=emulate,
-                                    batch_size=batch_size)
-        drop_last = emulate > 1 or len(sampler) >= batch_size
+        sampler = sampler or train_sampler(len(dataset), cfg, batch_size)
+        drop_last = cfg.train.emulate_workers > 1 or len(sampler) >= batch_size
     else:
         if cfg.data.cache != "none":  # deterministic items: cached as first read (this rank's shard)
             from fastvision.data.cache.select import wrap_val_set
@@ -185,13 +195,14 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
                         pin_memory=device.type == "cuda")
 
 
-def cached_train_set(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.device):
+def cached_train_set(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.device, share=None):
     """The training set behind the configured cache (``data.cache``). Its random transforms run
     per access with generators of (train.seed, epoch, sample index); with ``none`` a dataset
-    without random transforms is returned unchanged."""
+    without random transforms is returned unchanged. ``share``: ``epoch -> indices`` this rank
+    reads (the training sampler's ``indices``), what the gpu cache keeps on the device."""
     from fastvision.data.cache.select import wrap_train_set
 
     d = cfg.data
     return wrap_train_set(dataset, cache=d.cache, cache_rate=d.cache_rate, cache_dir=d.cache_dir,
                           cache_num=d.cache_num, replace_rate=d.replace_rate, env=env, device=device,
-                          seed=cfg.train.seed)
+                          seed=cfg.train.seed, share=share)

@@ -179,7 +179,8 @@ def cluster(batch: int, gpus: int, step_s: float, item_bytes: float, dataset_byt
     and equal on every rank, so it is ``ceil(batch / gpus)`` (at least 1 item per GPU: the global
     batch grows to ``gpus`` where it was smaller). fastvision augments batched on the GPU, so CPU
     workers only cut patches from a host-RAM cache: none where this GPU's share of the cache
-    (``1 / gpus`` of the dataset under DDP) fits beside the step, else enough cores to cut
+    (``data.cache: gpu`` holds the items its rank reads in the epoch, ``ceil(n / gpus)`` of ``n``:
+    ``1 / gpus`` of the dataset under DDP) fits beside the step, else enough cores to cut
     ``per_gpu`` patches per step at ``HOST_COPY_GBS`` each.
 
     Args:

@@ -174,7 +174,7 @@ def test_cpu_partition_over_budget_holds_only_what_fits():
     per_item = 4 * 4 * 4 + 4 * 4 * 8  # float32 image + int64 label
     with pytest.warns(ResourceWarning, match="caching 2 items"):
         ds = DeviceCacheDataset(src, "cpu", budget_bytes=2 * per_item + 1)
-    assert ds.num_cached == 2 and sum(x is not None for x in ds.items) == 2 and src.reads == 2
+    assert ds.num_cached == 2 and sum(x is not None for x in ds.host) == 2 and src.reads == 2
     got = {ds[j]["id"]: ds[j] for j in range(len(ds))}
     for i in range(5):
         assert torch.equal(got[f"item{i}"]["image"], Counted()[i]["image"])

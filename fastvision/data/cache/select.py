@@ -167,7 +167,8 @@ def job_name() -> str:
 
 def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cache_dir: str | None = None,
                    cache_num: int | None = None, replace_rate: float = 0.1, env: Any = None,
-                   device: torch.device | str = "cpu", seed: int = 0) -> Dataset:
+                   device: torch.device | str = "cpu", seed: int = 0,
+                   share: Callable[[int], Sequence[int]] | None = None) -> Dataset:
     """The training set behind the cache named by ``data.cache``.
 
     A dataset with ``cache_pipeline`` is always served through its pipeline (with ``none`` as a
@@ -177,9 +178,10 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
 
     Every cache serves item ``i`` as ``none`` does; the sampler alone orders them. Under DDP a rank
     reads a different share of the items every epoch, so a rank's memory cache holds all of them:
-    ``ram`` and ``gpu`` one copy per rank (``gpu`` with several ranks per node fills from one
-    node-shared host copy), ``shared`` one copy per node, ``disk`` entries are written by whichever
-    rank reads them first.
+    ``ram`` one copy per rank, ``shared`` one copy per node, ``disk`` entries are written by
+    whichever rank reads them first. ``gpu`` holds on the device only the share the rank reads this
+    epoch (``share``, about ``1/world``), swapped at ``set_epoch`` from a host copy: the node-shared
+    one with several ranks per node, else this rank's host RAM (each item once, device or host).
 
     Args:
         dataset: the registered training set (items are dicts).
@@ -193,6 +195,8 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
         env: ``fastvision.dist.DistEnv`` (rank, local rank, world sizes); None: one process.
         device: where the gpu cache places tensors (the training device: also a CPU).
         seed: seed of the random transforms and the smart-cache order (same on every rank).
+        share: ``epoch -> indices`` this rank reads (the training sampler's ``indices``): what
+            ``gpu`` keeps on the device each epoch. None: every item (as one process reads them).
 
     Returns:
         A dataset of the same items, indexed as ``dataset`` (``smart``: its window);
@@ -219,7 +223,7 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
     elif cache == "smart":
         out = _smart(src, cache_num, cache_rate, replace_rate)
     else:
-        out = _gpu(src, device)
+        out = _gpu(src, device, share)
     out.seed = seed
     return out
 
@@ -326,9 +330,11 @@ def _through_disk(base: Dataset, pipeline: list, identity: Callable[[int], str] 
     return disk, suffix
 
 
-def _gpu(src: _Source, device: torch.device | str) -> DeviceCacheDataset:
-    """``gpu``: every item on the training device (host RAM on a CPU device), indexed as the
-    dataset; under DDP on every rank, since each rank reads a different share every epoch."""
+def _gpu(src: _Source, device: torch.device | str,
+         share: Callable[[int], Sequence[int]] | None = None) -> DeviceCacheDataset:
+    """``gpu``: the items indexed as the dataset, this epoch's ``share`` of them on the training
+    device (host RAM on a CPU device), the rest in a host copy: under DDP about ``1/world`` of the
+    items per device, a different share every epoch (swapped at ``set_epoch``)."""
     prefix, suffix = T.split(src.pipeline)
     device, env = torch.device(device), src.env
     if device.type != "cuda":
@@ -339,7 +345,8 @@ def _gpu(src: _Source, device: torch.device | str) -> DeviceCacheDataset:
                                            progress=src.progress)
     else:
         host = _Cached(src.base, prefix)  # read once, straight onto the device
-    out = DeviceCacheDataset(host, device, seed=src.seed, suffix=suffix,
+    out = DeviceCacheDataset(host, device, seed=src.seed, suffix=suffix, share=share,
+                             source_holds=isinstance(host, SharedCacheDataset),
                              order=fill_order(len(host), env.rank, env.world_size))
     out.main_process_only = "data.cache: gpu holds device tensors, which worker processes cannot share"
     log.info(out.report())
