@@ -14,7 +14,7 @@ from typing import Any
 from fastvision import config, dist
 from fastvision.config import RunConfig
 from fastvision.engine import checkpoint
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import ConfigError, DataError, Preempted
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
     cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
     joined = not dist.joined()  # a group the caller made stays theirs
     env, device = dist.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
+    clean = False  # every rank ended together: gloo's threads can be joined (dist.shutdown)
     try:
         if cfg.train.batch_size == "auto":  # rank 0 searches; every rank trains with its answer
             from fastvision.planning.autobatch import resolve_auto_batch
@@ -117,9 +118,13 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
         summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
         if env.is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        clean = True
+    except Preempted:  # every rank stopped at the agreed step, after a barrier
+        clean = True
+        raise
     finally:
         if joined:  # leave the process group this call joined, also after an error or a stop signal
-            dist.shutdown()
+            dist.shutdown(join_threads=clean)
     return summary
 
 

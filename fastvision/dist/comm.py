@@ -1,12 +1,21 @@
 """The process group: init (torchrun, SLURM, Horovod), reductions, broadcast, barrier, shutdown."""
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
+import sys
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Imported before any group exists, on purpose: its functions take ``group=group.WORLD`` as a default
+# argument, read when the module is first imported. DDP imports it on first use; with a group
+# running by then, those defaults keep that group alive for good and gloo's worker threads are never
+# joined (see shutdown).
+import torch.distributed.nn  # noqa: F401  isort: skip
 from torch import Tensor
 
 from fastvision.dist import group
@@ -69,6 +78,8 @@ def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> 
             kwargs["init_method"] = f"tcp://{host}:{env.master_port}"
         dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout_s), **kwargs)
+        if backend == "gloo":
+            _hold(dist.group.WORLD)
         log.info("joined %s process group: rank %d of %d (%s, %s:%d)", backend, env.rank, env.world_size,
                  env.launcher, env.master_addr, env.master_port)
     return env, dev
@@ -150,14 +161,67 @@ def joined() -> bool:
     return _hvd() is not None or (dist.is_available() and dist.is_initialized())
 
 
-def shutdown() -> None:
-    """Leave the process group, if one was started."""
+def shutdown(join_threads: bool = True) -> None:
+    """Leave the process group, if one was started.
+
+    Args:
+        join_threads: also stop gloo's worker threads before the interpreter exits (below). Pass
+            False when leaving after an error: a thread still inside a collective whose peer failed
+            would hold the exit up until the collective's timeout.
+
+    ``destroy_process_group`` does not stop gloo's worker threads: gloo has no shutdown, they stop
+    when the group object is freed. A thread that ends a collective releases its work a moment
+    after the waiting rank has moved on, and releasing a work issued inside ``backward`` (DDP's
+    all-reduces; a barrier holds on to the works before it, so freeing the barrier can free them)
+    drops the autograd context torch keeps in the work's thread-local state, which takes the GIL.
+    A thread that asks for the GIL while the interpreter finalizes is ended by CPython inside a C++
+    destructor: ``terminate called without an active exception``, SIGABRT, after a ``barrier();
+    shutdown()`` at the end of a good run on a loaded machine. So a gloo group made by :func:`init`
+    is freed (its destructor joins the threads) while the interpreter is whole: here, or at exit
+    when the caller still holds a DDP model (which holds the group).
+    """
     hvd = _hvd()
     if hvd is not None:
         hvd.shutdown()
         group.HOROVOD.module = None
     if dist.is_available() and dist.is_initialized():
+        pg = dist.group.WORLD
         dist.destroy_process_group()
+        if not join_threads and any(g is pg for g in _held):
+            _held[:] = [g for g in _held if g is not pg]
+            _kept.append(pg)  # never freed: the process exits with its threads, as torch leaves them
+        del pg
+        if _held:
+            _release_held()
+
+
+_held: list = []  # gloo groups init() made; freed by _release_held() once nothing else holds them
+_kept: list = []  # groups left after an error: never freed (a join could wait on a stuck collective)
+_at_exit: list = []  # [True] once _release_held is registered to run at exit
+
+
+def _hold(pg: Any) -> None:
+    """Keep a reference to a new gloo group, to be the last one (:func:`_release_held`)."""
+    if not _at_exit:  # registered at the first group, not at import: atexit runs the latest first
+        atexit.register(_release_held)  # atexit handlers run before the interpreter finalizes
+        _at_exit.append(True)
+    _held.append(pg)
+
+
+def _release_held() -> None:
+    """Free each held group that nothing else holds any more (destroyed, its DDP models gone).
+
+    Our reference must be the last: a DDP model's C++ reducer that frees the group last does so
+    holding the GIL, and the join in the group's destructor then waits for a thread that waits for
+    the GIL; a Python reference is dropped with the GIL released. Hence also the early import of
+    ``torch.distributed.nn`` above.
+    """
+    if not _held:
+        return
+    gc.collect()  # DDP wrappers that are garbage in reference cycles still hold their group
+    for i in reversed(range(len(_held))):
+        if sys.getrefcount(_held[i]) == 2:  # this list's reference and getrefcount's argument
+            del _held[i]
 
 
 def horovod() -> Any:

@@ -433,6 +433,29 @@ def test_fp16_comm_hook_all_reduces_half_precision_gradients(tmp_path):
         assert res["bf16_error"].startswith("train.ddp_comm_hook: bf16 is not available here")  # gloo
 
 
+@pytest.mark.dist
+def test_gloo_threads_are_joined_before_the_interpreter_exits(tmp_path):
+    """gloo's worker threads outlive destroy_process_group; one that asks for the GIL once the
+    interpreter finalizes (in a run: to release a work that holds backward's autograd context; here:
+    a future's callback) ends the process with SIGABRT ("terminate called without an active
+    exception"). dist.shutdown joins them before."""
+    proc = _launch(tmp_path, "teardown")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        seen = json.loads((tmp_path / f"teardown{r}.json").read_text())
+        if seen["at_exit"] is None:
+            pytest.skip("no /proc/self/task to count threads in")
+        assert seen["before_shutdown"] > 0  # torch still names them pt_gloo_runloop: the count means something
+        assert seen["at_exit"] == 0, seen
+
+
+@pytest.mark.dist
+def test_shutdown_after_an_error_does_not_wait_for_a_stuck_collective(tmp_path):
+    proc = _launch(tmp_path, "stuck", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "stuck0.json").read_text())["shutdown_s"] < 10
+
+
 def _dying_worker(out: Path) -> None:
     """Rank 1 dies after the first collective; rank 0 keeps reducing and must not hang."""
     torch.set_num_threads(1)
@@ -446,9 +469,90 @@ def _dying_worker(out: Path) -> None:
         time.sleep(0.01)
 
 
+def _gloo_threads() -> int | None:
+    """gloo's worker threads alive in this process (torch names them ``pt_gloo_runloop``); None without /proc."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    names = []
+    for t in tasks:
+        try:
+            names.append(Path(f"/proc/self/task/{t}/comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("pt_gloo_runloop")
+
+
+class _SlowFinalizer:
+    """Held by this module: its ``__del__`` runs while the interpreter finalizes and keeps it there a
+    moment (GIL released), so a gloo thread that asks for the GIL then does so during finalization."""
+
+    def __del__(self):
+        import time
+
+        time.sleep(0.6)
+
+
+def _teardown_worker(out: Path) -> None:
+    """A good run's end (DDP step, barrier, shutdown) with a gloo worker thread that needs the GIL after
+    the caller has finished: the exit must be clean (not SIGABRT), gloo's threads joined before the
+    interpreter finalizes."""
+    import atexit
+    import threading
+    import time
+
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    seen: dict = {}
+    atexit.register(lambda: (out / f"teardown{seen['rank']}.json").write_text(json.dumps(
+        {**seen, "at_exit": _gloo_threads()})))  # registered before any of dist's: runs after them
+    env, device = dist.init("cpu", timeout_s=60)
+    seen["rank"] = env.rank
+    model = dist.wrap_model(torch.nn.Linear(3, 2), device)
+    model(torch.randn(4, 3)).sum().backward()  # DDP's all-reduce works hold backward's context
+    dist.barrier()
+    main_done = threading.Event()
+
+    def late(fut):  # runs on the gloo thread that ran the all-reduce (after the barrier: none waits for it)
+        main_done.wait()
+        time.sleep(0.2)  # wakes while the interpreter finalizes, unless the thread is joined first
+        return fut.value()
+
+    tdist.all_reduce(torch.ones(1), async_op=True).get_future().then(late)
+    seen["before_shutdown"] = _gloo_threads()
+    dist.shutdown()
+    atexit.register(main_done.set)  # registered after shutdown's: runs before it
+    globals()["_slow"] = _SlowFinalizer()
+
+
+def _stuck_worker(out: Path) -> None:
+    """Rank 0 leaves after an error with a collective its peer never joins: shutdown(join_threads=False)
+    returns at once (joining would wait for the collective's timeout)."""
+    import time
+
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    env, _ = dist.init("cpu", timeout_s=60)
+    dist.barrier()
+    if env.rank == 0:
+        tdist.all_reduce(torch.ones(1), async_op=True)  # rank 1 never takes part
+        t0 = time.monotonic()
+        dist.shutdown(join_threads=False)
+        (out / "stuck0.json").write_text(json.dumps({"shutdown_s": time.monotonic() - t0}))
+    else:  # alive (connected) until rank 0 has left, or the test's limit
+        deadline = time.monotonic() + 50
+        while not (out / "stuck0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os._exit(0)
+
+
 if __name__ == "__main__":
-    {"basic": _worker, "emulate": _emulation_worker, "die": _dying_worker, "hook": _hook_worker}[sys.argv[2] if len(sys.argv) > 2
-                                                                           else "basic"](Path(sys.argv[1]))
+    {"basic": _worker, "emulate": _emulation_worker, "die": _dying_worker, "hook": _hook_worker,
+     "teardown": _teardown_worker, "stuck": _stuck_worker}[sys.argv[2] if len(sys.argv) > 2
+                                                           else "basic"](Path(sys.argv[1]))
 
 
 @pytest.mark.parametrize("environ,expected", [  # {ppid} / {pid}: this process's, filled in by the test
