@@ -356,14 +356,18 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(debug)
     shown = warnings.showwarning
     warnings.showwarning = functools.partial(_log_data_warning, shown=shown)
+    clean = False  # the command ended on every rank alike: gloo's threads can be joined
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
         args.argv = list(argv)
         if extra and not getattr(args, "takes_extra", False):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return args.func(args, extra) if getattr(args, "takes_extra", False) else args.func(args)
+        rc = args.func(args, extra) if getattr(args, "takes_extra", False) else args.func(args)
+        clean = True
+        return rc
     except Preempted as e:  # a stop signal: the checkpoint is written; 128 + signal, as the shell reports one
+        clean = True
         print(f"fastvision: {e}", file=sys.stderr)
         return e.exit_code
     except FastvisionError as e:
@@ -375,8 +379,21 @@ def main(argv: list[str] | None = None) -> int:
         print("fastvision: interrupted", file=sys.stderr)
         return 130
     finally:
+        _leave_process_group(clean)
         warnings.showwarning = shown
         logging.shutdown()
+
+
+def _leave_process_group(clean: bool) -> None:
+    """Leave a process group a command joined and did not leave (tune, benchmark, profile, predict
+    under torchrun): gloo's worker threads must be joined before the interpreter finalizes, or one of
+    them can abort the process at exit (``dist.shutdown``). Torch is not imported for it."""
+    if "torch.distributed" not in sys.modules:
+        return
+    from fastvision import dist
+
+    if dist.joined():
+        dist.shutdown(join_threads=clean)
 
 
 if __name__ == "__main__":
