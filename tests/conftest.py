@@ -41,6 +41,21 @@ def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple
     return outs
 
 
+def run_gloo_ranks(script: Path, args: list[str], outs: list[Path], cache: Path, timeout: float = 400) -> None:
+    """Run ``python script *args OUT`` as 2 gloo ranks of one node (env:// rendezvous), rank r
+    writing ``outs[r]``; asserts both exit 0, with their stderr in the message."""
+    import sys
+
+    port, procs = free_port(), []
+    for r, out in enumerate(outs):
+        env = clean_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(outs)), LOCAL_WORLD_SIZE=str(len(outs)),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FASTVISION_CACHE=str(cache))
+        procs.append(subprocess.Popen([sys.executable, str(script), *args, str(out)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errs = [err for _, err in communicate_all(procs, timeout=timeout)]
+    assert [p.returncode for p in procs] == [0] * len(outs), "\n".join(e[-3000:] for e in errs)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -15,14 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, clean_env, communicate_all, free_port
+from tests.conftest import ROOT, run_gloo_ranks
 
 RECIPE = "unet3d-spleen-fast"
 SEED, BATCH, EPOCHS, BATCHES = 5, 2, (0, 1), 2
@@ -167,14 +165,7 @@ def test_every_cache_tier_serves_the_samplers_items_on_two_ranks(spleen, tmp_pat
     batches are its share of the global permutation, whatever the tier."""
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root=str(ROOT)))
-    port, procs = free_port(), []
-    for r in range(2):
-        env = clean_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FASTVISION_CACHE=str(tmp_path / "fvcache"))
-        procs.append(subprocess.Popen([sys.executable, str(script), str(spleen), str(tmp_path / f"rank{r}.json")],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    errs = [err for _, err in communicate_all(procs, timeout=400)]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-3000:] for e in errs)
+    run_gloo_ranks(script, [str(spleen)], [tmp_path / f"rank{r}.json" for r in range(2)], tmp_path / "fvcache")
     for r in range(2):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         want = _expected(spleen, 2, r)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -20,7 +18,7 @@ import torch
 from fastvision.data.cache.datasets import CacheDataset
 from fastvision.data.cache.device import DeviceCacheDataset
 from fastvision.dist.samplers import TrainSampler, _mix_seed
-from tests.conftest import ROOT, clean_env, communicate_all, free_port
+from tests.conftest import ROOT, run_gloo_ranks
 from tests.data.test_cache_parity import BATCH, SEED, _expected, _private_cache, spleen  # noqa: F401 (fixtures)
 from tests.data.test_cache_select import Counted
 
@@ -130,14 +128,7 @@ def test_each_rank_holds_only_its_epoch_share_on_two_ranks(spleen, tmp_path):
     epoch's after a mid-epoch resume, and its batches are those of ``data.cache: none``."""
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root=str(ROOT)))
-    port, procs = free_port(), []
-    for r in range(2):
-        env = clean_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FASTVISION_CACHE=str(tmp_path / "fvcache"))
-        procs.append(subprocess.Popen([sys.executable, str(script), str(spleen), str(tmp_path / f"rank{r}.json")],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    errs = [err for _, err in communicate_all(procs, timeout=400)]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-3000:] for e in errs)
+    run_gloo_ranks(script, [str(spleen)], [tmp_path / f"rank{r}.json" for r in range(2)], tmp_path / "fvcache")
     for r in range(2):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         want = _expected(spleen, 2, r)
