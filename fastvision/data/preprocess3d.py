@@ -216,16 +216,21 @@ def _resample_case(case: dict[str, Any], target: Sequence[float] | None) -> None
 
 
 def _intensity(image: torch.Tensor, params: PreprocessParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normalised image, foreground mask (X, Y, Z)) for ``params.intensity``."""
+    """(normalised image, foreground mask (X, Y, Z) of ``params.crop_foreground``) for ``params.intensity``."""
     if params.intensity == "ct":
-        return window(image, *params.window), (image > params.window[0]).any(0)
-    if params.intensity == "mri":
-        return zscore_nonzero(image), (image != 0).any(0)
-    if params.intensity == "zscore":
-        return zscore(image), (image != 0).any(0)
-    if params.intensity == "none":
-        return image, (image != 0).any(0)
-    raise DataError(f"preprocess intensity must be ct, mri, zscore or none, got {params.intensity!r}")
+        out = window(image, *params.window)
+    elif params.intensity == "mri":
+        out = zscore_nonzero(image)
+    elif params.intensity == "zscore":
+        out = zscore(image)
+    elif params.intensity == "none":
+        out = image
+    else:
+        raise DataError(f"preprocess intensity must be ct, mri, zscore or none, got {params.intensity!r}")
+    # the crop's mask: CT above the window's low end (MONAI, crop_foreground true), else any
+    # channel != 0 (nnU-Net's crop_to_nonzero, every modality with crop_foreground nonzero)
+    ct_body = params.intensity == "ct" and params.crop_foreground is True
+    return out, ((image > params.window[0]) if ct_body else (image != 0)).any(0)
 
 
 def preprocess_case(paths: dict[str, Any], params: PreprocessParams,
@@ -248,10 +253,7 @@ def preprocess_case(paths: dict[str, Any], params: PreprocessParams,
     case = _load_case(paths, params, finite or NonFinite(params.nonfinite))
     _resample_case(case, params.target_spacing)
     res_shape = tuple(case["image"].shape[1:])
-    raw = case["image"].float()
-    image, fg = _intensity(raw, params)
-    if params.crop_foreground == "nonzero":
-        fg = (raw != 0).any(0)
+    image, fg = _intensity(case["image"].float(), params)
     box = foreground_box(fg, params.crop_margin) if params.crop_foreground else [(0, n) for n in res_shape]
     sl = tuple(slice(a, b) for a, b in box)
     shift = np.eye(4)
