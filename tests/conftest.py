@@ -41,19 +41,25 @@ def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple
     return outs
 
 
-def run_gloo_ranks(script: Path, args: list[str], outs: list[Path], cache: Path, timeout: float = 400) -> None:
-    """Run ``python script *args OUT`` as 2 gloo ranks of one node (env:// rendezvous), rank r
-    writing ``outs[r]``; asserts both exit 0, with their stderr in the message."""
+def run_gloo_ranks(tmp_path: Path, child: str, args: list[str], ranks: int = 2, timeout: float = 400) -> list:
+    """Run the script ``child`` (its ``{root}`` filled with the repository root) as ``ranks`` gloo ranks
+    of one node (env:// rendezvous) with ``*args OUT``; asserts every rank exits 0 (their stderr in
+    the message) and returns what each rank wrote to its ``OUT`` as JSON, in rank order."""
+    import json
     import sys
 
+    script = tmp_path / "child.py"
+    script.write_text(child.format(root=str(ROOT)))
+    outs = [tmp_path / f"rank{r}.json" for r in range(ranks)]
     port, procs = free_port(), []
     for r, out in enumerate(outs):
-        env = clean_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(len(outs)), LOCAL_WORLD_SIZE=str(len(outs)),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FASTVISION_CACHE=str(cache))
+        env = clean_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FASTVISION_CACHE=str(tmp_path / "fvcache"))
         procs.append(subprocess.Popen([sys.executable, str(script), *args, str(out)], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     errs = [err for _, err in communicate_all(procs, timeout=timeout)]
-    assert [p.returncode for p in procs] == [0] * len(outs), "\n".join(e[-3000:] for e in errs)
+    assert [p.returncode for p in procs] == [0] * ranks, "\n".join(e[-3000:] for e in errs)
+    return [json.loads(out.read_text()) for out in outs]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,14 +13,13 @@ generator of ``(seed, epoch, index)``. A gpu cache that served its own seeded pa
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_gloo_ranks
+from tests.conftest import run_gloo_ranks
 
 RECIPE = "unet3d-spleen-fast"
 SEED, BATCH, EPOCHS, BATCHES = 5, 2, (0, 1), 2
@@ -163,10 +162,6 @@ out.write_text(json.dumps(res))
 def test_every_cache_tier_serves_the_samplers_items_on_two_ranks(spleen, tmp_path):
     """Two gloo ranks on one node (so ``gpu`` fills from the node-shared host copy): each rank's
     batches are its share of the global permutation, whatever the tier."""
-    script = tmp_path / "child.py"
-    script.write_text(CHILD.format(root=str(ROOT)))
-    run_gloo_ranks(script, [str(spleen)], [tmp_path / f"rank{r}.json" for r in range(2)], tmp_path / "fvcache")
-    for r in range(2):
-        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for r, got in enumerate(run_gloo_ranks(tmp_path, CHILD, [str(spleen)])):
         want = _expected(spleen, 2, r)
         assert [cache for cache in TIERS if got[cache] != want] == [], f"rank {r}"

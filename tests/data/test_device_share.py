@@ -9,7 +9,6 @@ item ``i`` as ``data.cache: none`` does. The expected shares are computed by han
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from fastvision.data.cache.datasets import CacheDataset
 from fastvision.data.cache.device import DeviceCacheDataset
 from fastvision.dist.samplers import TrainSampler, _mix_seed
-from tests.conftest import ROOT, run_gloo_ranks
+from tests.conftest import run_gloo_ranks
 from tests.data.test_cache_parity import BATCH, SEED, _expected, _private_cache, spleen  # noqa: F401 (fixtures)
 from tests.data.test_cache_select import Counted
 
@@ -126,11 +125,7 @@ def test_each_rank_holds_only_its_epoch_share_on_two_ranks(spleen, tmp_path):
     """Two gloo ranks on one node (CPU device, filled from the node-shared host copy): each rank's
     device holds its epoch share (4 of the 8 items), the next epoch's after ``set_epoch``, the same
     epoch's after a mid-epoch resume, and its batches are those of ``data.cache: none``."""
-    script = tmp_path / "child.py"
-    script.write_text(CHILD.format(root=str(ROOT)))
-    run_gloo_ranks(script, [str(spleen)], [tmp_path / f"rank{r}.json" for r in range(2)], tmp_path / "fvcache")
-    for r in range(2):
-        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for r, got in enumerate(run_gloo_ranks(tmp_path, CHILD, [str(spleen)])):
         want = _expected(spleen, 2, r)
         shares = [_share(8, SEED, e, 2, r) for e in (0, 1)]
         assert shares[0] != shares[1]
