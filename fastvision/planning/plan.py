@@ -361,7 +361,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--input-rate", type=float, help="items/s per host core through the recipe's input path (from "
                                                     "`benchmark --mode data`); default: published for JPEG folders")
     p.add_argument("--fixed-ms", type=float, help="per-step time that does not shrink with the batch (launches, "
-                                                  "optimizer, host); default: fitted on MLPerf ResNet-50")
+                                                  "optimizer, host); default: fitted on MLPerf RetinaNet "
+                                                  "(PyTorch DDP, CUDA graphs), a floor for an eager step")
     p.add_argument("--no-switches", action="store_true", help="skip the what-if switches (fewer traces)")
     p.add_argument("--json", type=Path, help="write the plan as JSON")
     p.add_argument("--png", type=Path, help="write time and cost against GPU count")

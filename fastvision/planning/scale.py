@@ -123,14 +123,16 @@ def host_cores_for(gpu: GPU, gpus_per_node: int) -> tuple[int | None, str]:
 
 def fixed_step_ms(given: float | None = None) -> tuple[float, str]:
     """``(ms, source)``: the per-step cost that does not shrink with the batch (launches, optimizer,
-    host). Given, or the value fitted on MLPerf ResNet-50 (MXNet, LARS, DALI: 64 H100 at 50 per GPU,
-    :func:`fastvision.scaling.validation.fitted`), a floor for a tuned implementation; an eager
-    PyTorch step's is likely larger (measure two batch sizes with ``fastvision benchmark``)."""
+    host). Given, or the value fitted on the PyTorch DDP implementation among the anchors (MLPerf v4.0
+    RetinaNet: CUDA graphs, fused Adam, DALI; 64 H100 at 4 per GPU, held out at 2,528 H100 and 64 L40S,
+    :func:`fastvision.scaling.validation.fitted`): fastvision's step is PyTorch DDP too. It is a floor
+    for an eager step, whose launches are not graphed (measure two batch sizes with ``fastvision
+    benchmark``); MLPerf's MXNet ResNet-50 gets by with less (``--fixed-ms 2.97``)."""
     if given is not None:
         if given < 0:
             raise ConfigError(f"--fixed-ms {given}: must be >= 0")
         return float(given), "--fixed-ms"
-    return fitted()["overhead_ms"]["mlperf-resnet-mxnet"], "fitted on MLPerf ResNet-50"
+    return fitted()["overhead_ms"]["mlperf-retinanet-pytorch"], "fitted on MLPerf RetinaNet, PyTorch DDP"
 
 
 def input_rate_of(cfg: RunConfig, given: float | None = None) -> tuple[float | None, str]:

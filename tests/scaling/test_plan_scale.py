@@ -12,6 +12,7 @@ import pytest
 
 from fastvision.cli import main
 from fastvision.scaling.simulator import load_hardware
+from fastvision.scaling.validation import fitted
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = ["plan", "resnet18-imagefolder", "--no-switches", "--hardware", "dgx-h100"]
@@ -48,6 +49,9 @@ def test_plan_without_an_input_limit_names_the_fabric_and_has_no_largest_line(ca
     text = capsys.readouterr().out
     assert re.search(r"input path\s+DALI decodes on the GPU: no host limit", text)
     assert "items/s on 16 GPUs" in text and "largest N" not in text
+    # the fixed per-step cost is the one fitted on the PyTorch DDP implementation (fastvision's own kind)
+    fixed = fitted()["overhead_ms"]["mlperf-retinanet-pytorch"]
+    assert f"+ {fixed:.2f} ms per step fixed, fitted on MLPerf RetinaNet, PyTorch DDP" in text
 
 
 @pytest.mark.parametrize("args,needle", [
