@@ -123,7 +123,7 @@ def section() -> str:
            f"{fixed:.2f} ms of MXNet and the {fixed_pt:.2f} ms of CUDA-graphed PyTorch are floors and a PyTorch "
            "(Lightning) step carries more (part of it the "
            "kernels' own small-batch inefficiency: the TF32 3-D pair implies 26 ms where AMP implies 12), so "
-           "`fastvision plan --fixed-ms` should be measured for a PyTorch recipe:", "",
+           "a PyTorch recipe should measure its own (`fastvision benchmark --mode train --batch-sizes A,B`, then `fastvision plan --calibrate` takes the intercept):", "",
            pairs_table(anchors),
            "", "`fastvision scale --simulate` with the headline DLE row's inputs (`fastvision scale --simulate "
            "--compute-ms 103.64 --batch 256 --grad-mb 102.4 --hardware dgx-a100 --input-rate 130 --input-workers 16`):",
@@ -208,7 +208,7 @@ def l40s_text(anchors: dict, rates: dict, consts: dict, l40s: dict, hidden: dict
             "here: the L40S's large L2 cache holds far more of a small batch's activations). The model's compute is linear in the batch; it exposes {l40s['exposed_comm_ms']:.1f} ms "
             f"of all-reduce in a {l40s['step_ms']:.1f} ms step, and with the all-reduce free it would still read "
             f"{hidden['predicted_efficiency']:.1%} ({hidden['error_points']:+.1f}). Per-batch compute measured at the "
-            "batch used (`fastvision plan --calibrate` with a `benchmark` JSON at that batch) is the input it lacks "
+            "batch used (`fastvision plan --calibrate` with a `benchmark` JSON at that batch, or at two around it) is the input it lacks "
             "here; the row is held out and not tuned on.")
 
 

@@ -154,11 +154,19 @@ def largest_batch(cfg: RunConfig, gpu: GPU, first: StepTrace, compile: bool = Fa
 
 
 # ------------------------------------------------------------------------------ time
-def achieved_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool) -> tuple[float, str]:
-    """The achieved fraction of peak math in a measured ``fastvision benchmark`` JSON (train mode).
+def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, fixed: tuple[float, str],
+                               given: bool = False) -> tuple[float, float, str, str]:
+    """``(achieved share, fixed seconds per step, source, fixed source)`` from a measured
+    ``fastvision benchmark --mode train`` JSON.
 
-    The row with the recipe's precision (else the first) gives items/s; FLOPs per item come from
-    the trace; the benchmark's ``gpu`` names the table entry.
+    The rows with the recipe's precision (else the first row's) give a step time per batch size,
+    ``t(b) = b / items_per_s``. Two or more batch sizes fit the line ``t(b) = b x t_item + fixed``
+    (least squares): the intercept is this recipe's own fixed per-step cost (launches, optimizer,
+    host), which does not shrink with the batch, and the slope the compute per item. With one batch
+    size the split takes ``fixed`` (``(seconds, source)``: ``--fixed-ms`` or the fitted default),
+    capped at half the measured step; ``given`` (it came from ``--fixed-ms``) also overrides a
+    measured intercept. The achieved share is the traced FLOPs per item over peak x ``t_item`` on the
+    benchmark's GPU (its ``gpu`` field).
     """
     try:
         report = json.loads(Path(path).read_text())
@@ -168,13 +176,38 @@ def achieved_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool) -> t
         raise DataError(f"{path}: needs a train-mode benchmark measured on a GPU (its 'gpu' field names it)")
     gpu = get_gpu(report["gpu"])
     want = amp if amp != "off" else ("tf32" if tf32 else "fp32")
-    rows = [r for r in report.get("results", []) if "items_per_s" in r]
+    rows = [r for r in report.get("results", []) if r.get("items_per_s", 0) > 0 and r.get("batch_size", 0) > 0]
     if not rows:
         raise DataError(f"{path}: no measured rows")
-    row = next((r for r in rows if r["precision"] == want), rows[0])
-    peak, _ = gpu.peak_tflops(row["precision"])
-    frac = t.flops / t.batch * row["items_per_s"] / (peak * 1e12)
-    return frac, f"{gpu.name} {row['precision']} batch {row['batch_size']}: {row['items_per_s']:.0f} items/s"
+    precision = want if any(r["precision"] == want for r in rows) else rows[0]["precision"]
+    by_batch: dict[int, list[float]] = {}
+    for r in rows:
+        if r["precision"] == precision:
+            by_batch.setdefault(int(r["batch_size"]), []).append(r["batch_size"] / r["items_per_s"])
+    points = sorted((b, sum(v) / len(v)) for b, v in by_batch.items())  # (batch, step seconds)
+    where = f"{gpu.name} {precision} " + ", ".join(f"batch {b}: {b / s:.0f} items/s" for b, s in points)
+    if len(points) >= 2:
+        n = len(points)
+        mb = sum(b for b, _ in points) / n
+        ms = sum(s for _, s in points) / n
+        slope = sum((b - mb) * (s - ms) for b, s in points) / sum((b - mb) ** 2 for b, _ in points)
+        measured = ms - slope * mb
+        if given:
+            fixed_s, fixed_source = fixed
+        elif measured < 0 or slope <= 0:  # larger batches ran less efficiently per item: no intercept
+            fixed_s, fixed_source = 0.0, f"none measurable in {Path(path).name} (per-item time grows with the batch)"
+        else:
+            fixed_s, fixed_source = measured, f"measured: intercept over {n} batch sizes in {Path(path).name}"
+    else:
+        fixed_s, fixed_source = fixed[0], fixed[1] + (
+            "" if given else f" ({Path(path).name} has one batch size: benchmark --batch-sizes A,B measures your own)")
+    b_ref, s_ref = points[-1]
+    if fixed_s > 0.5 * s_ref:
+        fixed_s, fixed_source = 0.5 * s_ref, fixed_source + ", capped at half the measured step"
+    per_item = (s_ref - fixed_s) / b_ref
+    peak, _ = gpu.peak_tflops(precision)
+    frac = t.flops / t.batch / per_item / (peak * 1e12)
+    return frac, fixed_s, where, fixed_source
 
 
 def step_time(t: StepTrace, gpu: GPU, precision: str, achieved: tuple[float, float] = DEFAULT_ACHIEVED,

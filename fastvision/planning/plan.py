@@ -39,8 +39,7 @@ def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: st
     mem = est.memory(t, compile)
     scale = 1 - t.recomputable / max(1, t.activations) if compile else 1.0
     fast, slow = est.step_time(t, gpu, precision, achieved, calibrated, traffic_scale=scale)
-    if not calibrated:  # a measured (calibrated) step already holds its fixed cost
-        fast, slow = fast + fixed_s, slow + fixed_s
+    fast, slow = fast + fixed_s, slow + fixed_s  # a calibrated share is of the compute alone (measured line)
     row: dict[str, Any] = {"batch": batch, "precision": gpu.peak_tflops(precision)[1], "compile": compile,
                            "memory_gib": mem.total / 2**30, "fits": est.fits(mem.total, gpu),
                            "memory_parts_gib": mem.gib(), "largest_batch": est.linear_batch(t, gpu, compile),
@@ -116,12 +115,17 @@ def _place(cluster: Cluster) -> tuple[GPU, int, str]:
     return spec, per_node, hw.name if hw else cluster.link
 
 
-def _achieved(work: Workload, cfg: RunConfig, t) -> tuple[tuple[float, float], bool, str]:
-    """``(achieved range, calibrated, source)``: from a benchmark JSON, the given range or the default."""
+def _achieved(work: Workload, cfg: RunConfig, t) -> tuple[tuple[float, float], bool, str, float, str]:
+    """``(achieved range, calibrated, source, fixed ms, fixed source)``: from a benchmark JSON (its
+    batch sizes give the fixed per-step cost as the intercept of step time against batch), else the
+    given range or the default with ``--fixed-ms`` or the fitted fixed cost."""
+    fixed_ms, fixed_source = sc.fixed_step_ms(work.fixed_ms)
     if work.calibrate:
-        f, source = est.achieved_from_benchmark(Path(work.calibrate), t, cfg.train.amp, cfg.train.tf32)
-        return (0.85 * f, 1.15 * f), True, source
-    return work.achieved or est.DEFAULT_ACHIEVED, False, "default range"
+        f, fixed_s, source, fixed_source = est.calibration_from_benchmark(
+            Path(work.calibrate), t, cfg.train.amp, cfg.train.tf32, (fixed_ms / 1e3, fixed_source),
+            given=work.fixed_ms is not None)
+        return (0.85 * f, 1.15 * f), True, source, fixed_s * 1e3, fixed_source
+    return work.achieved or est.DEFAULT_ACHIEVED, False, "default range", fixed_ms, fixed_source
 
 
 def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Workload(),
@@ -148,17 +152,16 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
     if spec.peak_tflops(precision)[1] != precision:
         notes.append(f"{spec.name} has no {precision} tensor cores: timed at fp32 peak")
     t = est.trace(cfg, b)
-    achieved, calibrated, source = _achieved(work, cfg, t)
+    achieved, calibrated, source, fixed_ms, fixed_source = _achieved(work, cfg, t)
     items, items_source = est.dataset_items(cfg, work.data, work.dataset_size)
     if items is None:
         notes.append(f"dataset size {items_source}; epoch and train time left out")
     input_rate, input_source = sc.input_rate_of(cfg, work.input_rate)
-    fixed_ms, fixed_source = sc.fixed_step_ms(work.fixed_ms)
     host_cores, host_source = (None, f"the {cluster.hardware} node") if cluster.hardware else \
         sc.host_cores_for(spec, per_node)
     args = dict(gpu=spec, gpus=gpus, gpus_per_node=per_node, link=link, hardware=cluster.hardware, items=items,
                 achieved=achieved, calibrated=calibrated, input_rate=input_rate,
-                fixed_s=0.0 if calibrated else fixed_ms / 1e3, host_cores=host_cores)
+                fixed_s=fixed_ms / 1e3, host_cores=host_cores)
     base = _option(cfg, t, compile=cfg.train.compile, batch=b, precision=precision, **args)
     base["largest_batch"] = est.largest_batch(cfg, spec, t, cfg.train.compile)
     plan = {"recipe": cfg.recipe, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib, "gpus": gpus,
@@ -168,8 +171,7 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
             "grad_bytes": t.grad_bytes, "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes,
             "input_rate_per_core": input_rate, "input_source": input_source, "min_efficiency": min_efficiency,
             "host_source": host_source,
-            "fixed_ms": 0.0 if calibrated else fixed_ms, "fixed_source": "inside the calibrated step" if calibrated
-            else fixed_source}
+            "fixed_ms": fixed_ms, "fixed_source": fixed_source}
     if min_efficiency is not None:
         plan["largest_gpus"] = [sc.largest_gpus(s, b, t.grad_bytes, per_node, link, cluster.hardware, input_rate,
                                                  min_efficiency, fixed_s=args["fixed_s"], host_cores=host_cores)
@@ -355,7 +357,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--batch-size", type=int, help="per-GPU batch (default: the recipe's)")
     p.add_argument("--achieved", help="LOW,HIGH share of peak dense math, e.g. 0.2,0.5 (default "
                                       f"{est.DEFAULT_ACHIEVED[0]},{est.DEFAULT_ACHIEVED[1]})")
-    p.add_argument("--calibrate", help="a `fastvision benchmark --mode train` JSON measured on any GPU")
+    p.add_argument("--calibrate", help="a `fastvision benchmark --mode train` JSON measured on any GPU; with two or "
+                                       "more --batch-sizes in it, the intercept of step time against batch is the "
+                                       "fixed per-step cost")
     p.add_argument("--min-efficiency", type=float, help="also report the largest GPU count whose scaling efficiency "
                                                         "stays at or above this share, e.g. 0.8")
     p.add_argument("--input-rate", type=float, help="items/s per host core through the recipe's input path (from "

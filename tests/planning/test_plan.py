@@ -264,3 +264,43 @@ def test_scaling_efficiency_reads_the_hardware_profile_once(monkeypatch):
     finally:
         est._hardware.cache_clear()  # no profile read through the patched loader outlives the test
     assert reads == ["dgx-h100"] and runs[0]["efficiency"] == pytest.approx(1.0)
+
+
+def _bench(tmp_path, rows, gpu="A100-80GB"):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"mode": "train", "gpu": gpu, "results": [
+        {"precision": p, "batch_size": b, "items_per_s": ips} for p, b, ips in rows]}))
+    return str(path)
+
+
+@pytest.mark.parametrize("rows,fixed_ms,given,expect_fixed,expect_item", [
+    # the line t(b) = b x 2 ms + 10 ms measured at batch 8 and 32: the intercept is the fixed cost
+    ([(8, 8 / 0.026), (32, 32 / 0.074)], None, None, 10.0, 2.0),
+    # three points on the same line, one measured twice (averaged): the same answer
+    ([(8, 8 / 0.026), (16, 16 / 0.042), (32, 32 / 0.074), (32, 32 / 0.074)], None, None, 10.0, 2.0),
+    # --fixed-ms wins over the intercept: the compute per item is the rest of the largest batch's step
+    ([(8, 8 / 0.026), (32, 32 / 0.074)], 4.0, 4.0, 4.0, (74 - 4) / 32),
+    # one batch size: the fitted default splits it (74 ms at 32 -> compute (74 - F) / 32 per item)
+    ([(32, 32 / 0.074)], None, "fitted", "fitted", None),
+    # per-item time grows with the batch: no intercept to measure, the larger batch's step per item
+    ([(8, 8 / 0.016), (32, 32 / 0.080)], None, None, 0.0, 80 / 32),
+])
+def test_calibrate_fits_the_step_line_over_the_benchmarks_batch_sizes(tmp_path, rows, fixed_ms, given,
+                                                                       expect_fixed, expect_item):
+    from fastvision.planning import scale as sc
+    from fastvision.planning.plan import Cluster, Workload, make_plan
+
+    cfg = config.load("unet2d-microscopy")
+    want = est.precision_of(cfg) if cfg.train.amp != "auto" else est.amp_for("auto", get_gpu("A100-80GB"))
+    path = _bench(tmp_path, [(want, b, ips) for b, ips in rows] + [("fp32", 8, 1.0)])  # other precision: ignored
+    plan = make_plan(cfg, Cluster(gpu="A100-80GB"), Workload(batch=16, calibrate=path, fixed_ms=fixed_ms),
+                     switches=False)
+    if expect_fixed == "fitted":
+        expect_fixed = sc.fixed_step_ms(None)[0]
+        expect_item = (74 - expect_fixed) / 32
+    assert plan["fixed_ms"] == pytest.approx(expect_fixed, abs=1e-6)
+    fast, slow = plan["estimate"]["step_s"]
+    # the calibrated share is +-15 % on the compute part; the fixed cost is added whole at any batch
+    assert fast * 1e3 == pytest.approx(16 * expect_item / 1.15 + expect_fixed, rel=1e-6)
+    assert slow * 1e3 == pytest.approx(16 * expect_item / 0.85 + expect_fixed, rel=1e-6)
+    assert ("measured" in plan["fixed_source"]) == (given is None and expect_fixed > 0)
