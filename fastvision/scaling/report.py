@@ -169,8 +169,10 @@ def plot_simulation(rows: list[dict[str, Any]], path: Path, measured: list[dict[
         ax.plot([r["workers"]], [r["speedup"]], "s", color=f"C{i + 2}", ms=6, label=f"published: {r['label']}")
         if r.get("predicted") is not None:
             ax.plot([r["workers"]], [r["predicted"]], "o", color=f"C{i + 2}", mfc="none", ms=8)
+    if any(r.get("predicted") is not None for r in published):
+        ax.plot([], [], "o", color="grey", mfc="none", ms=8, label="hollow: the model at that row's own batch")
     ax.set(xscale="log", yscale="log", xlabel="workers (GPUs)", ylabel="speed-up", title="Predicted data-parallel speed-up")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left")  # the curve runs lower-left to upper-right; published points fall below it
     ax.grid(True, which="both", alpha=0.3)
     return save(fig, path)
 
