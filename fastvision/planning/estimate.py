@@ -154,19 +154,25 @@ def largest_batch(cfg: RunConfig, gpu: GPU, first: StepTrace, compile: bool = Fa
 
 
 # ------------------------------------------------------------------------------ time
+HALF_PRECISIONS = ("bf16", "fp16")
+
+
 def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, fixed: tuple[float, str],
                                given: bool = False) -> tuple[float, float, str, str]:
     """``(achieved share, fixed seconds per step, source, fixed source)`` from a measured
     ``fastvision benchmark --mode train`` JSON.
 
-    The rows with the recipe's precision (else the first row's) give a step time per batch size,
-    ``t(b) = b / items_per_s``. Two or more batch sizes fit the line ``t(b) = b x t_item + fixed``
-    (least squares): the intercept is this recipe's own fixed per-step cost (launches, optimizer,
-    host), which does not shrink with the batch, and the slope the compute per item. With one batch
-    size the split takes ``fixed`` (``(seconds, source)``: ``--fixed-ms`` or the fitted default),
-    capped at half the measured step; ``given`` (it came from ``--fixed-ms``) also overrides a
-    measured intercept. The achieved share is the traced FLOPs per item over peak x ``t_item`` on the
-    benchmark's GPU (its ``gpu`` field).
+    The rows with the recipe's precision give a step time per batch size, ``t(b) = b / items_per_s``
+    (a half precision the benchmark's GPU lacks falls back to the other one: fp16 <-> bf16; else the
+    first row's). Measured at two or more batch sizes, the least-squares line ``t(b) = b x t_item +
+    fixed`` splits the step: the intercept is this recipe's own fixed per-step cost (launches,
+    optimizer, host), which does not shrink with the batch, and the slope its compute per item. A
+    negative intercept (per-item time grows with the batch) leaves no fixed cost and the largest
+    batch's time per item; a step that does not grow with the batch says nothing about compute and
+    is refused. With one batch size, or with ``given`` (``fixed`` came from ``--fixed-ms``), ``fixed``
+    (``(seconds, source)``: ``--fixed-ms`` or the fitted default) splits the largest batch's step,
+    capped at half of it. The achieved share is the traced FLOPs per item over peak x ``t_item`` on
+    the benchmark's GPU (its ``gpu`` field).
     """
     try:
         report = json.loads(Path(path).read_text())
@@ -179,32 +185,40 @@ def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, f
     rows = [r for r in report.get("results", []) if r.get("items_per_s", 0) > 0 and r.get("batch_size", 0) > 0]
     if not rows:
         raise DataError(f"{path}: no measured rows")
-    precision = want if any(r["precision"] == want for r in rows) else rows[0]["precision"]
+    have = {r["precision"] for r in rows}
+    order = [want] + [h for h in HALF_PRECISIONS if want in HALF_PRECISIONS and h != want]
+    precision = next((p for p in order if p in have), rows[0]["precision"])
     by_batch: dict[int, list[float]] = {}
     for r in rows:
         if r["precision"] == precision:
             by_batch.setdefault(int(r["batch_size"]), []).append(r["batch_size"] / r["items_per_s"])
     points = sorted((b, sum(v) / len(v)) for b, v in by_batch.items())  # (batch, step seconds)
     where = f"{gpu.name} {precision} " + ", ".join(f"batch {b}: {b / s:.0f} items/s" for b, s in points)
-    if len(points) >= 2:
+    name = Path(path).name
+    b_ref, s_ref = points[-1]
+    if len(points) >= 2 and not given:
         n = len(points)
         mb = sum(b for b, _ in points) / n
         ms = sum(s for _, s in points) / n
         slope = sum((b - mb) * (s - ms) for b, s in points) / sum((b - mb) ** 2 for b, _ in points)
-        measured = ms - slope * mb
-        if given:
-            fixed_s, fixed_source = fixed
-        elif measured < 0 or slope <= 0:  # larger batches ran less efficiently per item: no intercept
-            fixed_s, fixed_source = 0.0, f"none measurable in {Path(path).name} (per-item time grows with the batch)"
+        if slope <= 0:
+            raise DataError(f"{path}: the {precision} step does not grow with the batch ("
+                            + ", ".join(f"batch {b}: {1e3 * s:.2f} ms" for b, s in points)
+                            + "): it says nothing about compute per item; measure larger batch sizes")
+        intercept = ms - slope * mb
+        if intercept < 0:  # larger batches ran less efficiently per item: no fixed cost to measure
+            fixed_s, per_item = 0.0, s_ref / b_ref
+            fixed_source = f"none measurable in {name} (per-item time grows with the batch)"
         else:
-            fixed_s, fixed_source = measured, f"measured: intercept over {n} batch sizes in {Path(path).name}"
+            fixed_s, per_item = intercept, slope
+            fixed_source = f"measured: intercept over {n} batch sizes in {name}"
     else:
-        fixed_s, fixed_source = fixed[0], fixed[1] + (
-            "" if given else f" ({Path(path).name} has one batch size: benchmark --batch-sizes A,B measures your own)")
-    b_ref, s_ref = points[-1]
-    if fixed_s > 0.5 * s_ref:
-        fixed_s, fixed_source = 0.5 * s_ref, fixed_source + ", capped at half the measured step"
-    per_item = (s_ref - fixed_s) / b_ref
+        fixed_s, fixed_source = fixed
+        if not given:
+            fixed_source += f" ({name} has one batch size: benchmark --batch-sizes A,B measures your own)"
+        if fixed_s > 0.5 * s_ref:
+            fixed_s, fixed_source = 0.5 * s_ref, fixed_source + ", capped at half the measured step"
+        per_item = (s_ref - fixed_s) / b_ref
     peak, _ = gpu.peak_tflops(precision)
     frac = t.flops / t.batch / per_item / (peak * 1e12)
     return frac, fixed_s, where, fixed_source

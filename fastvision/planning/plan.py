@@ -88,7 +88,8 @@ class Workload:
         achieved: (low, high) share of peak dense math; ``calibrate``: a benchmark JSON instead.
         input_rate: items/s one host core delivers through the recipe's input path (measured).
         fixed_ms: per-step time that does not shrink with the batch (launches, optimizer, host);
-            ``None``: the value fitted on the MLPerf anchors (small batches are slower per item).
+            ``None``: with ``calibrate``, the intercept of the benchmark's batch sizes, else the value
+            fitted on the MLPerf anchors (small batches are slower per item). Given, it wins over both.
     """
 
     data: str | None = None
@@ -357,16 +358,18 @@ def add_cli(subparsers) -> None:
     p.add_argument("--batch-size", type=int, help="per-GPU batch (default: the recipe's)")
     p.add_argument("--achieved", help="LOW,HIGH share of peak dense math, e.g. 0.2,0.5 (default "
                                       f"{est.DEFAULT_ACHIEVED[0]},{est.DEFAULT_ACHIEVED[1]})")
-    p.add_argument("--calibrate", help="a `fastvision benchmark --mode train` JSON measured on any GPU; with two or "
-                                       "more --batch-sizes in it, the intercept of step time against batch is the "
-                                       "fixed per-step cost")
+    p.add_argument("--calibrate", help="a `fastvision benchmark --mode train` JSON measured on any GPU. Rows at two "
+                                       "or more batch sizes (`benchmark --batch-sizes 8,32`): the intercept of step "
+                                       "time against batch is the fixed per-step cost; one batch size: --fixed-ms "
+                                       "or the fitted default splits it")
     p.add_argument("--min-efficiency", type=float, help="also report the largest GPU count whose scaling efficiency "
                                                         "stays at or above this share, e.g. 0.8")
     p.add_argument("--input-rate", type=float, help="items/s per host core through the recipe's input path (from "
                                                     "`benchmark --mode data`); default: published for JPEG folders")
     p.add_argument("--fixed-ms", type=float, help="per-step time that does not shrink with the batch (launches, "
-                                                  "optimizer, host); default: fitted on MLPerf RetinaNet "
-                                                  "(PyTorch DDP, CUDA graphs), a floor for an eager step")
+                                                  "optimizer, host); default: the --calibrate JSON's intercept, "
+                                                  "else fitted on MLPerf RetinaNet (PyTorch DDP, CUDA graphs), a "
+                                                  "floor for an eager step. Given, it wins over both")
     p.add_argument("--no-switches", action="store_true", help="skip the what-if switches (fewer traces)")
     p.add_argument("--json", type=Path, help="write the plan as JSON")
     p.add_argument("--png", type=Path, help="write time and cost against GPU count")

@@ -156,7 +156,7 @@ def plot_simulation(rows: list[dict[str, Any]], path: Path, measured: list[dict[
     """Speed-up against GPUs (log-log) per hardware profile with the ideal line; measured points and
     published rows (``workers``, ``speedup``, ``label``) overlaid."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    fig, ax = plt.subplots(figsize=(9.5 if published else 6, 4.5))  # published rows: the legend goes beside
     links = sorted({r["link"] for r in rows}, key=[r["link"] for r in rows].index)
     top = max(r["workers"] for r in rows)
     ax.plot([1, top], [1, top], "k--", lw=1, label="ideal")
@@ -165,14 +165,19 @@ def plot_simulation(rows: list[dict[str, Any]], path: Path, measured: list[dict[
         ax.plot([r["workers"] for r in pts], [r["speedup"] for r in pts], marker=".", label=f"predicted: {name}")
     if measured:
         ax.plot([r["workers"] for r in measured], [r["speedup"] for r in measured], "ko", label="measured")
+    colours = plt.get_cmap("tab20").colors  # the curves take C0, C1, ...: the points start past them
     for i, r in enumerate(published):  # filled: published; hollow: the model at that row's own batch
-        ax.plot([r["workers"]], [r["speedup"]], "s", color=f"C{i + 2}", ms=6, label=f"published: {r['label']}")
+        c = colours[(2 * len(links) + 2 * i + (i // 10)) % 20]
+        ax.plot([r["workers"]], [r["speedup"]], "s", color=c, ms=6, label=f"published: {r['label']}")
         if r.get("predicted") is not None:
-            ax.plot([r["workers"]], [r["predicted"]], "o", color=f"C{i + 2}", mfc="none", ms=8)
+            ax.plot([r["workers"]], [r["predicted"]], "o", color=c, mfc="none", ms=8)
     if any(r.get("predicted") is not None for r in published):
         ax.plot([], [], "o", color="grey", mfc="none", ms=8, label="hollow: the model at that row's own batch")
     ax.set(xscale="log", yscale="log", xlabel="workers (GPUs)", ylabel="speed-up", title="Predicted data-parallel speed-up")
-    ax.legend(fontsize=7, loc="upper left")  # the curve runs lower-left to upper-right; published points fall below it
+    if published:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    else:
+        ax.legend(fontsize=8, loc="upper left")
     ax.grid(True, which="both", alpha=0.3)
     return save(fig, path)
 

@@ -12,7 +12,7 @@ from fastvision import config, engine
 from fastvision.config import RunConfig
 from fastvision.engine import runtime
 from fastvision.engine.step import StepState
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, DataError
 from fastvision.planning import autobatch
 from fastvision.planning import estimate as est
 from fastvision.planning.devices import GPUS, get_gpu
@@ -284,6 +284,12 @@ def _bench(tmp_path, rows, gpu="A100-80GB"):
     ([(32, 32 / 0.074)], None, "fitted", "fitted", None),
     # per-item time grows with the batch: no intercept to measure, the larger batch's step per item
     ([(8, 8 / 0.016), (32, 32 / 0.080)], None, None, 0.0, 80 / 32),
+    # a --fixed-ms larger than half the measured step is capped there: 37 of the 74 ms at batch 32
+    ([(32, 32 / 0.074)], 50.0, 50.0, 37.0, 37 / 32),
+    # points off one line: the least-squares slope and intercept, not the largest batch's remainder
+    # through (8, 26), (16, 30), (32, 74) ms: mean batch 56/3, mean step 130/3 ms, slope 59/28 ms per
+    # item, intercept 130/3 - 59/28 x 56/3 = 4 ms
+    ([(8, 8 / 0.026), (16, 16 / 0.030), (32, 32 / 0.074)], None, None, 4.0, 59 / 28),
 ])
 def test_calibrate_fits_the_step_line_over_the_benchmarks_batch_sizes(tmp_path, rows, fixed_ms, given,
                                                                        expect_fixed, expect_item):
@@ -303,4 +309,41 @@ def test_calibrate_fits_the_step_line_over_the_benchmarks_batch_sizes(tmp_path, 
     # the calibrated share is +-15 % on the compute part; the fixed cost is added whole at any batch
     assert fast * 1e3 == pytest.approx(16 * expect_item / 1.15 + expect_fixed, rel=1e-6)
     assert slow * 1e3 == pytest.approx(16 * expect_item / 0.85 + expect_fixed, rel=1e-6)
-    assert ("measured" in plan["fixed_source"]) == (given is None and expect_fixed > 0)
+    assert plan["fixed_source"].startswith("measured:") == (given is None and expect_fixed > 0)
+
+
+def test_calibrate_refuses_a_step_that_does_not_grow_with_the_batch(tmp_path):
+    from fastvision.planning.plan import Cluster, Workload, make_plan
+
+    cfg = config.load("unet2d-microscopy")
+    want = est.amp_for("auto", get_gpu("A100-80GB")) if cfg.train.amp == "auto" else est.precision_of(cfg)
+    path = _bench(tmp_path, [(want, 8, 8 / 0.020), (want, 32, 32 / 0.018)])
+    with pytest.raises(DataError, match="does not grow with the batch"):
+        make_plan(cfg, Cluster(gpu="A100-80GB"), Workload(batch=16, calibrate=path), switches=False)
+
+
+def test_calibrate_falls_back_to_the_other_half_precision_before_fp32(tmp_path):
+    from fastvision.planning.plan import Cluster, Workload, make_plan
+
+    cfg = config.load("unet2d-microscopy")
+    cfg.train.amp = "bf16"  # the target's precision; the benchmark GPU (a V100) measured fp16 and fp32
+    path = _bench(tmp_path, [("fp32", 8, 8 / 0.100), ("fp32", 32, 32 / 0.400),
+                             ("fp16", 8, 8 / 0.026), ("fp16", 32, 32 / 0.074)], gpu="V100-16GB")
+    plan = make_plan(cfg, Cluster(gpu="A100-80GB"), Workload(batch=16, calibrate=path), switches=False)
+    assert plan["fixed_ms"] == pytest.approx(10.0) and "fp16" in plan["achieved_source"]
+
+
+def test_a_calibrated_fixed_cost_reaches_the_at_scale_model(tmp_path):
+    from fastvision.planning.plan import Cluster, Workload, make_plan
+
+    cfg = config.load("unet2d-microscopy")
+    want = est.amp_for("auto", get_gpu("H100-80GB")) if cfg.train.amp == "auto" else est.precision_of(cfg)
+    # 10 ms fixed + 2 ms per item: at 2 items per GPU the fixed cost is most of the step
+    path = _bench(tmp_path, [(want, 8, 8 / 0.026), (want, 32, 32 / 0.074)], gpu="H100-80GB")
+    plan = make_plan(cfg, Cluster(gpus=64, hardware="dgx-h100"), Workload(batch=2, calibrate=path),
+                     switches=False, min_efficiency=0.5)
+    fast, slow = plan["estimate"]["step_s"]
+    assert fast * 1e3 == pytest.approx(2 * 2 / 1.15 + 10) and slow * 1e3 == pytest.approx(2 * 2 / 0.85 + 10)
+    for s in plan["estimate"]["scale"]:
+        assert s["limit"] == "fixed per-step cost"
+        assert s["step_s"] > plan["fixed_ms"] / 1e3  # the fixed cost is inside the step at scale too
