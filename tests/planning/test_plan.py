@@ -266,6 +266,11 @@ def test_scaling_efficiency_reads_the_hardware_profile_once(monkeypatch):
     assert reads == ["dgx-h100"] and runs[0]["efficiency"] == pytest.approx(1.0)
 
 
+def _wanted(cfg, gpu: str) -> str:
+    """The precision whose benchmark rows calibrate ``cfg`` planned for ``gpu`` (amp auto resolved there)."""
+    return est.amp_for("auto", get_gpu(gpu)) if cfg.train.amp == "auto" else est.precision_of(cfg)
+
+
 def _bench(tmp_path, rows, gpu="A100-80GB"):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"mode": "train", "gpu": gpu, "results": [
@@ -297,7 +302,7 @@ def test_calibrate_fits_the_step_line_over_the_benchmarks_batch_sizes(tmp_path, 
     from fastvision.planning.plan import Cluster, Workload, make_plan
 
     cfg = config.load("unet2d-microscopy")
-    want = est.precision_of(cfg) if cfg.train.amp != "auto" else est.amp_for("auto", get_gpu("A100-80GB"))
+    want = _wanted(cfg, "A100-80GB")
     path = _bench(tmp_path, [(want, b, ips) for b, ips in rows] + [("fp32", 8, 1.0)])  # other precision: ignored
     plan = make_plan(cfg, Cluster(gpu="A100-80GB"), Workload(batch=16, calibrate=path, fixed_ms=fixed_ms),
                      switches=False)
@@ -316,7 +321,7 @@ def test_calibrate_refuses_a_step_that_does_not_grow_with_the_batch(tmp_path):
     from fastvision.planning.plan import Cluster, Workload, make_plan
 
     cfg = config.load("unet2d-microscopy")
-    want = est.amp_for("auto", get_gpu("A100-80GB")) if cfg.train.amp == "auto" else est.precision_of(cfg)
+    want = _wanted(cfg, "A100-80GB")
     path = _bench(tmp_path, [(want, 8, 8 / 0.020), (want, 32, 32 / 0.018)])
     with pytest.raises(DataError, match="does not grow with the batch"):
         make_plan(cfg, Cluster(gpu="A100-80GB"), Workload(batch=16, calibrate=path), switches=False)
@@ -337,7 +342,7 @@ def test_a_calibrated_fixed_cost_reaches_the_at_scale_model(tmp_path):
     from fastvision.planning.plan import Cluster, Workload, make_plan
 
     cfg = config.load("unet2d-microscopy")
-    want = est.amp_for("auto", get_gpu("H100-80GB")) if cfg.train.amp == "auto" else est.precision_of(cfg)
+    want = _wanted(cfg, "H100-80GB")
     # 10 ms fixed + 2 ms per item: at 2 items per GPU the fixed cost is most of the step
     path = _bench(tmp_path, [(want, 8, 8 / 0.026), (want, 32, 32 / 0.074)], gpu="H100-80GB")
     plan = make_plan(cfg, Cluster(gpus=64, hardware="dgx-h100"), Workload(batch=2, calibrate=path),
