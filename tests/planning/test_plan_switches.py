@@ -104,3 +104,26 @@ def test_estimate_with_checkpointing_matches_the_measured_peak():
     measured = _allocator_peak(cfg, 2)
     assert abs(est.trace(cfg, 2).peak_bytes / measured - 1) < 0.15
     assert est.trace(cfg, 2, checkpointing=False).peak_bytes > 1.15 * measured
+
+
+@pytest.mark.slow
+def test_a_host_bound_jpeg_recipe_is_told_to_decode_on_the_gpu():
+    """resnet50-imagenet decodes JPEGs with Pillow on the host: on a DGX H100 (112 cores, 8 GPUs) at the
+    published 130 img/s per core that caps a GPU at 14 x 130 = 1,820 img/s, below its GPU-side rate. The
+    planner's first switch is then DALI's GPU decode: its `--set` loads, and its row is the same step
+    without the host cap (the GPU-side rate the base row reports). A recipe already on DALI gets no row."""
+    recipe = "resnet50-imagenet"
+    cfg = config.load(recipe)
+    plan = make_plan(cfg, Cluster(gpus=64, hardware="dgx-h100"))
+    base, first = plan["estimate"], plan["switches"][0]
+    assert [s["limit"] for s in base["scale"]] == ["input pipeline"] * 2
+    assert [s["items_per_s_gpu"] for s in base["scale"]] == pytest.approx([112 * 130.03125 / 8] * 2)
+    assert first["switch"] == "decode on the GPU (DALI)" and first["set"] == ["data.args.backend=dali"]
+    for text in first["set"]:
+        _check_override(recipe, text)
+    assert [s["items_per_s_gpu"] for s in first["scale"]] == pytest.approx(
+        [s["gpu_items_per_s_gpu"] for s in base["scale"]])
+    assert first["change"] < -0.4 and first["memory_gib"] == base["memory_gib"]
+    assert all(s["change"] == pytest.approx(0, abs=0.005) for s in plan["switches"][1:])  # nothing else helps
+    dali = config.load(recipe, [config.parse_override("data.args.backend=dali")])
+    assert "decode on the GPU (DALI)" not in {s["switch"] for s in make_plan(dali, Cluster(gpus=64, hardware="dgx-h100"))["switches"]}
