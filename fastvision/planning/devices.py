@@ -10,6 +10,11 @@ Sources (spec sheets): NVIDIA H100 Tensor Core GPU datasheet (SXM5 and PCIe colu
 datasheet, NVIDIA A100 datasheet (40 GB and 80 GB SXM4, 80 GB PCIe), NVIDIA L40S datasheet, NVIDIA V100
 datasheet (SXM2), NVIDIA T4 datasheet; cross-checked against /work/shared/reference/perf_anchors.md
 section 7 (A100 312/156 TFLOP/s, 1.555/2.039 TB/s; H100 SXM 989.4/494.7, 3.35 TB/s; H200 4.8 TB/s).
+Blackwell: NVIDIA's GB200 NVL72 / HGX B200 specification table (per GPU, with sparsity: GB200 5 / 2.5
+PFLOP/s FP16-BF16 / TF32, 80 TFLOP/s FP32, 8 TB/s; B200 4.5 / 2.2 PFLOP/s, 75 TFLOP/s, 7.7 TB/s; dense is
+half the sparse figure, 1.1 PFLOP/s TF32 dense per glennklockwood.com/garden/processors/B200); memory
+as MLPerf v5.0's system descriptions state it (training_results_v5.0:NVIDIA/systems: GB200 189,471 MiB,
+B200-SXM-180GB 183,359 MiB).
 """
 from __future__ import annotations
 
@@ -53,6 +58,9 @@ class GPU:
 
 # name: memory GiB, fp32, tf32, fp16, bf16 (dense TFLOP/s), bandwidth GB/s
 GPUS: dict[str, GPU] = {g.name: g for g in (
+    # GB200 before B200: "b200" is a substring of "gb200"
+    GPU("GB200", 185.0, 80.0, 1250.0, 2500.0, 2500.0, 8000, ("gb200",)),
+    GPU("B200", 179.1, 75.0, 1100.0, 2250.0, 2250.0, 7700, ("b200",)),
     GPU("H100-80GB", 79.6, 66.9, 494.7, 989.4, 989.4, 3350, ("h100 80gb hbm3", "h100 sxm", "h100-sxm")),
     GPU("H100-PCIe", 79.6, 51.2, 378.0, 756.0, 756.0, 2000, ("h100 pcie",)),
     GPU("H200", 140.4, 66.9, 494.7, 989.4, 989.4, 4800, ("h200",)),

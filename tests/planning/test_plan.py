@@ -156,6 +156,8 @@ def test_gpu_table_names_and_aliases():
     assert get_gpu("h100-80gb") is GPUS["H100-80GB"]
     assert get_gpu("NVIDIA A100-SXM4-40GB").name == "A100-40GB"
     assert get_gpu("Tesla V100-SXM2-16GB").peak_tflops("bf16") == (15.7, "fp32")  # no bf16 tensor cores
+    # "b200" is inside "gb200": torch's device names must still find each
+    assert get_gpu("NVIDIA GB200").name == "GB200" and get_gpu("NVIDIA B200").name == "B200"
     with pytest.raises(ConfigError):
         get_gpu("H900")
 

@@ -160,3 +160,19 @@ def test_nvls_allreduce(workers, expected):
     assert t < allreduce_s(8e6, 8, hw, "ring")[0] or workers > 8
     with pytest.raises(ValueError, match="nvls"):
         allreduce_s(8e6, 8, node(), "nvls")
+
+
+def test_gb200_nvl72_the_rack_is_the_node_and_its_rows_are_held_out_with_the_h100_constants():
+    from fastvision.scaling.simulator import load_hardware
+
+    hw = load_hardware("gb200-nvl72")
+    # one rack (72 GPUs, 18 trays) all-reduces over NVLink alone: ring at 840 GB/s, 3 us per hop
+    t, algo = allreduce_s(25e6, 72, hw)
+    assert algo == "ring" and t == pytest.approx(2 * 71 / 72 * 25e6 / 840e9 + 2 * 71 * 3e-6)
+    # 8 racks: NCCL's tree across the racks' InfiniBand rails (bus bandwidth min(840, 72 x 41.4))
+    t, algo = allreduce_s(25e6, 512, hw)
+    assert algo == "tree" and t == pytest.approx(2 * 25e6 / 840e9 + 2 * (3 * 5e-6 + 71 * 3e-6))
+    rows = {r["id"]: r for r in sv.validate()}
+    gb = [rows["mlperf-v5.0-retinanet-gb200-72"], rows["mlperf-v5.0-retinanet-gb200-512"]]
+    assert all(r["role"] == "held-out" and r["ref_gpus"] == 8 for r in gb)
+    assert all(abs(r["error_points"]) <= 10 for r in gb), sv.validation_markdown(gb)
