@@ -146,7 +146,10 @@ def others_text(ml: dict) -> str:
     err, miss = sorted(r["error_points"] for r in rn), sorted(r["missing_ms"] for r in rn)
     exposed = max(r["exposed_comm_ms"] for r in rn)
     return ("- **Other submitters, other clusters.** Dell (XE9680, 8x NDR 400 rails) and HPE (Cray XD670, 8x 200 "
-            "Gb/s rails: its own preset) ran both implementations on 2 nodes at half the 1-node per-GPU batch: "
+            "Gb/s rails: its own preset) ran both implementations on 2 nodes at half the 1-node per-GPU batch "
+            "(v3.0-v4.0, H100), and in v5.0 both ran RetinaNet on H200 nodes (HPE's XD670 with 8x NDR 400 rails: "
+            "its own preset, on which Dell's H200 row is modelled too, its system description stating no network; HPE "
+            "also on 4 nodes at a quarter of the batch): "
             + ", ".join(f"`{r['id']}` {r['error_points']:+.1f}" for r in rows)
             + f". The ResNet-50 rows all read high ({err[0]:+.1f} to {err[-1]:+.1f}): at 16 GPUs the model exposes "
             f"at most {exposed:.1f} ms of all-reduce and its fixed cost is the one fitted on NVIDIA's own software; "
