@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from fastvision.planning.estimate import DATASET_FACTS
 from fastvision.scaling import validation as sv
 
-IMAGENET_TRAIN = 1_281_167  # ILSVRC-2012 training images (the MLPerf ResNet-50 epoch)
+IMAGENET_TRAIN = DATASET_FACTS["resnet50-imagenet"][0]  # ILSVRC-2012 training images (the MLPerf ResNet-50 epoch)
 
 HEADING = "## Scaling simulator against published multi-GPU tables, 8 to 3,584 GPUs (issues 15, 30)"
 OLD_HEADINGS = ("## Scaling simulator against published multi-GPU tables (issue 15)",)
@@ -240,13 +241,16 @@ def l40s_text(anchors: dict, rates: dict, consts: dict, l40s: dict, hidden: dict
     fixed, _ = sv.implied_fixed_ms([[row["ref_batch"], row["ref_rate_per_gpu"]], [row["batch"], per_gpu]])
     floor_ms = 1e3 * 2 * (row["gpus"] - 1) / row["gpus"] * row["grad_mb"] * 1e6 / 32e9
     # DALI's decoded-image cache (DALI_CACHE_SIZE=12288 MB per GPU in both L40S configs) over a fixed shard per GPU
-    cache_items = int(12288 * 2**20 / (700e9 / 1.29e6))
     shard_ref, shard_n = IMAGENET_TRAIN // row["ref_gpus"], IMAGENET_TRAIN // row["gpus"]
-    cached_ref, cached_n = min(1.0, cache_items / shard_ref), min(1.0, cache_items / shard_n)
-    decode_ms = -l40s["missing_ms"] / (row["batch"] * (cached_n - cached_ref))
-    items_1mb = 12288  # the comment's rounding up: 1 MB per decoded image
-    cached_ref_1mb, cached_n_1mb = min(1.0, items_1mb / shard_ref), min(1.0, items_1mb / shard_n)
-    decode_ms_1mb = -l40s["missing_ms"] / (row["batch"] * (cached_n_1mb - cached_ref_1mb))
+
+    def cached(items: int) -> tuple[float, float, float]:
+        """(share of the reference's shard cached, of the row's, ms per uncached image the miss implies)"""
+        ref, n = min(1.0, items / shard_ref), min(1.0, items / shard_n)
+        return ref, n, -l40s["missing_ms"] / (row["batch"] * (n - ref))
+
+    cache_items = int(12288 * 2**20 / (700e9 / 1.29e6))
+    cached_ref, cached_n, decode_ms = cached(cache_items)
+    cached_ref_1mb, cached_n_1mb, decode_ms_1mb = cached(12288)  # the comment's rounding up: 1 MB per image
     return (f"- **What the model cannot see, and the row that shows it: `mlperf-v4.0-l40s-64` "
             f"({l40s['error_points']:+.1f}).** The MLPerf ResNet implementation on L40S nodes (PCIe, 4 per node) keeps "
             f"95.0 % from 2 to 16 nodes while its per-GPU batch falls from {row['ref_batch']} to {row['batch']}. Its "

@@ -212,7 +212,7 @@ def _switches(cfg, t, base, spec: GPU, b: int, precision: str, price, args) -> l
         rows.append((what, sets, _option(small_cfg, est.trace(small_cfg, b), compile=cfg.train.compile, batch=b,
                                          precision=precision, **args)))
     gpu_input = _gpu_input_switch(cfg)
-    if gpu_input is not None and args["input_rate"] is not None:
+    if gpu_input is not None:
         # the same traced step, no host limit: DALI's "mixed" decoder runs nvJPEG on the GPU (the simulator's
         # dali-gpu path; its decode time is not in the roofline step, so this row is the bound it removes)
         name, sets, dali_cfg = gpu_input
@@ -234,15 +234,15 @@ def _switches(cfg, t, base, spec: GPU, b: int, precision: str, price, args) -> l
 def _gpu_input_switch(cfg: RunConfig) -> tuple[str, list[str], RunConfig] | None:
     """``(name, --set overrides, config)`` that moves a JPEG folder's decode from host cores to the GPU
     (DALI ``mixed``: nvJPEG), or None where the recipe already decodes on the GPU or reads another format."""
-    args = cfg.data.args or {}
-    if cfg.data.name != "imagefolder" or (args.get("backend") == "dali" and args.get("dali_device", "auto") != "cpu"):
+    if cfg.data.name != "imagefolder" or sc.decodes_on_gpu(cfg):
         return None
-    sets = [] if args.get("backend") == "dali" else ["data.args.backend=dali"]
-    if args.get("dali_device", "auto") == "cpu":  # auto (the default) is gpu on a CUDA device
-        sets.append("data.args.dali_device=gpu")
+    args = cfg.data.args or {}
+    changes = {"backend": "dali"} if args.get("backend") != "dali" else {}
+    if args.get("dali_device") == "cpu":  # auto (the default) is the GPU on a CUDA device
+        changes["dali_device"] = "gpu"
     dali = copy.deepcopy(cfg)
-    dali.data.args = {**args, "backend": "dali", "dali_device": "gpu" if "dali_device" in args else "auto"}
-    return "decode on the GPU (DALI)", sets, dali
+    dali.data.args = {**args, **changes}
+    return "decode on the GPU (DALI)", [f"data.args.{k}={v}" for k, v in changes.items()], dali
 
 
 def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus, input_rate,

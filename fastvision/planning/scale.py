@@ -135,6 +135,13 @@ def fixed_step_ms(given: float | None = None) -> tuple[float, str]:
     return fitted()["overhead_ms"]["mlperf-retinanet-pytorch"], "fitted on MLPerf RetinaNet, PyTorch DDP"
 
 
+def decodes_on_gpu(cfg: RunConfig) -> bool:
+    """The recipe's images are decoded by DALI's ``mixed`` decoder (nvJPEG, inside the step): ``data.args``
+    ``backend: dali`` with ``dali_device`` other than ``cpu`` (``auto`` is the GPU on a CUDA device)."""
+    args = cfg.data.args or {}
+    return args.get("backend") == "dali" and args.get("dali_device", "auto") != "cpu"
+
+
 def input_rate_of(cfg: RunConfig, given: float | None = None) -> tuple[float | None, str]:
     """``(items/s per host core, source)`` of the recipe's input path for the planner's input limit.
 
@@ -149,10 +156,9 @@ def input_rate_of(cfg: RunConfig, given: float | None = None) -> tuple[float | N
         if given <= 0:
             raise ConfigError(f"--input-rate {given}: items/s per host core must be > 0")
         return float(given), "--input-rate (measured)"
-    args = cfg.data.args or {}
     if cfg.data.name != "imagefolder":
         return None, f"no published per-core rate for {cfg.data.name!r}: give --input-rate"
-    if args.get("backend") == "dali" and args.get("dali_device", "auto") != "cpu":
+    if decodes_on_gpu(cfg):
         return None, "DALI decodes on the GPU: no host limit"
     from fastvision.scaling.validation import input_rates, load_anchors
 

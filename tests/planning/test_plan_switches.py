@@ -127,3 +127,18 @@ def test_a_host_bound_jpeg_recipe_is_told_to_decode_on_the_gpu():
     assert all(s["change"] == pytest.approx(0, abs=0.005) for s in plan["switches"][1:])  # nothing else helps
     dali = config.load(recipe, [config.parse_override("data.args.backend=dali")])
     assert "decode on the GPU (DALI)" not in {s["switch"] for s in make_plan(dali, Cluster(gpus=64, hardware="dgx-h100"))["switches"]}
+
+
+@pytest.mark.parametrize("start,sets", [([], ["data.args.backend=dali"]),
+                                        (["data.args.backend=dali", "data.args.dali_device=cpu"],
+                                         ["data.args.dali_device=gpu"])])
+def test_the_gpu_decode_rows_overrides_give_the_config_it_planned(start, sets):
+    """Pillow, or DALI on the CPU: the row's `--set`s, loaded over the recipe, are the config it traced."""
+    from fastvision.planning.plan import _gpu_input_switch
+
+    recipe = "resnet50-imagenet"
+    cfg = config.load(recipe, [config.parse_override(t) for t in start])
+    _, got, planned = _gpu_input_switch(cfg)
+    assert got == sets
+    loaded = config.load(recipe, [config.parse_override(t) for t in start + got])
+    assert loaded.data.args == planned.data.args and loaded.data.args["backend"] == "dali"
