@@ -413,6 +413,11 @@ def cmd_plan(args) -> int:
     from fastvision.config import load, parse_override
 
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
+    # the plan traces the model and task but builds no dataset: check data.args as training's build will,
+    # so a mistyped override (data.args.backnd=dali) is an error here, not a plan of the recipe as it was
+    from fastvision.registry import DATASETS, check_kwargs
+
+    check_kwargs(DATASETS.get(cfg.data.name), cfg.data.args or {}, "data.args")
     cluster = Cluster(gpu=args.gpu, gpus=args.gpus, nodes=args.nodes, link=args.link, hardware=args.hardware,
                       price=args.price_per_gpu_hour)
     work = Workload(data=args.data, dataset_size=args.dataset_size, batch=args.batch_size,

@@ -61,6 +61,7 @@ def test_plan_without_an_input_limit_names_the_fabric_and_has_no_largest_line(ca
     (["--min-efficiency", "0"], "--min-efficiency 0.0"),
     (["--min-efficiency", "1.5"], "--min-efficiency 1.5"),
     (["--input-rate", "-3"], "--input-rate -3.0"),
+    (["--set", "data.args.backnd=dali"], "unknown key data.args.backnd"),  # no dataset is built: checked anyway
 ])
 def test_bad_input_is_one_line_exit_2(args, needle, capsys, tmp_path):
     out = tmp_path / "plan.json"
