@@ -447,6 +447,8 @@ def test_gloo_threads_are_joined_before_the_interpreter_exits(tmp_path):
             pytest.skip("no /proc/self/task to count threads in")
         assert seen["before_shutdown"] > 0  # torch still names them pt_gloo_runloop: the count means something
         assert seen["at_exit"] == 0, seen
+        if r == 0:  # its callback ran on a gloo thread: the case the join is for was exercised
+            assert seen["late_inline"] is False, seen
 
 
 @pytest.mark.dist
@@ -516,11 +518,27 @@ def _teardown_worker(out: Path) -> None:
     main_done = threading.Event()
 
     def late(fut):  # runs on the gloo thread that ran the all-reduce (after the barrier: none waits for it)
+        if threading.current_thread() is threading.main_thread():
+            # the work was done before .then(): torch runs the callback inline, here; waiting for
+            # main_done (set at exit) would wait for ever
+            seen["late_inline"] = True
+            return fut.value()
+        seen["late_inline"] = False
         main_done.wait()
         time.sleep(0.2)  # wakes while the interpreter finalizes, unless the thread is joined first
         return fut.value()
 
-    tdist.all_reduce(torch.ones(1), async_op=True).get_future().then(late)
+    # rank 0 attaches its callback before rank 1 joins the all-reduce, so rank 0's cannot be done
+    # yet: its callback runs on a gloo thread however loaded the machine is
+    attached = out / "attached"
+    if env.rank == 1:
+        deadline = time.monotonic() + 60
+        while not attached.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    work = tdist.all_reduce(torch.ones(1), async_op=True).get_future().then(late)
+    if env.rank == 0:
+        attached.write_text("")
+    del work
     seen["before_shutdown"] = _gloo_threads()
     dist.shutdown()
     atexit.register(main_done.set)  # registered after shutdown's: runs before it
