@@ -61,6 +61,11 @@ def section() -> str:
     worst8 = max(rn8, key=lambda r: abs(r["error_points"]))
     over = [r for r in held if abs(r["error_points"]) > 10 and r["input"] == "unknown-cpu"]
     ddp8 = [r for r in held if r["gpus"] == 8 and r["backend"] == "ddp"]
+    node = [r for r in held if r["gpus"] <= 8]
+    node_bad = [r for r in node if abs(r["error_points"]) > 5]
+    node_over = ", ".join(f"`{r['id']}` {r['error_points']:+.1f}" for r in node_bad)
+    node_why = (", every one a TensorFlow pipeline on the host (below)"
+                if all(r["input"] == "unknown-cpu" for r in node_bad) else "")
     worst_ddp = max(ddp8, key=lambda r: abs(r["error_points"]))
     by_id = {r["id"]: r for r in anchors["rows"]}
     bare = {i: sv.predict_row(by_id[i], anchors, rates) for i in ("mlperf-v4.0-h100-2528", "mlperf-v3.0-h100-3584")}
@@ -105,7 +110,10 @@ def section() -> str:
            f"{min(r['gpus'] for r in big)} to {max(r['gpus'] for r in big):,} GPUs): {big_txt} "
            f"points (goal 10; worst on the DGX H100 fabric: {worst_h100['error_points']:+.1f}, `{worst_h100['id']}`). ResNet-50 at 8 GPUs, {len(rn8)} held-out rows: worst {worst8['error_points']:+.1f} "
            f"(`{worst8['id']}`; goal 5). PyTorch DDP at 8 GPUs (the path fastvision trains on), {len(ddp8)} held-out rows of "
-           f"four workloads: worst {worst_ddp['error_points']:+.1f} (`{worst_ddp['id']}`). Without the fixed cost and the stragglers the same model predicts "
+           f"four workloads: worst {worst_ddp['error_points']:+.1f} (`{worst_ddp['id']}`). All held-out rows on one node "
+           f"({len(node)} rows, {sorted({r['gpus'] for r in node})[0]} to 8 GPUs): "
+           f"{sum(abs(r['error_points']) <= 5 for r in node)} within 5 points; over 5{node_why}: {node_over}. "
+           "Without the fixed cost and the stragglers the same model predicts "
            f"{bare['mlperf-v4.0-h100-2528']['predicted_efficiency']:.1%} at 2,528 GPUs "
            f"({bare['mlperf-v4.0-h100-2528']['error_points']:+.1f}) and "
            f"{bare['mlperf-v3.0-h100-3584']['predicted_efficiency']:.1%} at 3,584 "
