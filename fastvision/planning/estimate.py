@@ -31,7 +31,7 @@ from fastvision.config import RunConfig
 from fastvision.errors import ConfigError, DataError
 from fastvision.planning.devices import GPU, get_gpu, training_precision
 from fastvision.planning.trace import StepTrace, trace_step
-from fastvision.planning.scale import _hardware, at_scale  # noqa: F401 (_hardware: the profile cache)
+from fastvision.planning.scale import _hardware, at_scale, step_line  # noqa: F401 (_hardware: the profile cache)
 
 WORKSPACE_FRACTION = 0.05  # allocator block rounding and fragmentation, share of the tensor peak
 WORKSPACE_FIXED = 0.75 * 2**30  # CUDA context (~0.3-0.5 GiB) + cuBLAS/cuDNN workspaces
@@ -197,21 +197,17 @@ def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, f
     name = Path(path).name
     b_ref, s_ref = points[-1]
     if len(points) >= 2 and not given:
-        n = len(points)
-        mb = sum(b for b, _ in points) / n
-        ms = sum(s for _, s in points) / n
-        slope = sum((b - mb) * (s - ms) for b, s in points) / sum((b - mb) ** 2 for b, _ in points)
+        intercept, slope = step_line(points)
         if slope <= 0:
             raise DataError(f"{path}: the {precision} step does not grow with the batch ("
                             + ", ".join(f"batch {b}: {1e3 * s:.2f} ms" for b, s in points)
                             + "): it says nothing about compute per item; measure larger batch sizes")
-        intercept = ms - slope * mb
         if intercept < 0:  # larger batches ran less efficiently per item: no fixed cost to measure
             fixed_s, per_item = 0.0, s_ref / b_ref
             fixed_source = f"none measurable in {name} (per-item time grows with the batch)"
         else:
             fixed_s, per_item = intercept, slope
-            fixed_source = f"measured: intercept over {n} batch sizes in {name}"
+            fixed_source = f"measured: intercept over {len(points)} batch sizes in {name}"
     else:
         fixed_s, fixed_source = fixed
         if not given:

@@ -14,7 +14,7 @@ from typing import Any
 from fastvision.config import RunConfig
 from fastvision.errors import ConfigError
 from fastvision.planning.devices import GPU, get_gpu
-from fastvision.scaling.validation import fitted  # the at-scale constants, fitted once on anchors.yaml
+from fastvision.scaling.validation import fitted, step_line  # noqa: F401 (step_line: for estimate's --calibrate)
 
 
 @functools.lru_cache(maxsize=16)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -153,14 +153,21 @@ def fit(anchors: dict[str, Any], rates: dict[str, float | None]) -> dict[str, An
     return {"jitter_ms": cv, "overhead_ms": overheads(cv)}
 
 
+def step_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(fixed, per item)``: the least-squares line ``t(b) = b * per_item + fixed`` through ``(batch, step
+    time)`` points at two or more distinct batches (exactly through two), in the step times' unit."""
+    n = len(points)
+    mb, mt = sum(b for b, _ in points) / n, sum(t for _, t in points) / n
+    per_item = sum((b - mb) * (t - mt) for b, t in points) / sum((b - mb) ** 2 for b, _ in points)
+    return mt - per_item * mb, per_item
+
+
 def implied_fixed_ms(points: list[list[float]]) -> tuple[float, float]:
     """``(fixed ms per step, ms per item)`` from rates at two per-GPU batches, ``[[b1, items/s], [b2, items/s]]``:
     the line ``t(b) = b * t_item + fixed`` through both step times (a negative fixed cost means the
     larger batch ran less efficiently per item)."""
-    (b1, r1), (b2, r2) = points
-    t1, t2 = b1 / r1, b2 / r2
-    per_item = (t2 - t1) / (b2 - b1)
-    return 1e3 * (t1 - b1 * per_item), 1e3 * per_item
+    fixed, per_item = step_line([(b, b / r) for b, r in points])
+    return 1e3 * fixed, 1e3 * per_item
 
 
 @functools.lru_cache(maxsize=4)
