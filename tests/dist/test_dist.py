@@ -471,6 +471,15 @@ def _dying_worker(out: Path) -> None:
         time.sleep(0.01)
 
 
+def _wait_for(path: Path, seconds: float) -> None:
+    """Until ``path`` exists (another rank's signal), or ``seconds`` have passed."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _gloo_threads() -> int | None:
     """gloo's worker threads alive in this process (torch names them ``pt_gloo_runloop``); None without /proc."""
     try:
@@ -532,13 +541,10 @@ def _teardown_worker(out: Path) -> None:
     # yet: its callback runs on a gloo thread however loaded the machine is
     attached = out / "attached"
     if env.rank == 1:
-        deadline = time.monotonic() + 60
-        while not attached.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-    work = tdist.all_reduce(torch.ones(1), async_op=True).get_future().then(late)
+        _wait_for(attached, 60)
+    tdist.all_reduce(torch.ones(1), async_op=True).get_future().then(late)
     if env.rank == 0:
         attached.write_text("")
-    del work
     seen["before_shutdown"] = _gloo_threads()
     dist.shutdown()
     atexit.register(main_done.set)  # registered after shutdown's: runs before it
@@ -561,9 +567,7 @@ def _stuck_worker(out: Path) -> None:
         dist.shutdown(join_threads=False)
         (out / "stuck0.json").write_text(json.dumps({"shutdown_s": time.monotonic() - t0}))
     else:  # alive (connected) until rank 0 has left, or the test's limit
-        deadline = time.monotonic() + 50
-        while not (out / "stuck0.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_for(out / "stuck0.json", 50)
         os._exit(0)
 
 
