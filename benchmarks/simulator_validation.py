@@ -111,7 +111,7 @@ def section() -> str:
            f"points (goal 10; worst on the DGX H100 fabric: {worst_h100['error_points']:+.1f}, `{worst_h100['id']}`). ResNet-50 at 8 GPUs, {len(rn8)} held-out rows: worst {worst8['error_points']:+.1f} "
            f"(`{worst8['id']}`; goal 5). PyTorch DDP at 8 GPUs (the path fastvision trains on), {len(ddp8)} held-out rows of "
            f"four workloads: worst {worst_ddp['error_points']:+.1f} (`{worst_ddp['id']}`). All held-out rows on one node "
-           f"({len(node)} rows, {sorted({r['gpus'] for r in node})[0]} to 8 GPUs): "
+           f"({len(node)} rows, {min(r['gpus'] for r in node)} to 8 GPUs): "
            f"{sum(abs(r['error_points']) <= 5 for r in node)} within 5 points; over 5{node_why}: {node_over}. "
            "Without the fixed cost and the stragglers the same model predicts "
            f"{bare['mlperf-v4.0-h100-2528']['predicted_efficiency']:.1%} at 2,528 GPUs "
@@ -249,7 +249,6 @@ L40S_REF_RUNS = [(14790.28, 14807.71), (14740.32, 14842.99), (14801.99, 14825.77
                  (14783.44, 14827.47)]
 L40S_ROW_RUNS = [(34698.36, 112602.83), (30503.47, 112493.20), (34259.10, 112605.31), (30948.32, 112606.86),
                  (34118.20, 112581.92)]
-L40S_REF_EPOCH1, L40S_ROW_EPOCH1 = L40S_REF_RUNS[0][0], L40S_ROW_RUNS[0][0]  # result_0, as the anchor row
 # Dell R760xa, one node of 4 L40S, the same NVIDIA implementation and DALI settings at 400 per GPU, NCCL 2.18.5
 # (NVIDIA's rows: 2.21.5): Dell/results/R760xax4L40S/resnet/result_0.txt, median of epochs 2-13, img/s (4 GPUs)
 L40S_DELL = {"gpus": 4, "batch": 400, "rate": 8739.6}
@@ -275,13 +274,11 @@ def l40s_text(anchors: dict, rates: dict, consts: dict, l40s: dict, hidden: dict
     # the hypothesis: the reference decodes its uncached share, the 64-GPU row nothing; the miss per step
     # over the images per step that make that difference is the decode cost it would need, per image
     decode_ms = -l40s["missing_ms"] / (row["batch"] * (1 - cached_ref))
-    ref_steady = row["ref_rate_per_gpu"] * row["ref_gpus"]
+    (ref_epoch1, ref_steady), (row_epoch1, row_steady) = L40S_REF_RUNS[0], L40S_ROW_RUNS[0]  # result_0, as the row
     # epoch 1 decodes the cached share too: that much more decode, if serial with the step, lengthens it by
     slower = cached_ref * row["ref_batch"] * decode_ms / ref_step
-    ref_drop = [e1 / med - 1 for e1, med in L40S_REF_RUNS]
-    ref_lo, ref_hi = max(ref_drop), min(ref_drop)  # the smallest and the largest drop (negative)
-    row_share = [e1 / med for e1, med in L40S_ROW_RUNS]
-    row_lo, row_hi = min(row_share), max(row_share)
+    ref_drops = sorted(1 - e1 / med for e1, med in L40S_REF_RUNS)
+    row_shares = sorted(e1 / med for e1, med in L40S_ROW_RUNS)
     return (f"- **What the model cannot see, and the row that shows it: `mlperf-v4.0-l40s-64` "
             f"({l40s['error_points']:+.1f}).** The MLPerf ResNet implementation on L40S nodes (PCIe, 4 per node) keeps "
             f"95.0 % from 2 to 16 nodes while its per-GPU batch falls from {row['ref_batch']} to {row['batch']}. Its "
@@ -311,11 +308,11 @@ def l40s_text(anchors: dict, rates: dict, consts: dict, l40s: dict, hidden: dict
             f"({shard_ref:,}) and all of a 64-GPU one ({shard_n:,}). A decode cost serial with the step large enough "
             f"for the miss ({decode_ms:.3f} ms per decoded image) would make the reference's "
             f"epoch 1, which decodes every image, {slower:.1%} slower than its later epochs; it runs at "
-            f"{L40S_REF_EPOCH1:,.0f} img/s against {ref_steady:,} ({L40S_REF_EPOCH1 / ref_steady - 1:+.1%}): at "
+            f"{ref_epoch1:,.0f} img/s against {ref_steady:,.0f} ({ref_epoch1 / ref_steady - 1:+.1%}): at "
             f"{row['ref_batch']} per GPU decoding hides behind the step (in all five runs epoch 1 is "
-            f"{-ref_lo:.1%}-{-ref_hi:.1%} below the median of epochs 2-13). At {row['batch']} per GPU it does "
-            f"not: the 64-GPU run's epoch 1 runs at {L40S_ROW_EPOCH1:,.0f} img/s, "
-            f"{L40S_ROW_EPOCH1 / row['published_rate']:.0%} of its steady rate ({row_lo:.0%}-{row_hi:.0%} over its five "
+            f"{ref_drops[0]:.1%}-{ref_drops[-1]:.1%} below the median of epochs 2-13). At {row['batch']} per GPU it does "
+            f"not: the 64-GPU run's epoch 1 runs at {row_epoch1:,.0f} img/s, "
+            f"{row_epoch1 / row_steady:.0%} of its steady rate ({row_shares[0]:.0%}-{row_shares[-1]:.0%} over its five "
             "runs), so that row's rate holds only "
             "because its whole shard fits the cache, which the simulator does not model (a GPU-decoding DALI "
             "pipeline has no input limit in it). "
