@@ -236,9 +236,11 @@ def measure_tests(device: torch.device, timeout_s: float) -> dict[str, Any]:
     return out
 
 
-def run_suite(device: torch.device, quick: bool) -> dict[str, Any]:
-    """Every selected row, each timed, with a time guard: what would not fit is skipped with a note."""
-    budget = CPU_BUDGET_S if device.type == "cpu" else QUICK_BUDGET_S if quick else GPU_BUDGET_S
+def run_suite(device: torch.device, quick: bool, budget: float | None = None) -> dict[str, Any]:
+    """Every selected row, each timed, with a time guard: no row starts after ``budget`` seconds (default:
+    the device's and mode's), and what would not fit is skipped with a note."""
+    if budget is None:
+        budget = CPU_BUDGET_S if device.type == "cpu" else QUICK_BUDGET_S if quick else GPU_BUDGET_S
     start, rows = time.perf_counter(), []
     for w in WORKLOADS:
         s = _settings(w, device)
@@ -335,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a ~2-minute subset (no compiled rows, no GPU tests)")
     p.add_argument("--device", default="auto", help="auto (cuda when present), cuda, cuda:N or cpu (CI sizes)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds after which no row starts (default 60 on cpu, 120 --quick, 510 on a GPU)")
     p.add_argument("--out", type=Path, default=Path("runs/gpu_suite"), help="folder for gpu_suite.json / .md")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -344,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                           "cpu" if args.device == "auto" else args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    report = run_suite(device, args.quick)
+    report = run_suite(device, args.quick, args.budget)
     Console(width=200).print(rich_table(report))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_suite.json").write_text(json.dumps(report, indent=2) + "\n")

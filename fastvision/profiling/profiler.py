@@ -139,13 +139,16 @@ def profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 5, nvtx: bool = Fa
         warmup: steps run first and not counted (allocator, cudnn autotune, compile, cache fill).
         nvtx: emit NVTX ranges per phase, transform and augmentation op (CUDA only).
         trace: folder for a torch.profiler Chrome trace of the profiled steps.
-        synthetic: feed ``task.synthetic_batch`` already on the device (no data pipeline).
+        synthetic: feed ``task.synthetic_batch`` already on the device (no data pipeline); the
+            dataset is not read (built with ``data_info={}``, as ``benchmark`` builds), so no data
+            folder is needed.
 
     Returns:
         ``{"phases": {name: {p50, p90, p99, mean} ms}, "step_ms", "images_per_s", "shares",
         "verdict", "advice", "gpu", "config"}``.
     """
-    run = engine.build(cfg, train=True, loaders=not synthetic, wrap_train_set=_nvtx_items if nvtx else None)
+    run = engine.build(cfg, {} if synthetic else None, train=True, loaders=not synthetic,
+                       wrap_train_set=_nvtx_items if nvtx else None)
     return profile_run(run, steps=steps, warmup=warmup, nvtx=nvtx, trace=trace)
 
 

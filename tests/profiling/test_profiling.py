@@ -119,3 +119,15 @@ def test_profile_takes_amp_auto_as_train_does(tmp_path):
     """``--amp auto`` resolves as in ``train``: on a CPU, fp32 (precision "off")."""
     report = _profile(tmp_path, "auto", "--amp", "auto", "--set", "data.args.image_size=[16,16]")
     assert report["config"]["train.amp"] == "auto" and report["config"]["precision"] == "off"
+
+
+def test_synthetic_profile_needs_no_dataset(tmp_path):
+    """--synthetic feeds device-resident batches: a recipe whose data folder does not exist still profiles
+    (the dataset is never read), as `benchmark` does; without --synthetic the same call names the folder."""
+    common = ["profile", "unet2d-seed001", "--steps", "2", "--warmup", "1", "--device", "cpu", "--batch-size", "2",
+              "--data", str(tmp_path / "absent"), "--set", "task.args.sample_shape=[1,32,32]",
+              "--set", "model.args.filters=[4,8]"]
+    assert cli.main([*common, "--synthetic", "--out", str(tmp_path / "p")]) == 0
+    report = json.loads((tmp_path / "p" / "profile.json").read_text())
+    assert report["pipeline"].startswith("synthetic batches") and report["step_ms"]["p50"] > 0
+    assert cli.main([*common, "--out", str(tmp_path / "q")]) == 2
