@@ -346,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
-    if device.type == "cuda":
+    if device.type == "cuda":  # a bare "cuda" means the current device (set_device needs an index)
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     report = run_suite(device, args.quick, args.budget)
     Console(width=200).print(rich_table(report))

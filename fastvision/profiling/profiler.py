@@ -274,6 +274,14 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device) -> str:
         return ("raise train.batch_size, and set train.compile: reduce-overhead (CUDA graphs: fewer kernel "
                 "launches; needs static shapes)")
     if device.type == "cuda":
-        return "set train.amp: bf16, train.channels_last: true and train.compile: true"
+        off = [s for s, on in (("train.amp: bf16", t.amp != "off"), ("train.channels_last: true", t.channels_last),
+                               ("train.compile: true", bool(t.compile))) if not on]
+        if off:
+            return "set " + (", ".join(off[:-1]) + " and " + off[-1] if len(off) > 1 else off[0])
+        # every switch is on: the convolution kernels are the cost. On an H200 (torch 2.11, cuDNN 9)
+        # fp16 ran ResNet-50 1.28-1.30x and the 3-D U-Net 1.13-1.21x faster than bf16 (RESULTS.md).
+        fp16 = "; try train.amp: fp16 (`fastvision benchmark --precision bf16,fp16`)" if t.amp != "fp16" else ""
+        autotune = " or try train.compile: max-autotune" if t.compile != "max-autotune" else ""
+        return f"the model is the cost: raise train.batch_size{autotune}{fp16}"
     return ("the model is the cost: set train.amp: bf16, train.compile: true, a smaller model or image size, "
             "or run on a GPU (--device cuda)")

@@ -27,9 +27,15 @@ def data_root(tmp_path_factory):
     return tmp_path_factory.mktemp("syncs")
 
 
+_DATA: dict[str, object] = {}  # each kind's dataset written once per folder: the GPU test runs a recipe 3 times
+
+
 def _run(recipe, root, *sets):
     kind = RECIPES[recipe][0]
-    data = load_all().get(kind)(root / kind, seed=0, **KINDS[kind])
+    where = str(root / kind)
+    if where not in _DATA:
+        _DATA[where] = load_all().get(kind)(root / kind, seed=0, **KINDS[kind])
+    data = _DATA[where]
     cfg = config.load(recipe, _extra(recipe, data, "train.log_every=1000", "data.cache=none", *sets))
     return engine.build(cfg, train=True)
 

@@ -131,3 +131,24 @@ def test_synthetic_profile_needs_no_dataset(tmp_path):
     report = json.loads((tmp_path / "p" / "profile.json").read_text())
     assert report["pipeline"].startswith("synthetic batches") and report["step_ms"]["p50"] > 0
     assert cli.main([*common, "--out", str(tmp_path / "q")]) == 2
+
+
+def test_compute_bound_advice_names_only_the_switches_still_off():
+    """On CUDA the advice lists the speed switches the config has not set; with all of them on it names
+    the levers left (batch, max-autotune, fp16: measured 1.28-1.30x bf16 for ResNet-50 on an H200)."""
+    from fastvision import config
+    from fastvision.profiling import advice
+
+    cuda = torch.device("cuda")  # advice reads only the device type: no GPU needed
+    cfg = config.load("unet2d-microscopy")
+    cfg.train.amp, cfg.train.channels_last, cfg.train.compile = "off", False, False
+    assert advice("compute", cfg, cuda) == \
+        "set train.amp: bf16, train.channels_last: true and train.compile: true"
+    cfg.train.amp, cfg.train.channels_last = "bf16", True
+    assert advice("compute", cfg, cuda) == "set train.compile: true"
+    cfg.train.compile = True
+    on = advice("compute", cfg, cuda)
+    assert "train.amp: fp16" in on and "max-autotune" in on and not on.startswith("set ")
+    cfg.train.amp, cfg.train.compile = "fp16", "max-autotune"
+    assert advice("compute", cfg, cuda) == "the model is the cost: raise train.batch_size"
+    assert "run on a GPU" in advice("compute", cfg, torch.device("cpu"))
