@@ -195,8 +195,7 @@ def measure_model(s: dict[str, Any], device: torch.device) -> dict[str, Any]:
     if "error" in r:
         return {"error": r["error"]}
     out = {"value": r["items_per_s"], "p50_ms": r["latency_p50_ms"], "p99_ms": r["latency_p99_ms"]}
-    if "peak_memory_mb" in r:
-        out["peak_memory_mb"] = r["peak_memory_mb"]
+    out.update({k: r[k] for k in ("peak_memory_mb", "peak_reserved_mb", "device_used_mb") if k in r})
     return out
 
 

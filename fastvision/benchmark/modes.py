@@ -125,7 +125,8 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
 
     Returns:
         ``{"recipe", "mode", ..., "notes": [...], "results": [row, ...]}``; a row holds
-        ``batch_size``, ``precision``, the :func:`step_stats` figures, ``peak_memory_mb`` (CUDA),
+        ``batch_size``, ``precision``, the :func:`step_stats` figures, on CUDA ``peak_memory_mb``,
+        ``peak_reserved_mb`` and ``device_used_mb`` (see :func:`_measure`),
         ``speedup_vs_fp32`` / ``speedup_vs_tf32`` where the baseline ran, or ``error``.
     """
     if mode not in ("train", "inference"):
@@ -164,18 +165,20 @@ def _measure_setting(cfg: RunConfig, mode: str, bs: int, prec: str, steps: int, 
     run = engine.build(setting_config(cfg, bs, prec, device=device, **switches), data_info={},
                        train=mode == "train")
     try:
-        times, peak = _measure(run, mode, steps, warmup)
+        times, memory = _measure(run, mode, steps, warmup)
         row.update(step_stats(times, bs * (run.step.micro_steps if run.step else 1)))
-        if peak is not None:
-            row["peak_memory_mb"] = peak
+        row.update(memory)
     except torch.cuda.OutOfMemoryError:
         row["error"] = "out of memory"
         torch.cuda.empty_cache()
     return row
 
 
-def _measure(run: engine.Run, mode: str, steps: int, warmup: int) -> tuple[list[float], float | None]:
-    """Per-step seconds of ``steps`` timed steps after ``warmup``, and peak CUDA memory in MB."""
+def _measure(run: engine.Run, mode: str, steps: int, warmup: int) -> tuple[list[float], dict[str, float]]:
+    """Per-step seconds of ``steps`` timed steps after ``warmup``, and on CUDA the memory of the timed
+    steps in MB: ``peak_memory_mb`` (torch's allocated peak), ``peak_reserved_mb`` (its caching
+    allocator's reserved peak) and ``device_used_mb`` (the device's used memory at the end, CUDA
+    context included: what ``nvidia-smi`` shows on a GPU this process has to itself)."""
     task, device, tc = run.task, run.device, run.cfg.train
     batch = task.to_device(task.synthetic_batch(tc.batch_size, device), device, tc.channels_last)
     if mode == "train":
@@ -205,8 +208,12 @@ def _measure(run: engine.Run, mode: str, steps: int, warmup: int) -> tuple[list[
         if cuda:
             torch.cuda.synchronize(device)  # deliberate: a step's latency ends when the GPU is done
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
-    return times, peak
+    if not cuda:
+        return times, {}
+    free, total = torch.cuda.mem_get_info(device)
+    return times, {"peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                   "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+                   "device_used_mb": (total - free) / 2**20}
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:

@@ -354,3 +354,32 @@ def test_a_calibrated_fixed_cost_reaches_the_at_scale_model(tmp_path):
     for s in plan["estimate"]["scale"]:
         assert s["limit"] == "fixed per-step cost"
         assert s["step_s"] > plan["fixed_ms"] / 1e3  # the fixed cost is inside the step at scale too
+
+
+def test_plan_uses_the_shipped_measurement_on_the_gpu_it_was_measured_on():
+    """On an H200 at bf16, resnet50-imagenet's step comes from the shipped H200 benchmark JSON: the fixed
+    cost is the least-squares intercept of its bf16 rows (numpy's polyfit here) and the measured batch-256
+    step lies inside the +-15 % range. Elsewhere (an A100, fp32, or a given --achieved) it is not used."""
+    import numpy as np
+
+    from fastvision.planning import estimate as est
+    from fastvision.planning.plan import Cluster, Workload, make_plan
+
+    shipped = json.loads((est.MEASURED_DIR / "resnet50-imagenet-train.json").read_text())
+    assert shipped["gpu"] == "NVIDIA H200" and shipped["mode"] == "train"
+    rows = [(r["batch_size"], r["batch_size"] / r["items_per_s"]) for r in shipped["results"] if r["precision"] == "bf16"]
+    slope, intercept = np.polyfit([b for b, _ in rows], [s for _, s in rows], 1)
+    cfg = config.load("resnet50-imagenet")  # amp auto: bf16 on an H200
+    plan = make_plan(cfg, Cluster(gpu="H200"), Workload(batch=256), switches=False)
+    assert plan["achieved_source"].startswith("shipped measurement, H200 bf16")
+    assert plan["fixed_ms"] == pytest.approx(intercept * 1e3, rel=1e-6)
+    fast, slow = plan["estimate"]["step_s"]
+    measured = dict(rows)[256]
+    assert fast < measured < slow and slow / fast < 1.4
+    assert make_plan(cfg, Cluster(gpu="A100-80GB"), Workload(batch=256), switches=False)["achieved_source"] \
+        == "default range"
+    assert make_plan(cfg, Cluster(gpu="H200"), Workload(batch=256, achieved=(0.2, 0.4)),
+                     switches=False)["achieved_source"] == "given (--achieved)"  # a given range wins
+    cfg.train.amp = "off"  # no fp32 rows were measured
+    assert est.shipped_measurement("resnet50-imagenet", est.get_gpu("H200"), est.precision_of(cfg)) is None
+    assert est.shipped_measurement("unet2d-microscopy", est.get_gpu("H200"), "bf16") is None
