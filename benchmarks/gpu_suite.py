@@ -13,8 +13,8 @@ cache -> per-item crop on the device -> loader -> augmentation) on CT volumes ge
 preprocessing does), so no NIfTI reader is involved. The last row runs ``pytest -m gpu``.
 
 Prints one rich table with the anchors beside each row and writes ``gpu_suite.json`` and
-``gpu_suite.md`` (for benchmarks/RESULTS.md) to ``--out``. The full suite is sized for 9 minutes
-on one H100/H200 (a time guard skips what would not fit, with a note); ``--quick`` is a ~2-minute
+``gpu_suite.md`` (for benchmarks/RESULTS.md) to ``--out``. The full suite took 292 s on an H200
+(2026-11-26; a time guard, ``--budget``, skips what would not fit, with a note); ``--quick`` is a ~2-minute
 subset; ``--device cpu --quick`` runs every quick row at CI sizes (tests/engine/test_gpu_suite.py).
 """
 from __future__ import annotations
@@ -218,20 +218,28 @@ def measure_data(s: dict[str, Any], device: torch.device) -> dict[str, Any]:
                                                f"{r['pipeline']}"}
 
 
+def gpu_test_files() -> list[Path]:
+    """The test modules that hold ``pytest.mark.gpu`` tests: collecting only these needs none of the
+    optional packages (MONAI, nibabel, pycocotools) that other test modules import."""
+    return sorted(p for p in (ROOT / "tests").rglob("test_*.py") if "pytest.mark.gpu" in p.read_text())
+
+
 def measure_tests(device: torch.device, timeout_s: float) -> dict[str, Any]:
     """``pytest -m gpu`` in a subprocess (stopped after ``timeout_s``); passed / failed / skipped counts."""
     if device.type != "cuda":
         return {"skip": "needs a CUDA device"}
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                               str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+                               "-rfE", "--tb=line", *map(str, gpu_test_files())],
+                              cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"pytest -m gpu did not finish in {timeout_s:.0f} s (the suite's time budget)"}
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr.strip()[-200:]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|xfailed|xpassed|error)", tail)}
-    out = {"value": float(counts.get("passed", 0)), "tests": counts, "note": tail}
+    failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    out = {"value": float(counts.get("passed", 0)), "tests": counts, "note": tail, "failed": failed}
     if counts.get("failed") or counts.get("error") or proc.returncode not in (0, 5):
-        out["error"] = tail
+        out["error"] = tail + "".join(f"; {f.split()[1].split('::')[-1]}" for f in failed if len(f.split()) > 1)
     return out
 
 

@@ -71,3 +71,21 @@ def test_cpu_quick_suite_runs_end_to_end_without_monai_nibabel_pycocotools(tmp_p
     assert table[0].startswith("| workload | setting | measured |")
     assert len(table) == 2 + len(WORKLOADS)  # header, rule, one line per row
     assert all(line.count("|") == table[0].count("|") for line in table)  # no cell broke the table
+
+
+def test_the_suites_gpu_test_files_hold_every_gpu_test_and_collect_without_optional_packages():
+    """The tests row runs `pytest -m gpu` on `gpu_test_files()` only: the same GPU tests as the whole tree
+    (collected here in-process), collected in a subprocess where MONAI, nibabel and pycocotools are blocked."""
+    from benchmarks.gpu_suite import gpu_test_files
+
+    files = gpu_test_files()
+    script = BLOCKER % "-m"  # argv[0] is replaced below: run pytest's module instead of the suite
+    script = script.replace('runpy.run_path(sys.argv[0], run_name="__main__")', 'runpy.run_module("pytest", run_name="__main__")')
+    args = ["--co", "-q", "-m", "gpu", "-p", "no:cacheprovider", *map(str, files)]
+    sub = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    whole = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                            str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    ids = lambda out: {ln for ln in out.splitlines() if "::" in ln}  # noqa: E731
+    assert sub.returncode == 0, sub.stdout[-2000:] + sub.stderr[-2000:]
+    assert "blocked" not in sub.stdout + sub.stderr
+    assert len(ids(sub.stdout)) >= 20 and ids(sub.stdout) == ids(whole.stdout)
