@@ -160,9 +160,9 @@ HALF_PRECISIONS = ("bf16", "fp16")
 MEASURED_DIR = Path(__file__).with_name("measured")  # benchmark JSONs measured on a GPU (benchmarks/RESULTS.md)
 
 
-def shipped_measurement(recipe: str, gpu: GPU, precision: str) -> Path | None:
+def shipped_measurement(recipe: str, gpu: GPU, precision: str, channels_last: bool) -> Path | None:
     """The ``fastvision benchmark --mode train`` JSON shipped for a recipe (``measured/<recipe>-train.json``)
-    when it was measured on this GPU model at this precision, else None.
+    when it was measured on this GPU model at this precision and memory layout, else None.
 
     Only on the GPU it was measured on: the achieved share of peak does not carry across models. On an
     H200 eager bf16 ResNet-50 ran at 4,567 img/s x 24.3 GFLOP = 11 % of its dense peak, where DLE's
@@ -172,8 +172,8 @@ def shipped_measurement(recipe: str, gpu: GPU, precision: str) -> Path | None:
     if not path.is_file():
         return None
     report = json.loads(path.read_text())
-    if get_gpu(report["gpu"]).name != gpu.name:
-        return None
+    if get_gpu(report["gpu"]).name != gpu.name or bool(report.get("channels_last")) != bool(channels_last):
+        return None  # another GPU model, or NHWC against NCHW (SSD320: 1,053 against 910 img/s on the H200)
     return path if precision in {r["precision"] for r in report["results"]} else None
 
 

@@ -122,7 +122,7 @@ def _achieved(work: Workload, cfg: RunConfig, t, spec: GPU) -> tuple[tuple[float
     the shipped measurement of this recipe on this GPU model (:func:`estimate.shipped_measurement`),
     else the given range or the default with ``--fixed-ms`` or the fitted fixed cost."""
     fixed_ms, fixed_source = sc.fixed_step_ms(work.fixed_ms)
-    measured = work.calibrate or (est.shipped_measurement(cfg.recipe, spec, est.precision_of(cfg))
+    measured = work.calibrate or (est.shipped_measurement(cfg.recipe, spec, est.precision_of(cfg), cfg.train.channels_last)
                                        if work.achieved is None else None)
     if measured:
         f, fixed_s, source, fixed_source = est.calibration_from_benchmark(

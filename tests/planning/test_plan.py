@@ -380,6 +380,9 @@ def test_plan_uses_the_shipped_measurement_on_the_gpu_it_was_measured_on():
         == "default range"
     assert make_plan(cfg, Cluster(gpu="H200"), Workload(batch=256, achieved=(0.2, 0.4)),
                      switches=False)["achieved_source"] == "given (--achieved)"  # a given range wins
+    h200 = est.get_gpu("H200")
     cfg.train.amp = "off"  # no fp32 rows were measured
-    assert est.shipped_measurement("resnet50-imagenet", est.get_gpu("H200"), est.precision_of(cfg)) is None
-    assert est.shipped_measurement("unet2d-microscopy", est.get_gpu("H200"), "bf16") is None
+    assert est.shipped_measurement("resnet50-imagenet", h200, est.precision_of(cfg), True) is None
+    assert est.shipped_measurement("resnet50-imagenet", h200, "fp16", True) is not None
+    assert est.shipped_measurement("resnet50-imagenet", h200, "bf16", False) is None  # measured in NHWC
+    assert est.shipped_measurement("unet2d-microscopy", h200, "bf16", False) is None
