@@ -59,6 +59,9 @@ bench ssd-nhwc 60 ssd320-coco --batch-sizes 64,128 --precision bf16,fp16 --chann
 # 3. 3-D U-Net: channels_last_3d eager, then compiled (eager 25.6 bf16 / 31.0 fp16 vol/s at 2)
 bench unet3d-ndhwc 45 unet3d-brats --batch-sizes 2 --precision bf16,fp16 --channels-last
 bench unet3d-compiled 150 unet3d-brats --batch-sizes 2 --precision bf16,fp16 --compile
+# 3b. which kernels the seed-001 U-Net's step is (1.8 % of peak on the H200): profile's top-kernel table
+stage "profile seed001 kernels" 40 python3 -m fastvision profile unet2d-seed001 --synthetic --device "$dev" --amp bf16 \
+  --set train.channels_last=true --steps 10 --warmup 5 --trace /tmp/trace-seed001 --out /tmp/extra/profile-seed001-trace
 # 4. the spleen recipe's data wait inside training, with the GPU cache (goal: < 5 % of the step)
 if [ "$(left)" -gt 90 ]; then
   python3 -m fastvision data synth spleen /tmp/spleen --cases 12 --size 160 >/dev/null 2>&1 || say "spleen synth failed"

@@ -48,7 +48,17 @@ def render(report: dict[str, Any]) -> Any:
     mem = f"peak {gpu['torch_peak_allocated_mib']:.0f} MiB allocated; " if "torch_peak_allocated_mib" in gpu else ""
     t.caption = (f"{report['images_per_s']:.1f} images/s; {util}{mem}pipeline: {report['pipeline']}\n"
                  f"verdict: [bold]{report['verdict']}[/bold] -> {report['advice']}")
-    return t
+    if not report.get("top_ops"):
+        return t
+    from rich.console import Group
+
+    kind = "kernels (self GPU time)" if report["device"].startswith("cuda") else "ops (self CPU time)"
+    ops = Table(title=f"top {kind}, from --trace")
+    for c, j in (("op", "left"), ("calls / step", "right"), ("ms / step", "right"), ("share", "right")):
+        ops.add_column(c, justify=j, overflow="fold")
+    for o in report["top_ops"]:
+        ops.add_row(o["name"][:90], f"{o['calls_per_step']:g}", f"{o['ms_per_step']:.2f}", f"{100 * o['share']:.1f}%")
+    return Group(t, ops)
 
 
 def _cmd_profile(args) -> int:

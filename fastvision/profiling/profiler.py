@@ -197,11 +197,34 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         no_sync_bwd = [c.durations()[1]["backward"] for c in extra]
+    report = _report(cfg, clocks, np.diff(starts).tolist(), no_sync_bwd, run.global_batch, device, sampler,
+                     cache_line, run.precision.mode)
     if trace:
         Path(trace).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(trace) / f"trace_rank{env.rank}.json"))
-    return _report(cfg, clocks, np.diff(starts).tolist(), no_sync_bwd, run.global_batch, device, sampler,
-                   cache_line, run.precision.mode)
+        report["top_ops"] = top_ops(prof, device, steps)
+    return report
+
+
+def top_ops(prof: Any, device: torch.device, steps: int, n: int = 12) -> list[dict[str, Any]]:
+    """The ``n`` operations that took the most self time in a torch.profiler run of ``steps`` steps:
+    on CUDA the device kernels (self device time: which convolution or elementwise kernels the step
+    is), on a CPU the aten ops (self CPU time). Each: name, calls and ms per step, share of the total
+    self time of its kind."""
+    cuda = device.type == "cuda"
+
+    def self_us(e: Any) -> float:
+        if not cuda:
+            return float(e.self_cpu_time_total)
+        # torch >= 2.4 names it device time; older releases cuda time
+        return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0))
+
+    events = [(e.key, e.count, self_us(e)) for e in prof.key_averages()]
+    events = [x for x in events if x[2] > 0]
+    total = sum(us for _, _, us in events) or 1.0
+    events.sort(key=lambda x: -x[2])
+    return [{"name": name, "calls_per_step": count / steps, "ms_per_step": us / 1e3 / steps, "share": us / total}
+            for name, count, us in events[:n]]
 
 
 def _trace_context(trace: str | Path | None, device: torch.device) -> Any:

@@ -152,3 +152,20 @@ def test_compute_bound_advice_names_only_the_switches_still_off():
     cfg.train.amp, cfg.train.compile = "fp16", "max-autotune"
     assert advice("compute", cfg, cuda) == "the model is the cost: raise train.batch_size"
     assert "run on a GPU" in advice("compute", cfg, torch.device("cpu"))
+
+
+def test_trace_names_the_ops_that_take_the_step(tmp_path):
+    """--trace adds the top operations by self time: on a CPU, a small U-Net's step is its convolutions
+    (forward and backward), so a convolution op leads; shares are of the total self time, in order."""
+    report = _profile(tmp_path, "traced", "--synthetic", "--set", "task.args.sample_shape=[1,64,64]",
+                      "--set", "data.args.image_size=[64,64]", "--trace", str(tmp_path / "trace"))
+    assert (tmp_path / "trace" / "trace_rank0.json").stat().st_size > 1000
+    ops = report["top_ops"]
+    assert 3 <= len(ops) <= 12
+    shares = [o["share"] for o in ops]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    assert "conv" in ops[0]["name"], [o["name"] for o in ops[:5]]
+    assert all(o["calls_per_step"] > 0 and o["ms_per_step"] > 0 for o in ops)
+    # the per-step figures are per profiled step (6): a step's conv time is below the step's wall time
+    assert ops[0]["ms_per_step"] < report["step_ms"]["mean"] * 1.5
+    assert "top ops (self CPU time)" in (tmp_path / "traced" / "profile.txt").read_text()
