@@ -7,6 +7,7 @@ training steps, ``[epoch]`` for epoch-end validation and ``[]`` for the run summ
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import sys
@@ -163,6 +164,7 @@ class RunLogger:
             return None
         if self._plot_import is not None:
             self._plot_import.join()  # an import error there is raised again by the import below
+            atexit.unregister(self._plot_import.join)
         # The object API with the Agg canvas: no pyplot, so the user's backend and figures are untouched.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -210,8 +212,19 @@ def _before(line: str, epochs_done: int, cut: tuple[int, float]) -> bool:
     return True
 
 
+PLOT_IMPORT_JOIN_S = 60.0  # at exit, the longest wait for the import to finish
+
+
 def _start_plot_import() -> threading.Thread:
-    """A daemon thread importing what :meth:`RunLogger.plot_curves` uses; errors are left to that call."""
+    """A daemon thread importing what :meth:`RunLogger.plot_curves` uses; errors are left to that call.
+
+    Joined at exit (``atexit`` runs before the interpreter finalizes). A run that ends early (a config
+    error at step 1, ``train.on_nonfinite: stop``) would otherwise exit while the thread is still
+    importing matplotlib's C/C++ extensions; a thread that asks for the GIL while the interpreter
+    finalizes is ended by CPython with a forced unwind, which through a C++ frame that must not
+    throw aborts the process (``terminate called without an active exception``, SIGABRT): a run that
+    should exit 2 exits -6. Seen once in CI on a loaded machine (tests/engine/test_guard.py).
+    """
     def run() -> None:
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
@@ -221,6 +234,7 @@ def _start_plot_import() -> threading.Thread:
 
     thread = threading.Thread(target=run, name="fastvision-plot-import", daemon=True)
     thread.start()
+    atexit.register(thread.join, PLOT_IMPORT_JOIN_S)
     return thread
 
 

@@ -144,3 +144,29 @@ def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(tiny_microscopy
     assert torch.allclose(bn.running_var.double(), var, rtol=1e-5)
     assert int(bn.num_batches_tracked) == 2
     assert all(torch.isfinite(p).all() for p in run.model.parameters())
+
+
+def test_an_early_stop_exits_with_no_import_thread_left_running(tiny_microscopy, tmp_path):
+    """A run stopped at step 6 ends while the logger's background matplotlib import may still run: the
+    thread is joined before the interpreter finalizes (a thread that asks for the GIL then can abort
+    the process, exit -6 for an exit 2; seen once in CI). A hook registered before the CLI runs after
+    the CLI's own exit handlers and finds no such thread alive."""
+    argv = ["train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(tmp_path / "run"),
+            "--epochs", "2", *TINY, "--set", "model.args.nonfinite_steps=[4,5,6]", "--set", "train.on_nonfinite=stop"]
+    # the race made certain: finding matplotlib.figure takes 3 s longer (then the normal import runs),
+    # so the run stops at step 6 while the thread is still importing
+    script = ("import atexit, sys, threading, time\n"
+              "class Slow:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              "        if name == 'matplotlib.figure':\n"
+              "            time.sleep(3)\n"
+              "        return None\n"
+              "sys.meta_path.insert(0, Slow())\n"
+              "atexit.register(lambda: print('ALIVE AT EXIT:', sorted(t.name for t in threading.enumerate()"
+              " if t.is_alive() and t is not threading.main_thread()), file=sys.stderr))\n"
+              "from fastvision import cli\n"
+              f"sys.exit(cli.main({argv!r}))\n")
+    res = subprocess.run([sys.executable, "-c", script], env=clean_env(), cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "ALIVE AT EXIT: []" in res.stderr, res.stderr[-1000:]
