@@ -116,14 +116,16 @@ def _place(cluster: Cluster) -> tuple[GPU, int, str]:
     return spec, per_node, hw.name if hw else cluster.link
 
 
-def _achieved(work: Workload, cfg: RunConfig, t, spec: GPU) -> tuple[tuple[float, float], bool, str, float, str]:
+def _achieved(work: Workload, cfg: RunConfig, t, spec: GPU,
+              precision: str) -> tuple[tuple[float, float], bool, str, float, str]:
     """``(achieved range, calibrated, source, fixed ms, fixed source)``: from a benchmark JSON (its
     batch sizes give the fixed per-step cost as the intercept of step time against batch), else from
     the shipped measurement of this recipe on this GPU model (:func:`estimate.shipped_measurement`),
     else the given range or the default with ``--fixed-ms`` or the fitted fixed cost."""
     fixed_ms, fixed_source = sc.fixed_step_ms(work.fixed_ms)
-    measured = work.calibrate or (est.shipped_measurement(cfg.recipe, spec, est.precision_of(cfg), cfg.train.channels_last)
-                                       if work.achieved is None else None)
+    measured = work.calibrate
+    if not measured and not work.achieved:
+        measured = est.shipped_measurement(cfg.recipe, spec, precision, cfg.train.channels_last)
     if measured:
         f, fixed_s, source, fixed_source = est.calibration_from_benchmark(
             Path(measured), t, cfg.train.amp, cfg.train.tf32, (fixed_ms / 1e3, fixed_source),
@@ -160,7 +162,7 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
     if spec.peak_tflops(precision)[1] != precision:
         notes.append(f"{spec.name} has no {precision} tensor cores: timed at fp32 peak")
     t = est.trace(cfg, b)
-    achieved, calibrated, source, fixed_ms, fixed_source = _achieved(work, cfg, t, spec)
+    achieved, calibrated, source, fixed_ms, fixed_source = _achieved(work, cfg, t, spec, precision)
     items, items_source = est.dataset_items(cfg, work.data, work.dataset_size)
     if items is None:
         notes.append(f"dataset size {items_source}; epoch and train time left out")
