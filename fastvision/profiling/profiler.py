@@ -266,7 +266,7 @@ def _report(cfg: RunConfig, clocks: list[_Clock], walls: list[float], no_sync_bw
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20
         gpu = {**(gpu or {}), "torch_peak_allocated_mib": peak}
-    return {"verdict": f"{verdict}-bound", "advice": advice(verdict, cfg, device), "shares": shares,
+    return {"verdict": f"{verdict}-bound", "advice": advice(verdict, cfg, device, precision), "shares": shares,
             "phases": phases, "step_ms": percentiles_ms(walls), "images_per_s": global_batch / step_s,
             "steps": len(walls), "global_batch": global_batch, "device": str(device), "gpu": gpu,
             "pipeline": cache_line,
@@ -276,8 +276,9 @@ def _report(cfg: RunConfig, clocks: list[_Clock], walls: list[float], no_sync_bw
                        "train.batch_size": cfg.train.batch_size, "train.compile": cfg.train.compile}}
 
 
-def advice(verdict: str, cfg: RunConfig, device: torch.device) -> str:
-    """The recipe switch to try first for a verdict, given what the recipe already sets."""
+def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | None = None) -> str:
+    """The recipe switch to try first for a verdict, given what the recipe already sets; ``precision``:
+    what ``train.amp`` resolved to (``auto`` is fp16 on a GPU without bf16), else ``train.amp``."""
     d, t = cfg.data, cfg.train
     if verdict == "input":
         if d.cache == "none":
@@ -303,7 +304,7 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device) -> str:
             return "set " + (", ".join(off[:-1]) + " and " + off[-1] if len(off) > 1 else off[0])
         # every switch is on: the convolution kernels are the cost. On an H200 (torch 2.11, cuDNN 9)
         # fp16 ran ResNet-50 1.28-1.30x and the 3-D U-Net 1.13-1.21x faster than bf16 (RESULTS.md).
-        fp16 = "; try train.amp: fp16 (`fastvision benchmark --precision bf16,fp16`)" if t.amp != "fp16" else ""
+        fp16 = "; try train.amp: fp16 (`fastvision benchmark --precision bf16,fp16`)" if (precision or t.amp) != "fp16" else ""
         autotune = " or try train.compile: max-autotune" if t.compile != "max-autotune" else ""
         return f"the model is the cost: raise train.batch_size{autotune}{fp16}"
     return ("the model is the cost: set train.amp: bf16, train.compile: true, a smaller model or image size, "

@@ -149,6 +149,8 @@ def test_compute_bound_advice_names_only_the_switches_still_off():
     cfg.train.compile = True
     on = advice("compute", cfg, cuda)
     assert "train.amp: fp16" in on and "max-autotune" in on and not on.startswith("set ")
+    cfg.train.amp = "auto"  # on a GPU without bf16 (a V100) auto runs fp16: fp16 is not advised again
+    assert "fp16" in advice("compute", cfg, cuda, "bf16") and "fp16" not in advice("compute", cfg, cuda, "fp16")
     cfg.train.amp, cfg.train.compile = "fp16", "max-autotune"
     assert advice("compute", cfg, cuda) == "the model is the cost: raise train.batch_size"
     assert "run on a GPU" in advice("compute", cfg, torch.device("cpu"))
