@@ -371,6 +371,7 @@ def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
     from rich.table import Table
 
     from fastvision.benchmark.data import markdown as data_markdown
+    from fastvision.benchmark.data import per_core_text
     from fastvision.benchmark.data import run_data_benchmark
 
     cfg.train.device = str(device)
@@ -383,13 +384,19 @@ def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
                                 variants=args.variant or None)
     table = Table(title=f"{report['recipe']} input path (model removed) on {report['device']}, "
                         f"batch {report['batch_size']}")
-    for h in ("setting", "cache", "items/s", "ms/item", "x first", "pipeline"):
+    for h in ("setting", "cache", "items/s", "ms/item", "items/s per core", "x first", "pipeline"):
         table.add_column(h, justify="left" if h in ("setting", "cache", "pipeline") else "right")
     for r in report["results"]:
         table.add_row(r["setting"] or "recipe", r["cache"], f"{r['items_per_s']:.1f}", f"{r['ms_per_item']:.2f}",
-                      f"{r['speedup_vs_first']:.2f}", r["pipeline"])
+                      per_core_text(r), f"{r['speedup_vs_first']:.2f}", r["pipeline"])
     console = Console()
     console.print(table)
+    unsettled = sum(r["unsettled_chunks"] for r in report["results"])
+    if unsettled:
+        console.print(f"note: {unsettled} chunk(s) started before the loaders went idle (something kept a core busy "
+                      "for 30 s): their modes may share the CPU")
+    console.print(f"items/s per core: items over the CPU seconds of this process tree in the timed batches, on "
+                  f"{report['host_cpu']}; pass the JSON to `fastvision plan {report['recipe']} --input-rate FILE`")
     out = args.out or Path("runs/benchmark")
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{report['recipe']}-data"  # the name cmd_benchmark checked with refuse_overwrite

@@ -277,6 +277,8 @@ class DaliLoader:
     ``builds`` counts the pipelines built (one, unless an error invalidated the pipeline).
     """
 
+    prefetch_depth = 2  # batches DALI runs ahead: its default prefetch_queue_depth (not set here)
+
     def __init__(self, data: DaliImageFolder, batch_size: int, shard_id: int, num_shards: int, seed: int,
                  dali_device: str, device: torch.device):
         self.data, self.batch_size, self.shard_id, self.num_shards = data, batch_size, shard_id, num_shards

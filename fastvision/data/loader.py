@@ -206,6 +206,26 @@ def build_loader(dataset: Dataset, *, batch_size: int, shuffle: bool = False, sa
     raise ConfigError(f"data.loader must be 'threads' or 'processes', got {loader!r}")
 
 
+def prefetch_depth(loader: Any) -> tuple[int, int]:
+    """``(ready, producers)``: the batches ``loader`` has built ahead of a consumer that paused (what it
+    finds ready when it resumes, so a timer takes them untimed) and the threads or processes that
+    build them. A :class:`ThreadLoader` tops its window up before it hands a batch out, so one less
+    than the window is ready; a torch ``DataLoader`` keeps ``prefetch_factor`` batches per worker
+    outstanding. A :class:`DevicePrefetcher` fetches its next batch in the consumer's thread, so it
+    adds none; a loader of another kind says so with a ``prefetch_depth`` attribute (DALI: its
+    queue depth) and builds with one producer as far as a timer can tell."""
+    if isinstance(loader, DevicePrefetcher):
+        return prefetch_depth(loader.loader)
+    if isinstance(loader, ThreadLoader):
+        return (loader.window - 1) * loader.repeats, loader.num_workers
+    if isinstance(loader, ProcessLoader):
+        dl = loader.loader
+        if not dl.num_workers:
+            return 0, 1
+        return dl.num_workers * (dl.prefetch_factor or 2) * loader.repeats, dl.num_workers
+    return int(getattr(loader, "prefetch_depth", 2)), 1
+
+
 class DevicePrefetcher:
     """Iterate ``loader`` with each batch already on ``device``: on CUDA the copy of batch k+1 runs
     on a side stream while batch k computes (pin the batches for it to be asynchronous).

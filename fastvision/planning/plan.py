@@ -86,7 +86,8 @@ class Workload:
         data, dataset_size: the training set (else the recipe's stated size).
         batch: per-GPU batch (default: the recipe's).
         achieved: (low, high) share of peak dense math; ``calibrate``: a benchmark JSON instead.
-        input_rate: items/s one host core delivers through the recipe's input path (measured).
+        input_rate: items/s one host core delivers through the recipe's input path (measured), or
+            the path of a ``benchmark --mode data`` JSON that holds it.
         fixed_ms: per-step time that does not shrink with the batch (launches, optimizer, host);
             ``None``: with ``calibrate``, the intercept of the benchmark's batch sizes, else the value
             fitted on the MLPerf anchors (small batches are slower per item). Given, it wins over both.
@@ -97,7 +98,7 @@ class Workload:
     batch: int | None = None
     achieved: tuple[float, float] | None = None
     calibrate: str | None = None
-    input_rate: float | None = None
+    input_rate: float | str | None = None
     fixed_ms: float | None = None
 
 
@@ -395,8 +396,10 @@ def add_cli(subparsers) -> None:
                                        "or the fitted default splits it")
     p.add_argument("--min-efficiency", type=float, help="also report the largest GPU count whose scaling efficiency "
                                                         "stays at or above this share, e.g. 0.8")
-    p.add_argument("--input-rate", type=float, help="items/s per host core through the recipe's input path (from "
-                                                    "`benchmark --mode data`); default: published for JPEG folders")
+    p.add_argument("--input-rate", metavar="RATE|JSON",
+                   help="items/s per host core through the recipe's input path, or the JSON of `fastvision "
+                        "benchmark RECIPE --mode data --data DIR` (its items/s per core); default: published for "
+                        "JPEG folders, none for other formats (the efficiency is then an upper bound)")
     p.add_argument("--fixed-ms", type=float, help="per-step time that does not shrink with the batch (launches, "
                                                   "optimizer, host); default: the --calibrate JSON's intercept, "
                                                   "else fitted on MLPerf RetinaNet (PyTorch DDP, CUDA graphs), a "

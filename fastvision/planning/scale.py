@@ -142,22 +142,32 @@ def decodes_on_gpu(cfg: RunConfig) -> bool:
     return args.get("backend") == "dali" and args.get("dali_device", "auto") != "cpu"
 
 
-def input_rate_of(cfg: RunConfig, given: float | None = None) -> tuple[float | None, str]:
+def input_rate_of(cfg: RunConfig, given: float | str | None = None) -> tuple[float | None, str]:
     """``(items/s per host core, source)`` of the recipe's input path for the planner's input limit.
 
-    A measured rate (``--input-rate``, e.g. ``fastvision benchmark --mode data`` items/s over its
-    loader workers) wins. A JPEG folder decoded on the host (Pillow, or DALI on the CPU) takes the
+    A measured rate wins: ``--input-rate`` as a number, or the path of a ``fastvision benchmark RECIPE
+    --mode data`` JSON (its ``items_per_cpu_s`` under the recipe's cache mode). A JPEG folder decoded on the host (Pillow, or DALI on the CPU) takes the
     published per-process rate of the DLE PyTorch ResNet-50 loader (JPEG decode +
     RandomResizedCrop), calibrated in ``fastvision/scaling/anchors.yaml`` (``dle-pytorch-loader``:
     8,322 img/s on 8 V100 x 8 loader processes). DALI on the GPU decodes inside the step: no host
     limit. Other formats (cached volumes, COCO) have no published per-core rate: no limit, said so.
     """
+    if isinstance(given, str):
+        try:
+            given = float(given)
+        except ValueError:
+            from fastvision.benchmark.data import read_input_rate
+
+            return read_input_rate(given, "--input-rate", cfg.data.cache)
     if given is not None:
         if given <= 0:
             raise ConfigError(f"--input-rate {given}: items/s per host core must be > 0")
         return float(given), "--input-rate (measured)"
     if cfg.data.name != "imagefolder":
-        return None, f"no published per-core rate for {cfg.data.name!r}: give --input-rate"
+        return None, (f"not known for {cfg.data.name!r}, so the efficiency is a bound that ignores the host "
+                      f"(an unmodelled host pipeline cost held-out TensorFlow rows up to 30 points at 4-8 GPUs: benchmarks/RESULTS.md); "
+                      f"measure it: fastvision benchmark {cfg.recipe} --mode data --data DIR, then --input-rate "
+                      f"runs/benchmark/{cfg.recipe}-data.json")
     if decodes_on_gpu(cfg):
         return None, "DALI decodes on the GPU: no host limit"
     from fastvision.scaling.validation import input_rates, load_anchors

@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import re
 import shutil
 import time
@@ -32,6 +31,7 @@ from fastvision.planning import tune_report
 from fastvision.planning.tune_search import Comparison, Switch, Trial, judge, order, search
 from fastvision.planning.tune_switches import SWITCH_KEYS, catalogue, check_keep, current, lr_line
 from fastvision.planning.tune_trial import TrialRunner
+from fastvision.utils.hostcpu import host_cpu_name
 from fastvision.utils.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -70,11 +70,7 @@ def data_fingerprint(cfg: config.RunConfig) -> str:
 
 
 def hardware(device: torch.device, world_size: int) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = host_cpu_name()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     where = f"{gpu or cpu} x{world_size}" if world_size > 1 else (gpu or f"{cpu}, {os.cpu_count()} cores")
     return {"device": str(device), "gpu": gpu, "cpu": cpu, "cores": os.cpu_count(), "world_size": world_size,

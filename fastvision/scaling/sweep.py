@@ -134,29 +134,12 @@ def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "we
 
 
 
-def read_input_rate(path: Path) -> tuple[float, int | None]:
-    """Items/s per loader process from a ``fastvision benchmark RECIPE --mode data`` JSON report.
+def read_input_rate(path: Path) -> tuple[float, str]:
+    """Items/s per host core from a ``fastvision benchmark RECIPE --mode data`` JSON report
+    (:func:`fastvision.benchmark.data.read_input_rate`): ``(rate, what it is)``."""
+    from fastvision.benchmark.data import read_input_rate as read
 
-    Takes the first result row with ``items_per_s`` (or the top level); the process count is its
-    ``num_workers`` / ``workers`` (0 means the main process: 1). Without a count the rate is taken
-    as one process's.
-
-    Returns:
-        ``(items/s per process, loader processes of the measurement or None)``.
-    """
-    from fastvision.errors import ConfigError
-
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--input-json {path}: cannot read a benchmark report: {e}") from None
-    rows = data.get("results", []) if isinstance(data, dict) else []
-    row = next((r for r in rows if isinstance(r, dict) and r.get("items_per_s")), data if isinstance(data, dict) else {})
-    if not row.get("items_per_s"):
-        raise ConfigError(f"--input-json {path}: no items_per_s (expected `fastvision benchmark RECIPE --mode data` JSON)")
-    workers = next((row[k] for k in ("num_workers", "workers") if row.get(k) is not None), None)
-    procs = max(1, int(workers)) if workers is not None else 1
-    return float(row["items_per_s"]) / procs, (procs if workers is not None else None)
+    return read(path, "--input-json")
 
 
 def add_cli(subparsers) -> None:
@@ -221,8 +204,8 @@ def _pipeline(args) -> InputPipeline | None:
         return InputPipeline("dali", device="gpu")
     rate, workers = args.input_rate, args.input_workers
     if args.input_json:
-        rate, measured = read_input_rate(args.input_json)
-        log.info("input path: %.1f items/s per loader process from %s (%s processes)", rate, args.input_json, measured)
+        rate, what = read_input_rate(args.input_json)
+        log.info("input path: %.1f items/s per core from %s (%s)", rate, args.input_json, what)
     return InputPipeline("cpu", "cpu", rate, workers) if rate else None
 
 
