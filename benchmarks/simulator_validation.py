@@ -60,6 +60,7 @@ def section() -> str:
     rn8 = [r for r in rows if r["workload"] == "resnet50" and r["gpus"] == 8 and r["role"] == "held-out"]
     worst8 = max(rn8, key=lambda r: abs(r["error_points"]))
     over = [r for r in held if abs(r["error_points"]) > 10 and r["input"] == "unknown-cpu"]
+    unknown = [r for r in rows if r["input"] == "unknown-cpu"]
     ddp8 = [r for r in held if r["gpus"] == 8 and r["backend"] == "ddp"]
     node = [r for r in held if r["gpus"] <= 8]
     node_bad = [r for r in node if abs(r["error_points"]) > 5]
@@ -126,7 +127,12 @@ def section() -> str:
            others_text(ml),
            "- Other held-out rows over 10 points: " + over_txt + ". All are TensorFlow pipelines on the host "
            "(`unknown-cpu`: no source gives their per-core rate, so no host limit is modelled and the prediction is "
-           "the compute-and-fabric bound). The column *missed ms/step* says what kind of time is missing:",
+           "the compute-and-fabric bound). As a bound it holds: every `unknown-cpu` row reads at or below it "
+           f"({len(unknown)} rows, errors {min(r['error_points'] for r in unknown):+.1f} to "
+           f"{max(r['error_points'] for r in unknown):+.1f}), and `fastvision plan` calls its efficiency an upper bound "
+           "when the recipe's input rate is not known (its `--input-rate` takes the JSON of `fastvision benchmark "
+           "RECIPE --mode data`, whose items/s per host core closes the gap for a fastvision pipeline). "
+           "The column *missed ms/step* says what kind of time is missing:",
            tf_host_text(ml),
            l40s_text(anchors, rates, consts, l40s, hidden),
            "- 3,584 GPUs is MLPerf v3.0 software (ngc23.04) on CoreWeave HGX H100, referenced to NVIDIA's 8-GPU DGX H100 "
