@@ -41,6 +41,7 @@ from fastvision import engine
 from fastvision.config import RunConfig, from_dict, merge, parse_override, to_dict
 from fastvision.data.loader import endless_batches, prefetch_depth
 from fastvision.errors import ConfigError
+from fastvision.models import without_weights
 from fastvision.utils.hostcpu import host_cpu_name, tree_cpu_seconds, wait_idle
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class _Path:
         c = copy.deepcopy(cfg)
         c.data.cache = cache
         c.train.amp, c.train.compile = "off", False  # no model runs: its precision and compilation do not matter
+        c.model.args = without_weights(c.model.args)  # ... nor its weights: no weights file is read or downloaded
         self.cache, self.setting = cache, setting
         self.run = engine.build(c, train=True)
         self.generator = self.run.step.generator

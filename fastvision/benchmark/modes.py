@@ -30,6 +30,7 @@ from fastvision import __version__, engine
 from fastvision.config import RunConfig
 from fastvision.engine import runtime
 from fastvision.errors import ConfigError
+from fastvision.models import without_weights
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ def setting_config(cfg: RunConfig, batch_size: int, precision: str, *, compile: 
     t.tf32 = precision == "tf32" or (precision in ("fp16", "bf16") and cfg.train.tf32)
     if not augment:
         out.data.augment = {}
+    out.model.args = without_weights(out.model.args)  # weights files change values, not the time: never read
     return out
 
 
