@@ -49,9 +49,12 @@ def refuse_overwrite(path: str | Path, force: bool, flag: str = "--out") -> None
 def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tuple[Path, Path | None]:
     """Choose the run directory and the checkpoint to resume from (if any).
 
-    Rules: ``--out`` that exists and is non-empty needs ``--resume``; ``--resume auto`` without
-    ``--out`` continues the newest ``runs/<recipe>-*`` that has a last checkpoint (else starts a
-    new run); ``--resume PATH`` continues that checkpoint's run directory.
+    Rules: ``--out`` that exists and is non-empty needs ``--resume``, unless it holds only what a
+    run writes before its first checkpoint (an attempt that stopped early: a bad setting, a
+    restart): the run starts afresh there, its old ``metrics.jsonl`` kept as
+    ``metrics.previous.jsonl``; ``--resume auto`` without ``--out`` continues the newest
+    ``runs/<recipe>-*`` that has a last checkpoint (else starts a new run); ``--resume PATH``
+    continues that checkpoint's run directory.
     """
     if resume and resume != "auto":
         ckpt = Path(resume)
@@ -65,10 +68,13 @@ def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
             found = checkpoint.find_resume(run_dir)
             if resume == "auto" and found:
                 return run_dir, found
-            if resume == "auto" and _only_run_files(run_dir):
-                # an earlier attempt of this command stopped before its first checkpoint (a
-                # torchrun / Kubernetes restart): start afresh in the same folder
-                log.info("%s holds no checkpoint yet: starting from scratch", run_dir)
+            if not found and _only_run_files(run_dir):
+                # an earlier attempt stopped before its first checkpoint (a setting it refused, a
+                # torchrun / Kubernetes restart): start afresh in the same folder, nothing to lose
+                log.info("%s holds no checkpoint yet (an attempt that stopped early): starting from scratch", run_dir)
+                old = run_dir / "metrics.jsonl"
+                if old.exists():
+                    old.replace(run_dir / "metrics.previous.jsonl")
                 return run_dir, None
             if resume == "auto":
                 raise DataError(f"{run_dir}: exists but holds no checkpoints/last.pt to resume")
@@ -90,12 +96,13 @@ def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
     return run_dir, None
 
 
-_RUN_FILES = {"config.yaml", "metrics.jsonl", "checkpoints", "tensorboard"}
+_RUN_FILES = {"config.yaml", "metrics.jsonl", "metrics.previous.jsonl", "checkpoints", "tensorboard"}
 
 
 def _only_run_files(run_dir: Path) -> bool:
     """True when ``run_dir`` holds only what a run writes before its first checkpoint."""
-    return all(p.name in _RUN_FILES or p.name.startswith("events.") for p in run_dir.iterdir())
+    return all((p.name in _RUN_FILES or p.name.startswith("events."))
+               and not (p.name == "checkpoints" and p.is_dir() and any(p.iterdir())) for p in run_dir.iterdir())
 
 
 def run_training(recipe: str, out: str | None = None, resume: str | None = None,

@@ -74,7 +74,10 @@ class Registry:
             raise ConfigError(f"the {name} dataset folder is not set ({where}.path): pass --data DIR")
         if missing:
             raise ConfigError(f"{where}: {self.kind} {name!r} needs {', '.join(missing)}")
-        return fn(**kwargs, **extra)
+        try:
+            return fn(**kwargs, **extra)
+        except ValueError as e:  # a builder refusing a value it was given: the user's setting, named
+            raise ConfigError(f"{where}: {self.kind} {name!r}: {e}") from e
 
 
 def _params(fn: Callable) -> list[inspect.Parameter]:

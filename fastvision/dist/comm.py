@@ -33,7 +33,12 @@ log = logging.getLogger(__name__)
 def _resolve_device(device: str, env: DistEnv) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: fastvision trains on cpu or cuda (auto, cpu, cuda, cuda:N)")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} requested but CUDA is not available")

@@ -5,7 +5,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import yaml
@@ -33,7 +33,7 @@ from fastvision.engine.state import (
     resolved_config,
     restore,
 )
-from fastvision.engine.step import train_step
+from fastvision.engine.step import StepResult, train_step
 from fastvision.errors import ConfigError
 from fastvision.tasks.base import Task
 
@@ -320,6 +320,28 @@ class EpochMeter:
         return self.resumed_s + (time.perf_counter() if now is None else now) - self.t_start
 
 
+def first_step(run: Run, batches: Iterator[Any], wait: DataWait) -> StepResult:
+    """The run's first :func:`train_step`, where a model that cannot take the data's batches fails
+    (channels, a size the network's strides do not divide, a patch too small for its depth): a
+    one-line :class:`ConfigError` naming what to check, not a traceback (``--debug`` shows it).
+    Running out of device memory says which batch size did."""
+    try:
+        return train_step(run.step, batches, wait)
+    except torch.cuda.OutOfMemoryError as e:
+        raise ConfigError(f"out of memory in the first training step at train.batch_size "
+                          f"{run.cfg.train.batch_size}: lower it, set train.batch_size: auto, or turn on "
+                          f"train.activation_checkpointing ({_first_line(e)})") from e
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise ConfigError(f"the first training step failed: {_first_line(e)}. Check model {run.cfg.model.name!r} "
+                          f"(model.args) against the data's batches (data.args, task.args); --debug for the "
+                          f"traceback") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
 def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter: EpochMeter | None = None,
                     start: int = 0, saver: Checkpoints | None = None,
                     doctor: Watchdog | None = None) -> dict[str, float] | None:
@@ -337,7 +359,7 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
     t_log, last_log = meter.t_start, start
     batches = iter(run.train_loader)
     for i in range(start + 1, steps + 1):
-        out = train_step(step, batches, wait)
+        out = train_step(step, batches, wait) if state["step"] or i > start + 1 else first_step(run, batches, wait)
         meter.add(out.loss, out.skipped, out.images)
         state["step"] += 1
         guard.record(state["step"], out)

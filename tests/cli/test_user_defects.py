@@ -130,3 +130,42 @@ def test_time_lapse_tiff_is_frames_not_channels(axes, kw, tmp_path):
         read_array(f)
     tifffile.imwrite(tmp_path / "rgb.tif", np.zeros((3, 16, 16), np.uint8), imagej=True, metadata={"axes": "CYX"})
     assert read_array(tmp_path / "rgb.tif").shape == (16, 16, 3)
+
+
+# --------------------------------------------------- settings the model cannot take (README audit)
+@pytest.mark.parametrize("setting, needles", [
+    # the network's strides do not divide the size: the model's own ValueError, at the first step
+    ("data.args.image_size=[30,30]", ["first training step failed", "divisible", "model.args"]),
+    # a 3-channel model on 1-channel images: torch's conv RuntimeError, at the first step
+    ("model.args.in_channels=3", ["first training step failed", "channels", "model.args", "data.args"]),
+    # a builder refusing a value: named by its config path
+    ("model.args.filters=[8]", ["model.args", "filters"]),
+])
+def test_a_setting_the_model_cannot_take_is_one_line_and_the_folder_can_be_reused(
+        setting, needles, tiny_microscopy, tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "unet2d-microscopy", "--data", tiny_microscopy, "--out", run, *TINY]
+    code, _, err = run_cli(capsys, *argv, "--set", setting)
+    one_line_error(code, err, *needles)
+    left = run.exists()  # a failure in the first step leaves the folder; one in the build makes none
+    assert left == (setting != "model.args.filters=[8]")
+    # the same command, mended, in the same --out: that attempt wrote no checkpoint, so nothing is lost
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert (run / "checkpoints" / "last.pt").is_file() and ("starting from scratch" in err) == left
+    assert not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").read_text().count('"parameters"') <= 1
+
+
+def test_a_run_folder_with_a_checkpoint_is_still_refused(tiny_microscopy, tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", "unet2d-microscopy", "--data", tiny_microscopy, "--out", run, *TINY]
+    assert run_cli(capsys, *argv)[0] == 0
+    one_line_error(*run_cli(capsys, *argv)[::2], "already exists", "--resume auto")
+
+
+@pytest.mark.parametrize("device", ["tpu", "mps"])
+def test_an_unsupported_device_is_one_line(device, tiny_microscopy, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", tiny_microscopy, "--out", tmp_path / "r",
+                           *TINY[:-4], "--device", device)
+    one_line_error(code, err, "--device", device)
+    assert not (tmp_path / "r").exists()
