@@ -61,6 +61,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
         joined, _ = dist.init(tc.device, timeout_s=tc.dist_timeout_s, backend=tc.backend)
         cfg = keep_global_batch(cfg, ckpt, joined.world_size, joined.is_main)
     run = build(cfg, train=True)
+    check_target_metric(run.task, tc.target)
     state = initial_state(run.info)
     if ckpt is not None:
         state = restore(ckpt, run)
@@ -318,6 +319,21 @@ class EpochMeter:
     def elapsed(self, now: float | None = None) -> float:
         """Seconds of this epoch's training, the part before a resume included."""
         return self.resumed_s + (time.perf_counter() if now is None else now) - self.t_start
+
+
+def check_target_metric(task: Task, target: str | None) -> None:
+    """``--target NAME=VALUE`` names a metric the task reports, before any training: the metric names
+    an empty evaluator computes. An evaluator that cannot compute before it has seen data (COCO's
+    reads the annotations it was given) leaves the check to the first validation."""
+    parsed = parse_target(target)
+    if not parsed:
+        return
+    try:
+        known = set(task.evaluator().compute()) | {"train_loss", "images_per_s"}
+    except Exception:  # noqa: BLE001 (a best-effort early check: the first validation checks again)
+        return
+    if parsed[0] not in known:
+        raise ConfigError(f"--target {parsed[0]}: not a metric of this run; valid: {', '.join(sorted(known))}")
 
 
 def first_step(run: Run, batches: Iterator[Any], wait: DataWait) -> StepResult:

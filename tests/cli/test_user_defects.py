@@ -169,3 +169,12 @@ def test_an_unsupported_device_is_one_line(device, tiny_microscopy, tmp_path, ca
                            *TINY[:-4], "--device", device)
     one_line_error(code, err, "--device", device)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_target_the_run_does_not_report_is_refused_before_training(tiny_microscopy, tmp_path, capsys):
+    run = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", tiny_microscopy, "--out", run, *TINY,
+                           "--target", "dice2=0.5")
+    line = one_line_error(code, err, "--target dice2", "not a metric", "dice", "iou")
+    assert "epoch" not in err.replace(line, "")  # no epoch ran: the check is before training
+    assert not (run / "checkpoints").exists()
