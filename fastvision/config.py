@@ -313,7 +313,11 @@ def read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         return data
     if not isinstance(base, str):
         raise ConfigError(f"{path}: extends must name one recipe")
-    return merge(read_recipe(recipe_path(base), (*seen, path.resolve())), data)
+    try:
+        base_path = recipe_path(base)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: extends: {e}") from None
+    return merge(read_recipe(base_path, (*seen, path.resolve())), data)
 
 
 def load(recipe: str, overrides: list[dict[str, Any]] = ()) -> RunConfig:
@@ -321,6 +325,10 @@ def load(recipe: str, overrides: list[dict[str, Any]] = ()) -> RunConfig:
     path = recipe_path(recipe)
     data = read_recipe(path)
     data["recipe"] = path.stem
+    try:  # the file's own keys first, so an error in them names the file (an override's names the override)
+        from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     for over in overrides:
         data = merge(data, over)
     return from_dict(data)

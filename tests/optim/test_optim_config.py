@@ -153,3 +153,16 @@ def test_recipe_extends_another(tmp_path):
     b.write_text(f"extends: {a}\n")
     with pytest.raises(ConfigError, match="cycle"):
         config.load(str(a))
+
+
+def test_an_error_in_a_recipe_file_names_the_file(tmp_path):
+    bad_key, bad_base = tmp_path / "key.yaml", tmp_path / "base.yaml"
+    bad_key.write_text("extends: unet2d-microscopy\ntrain: {epoch: 1}\n")
+    bad_base.write_text("extends: nosuch\n")
+    with pytest.raises(ConfigError, match=r"key\.yaml: unknown key train\.epoch"):
+        config.load(str(bad_key))
+    with pytest.raises(ConfigError, match=r"base\.yaml: extends: unknown recipe 'nosuch'"):
+        config.load(str(bad_base))
+    # the same mistake in an override is the override's: no file named
+    with pytest.raises(ConfigError, match=r"^unknown key train\.epoch"):
+        config.load("unet2d-microscopy", [config.parse_override("train.epoch=1")])
