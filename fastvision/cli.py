@@ -274,10 +274,17 @@ def _predict_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="shard the cases over N local processes (torchrun)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage is one ``--help`` away), exit status 2 as before."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fastvision import __version__
 
-    parser = argparse.ArgumentParser(prog="fastvision", description="Train image models fast: CPU, one GPU, many nodes.")
+    parser = _Parser(prog="fastvision", description="Train image models fast: CPU, one GPU, many nodes.")
     parser.add_argument("--version", action="version", version=f"fastvision {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

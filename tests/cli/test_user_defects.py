@@ -178,3 +178,14 @@ def test_a_target_the_run_does_not_report_is_refused_before_training(tiny_micros
     line = one_line_error(code, err, "--target dice2", "not a metric", "dice", "iou")
     assert "epoch" not in err.replace(line, "")  # no epoch ran: the check is before training
     assert not (run / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [(["train", "unet2d-microscopy", "--amp", "fp8"], "--amp"),
+                                          (["benchmark", "unet2d-microscopy", "--mode", "trian"], "--mode"),
+                                          (["trian"], "COMMAND")])
+def test_a_misspelled_choice_is_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert needle in err and "invalid choice" in err and "--help" in err
