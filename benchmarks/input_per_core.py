@@ -54,7 +54,7 @@ def measure(recipe: str, kind: str, opts: dict, batch: int, sets: list[str], tmp
 def plan(recipe: str, report: Path, gpu: str, hardware: str, gpus: int, out: Path) -> dict:
     path = out / recipe / "plan.json"
     argv = ["plan", recipe, "--gpu", gpu, "--hardware", hardware, "--gpus", str(gpus), "--no-switches",
-            "--input-rate", str(report), "--json", str(path)]
+            "--input-rate", str(report), "--json", str(path), "--force"]
     if cli.main(argv) != 0:
         raise SystemExit(f"plan {recipe} failed")
     return json.loads(path.read_text())

@@ -1,6 +1,4 @@
 """``python -m fastvision`` is the ``fastvision`` command."""
-import sys
+from fastvision.cli import entry
 
-from fastvision.cli import main
-
-sys.exit(main())
+entry()

@@ -403,5 +403,17 @@ def _leave_process_group(clean: bool) -> None:
         dist.shutdown(join_threads=clean)
 
 
+def entry() -> None:
+    """The ``fastvision`` command: :func:`main`, then exit with its status. A command that left a
+    process group after an error (its threads possibly inside a collective) exits without
+    finalizing the interpreter (:func:`fastvision.dist.exit_process`), so a peer leaving at the same
+    moment cannot turn its exit status into SIGABRT."""
+    code = main()
+    comm = sys.modules.get("fastvision.dist.comm")  # loaded only by commands that used torch.distributed
+    if comm is not None:
+        comm.exit_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

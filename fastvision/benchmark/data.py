@@ -77,11 +77,14 @@ class _Path:
         b = run.task.augment(b, self.generator)
         return run.task.batch_size(b)
 
-    def chunk(self, n: int) -> None:
-        """Times ``n`` batches: after the tree is idle and this path's head start is taken untimed."""
+    def chunk(self, n: int, settle: dict[str, float]) -> None:
+        """Times ``n`` batches: after the tree is idle and this path's head start is taken untimed.
+        ``settle["timeout"]``: how long to wait for idle; once a wait runs out (something keeps a core
+        busy) later ones wait 2 s, so a tree that never idles costs one long wait, not one per turn."""
         sync = self.run.device.type == "cuda"
-        if not wait_idle():  # every loader's producers have filled their queues and blocked
+        if not wait_idle(timeout=settle["timeout"]):  # every loader's producers have filled their queues
             self.unsettled += 1
+            settle["timeout"] = 2.0
         for _ in range(self.lead):  # built ahead while this path waited, then refilled: not timed
             self.batch()
         if sync:
@@ -156,9 +159,10 @@ def run_data_benchmark(cfg: RunConfig, caches: list[str], *, batches: int = 40, 
                 p.batch()
             log.info("data benchmark: %s warmed up (%d batches): %s", p.cache, n, p.pipeline)
         per_round = math.ceil(batches / rounds)
+        settle = {"timeout": 30.0}
         for _ in range(rounds):
             for p in paths:
-                p.chunk(per_round)
+                p.chunk(per_round, settle)
     finally:
         for p in paths:
             p.close()

@@ -395,8 +395,8 @@ def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
     console.print(table)
     unsettled = sum(r["unsettled_chunks"] for r in report["results"])
     if unsettled:
-        console.print(f"note: {unsettled} chunk(s) started before the loaders went idle (something kept a core busy "
-                      "for 30 s): their modes may share the CPU")
+        console.print(f"note: {unsettled} turn(s) started before the loaders went idle (something kept a core busy "
+                      "past the wait): their modes may have shared the CPU")
     console.print(f"items/s per core: items over the CPU seconds of this process tree in the timed batches, on "
                   f"{report['host_cpu']}; pass the JSON to `fastvision plan {report['recipe']} --input-rate FILE`")
     out = args.out or Path("runs/benchmark")

@@ -23,6 +23,7 @@ from fastvision.dist.comm import (
                                   all_reduce_sum,
                                   barrier,
                                   broadcast_object,
+                                  exit_process,
                                   gather_objects,
                                   horovod,
                                   init,
@@ -44,6 +45,6 @@ from fastvision.dist.wrap import (
 )
 
 __all__ = ["DistEnv", "EvalSampler", "TrainSampler", "all_reduce_sum", "barrier", "broadcast_object", "broadcast_state",
-           "detect_env", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init", "is_main", "job_key", "joined",
+           "detect_env", "exit_process", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init", "is_main", "job_key", "joined",
            "launch_local", "no_sync", "rank", "shutdown", "strip_option", "synchronized", "unwrap", "world_size",
            "wrap_model", "wrap_optimizer"]

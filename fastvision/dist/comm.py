@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
 import sys
 from datetime import timedelta
 from typing import Any
@@ -198,6 +199,24 @@ def shutdown(join_threads: bool = True) -> None:
         del pg
         if _held:
             _release_held()
+
+
+def exit_process(code: int):
+    """End the process with ``code``. After :func:`shutdown` left a group with its threads running
+    (``join_threads=False``, after an error), without finalizing the interpreter: a gloo thread whose
+    peer disconnects then (the other ranks leaving too) asks for the GIL while it finalizes and is
+    ended inside a C++ destructor, SIGABRT, and the launcher sees -6 for the error's own exit code.
+    Output is flushed and logging shut down first; atexit handlers do not run (a handler that joins
+    those threads could wait on the stuck collective). Otherwise a plain ``sys.exit``."""
+    if not _kept:
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more to say
+            pass
+    os._exit(code)
 
 
 _held: list = []  # gloo groups init() made; freed by _release_held() once nothing else holds them

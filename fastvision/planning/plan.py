@@ -407,6 +407,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--no-switches", action="store_true", help="skip the what-if switches (fewer traces)")
     p.add_argument("--json", type=Path, help="write the plan as JSON")
     p.add_argument("--png", type=Path, help="write time and cost against GPU count")
+    p.add_argument("--force", action="store_true", help="replace an existing --json / --png file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override (repeatable)")
     p.set_defaults(func=cmd_plan)
 
@@ -422,6 +423,7 @@ def _pair(text: str) -> tuple[float, float]:
 
 
 def cmd_plan(args) -> int:
+    from fastvision.api import refuse_overwrite
     from fastvision.config import load, parse_override
 
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
@@ -435,6 +437,9 @@ def cmd_plan(args) -> int:
     work = Workload(data=args.data, dataset_size=args.dataset_size, batch=args.batch_size,
                     achieved=_pair(args.achieved) if args.achieved else None, calibrate=args.calibrate,
                     input_rate=args.input_rate, fixed_ms=args.fixed_ms)
+    for path, flag in ((args.json, "--json"), (args.png, "--png")):  # refused before the trace, not after it
+        if path:
+            refuse_overwrite(path, args.force, flag)
     plan = make_plan(cfg, cluster, work, switches=not args.no_switches, min_efficiency=args.min_efficiency)
     print(text_report(plan))  # the CLI's output, not library logging
     if args.json:

@@ -566,6 +566,9 @@ def _stuck_worker(out: Path) -> None:
         t0 = time.monotonic()
         dist.shutdown(join_threads=False)
         (out / "stuck0.json").write_text(json.dumps({"shutdown_s": time.monotonic() - t0}))
+        # rank 1 leaves now, while this rank exits: the way the CLI ends (its exit code, no SIGABRT
+        # from the stuck thread meeting the closed connection as the interpreter finalizes)
+        dist.exit_process(0)
     else:  # alive (connected) until rank 0 has left, or the test's limit
         _wait_for(out / "stuck0.json", 50)
         os._exit(0)

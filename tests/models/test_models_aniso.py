@@ -13,6 +13,7 @@ from torch import nn
 
 from fastvision.inference.window import sliding_window
 from fastvision.models import create_model
+from fastvision.errors import ConfigError
 
 
 def test_residual_anisotropic_unet_matches_monai():
@@ -72,7 +73,7 @@ def test_segresnet_anisotropic(upsample):
 
 
 def test_bad_geometry_is_a_clear_error():
-    with pytest.raises(ValueError, match="one entry per spatial axis"):
+    with pytest.raises(ConfigError, match="model unet3d: .*one entry per spatial axis"):
         create_model("unet3d", filters=(4, 8), strides=[1, [2, 2]])
-    with pytest.raises(ValueError, match="one kernel or one per filter"):
+    with pytest.raises(ConfigError, match="one kernel or one per filter"):
         create_model("unet3d", filters=(4, 8, 16), kernel_size=[[3, 3, 1], [3, 3, 3]])

@@ -248,5 +248,5 @@ def test_channels_last_input(name, kw, shape):
 
 
 def test_residual_layout_rejects_strided_bottleneck():
-    with pytest.raises(ValueError, match=r"strides\[-1\] == 1"):
+    with pytest.raises(ConfigError, match=r"strides\[-1\] == 1"):
         create_model("unet", residual=True, filters=(8, 16), strides=(2, 2))

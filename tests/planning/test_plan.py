@@ -197,6 +197,13 @@ def test_plan_cli_table_json_png(tmp_path, capsys):
     assert e["cost"][0] == pytest.approx(e["gpu_hours"][0] * 0.5)
     assert (tmp_path / "plan.png").stat().st_size > 0
     assert main(["plan", "unet2d-microscopy", "--gpu", "H900"]) == 2
+    # an existing --json is not overwritten without --force (refused before the trace), and is with it
+    before = out.read_text()
+    capsys.readouterr()
+    assert main(["plan", "unet2d-microscopy", "--gpus", "8", "--no-switches", "--json", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err and out.read_text() == before
+    assert main(["plan", "unet2d-microscopy", "--gpus", "8", "--no-switches", "--json", str(out), "--force"]) == 0
+    assert json.loads(out.read_text())["gpus"] == 8
 
 
 @pytest.mark.slow
