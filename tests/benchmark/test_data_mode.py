@@ -78,10 +78,12 @@ def test_tree_cpu_counts_a_worker_process_and_idle_waits_for_it():
 def test_items_per_core_is_one_over_the_cpu_cost_of_an_item(tmp_path, loader):
     report, _ = _data_mode(tmp_path, "--set", f"data.loader={loader}", "--set", "data.num_workers=2")
     row = report["results"][0]
-    assert row["items"] == 24 * 4 and row["cpu_s"] > 24 * 4 * COST * 0.95
     # each item costs COST of some thread's CPU: at most 1/COST items per core; the main thread's
-    # copy and the loader's collation add a little
-    assert 0.6 / COST < row["items_per_cpu_s"] <= 1.08 / COST, row  # 1.08: clock ticks of the children
+    # copy and the loader's collation add a little. A worker process's CPU time is read in clock
+    # ticks (10 ms) at each turn's start and end, so the sum is good to a few ticks either way;
+    # a count that missed the workers would read several times 1/COST
+    assert row["items"] == 24 * 4 and row["cpu_s"] > 24 * 4 * COST * 0.85
+    assert 0.6 / COST < row["items_per_cpu_s"] <= 1.15 / COST, row
     # ready: 2 workers x 2 (DataLoader) or a window of 2 x 2 less the one handed out (threads); + 1 per worker
     assert row["prefetch_untimed"] == (4 if loader == "processes" else 3) + 2
 
