@@ -69,6 +69,8 @@ def _cmd_profile(args) -> int:
 
     if args.out:  # checked before profiling: a refusal costs nothing
         refuse_overwrite(args.out, args.force)
+    if args.trace:  # a trace folder holds the rank files of one run: another run's are not replaced unasked
+        refuse_overwrite(args.trace, args.force, "--trace")
     flat = {k: v for k, v in {"data": args.data, "device": args.device, "batch_size": args.batch_size,
                               "amp": args.amp}.items() if v is not None}
     cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])
@@ -111,7 +113,7 @@ def add_profile_cli(subparsers) -> None:
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler Chrome trace into DIR")
     p.add_argument("--synthetic", action="store_true", help="device-resident synthetic batches (no data pipeline)")
     p.add_argument("--out", help="report folder (default runs/profile-<recipe>-<time>); new or empty unless --force")
-    p.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing its report")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out or --trace, replacing its files")
     p.add_argument("--data", help="dataset folder (data.args.path)")
     p.add_argument("--device")
     p.add_argument("--batch-size", type=int)

@@ -171,3 +171,8 @@ def test_trace_names_the_ops_that_take_the_step(tmp_path):
     # the per-step figures are per profiled step (6): a step's conv time is below the step's wall time
     assert ops[0]["ms_per_step"] < report["step_ms"]["mean"] * 1.5
     assert "top ops (self CPU time)" in (tmp_path / "traced" / "profile.txt").read_text()
+    # a second profile into the same trace folder is refused (before profiling) unless --force
+    before = (tmp_path / "trace" / "trace_rank0.json").stat().st_mtime_ns
+    assert cli.main(["profile", "unet2d-microscopy", "--synthetic", "--device", "cpu", "--out", str(tmp_path / "again"),
+                     "--trace", str(tmp_path / "trace")]) == 2
+    assert (tmp_path / "trace" / "trace_rank0.json").stat().st_mtime_ns == before and not (tmp_path / "again").exists()
