@@ -176,7 +176,8 @@ def add_cli(subparsers) -> None:
     s.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node with --links")
     s.add_argument("--input-rate", type=float,
                    help="host input path: items/s per loader process (or per core without --input-workers)")
-    s.add_argument("--input-json", type=Path, help="read --input-rate from `fastvision benchmark RECIPE --mode data`")
+    s.add_argument("--input-json", type=Path, help="read --input-rate from `fastvision benchmark RECIPE --mode data`: "
+                                                   "its items/s per host core (a fully busy loader process)")
     s.add_argument("--input-workers", type=int, help="loader processes per GPU (default: a pool over all cores)")
     s.add_argument("--dali", action="store_true", help="GPU-side decode (DALI 'mixed'): no host input limit")
     s.add_argument("--sync", default="ddp", choices=sorted(BACKENDS),
