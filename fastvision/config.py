@@ -326,9 +326,11 @@ def load(recipe: str, overrides: list[dict[str, Any]] = ()) -> RunConfig:
     data = read_recipe(path)
     data["recipe"] = path.stem
     try:  # the file's own keys first, so an error in them names the file (an override's names the override)
-        from_dict(data)
+        cfg = from_dict(data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    if not overrides:
+        return cfg
     for over in overrides:
         data = merge(data, over)
     return from_dict(data)

@@ -375,7 +375,7 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
     t_log, last_log = meter.t_start, start
     batches = iter(run.train_loader)
     for i in range(start + 1, steps + 1):
-        out = train_step(step, batches, wait) if state["step"] or i > start + 1 else first_step(run, batches, wait)
+        out = first_step(run, batches, wait) if state["step"] == 0 else train_step(step, batches, wait)
         meter.add(out.loss, out.skipped, out.images)
         state["step"] += 1
         guard.record(state["step"], out)

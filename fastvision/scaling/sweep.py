@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["BACKENDS", "FIELDS", "LINKS", "Backend", "Hardware", "InputPipeline", "Link", "StepProfile", "add_cli",
            "allreduce_s", "bucket_count", "hardware_presets", "load_hardware", "markdown_table", "plot_simulation",
-           "plot_sweep", "predict_step_time", "read_input_rate", "read_run", "ring_allreduce_s",
+           "plot_sweep", "predict_step_time", "read_run", "ring_allreduce_s",
            "simulate", "simulation_markdown", "summarize", "sweep", "train_args", "tree_allreduce_s",
            "with_link", "write_report"]
 
@@ -134,14 +134,6 @@ def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "we
 
 
 
-def read_input_rate(path: Path) -> tuple[float, str]:
-    """Items/s per host core from a ``fastvision benchmark RECIPE --mode data`` JSON report
-    (:func:`fastvision.benchmark.data.read_input_rate`): ``(rate, what it is)``."""
-    from fastvision.benchmark.data import read_input_rate as read
-
-    return read(path, "--input-json")
-
-
 def add_cli(subparsers) -> None:
     """``fastvision scale``: a world-size sweep of a recipe, or the simulator alone."""
     p = subparsers.add_parser("scale", help="data-parallel scaling study: sweep world sizes, or --simulate",
@@ -205,7 +197,9 @@ def _pipeline(args) -> InputPipeline | None:
         return InputPipeline("dali", device="gpu")
     rate, workers = args.input_rate, args.input_workers
     if args.input_json:
-        rate, what = read_input_rate(args.input_json)
+        from fastvision.benchmark.data import read_input_rate
+
+        rate, what = read_input_rate(args.input_json, "--input-json")
         log.info("input path: %.1f items/s per core from %s (%s)", rate, args.input_json, what)
     return InputPipeline("cpu", "cpu", rate, workers) if rate else None
 
