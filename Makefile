@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: demo test venv clean horovod dali
+.PHONY: demo test lint venv clean horovod dali
 
 $(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -35,6 +35,15 @@ TEST_WORKERS ?= 2
 TEST_THREADS ?= 1
 test: $(VENV)/.test
 	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# ruff (the version the [lint] extra pins; rules in pyproject.toml): pyflakes, bugbear, pycodestyle
+# (line length 120), import order, pyupgrade, over the package, its tests, benchmarks and scripts.
+$(VENV)/.lint: $(VENV)/.base
+	$(PIP) -e ".[lint]"
+	touch $@
+
+lint: $(VENV)/.lint
+	$(VENV)/bin/ruff check fastvision tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) runs

@@ -60,7 +60,7 @@ import sys, time, torch, torch.distributed as d
 rank, port, mode, steps = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 torch.set_num_threads(1)
 d.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-from fastvision.dist.preempt import Agreement
+from fastvision.distributed.preempt import Agreement
 if mode == "before":
     agree = Agreement(300.0)
     call = lambda s: agree.exchange([0, 0])

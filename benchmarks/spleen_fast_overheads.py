@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from spleen_fast_vs_baseline import fastvision_run  # noqa: E402  (benchmarks/ is the script's folder)
 
 import fastvision

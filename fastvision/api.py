@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastvision import config, dist
-from fastvision.config import RunConfig
+from fastvision import config, distributed
 from fastvision.engine import checkpoint
 from fastvision.errors import ConfigError, DataError, Preempted
 
@@ -112,16 +111,16 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
     from fastvision.engine import fit
 
     cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
-    joined = not dist.joined()  # a group the caller made stays theirs
-    env, device = dist.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
-    clean = False  # every rank ended together: gloo's threads can be joined (dist.shutdown)
+    joined = not distributed.joined()  # a group the caller made stays theirs
+    env, device = distributed.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
+    clean = False  # every rank ended together: gloo's threads can be joined (distributed.shutdown)
     try:
         if cfg.train.batch_size == "auto":  # rank 0 searches; every rank trains with its answer
             from fastvision.planning.autobatch import resolve_auto_batch
 
-            cfg.train.batch_size = dist.broadcast_object(resolve_auto_batch(cfg, device) if env.is_main else None)
+            cfg.train.batch_size = distributed.broadcast_object(resolve_auto_batch(cfg, device) if env.is_main else None)
         # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
-        run_dir, ckpt = dist.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
+        run_dir, ckpt = distributed.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
         summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
         if env.is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -131,7 +130,7 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
         raise
     finally:
         if joined:  # leave the process group this call joined, also after an error or a stop signal
-            dist.shutdown(join_threads=clean)
+            distributed.shutdown(join_threads=clean)
     return summary
 
 

@@ -63,13 +63,13 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from fastvision import dist
+    from fastvision import distributed
     from fastvision.api import run_training
     from fastvision.config import parse_override
 
-    if args.nproc > 1 and dist.detect_env().launcher == "single":
+    if args.nproc > 1 and distributed.detect_env().launcher == "single":
         # Re-run this very command under torch's launcher, one process per worker.
-        return dist.launch_local(args.nproc, ["-m", "fastvision.cli", *dist.strip_option(args.argv, "--nproc")],
+        return distributed.launch_local(args.nproc, ["-m", "fastvision.cli", *distributed.strip_option(args.argv, "--nproc")],
                                  backend=args.backend or "ddp")
     if args.pretrained:
         args.set.append(f"model.args.pretrained={args.pretrained}")
@@ -127,7 +127,7 @@ def _format_value(key: str, value: Any) -> str:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from fastvision import dist
+    from fastvision import distributed
     from fastvision.api import expand_inputs, is_volume_input, predict, refuse_overwrite
     from fastvision.inference.folds import is_folds_dir, predict_volumes
 
@@ -143,9 +143,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
         written = predict(args.checkpoint, args.inputs, args.out, device=args.device)
         print(f"wrote {len(written)} files to {args.out}")
         return 0
-    if args.nproc > 1 and dist.detect_env().launcher == "single":
+    if args.nproc > 1 and distributed.detect_env().launcher == "single":
         # one process per shard of the cases, under torch's launcher (as train --nproc)
-        return dist.launch_local(args.nproc, ["-m", "fastvision.cli", *dist.strip_option(args.argv, "--nproc")])
+        return distributed.launch_local(args.nproc, ["-m", "fastvision.cli", *distributed.strip_option(args.argv, "--nproc")])
     tta = args.tta_axes if args.tta_axes else args.tta
     res = predict_volumes(args.checkpoint, args.inputs, args.out, folds=args.folds, tta=tta,
                           postprocess_mode=args.postprocess, device=args.device, force=args.force)
@@ -394,22 +394,22 @@ def main(argv: list[str] | None = None) -> int:
 def _leave_process_group(clean: bool) -> None:
     """Leave a process group a command joined and did not leave (tune, benchmark, profile, predict
     under torchrun): gloo's worker threads must be joined before the interpreter finalizes, or one of
-    them can abort the process at exit (``dist.shutdown``). Torch is not imported for it."""
+    them can abort the process at exit (``distributed.shutdown``). Torch is not imported for it."""
     if "torch.distributed" not in sys.modules:
         return
-    from fastvision import dist
+    from fastvision import distributed
 
-    if dist.joined():
-        dist.shutdown(join_threads=clean)
+    if distributed.joined():
+        distributed.shutdown(join_threads=clean)
 
 
 def entry() -> None:
     """The ``fastvision`` command: :func:`main`, then exit with its status. A command that left a
     process group after an error (its threads possibly inside a collective) exits without
-    finalizing the interpreter (:func:`fastvision.dist.exit_process`), so a peer leaving at the same
+    finalizing the interpreter (:func:`fastvision.distributed.exit_process`), so a peer leaving at the same
     moment cannot turn its exit status into SIGABRT."""
     code = main()
-    comm = sys.modules.get("fastvision.dist.comm")  # loaded only by commands that used torch.distributed
+    comm = sys.modules.get("fastvision.distributed.comm")  # loaded only by commands that used torch.distributed
     if comm is not None:
         comm.exit_process(code)
     sys.exit(code)

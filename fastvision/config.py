@@ -121,7 +121,7 @@ class TrainConfig:
     requeue: bool = False  # under SLURM: `scontrol requeue $SLURM_JOB_ID` after a signal's checkpoint
     dist_timeout_s: float = 300.0  # a collective waiting longer on a lost peer fails the job
     # a multi-rank run without progress this long (no step, no validation batch) is hung: every live
-    # rank writes its stacks to RUN/hang/, rank 0 names the missing ranks, exit 124 (dist/watchdog.py);
+    # rank writes its stacks to RUN/hang/, rank 0 names the missing ranks, exit 124 (distributed/watchdog.py);
     # below dist_timeout_s; 0 or null: off
     hang_timeout_s: float | None = 240.0
 

@@ -334,7 +334,7 @@ def add_cli(subparsers) -> None:
 def cmd_benchmark(args) -> int:
     from rich.console import Console
 
-    from fastvision import dist
+    from fastvision import distributed
     from fastvision.api import refuse_overwrite
     from fastvision.config import load, parse_override
 
@@ -342,7 +342,7 @@ def cmd_benchmark(args) -> int:
     out_dir = args.out or Path("runs/benchmark")
     for suffix in (".json", ".md"):  # checked before the run: a refusal costs no benchmark time
         refuse_overwrite(out_dir / f"{cfg.recipe}-{args.mode}{suffix}", args.force)
-    env, device = dist.init(args.device)
+    env, device = distributed.init(args.device)
     if env.world_size > 1:
         raise ConfigError("benchmark measures one device; run it without torchrun/srun (see `fastvision scale`)")
     if args.mode == "data":
@@ -373,8 +373,7 @@ def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
     from rich.table import Table
 
     from fastvision.benchmark.data import markdown as data_markdown
-    from fastvision.benchmark.data import per_core_text
-    from fastvision.benchmark.data import run_data_benchmark
+    from fastvision.benchmark.data import per_core_text, run_data_benchmark
 
     cfg.train.device = str(device)
     if args.data:

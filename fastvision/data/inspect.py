@@ -9,8 +9,9 @@ folder reports on it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -85,7 +86,7 @@ def inspect_microscopy(path: Path, **settings: Any) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"data inspect --set {sorted(unknown)[0]}: valid for microscopy: {', '.join(defaults)}")
     rule = {**defaults, **settings}
-    stops = (f"files training stops on (as data.args "
+    stops = ("files training stops on (as data.args "
              + ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in rule.items()) + ")")
 
     unusable: dict[str, list[str]] = {}  # what training would stop on: every one listed, then exit 2

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import collections
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Iterable, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from fastvision.dist.samplers import TrainSampler
+from fastvision.distributed.samplers import TrainSampler
 from fastvision.errors import ConfigError
 from fastvision.utils.tree import map_tensors, tensors
 

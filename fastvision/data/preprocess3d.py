@@ -18,13 +18,15 @@ reorientation to RAS: index i grows towards world +x (Right), j towards +y (Ante
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from fastvision.data.nonfinite import NonFinite
 from fastvision.data.spatial3d import (  # noqa: F401  (re-exported: the geometry of this module's output)
     label_onto_image,
     orientation_to_ras,
@@ -34,7 +36,6 @@ from fastvision.data.spatial3d import (  # noqa: F401  (re-exported: the geometr
     spacing_grid,
     spacing_of,
 )
-from fastvision.data.nonfinite import NonFinite
 from fastvision.errors import ConfigError, DataError
 
 try:  # nibabel is the optional "medical" extra

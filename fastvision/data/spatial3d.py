@@ -20,7 +20,8 @@ cancels) runs as three separable 1-D interpolations, so no (X, Y, Z, 3) sampling
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -24,7 +24,8 @@ import hashlib
 import inspect
 import json
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from fastvision import dist, losses, models, optim, tasks  # noqa: F401  (import registers)
+from fastvision import distributed, losses, models, optim, tasks  # noqa: F401  (import registers)
 from fastvision.config import RunConfig
 from fastvision.data import formats  # noqa: F401  (importing the package registers every dataset format)
 from fastvision.data.formats import DatasetSplits
@@ -33,7 +34,7 @@ class Run:
     """
 
     cfg: RunConfig
-    env: dist.DistEnv
+    env: distributed.DistEnv
     device: torch.device
     task: Task
     model: nn.Module  # bare model (what checkpoints hold)
@@ -94,7 +95,7 @@ def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False,
             profiler's NVTX ranges).
     """
     tc = cfg.train
-    env, device = dist.init(tc.device, timeout_s=tc.dist_timeout_s, backend=tc.backend)
+    env, device = distributed.init(tc.device, timeout_s=tc.dist_timeout_s, backend=tc.backend)
     runtime.set_tf32(tc.tf32)
     runtime.set_threads(tc.cpu_threads)
     runtime.seed_everything(tc.seed, tc.deterministic)
@@ -122,7 +123,7 @@ def _build_training(run: Run, loaders: bool, wrap_train_set: Callable[[Any], Any
     run.lr = optim.effective_lr(cfg.optim, run.global_batch)
     optimizer = optim.build_optimizer(run.model, cfg.optim, run.lr)
     # horovod: DistributedOptimizer (a new object, so before the scheduler); DDP: unchanged
-    optimizer = dist.wrap_optimizer(optimizer, run.model, backward_passes_per_step=micro_steps)
+    optimizer = distributed.wrap_optimizer(optimizer, run.model, backward_passes_per_step=micro_steps)
     run.steps_per_epoch = tc.steps_per_epoch or 1  # without data (benchmark): the schedule's unit
     if loaders and run.train_set is not None:
         _build_loaders(run, micro_steps, wrap_train_set)
@@ -130,7 +131,7 @@ def _build_training(run: Run, loaders: bool, wrap_train_set: Callable[[Any], Any
     generator.manual_seed(runtime.augment_seed(tc.seed, env.rank))
     ema = make_ema(run.model, tc.ema_decay)
     apply_activation_checkpointing(run.model, tc.activation_checkpointing)  # the bare model, before DDP / compile
-    ddp = dist.wrap_model(run.model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
+    ddp = distributed.wrap_model(run.model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,
                           static_graph=tc.ddp_static_graph, comm_hook=tc.ddp_comm_hook)
     run.step = StepState(run.task, runtime.maybe_compile(ddp, tc.compile), optimizer,
                          optim.build_scheduler(optimizer, cfg.sched, run.steps_per_epoch, tc.epochs), run.precision,
@@ -161,15 +162,15 @@ def _build_loaders(run: Run, micro_steps: int, wrap_train_set: Callable[[Any], A
                           f"the {len(raw)} training items")
 
 
-def train_sampler(n: int, cfg: RunConfig, batch_size: int) -> dist.TrainSampler:
+def train_sampler(n: int, cfg: RunConfig, batch_size: int) -> distributed.TrainSampler:
     """The training order of ``n`` items: this rank's share of the (train.seed, epoch) permutation
     (emulated workers' micro-batches with ``train.emulate_workers``)."""
-    return dist.TrainSampler(n, seed=cfg.train.seed, shuffle=True, emulate_workers=cfg.train.emulate_workers,
+    return distributed.TrainSampler(n, seed=cfg.train.seed, shuffle=True, emulate_workers=cfg.train.emulate_workers,
                              batch_size=batch_size)
 
 
 def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device,
-                sampler: dist.TrainSampler | None = None):
+                sampler: distributed.TrainSampler | None = None):
     """Loader over a rank's shard: deterministic per (seed, epoch) for training. A validation set
     is cached as it is first read when ``data.cache`` is not ``none``.
 
@@ -178,7 +179,7 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
     step reads (docs/CONTRACTS.md).
     """
     if hasattr(dataset, "make_loader"):  # a dataset with its own sharding loader (DALI)
-        return dataset.make_loader(batch_size=batch_size, shard_id=dist.rank(), num_shards=dist.world_size(),
+        return dataset.make_loader(batch_size=batch_size, shard_id=distributed.rank(), num_shards=distributed.world_size(),
                                    seed=cfg.train.seed, device=device)
     if train:
         sampler = sampler or train_sampler(len(dataset), cfg, batch_size)
@@ -188,14 +189,14 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
             from fastvision.data.cache.select import wrap_val_set
 
             dataset = wrap_val_set(dataset, cache=cfg.data.cache, cache_dir=cfg.data.cache_dir)
-        sampler, drop_last = dist.EvalSampler(dataset), False
+        sampler, drop_last = distributed.EvalSampler(dataset), False
     return build_loader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=task.collate,
                         loader=cfg.data.loader, num_workers=cfg.data.num_workers, drop_last=drop_last,
                         seed=cfg.train.seed, repeats=cfg.data.repeats if train else 1,
                         pin_memory=device.type == "cuda")
 
 
-def cached_train_set(dataset, cfg: RunConfig, env: dist.DistEnv, device: torch.device, share=None):
+def cached_train_set(dataset, cfg: RunConfig, env: distributed.DistEnv, device: torch.device, share=None):
     """The training set behind the configured cache (``data.cache``). Its random transforms run
     per access with generators of (train.seed, epoch, sample index); with ``none`` a dataset
     without random transforms is returned unchanged. ``share``: ``epoch -> indices`` this rank

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastvision import dist, optim
+from fastvision import distributed, optim
 from fastvision.engine import checkpoint
 from fastvision.engine.state import load_weights
 from fastvision.engine.step import NonFiniteLossError, StepResult
@@ -109,7 +109,7 @@ class NonFiniteGuard:
         load_weights(checkpoint.load(good[0], "cpu"), rollback.run, lr_factor=factor)
         self.meter.counts[3].zero_()
         lr = f", learning rate x{factor:g}" if factor != 1 else ""
-        (log.warning if dist.is_main() else log.debug)(
+        (log.warning if distributed.is_main() else log.debug)(
             "step %d: %s; rolled back to %s (step %d)%s; continuing with the "
             "next batches (train.on_nonfinite: %s)", step, why, good[0], good[1], lr, self.action)
 
@@ -126,7 +126,7 @@ class NonFiniteGuard:
         # every rank skipped the same steps (all-reduced gradients): gather their items, a collective
         # at a log interval that had skipped steps only
         mine = [([i for part in ids for i in ids_text(part)], not math.isfinite(loss)) for _, ids, loss in bad[:_NAMED_STEPS]]
-        ranks = dist.gather_objects(mine)
+        ranks = distributed.gather_objects(mine)
         named = []
         for k, (n, _, _) in enumerate(bad[:_NAMED_STEPS]):
             items = [i for rank in ranks for i in rank[k][0]]
@@ -134,7 +134,7 @@ class NonFiniteGuard:
             why = "non-finite loss" if any(rank[k][1] for rank in ranks) else "non-finite gradient"
             named.append(f"{n} ({why}; items {', '.join(items[:_NAMED_ITEMS]) or '?'}{more})")
         rest = f", and {len(bad) - _NAMED_STEPS} more" if len(bad) > _NAMED_STEPS else ""
-        (log.warning if dist.is_main() else log.debug)(
+        (log.warning if distributed.is_main() else log.debug)(
             "%d step(s) skipped up to step %d, their updates not applied: step %s%s", len(bad), step,
             "; step ".join(named), rest)
         return len(bad)

@@ -4,17 +4,18 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import yaml
 from torch import nn
 
-from fastvision import dist
+from fastvision import distributed
 from fastvision.config import RunConfig
-from fastvision.dist.preempt import Preemption
-from fastvision.dist.watchdog import Watchdog, check_timeouts, point_dumps_at
+from fastvision.distributed.preempt import Preemption
+from fastvision.distributed.watchdog import Watchdog, check_timeouts, point_dumps_at
 from fastvision.engine import checkpoint, runtime
 from fastvision.engine.build import Run, build
 from fastvision.engine.guard import NonFiniteGuard
@@ -58,7 +59,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     NonFiniteGuard.validate(tc.max_nonfinite, tc.on_nonfinite)
     ckpt = checkpoint.load(resume, "cpu") if resume is not None else None  # RNG states stay CPU tensors
     if ckpt is not None:  # the world this process joined decides (horovodrun sets no variable detect_env reads)
-        joined, _ = dist.init(tc.device, timeout_s=tc.dist_timeout_s, backend=tc.backend)
+        joined, _ = distributed.init(tc.device, timeout_s=tc.dist_timeout_s, backend=tc.backend)
         cfg = keep_global_batch(cfg, ckpt, joined.world_size, joined.is_main)
     run = build(cfg, train=True)
     check_target_metric(run.task, tc.target)
@@ -67,7 +68,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
         state = restore(ckpt, run)
         at = state["position"] or Position(state["epoch"] + 1, 0, 0)
         log.info("resumed from %s at epoch %d step %d", resume, at.epoch, at.step)  # 0-based, as logged
-    dist.broadcast_state(run.model, run.step.optimizer)  # horovod: rank 0's weights (+ resumed state); DDP: no-op
+    distributed.broadcast_state(run.model, run.step.optimizer)  # horovod: rank 0's weights (+ resumed state); DDP: no-op
     wall_before = state["wall_time"]
     wall = lambda: wall_before + time.perf_counter() - started  # noqa: E731
     if run.env.is_main:
@@ -86,14 +87,14 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     saver = Checkpoints(run, resolved, wall, policy, preemption, guard)
     preemption.start(run.device, timed_checkpoints=saver.every.seconds is not None)
     point_dumps_at(run_dir / "hang")
-    doctor = Watchdog.for_run(tc.hang_timeout_s, run_dir / "hang", run.env.rank, dist.world_size())
+    doctor = Watchdog.for_run(tc.hang_timeout_s, run_dir / "hang", run.env.rank, distributed.world_size())
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     try:
         with preemption:
             _epochs(run, state, logger, saver, summary, doctor)
         doctor.close()  # a long last write is no hang; what follows is rank 0's alone
         saver.writer.join()  # the last checkpoint is on disk before the run reports
-        dist.barrier()
+        distributed.barrier()
         _summarise(run, state, logger, saver, summary, run_dir, wall)
     finally:
         doctor.close()
@@ -104,7 +105,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     return summary
 
 
-def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summary: dict, doctor: Watchdog) -> None:
+def _epochs(run: Run, state: dict, logger: RunLogger, saver: Checkpoints, summary: dict, doctor: Watchdog) -> None:
     """The epochs from where ``state`` stands: train, validate, checkpoint, check the target. A stop
     signal raises :class:`fastvision.errors.Preempted` once its checkpoint is durable."""
     tc, task, stop = run.cfg.train, run.task, saver.preemption
@@ -161,7 +162,7 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summ
     return None
 
 
-def _summarise(run: Run, state: dict, logger: RunLogger, saver: "Checkpoints", summary: dict, run_dir: Path,
+def _summarise(run: Run, state: dict, logger: RunLogger, saver: Checkpoints, summary: dict, run_dir: Path,
                wall: Callable[[], float]) -> None:
     last = logger.history[-1] if logger.history else {}
     summary.update({"epochs": state["epoch"] + 1, "train_time_s": state["train_time"],
@@ -194,13 +195,13 @@ class Checkpoints:
     def wait_written(self) -> None:
         """Every rank: the checkpoints rank 0 queued are on disk (before a rank reads one)."""
         self.writer.join()
-        dist.barrier()
+        distributed.barrier()
 
     def _timed(self) -> bool:
         """Rank 0's clock says a period's checkpoint is due (the ranks agree on it)."""
         return self.run.env.is_main and self.every.due_by_time()
 
-    def after_step(self, state: dict, epoch: int, i: int, meter: "EpochMeter") -> bool:
+    def after_step(self, state: dict, epoch: int, i: int, meter: EpochMeter) -> bool:
         """After step ``i`` of ``epoch``: write a step checkpoint when due; True when the run must stop
         (its checkpoint is then written)."""
         stop, timed = self.preemption.after_step(state["step"], self._timed())
@@ -208,7 +209,7 @@ class Checkpoints:
             self._save_position(state, epoch, i, meter)
         return stop
 
-    def agree_stop(self, state: dict, epoch: int, steps: int | None, meter: "EpochMeter | None") -> bool:
+    def agree_stop(self, state: dict, epoch: int, steps: int | None, meter: EpochMeter | None) -> bool:
         """At an epoch's end (``steps`` given: before validation, else after the epoch checkpoint):
         whether the ranks stop now. Before validation its checkpoint is of the last step, so a resume
         validates the epoch."""
@@ -219,7 +220,7 @@ class Checkpoints:
             self._save_position(state, epoch, steps, meter)
         return True
 
-    def _save_position(self, state: dict, epoch: int, i: int, meter: "EpochMeter") -> None:
+    def _save_position(self, state: dict, epoch: int, i: int, meter: EpochMeter) -> None:
         """A step checkpoint: the loop state at step ``i`` of ``epoch``, the epoch's counters with it."""
         state["position"] = Position(epoch, i, meter.samples, meter.state())
         self.save(state, step=True)
@@ -227,7 +228,7 @@ class Checkpoints:
 
     def save(self, state: dict, best: bool = False, step: bool = False) -> None:
         """Every rank calls this at the same step; rank 0 snapshots now and writes in the background."""
-        rng_ranks = dist.gather_objects(runtime.rng_state(self.run.step.generator))
+        rng_ranks = distributed.gather_objects(runtime.rng_state(self.run.step.generator))
         self.every.reset()
         state["wall_time"] = self.wall()
         paths = self.policy.files(state["step"], best=best, step=step, healthy=self.guard.healthy())
@@ -300,7 +301,7 @@ class EpochMeter:
         skipped_n += bad
         streak.mul_(bad).add_(bad)  # +1 when skipped, back to 0 when applied
         self.images += images
-        self.samples += images * dist.world_size()  # every rank trains as many items per step
+        self.samples += images * distributed.world_size()  # every rank trains as many items per step
 
     def state(self) -> dict[str, Any]:
         """Plain values (a host read: checkpoints only)."""
@@ -390,7 +391,7 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
             micro = (i - start) * step.micro_steps
             logger.step(epoch, i, state["step"], {
                 "loss": float(out.loss), "lr": step.optimizer.param_groups[0]["lr"],
-                "images_per_s": meter.images * dist.world_size() / max(meter.elapsed(now), 1e-9),
+                "images_per_s": meter.images * distributed.world_size() / max(meter.elapsed(now), 1e-9),
                 "step_time_s": (now - t_log) / (i - last_log),
                 "data_time_s": wait.seconds / micro, "compute_time_s": (now - meter.t_start - wait.seconds) / micro})
             t_log, last_log = now, i
@@ -398,9 +399,9 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
             return None
     elapsed = meter.elapsed()
     # one sync and one collective per epoch: the mean loss over every rank's applied steps
-    totals = dist.all_reduce_sum(meter.counts[:2].double())
+    totals = distributed.all_reduce_sum(meter.counts[:2].double())
     mean_loss = float(totals[0] / totals[1]) if float(totals[1]) else math.nan
-    return {"loss": mean_loss, "images_per_s": meter.images * dist.world_size() / max(elapsed, 1e-9), "time_s": elapsed}
+    return {"loss": mean_loss, "images_per_s": meter.images * distributed.world_size() / max(elapsed, 1e-9), "time_s": elapsed}
 
 
 @torch.no_grad()
@@ -424,6 +425,6 @@ def evaluate(model: nn.Module, task: Task, loader, device: torch.device, precisi
             out = task.eval_forward(model, batch)
         ev.update(out.float() if torch.is_tensor(out) else out, batch)
     state = ev.state().to(device)
-    ev.load_state(dist.all_reduce_sum(state).cpu())
+    ev.load_state(distributed.all_reduce_sum(state).cpu())
     model.train(was_training)
     return {} if stopped else ev.compute()

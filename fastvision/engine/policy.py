@@ -83,7 +83,7 @@ class CheckpointPolicy:
         self.good: tuple[Path, int] | None = None  # (rollback.pt, its step) once a healthy one is written
 
     @classmethod
-    def from_config(cls, tc, folder: Path) -> "CheckpointPolicy":
+    def from_config(cls, tc, folder: Path) -> CheckpointPolicy:
         """``train.checkpoint_every`` and ``keep_checkpoints``, checked (before anything is built)."""
         if tc.keep_checkpoints < 0:
             raise ConfigError(f"train.keep_checkpoints must be >= 0, got {tc.keep_checkpoints}")

@@ -186,13 +186,13 @@ class AutoCompile(nn.Module):
 
     Args:
         model: the (DDP-wrapped) model, registered as ``_orig_mod`` (torch.compile's name), so
-            ``parameters()``, ``dist.unwrap`` and ``no_sync`` see it; the compiled view shares it.
+            ``parameters()``, ``distributed.unwrap`` and ``no_sync`` see it; the compiled view shares it.
         trial: timed calls of each kind.
     """
 
     def __init__(self, model: nn.Module, trial: int = 3):
         super().__init__()
-        self._orig_mod = model  # torch.compile's name: dist.unwrap / no_sync and checkpoint keys see through it
+        self._orig_mod = model  # torch.compile's name: distributed.unwrap / no_sync and checkpoint keys see through it
         self.__dict__["compiled"] = torch.compile(model)  # not a submodule: no second parameter set
         self.trial, self.choice, self.reason = trial, "trying", ""
         self._calls, self._starts = 0, []

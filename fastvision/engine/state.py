@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastvision import __version__, dist
+from fastvision import __version__, distributed
 from fastvision.config import RunConfig, to_dict
 from fastvision.engine import checkpoint, runtime
 from fastvision.errors import ConfigError
@@ -51,7 +51,7 @@ class Position:
         return {"epoch": self.epoch, "step": self.step, "samples": self.samples, **self.meter}
 
     @classmethod
-    def from_dict(cls, saved: dict[str, Any] | None, global_batch: int) -> "Position | None":
+    def from_dict(cls, saved: dict[str, Any] | None, global_batch: int) -> Position | None:
         """A checkpoint's position; one written before ``samples`` was kept counts ``step`` x its
         ``global_batch``."""
         if not saved:
@@ -249,8 +249,8 @@ def keep_global_batch(cfg: RunConfig, ckpt: dict[str, Any], world_size: int, is_
     (a new config: ``cfg`` is not changed).
 
     Global batch = per-rank batch x accumulation x emulated workers x world size, where
-    ``world_size`` is the size of the group this process joined (``dist.init``'s: Horovod's
-    launcher, for one, sets no variable ``dist.detect_env`` reads). Where the saved global batch
+    ``world_size`` is the size of the group this process joined (``distributed.init``'s: Horovod's
+    launcher, for one, sets no variable ``distributed.detect_env`` reads). Where the saved global batch
     divides by this run's batch x world size, ``train.accum_steps`` is set to keep it (the sample
     order is then the same: step k reads positions [k*G, (k+1)*G) of the epoch's permutation);
     where not, one line says so and the learning rate follows the recipe's rule
@@ -290,7 +290,7 @@ def _public_defaults(reg, name: str) -> dict[str, Any]:
             if k not in ("loss", "augment", "info")}
 
 
-def environment(env: dist.DistEnv, device: torch.device) -> dict[str, Any]:
+def environment(env: distributed.DistEnv, device: torch.device) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"fastvision": __version__, "torch": torch.__version__, "python": platform.python_version(),
             "cuda": torch.version.cuda, "device": str(device), "gpu": gpu, "world_size": env.world_size,

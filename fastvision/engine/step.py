@@ -7,13 +7,14 @@ make their own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from fastvision import dist, optim
+from fastvision import distributed, optim
 from fastvision.errors import FastvisionError
 from fastvision.optim import torch_private
 
@@ -106,7 +107,7 @@ def train_step(state: StepState, batches: Iterator[Any], clock: Callable[[str], 
         mark("augment")
         batch = task.augment(batch, state.generator)
         mark("forward")
-        with dist.no_sync(model, micro + 1 < state.micro_steps):  # all-reduce on the last micro-batch only
+        with distributed.no_sync(model, micro + 1 < state.micro_steps):  # all-reduce on the last micro-batch only
             with state.precision.autocast():
                 loss = task.loss(task.forward(model, batch), batch)
             mark("backward")
@@ -115,7 +116,7 @@ def train_step(state: StepState, batches: Iterator[Any], clock: Callable[[str], 
         images += task.batch_size(batch)
     mark("optimizer")
     loss = torch.stack(micro_losses).mean()
-    with dist.synchronized(optimizer):  # horovod: all-reduce done before the checks, clip and step
+    with distributed.synchronized(optimizer):  # horovod: all-reduce done before the checks, clip and step
         found_inf = _found_inf(state)
         if state.clip_grad:
             nn.utils.clip_grad_norm_(model.parameters(), state.clip_grad)  # foreach, no host read

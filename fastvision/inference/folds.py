@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from fastvision import config, dist
+from fastvision import config, distributed
 from fastvision.errors import ConfigError, DataError
 from fastvision.inference import postprocess
 from fastvision.utils.files import atomic_write
@@ -115,7 +116,7 @@ def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | No
     cfg = config.load(recipe, [*overrides_to_dicts(overrides or {}), *extra])
     _check_reader_folds(cfg)
     folds = parse_folds(spec, int(cfg.data.args.get("num_folds", 5)))
-    env, _ = dist.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
+    env, _ = distributed.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
     root = Path(out)
     if env.is_main:
         if root.exists() and not root.is_dir():
@@ -124,7 +125,7 @@ def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | No
         root.mkdir(parents=True, exist_ok=True)
         _write_json(root / FOLDS_FILE, manifest)
     for k in folds:
-        done = dist.broadcast_object((fold_dir(root, k) / "summary.json").is_file() if env.is_main else None)
+        done = distributed.broadcast_object((fold_dir(root, k) / "summary.json").is_file() if env.is_main else None)
         if done:
             log.info("fold %d: finished already (%s), skipped", k, fold_dir(root, k) / "summary.json")
             continue
@@ -285,7 +286,7 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
     from fastvision.inference.nifti import predict_cases, prediction_cases
     from fastvision.inference.volumes import Ensemble, check_cases, input_channels, prepare_output, shard
 
-    path, env = Path(model), dist.detect_env()
+    path, env = Path(model), distributed.detect_env()
     if is_folds_dir(path):
         ckpts = fold_checkpoints(path, folds)
         run, _ = load_run(ckpts[0], device, with_data=False)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import gzip
 import os
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -20,8 +20,9 @@ without that class counts. The chosen steps go to ``postprocessing.json`` beside
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

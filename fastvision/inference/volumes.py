@@ -24,14 +24,14 @@ import json
 import logging
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from fastvision.errors import ConfigError, DataError
-from fastvision.inference import postprocess
 from fastvision.ops.regions import regions_to_classes
 from fastvision.utils.files import atomic_write
 

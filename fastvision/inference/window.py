@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F

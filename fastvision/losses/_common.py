@@ -2,7 +2,8 @@
 activations and MONAI's ``reduction`` shapes."""
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import Tensor, nn

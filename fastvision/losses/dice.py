@@ -7,7 +7,8 @@ returns ``(B, C)``.
 """
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import Tensor, nn

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from fastvision import dist
+from fastvision import distributed
 from fastvision.data.formats.coco import load_coco
 from fastvision.metrics import Evaluator
 from fastvision.utils.files import atomic_write
@@ -136,7 +137,7 @@ class COCOEvaluator(Evaluator):
         """
         local = float(len(self.detections))
         merged: dict[int, list[dict[str, Any]]] = {}
-        for part in dist.gather_objects(self.detections):
+        for part in distributed.gather_objects(self.detections):
             merged.update(part)
         self.detections = merged
         return torch.tensor([local], dtype=torch.float64)
@@ -151,7 +152,7 @@ class COCOEvaluator(Evaluator):
     def compute(self) -> dict[str, float]:
         """COCO metrics over the images seen (and writes the results JSON when asked)."""
         results = self.results()
-        if self.results_path is not None and dist.is_main():
+        if self.results_path is not None and distributed.is_main():
             write_results(results, self.results_path)
         metrics = coco_metrics(self.ann_file, results, img_ids=sorted(self.detections))
         metrics["images"] = float(len(self.detections))

@@ -9,7 +9,7 @@ with forced matches, and the Faster R-CNN box coder with weights (10, 10, 5, 5).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

@@ -5,7 +5,7 @@ the evaluation and ``fastvision predict`` all go through these two functions.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

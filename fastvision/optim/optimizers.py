@@ -1,7 +1,7 @@
 """Parameter groups, SGD/Adam/AdamW/Novograd, and the recipe's linear LR scaling."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn

@@ -19,7 +19,7 @@ import copy
 import gc
 import itertools
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from fastvision.errors import ConfigError
+from fastvision.planning import configure_rules as rules
 from fastvision.planning.configure_recipe import (
     choices,
     plan_json,
@@ -38,7 +39,6 @@ from fastvision.planning.configure_recipe import (
     table,
     write_recipe,
 )
-from fastvision.planning import configure_rules as rules
 
 log = logging.getLogger(__name__)
 

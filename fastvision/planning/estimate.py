@@ -28,10 +28,10 @@ import torch
 
 from fastvision import optim
 from fastvision.config import RunConfig
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import DataError
 from fastvision.planning.devices import GPU, get_gpu, training_precision
-from fastvision.planning.trace import StepTrace, trace_step
 from fastvision.planning.scale import _hardware, at_scale, step_line  # noqa: F401 (_hardware: the profile cache)
+from fastvision.planning.trace import StepTrace, trace_step
 
 WORKSPACE_FRACTION = 0.05  # allocator block rounding and fragmentation, share of the tensor peak
 WORKSPACE_FIXED = 0.75 * 2**30  # CUDA context (~0.3-0.5 GiB) + cuBLAS/cuDNN workspaces

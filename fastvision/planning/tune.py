@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from fastvision import __version__, config, dist
+from fastvision import __version__, config, distributed
 from fastvision.errors import ConfigError, DataError
 from fastvision.planning import tune_report
 from fastvision.planning.tune_search import Comparison, Switch, Trial, judge, order, search
 from fastvision.planning.tune_switches import SWITCH_KEYS, catalogue, check_keep, current, lr_line
 from fastvision.planning.tune_trial import TrialRunner
-from fastvision.utils.hostcpu import host_cpu_name
 from fastvision.utils.files import atomic_write
+from fastvision.utils.hostcpu import host_cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,8 @@ def cache_path(key: str) -> Path:
 def _agree(value: Any) -> Any:
     """Rank 0's value for every rank; a trial is dropped on every rank when any rank's errored."""
     if not isinstance(value, Trial):
-        return dist.broadcast_object(value)
-    every = dist.gather_objects(value)  # all ranks receive the same list
+        return distributed.broadcast_object(value)
+    every = distributed.gather_objects(value)  # all ranks receive the same list
     chosen = every[0]
     failed = next(((r, t) for r, t in enumerate(every) if t.reason.startswith("error")), None)
     if failed and not chosen.reason.startswith("error"):
@@ -104,7 +104,7 @@ def _agree(value: Any) -> Any:
 def run_tune(cfg: config.RunConfig, *, budget_s: float, keep: list[str], allow_batch: bool,
              runner: TrialRunner | None = None) -> dict[str, Any]:
     """Profile the start, search the switches, return the JSON-able result (every rank; rank 0's decisions)."""
-    env, device = dist.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
+    env, device = distributed.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
     switches = [s for s in catalogue(cfg, device, env.world_size, allow_batch) if s.key not in keep]
     start = current(cfg, sorted({s.key for s in switches}))
     runner = runner or TrialRunner(cfg)
@@ -133,7 +133,7 @@ def run_tune(cfg: config.RunConfig, *, budget_s: float, keep: list[str], allow_b
             "final": dataclasses.asdict(final) if final else None,
             "speedup": final.ratio if final and final.kept else 1.0, "lr_line": line, "seconds": result.seconds, "budget_s": budget_s,
             "steps_per_round": runner.k, "rounds": runner.rounds,
-            "rank_settings": dist.gather_objects(best)}
+            "rank_settings": distributed.gather_objects(best)}
 
 
 def final_check(runner: TrialRunner, start: dict[str, Any], best: dict[str, Any],
@@ -171,12 +171,12 @@ def cmd_tune(args) -> int:
     for p, flag in ((out, "--out"), (out.with_suffix(".png"), "--out"), (json_path, "--json")):
         if p is not None:
             refuse_overwrite(p, args.force, flag)
-    if args.nproc > 1 and dist.detect_env().launcher == "single":
-        return dist.launch_local(args.nproc, ["-m", "fastvision.cli", *dist.strip_option(args.argv, "--nproc")])
+    if args.nproc > 1 and distributed.detect_env().launcher == "single":
+        return distributed.launch_local(args.nproc, ["-m", "fastvision.cli", *distributed.strip_option(args.argv, "--nproc")])
     flat = {k: v for k, v in {"data": args.data, "device": args.device}.items() if v is not None}
     cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])
     data = data_fingerprint(cfg)  # a missing folder stops here, before any work
-    env, device = dist.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
+    env, device = distributed.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
     hw = hardware(device, env.world_size)
     key = cache_key(args.recipe, args.set, {"device": args.device, "keep": sorted(args.keep),
                                             "allow": sorted(args.allow)}, hw, data)

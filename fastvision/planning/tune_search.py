@@ -9,9 +9,10 @@ A setting is a flat mapping of dotted config keys to values (``{"data.cache": "r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Any, Callable
+from typing import Any
 
 GROUPS = ("input", "compute", "host", "communication")  # the order when the verdict names none
 MIN_GAIN = 0.03  # a candidate must also beat the incumbent by 3 %: a few rounds can agree by chance

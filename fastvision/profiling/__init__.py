@@ -64,7 +64,7 @@ def render(report: dict[str, Any]) -> Any:
 def _cmd_profile(args) -> int:
     from rich.console import Console
 
-    from fastvision import config, dist
+    from fastvision import config, distributed
     from fastvision.api import overrides_to_dicts, refuse_overwrite
 
     if args.out:  # checked before profiling: a refusal costs nothing
@@ -76,7 +76,7 @@ def _cmd_profile(args) -> int:
     cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])
     report = profile(cfg, steps=args.steps, warmup=args.warmup, nvtx=args.nvtx, trace=args.trace,
                      synthetic=args.synthetic)
-    if not dist.detect_env().is_main:
+    if not distributed.detect_env().is_main:
         return 0
     out = Path(args.out or f"runs/profile-{Path(cfg.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)

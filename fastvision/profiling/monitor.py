@@ -182,7 +182,7 @@ class NvmlSampler:
             self.readings.append(sample(self.handle))
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "NvmlSampler":
+    def __enter__(self) -> NvmlSampler:
         if self.handle is not None:
             self._thread.start()
         return self

@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from fastvision import dist, engine
+from fastvision import distributed, engine
 from fastvision.config import RunConfig
 from fastvision.data.loader import endless_batches
 from fastvision.profiling.monitor import NvmlSampler
@@ -192,7 +193,7 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
     if env.world_size > 1:  # backward without the all-reduce, to isolate its exposed time
         extra = [_Clock(device, False) for _ in range(min(steps, 5))]
         for c in extra:
-            with dist.no_sync(run.step.model):  # the step's own no_sync calls nest inside this one
+            with distributed.no_sync(run.step.model):  # the step's own no_sync calls nest inside this one
                 engine.train_step(run.step, batches, c)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -282,7 +283,7 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | 
     d, t = cfg.data, cfg.train
     if verdict == "input":
         if d.cache == "none":
-            cache = "shared" if dist.world_size() > 1 else "ram"
+            cache = "shared" if distributed.world_size() > 1 else "ram"
             return f"set data.cache: {cache} and data.loader: threads (cache the deterministic preprocessing once)"
         if d.loader == "processes":
             return "set data.loader: threads (no pickling or IPC of cached items)"

@@ -10,8 +10,9 @@ import csv
 import json
 import math
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from fastvision.utils.tables import markdown
 

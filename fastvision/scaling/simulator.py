@@ -39,8 +39,9 @@ Model (times in seconds, sizes in bytes; ``docs/distributed.md`` states where it
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 from fastvision.scaling.presets import HARDWARE_DIR, Hardware, Link, hardware_presets, load_hardware  # noqa: F401
 from fastvision.scaling.report import simulation_markdown  # re-exported: the table of simulate() rows

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from fastvision.scaling.report import (
     FIELDS,

@@ -8,9 +8,10 @@ Input-path rates are either stated in the YAML (with a source) or calibrated fro
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 

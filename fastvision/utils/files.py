@@ -5,8 +5,9 @@ import logging
 import os
 import secrets
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 import torch
 

@@ -1,7 +1,7 @@
 """Markdown tables: one writer for every report that prints one (scaling, simulator, validation)."""
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def markdown(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:

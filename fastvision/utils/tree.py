@@ -1,7 +1,8 @@
 """Walk the tensors of nested batches and states: dicts, lists and tuples of tensors and other values."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -101,7 +101,7 @@ def test_graph_reader_finds_a_planted_cycle():
 
 
 @pytest.mark.parametrize("module, old_import", [
-    ("fastvision.dist.samplers", "fastvision.dist"),  # the sampler asked dist for the rank
+    ("fastvision.distributed.samplers", "fastvision.distributed"),  # the sampler asked dist for the rank
     ("fastvision.metrics.coco", "fastvision.tasks.base"),  # the COCO evaluator's base class
 ])
 def test_the_former_cycles_would_be_seen(module, old_import):

@@ -71,10 +71,10 @@ def _served(data: Path, cache: str) -> dict:
 
 def _expected(data: Path, world: int, rank: int) -> list[list[dict]]:
     """By hand: the ids and tensors of the first batches of each epoch on ``rank`` of ``world``."""
-    from fastvision.data import transforms as T
-    from fastvision.dist.samplers import _mix_seed
-    from fastvision.registry import DATASETS
     import fastvision.data.formats  # noqa: F401  (registers the readers)
+    from fastvision.data import transforms as T
+    from fastvision.distributed.samplers import _mix_seed
+    from fastvision.registry import DATASETS
 
     cfg = _cfg(data, "none")
     train = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args").train
@@ -131,9 +131,9 @@ def test_every_cache_tier_serves_the_samplers_items_in_one_process(spleen):
 
 def test_a_smart_window_smaller_than_the_set_says_it_is_not_a_speed_switch(spleen, caplog, fresh_logging):
     """The one tier that cannot match: a smaller window trains each epoch on part of the set."""
+    import fastvision.data.formats  # noqa: F401
     from fastvision.data.cache.select import wrap_train_set
     from fastvision.registry import DATASETS
-    import fastvision.data.formats  # noqa: F401
 
     cfg = _cfg(spleen, "smart")
     train = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args").train

@@ -18,7 +18,7 @@ from fastvision.data.cache.select import (
     wrap_train_set,
 )
 from fastvision.data.loader import build_loader
-from fastvision.dist import DistEnv
+from fastvision.distributed import DistEnv
 from fastvision.errors import ConfigError
 from tests.conftest import tiny_overrides
 
@@ -183,9 +183,6 @@ def test_cpu_partition_over_budget_holds_only_what_fits():
 
 def test_microscopy_items_are_named_by_their_files(tiny_microscopy):
     import fastvision.data.formats  # noqa: F401, E401  (register)
-    import fastvision.losses
-    import fastvision.models
-    import fastvision.tasks
     from fastvision.registry import DATASETS
     train = DATASETS.build("microscopy", {"path": str(tiny_microscopy), "image_size": [32, 32]}, where="t").train
     base, pipeline, identity = cache_source(train)
@@ -204,9 +201,6 @@ def test_microscopy_items_are_named_by_their_files(tiny_microscopy):
 def test_volume_dataset_has_a_disk_cache_identity(tmp_path, monkeypatch):
     """3-D datasets cache through cache_pipeline(); their file identity must still reach the disk cache."""
     import fastvision.data.formats  # noqa: F401, E401  (register)
-    import fastvision.losses
-    import fastvision.models
-    import fastvision.tasks
     from fastvision.data.cache.select import cache_source
     from fastvision.data.synth.medical import synth_spleen
     from fastvision.registry import DATASETS

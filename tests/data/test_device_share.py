@@ -16,7 +16,7 @@ import torch
 
 from fastvision.data.cache.datasets import CacheDataset
 from fastvision.data.cache.device import DeviceCacheDataset
-from fastvision.dist.samplers import TrainSampler, _mix_seed
+from fastvision.distributed.samplers import TrainSampler, _mix_seed
 from tests.conftest import run_gloo_ranks
 from tests.data.test_cache_parity import BATCH, SEED, _expected, _private_cache, spleen  # noqa: F401 (fixtures)
 from tests.data.test_cache_select import Counted

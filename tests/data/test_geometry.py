@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from fastvision.config import RunConfig
-from fastvision.errors import DataError
 from fastvision.data.preprocess3d import (
     PreprocessParams,
     preprocess_case,
     restore_to_input,
 )
+from fastvision.errors import DataError
 from fastvision.inference.nifti import predict_nifti_files
 from fastvision.tasks.segment import SegmentationTask
 

@@ -16,7 +16,6 @@ from fastvision.data.formats.brats import (
     to_brats_labels,
 )
 from fastvision.data.formats.decathlon import kfold_split, random_patch
-from fastvision.ops.regions import region_lut, region_masks, regions_to_classes
 from fastvision.data.preprocess3d import (
     PreprocessParams,
     foreground_box,
@@ -31,6 +30,7 @@ from fastvision.data.preprocess3d import (
 )
 from fastvision.data.synth import load_all
 from fastvision.errors import ConfigError
+from fastvision.ops.regions import region_lut, region_masks, regions_to_classes
 from fastvision.registry import DATASETS
 
 SYNTH = load_all()

@@ -46,7 +46,7 @@ def asap_xml(polygons: list[tuple[str, list[tuple[float, float]]]]) -> str:
                     f'\t\t\t<Coordinates>\n{coords}\n\t\t\t</Coordinates>\n\t\t</Annotation>')
     groups = "\n".join(f'\t\t<Group Name="{g}" PartOfGroup="None" Color="#64FE2E">\n\t\t\t<Attributes />\n\t\t</Group>'
                        for g in ("_0", "_1", "_2"))
-    return (f'<?xml version="1.0"?>\n<ASAP_Annotations>\n\t<Annotations>\n' + "\n".join(anns) +
+    return ('<?xml version="1.0"?>\n<ASAP_Annotations>\n\t<Annotations>\n' + "\n".join(anns) +
             f'\n\t</Annotations>\n\t<AnnotationGroups>\n{groups}\n\t</AnnotationGroups>\n</ASAP_Annotations>\n')
 
 

@@ -115,21 +115,21 @@ def _free_port() -> int:
 
 
 def test_dist_init_world_of_one_on_cuda(monkeypatch):
-    """torchrun's variables for a world of one: dist.init picks cuda:0, its collectives are the
+    """torchrun's variables for a world of one: distributed.init picks cuda:0, its collectives are the
     identity, barrier and shutdown work (no process group is needed for one rank)."""
-    from fastvision import dist
+    from fastvision import distributed
 
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
         monkeypatch.setenv(k, v)
-    env, device = dist.init("auto")
+    env, device = distributed.init("auto")
     try:
         assert (env.world_size, env.rank, device.type) == (1, 0, DEVICE)
         t = torch.arange(4.0, device=device)
-        assert torch.equal(dist.all_reduce_sum(t.clone()), t)
-        dist.barrier()
+        assert torch.equal(distributed.all_reduce_sum(t.clone()), t)
+        distributed.barrier()
     finally:
-        dist.shutdown()
+        distributed.shutdown()
 
 
 def _nccl_worker(rank: int, world: int, port: int, queue) -> None:
@@ -137,22 +137,22 @@ def _nccl_worker(rank: int, world: int, port: int, queue) -> None:
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch.distributed as tdist
 
-    from fastvision import dist
+    from fastvision import distributed
 
-    env, device = dist.init("auto")
+    env, device = distributed.init("auto")
     try:
         t = torch.full((3,), float(rank + 1), device=device)
-        out = dist.all_reduce_sum(t)
-        dist.barrier()
+        out = distributed.all_reduce_sum(t)
+        distributed.barrier()
         queue.put((rank, tdist.get_backend(), str(device), out.tolist()))
     finally:
-        dist.shutdown()
+        distributed.shutdown()
 
 
 @pytest.mark.dist
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank (2 GPUs)")
 def test_nccl_through_fastvision_dist_init_two_ranks():
-    """Two ranks through dist.init: NCCL process group, all-reduce sums, barrier, shutdown."""
+    """Two ranks through distributed.init: NCCL process group, all-reduce sums, barrier, shutdown."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

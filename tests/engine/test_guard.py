@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fastvision import config, engine
-from fastvision.dist.samplers import TrainSampler
+from fastvision.distributed.samplers import TrainSampler
 from fastvision.registry import DATASETS
 from tests.conftest import ROOT, clean_env
 

@@ -188,7 +188,7 @@ def test_a_signal_during_validation_stops_before_the_next_batch(tiny_microscopy,
 def test_a_requeue_that_times_out_still_exits_128_plus_the_signal(tiny_microscopy, tmp_path, signal_in_validation,
                                                                    monkeypatch, capfd, fresh_logging):
     from fastvision.cli import main
-    from fastvision.dist import preempt
+    from fastvision.distributed import preempt
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -208,7 +208,7 @@ def test_a_requeue_that_times_out_still_exits_128_plus_the_signal(tiny_microscop
 
 @pytest.mark.parametrize("names, numbers", [(["SIGTERM", "usr1", 12, "15"], [15, 10, 12, 15]), ([], [])])
 def test_stop_signals_by_name_or_number(names, numbers):
-    from fastvision.dist.preempt import signal_numbers
+    from fastvision.distributed.preempt import signal_numbers
 
     assert signal_numbers(names) == numbers
 

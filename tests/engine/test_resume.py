@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from fastvision import config, dist
+from fastvision import config, distributed
 from fastvision.data.loader import ThreadLoader
-from fastvision.dist.env import DistEnv
-from fastvision.dist.samplers import TrainSampler
+from fastvision.distributed.env import DistEnv
+from fastvision.distributed.samplers import TrainSampler
 from fastvision.engine.state import Position, keep_global_batch
 from tests.conftest import ROOT, clean_env
 
@@ -29,11 +29,11 @@ HOROVODRUN = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "0
 
 
 def test_a_horovod_checkpoint_resumed_on_as_many_horovod_ranks_keeps_its_batch(monkeypatch):
-    """The launch variables alone say one process; the joined world (what ``dist.init`` returns under
+    """The launch variables alone say one process; the joined world (what ``distributed.init`` returns under
     horovodrun: ``DistEnv(world_size=hvd.size(), launcher="horovod")``) says 4, and decides."""
     for k, v in HOROVODRUN.items():
         monkeypatch.setenv(k, v)
-    assert dist.detect_env().world_size == 1  # why fit must not ask the launch variables
+    assert distributed.detect_env().world_size == 1  # why fit must not ask the launch variables
     cfg = config.load("unet2d-microscopy", [{"train": {"batch_size": 4}}])
     saved = {"global_batch": 16, "world_size": 4}  # 4 ranks x batch 4
     joined = DistEnv(rank=0, world_size=4, local_world_size=4, launcher="horovod")

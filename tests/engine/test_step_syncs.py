@@ -13,11 +13,11 @@ import itertools
 
 import pytest
 import torch
-from tests.data.test_data_contract import KINDS, RECIPES, _extra
 
 from fastvision import config, engine
 from fastvision.data.synth import load_all
 from fastvision.profiling.syncs import HostSyncDetector
+from tests.data.test_data_contract import KINDS, RECIPES, _extra
 
 STEP_RECIPES = ["unet2d-microscopy", "unet3d-spleen-fast", "resnet18-imagefolder", "ssd320-small-shapes"]
 

@@ -1,8 +1,6 @@
 """Sliding window vs MONAI's sliding_window_inference, flip TTA, and NIfTI writers."""
 from __future__ import annotations
 
-import itertools
-
 import nibabel as nib
 import numpy as np
 import pytest

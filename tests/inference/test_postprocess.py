@@ -14,7 +14,6 @@ from fastvision.inference import postprocess
 from fastvision.tasks.segment import SegmentationTask
 
 
-
 def _flood_largest(mask: np.ndarray) -> np.ndarray:
     """Largest 26-connected component by breadth-first search (the reference)."""
     seen = np.zeros(mask.shape, bool)

@@ -193,24 +193,24 @@ def _evaluate(cases, batch: int) -> dict:
 
 
 def _rank_worker(out: Path) -> None:
-    from fastvision import dist
+    from fastvision import distributed
 
     torch.set_num_threads(1)
-    env, _ = dist.init("cpu")
+    env, _ = distributed.init("cpu")
     logits, label = _eval_cases()
     mine = (logits[env.rank::2], label[env.rank::2])  # rank 0: cases 0 2 4 6, rank 1: 1 3 5
     res = _evaluate(mine, batch=2 + env.rank)
     (out / f"rank{env.rank}.json").write_text(json.dumps({k: repr(v) for k, v in res.items()}))
-    dist.barrier()
-    dist.shutdown()
+    distributed.barrier()
+    distributed.shutdown()
 
 
 @pytest.mark.dist
 def test_two_rank_per_case_metrics_equal_one_rank_exactly(tmp_path):
     from tests.conftest import clean_env
 
-    code = ("import sys; from fastvision import dist; "
-            f"sys.exit(dist.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(tmp_path)!r}]))")
+    code = ("import sys; from fastvision import distributed; "
+            f"sys.exit(distributed.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(tmp_path)!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

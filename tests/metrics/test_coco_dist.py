@@ -2,7 +2,7 @@
 metrics equal the single-process metrics exactly.
 
 This file is also the worker (``python tests/metrics/test_coco_dist.py ROOT OUT``), started by
-``dist.launch_local`` (``torch.distributed.run --standalone``), the code path of ``--nproc``.
+``distributed.launch_local`` (``torch.distributed.run --standalone``), the code path of ``--nproc``.
 Each rank shards the set with the engine's ``EvalSampler`` and reduces the evaluator the way
 ``engine.evaluate`` does (``state()`` on every rank, one all-reduce, ``load_state``, ``compute``).
 Detections are noisy ground truth, seeded per image id, so both runs see identical detections
@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # also run as a worker script
 
-from fastvision import dist  # noqa: E402
+from fastvision import distributed  # noqa: E402
 from fastvision.data.formats.coco import build, collate_detection  # noqa: E402
 from fastvision.metrics.coco import (  # noqa: E402
     METRIC_NAMES,
@@ -56,12 +56,12 @@ def evaluate_shard(root: Path, results_path: Path | None) -> dict[str, float]:
     """This rank's shard through a ``COCOEvaluator``, reduced as ``engine.evaluate`` does."""
     splits = build(path=str(root), image_size=S)
     ev = COCOEvaluator(splits.info["val_ann_file"], splits.info["cat_ids"], (S, S), results_path=results_path)
-    loader = torch.utils.data.DataLoader(splits.val, batch_size=4, sampler=dist.EvalSampler(splits.val),
+    loader = torch.utils.data.DataLoader(splits.val, batch_size=4, sampler=distributed.EvalSampler(splits.val),
                                          collate_fn=collate_detection)
     for batch in loader:
         ev.update(noisy_detections(batch), batch)
     local = len(ev.detections)
-    ev.load_state(dist.all_reduce_sum(ev.state()))
+    ev.load_state(distributed.all_reduce_sum(ev.state()))
     return {**ev.compute(), "local_images": float(local), "reduced_images": float(ev.sums.item())}
 
 
@@ -74,8 +74,8 @@ def test_two_rank_coco_map_equals_single_process(tmp_path):
     single = evaluate_shard(root, tmp_path / "single.json")
     assert single["images"] == NUM_VAL and 0.1 < single["map"] < 0.9
 
-    code = ("import sys; from fastvision import dist; "
-            f"sys.exit(dist.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(root)!r}, {str(tmp_path)!r}]))")
+    code = ("import sys; from fastvision import distributed; "
+            f"sys.exit(distributed.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(root)!r}, {str(tmp_path)!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -93,11 +93,11 @@ def test_two_rank_coco_map_equals_single_process(tmp_path):
 
 def _worker(root: Path, out: Path) -> None:
     torch.set_num_threads(1)
-    env, _ = dist.init("cpu", timeout_s=60)
+    env, _ = distributed.init("cpu", timeout_s=60)
     assert env.world_size == 2
     metrics = evaluate_shard(root, out / "ddp.json")
     (out / f"rank{env.rank}.json").write_text(json.dumps(metrics))
-    dist.shutdown()
+    distributed.shutdown()
 
 
 if __name__ == "__main__":

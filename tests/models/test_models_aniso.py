@@ -11,9 +11,9 @@ from monai.networks.nets import UNet as MonaiUNet
 from test_models_seg import _copy_unet_from_monai, n_params
 from torch import nn
 
+from fastvision.errors import ConfigError
 from fastvision.inference.window import sliding_window
 from fastvision.models import create_model
-from fastvision.errors import ConfigError
 
 
 def test_residual_anisotropic_unet_matches_monai():

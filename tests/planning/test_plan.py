@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastvision import config, engine
-from fastvision.config import RunConfig
+from fastvision import config
 from fastvision.engine import runtime
 from fastvision.engine.step import StepState
 from fastvision.errors import ConfigError, DataError

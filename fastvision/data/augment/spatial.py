@@ -40,7 +40,6 @@ from fastvision.data.augment.intensity import (
     Intensity,
     Label,
     Noise,
-    _bshape,
     _select,
 )
 from fastvision.errors import ConfigError

@@ -18,9 +18,10 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from torch.utils.data import Dataset
 
 from fastvision.data import transforms as T
 from fastvision.data.cache.format import CorruptEntry, decode, read_item, write_item
-from fastvision.dist.env import detect_env
+from fastvision.distributed.env import detect_env
 from fastvision.errors import DataWarning
 
 log = logging.getLogger(__name__)
@@ -254,7 +255,7 @@ class SharedCacheDataset(_Cached):
         pipeline: transforms; the prefix before the first ``random`` one is cached.
         name: cache name shared by the ranks of one job (e.g. the run name).
         local_rank, local_world_size: default: this process's place on its node
-            (:func:`fastvision.dist.env.detect_env`).
+            (:func:`fastvision.distributed.env.detect_env`).
         root: folder on a memory file system.
         timeout_s: how long to wait for the other ranks.
         cleanup: local rank 0 deletes the folder at exit (mapped pages stay valid).

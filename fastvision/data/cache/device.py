@@ -2,7 +2,7 @@
 
 Like every cache it is storage keyed by the source index, never an order: item ``i`` of the cache
 is item ``i`` of the uncached pipeline (same tensors, same random draws of ``(seed, epoch, i)``),
-and the engine's :class:`~fastvision.dist.samplers.TrainSampler` alone decides which items a rank
+and the engine's :class:`~fastvision.distributed.samplers.TrainSampler` alone decides which items a rank
 reads in which order. So switching ``data.cache`` between ``none``, ``ram``, ``disk``, ``shared``
 and ``gpu`` changes speed and memory, never a step's samples, at any world size.
 
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -61,7 +62,7 @@ class DeviceCacheDataset(Dataset):
             are read from ``source`` on every access, with a warning.
         suffix: random transforms applied on every access.
         share: ``epoch -> indices`` this process reads in the epoch (the training sampler's
-            :meth:`~fastvision.dist.samplers.TrainSampler.indices`); None: every index, every epoch.
+            :meth:`~fastvision.distributed.samplers.TrainSampler.indices`); None: every index, every epoch.
         source_holds: ``source`` already holds every item in host memory (the node-shared cache):
             the share is copied from it and nothing else is kept here.
     """

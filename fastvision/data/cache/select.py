@@ -28,8 +28,9 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import Dataset
@@ -45,7 +46,7 @@ from fastvision.data.cache.datasets import (
 )
 from fastvision.data.cache.device import DeviceCacheDataset, fill_order
 from fastvision.data.cache.smart import SmartCacheDataset
-from fastvision.dist.env import DistEnv, job_key
+from fastvision.distributed.env import DistEnv, job_key
 from fastvision.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
             so a second run reads the preprocessed items instead of computing them.
         cache_num, replace_rate: smart cache window and the share replaced per epoch (MONAI's
             defaults: no ``cache_num`` limit, so ``cache_rate`` of the items; 0.1).
-        env: ``fastvision.dist.DistEnv`` (rank, local rank, world sizes); None: one process.
+        env: ``fastvision.distributed.DistEnv`` (rank, local rank, world sizes); None: one process.
         device: where the gpu cache places tensors (the training device: also a CPU).
         seed: seed of the random transforms and the smart-cache order (same on every rank).
         share: ``epoch -> indices`` this rank reads (the training sampler's ``indices``): what

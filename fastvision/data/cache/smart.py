@@ -14,8 +14,9 @@ window is item ``j`` (the window is kept in index order), and the cache serves e
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset

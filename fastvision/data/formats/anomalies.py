@@ -11,8 +11,9 @@ Float files holding NaN or Inf are found as each file is decoded (:mod:`fastvisi
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from fastvision.errors import ConfigError, DataError
 

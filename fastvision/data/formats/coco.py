@@ -152,7 +152,7 @@ class SSDAugment(RandomTransform):
 class _Decode(Transform):
     """The cacheable step of a training item: ``{"index": i}`` -> the full-size decoded item."""
 
-    def __init__(self, dataset: "CocoDetection"):
+    def __init__(self, dataset: CocoDetection):
         self.dataset = dataset
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:

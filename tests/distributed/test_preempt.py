@@ -17,7 +17,7 @@ WORKER = """
 import json, os, signal, sys
 from datetime import timedelta
 import torch, torch.distributed as d
-from fastvision.dist.preempt import Preemption
+from fastvision.distributed.preempt import Preemption
 
 rank, cpu = int(sys.argv[1]), torch.device("cpu")
 d.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2,

@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  isort: skip
 from torch import Tensor
 
-from fastvision.dist import group
-from fastvision.dist.env import DistEnv, detect_env
-from fastvision.dist.group import rank
-from fastvision.dist.watchdog import nccl_flight_recorder_env
+from fastvision.distributed import group
+from fastvision.distributed.env import DistEnv, detect_env
+from fastvision.distributed.group import rank
+from fastvision.distributed.watchdog import nccl_flight_recorder_env
 from fastvision.errors import ConfigError
 
 log = logging.getLogger(__name__)

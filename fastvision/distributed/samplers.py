@@ -1,19 +1,19 @@
 """Data-parallel samplers: deterministic training shards and unpadded validation shards.
 
-Two different rules on purpose (see :mod:`fastvision.dist`): :class:`TrainSampler` pads by
+Two different rules on purpose (see :mod:`fastvision.distributed`): :class:`TrainSampler` pads by
 wrapping around so every rank runs the same number of steps; :class:`EvalSampler` never pads, so
 metric sums reduced across ranks are the whole-set sums. Both default their world size and rank
-to the running job's; :mod:`fastvision.dist` re-exports them.
+to the running job's; :mod:`fastvision.distributed` re-exports them.
 """
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sized
+from collections.abc import Iterator, Sized
 
 import torch
 from torch.utils.data import Sampler
 
-from fastvision.dist.group import rank, world_size
+from fastvision.distributed.group import rank, world_size
 from fastvision.errors import ConfigError
 
 

@@ -1,7 +1,7 @@
-"""Horovod backend of fastvision.dist: actionable errors without it, real 2-rank jobs with it.
+"""Horovod backend of fastvision.distributed: actionable errors without it, real 2-rank jobs with it.
 
 Horovod is optional (`make horovod` builds it into .venv); the tests that need it skip where it is
-absent. With it, this file is also the worker: ``horovodrun --gloo -np 2 python tests/dist/test_dist_horovod.py
+absent. With it, this file is also the worker: ``horovodrun --gloo -np 2 python tests/distributed/test_dist_horovod.py
 OUT`` runs the collectives and two accumulated optimizer steps through the dist helpers and compares
 the weights with plain autograd on the concatenated global batch in one process.
 """
@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # also run as a worker script
 
-from fastvision import dist  # noqa: E402
+from fastvision import distributed  # noqa: E402
 from fastvision.errors import ConfigError  # noqa: E402
 from tests.conftest import clean_env  # noqa: E402
 
@@ -34,19 +34,19 @@ needs_horovod = pytest.mark.skipif(not HAVE_HOROVOD, reason="horovod not install
 @pytest.mark.skipif(HAVE_HOROVOD, reason="horovod is installed")
 def test_horovod_launch_without_horovod_is_actionable():
     with pytest.raises(ConfigError, match="make horovod.*ddp"):
-        dist.launch_local(2, ["-c", "pass"], backend="horovod")
+        distributed.launch_local(2, ["-c", "pass"], backend="horovod")
     with pytest.raises(ConfigError, match="not installed"):
-        dist.init("cpu", backend="horovod")
+        distributed.init("cpu", backend="horovod")
 
 
 def test_horovod_steps_are_identities_under_ddp():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert dist.wrap_optimizer(opt, model, backward_passes_per_step=4) is opt
+    assert distributed.wrap_optimizer(opt, model, backward_passes_per_step=4) is opt
     before = [p.detach().clone() for p in model.parameters()]
-    dist.broadcast_state(model, opt)
+    distributed.broadcast_state(model, opt)
     model(torch.ones(3, 2)).sum().backward()
-    with dist.synchronized(opt):
+    with distributed.synchronized(opt):
         opt.step()
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
@@ -55,7 +55,7 @@ def test_horovod_steps_are_identities_under_ddp():
 @needs_horovod
 @pytest.mark.dist
 def test_horovod_two_ranks_match_plain_autograd(tmp_path):
-    cmd = [*dist.horovodrun_command(2), sys.executable, str(Path(__file__).resolve()), str(tmp_path)]
+    cmd = [*distributed.horovodrun_command(2), sys.executable, str(Path(__file__).resolve()), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -92,13 +92,13 @@ def test_horovod_cli_training_matches_ddp(tmp_path, tiny_microscopy):
 def _worker(out: Path) -> None:
     """One horovod rank: collectives, default sampler shard, two accumulated steps with clipping."""
     torch.set_num_threads(1)
-    env, device = dist.init("cpu", backend="horovod")
-    r = dist.rank()
+    env, device = distributed.init("cpu", backend="horovod")
+    r = distributed.rank()
     res = {"rank": env.rank, "size": env.world_size, "launcher": env.launcher}
-    res["sum"] = dist.all_reduce_sum(torch.tensor([float(r + 1)], dtype=torch.float64)).item()
-    res["broadcast"] = dist.broadcast_object("from-0" if r == 0 else "wrong")
-    res["gathered"] = dist.gather_objects(f"r{r}")
-    res["shard"] = list(dist.TrainSampler(16, shuffle=False))
+    res["sum"] = distributed.all_reduce_sum(torch.tensor([float(r + 1)], dtype=torch.float64)).item()
+    res["broadcast"] = distributed.broadcast_object("from-0" if r == 0 else "wrong")
+    res["gathered"] = distributed.gather_objects(f"r{r}")
+    res["shard"] = list(distributed.TrainSampler(16, shuffle=False))
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(16, 3, generator=g), torch.randn(16, 2, generator=g)
@@ -106,17 +106,17 @@ def _worker(out: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     torch.manual_seed(1)
     ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-    opt = dist.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+    opt = distributed.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
                               backward_passes_per_step=2)
-    dist.broadcast_state(model, opt)
+    distributed.broadcast_state(model, opt)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     # step k, micro-batch m: rank r takes rows 4k + 2m + r of the 8-row global batch, 2 rows a micro-batch
-    idx = list(dist.TrainSampler(16, shuffle=False))
+    idx = list(distributed.TrainSampler(16, shuffle=False))
     for k in range(2):
         for m in range(2):
             rows = idx[4 * k + 2 * m: 4 * k + 2 * m + 2]
             (torch.nn.functional.mse_loss(model(x[rows]), y[rows]) / 2).backward()
-        with dist.synchronized(opt):
+        with distributed.synchronized(opt):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
         opt.zero_grad()
@@ -128,8 +128,8 @@ def _worker(out: Path) -> None:
     res["max_rel"] = max(((a - b).norm() / b.norm()).item() for a, b in zip(model.parameters(), ref.parameters()))
     res["weights"] = [p.detach().tolist() for p in model.parameters()]
     (out / f"rank{r}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.shutdown()
+    distributed.barrier()
+    distributed.shutdown()
 
 
 if __name__ == "__main__":

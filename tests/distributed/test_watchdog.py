@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastvision.dist.watchdog import HANG_EXIT, Watchdog, check_timeouts
+from fastvision.distributed.watchdog import HANG_EXIT, Watchdog, check_timeouts
 from fastvision.errors import ConfigError
 from tests.conftest import ROOT, clean_env
-from tests.dist.test_dist_train import _worker_pid
-from tests.dist.test_elastic import TINY, _model, data, uninterrupted  # noqa: F401 - fixtures
+from tests.distributed.test_dist_train import _worker_pid
+from tests.distributed.test_elastic import TINY, _model, data, uninterrupted  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, SIGSTOP")]
 
@@ -163,7 +163,7 @@ def test_the_hang_timeout_must_come_before_the_collectives_own(hang, dist, ok):
 
 
 def test_nccl_flight_recorder_variables_keep_the_users_and_follow_the_run(monkeypatch, tmp_path):
-    from fastvision.dist.watchdog import DUMP_FILE, FLIGHT_RECORDER, nccl_flight_recorder_env, point_dumps_at
+    from fastvision.distributed.watchdog import DUMP_FILE, FLIGHT_RECORDER, nccl_flight_recorder_env, point_dumps_at
 
     for key in [*FLIGHT_RECORDER, *DUMP_FILE]:
         monkeypatch.delenv(key, raising=False)

@@ -119,7 +119,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_run(cls, timeout_s: float | None, folder: Path, rank: int, world: int) -> "Watchdog":
+    def for_run(cls, timeout_s: float | None, folder: Path, rank: int, world: int) -> Watchdog:
         """The run's watchdog: started when ``timeout_s`` is set and more than one rank trains
         (one process has no one to wait for); otherwise one whose :meth:`beat` does nothing."""
         dog = cls(timeout_s or 0, folder, rank, world, _default_store() if timeout_s and world > 1 else None)

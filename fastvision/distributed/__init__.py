@@ -7,7 +7,7 @@ group (NCCL on CUDA, gloo on CPU) only when there is more than one process, and 
 the engine never branches on the world size. With ``backend="horovod"`` the same functions go
 through ``horovod.torch`` instead (:func:`wrap_optimizer`, :func:`broadcast_state`,
 :func:`synchronized` are the horovod-only steps, identities under DDP). Environment parsing lives in
-:mod:`fastvision.dist.env`, the samplers in :mod:`fastvision.dist.samplers`; both are re-exported here.
+:mod:`fastvision.distributed.env`, the samplers in :mod:`fastvision.distributed.samplers`; both are re-exported here.
 
 Samplers follow two different rules on purpose:
 
@@ -19,7 +19,7 @@ Samplers follow two different rules on purpose:
   across ranks are exactly the whole-set sums. Evaluate with :func:`unwrap` (the bare module), never
   the DDP wrapper, because ranks run different numbers of validation steps.
 """
-from fastvision.dist.comm import (
+from fastvision.distributed.comm import (
                                   all_reduce_sum,
                                   barrier,
                                   broadcast_object,
@@ -31,11 +31,11 @@ from fastvision.dist.comm import (
                                   joined,
                                   shutdown,
 )
-from fastvision.dist.env import DistEnv, detect_env, expand_nodelist, job_key
-from fastvision.dist.group import rank, world_size
-from fastvision.dist.launch import horovodrun_command, launch_local, strip_option
-from fastvision.dist.samplers import EvalSampler, TrainSampler
-from fastvision.dist.wrap import (
+from fastvision.distributed.env import DistEnv, detect_env, expand_nodelist, job_key
+from fastvision.distributed.group import rank, world_size
+from fastvision.distributed.launch import horovodrun_command, launch_local, strip_option
+from fastvision.distributed.samplers import EvalSampler, TrainSampler
+from fastvision.distributed.wrap import (
                                   broadcast_state,
                                   no_sync,
                                   synchronized,

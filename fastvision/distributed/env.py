@@ -1,14 +1,14 @@
 """Launch-environment detection: where this process sits in a torchrun, srun or single-process job.
 
 Pure functions of the environment variables (no process group, no torch collectives), so they are
-tested from tables of environments. :mod:`fastvision.dist` re-exports everything public here.
+tested from tables of environments. :mod:`fastvision.distributed` re-exports everything public here.
 """
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from fastvision.errors import ConfigError
 

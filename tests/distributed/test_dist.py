@@ -1,7 +1,7 @@
-"""Tests for fastvision.dist: launch-environment table, samplers, and real 2-rank gloo jobs.
+"""Tests for fastvision.distributed: launch-environment table, samplers, and real 2-rank gloo jobs.
 
-The multi-process tests start this very file as the worker (``python tests/dist/test_dist.py OUT``)
-under ``torch.distributed.run --standalone`` (through ``dist.launch_local``) and under hand-made SLURM variables, so the code path
+The multi-process tests start this very file as the worker (``python tests/distributed/test_dist.py OUT``)
+under ``torch.distributed.run --standalone`` (through ``distributed.launch_local``) and under hand-made SLURM variables, so the code path
 is the one a user's job takes. Each worker checks DDP's averaged gradient against plain autograd on
 the concatenated global batch, and the reduced metric sums against the whole-set sums.
 """
@@ -19,43 +19,43 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # also run as a worker script
 
-from fastvision import dist  # noqa: E402
+from fastvision import distributed  # noqa: E402
 from fastvision.errors import ConfigError  # noqa: E402
 from tests.conftest import clean_env, communicate_all, free_port  # noqa: E402
 
 # --------------------------------------------------------------------------- environment table
 
 ENV_CASES = [
-    ("single", {}, dist.DistEnv()),
+    ("single", {}, distributed.DistEnv()),
     ("torchrun", {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
                   "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"},
-     dist.DistEnv(3, 1, 4, 2, "torchrun", "10.0.0.5", 1234)),
+     distributed.DistEnv(3, 1, 4, 2, "torchrun", "10.0.0.5", 1234)),
     # torchrun inside a SLURM allocation: torchrun's variables win
     ("torchrun-in-slurm", {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5",
                            "SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"},
-     dist.DistEnv(1, 1, 2, 2, "torchrun", "h", 5)),
+     distributed.DistEnv(1, 1, 2, 2, "torchrun", "h", 5)),
     ("srun", {"SLURM_JOB_ID": "123456", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
               "SLURM_STEP_ID": "0", "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "2(x4)",
               "SLURM_NODELIST": "node[01-03,07]"},
-     dist.DistEnv(5, 1, 8, 2, "slurm", "node01", 12000 + 123456 % 20000)),
+     distributed.DistEnv(5, 1, 8, 2, "slurm", "node01", 12000 + 123456 % 20000)),
     ("srun-step-vars", {"SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "16",
                         "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEPID": "1", "SLURM_NODEID": "1",
                         "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "gpu-a,gpu-b",
                         "SLURM_JOB_NODELIST": "gpu-[a-z]"},
-     dist.DistEnv(0, 0, 3, 1, "slurm", "gpu-a", 12009)),
+     distributed.DistEnv(0, 0, 3, 1, "slurm", "gpu-a", 12009)),
     ("srun-overrides", {"SLURM_JOB_ID": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2",
                         "SLURM_STEP_ID": "0", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "40000"},
-     dist.DistEnv(1, 1, 2, 2, "slurm", "127.0.0.1", 40000)),
+     distributed.DistEnv(1, 1, 2, 2, "slurm", "127.0.0.1", 40000)),
     # one-task allocation run straight from the batch script: a legitimate single process
     ("sbatch-one-task", {"SLURM_JOB_ID": "5", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
-                         "SLURM_NODELIST": "n1"}, dist.DistEnv()),
+                         "SLURM_NODELIST": "n1"}, distributed.DistEnv()),
 ]
 
 
 @pytest.mark.parametrize("name,environ,expected", ENV_CASES, ids=[c[0] for c in ENV_CASES])
 def test_detect_env(name, environ, expected):
-    assert dist.detect_env(environ) == expected
+    assert distributed.detect_env(environ) == expected
 
 
 @pytest.mark.parametrize("environ", [
@@ -65,13 +65,13 @@ def test_detect_env(name, environ, expected):
 ])
 def test_slurm_without_srun_is_an_actionable_error(environ):
     with pytest.raises(ConfigError, match="srun"):
-        dist.detect_env(environ)
+        distributed.detect_env(environ)
 
 
 @pytest.mark.parametrize("bad", [{"RANK": "x", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "2.5"}])
 def test_malformed_variables_name_the_key(bad):
     with pytest.raises(ConfigError, match="RANK|WORLD_SIZE"):
-        dist.detect_env(bad)
+        distributed.detect_env(bad)
 
 
 @pytest.mark.parametrize("nodelist,hosts", [
@@ -84,30 +84,30 @@ def test_malformed_variables_name_the_key(bad):
     ("n[1-2],m[003-004]", ["n1", "n2", "m003", "m004"]),
 ])
 def test_expand_nodelist(nodelist, hosts):
-    assert dist.expand_nodelist(nodelist) == hosts
+    assert distributed.expand_nodelist(nodelist) == hosts
 
 
 def test_single_process_helpers_are_identities():
     t = torch.tensor([1.0, 2.0])
-    assert dist.all_reduce_sum(t) is t and t.tolist() == [1.0, 2.0]
-    assert dist.gather_objects({"a": 1}) == [{"a": 1}]
-    assert dist.broadcast_object(7) == 7
-    assert (dist.rank(), dist.world_size(), dist.is_main()) == (0, 1, True)
-    env, dev = dist.init("cpu")
-    assert env == dist.DistEnv() and dev == torch.device("cpu")
+    assert distributed.all_reduce_sum(t) is t and t.tolist() == [1.0, 2.0]
+    assert distributed.gather_objects({"a": 1}) == [{"a": 1}]
+    assert distributed.broadcast_object(7) == 7
+    assert (distributed.rank(), distributed.world_size(), distributed.is_main()) == (0, 1, True)
+    env, dev = distributed.init("cpu")
+    assert env == distributed.DistEnv() and dev == torch.device("cpu")
     m = torch.nn.Linear(2, 2)
-    assert dist.wrap_model(m, dev) is m and dist.unwrap(m) is m
-    with dist.no_sync(m):
+    assert distributed.wrap_model(m, dev) is m and distributed.unwrap(m) is m
+    with distributed.no_sync(m):
         pass
-    dist.barrier()
-    dist.shutdown()
+    distributed.barrier()
+    distributed.shutdown()
 
 
 def test_unwrap_strips_compile_wrapper():
     m = torch.nn.Linear(2, 2)
     fake_compiled = torch.nn.Module()
     fake_compiled._orig_mod = m  # the attribute torch.compile's OptimizedModule exposes
-    assert dist.unwrap(fake_compiled) is m
+    assert distributed.unwrap(fake_compiled) is m
 
 
 # --------------------------------------------------------------------------- samplers
@@ -116,22 +116,22 @@ def test_unwrap_strips_compile_wrapper():
 @pytest.mark.parametrize("n", [0, 1, 2, 5, 7, 10, 13])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_eval_sampler_covers_every_index_once(n, world):
-    shards = [list(dist.EvalSampler(n, num_replicas=world, rank=r)) for r in range(world)]
+    shards = [list(distributed.EvalSampler(n, num_replicas=world, rank=r)) for r in range(world)]
     assert sorted(i for s in shards for i in s) == list(range(n))
     lengths = [len(s) for s in shards]
     assert max(lengths) - min(lengths) <= 1
-    assert lengths == [len(dist.EvalSampler(n, num_replicas=world, rank=r)) for r in range(world)]
+    assert lengths == [len(distributed.EvalSampler(n, num_replicas=world, rank=r)) for r in range(world)]
     # contiguous: concatenation in rank order is the natural order
     assert [i for s in shards for i in s] == list(range(n))
 
 
 def test_eval_sampler_hand_case():
-    assert [list(dist.EvalSampler(7, num_replicas=3, rank=r)) for r in range(3)] == [[0, 1], [2, 3], [4, 5, 6]]
+    assert [list(distributed.EvalSampler(7, num_replicas=3, rank=r)) for r in range(3)] == [[0, 1], [2, 3], [4, 5, 6]]
 
 
 @pytest.mark.parametrize("n,world", [(8, 2), (12, 4), (7, 2), (5, 4), (3, 4), (10, 3)])
 def test_train_sampler_shards(n, world):
-    shards = [list(dist.TrainSampler(n, num_replicas=world, rank=r, seed=3)) for r in range(world)]
+    shards = [list(distributed.TrainSampler(n, num_replicas=world, rank=r, seed=3)) for r in range(world)]
     per_rank = -(-n // world)
     assert all(len(s) == per_rank for s in shards)
     flat = [i for s in shards for i in s]
@@ -147,7 +147,7 @@ def test_train_sampler_deterministic_in_seed_and_epoch(n, world):
     def shards(seed, epoch):
         out = []
         for r in range(world):
-            s = dist.TrainSampler(n, num_replicas=world, rank=r, seed=seed)
+            s = distributed.TrainSampler(n, num_replicas=world, rank=r, seed=seed)
             s.set_epoch(epoch)
             out.append(list(s))
         return out
@@ -161,12 +161,12 @@ def test_train_sampler_deterministic_in_seed_and_epoch(n, world):
 @pytest.mark.parametrize("n,world,batch", [(16, 2, 4), (24, 4, 3), (18, 3, 2)])
 def test_train_sampler_global_batches_match_one_process(n, world, batch):
     """Ranks' k-th batches together form the k-th batch of one process with world x the batch."""
-    one = dist.TrainSampler(n, num_replicas=1, rank=0, seed=11)
+    one = distributed.TrainSampler(n, num_replicas=1, rank=0, seed=11)
     one.set_epoch(4)
     ref = list(one)
     per_rank = []
     for r in range(world):
-        s = dist.TrainSampler(n, num_replicas=world, rank=r, seed=11)
+        s = distributed.TrainSampler(n, num_replicas=world, rank=r, seed=11)
         s.set_epoch(4)
         per_rank.append(list(s))
     for k in range(n // (batch * world)):
@@ -175,7 +175,7 @@ def test_train_sampler_global_batches_match_one_process(n, world, batch):
 
 
 def test_train_sampler_drop_last_and_no_shuffle():
-    s = [list(dist.TrainSampler(7, num_replicas=2, rank=r, shuffle=False, drop_last=True)) for r in range(2)]
+    s = [list(distributed.TrainSampler(7, num_replicas=2, rank=r, shuffle=False, drop_last=True)) for r in range(2)]
     assert s == [[0, 2, 4], [1, 3, 5]]
 
 
@@ -214,9 +214,9 @@ def test_two_rank_slurm_srun_variables(tmp_path):
 
 
 def _launch(tmp_path: Path, mode: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``dist.launch_local`` (the code behind ``--nproc``) running this file's ``mode`` worker."""
-    code = ("import sys; from fastvision import dist; "
-            f"sys.exit(dist.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(tmp_path)!r}, {mode!r}]))")
+    """``distributed.launch_local`` (the code behind ``--nproc``) running this file's ``mode`` worker."""
+    code = ("import sys; from fastvision import distributed; "
+            f"sys.exit(distributed.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(tmp_path)!r}, {mode!r}]))")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True,
                           text=True, timeout=timeout)
 
@@ -273,7 +273,7 @@ def test_horovod_missing_is_an_actionable_error():
         import horovod.torch  # noqa: F401
     except ImportError:
         with pytest.raises(ConfigError, match="make horovod.*ddp"):
-            dist.horovod()
+            distributed.horovod()
     else:
         pytest.skip("horovod is installed")
 
@@ -284,19 +284,19 @@ def test_horovod_missing_is_an_actionable_error():
     (["train", "r"], ["train", "r"]),
 ])
 def test_strip_option(argv, expected):
-    assert dist.strip_option(argv, "--nproc") == expected
+    assert distributed.strip_option(argv, "--nproc") == expected
 
 
 @pytest.mark.parametrize("n,workers,b", [(11, 2, 2), (16, 4, 2), (9, 3, 1)])
 def test_emulation_order_matches_rank_batches(n, workers, b):
     """Emulated micro-batch (j, w) is rank w's j-th batch of a real job with the same seed."""
-    emu = dist.TrainSampler(n, num_replicas=1, rank=0, seed=1, emulate_workers=workers, batch_size=b)
+    emu = distributed.TrainSampler(n, num_replicas=1, rank=0, seed=1, emulate_workers=workers, batch_size=b)
     emu.set_epoch(3)
     got = list(emu)
     assert len(got) == len(emu)
     real = []
     for r in range(workers):
-        s = dist.TrainSampler(n, num_replicas=workers, rank=r, seed=1)
+        s = distributed.TrainSampler(n, num_replicas=workers, rank=r, seed=1)
         s.set_epoch(3)
         real.append(list(s))
     full = len(real[0]) // b
@@ -307,40 +307,40 @@ def test_emulation_order_matches_rank_batches(n, workers, b):
 def _worker(out: Path) -> None:
     """One rank of a real job: collectives, a DDP step, an EvalSampler-sharded metric."""
     torch.set_num_threads(1)
-    env, device = dist.init("cpu", timeout_s=60)
-    r, w = dist.rank(), dist.world_size()
+    env, device = distributed.init("cpu", timeout_s=60)
+    r, w = distributed.rank(), distributed.world_size()
     res: dict = {"env": {"rank": env.rank, "world_size": env.world_size, "launcher": env.launcher}}
-    res["sum"] = dist.all_reduce_sum(torch.tensor([float(r + 1)], dtype=torch.float64)).item()
-    res["gathered"] = dist.gather_objects(f"r{r}")
-    res["broadcast"] = dist.broadcast_object("from-0" if r == 0 else "wrong", src=0)
+    res["sum"] = distributed.all_reduce_sum(torch.tensor([float(r + 1)], dtype=torch.float64)).item()
+    res["gathered"] = distributed.gather_objects(f"r{r}")
+    res["broadcast"] = distributed.broadcast_object("from-0" if r == 0 else "wrong", src=0)
 
     # DDP gradient == plain autograd on the concatenated global batch (equal per-rank batches).
     g = torch.Generator().manual_seed(0)
     x_all, y_all = torch.randn(4 * w, 3, generator=g), torch.randn(4 * w, 2, generator=g)
     torch.manual_seed(1)
     ref = torch.nn.Linear(3, 2)
-    model = dist.wrap_model(torch.nn.Linear(3, 2), device, bucket_cap_mb=1.0)
-    dist.unwrap(model).load_state_dict(ref.state_dict())
-    idx = list(dist.TrainSampler(4 * w, shuffle=False))
+    model = distributed.wrap_model(torch.nn.Linear(3, 2), device, bucket_cap_mb=1.0)
+    distributed.unwrap(model).load_state_dict(ref.state_dict())
+    idx = list(distributed.TrainSampler(4 * w, shuffle=False))
     torch.nn.functional.mse_loss(model(x_all[idx]), y_all[idx]).backward()
     torch.nn.functional.mse_loss(ref(x_all), y_all).backward()
     res["grad_max_err"] = max((a.grad - b.grad).abs().max().item()
-                              for a, b in zip(dist.unwrap(model).parameters(), ref.parameters()))
+                              for a, b in zip(distributed.unwrap(model).parameters(), ref.parameters()))
     torch.optim.SGD(model.parameters(), lr=0.1).step()
-    res["weights"] = [p.detach().tolist() for p in dist.unwrap(model).parameters()]
+    res["weights"] = [p.detach().tolist() for p in distributed.unwrap(model).parameters()]
 
     # Odd-sized validation set: per-rank sums reduced == whole-set sums (no padding duplicates).
     n_val = 7
     vals = torch.arange(n_val, dtype=torch.float64)
     sums = torch.zeros(2, dtype=torch.float64)
-    for i in dist.EvalSampler(n_val):
+    for i in distributed.EvalSampler(n_val):
         sums += torch.stack([vals[i], torch.ones((), dtype=torch.float64)])
-    res["eval_sums"] = dist.all_reduce_sum(sums).tolist()
+    res["eval_sums"] = distributed.all_reduce_sum(sums).tolist()
     res["eval_sums_ref"] = [vals.sum().item(), float(n_val)]
 
-    dist.barrier()
+    distributed.barrier()
     (out / f"rank{r}.json").write_text(json.dumps(res))
-    dist.shutdown()
+    distributed.shutdown()
 
 
 def _bn_model() -> torch.nn.Module:
@@ -363,7 +363,7 @@ def _sgd_epochs(model, batches_per_step, x, y, epochs_batches) -> list[list]:
                 (torch.nn.functional.mse_loss(model(x[idx]), y[idx]) / batches_per_step).backward()
             opt.step()
             opt.zero_grad()
-    return [p.detach().clone() for p in dist.unwrap(model).parameters()]
+    return [p.detach().clone() for p in distributed.unwrap(model).parameters()]
 
 
 def _batches(sampler, epoch: int, b: int) -> list[list[int]]:
@@ -375,51 +375,51 @@ def _batches(sampler, epoch: int, b: int) -> list[list[int]]:
 def _emulation_worker(out: Path) -> None:
     """2-rank DDP training of a BatchNorm model vs --emulate-workers 2 (and vs a naive big batch)."""
     torch.set_num_threads(1)
-    env, device = dist.init("cpu", timeout_s=60)
+    env, device = distributed.init("cpu", timeout_s=60)
     x, y, b = *_bn_data(), 2
-    ddp = dist.wrap_model(_bn_model(), device)
-    sampler = dist.TrainSampler(len(x), seed=5)
+    ddp = distributed.wrap_model(_bn_model(), device)
+    sampler = distributed.TrainSampler(len(x), seed=5)
     ddp_w = _sgd_epochs(ddp, 1, x, y, [_batches(sampler, e, b) for e in range(2)])
     res = {}
     if env.rank == 0:
-        emu = dist.TrainSampler(len(x), num_replicas=1, rank=0, seed=5, emulate_workers=2, batch_size=b)
+        emu = distributed.TrainSampler(len(x), num_replicas=1, rank=0, seed=5, emulate_workers=2, batch_size=b)
         emu_w = _sgd_epochs(_bn_model(), 2, x, y, [_batches(emu, e, b) for e in range(2)])
-        one = dist.TrainSampler(len(x), num_replicas=1, rank=0, seed=5)
+        one = distributed.TrainSampler(len(x), num_replicas=1, rank=0, seed=5)
         naive_w = _sgd_epochs(_bn_model(), 1, x, y, [_batches(one, e, 2 * b) for e in range(2)])
         rel = lambda ws: max(((a - c).norm() / c.norm()).item() for a, c in zip(ws, ddp_w))  # noqa: E731
         res = {"emulated_rel": rel(emu_w), "naive_rel": rel(naive_w)}
     (out / f"emu{env.rank}.json").write_text(json.dumps(res))
-    dist.barrier()  # rank 1 must not tear down gloo while rank 0 is still running the references
-    dist.shutdown()
+    distributed.barrier()  # rank 1 must not tear down gloo while rank 0 is still running the references
+    distributed.shutdown()
 
 
 def _hook_worker(out: Path) -> None:
     """DDP with ``ddp_comm_hook: fp16`` (gloo reduces fp16, not bf16): gradients equal the plain
     global-batch gradients to fp16 precision, and the fp32 all-reduce's exactly."""
     torch.set_num_threads(1)
-    env, device = dist.init("cpu", timeout_s=60)
+    env, device = distributed.init("cpu", timeout_s=60)
     g = torch.Generator().manual_seed(0)
     x_all, y_all = torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
     torch.manual_seed(1)
     ref = torch.nn.Linear(3, 2)
     torch.nn.functional.mse_loss(ref(x_all), y_all).backward()
-    idx = list(dist.TrainSampler(8, shuffle=False))
+    idx = list(distributed.TrainSampler(8, shuffle=False))
     res = {}
     for hook in ("none", "fp16"):
-        model = dist.wrap_model(torch.nn.Linear(3, 2), device, comm_hook=hook)
-        dist.unwrap(model).load_state_dict(ref.state_dict())
+        model = distributed.wrap_model(torch.nn.Linear(3, 2), device, comm_hook=hook)
+        distributed.unwrap(model).load_state_dict(ref.state_dict())
         torch.nn.functional.mse_loss(model(x_all[idx]), y_all[idx]).backward()
         res[hook] = max(((a.grad - b.grad).abs() / b.grad.abs().clamp(min=1e-3)).max().item()
-                        for a, b in zip(dist.unwrap(model).parameters(), ref.parameters()))
+                        for a, b in zip(distributed.unwrap(model).parameters(), ref.parameters()))
         res[hook + "_fp16_exact"] = all(torch.equal(a.grad, a.grad.half().float())
-                                        for a in dist.unwrap(model).parameters())
+                                        for a in distributed.unwrap(model).parameters())
     try:
-        dist.wrap_model(torch.nn.Linear(3, 2), device, comm_hook="bf16")
+        distributed.wrap_model(torch.nn.Linear(3, 2), device, comm_hook="bf16")
     except ConfigError as e:
         res["bf16_error"] = str(e)
     (out / f"hook{env.rank}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.shutdown()
+    distributed.barrier()
+    distributed.shutdown()
 
 
 @pytest.mark.dist
@@ -438,7 +438,7 @@ def test_gloo_threads_are_joined_before_the_interpreter_exits(tmp_path):
     """gloo's worker threads outlive destroy_process_group; one that asks for the GIL once the
     interpreter finalizes (in a run: to release a work that holds backward's autograd context; here:
     a future's callback) ends the process with SIGABRT ("terminate called without an active
-    exception"). dist.shutdown joins them before."""
+    exception"). distributed.shutdown joins them before."""
     proc = _launch(tmp_path, "teardown")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(2):
@@ -461,12 +461,12 @@ def test_shutdown_after_an_error_does_not_wait_for_a_stuck_collective(tmp_path):
 def _dying_worker(out: Path) -> None:
     """Rank 1 dies after the first collective; rank 0 keeps reducing and must not hang."""
     torch.set_num_threads(1)
-    env, _ = dist.init("cpu", timeout_s=600)  # longer than the test allows: failure must come sooner
-    dist.all_reduce_sum(torch.ones(1))
+    env, _ = distributed.init("cpu", timeout_s=600)  # longer than the test allows: failure must come sooner
+    distributed.all_reduce_sum(torch.ones(1))
     if env.rank == 1:
         os._exit(7)
     for _ in range(10_000):
-        dist.all_reduce_sum(torch.ones(1))
+        distributed.all_reduce_sum(torch.ones(1))
         import time
         time.sleep(0.01)
 
@@ -519,11 +519,11 @@ def _teardown_worker(out: Path) -> None:
     seen: dict = {}
     atexit.register(lambda: (out / f"teardown{seen['rank']}.json").write_text(json.dumps(
         {**seen, "at_exit": _gloo_threads()})))  # registered before any of dist's: runs after them
-    env, device = dist.init("cpu", timeout_s=60)
+    env, device = distributed.init("cpu", timeout_s=60)
     seen["rank"] = env.rank
-    model = dist.wrap_model(torch.nn.Linear(3, 2), device)
+    model = distributed.wrap_model(torch.nn.Linear(3, 2), device)
     model(torch.randn(4, 3)).sum().backward()  # DDP's all-reduce works hold backward's context
-    dist.barrier()
+    distributed.barrier()
     main_done = threading.Event()
 
     def late(fut):  # runs on the gloo thread that ran the all-reduce (after the barrier: none waits for it)
@@ -546,7 +546,7 @@ def _teardown_worker(out: Path) -> None:
     if env.rank == 0:
         attached.write_text("")
     seen["before_shutdown"] = _gloo_threads()
-    dist.shutdown()
+    distributed.shutdown()
     atexit.register(main_done.set)  # registered after shutdown's: runs before it
     globals()["_slow"] = _SlowFinalizer()
 
@@ -559,16 +559,16 @@ def _stuck_worker(out: Path) -> None:
     import torch.distributed as tdist
 
     torch.set_num_threads(1)
-    env, _ = dist.init("cpu", timeout_s=60)
-    dist.barrier()
+    env, _ = distributed.init("cpu", timeout_s=60)
+    distributed.barrier()
     if env.rank == 0:
         tdist.all_reduce(torch.ones(1), async_op=True)  # rank 1 never takes part
         t0 = time.monotonic()
-        dist.shutdown(join_threads=False)
+        distributed.shutdown(join_threads=False)
         (out / "stuck0.json").write_text(json.dumps({"shutdown_s": time.monotonic() - t0}))
         # rank 1 leaves now, while this rank exits: the way the CLI ends (its exit code, no SIGABRT
         # from the stuck thread meeting the closed connection as the interpreter finalizes)
-        dist.exit_process(0)
+        distributed.exit_process(0)
     else:  # alive (connected) until rank 0 has left, or the test's limit
         _wait_for(out / "stuck0.json", 50)
         os._exit(0)
@@ -588,19 +588,19 @@ if __name__ == "__main__":
     ({}, "p{pid}"),
 ])
 def test_job_key_names_the_job_from_the_launch_environment(environ, expected):
-    assert dist.job_key(environ) == expected.format(ppid=os.getppid(), pid=os.getpid())
+    assert distributed.job_key(environ) == expected.format(ppid=os.getppid(), pid=os.getpid())
 
 
 def test_torchrun_restart_count_is_read():
-    env = dist.detect_env({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2"})
+    env = distributed.detect_env({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2"})
     assert (env.rank, env.world_size, env.restart) == (1, 2, 2)
-    assert dist.detect_env({"RANK": "0", "WORLD_SIZE": "2"}).restart == 0
+    assert distributed.detect_env({"RANK": "0", "WORLD_SIZE": "2"}).restart == 0
 
 
 @pytest.mark.parametrize("environ, job", [({"SLURM_JOB_ID": "77"}, "77"), ({"SLURM_JOBID": "77"}, "77"),
                                           ({"SLURM_JOB_ID": "78", "SLURM_ARRAY_JOB_ID": "70",
                                             "SLURM_ARRAY_TASK_ID": "3"}, "70_3"), ({}, None)])
 def test_the_job_scontrol_requeues(environ, job):
-    from fastvision.dist.env import requeue_job_id
+    from fastvision.distributed.env import requeue_job_id
 
     assert requeue_job_id(environ) == job

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from fastvision.dist.comm import _active, _hvd
+from fastvision.distributed.comm import _active, _hvd
 from fastvision.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def no_sync(model: nn.Module, skip: bool = True) -> contextlib.AbstractContextMa
     """Context that skips the gradient all-reduce (accumulation micro-steps) when ``skip``.
 
     A plain ``nullcontext`` for a bare model or when ``skip`` is false, so the engine writes
-    ``with dist.no_sync(model, not last_micro_step):`` without branching.
+    ``with distributed.no_sync(model, not last_micro_step):`` without branching.
     """
     ddp = next((m for m in _layers(model) if isinstance(m, nn.parallel.DistributedDataParallel)), None)
     return ddp.no_sync() if skip and ddp is not None else contextlib.nullcontext()

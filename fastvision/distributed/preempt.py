@@ -26,15 +26,15 @@ import shutil
 import signal
 import subprocess
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as tdist
 
-from fastvision.dist.comm import barrier
-from fastvision.dist.env import requeue_job_id
-from fastvision.dist.group import HOROVOD, active, rank
+from fastvision.distributed.comm import barrier
+from fastvision.distributed.env import requeue_job_id
+from fastvision.distributed.group import HOROVOD, active, rank
 from fastvision.errors import ConfigError, Preempted
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class StopSignals:
         if self.received is None:
             self.received = signum  # the loop logs it: no I/O inside a signal handler
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             if self.numbers:
                 log.info("not in the main thread: %s will not stop the run cleanly", self.names())
@@ -157,7 +157,7 @@ class Preemption:
         elif self.signals.numbers or timed_checkpoints:
             self.agreement = Agreement(device, self.every)
 
-    def __enter__(self) -> "Preemption":
+    def __enter__(self) -> Preemption:
         self.signals.__enter__()
         return self
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastvision.dist.env import DistEnv
-from fastvision.dist.samplers import TrainSampler
-from fastvision.engine.state import keep_global_batch
 from fastvision import config
+from fastvision.distributed.env import DistEnv
+from fastvision.distributed.samplers import TrainSampler
+from fastvision.engine.state import keep_global_batch
 from tests.conftest import ROOT, clean_env
-from tests.dist.test_dist_train import _worker_pid
+from tests.distributed.test_dist_train import _worker_pid
 
 pytestmark = pytest.mark.dist
 

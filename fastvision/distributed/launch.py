@@ -5,9 +5,9 @@ import logging
 import os
 import subprocess
 import sys
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from fastvision.dist.comm import horovod
+from fastvision.distributed.comm import horovod
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The running job's process group as seen by this process: rank, world size, horovod or not.
 
-A leaf module (no fastvision imports) so that both :mod:`fastvision.dist` (collectives, DDP wrap)
-and :mod:`fastvision.dist.samplers` (which shard by rank) can read it without importing each other.
+A leaf module (no fastvision imports) so that both :mod:`fastvision.distributed` (collectives, DDP wrap)
+and :mod:`fastvision.distributed.samplers` (which shard by rank) can read it without importing each other.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 
 class _Horovod:
-    """Holds ``horovod.torch`` once ``dist.init(backend="horovod")`` ran (None otherwise)."""
+    """Holds ``horovod.torch`` once ``distributed.init(backend="horovod")`` ran (None otherwise)."""
 
     module: Any = None
 
