@@ -37,13 +37,15 @@ test: $(VENV)/.test
 	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # ruff (the version the [lint] extra pins; rules in pyproject.toml): pyflakes, bugbear, pycodestyle
-# (line length 120), import order, pyupgrade, over the package, its tests, benchmarks and scripts.
+# (line length 120), import order, pyupgrade, over the package, its tests, benchmarks and scripts;
+# then the size rule: no module in fastvision/ over 400 lines, no function over 60.
 $(VENV)/.lint: $(VENV)/.base
 	$(PIP) -e ".[lint]"
 	touch $@
 
 lint: $(VENV)/.lint
 	$(VENV)/bin/ruff check fastvision tests benchmarks scripts
+	$(PY) scripts/check_sizes.py fastvision
 
 clean:
 	rm -rf $(VENV) runs

@@ -8,7 +8,7 @@ For one recipe per model family (2-D U-Net, 3-D U-Net, SegResNet, ResNet, SSD), 
     weights excluded). A checkpointed block's inner tensors are checkpoint's, not autograd's:
     this is the memory the switch removes, without the recompute.
   * measured peak: the CPU allocator's peak over build + two steps (``torch.profiler`` memory
-    events, ``plan_memory.measured_peak``): everything, the recompute included.
+    events, ``fastvision.planning.peak.measured_peak``): everything, the recompute included.
   * plan's estimate: ``fastvision.planning.estimate.trace`` (fake tensors, the recipe's switch
     traced as it runs) peak bytes, without the workspace margin; its ratio to the measured peak.
 
@@ -16,16 +16,16 @@ Usage: OMP_NUM_THREADS=2 python benchmarks/activation_checkpointing.py [--recipe
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import weakref
 
 import torch
-from plan_memory import measured_peak  # benchmarks/, the script's folder
+from plan_memory import recipe_args  # benchmarks/, the script's folder
 
 from fastvision import config
 from fastvision.planning import estimate as est
+from fastvision.planning.peak import measured_peak
 
 # recipe -> (family, batch, overrides for a CPU-sized run)
 CASES = {
@@ -68,13 +68,7 @@ def measure(cfg, batch: int, device: torch.device) -> tuple[int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--recipes", help="comma-separated subset")
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    names = args.recipes.split(",") if args.recipes else list(CASES)
-    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    device, names = recipe_args(__doc__, CASES)
     print("| family | recipe | input | batch | saved for backward MiB off -> on | measured peak MiB off -> on "
           "| plan estimate MiB off -> on | estimate / measured off, on |")
     print("|---|---|---|---:|---|---|---|---|")

@@ -47,7 +47,8 @@ def _run(recipe: str, data: Path, out: Path, epochs: int, every: int | None) -> 
     summary = run_training(recipe, out=str(out), extra=extra, progress=False)
     last = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     return {"train_s": summary["train_time_s"], "stall_s": summary["checkpoint_stall_mean_s"],
-            "durable_max_s": summary["checkpoint_durable_max_s"], "step_checkpoints": summary["checkpoints_written"] - epochs,
+            "durable_max_s": summary["checkpoint_durable_max_s"],
+            "step_checkpoints": summary["checkpoints_written"] - epochs,
             "steps": last["step"], "mb": (out / "checkpoints" / "last.pt").stat().st_size / 2**20}
 
 
@@ -74,7 +75,7 @@ def main() -> None:
         med_off, med_on = statistics.median(x["train_s"] for x in off), statistics.median(x["train_s"] for x in on)
         result["recipes"][recipe] = {
             "train_s_without": med_off, "train_s_with": med_on, "overhead_ratio": med_on / med_off,
-            "per_round_ratio": [b["train_s"] / a["train_s"] for a, b in zip(off, on)],
+            "per_round_ratio": [b["train_s"] / a["train_s"] for a, b in zip(off, on, strict=True)],
             "ms_per_checkpoint_from_train_time": 1000 * (med_on - med_off) / step_ckpts,
             "stall_ms_median": 1000 * statistics.median(x["stall_s"] for x in on),
             "durable_ms_max": 1000 * max(x["durable_max_s"] for x in on),

@@ -3,7 +3,7 @@
 Builds a recipe's run with ``engine.build`` (no dataset: ``data_info={}``), takes one training step
 on a synthetic batch so the optimizer has its state, then alternates (``--rounds``) two ways of
 writing the same checkpoint (``engine.state.checkpoint_state``) to ``last.pt`` and ``best.pt``:
-``checkpoint.atomic_write`` of ``torch.save`` twice in the training thread (what ``fit`` did before issue 10) and
+``atomic_write`` of ``torch.save`` twice in the training thread (what ``fit`` did before issue 10) and
 ``checkpoint.BackgroundWriter.write`` (what it does now: a CPU snapshot in the training thread, then
 serialise + fsync + rename in a thread). The stall is the time until the training thread may go
 on; the background write is joined (untimed) before the next round. Prints median stalls, their
@@ -26,6 +26,7 @@ import torch
 from fastvision import config, engine
 from fastvision.engine import checkpoint, runtime
 from fastvision.engine.state import checkpoint_state, initial_state, resolved_config
+from fastvision.utils.files import atomic_write
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
         t0 = time.perf_counter()
         ckpt = checkpoint_state(run, state, resolved, [runtime.rng_state(run.step.generator)])
         for path in paths:
-            checkpoint.atomic_write(path, lambda f: torch.save(ckpt, f))
+            atomic_write(path, lambda f, ckpt=ckpt: torch.save(ckpt, f))  # called before the loop moves on
         sync.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         writer.write(checkpoint_state(run, state, resolved, [runtime.rng_state(run.step.generator)]), paths)

@@ -70,7 +70,7 @@ def nnunet_plans(python: str, src: Path, did: int, work: Path) -> dict:
         (work / k).mkdir(parents=True, exist_ok=True)
     r = subprocess.run([python, "-c", NNUNET, str(src), str(did), ",".join(str(b[0]) for b in BUDGETS)],
                        env=env, capture_output=True, text=True, check=False)
-    line = next((l for l in r.stdout.splitlines() if l.startswith("PLANS_JSON")), None)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("PLANS_JSON")), None)
     if r.returncode or line is None:
         raise RuntimeError(f"nnU-Net failed on {src}:\n{r.stderr[-3000:]}")
     return json.loads(line[len("PLANS_JSON"):])
@@ -139,7 +139,8 @@ def nnunet_row(plans: dict) -> dict:
            "batch": conf["batch_size"], "first_kernel": _to_ours(arch["kernel_sizes"][0], tf)}
     two = plans["configurations"].get("2d")
     if two:
-        row["2d"] = {"patch": two["patch_size"], "batch": two["batch_size"], "stages": two["architecture"]["arch_kwargs"]["n_stages"]}
+        row["2d"] = {"patch": two["patch_size"], "batch": two["batch_size"],
+                     "stages": two["architecture"]["arch_kwargs"]["n_stages"]}
     return row
 
 
@@ -166,8 +167,9 @@ def table(results: list[dict]) -> str:
     for r in results:
         for who, budget, row in r["rows"]:
             extra = " (2-D, slice-wise)" if row.get("thin") else ""
-            lines.append(f"| {r['name']} | {who} ({budget}){extra} | {_v(row['spacing'])} | {_v(row['median_shape'], 4)} | "
-                         f"{_v(row['patch'], 4)} | {row['pools']} | {row['stages']} | {row['batch']} |")
+            lines.append(f"| {r['name']} | {who} ({budget}){extra} | {_v(row['spacing'])} | "
+                         f"{_v(row['median_shape'], 4)} | {_v(row['patch'], 4)} | {row['pools']} | "
+                         f"{row['stages']} | {row['batch']} |")
     return "\n".join(lines)
 
 

@@ -14,9 +14,10 @@ once; round 0 warms threads and the page cache and is not counted).
   (no cache, preprocessing and crop per item in 4 worker processes). MONAI: the fast tutorial's
   transforms (LoadImaged, EnsureChannelFirstd, Orientationd RAS, Spacingd 1.5 x 1.5 x 2,
   ScaleIntensityRanged -57..164, CropForegroundd, SpatialPadd, FgBgToIndicesd (cached, as seed 003
-  shows), then RandCropByPosNegLabeld pos 1 neg 1) in CacheDataset / PersistentDataset + ThreadDataLoader(num_workers=0), and the plain
-  Dataset + DataLoader(4 workers) of the baseline tutorial. One crop per volume per epoch in every
-  variant (MONAI's tutorial draws num_samples=4; here 1, so items/epoch are equal).
+  shows), then RandCropByPosNegLabeld pos 1 neg 1) in CacheDataset / PersistentDataset +
+  ThreadDataLoader(num_workers=0), and the plain Dataset + DataLoader(4 workers) of the baseline
+  tutorial. One crop per volume per epoch in every variant (MONAI's tutorial draws num_samples=4;
+  here 1, so items/epoch are equal).
 * 2-D: ``unet2d-microscopy`` as shipped (no cache, thread loader, batched flips + rot90) and with
   ``data.cache: ram``; MONAI CacheDataset + RandFlipd x2 + RandRotate90d + ThreadDataLoader over the
   same decoded items.
@@ -48,7 +49,8 @@ Step = Callable[[Any, torch.Generator], Any]
 def recipe_path(recipe: str, data: Path, *sets: str) -> tuple[Any, Step, int]:
     """(loader, per-batch step, items per epoch) exactly as ``fastvision train RECIPE`` builds them
     (``train.amp=off``: no model runs, and the fp16 recipes refuse a CPU otherwise)."""
-    cfg = config.load(recipe, [config.parse_override(s) for s in (f"data.args.path={data}", "train.device=cpu", "train.amp=off", *sets)])
+    overrides = (f"data.args.path={data}", "train.device=cpu", "train.amp=off", *sets)
+    cfg = config.load(recipe, [config.parse_override(s) for s in overrides])
     run = engine.build(cfg, train=True)  # train: the cache, the loaders and the recipe's batched augmentation
     loader = run.train_loader
 
@@ -101,7 +103,8 @@ def monai_3d(data: Path, tmp: Path, bs: int) -> dict[str, Callable[[], tuple[Any
 
 
 def variants_3d(data: Path, tmp: Path, bs: int) -> dict[str, Callable[[], tuple[Any, Step | None, int]]]:
-    tiny = ("train.batch_size=%d" % bs, "data.args.patch_size=[%d,%d,%d]" % PATCH, f"data.cache_dir={tmp / 'fv-disk'}")
+    tiny = (f"train.batch_size={bs}", f"data.args.patch_size=[{PATCH[0]},{PATCH[1]},{PATCH[2]}]",
+            f"data.cache_dir={tmp / 'fv-disk'}")
 
     def fast(*sets: str) -> Callable[[], tuple[Any, Step, int]]:
         return lambda: _warm(recipe_path("unet3d-spleen-fast", data, *tiny, *sets))
@@ -123,7 +126,7 @@ def variants_2d(data: Path, bs: int) -> dict[str, Callable[[], tuple[Any, Step |
 
     from fastvision.data.formats.microscopy import microscopy
 
-    tiny = ("train.batch_size=%d" % bs,)
+    tiny = (f"train.batch_size={bs}",)
     ds = microscopy(path=str(data), image_size=[128, 128], val_fraction=0.2, split_seed=0).train
 
     class Read(Transform):  # the same decoded item; a MONAI Transform so CacheDataset caches it
@@ -181,7 +184,8 @@ def table(title: str, res: dict[str, dict], pairs: list[tuple[str, str, str]]) -
         lines.append(f"| {name} | {r['fill_s']:.2f} | {r['items']} | {med:.3f} | {1e3 * per[name]:.2f} |")
     lines.append("")
     for label, slow, fast in pairs:
-        lines.append(f"- {label}: **{per[slow] / per[fast]:.1f}x** (ms/item {1e3 * per[slow]:.2f} / {1e3 * per[fast]:.2f})")
+        lines.append(f"- {label}: **{per[slow] / per[fast]:.1f}x** "
+                     f"(ms/item {1e3 * per[slow]:.2f} / {1e3 * per[fast]:.2f})")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ Prints the median step times and their ratio (fastvision / hand-written; target 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -40,7 +41,7 @@ class TimedBatches:
         self.stamps.append(time.perf_counter())
 
     def step_times(self) -> list[float]:
-        d = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+        d = [b - a for a, b in itertools.pairwise(self.stamps)]
         return d[1:]  # the first step of a chunk warms caches
 
 
@@ -88,8 +89,8 @@ def main() -> None:
         engine.train_one_epoch(fv_run, r, state, logger)
         fv += fv_run.train_loader.step_times()
         loader = TimedBatches(batches, args.steps)
-        hand_loop(hw_run.model, hw_run.task.loss_fn, hw_run.step.optimizer, hw_run.step.scheduler, loader, hw_run.device,
-                  hw_run.precision)
+        hand_loop(hw_run.model, hw_run.task.loss_fn, hw_run.step.optimizer, hw_run.step.scheduler, loader,
+                  hw_run.device, hw_run.precision)
         hw += loader.step_times()
     med_fv, med_hw = statistics.median(fv), statistics.median(hw)
     result = {"recipe": args.recipe, "batch_size": args.batch_size, "amp": args.amp, "steps_timed": len(fv),

@@ -151,7 +151,8 @@ def build_generated_spleen(*, cases: int = 12, size: int = 176, spacing: float =
     from fastvision.data.preprocess3d import PreprocessParams
 
     params = PreprocessParams(intensity="ct", window=tuple(map(float, window)), crop_foreground=True)
-    items = [{"id": f"gen{i}", "image": [f"generated:{seed}:{i}:{size}:{spacing}"], "label": None} for i in range(cases)]
+    items = [{"id": f"gen{i}", "image": [f"generated:{seed}:{i}:{size}:{spacing}"], "label": None}
+             for i in range(cases)]
     train = VolumeDataset(items, params, patch_size=patch_size, pos_fraction=pos_fraction, compute=_generated_case)
     val = VolumeDataset(items[:1], params, compute=_generated_case)
     info = {"num_classes": 2, "class_names": ["background", "spleen"], "in_channels": 1, "channels": ["CT"],

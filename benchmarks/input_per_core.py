@@ -83,7 +83,7 @@ def main() -> int:
     lines = [f"| recipe | data here | items/s per core (here) | {args.gpu} items/s per GPU (plan) | "
              f"host cores per GPU needed | cores per GPU on {args.hardware} | binding limit at {args.gpus} |",
              "|---|---|---:|---:|---:|---:|---|"]
-    for recipe, what, row, cpu, p, sc, need in rows:
+    for recipe, what, row, _cpu, _plan, sc, need in rows:
         gpu_rate = sorted(s["gpu_items_per_s_gpu"] for s in sc)  # what the GPU takes if the host keeps up
         lines.append(f"| {recipe} | {what} | {row['items_per_cpu_s']:.1f} | "
                      f"{gpu_rate[0]:,.0f}-{gpu_rate[-1]:,.0f} | {need[0]:.1f}-{need[-1]:.1f} | "

@@ -26,7 +26,8 @@ from fastvision.data.synth import load_all
 from fastvision.engine.step import _keep_buffers, _restore_buffers
 
 RECIPES = {  # recipe -> (synth kind, synth options, CPU-sized overrides)
-    "unet2d-microscopy": ("microscopy", {"count": 20, "size": 64}, ["data.args.image_size=[64,64]", "train.batch_size=4"]),
+    "unet2d-microscopy": ("microscopy", {"count": 20, "size": 64},
+                          ["data.args.image_size=[64,64]", "train.batch_size=4"]),
     "resnet18-imagefolder": ("imagenet", {"classes": 3, "per_class": 4, "val_per_class": 1, "size": 72},
                              ["data.args.image_size=64", "data.args.resize_size=72", "task.args.num_classes=3",
                               "model.args.num_classes=3", "train.batch_size=4"]),
@@ -55,7 +56,7 @@ def _time(fn, n: int) -> float:
 
 def measure(recipe: str, root: Path, rounds: int, steps: int) -> dict:
     run = _build(recipe, root)
-    batches = itertools.cycle([b for b, _ in zip(run.train_loader, range(2))])
+    batches = itertools.cycle([b for b, _ in zip(run.train_loader, range(2), strict=False)])  # the first 2 batches
     run.step.model.train()
     for _ in range(3):  # warm-up: lazy optimizer state, allocator
         engine.train_step(run.step, batches)

@@ -53,7 +53,8 @@ def main() -> None:
                 for way in ("decode", "decode+check") if r % 2 == 0 else ("decode+check", "decode"):
                     fn = read if way == "decode" else (lambda read=read: count_nonfinite(read()))
                     times[name][way].append(_timed(fn)[1])
-    out = {name: {"decode_s": statistics.median(t["decode"]), "decode_and_check_s": statistics.median(t["decode+check"]),
+    out = {name: {"decode_s": statistics.median(t["decode"]),
+                  "decode_and_check_s": statistics.median(t["decode+check"]),
                   "ratio": statistics.median(t["decode+check"]) / statistics.median(t["decode"])}
            for name, t in times.items()}
     print(json.dumps({"shape": args.shape, "image": args.image, "rounds": args.rounds, **out}, indent=2))

@@ -1,8 +1,8 @@
 """Estimated vs measured peak training memory for every recipe at two batch sizes (issue 14).
 
 Estimate: ``fastvision.planning.estimate.trace`` (fake tensors, no device): the traced peak of live
-tensor bytes, without the planner's workspace margin. Measured: the same two training steps run
-for real, model built inside the window,
+tensor bytes, without the planner's workspace margin. Measured (``fastvision.planning.peak``): the
+same two training steps run for real, model built inside the window,
   * on CPU: ``torch.profiler`` memory events of the CPU allocator (every allocation and free in the
     window; the running sum's maximum is the peak),
   * on a GPU (when one is present and ``--device cuda``): ``torch.cuda.max_memory_allocated``.
@@ -16,17 +16,13 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/plan_memory.py [--device cpu|cuda] [-
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
-import itertools
 import time
 
 import torch
 
-from fastvision import config, engine
-from fastvision.models import without_weights
+from fastvision import config
 from fastvision.planning import estimate as est
-from fastvision.planning.autobatch import recipe_run
+from fastvision.planning.peak import measured_peak
 
 # recipe -> (batch sizes, overrides for a CPU-sized run)
 CPU_CASES = {
@@ -45,51 +41,20 @@ CPU_CASES = {
 }
 
 
-def measured_peak(cfg, batch: int, device: torch.device) -> int:
-    """Peak bytes of building the recipe and running two real training steps on ``device``."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        _run(cfg, batch, device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _run(cfg, batch, device)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return peak
-
-
-def _run(cfg, batch: int, device: torch.device) -> None:
-    """Two ``engine.train_step`` calls (the step ``train`` runs) on a synthetic batch; no weights
-    file is read (they change values, not memory), as in the estimate."""
-    cfg = copy.deepcopy(cfg)
-    cfg.model.args = without_weights(cfg.model.args)
-    run, make_optimizer = recipe_run(cfg, device)
-    run.step.optimizer = make_optimizer(run.model)
-    run.step.scheduler = torch.optim.lr_scheduler.LambdaLR(run.step.optimizer, lambda _: 1.0)
-    batch = run.task.synthetic_batch(batch, device)
-    for _ in range(2):
-        engine.train_step(run.step, itertools.repeat(batch))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def recipe_args(doc: str, cases: dict) -> tuple[torch.device, list[str]]:
+    """``--device`` and ``--recipes`` (a comma-separated subset of ``cases``; default all) of a memory
+    benchmark; prints the machine line the tables start with."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--recipes", help="comma-separated subset")
     args = ap.parse_args()
     device = torch.device(args.device)
-    names = args.recipes.split(",") if args.recipes else list(CPU_CASES)
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    return device, args.recipes.split(",") if args.recipes else list(cases)
+
+
+def main() -> None:
+    device, names = recipe_args(__doc__, CPU_CASES)
     print("| recipe | input | amp | batch | estimated MiB | measured MiB | estimate / measured | trace s |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for name in names:

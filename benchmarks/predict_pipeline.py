@@ -71,7 +71,7 @@ def speed(args) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"cases": args.cases, "size": args.size, "rounds": args.rounds, "times_s": times, "median_s": med,
             "ratio_pipelined_over_serial": med["pipelined"] / med["serial"],
-            "ratio_per_round": [p / s for p, s in zip(times["pipelined"], times["serial"])]}
+            "ratio_per_round": [p / s for p, s in zip(times["pipelined"], times["serial"], strict=True)]}
 
 
 def _rss() -> int:

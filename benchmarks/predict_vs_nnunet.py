@@ -101,7 +101,7 @@ def run(cmd: list[str], env: dict, timeout: float) -> tuple[float, str]:
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise SystemExit(f"timed out after {timeout:.0f} s: {' '.join(cmd[:6])} ...")
+        raise SystemExit(f"timed out after {timeout:.0f} s: {' '.join(cmd[:6])} ...") from None
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     CPU_S.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
@@ -239,7 +239,8 @@ def main() -> int:
     print(f"plan: fastvision {plan['fastvision']} / nnU-Net {plan['nnunet']}: "
           f"{'same' if plan['match'] else 'DIFFERENT'}", file=sys.stderr)
     _, help_text = fastvision(["predict", "--help"], args.timeout)
-    has_tta = "--tta-axes" in help_text  # the 3 axes nnU-Net mirrors, named (recipes configured before 2026-11-26 trained no flips)
+    # the 3 axes nnU-Net mirrors, named (recipes configured before 2026-11-26 trained no flips)
+    has_tta = "--tta-axes" in help_text
     train = ["--epochs", "1", "--set", "train.steps_per_epoch=1", "--set", "data.cache=ram",
              "--set", "data.cache_dir=null", "--set", "data.args.num_folds=2"]
     # "fastvision": the recipe as configured (its CT crop to the voxels above the window's lower
@@ -273,8 +274,9 @@ def main() -> int:
                     times[mirror]["nnunet_predict_s"].append(res["predict_s"])
                     params = res["parameters"]
                 else:
-                    cmd = ["predict", str(runs[who, mirror]), *map(str, inputs), "--out", str(work / f"out-{who}-{tag}"),
-                           "--force"] + (["--tta-axes", "0,1,2"] if mirror and has_tta else []) + args.predict_args.split()
+                    cmd = ["predict", str(runs[who, mirror]), *map(str, inputs),
+                           "--out", str(work / f"out-{who}-{tag}"), "--force"]
+                    cmd += (["--tta-axes", "0,1,2"] if mirror and has_tta else []) + args.predict_args.split()
                     wall, _ = fastvision(cmd, args.timeout)
                 times[mirror][who].append(wall)
                 times[mirror][f"{who}_cpu"].append(CPU_S[-1])
@@ -299,7 +301,8 @@ def main() -> int:
 
 
 def text(rep: dict) -> str:
-    lines = [f"nnunetv2 {rep['nnunetv2']}, {rep['cases']} cases, plan {'the same' if rep['plan']['match'] else 'DIFFERS'}"
+    lines = [f"nnunetv2 {rep['nnunetv2']}, {rep['cases']} cases, "
+             f"plan {'the same' if rep['plan']['match'] else 'DIFFERS'}"
              f" (patch {rep['plan']['fastvision']['patch']} / {rep['plan']['nnunet']['patch']}), "
              f"nnU-Net network {rep['nnunet_parameters']:,} parameters", "",
              "| mirroring | time | nnU-Net process | fastvision predict (as configured) | ratio "

@@ -109,9 +109,11 @@ def section() -> str:
            "`fastvision/scaling/hardware/*.yaml`.", "",
            f"**Result.** Held out beyond one node ({len(big)} rows, two implementations, three submitters, "
            f"{min(r['gpus'] for r in big)} to {max(r['gpus'] for r in big):,} GPUs): {big_txt} "
-           f"points (goal 10; worst on the DGX H100 fabric: {worst_h100['error_points']:+.1f}, `{worst_h100['id']}`). ResNet-50 at 8 GPUs, {len(rn8)} held-out rows: worst {worst8['error_points']:+.1f} "
-           f"(`{worst8['id']}`; goal 5). PyTorch DDP at 8 GPUs (the path fastvision trains on), {len(ddp8)} held-out rows of "
-           f"four workloads: worst {worst_ddp['error_points']:+.1f} (`{worst_ddp['id']}`). All held-out rows on one node "
+           f"points (goal 10; worst on the DGX H100 fabric: {worst_h100['error_points']:+.1f}, "
+           f"`{worst_h100['id']}`). ResNet-50 at 8 GPUs, {len(rn8)} held-out rows: "
+           f"worst {worst8['error_points']:+.1f} (`{worst8['id']}`; goal 5). PyTorch DDP at 8 GPUs "
+           f"(the path fastvision trains on), {len(ddp8)} held-out rows of four workloads: "
+           f"worst {worst_ddp['error_points']:+.1f} (`{worst_ddp['id']}`). All held-out rows on one node "
            f"({len(node)} rows, {min(r['gpus'] for r in node)} to 8 GPUs): "
            f"{sum(abs(r['error_points']) <= 5 for r in node)} within 5 points; over 5{node_why}: {node_over}. "
            "Without the fixed cost and the stragglers the same model predicts "
@@ -119,9 +121,10 @@ def section() -> str:
            f"({bare['mlperf-v4.0-h100-2528']['error_points']:+.1f}) and "
            f"{bare['mlperf-v3.0-h100-3584']['predicted_efficiency']:.1%} at 3,584 "
            f"({bare['mlperf-v3.0-h100-3584']['error_points']:+.1f}): at 16 images per GPU the compute is "
-           f"{16 / 400 * (1e3 * 400 / 7160 - fixed):.2f} ms of a {ml['mlperf-v4.0-h100-2528']['step_ms']:.2f} ms step; "
-           f"the fixed cost is {fixed:.2f} ms, the stragglers {ml['mlperf-v4.0-h100-2528']['straggler_ms']:.2f} ms and the "
-           f"exposed all-reduce {ml['mlperf-v4.0-h100-2528']['exposed_comm_ms']:.2f} ms. The fit is nearly one constant: "
+           f"{16 / 400 * (1e3 * 400 / 7160 - fixed):.2f} ms of a "
+           f"{ml['mlperf-v4.0-h100-2528']['step_ms']:.2f} ms step; the fixed cost is {fixed:.2f} ms, "
+           f"the stragglers {ml['mlperf-v4.0-h100-2528']['straggler_ms']:.2f} ms and the exposed all-reduce "
+           f"{ml['mlperf-v4.0-h100-2528']['exposed_comm_ms']:.2f} ms. The fit is nearly one constant: "
            f"with the jitter set to 0 (fixed cost unchanged) the 3,584-GPU row reads {no_jit['error_points']:+.1f}.",
            retinanet_text(anchors, rates, consts, ml),
            others_text(ml),
@@ -129,14 +132,14 @@ def section() -> str:
            "(`unknown-cpu`: no source gives their per-core rate, so no host limit is modelled and the prediction is "
            "the compute-and-fabric bound). As a bound it holds: every `unknown-cpu` row reads at or below it "
            f"({len(unknown)} rows, errors {min(r['error_points'] for r in unknown):+.1f} to "
-           f"{max(r['error_points'] for r in unknown):+.1f}), and `fastvision plan` calls its efficiency an upper bound "
-           "when the recipe's input rate is not known (its `--input-rate` takes the JSON of `fastvision benchmark "
-           "RECIPE --mode data`, whose items/s per host core closes the gap for a fastvision pipeline). "
-           "The column *missed ms/step* says what kind of time is missing:",
+           f"{max(r['error_points'] for r in unknown):+.1f}), and `fastvision plan` calls its efficiency an upper "
+           "bound when the recipe's input rate is not known (its `--input-rate` takes the JSON of "
+           "`fastvision benchmark RECIPE --mode data`, whose items/s per host core closes the gap for a fastvision "
+           "pipeline). The column *missed ms/step* says what kind of time is missing:",
            tf_host_text(ml),
            l40s_text(anchors, rates, consts, l40s, hidden),
-           "- 3,584 GPUs is MLPerf v3.0 software (ngc23.04) on CoreWeave HGX H100, referenced to NVIDIA's 8-GPU DGX H100 "
-           "on the same container (v3.0); its 10.1 M img/s has three significant digits.", "",
+           "- 3,584 GPUs is MLPerf v3.0 software (ngc23.04) on CoreWeave HGX H100, referenced to NVIDIA's "
+           "8-GPU DGX H100 on the same container (v3.0); its 10.1 M img/s has three significant digits.", "",
            "**Rows looked for and left out:**", ""] + [f"- {t}" for t in LEFT_OUT] + [
            "", "**Small batches: the fixed per-step cost other implementations imply.** Published rates of one "
            "implementation at two per-GPU batches give the line t(b) = b x t_item + fixed "
@@ -144,7 +147,8 @@ def section() -> str:
            f"{fixed:.2f} ms of MXNet and the {fixed_pt:.2f} ms of CUDA-graphed PyTorch are floors and a PyTorch "
            "(Lightning) step carries more (part of it the "
            "kernels' own small-batch inefficiency: the TF32 3-D pair implies 26 ms where AMP implies 12), so "
-           "a PyTorch recipe should measure its own (`fastvision benchmark --mode train --batch-sizes A,B`, then `fastvision plan --calibrate` takes the intercept):", "",
+           "a PyTorch recipe should measure its own (`fastvision benchmark --mode train --batch-sizes A,B`, "
+           "then `fastvision plan --calibrate` takes the intercept):", "",
            pairs_table(anchors),
            "", "`fastvision scale --simulate` with the headline DLE row's inputs (`fastvision scale --simulate "
            "--compute-ms 103.64 --batch 256 --grad-mb 102.4 --hardware dgx-a100 --input-rate 130 --input-workers 16`):",
@@ -179,14 +183,17 @@ def retinanet_text(anchors: dict, rates: dict, consts: dict, ml: dict) -> str:
     fixed_pt = consts["overhead_ms"]["mlperf-retinanet-pytorch"]
     bare = sv.predict_row(by_id[big["id"]], anchors, rates)
     mx = sv.predict_row(by_id[big["id"]], anchors, rates, {
-        "jitter_ms": consts["jitter_ms"], "overhead_ms": {"mlperf-retinanet-pytorch": consts["overhead_ms"]["mlperf-resnet-mxnet"]}})
-    return (f"- **A second implementation at scale: MLPerf v4.0 RetinaNet (PyTorch DDP).** Its fixed cost is solved on 64 H100 "
-            f"at 4 per GPU; held out, 2,528 H100 at 1 image per GPU reads {big['error_points']:+.1f} "
+        "jitter_ms": consts["jitter_ms"],
+        "overhead_ms": {"mlperf-retinanet-pytorch": consts["overhead_ms"]["mlperf-resnet-mxnet"]}})
+    return (f"- **A second implementation at scale: MLPerf v4.0 RetinaNet (PyTorch DDP).** Its fixed cost is "
+            f"solved on 64 H100 at 4 per GPU; held out, 2,528 H100 at 1 image per GPU reads {big['error_points']:+.1f} "
             f"({big['predicted_efficiency']:.1%} against {big['published_efficiency']:.1%} of the 8-GPU per-GPU rate; "
-            f"step {big['step_ms']:.2f} ms, of it {big['fixed_ms']:.2f} fixed, {big['straggler_ms']:.2f} stragglers and "
-            f"{big['exposed_comm_ms']:.2f} exposed all-reduce), and 64 L40S at 4 per GPU reads {l40s['error_points']:+.1f}. "
+            f"step {big['step_ms']:.2f} ms, of it {big['fixed_ms']:.2f} fixed, {big['straggler_ms']:.2f} "
+            f"stragglers and {big['exposed_comm_ms']:.2f} exposed all-reduce), and 64 L40S at 4 per GPU reads "
+            f"{l40s['error_points']:+.1f}. "
             "The same constant carries to the implementation's earlier and later rounds, each against its own round's "
-            "8-GPU DGX H100: " + ", ".join(f"{r['gpus']} H100 at {r['batch']} per GPU {r['error_points']:+.1f} ({r['impl'].split()[1]})"
+            "8-GPU DGX H100: " + ", ".join(f"{r['gpus']} H100 at {r['batch']} per GPU {r['error_points']:+.1f} "
+                                           f"({r['impl'].split()[1]})"
                                    for r in ml.values() if r["workload"] == "retinanet" and r["role"] == "held-out"
                                    and "NVIDIA" in r["impl"] and r["hardware"] == "dgx-h100"
                                    and not r["id"].startswith("mlperf-v4.0")) + ". "
@@ -292,10 +299,11 @@ def l40s_text(anchors: dict, rates: dict, consts: dict, l40s: dict, hidden: dict
             "`MXNET_HOROVOD_NUM_GROUPS=1`, one group of all gradients handed to Horovod after backward (the 316-node "
             "config says so: 'Default is no NCCL and BWD overlap'), which is what the model does: one 51 MB buffer "
             "after backward. The two published points of this implementation bound the rest: on the line "
-            f"t(b) = b x t_item + fixed they leave **{fixed:.1f} ms** per step for the fixed cost and the all-reduce "
-            f"together, while the all-reduce alone cannot take less than {floor_ms:.1f} ms (2 x 63/64 x 51.2 MB through "
-            "one PCIe Gen4 x16 link at 32 GB/s). So the per-image cost of the 200-image reference step is not the "
-            "per-image cost of the 50-image step. **A third L40S row says which point is off**: Dell's R760xa "
+            f"t(b) = b x t_item + fixed they leave **{fixed:.1f} ms** per step for the fixed cost and the "
+            f"all-reduce together, while the all-reduce alone cannot take less than {floor_ms:.1f} ms "
+            "(2 x 63/64 x 51.2 MB through one PCIe Gen4 x16 link at 32 GB/s). So the per-image cost of the "
+            "200-image reference step is not the per-image cost of the 50-image step. "
+            "**A third L40S row says which point is off**: Dell's R760xa "
             f"(one node of {L40S_DELL['gpus']} L40S, the same NVIDIA implementation and DALI settings at "
             f"{L40S_DELL['batch']} per GPU, an older container: NCCL 2.18.5 against 2.21.5) runs {dell_per_gpu:,.0f} "
             "img/s per GPU (`Dell/results/R760xax4L40S/resnet/result_0.txt`, epochs 2-13). The line through it and "
@@ -316,8 +324,8 @@ def l40s_text(anchors: dict, rates: dict, consts: dict, l40s: dict, hidden: dict
             f"epoch 1, which decodes every image, {slower:.1%} slower than its later epochs; it runs at "
             f"{ref_epoch1:,.0f} img/s against {ref_steady:,.0f} ({ref_epoch1 / ref_steady - 1:+.1%}): at "
             f"{row['ref_batch']} per GPU decoding hides behind the step (in all five runs epoch 1 is "
-            f"{ref_drops[0]:.1%}-{ref_drops[-1]:.1%} below the median of epochs 2-13). At {row['batch']} per GPU it does "
-            f"not: the 64-GPU run's epoch 1 runs at {row_epoch1:,.0f} img/s, "
+            f"{ref_drops[0]:.1%}-{ref_drops[-1]:.1%} below the median of epochs 2-13). At {row['batch']} per GPU "
+            f"it does not: the 64-GPU run's epoch 1 runs at {row_epoch1:,.0f} img/s, "
             f"{row_epoch1 / row_steady:.0%} of its steady rate ({row_shares[0]:.0%}-{row_shares[-1]:.0%} over its five "
             "runs), so that row's rate holds only "
             "because its whole shard fits the cache, which the simulator does not model (a GPU-decoding DALI "
@@ -336,8 +344,8 @@ def pairs_table(anchors: dict) -> str:
     for p in anchors["batch_pairs"]:
         fixed, item = sv.implied_fixed_ms(p["points"])
         (b1, r1), (b2, r2) = p["points"]
-        rows.append([p["id"], p["impl"], f"{p['gpus']} x {p['gpu']} {p['precision']}", f"bs {b1}: {r1:g}, bs {b2}: {r2:g}",
-                     f"{item:.3f}", f"{fixed:.1f}"])
+        rows.append([p["id"], p["impl"], f"{p['gpus']} x {p['gpu']} {p['precision']}",
+                     f"bs {b1}: {r1:g}, bs {b2}: {r2:g}", f"{item:.3f}", f"{fixed:.1f}"])
     return markdown(["pair", "impl", "GPUs", "items/s per GPU", "ms per item:", "fixed ms per step:"], rows)
 
 

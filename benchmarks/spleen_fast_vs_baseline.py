@@ -173,10 +173,12 @@ def main() -> None:
               f"{mark}{r['wall_s']:.1f} | {r['dice']:.3f} | {mark}{r['train_s'] / ref['train_s']:.2f} | "
               f"{mark}{r['wall_s'] / ref['wall_s']:.2f} |")
     if a.repeats > 1:  # each round's fast / MONAI ratio, side by side in that round
-        ratios = [(f["wall_s"] / m["wall_s"], f["train_s"] / m["train_s"]) for f, m in zip(runs[names[0]], runs[names[2]])]
+        ratios = [(f["wall_s"] / m["wall_s"], f["train_s"] / m["train_s"])
+                  for f, m in zip(runs[names[0]], runs[names[2]], strict=True)]
         print("\nper round, fastvision fast / MONAI: wall " + ", ".join(f"{w:.2f}" for w, _ in ratios)
               + "; train " + ", ".join(f"{t:.2f}" for _, t in ratios)
-              + f" (median wall {np.median([w for w, _ in ratios]):.2f}, train {np.median([t for _, t in ratios]):.2f})")
+              + f" (median wall {np.median([w for w, _ in ratios]):.2f}, "
+                f"train {np.median([t for _, t in ratios]):.2f})")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
                                       "rows": rows, "rounds": runs}, indent=2))

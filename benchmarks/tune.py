@@ -5,9 +5,9 @@ For each recipe (on generated data, at reduced sizes for a shared 2-core CPU) an
 ``train.channels_last: false``), ``fastvision tune`` runs with ``--budget``. Then every point of
 a grid over the same switches (cache none/ram x workers 0/2; both starts
 are grid points unless the recipe's cache is another tier, which is then added) and both tuned
-recipes train end to end in ``--rounds`` interleaved rounds (order rotated each round). Throughput is items per second of
-``fit``'s wall time (build, cache fill, loaders, every epoch, validation): the same items for
-every configuration of a recipe, so the ratios are ratios of wall times. Every run gets a fresh
+recipes train end to end in ``--rounds`` interleaved rounds (order rotated each round). Throughput
+is items per second of ``fit``'s wall time (build, cache fill, loaders, every epoch, validation):
+the same items for every configuration of a recipe, so the ratios are ratios of wall times. Every run gets a fresh
 ``FASTVISION_CACHE`` (cold caches, as a first run would have).
 
     OMP_NUM_THREADS=1 python benchmarks/tune.py [--budget 120s] [--rounds 2] [--out /tmp/h27-tune/bench]
@@ -140,7 +140,7 @@ def one_recipe(label: str, args, work: Path, log: Path) -> dict:
         fv("data", "synth", kind, str(data), *synth_opts, log=log)
     configs: dict[str, tuple[str, list[str]]] = {}
     for values in itertools.product(*GRID.values()):
-        point = dict(zip(GRID, values))
+        point = dict(zip(GRID, values, strict=True))
         configs[_point_name(point)] = (recipe, reduce + [f"{k}={str(v).lower()}" for k, v in point.items()])
     starts = {"a": _point_name(start_point(recipe, reduce)), "b": _point_name(start_point(recipe, reduce + NAIVE))}
     if starts["a"] not in configs:  # e.g. the spleen recipe's gpu cache: not a grid point
@@ -164,8 +164,10 @@ def one_recipe(label: str, args, work: Path, log: Path) -> dict:
     speed = lambda a, b: med[b] / med[a]  # noqa: E731  (same items: throughput ratio = inverse wall ratio)
     return {"recipe": label, "reductions": reduce, "epochs": epochs, "synth": [kind, *synth_opts],
             "tuned": tuned, "starts": starts, "grid_best": grid_best, "wall_s": walls, "median_wall_s": med,
-            "tuned_a_vs_start_a": speed("tuned (a)", starts["a"]), "tuned_b_vs_start_b": speed("tuned (b)", starts["b"]),
-            "tuned_a_vs_grid_best": speed("tuned (a)", grid_best), "tuned_b_vs_grid_best": speed("tuned (b)", grid_best)}
+            "tuned_a_vs_start_a": speed("tuned (a)", starts["a"]),
+            "tuned_b_vs_start_b": speed("tuned (b)", starts["b"]),
+            "tuned_a_vs_grid_best": speed("tuned (a)", grid_best),
+            "tuned_b_vs_grid_best": speed("tuned (b)", grid_best)}
 
 
 def main() -> None:

@@ -118,7 +118,8 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
         if cfg.train.batch_size == "auto":  # rank 0 searches; every rank trains with its answer
             from fastvision.planning.autobatch import resolve_auto_batch
 
-            cfg.train.batch_size = distributed.broadcast_object(resolve_auto_batch(cfg, device) if env.is_main else None)
+            auto = resolve_auto_batch(cfg, device) if env.is_main else None
+            cfg.train.batch_size = distributed.broadcast_object(auto)
         # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
         run_dir, ckpt = distributed.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
         summary = fit(cfg, run_dir, resume=ckpt, progress=progress)

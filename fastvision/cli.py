@@ -13,12 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fastvision.config import AMP_MODES
+from fastvision import cli_args
 from fastvision.errors import ConfigError, DataError, DataWarning, FastvisionError, Preempted
 
 # Every subcommand is one hop from here. ``train``, ``evaluate``, ``predict``, ``recipes`` and ``data``
-# are defined in build_parser below; each feature subcommand by the function named here, which adds
-# exactly that subparser (arguments, help, and ``func``) -- open the module to read it.
+# are defined in build_parser below (their arguments in fastvision.cli_args); each feature subcommand
+# by the function named here, which adds exactly that subparser (arguments, help, and ``func``) --
+# open the module to read it.
 FEATURES = (
     ("benchmark", "fastvision.benchmark.modes:add_cli"),
     ("profile", "fastvision.profiling:add_profile_cli"),
@@ -33,35 +34,6 @@ FEATURES = (
 )
 
 
-def _common_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("common options (override the recipe)")
-    g.add_argument("--data", help="dataset folder (data.args.path); default: the recipe's built-in sample")
-    g.add_argument("--out", help="run directory (default runs/<recipe>-<time>); never overwritten")
-    g.add_argument("--epochs", type=int)
-    g.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v),
-                   help="per-worker batch size, or auto: the largest that fits on the device (LR scaled by the recipe)")
-    g.add_argument("--lr", type=float, help="learning rate at the recipe's reference batch")
-    g.add_argument("--amp", choices=AMP_MODES,
-                   help="mixed precision: auto = bf16 where the GPU has it natively, else fp16 with dynamic loss "
-                        "scaling; fp32 on CPU (fp16 needs CUDA); the precision used is logged")
-    g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None, help="TF32 matmul/conv (Ampere+)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
-    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
-    g.add_argument("--seed", type=int)
-    g.add_argument("--resume", help="'auto' (continue the last checkpoint) or a checkpoint path")
-    g.add_argument("--target", help="stop when METRIC=VALUE is reached, e.g. iou=0.9; logs time to target")
-    g.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard events")
-    g.add_argument("--pretrained", help="initial weights (model.args.pretrained): a torchvision-layout state dict, "
-                                        "or 'imagenet' for torchvision's ImageNet ResNet weights via torch.hub's cache")
-    g = p.add_argument_group("data parallelism")
-    g.add_argument("--nproc", type=int, default=1, help="start N local workers through torch.distributed.run")
-    g.add_argument("--emulate-workers", type=int, help="one process trains as N data-parallel workers would")
-    g.add_argument("--backend", choices=["ddp", "horovod"], help="gradient all-reduce (default ddp)")
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any config key, dotted, e.g. --set optim.weight_decay=1e-4 (repeatable)")
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     from fastvision import distributed
     from fastvision.api import run_training
@@ -69,8 +41,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.nproc > 1 and distributed.detect_env().launcher == "single":
         # Re-run this very command under torch's launcher, one process per worker.
-        return distributed.launch_local(args.nproc, ["-m", "fastvision.cli", *distributed.strip_option(args.argv, "--nproc")],
-                                 backend=args.backend or "ddp")
+        return distributed.launch_local(args.nproc, _relaunch_argv(args.argv), backend=args.backend or "ddp")
     if args.pretrained:
         args.set.append(f"model.args.pretrained={args.pretrained}")
     flat = {k: getattr(args, k) for k in ("data", "epochs", "batch_size", "lr", "amp", "tf32", "compile",
@@ -93,6 +64,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = run_training(args.recipe, out=args.out, resume=args.resume, overrides=flat, extra=extra)
     _print_result(summary)
     return 0
+
+
+def _relaunch_argv(argv: list[str]) -> list[str]:
+    """This very command for each of ``--nproc`` processes: ``python -m fastvision.cli ...`` without ``--nproc``."""
+    from fastvision import distributed
+
+    return ["-m", "fastvision.cli", *distributed.strip_option(argv, "--nproc")]
 
 
 def _print_result(summary: dict[str, Any]) -> None:
@@ -145,7 +123,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         return 0
     if args.nproc > 1 and distributed.detect_env().launcher == "single":
         # one process per shard of the cases, under torch's launcher (as train --nproc)
-        return distributed.launch_local(args.nproc, ["-m", "fastvision.cli", *distributed.strip_option(args.argv, "--nproc")])
+        return distributed.launch_local(args.nproc, _relaunch_argv(args.argv))
     tta = args.tta_axes if args.tta_axes else args.tta
     res = predict_volumes(args.checkpoint, args.inputs, args.out, folds=args.folds, tta=tta,
                           postprocess_mode=args.postprocess, device=args.device, force=args.force)
@@ -248,32 +226,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fold_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cross-validation")
-    g.add_argument("--folds", help="all, K or 0,2,4: train those folds of data.args.num_folds one after another "
-                   "into --out DIR/fold-<k> (finished folds skipped, interrupted ones resumed), then write "
-                   "DIR/crossval.json and DIR/postprocessing.json")
-    g.add_argument("--postprocess", choices=["auto", "none", "lcc"], default="auto",
-                   help="with --folds: auto = keep the largest component where cross-validation says it helps "
-                        "(nnU-Net's rule); none; lcc = for every class")
-
-
-def _predict_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint file, run directory, or a train --folds folder (ensemble)")
-    p.add_argument("inputs", nargs="+", help="input files or folders")
-    p.add_argument("--out", required=True, help="output folder: new or empty, or (NIfTI) one holding this same "
-                   "predict's partial output, which is resumed; anything else needs --force")
-    p.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing files")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--folds", help="with a folds folder: the folds to ensemble, e.g. 0,1 (default: all trained)")
-    p.add_argument("--tta", action="store_true", help="also average mirrored inputs on the recipe's flip axes")
-    p.add_argument("--tta-axes", help="mirror these spatial axes instead, e.g. 0,1,2 (implies --tta)")
-    p.add_argument("--postprocess", choices=["auto", "none", "lcc"], default="auto",
-                   help="auto = the folder's postprocessing.json (cross-validated), none, lcc = largest "
-                        "component of every class")
-    p.add_argument("--nproc", type=int, default=1, help="shard the cases over N local processes (torchrun)")
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (the usage is one ``--help`` away), exit status 2 as before."""
 
@@ -290,26 +242,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train a recipe", description="Train a recipe (name or YAML path).")
-    p.add_argument("recipe", help="shipped recipe name (see `fastvision recipes`) or a YAML file")
-    _common_flags(p)
-    _fold_flags(p)
+    cli_args.train_args(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("evaluate", help="validation metrics of a run or checkpoint")
-    p.add_argument("run", help="run directory (uses best.pt, else last.pt) or checkpoint file")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--data", help="evaluate on another dataset folder of the same format")
-    p.add_argument("--json", help="also write the metrics to this JSON file")
+    cli_args.evaluate_args(p)
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("predict", help="predict files with a checkpoint, a run or the ensemble of its folds")
-    _predict_flags(p)
+    cli_args.predict_args(p)
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("recipes", help="table of shipped recipes (task, model, data and where to get it, seed, "
                                         "purpose), or print one")
-    p.add_argument("name", nargs="?", help="print this recipe's YAML")
-    p.add_argument("--names", action="store_true", help="names only, one per line (for scripts)")
+    cli_args.recipes_args(p)
     p.set_defaults(func=cmd_recipes)
 
     data = sub.add_parser("data", help="synthetic data and dataset inspection")
@@ -317,22 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = dsub.add_parser("synth", help="write a synthetic dataset in a real format", add_help=False,
                         description="Write a synthetic dataset. Extra --option VALUE pairs go to the generator; "
                                     "`fastvision data synth KIND --help` lists KIND's options.")
-    p.add_argument("-h", "--help", action="store_true", help="show this help (with KIND: its options) and exit")
-    p.add_argument("kind", nargs="?", help="microscopy, imagenet, coco, brats, spleen, prostate, hippocampus, thinstack, pathology")
-    p.add_argument("out", nargs="?", help="output folder (must not exist or be empty)")
-    p.add_argument("--seed", type=int, default=0)
+    cli_args.synth_args(p)
     p.set_defaults(func=cmd_synth, takes_extra=True, parser=p)
     p = dsub.add_parser("inspect", help="counts, shapes, dtypes, intensity range, class balance",
                         description="Report a dataset folder: counts, shapes, dtypes, intensity range, class "
                         "balance and every anomaly. Exits 2 (after the full report) when files would stop "
                         "training: unreadable, a Z/T stack, an image without its mask, sizes that differ.")
-    p.add_argument("path")
-    p.add_argument("--fingerprint", action="store_true", help="every case (Decathlon): spacing, shape, shape after "
-                   "crop, foreground intensity statistics per channel, class fractions; what `configure` plans from")
-    p.add_argument("--json", help="with --fingerprint: also write it to this JSON file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="microscopy: check as training with these data.args would (channels, num_classes, "
-                        "binarize; default the builder's: channels=1, num_classes=2, binarize=false)")
+    cli_args.inspect_args(p)
     p.set_defaults(func=cmd_inspect)
 
     for name, where in FEATURES:

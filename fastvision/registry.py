@@ -116,7 +116,7 @@ def type_ok(value: Any, hint: Any) -> bool:
         if not isinstance(value, (list, tuple)):
             return False
         if origin is tuple and args and args[-1] is not Ellipsis:
-            return len(args) == len(value) and all(type_ok(v, a) for v, a in zip(value, args))
+            return len(args) == len(value) and all(type_ok(v, a) for v, a in zip(value, args, strict=True))
         inner = args[0] if args else Any
         return all(type_ok(v, inner) for v in value)
     if origin is dict or hint is dict:

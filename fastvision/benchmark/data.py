@@ -167,7 +167,8 @@ def run_data_benchmark(cfg: RunConfig, caches: list[str], *, batches: int = 40, 
         for p in paths:
             p.close()
     run = paths[0].run
-    rows = [{"cache": p.cache, "setting": p.setting, "items_per_s": p.items / p.seconds, "ms_per_item": 1e3 * p.seconds / p.items,
+    rows = [{"cache": p.cache, "setting": p.setting, "items_per_s": p.items / p.seconds,
+             "ms_per_item": 1e3 * p.seconds / p.items,
              "ms_per_item_median_chunk": statistics.median(p.chunks_ms_per_item), "items": p.items,
              "cpu_s": p.cpu_seconds if p.cpu_complete else None,
              "items_per_cpu_s": p.items / p.cpu_seconds if p.cpu_complete and p.cpu_seconds > 0 else None,

@@ -215,8 +215,8 @@ class _EpochSource:
         labels = [np.array(self.data.samples[i][1], dtype=np.int64) for i in chosen]
         if not self.data.train:
             return encoded, labels
-        draws = [self._window(e, f, i) for e, f, i in zip(encoded, files, chosen)]
-        return encoded, labels, *(list(x) for x in zip(*draws))
+        draws = [self._window(e, f, i) for e, f, i in zip(encoded, files, chosen, strict=True)]
+        return encoded, labels, *(list(x) for x in zip(*draws, strict=True))
 
     def _window(self, encoded: np.ndarray, path: str, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(anchor [x, y], shape [w, h], flip)`` of one training sample (the Pillow path's draws)."""

@@ -86,7 +86,8 @@ def label_counts(label: np.ndarray, name: str) -> dict[int, int]:
     return {int(v): int(n) for v, n in enumerate(counts.tolist()) if n}
 
 
-def case_fingerprint(case: dict[str, Any], samples_per_case: int = SAMPLES_PER_CASE, seed: int = 1234) -> dict[str, Any]:
+def case_fingerprint(case: dict[str, Any], samples_per_case: int = SAMPLES_PER_CASE,
+                     seed: int = 1234) -> dict[str, Any]:
     """The fingerprint record of one case (see the module docstring).
 
     Args:

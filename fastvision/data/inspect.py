@@ -17,9 +17,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from fastvision.data.nonfinite import NONFINITE_FILES
 from fastvision.errors import ConfigError, DataError
 
-NONFINITE = "files with NaN/Inf values (nonfinite=zero reads them as 0)"
 _INSPECTORS: list[tuple[str, Callable[[Path], bool], Callable[[Path], dict[str, Any]]]] = []
 
 
@@ -75,75 +75,33 @@ def anomaly_rows(found: dict[str, Sequence[Any]]) -> dict[str, str]:
 def inspect_microscopy(path: Path, **settings: Any) -> dict[str, Any]:
     """Every pair read and put through training's own :func:`prepare_pair` with the microscopy
     builder's ``channels`` / ``num_classes`` / ``binarize`` (its defaults, or ``settings``)."""
-    import inspect as pyinspect
+    from fastvision.data.formats.microscopy import pair_files, prepare_pair
+    from fastvision.data.formats.microscopy_check import MaskTally, microscopy_rule, read_pair
 
-    from fastvision.data.formats.microscopy import microscopy, pair_files, prepare_pair, read_array
-    from fastvision.data.nonfinite import count_nonfinite
-
-    defaults = {k: p.default for k, p in pyinspect.signature(microscopy).parameters.items()
-                if k in ("channels", "num_classes", "binarize")}
-    unknown = set(settings) - set(defaults)
-    if unknown:
-        raise ConfigError(f"data inspect --set {sorted(unknown)[0]}: valid for microscopy: {', '.join(defaults)}")
-    rule = {**defaults, **settings}
-    stops = ("files training stops on (as data.args "
-             + ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in rule.items()) + ")")
-
+    rule, stops = microscopy_rule(settings)
     unusable: dict[str, list[str]] = {}  # what training would stop on: every one listed, then exit 2
-    pairs = pair_files(path, unusable)
-    shapes, dtypes, classes, encodings = Counter(), Counter(), Counter(), Counter()
-    anomalies: dict[str, list[str]] = {}
-    by_encoding: dict[str, list[str]] = {}
-    lo, hi = np.inf, -np.inf
+    tally = MaskTally()
     usable = 0
-    for img_path, mask_path in pairs:
-        try:
-            img, mask = read_array(img_path), read_array(mask_path)
-        except DataError as e:  # "<file>: why" -> "name: why"
-            unusable.setdefault("unreadable files, or Z / T stacks (items are 2-D)", []).append(
-                str(e).replace(str(path) + "/", ""))
+    for img_path, mask_path in pair_files(path, unusable):
+        pair = read_pair(img_path, mask_path, path, unusable)
+        if pair is None:
             continue
-        counts = ((img_path, count_nonfinite(img)), (mask_path, count_nonfinite(mask)))
-        bad = [f"{p.name} ({n})" for p, n in counts if n]
-        if bad:
-            unusable.setdefault(NONFINITE, []).extend(bad)
-            continue
-        if img.shape[:2] != mask.shape[:2]:
-            unusable.setdefault("image and mask of different sizes", []).append(
-                f"{img_path.name} {img.shape[:2]} vs {mask_path.name} {mask.shape[:2]}")
-            continue
+        img, mask = pair
         try:
             prepare_pair(img, mask, img_path, mask_path, **rule)
             usable += 1
         except DataError as e:  # still described below (shape, dtype): the row says why it stops
             unusable.setdefault(stops, []).append(str(e).replace(str(path) + "/", ""))
-        shapes[str(tuple(img.shape))] += 1
-        dtypes[f"{img.dtype} / mask {mask.dtype}"] += 1
-        lo, hi = min(lo, float(img.min())), max(hi, float(img.max()))
-        values, counts = np.unique(mask if mask.ndim == 2 else mask[..., 0], return_counts=True)
-        for v, c in zip(values.tolist(), counts.tolist()):
-            classes[v] += c
-        enc = "/".join(str(v) for v in values.tolist()) if len(values) <= 3 else f"{len(values)} values"
-        encodings[enc] += 1
-        by_encoding.setdefault(enc, []).append(mask_path.name)
-        if img_path.suffix.lower() != mask_path.suffix.lower():
-            anomalies.setdefault("masks with another extension than their image (paired by stem)",
-                                 []).append(f"{img_path.name}+{mask_path.name}")
-        if len(values) > 3:
-            anomalies.setdefault("masks with more than 3 values (instance ids? data.args.binarize)",
-                                 []).append(mask_path.name)
-    if len([e for e in encodings if e.count("/") == 1]) > 1:  # e.g. 0/1 beside 0/255: each read as binary
-        common = encodings.most_common(1)[0][0]
-        anomalies["binary masks encoded differently from most (each read as 0/1)"] = [
-            f"{n} ({e})" for e, names in by_encoding.items() if e != common and e.count("/") == 1 for n in names]
-    total = sum(classes.values()) or 1
-    values = sorted(classes)
+        tally.add(img, mask, img_path, mask_path)
+    tally.flag_mixed_binary_encodings()
+    total = sum(tally.classes.values()) or 1
+    values = sorted(tally.classes)
     return {"detected": "microscopy images/ + masks/ (paired by file stem)", "pairs": usable,
-            "image shapes": dict(shapes), "dtypes": dict(dtypes),
-            "intensity range": f"{lo:g} .. {hi:g}" if usable else "-",
-            "mask encodings (files)": dict(encodings),
-            "mask values (pixel share)": {v: f"{classes[v] / total:.2%}" for v in values[:20]},
-            "anomalies": anomaly_rows({**unusable, **anomalies}),
+            "image shapes": dict(tally.shapes), "dtypes": dict(tally.dtypes),
+            "intensity range": f"{tally.lo:g} .. {tally.hi:g}" if usable else "-",
+            "mask encodings (files)": dict(tally.encodings),
+            "mask values (pixel share)": {v: f"{tally.classes[v] / total:.2%}" for v in values[:20]},
+            "anomalies": anomaly_rows({**unusable, **tally.anomalies}),
             "unusable": {k: len(v) for k, v in unusable.items()}}
 
 
@@ -234,7 +192,8 @@ def inspect_coco(path: Path) -> dict[str, Any]:
         usable = [a for a in anns if a.get("id") in valid]
         names = {c["id"]: c["name"] for c in cats}
         with_boxes = {a["image_id"] for a in usable}
-        report[f"{split} images (without boxes)"] = f"{len(images)} ({sum(im['id'] not in with_boxes for im in images)})"
+        boxless = sum(im["id"] not in with_boxes for im in images)
+        report[f"{split} images (without boxes)"] = f"{len(images)} ({boxless})"
         report[f"{split} boxes (crowd)"] = f"{len(usable)} ({sum(bool(a.get('iscrowd')) for a in usable)})"
         report[f"{split} boxes per category"] = dict(Counter(names[a["category_id"]] for a in usable))
         for kind, ids in bad.items():
@@ -274,11 +233,11 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
             continue
         bad = _nifti_nonfinite([*case["image"], case["label"]], path)
         if bad:
-            unusable.setdefault(NONFINITE, []).extend(bad)
+            unusable.setdefault(NONFINITE_FILES, []).extend(bad)
         if read < 10:
             shapes[str(img.shape)] += 1
             spacings[str(tuple(round(float(z), 2) for z in img.header.get_zooms()[:3]))] += 1
-            for v, c in zip(values.tolist(), counts.tolist()):
+            for v, c in zip(values.tolist(), counts.tolist(), strict=True):
                 classes[int(v)] += c
         read += 1
     total = sum(classes.values()) or 1
@@ -315,7 +274,8 @@ def _nifti_nonfinite(files: Sequence[Path], root: Path) -> list[str]:
 def _looks_brats(path: Path) -> bool:
     """Case files (``*_flair.nii*`` or ``*-t2f.nii*``) at most three folders down."""
     return path.is_dir() and any(next(path.glob(depth + pattern), None) is not None
-                                 for pattern in ("*_flair.nii*", "*-t2f.nii*") for depth in ("", "*/", "*/*/", "*/*/*/"))
+                                 for pattern in ("*_flair.nii*", "*-t2f.nii*")
+                                 for depth in ("", "*/", "*/*/", "*/*/*/"))
 
 
 @inspector("brats", _looks_brats)
@@ -327,7 +287,7 @@ def inspect_brats(path: Path) -> dict[str, Any]:
     layout = detect(path)
     shapes, values = Counter(), set()
     labelled = [c for c in layout.cases if c["label"] is not None]
-    unusable = {NONFINITE: [b for c in labelled for b in _nifti_nonfinite([*c["image"], c["label"]], path)]}
+    unusable = {NONFINITE_FILES: [b for c in labelled for b in _nifti_nonfinite([*c["image"], c["label"]], path)]}
     for case in labelled[:10]:
         shapes[str(nib.load(str(case["image"][0])).shape)] += 1
         values |= set(np.unique(np.asarray(nib.load(str(case["label"])).dataobj)).tolist())

@@ -19,6 +19,8 @@ from fastvision.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 NONFINITE = ("error", "zero")
+# The row of ``fastvision data inspect`` listing such files.
+NONFINITE_FILES = "files with NaN/Inf values (nonfinite=zero reads them as 0)"
 
 
 def count_nonfinite(arr: np.ndarray) -> int:

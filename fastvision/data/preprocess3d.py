@@ -4,8 +4,9 @@ Steps, in order (the same order as MONAI's spleen and BraTS tutorials):
 load -> reorient to RAS -> resample to a target spacing -> intensity (CT window or MRI foreground
 z-score) -> crop to the foreground box. Orientation and resampling place voxels exactly as MONAI's
 ``Orientationd("RAS")`` + ``Spacingd`` do (:mod:`fastvision.data.spatial3d`); a label on another
-grid than its image is resampled onto the image grid by world position, with a warning. :func:`preprocess_case` is a pure function of file paths
-and :class:`PreprocessParams`, so its output can be stored in a persistent cache keyed on both.
+grid than its image is resampled onto the image grid by world position, with a warning.
+:func:`preprocess_case` is a pure function of file paths and :class:`PreprocessParams`, so its
+output can be stored in a persistent cache keyed on both.
 :func:`restore_to_input` inverts the geometry (crop, resampling, orientation) so predictions can be
 written back in the voxel space of the input file. A volume holding NaN or Inf stops with one line
 naming the file, or is read with those voxels 0 (``PreprocessParams.nonfinite``; checked as the

@@ -72,7 +72,8 @@ def _corners(shape: Sequence[int]) -> np.ndarray:
     return np.concatenate([c, np.ones((1, c.shape[1]))])
 
 
-def spacing_grid(affine: np.ndarray, shape: Sequence[int], target: Sequence[float]) -> tuple[np.ndarray, tuple[int, ...]]:
+def spacing_grid(affine: np.ndarray, shape: Sequence[int],
+                 target: Sequence[float]) -> tuple[np.ndarray, tuple[int, ...]]:
     """Output grid of MONAI ``Spacing(target, diagonal=False)`` for a volume on ``(affine, shape)``.
 
     Args:

@@ -45,6 +45,6 @@ from fastvision.distributed.wrap import (
 )
 
 __all__ = ["DistEnv", "EvalSampler", "TrainSampler", "all_reduce_sum", "barrier", "broadcast_object", "broadcast_state",
-           "detect_env", "exit_process", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init", "is_main", "job_key", "joined",
-           "launch_local", "no_sync", "rank", "shutdown", "strip_option", "synchronized", "unwrap", "world_size",
-           "wrap_model", "wrap_optimizer"]
+           "detect_env", "exit_process", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init",
+           "is_main", "job_key", "joined", "launch_local", "no_sync", "rank", "shutdown", "strip_option",
+           "synchronized", "unwrap", "world_size", "wrap_model", "wrap_optimizer"]

@@ -179,8 +179,8 @@ def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: boo
     step reads (docs/CONTRACTS.md).
     """
     if hasattr(dataset, "make_loader"):  # a dataset with its own sharding loader (DALI)
-        return dataset.make_loader(batch_size=batch_size, shard_id=distributed.rank(), num_shards=distributed.world_size(),
-                                   seed=cfg.train.seed, device=device)
+        return dataset.make_loader(batch_size=batch_size, shard_id=distributed.rank(),
+                                   num_shards=distributed.world_size(), seed=cfg.train.seed, device=device)
     if train:
         sampler = sampler or train_sampler(len(dataset), cfg, batch_size)
         drop_last = cfg.train.emulate_workers > 1 or len(sampler) >= batch_size

@@ -55,7 +55,7 @@ class PinnedStage:
     def copy(self, obj: Any) -> Any:
         cuda = [t for t in tensors(obj) if t.is_cuda]
         if len(self._buffers) != len(cuda) or any(b.shape != t.shape or b.dtype != t.dtype
-                                                  for b, t in zip(self._buffers, cuda)):
+                                                  for b, t in zip(self._buffers, cuda, strict=True)):
             self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in cuda]
         buffers = iter(self._buffers)
 

@@ -119,13 +119,14 @@ class NonFiniteGuard:
             return 0
         pending, self.pending = self.pending, []
         skips, losses = torch.stack([torch.stack([s.reshape(()).float() for *_, s in pending]),
-                                     torch.stack([l.reshape(()).float() for _, _, l, _ in pending])]).tolist()
-        bad = [(n, ids, loss) for (n, ids, _, _), s, loss in zip(pending, skips, losses) if s > 0]
+                                     torch.stack([x.reshape(()).float() for _, _, x, _ in pending])]).tolist()
+        bad = [(n, ids, loss) for (n, ids, _, _), s, loss in zip(pending, skips, losses, strict=True) if s > 0]
         if not bad:
             return 0
         # every rank skipped the same steps (all-reduced gradients): gather their items, a collective
         # at a log interval that had skipped steps only
-        mine = [([i for part in ids for i in ids_text(part)], not math.isfinite(loss)) for _, ids, loss in bad[:_NAMED_STEPS]]
+        mine = [([i for part in ids for i in ids_text(part)], not math.isfinite(loss))
+                for _, ids, loss in bad[:_NAMED_STEPS]]
         ranks = distributed.gather_objects(mine)
         named = []
         for k, (n, _, _) in enumerate(bad[:_NAMED_STEPS]):

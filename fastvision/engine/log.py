@@ -180,7 +180,7 @@ class RunLogger:
         val = [(h["epoch"] + 1, h[metric]) for h in self.history if metric in h]
         if val:
             ax2 = ax.twinx()
-            handles += ax2.plot(*zip(*val), "s-", color="tab:orange", label=f"validation {metric}")
+            handles += ax2.plot(*zip(*val, strict=True), "s-", color="tab:orange", label=f"validation {metric}")
             ax2.set_ylabel(f"validation {metric}")
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
         ax.grid(alpha=0.3)

@@ -1,4 +1,6 @@
-"""The visible training loop: :func:`fit`, one epoch, validation, and when checkpoints are written."""
+"""The visible training loop: :func:`fit` (and the steps it takes, one function each), one epoch,
+and validation. An epoch's counters: :mod:`fastvision.engine.meter`; the checkpoints written as it
+trains: :mod:`fastvision.engine.saver`."""
 from __future__ import annotations
 
 import logging
@@ -20,10 +22,11 @@ from fastvision.engine import checkpoint, runtime
 from fastvision.engine.build import Run, build
 from fastvision.engine.guard import NonFiniteGuard
 from fastvision.engine.log import RunLogger
+from fastvision.engine.meter import DataWait, EpochMeter
 from fastvision.engine.policy import CheckpointPolicy
+from fastvision.engine.saver import Checkpoints
 from fastvision.engine.state import (
     Position,
-    checkpoint_state,
     environment,
     eval_model,
     improved,
@@ -58,31 +61,12 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     check_timeouts(tc.hang_timeout_s, tc.dist_timeout_s)
     NonFiniteGuard.validate(tc.max_nonfinite, tc.on_nonfinite)
     ckpt = checkpoint.load(resume, "cpu") if resume is not None else None  # RNG states stay CPU tensors
-    if ckpt is not None:  # the world this process joined decides (horovodrun sets no variable detect_env reads)
-        joined, _ = distributed.init(tc.device, timeout_s=tc.dist_timeout_s, backend=tc.backend)
-        cfg = keep_global_batch(cfg, ckpt, joined.world_size, joined.is_main)
-    run = build(cfg, train=True)
+    run = build(_joined_config(cfg, ckpt), train=True)
     check_target_metric(run.task, tc.target)
-    state = initial_state(run.info)
-    if ckpt is not None:
-        state = restore(ckpt, run)
-        at = state["position"] or Position(state["epoch"] + 1, 0, 0)
-        log.info("resumed from %s at epoch %d step %d", resume, at.epoch, at.step)  # 0-based, as logged
-    distributed.broadcast_state(run.model, run.step.optimizer)  # horovod: rank 0's weights (+ resumed state); DDP: no-op
+    state = _start_state(run, ckpt, resume)
     wall_before = state["wall_time"]
     wall = lambda: wall_before + time.perf_counter() - started  # noqa: E731
-    if run.env.is_main:
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    logger = RunLogger(run_dir, enabled=run.env.is_main, tensorboard=cfg.tensorboard, progress=progress)
-    if ckpt is not None:  # the steps after the checkpoint are trained again: one record per step
-        at = state["position"]
-        logger.rewind(state["epoch"], (at.epoch, at.step) if at else None)
-    logger.history = list(state["history"])
-    resolved = resolved_config(cfg)
-    if run.env.is_main:  # the resolved config, every builder default filled in
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-    logger.parameters(resolved, {**environment(run.env, run.device), "global_batch": run.global_batch,
-                                 "base_lr": cfg.optim.lr, "effective_lr": run.lr, "data": run.info})
+    logger, resolved = _open_logs(run, state, run_dir, progress, resumed=ckpt is not None)
     guard = NonFiniteGuard(tc.max_nonfinite, tc.on_nonfinite, run.model)
     saver = Checkpoints(run, resolved, wall, policy, preemption, guard)
     preemption.start(run.device, timed_checkpoints=saver.every.seconds is not None)
@@ -103,6 +87,47 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
         if hasattr(run.train_set, "shutdown"):  # smart cache: stop its replacement threads
             run.train_set.shutdown()
     return summary
+
+
+def _joined_config(cfg: RunConfig, ckpt: dict | None) -> RunConfig:
+    """The config to build: ``cfg``, or for a resume the one that keeps the checkpoint's global
+    batch in the world this process joined (horovodrun sets no variable ``detect_env`` reads)."""
+    if ckpt is None:
+        return cfg
+    joined, _ = distributed.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
+    return keep_global_batch(cfg, ckpt, joined.world_size, joined.is_main)
+
+
+def _start_state(run: Run, ckpt: dict | None, resume: Path | None) -> dict:
+    """The loop state to start from: a fresh one, or the checkpoint's restored into ``run``; then
+    every rank holds rank 0's weights (horovod: broadcast, resumed state included; DDP: no-op)."""
+    state = initial_state(run.info)
+    if ckpt is not None:
+        state = restore(ckpt, run)
+        at = state["position"] or Position(state["epoch"] + 1, 0, 0)
+        log.info("resumed from %s at epoch %d step %d", resume, at.epoch, at.step)  # 0-based, as logged
+    distributed.broadcast_state(run.model, run.step.optimizer)
+    return state
+
+
+def _open_logs(run: Run, state: dict, run_dir: Path, progress: bool | None,
+               resumed: bool) -> tuple[RunLogger, dict]:
+    """The run's logger, carrying on the history in ``state``, and its resolved config (every builder
+    default filled in), written to ``config.yaml`` and logged with the environment (rank 0)."""
+    cfg = run.cfg
+    if run.env.is_main:
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    logger = RunLogger(run_dir, enabled=run.env.is_main, tensorboard=cfg.tensorboard, progress=progress)
+    if resumed:  # the steps after the checkpoint are trained again: one record per step
+        at = state["position"]
+        logger.rewind(state["epoch"], (at.epoch, at.step) if at else None)
+    logger.history = list(state["history"])
+    resolved = resolved_config(cfg)
+    if run.env.is_main:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    logger.parameters(resolved, {**environment(run.env, run.device), "global_batch": run.global_batch,
+                                 "base_lr": cfg.optim.lr, "effective_lr": run.lr, "data": run.info})
+    return logger, resolved
 
 
 def _epochs(run: Run, state: dict, logger: RunLogger, saver: Checkpoints, summary: dict, doctor: Watchdog) -> None:
@@ -172,84 +197,6 @@ def _summarise(run: Run, state: dict, logger: RunLogger, saver: Checkpoints, sum
         _finish(run, eval_model(run.model, run.step.ema), logger, summary, run_dir, wall)
 
 
-class Checkpoints:
-    """The checkpoints of a run as it trains.
-
-    Which files and when: :class:`CheckpointPolicy`; this writes them, always in the background and
-    atomically (rank 0). Every rank takes part in deciding (through ``preemption``, which owns the
-    signals and the ranks' agreement) and sends its random-generator states, so all ranks act at the
-    same step.
-    """
-
-    def __init__(self, run: Run, resolved: dict, wall: Callable[[], float], policy: CheckpointPolicy,
-                 preemption: Preemption, guard: NonFiniteGuard):
-        self.run, self.resolved, self.wall, self.policy = run, resolved, wall, policy
-        self.folder, self.every, self.preemption, self.guard = policy.folder, policy.every, preemption, guard
-        self.writer = checkpoint.BackgroundWriter()
-
-    @property
-    def good(self) -> tuple[Path, int] | None:
-        """The newest healthy checkpoint of this run (``rollback.pt``, its step), or None."""
-        return self.policy.good
-
-    def wait_written(self) -> None:
-        """Every rank: the checkpoints rank 0 queued are on disk (before a rank reads one)."""
-        self.writer.join()
-        distributed.barrier()
-
-    def _timed(self) -> bool:
-        """Rank 0's clock says a period's checkpoint is due (the ranks agree on it)."""
-        return self.run.env.is_main and self.every.due_by_time()
-
-    def after_step(self, state: dict, epoch: int, i: int, meter: EpochMeter) -> bool:
-        """After step ``i`` of ``epoch``: write a step checkpoint when due; True when the run must stop
-        (its checkpoint is then written)."""
-        stop, timed = self.preemption.after_step(state["step"], self._timed())
-        if stop or timed or self.every.due_by_steps(state["step"]):
-            self._save_position(state, epoch, i, meter)
-        return stop
-
-    def agree_stop(self, state: dict, epoch: int, steps: int | None, meter: EpochMeter | None) -> bool:
-        """At an epoch's end (``steps`` given: before validation, else after the epoch checkpoint):
-        whether the ranks stop now. Before validation its checkpoint is of the last step, so a resume
-        validates the epoch."""
-        stop, _ = self.preemption.agree_now()
-        if not stop:
-            return False
-        if steps is not None:
-            self._save_position(state, epoch, steps, meter)
-        return True
-
-    def _save_position(self, state: dict, epoch: int, i: int, meter: EpochMeter) -> None:
-        """A step checkpoint: the loop state at step ``i`` of ``epoch``, the epoch's counters with it."""
-        state["position"] = Position(epoch, i, meter.samples, meter.state())
-        self.save(state, step=True)
-        state["position"] = None
-
-    def save(self, state: dict, best: bool = False, step: bool = False) -> None:
-        """Every rank calls this at the same step; rank 0 snapshots now and writes in the background."""
-        rng_ranks = distributed.gather_objects(runtime.rng_state(self.run.step.generator))
-        self.every.reset()
-        state["wall_time"] = self.wall()
-        paths = self.policy.files(state["step"], best=best, step=step, healthy=self.guard.healthy())
-        if not self.run.env.is_main:
-            return
-        prune = []
-        if step:
-            self.writer.join()  # the previous step-N.pt is on disk (write() would wait for it anyway)
-            prune = self.policy.prune(state["step"])
-        self.writer.write(checkpoint_state(self.run, state, self.resolved, rng_ranks), paths, prune)
-
-    def report(self) -> dict[str, float]:
-        """Checkpoint latencies for the summary: seconds from a step's end to its file being durable."""
-        lat = self.writer.latencies
-        return {"checkpoints_written": len(lat), "checkpoint_durable_max_s": max(lat) if lat else None,
-                "checkpoint_stall_mean_s": sum(self.writer.snapshot_s) / len(lat) if lat else None}
-
-    def close(self) -> None:
-        self.writer.join(raise_errors=False)  # after an error: still wait for (and log) a write in flight
-
-
 def _finish(run: Run, model: nn.Module, logger: RunLogger, summary: dict, run_dir: Path,
             wall: Callable[[], float]) -> None:
     """Prediction overlays of a few validation images, curves.png, the summary event and table."""
@@ -266,60 +213,6 @@ def _finish(run: Run, model: nn.Module, logger: RunLogger, summary: dict, run_di
         summary["curves"] = str(curves)
     summary["wall_time_s"] = wall()
     logger.summary(summary)
-
-
-class DataWait:
-    """``train_step``'s clock in ``fit`` and tune's trials: seconds spent waiting for the loader (the "data" phase)."""
-
-    def __init__(self) -> None:
-        self.seconds, self._t = 0.0, 0.0
-
-    def __call__(self, phase: str) -> None:
-        if phase == "data":
-            self._t = time.perf_counter()
-        elif phase == "h2d":
-            self.seconds += time.perf_counter() - self._t
-
-
-class EpochMeter:
-    """One epoch's running counters: on the device (read at log intervals and checkpoints only) the
-    loss sum and applied / skipped / consecutive-skipped step counts; on the host this rank's items,
-    the samples all ranks consumed (where a resume continues) and the seconds before a resume.
-    :meth:`state` / :meth:`load` carry them through a mid-epoch checkpoint, so a resumed epoch
-    reports what the uninterrupted one would."""
-
-    def __init__(self, device: torch.device):
-        self.counts = torch.zeros(4, device=device, dtype=torch.float32)  # loss sum, applied, skipped, streak
-        self.images, self.samples, self.resumed_s = 0, 0, 0.0
-        self.t_start = time.perf_counter()
-
-    def add(self, loss: torch.Tensor, skipped: torch.Tensor, images: int) -> None:
-        bad = skipped.reshape(()).float()
-        loss_sum, applied, skipped_n, streak = self.counts.unbind()
-        loss_sum += torch.where(bad > 0, 0.0, loss.float())  # a skipped step's loss may be NaN
-        applied += 1 - bad
-        skipped_n += bad
-        streak.mul_(bad).add_(bad)  # +1 when skipped, back to 0 when applied
-        self.images += images
-        self.samples += images * distributed.world_size()  # every rank trains as many items per step
-
-    def state(self) -> dict[str, Any]:
-        """Plain values (a host read: checkpoints only)."""
-        loss_sum, applied, skipped, streak = self.counts.tolist()
-        return {"loss_sum": loss_sum, "applied": applied, "skipped": skipped, "streak": streak,
-                "images": self.images, "time_s": self.elapsed()}
-
-    def load(self, position: Position) -> None:
-        saved = position.meter
-        self.counts.copy_(torch.tensor([saved["loss_sum"], saved["applied"], saved["skipped"], saved["streak"]]))
-        self.images, self.resumed_s, self.samples = saved["images"], saved["time_s"], position.samples
-
-    def start(self) -> None:
-        self.t_start = time.perf_counter()
-
-    def elapsed(self, now: float | None = None) -> float:
-        """Seconds of this epoch's training, the part before a resume included."""
-        return self.resumed_s + (time.perf_counter() if now is None else now) - self.t_start
 
 
 def check_target_metric(task: Task, target: str | None) -> None:
@@ -401,7 +294,8 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
     # one sync and one collective per epoch: the mean loss over every rank's applied steps
     totals = distributed.all_reduce_sum(meter.counts[:2].double())
     mean_loss = float(totals[0] / totals[1]) if float(totals[1]) else math.nan
-    return {"loss": mean_loss, "images_per_s": meter.images * distributed.world_size() / max(elapsed, 1e-9), "time_s": elapsed}
+    return {"loss": mean_loss, "images_per_s": meter.images * distributed.world_size() / max(elapsed, 1e-9),
+            "time_s": elapsed}
 
 
 @torch.no_grad()

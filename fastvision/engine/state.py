@@ -138,7 +138,8 @@ class Ema(nn.Module):
     @torch.no_grad()
     def update_parameters(self, model: nn.Module, found_inf: torch.Tensor | None = None) -> None:
         """Fold ``model``'s current weights in, unless ``found_inf`` (0-d float) is non-zero."""
-        keep = torch.ones((), device=self.n_averaged.device) if found_inf is None else (found_inf.reshape(()) == 0).float()
+        keep = (torch.ones((), device=self.n_averaged.device) if found_inf is None
+                else (found_inf.reshape(()) == 0).float())
         # weight of the new weights: 1 on the first update (a copy), 1 - decay after, 0 when skipped
         w = torch.where(self.n_averaged == 0, 1.0, 1.0 - self.decay) * keep
         # parameters: one foreach lerp (they stay finite: a non-finite update is never applied)
@@ -150,7 +151,7 @@ class Ema(nn.Module):
         # buffers: selected, not weighted (few tensors): the step puts a skipped forward's
         # BatchNorm statistics back, but a NaN that reached them any other way stays out (NaN * 0 is NaN)
         skip = keep == 0
-        for e, c in zip(self.module.buffers(), model.buffers()):
+        for e, c in zip(self.module.buffers(), model.buffers(), strict=True):
             if e.is_floating_point():
                 e.copy_(torch.where(skip, e, torch.lerp(e, c, w.to(e.dtype))))
             else:  # counters (num_batches_tracked): copied
@@ -225,7 +226,7 @@ def load_weights(ckpt: dict[str, Any], run, lr_factor: float = 1.0) -> None:
     if step.ema is not None:
         step.ema.load_state_dict(ckpt["ema"])
     step.optimizer.load_state_dict(ckpt["optimizer"])  # its param groups carry the saved lr: put back
-    for group, (lr, initial) in zip(step.optimizer.param_groups, lrs):
+    for group, (lr, initial) in zip(step.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
         if initial is not None:
             group["initial_lr"] = initial

@@ -164,7 +164,7 @@ def _restore_buffers(kept: list[tuple[list[torch.Tensor], torch.Tensor]], found_
         for bufs, old in kept:
             chosen = torch.where(skip.to(old.device), old, _flat(bufs))
             parts = chosen.split([b.numel() for b in bufs])
-            torch._foreach_copy_(bufs, [p.view_as(b) for p, b in zip(parts, bufs)])
+            torch._foreach_copy_(bufs, [p.view_as(b) for p, b in zip(parts, bufs, strict=True)])
 
 
 def _found_inf(state: StepState) -> torch.Tensor | None:

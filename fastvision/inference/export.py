@@ -139,7 +139,7 @@ def max_abs_diff(path: Path, fmt: str, model: nn.Module, x: Tensor) -> float | N
         got = [torch.from_numpy(a) for a in session.run(None, {name: x.numpy()})]
     if len(got) != len(expected):
         raise RuntimeError(f"{path}: {len(got)} outputs, the PyTorch model gives {len(expected)}")
-    return max(float((g.float() - e.float()).abs().max()) for g, e in zip(got, expected))
+    return max(float((g.float() - e.float()).abs().max()) for g, e in zip(got, expected, strict=True))
 
 
 def checkpoint_path(path: Path) -> Path:

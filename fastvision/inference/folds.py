@@ -187,7 +187,7 @@ def cross_validate(root: str | Path, folds: Sequence[int], postprocess_mode: str
     if pp["steps"]:
         after = [postprocess.apply(c["pred"], pp["steps"]) for c in cases]
         res["postprocessed"] = fold_table([{"id": c["id"], "fold": c["fold"], **_counts(p, c["truth"], sets)}
-                                           for c, p in zip(cases, after)], names, task.empty)
+                                           for c, p in zip(cases, after, strict=True)], names, task.empty)
     res.update({"folds": list(folds), "postprocessing": pp, "grid": "preprocessed (data.args spacing and crop)"})
     _write_json(root / POSTPROCESSING_FILE, pp)
     _write_json(root / CROSSVAL_FILE, res)
@@ -218,7 +218,8 @@ def fold_checkpoints(root: str | Path, spec: str | None) -> list[Path]:
 
     root = Path(root)
     listed = _read_json(root / FOLDS_FILE) if (root / FOLDS_FILE).is_file() else {}
-    present = sorted(int(p.name.split("-", 1)[1]) for p in root.glob("fold-[0-9]*") if p.name.split("-", 1)[1].isdigit())
+    present = sorted(int(p.name.split("-", 1)[1]) for p in root.glob("fold-[0-9]*")
+                     if p.name.split("-", 1)[1].isdigit())
     num = int(listed.get("num_folds", max(present, default=0) + 1))
     folds = parse_folds(spec, num) if spec else (listed.get("folds") or present)
     hint = f"fastvision train {listed.get('recipe', 'RECIPE')} --folds {{k}} --out {root}"

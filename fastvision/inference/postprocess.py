@@ -74,7 +74,7 @@ def targets(task) -> list[tuple[str, list[int]]]:
     """(name, label ids) of each foreground class or region of a segmentation task."""
     if task.mode == "regions":
         names = task.region_names or [str(i) for i in range(len(task.regions))]
-        return [(n, sorted(r)) for n, r in zip(names, task.regions)]
+        return [(n, sorted(r)) for n, r in zip(names, task.regions, strict=True)]
     if task.mode == "sigmoid":
         return [("1", [1])]
     return [(str(c), [c]) for c in range(1, task.num_classes)]
@@ -117,28 +117,31 @@ def decide(cases: Sequence[tuple[np.ndarray, np.ndarray]], task) -> dict[str, An
     names, sets = [n for n, _ in named], [s for _, s in named]
     foreground = sorted({c for s in sets for c in s})
     current = [p for p, _ in cases]
-    base = np.stack([_dice(p, t, sets) for p, (_, t) in zip(current, cases)]) if cases else np.zeros((0, len(sets)))
+    base = (np.stack([_dice(p, t, sets) for p, (_, t) in zip(current, cases, strict=True)]) if cases
+            else np.zeros((0, len(sets))))
     first = _means(base)
     steps, trials = [], []
     candidates = [("foreground", foreground)] + (list(named) if len(named) > 1 else [])
     for name, ids in candidates:
         trial = [keep_largest(p, ids) for p in current]
-        scores = np.stack([_dice(p, t, sets) for p, (_, t) in zip(trial, cases)]) if cases else base
+        scores = np.stack([_dice(p, t, sets) for p, (_, t) in zip(trial, cases, strict=True)]) if cases else base
         before, after = _means(base), _means(scores)
         if name == "foreground":  # the mean over targets must rise and no target may fall
             ok = _better(float(np.nanmean(after)) if np.isfinite(after).any() else np.nan,
                          float(np.nanmean(before)) if np.isfinite(before).any() else np.nan)
-            ok = ok and not any(a < b for a, b in zip(after, before) if np.isfinite(a) and np.isfinite(b))
+            ok = ok and not any(a < b for a, b in zip(after, before, strict=True) if np.isfinite(a) and np.isfinite(b))
         else:
             k = names.index(name)
             ok = _better(after[k], before[k])
         trials.append({"target": name, "labels": ids, "applied": ok,
-                       "dice_before": dict(zip(names, _floats(before))), "dice_after": dict(zip(names, _floats(after)))})
+                       "dice_before": dict(zip(names, _floats(before), strict=True)),
+                       "dice_after": dict(zip(names, _floats(after), strict=True))})
         if ok:
             steps.append(ids)
             current, base = trial, scores
     return {"steps": steps, "targets": dict(named), "trials": trials, "cases": len(cases),
-            "dice_before": dict(zip(names, _floats(first))), "dice_after": dict(zip(names, _floats(_means(base)))),
+            "dice_before": dict(zip(names, _floats(first), strict=True)),
+            "dice_after": dict(zip(names, _floats(_means(base)), strict=True)),
             "rule": "nnU-Net v2: largest foreground component, then per class or region; kept where the "
                     "cross-validated mean Dice rises"}
 

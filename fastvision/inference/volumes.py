@@ -20,6 +20,7 @@ a killed job reruns into the same folder and finishes. The output folder's rule 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import queue
@@ -106,7 +107,7 @@ class Ensemble:
                 self.model.load_state_dict(state)
             if acc is None:
                 out_device, dtype = self._accumulator(x, getattr(self.task, "num_classes", 2))
-            run = lambda v: self._probabilities(v, out_device)  # noqa: E731
+            run = functools.partial(self._probabilities, out_device=out_device)
             p = flip_tta(run, x, dims=[2 + a for a in self.tta_axes]) if self.tta_axes else run(x)
             acc = p.to(dtype) if acc is None else acc.add_(p.to(dtype))
         return (acc / len(members))[0]

@@ -81,30 +81,30 @@ def sliding_window(predict: Predictor, x: Tensor, roi: Sequence[int], *, overlap
         raise ValueError(f"overlap must be in [0, 1), got {overlap}")
     out_device = torch.device(device) if device is not None else x.device
     size = tuple(x.shape[2:])
-    roi = tuple(s if r <= 0 else int(r) for r, s in zip(roi, size))
-    pad = [max(0, r - s) for r, s in zip(roi, size)]
+    roi = tuple(s if r <= 0 else int(r) for r, s in zip(roi, size, strict=True))
+    pad = [max(0, r - s) for r, s in zip(roi, size, strict=True)]
     if any(pad):
         # F.pad lists the last axis first.
         x = F.pad(x, [p for d in reversed(pad) for p in (d // 2, d - d // 2)], value=pad_value)
     padded = tuple(x.shape[2:])
-    starts = list(itertools.product(*[window_starts(s, r, overlap) for s, r in zip(padded, roi)]))
+    starts = list(itertools.product(*[window_starts(s, r, overlap) for s, r in zip(padded, roi, strict=True)]))
     weight = importance_map(roi, mode, sigma_scale, device=out_device)
     out = None
     norm = torch.zeros(padded, device=out_device)
     for start in starts:  # the normaliser depends only on the window layout, not on the batch
-        norm[tuple(slice(a, a + r) for a, r in zip(start, roi))] += weight
+        norm[tuple(slice(a, a + r) for a, r in zip(start, roi, strict=True))] += weight
     jobs = [(b, s) for b in range(x.shape[0]) for s in starts]
     for i in range(0, len(jobs), sw_batch_size):
         chunk = jobs[i: i + sw_batch_size]
-        sls = [tuple(slice(a, a + r) for a, r in zip(s, roi)) for _, s in chunk]
-        windows = torch.stack([x[(b, slice(None)) + sl] for (b, _), sl in zip(chunk, sls)])
+        sls = [tuple(slice(a, a + r) for a, r in zip(s, roi, strict=True)) for _, s in chunk]
+        windows = torch.stack([x[(b, slice(None)) + sl] for (b, _), sl in zip(chunk, sls, strict=True)])
         pred = predict(windows).to(out_device, torch.float32)
         if out is None:
             out = torch.zeros((x.shape[0], pred.shape[1], *padded), device=out_device)
-        for (b, _), sl, p in zip(chunk, sls, pred):
+        for (b, _), sl, p in zip(chunk, sls, pred, strict=True):
             out[(b, slice(None)) + sl] += p * weight
     out = out.div_(norm)  # in place: one (B, K, *S) float32 volume less at the peak of a large case
-    crop = tuple(slice(d // 2, d // 2 + s) for d, s in zip(pad, size))
+    crop = tuple(slice(d // 2, d // 2 + s) for d, s in zip(pad, size, strict=True))
     return out[(slice(None), slice(None)) + crop]
 
 

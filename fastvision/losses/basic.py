@@ -103,7 +103,8 @@ class FocalLoss(nn.Module):
         self.include_background, self.gamma = include_background, float(gamma)
         self.reduction, self.use_softmax = reduction, use_softmax
         _weight_buffer(self, "weight", weight)
-        self.register_buffer("alpha", None if alpha is None else torch.as_tensor(alpha, dtype=torch.float32), persistent=False)
+        self.register_buffer("alpha", None if alpha is None else torch.as_tensor(alpha, dtype=torch.float32),
+                             persistent=False)
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
         """Args: logits ``(B, C, *S)``; target int ``(B, *S)``/``(B, 1, *S)`` or float ``(B, C, *S)``."""

@@ -63,7 +63,8 @@ class DiceCELoss(nn.Module):
                              smooth_nr=smooth_nr, smooth_dr=smooth_dr, batch=batch, weight=dice_weight)
         _weight_buffer(self, "weight", weight)
         self.reduction, self.sigmoid = reduction, sigmoid
-        self.lambda_dice, self.lambda_ce, self.label_smoothing = float(lambda_dice), float(lambda_ce), float(label_smoothing)
+        self.lambda_dice, self.lambda_ce = float(lambda_dice), float(lambda_ce)
+        self.label_smoothing = float(label_smoothing)
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
         """Args: logits ``(B, C, *S)``; target int ``(B, *S)``/``(B, 1, *S)`` or float ``(B, C, *S)``."""
@@ -129,7 +130,8 @@ class DiceFocalLoss(nn.Module):
         """Args: logits ``(B, C, *S)``; target int ``(B, *S)``/``(B, 1, *S)`` or float ``(B, C, *S)``."""
         with _no_autocast(logits):
             x, dense = _fp32(logits), dense_target(logits, target)
-            return self.lambda_dice * self.dice.from_dense(x, dense) + self.lambda_focal * self.focal.from_dense(x, dense)
+            return (self.lambda_dice * self.dice.from_dense(x, dense)
+                    + self.lambda_focal * self.focal.from_dense(x, dense))
 
 
 @LOSSES.register("dice_bce")

@@ -128,7 +128,8 @@ class MaskedDiceLoss(DiceLoss):
         """Args: logits ``(B, C, *S)``; target as :class:`DiceLoss`; mask ``(B|1, 1, *S)`` 0/1."""
         if mask is not None:
             if mask.dim() != logits.dim() or mask.shape[1] != 1 or mask.shape[0] not in (1, logits.shape[0]):
-                raise ValueError(f"mask must be (B or 1, 1, *S), got {tuple(mask.shape)} for logits {tuple(logits.shape)}")
+                raise ValueError(f"mask must be (B or 1, 1, *S), got {tuple(mask.shape)} "
+                                 f"for logits {tuple(logits.shape)}")
             mask = mask.float()
         with _no_autocast(logits):
             return self.from_dense(_fp32(logits), dense_target(logits, target), mask)
@@ -208,7 +209,8 @@ class TverskyLoss(nn.Module):
         _reduce(torch.zeros(()), reduction)
         self.include_background, self.sigmoid, self.softmax = include_background, sigmoid, softmax
         self.other_act, self.alpha, self.beta = _activation(other_act), float(alpha), float(beta)
-        self.reduction, self.smooth_nr, self.smooth_dr, self.batch = reduction, float(smooth_nr), float(smooth_dr), batch
+        self.reduction, self.batch = reduction, batch
+        self.smooth_nr, self.smooth_dr = float(smooth_nr), float(smooth_dr)
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
         """Args: logits ``(B, C, *S)``; target int ``(B, *S)``/``(B, 1, *S)`` or float ``(B, C, *S)``."""

@@ -49,7 +49,8 @@ def to_coco_results(boxes: Tensor, scores: Tensor, labels: Tensor, image_ids: Te
     out = []
     for b, img_id in enumerate(image_ids.cpu().tolist()):
         ok = labels[b] >= 0
-        for (x0, y0, x1, y1), s, c in zip(boxes[b][ok].tolist(), scores[b][ok].tolist(), labels[b][ok].tolist()):
+        kept = zip(boxes[b][ok].tolist(), scores[b][ok].tolist(), labels[b][ok].tolist(), strict=True)
+        for (x0, y0, x1, y1), s, c in kept:
             out.append({"image_id": int(img_id), "category_id": int(cat_ids[c]),
                         "bbox": [x0, y0, x1 - x0, y1 - y0], "score": float(s)})
     return out
@@ -92,7 +93,7 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]] | str | Path,
         ev.accumulate()
         ev.summarize()
     # COCOeval reports -1 for an area range without ground truth; kept, since 0 would read as a miss.
-    return {k: float(v) for k, v in zip(METRIC_NAMES, ev.stats[:6])}
+    return {k: float(v) for k, v in zip(METRIC_NAMES, ev.stats[:6], strict=True)}
 
 
 class COCOEvaluator(Evaluator):

@@ -201,7 +201,8 @@ def add_cli(subparsers) -> None:
     """Register ``fastvision cv RUNS... [--metrics M ...] [--json OUT]``."""
     p = subparsers.add_parser("cv", help="average the final metrics of cross-validation folds (seed 000), or the "
                                          "out-of-fold table of a train --folds folder")
-    p.add_argument("runs", nargs="+", help="run directories, one per fold; or one train --folds folder (its crossval.json)")
+    p.add_argument("runs", nargs="+",
+                   help="run directories, one per fold; or one train --folds folder (its crossval.json)")
     p.add_argument("--metrics", nargs="+", help="metrics to report (default: all common numeric metrics)")
     p.add_argument("--json", help="also write the result as JSON to this file")
     p.set_defaults(func=_main)

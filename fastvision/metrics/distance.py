@@ -52,7 +52,8 @@ def _squared_distance_to(features: Tensor, spacing: Sequence[float]) -> Tensor:
     return f
 
 
-def hd95(pred_mask: Tensor, gt_mask: Tensor, spacing: Sequence[float] | float | None = None, percentile: float = 95.0) -> Tensor:
+def hd95(pred_mask: Tensor, gt_mask: Tensor, spacing: Sequence[float] | float | None = None,
+         percentile: float = 95.0) -> Tensor:
     """Percentile symmetric Hausdorff distance between the surfaces of two binary masks.
 
     Surfaces are the boundary voxels (mask minus its cross-shaped erosion). The result is the
@@ -90,7 +91,7 @@ def hd95(pred_mask: Tensor, gt_mask: Tensor, spacing: Sequence[float] | float | 
         return torch.tensor(math.nan, dtype=torch.float64, device=device)
     # crop to the union's bounding box: surfaces and all distances between them lie inside it
     nz = union.nonzero()
-    box = tuple(slice(int(lo), int(hi) + 1) for lo, hi in zip(nz.min(0).values, nz.max(0).values))
+    box = tuple(slice(int(lo), int(hi) + 1) for lo, hi in zip(nz.min(0).values, nz.max(0).values, strict=True))
     ep, eg = _edges(p[box]), _edges(g[box])
     if not ep.any() or not eg.any():
         return torch.tensor(math.inf, dtype=torch.float64, device=device)

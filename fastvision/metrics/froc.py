@@ -88,7 +88,8 @@ def major_axis_length(labels: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def evaluation_mask(lesion_mask: np.ndarray, dilation_px: float = 0.0, itc_max_px: float = 0.0) -> tuple[np.ndarray, set[int]]:
+def evaluation_mask(lesion_mask: np.ndarray, dilation_px: float = 0.0,
+                    itc_max_px: float = 0.0) -> tuple[np.ndarray, set[int]]:
     """Labelled lesions for scoring.
 
     Args:
@@ -158,7 +159,8 @@ def fp_tp_probs(detections: Sequence[tuple[float, int, int]], labels: np.ndarray
     return np.asarray(fp, np.float64), tp, n - len(itc)
 
 
-def froc_curve(fp_probs: np.ndarray, tp_probs: np.ndarray, num_lesions: int, num_slides: int) -> tuple[np.ndarray, np.ndarray]:
+def froc_curve(fp_probs: np.ndarray, tp_probs: np.ndarray, num_lesions: int,
+               num_slides: int) -> tuple[np.ndarray, np.ndarray]:
     """FP rate per slide and sensitivity at every threshold (the challenge's thresholds).
 
     Args:
@@ -185,7 +187,7 @@ def froc_summary(fps_per_slide: np.ndarray, sensitivity: np.ndarray,
         ``{"froc": mean sensitivity, "sens@<rate>": sensitivity, ...}``.
     """
     sens = np.interp(rates, fps_per_slide[::-1], sensitivity[::-1])
-    return {"froc": float(np.mean(sens)), **{f"sens@{r:g}": float(s) for r, s in zip(rates, sens)}}
+    return {"froc": float(np.mean(sens)), **{f"sens@{r:g}": float(s) for r, s in zip(rates, sens, strict=True)}}
 
 
 def froc(heatmaps: Sequence[np.ndarray], masks: Sequence[np.ndarray | None], threshold: float = 0.5,
@@ -310,7 +312,7 @@ def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None
         :func:`froc`'s dict plus ``slides``, ``tumour_slides`` and ``lesions``.
     """
     heats, masks, scales = [], [], []
-    for name, heat_path, mask_path in pair_files(Path(heat_dir), Path(mask_dir)):
+    for _name, heat_path, mask_path in pair_files(Path(heat_dir), Path(mask_dir)):
         heat = read_heatmap(heat_path)
         mask = None if mask_path is None else read_mask(mask_path, mask_downsample)
         if mask is not None and not mask.any():

@@ -40,7 +40,7 @@ KEY = "train.activation_checkpointing"
 def _matches(pattern: str, name: str) -> bool:
     """``layer1.*`` matches ``layer1.0``, not ``layer1.0.conv1``: ``*`` is one name component."""
     want, have = pattern.split("."), name.split(".")
-    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have))
+    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have, strict=True))
 
 
 def default_blocks(model: nn.Module) -> list[str]:

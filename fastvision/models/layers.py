@@ -159,7 +159,7 @@ class ConvNormAct(nn.Sequential):
         padding = tuple((k - 1) // 2 for k in kernel_size)
         if transposed:
             # output_padding makes (S-1)*s - 2p + k + op == S*s for k=2 and k=3 at stride 2 (and k odd at 1)
-            output_padding = tuple(s - 1 - (k - 1) % 2 for k, s in zip(kernel_size, stride))
+            output_padding = tuple(s - 1 - (k - 1) % 2 for k, s in zip(kernel_size, stride, strict=True))
             layer = conv_transpose(spatial_dims)(
                 in_channels, out_channels, kernel_size, stride, padding, output_padding=output_padding, bias=bias
             )

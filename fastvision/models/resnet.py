@@ -131,7 +131,7 @@ class ResNet(nn.Module):
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         cin = 64
         stages = []
-        for i, (width, n) in enumerate(zip((64, 128, 256, 512), layers)):
+        for i, (width, n) in enumerate(zip((64, 128, 256, 512), layers, strict=True)):
             stage, cin = self._make_stage(block, cin, width, n, stride=1 if i == 0 else 2)
             stages.append(stage)
         self.layer1, self.layer2, self.layer3, self.layer4 = stages

@@ -161,14 +161,14 @@ class SegResNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits (B, out_channels, *S) for images (B, in_channels, *S)."""
-        if any(s % d for s, d in zip(x.shape[2:], self.divisor)):
+        if any(s % d for s, d in zip(x.shape[2:], self.divisor, strict=True)):
             raise ValueError(f"SegResNet input sizes {tuple(x.shape[2:])} must be divisible by {self.divisor}")
         x = self.dropout(self.stem(x))
         skips = []
         for level in self.down:
             x = level(x)
             skips.append(x)
-        for j, (resize, blocks) in enumerate(zip(self.up_samples, self.up)):
+        for j, (resize, blocks) in enumerate(zip(self.up_samples, self.up, strict=True)):
             x = blocks(resize(x) + skips[-2 - j])
         return self.head(x)
 

@@ -2,9 +2,10 @@
 
 The story, top to bottom: frozen BN, the FPN over levels 3-7, the weight-shared predictor, the
 model (outputs logits, box codes and its anchors), the loss (sigmoid focal normalised by the
-number of matches, smooth-L1 by matches x code size 4, as the seed's config), post-processing (score threshold, batched NMS, top 100), then the
-registered variants ``ssd320`` (ResNet-50, depth 256, as the TF config) and ``ssd320-small``
-(ResNet-18, depth 64, two tower layers: trains on a CPU).
+number of matches, smooth-L1 by matches x code size 4, as the seed's config), post-processing
+(score threshold, batched NMS, top 100), then the registered variants ``ssd320`` (ResNet-50,
+depth 256, as the TF config) and ``ssd320-small`` (ResNet-18, depth 64, two tower layers: trains
+on a CPU).
 """
 from __future__ import annotations
 
@@ -148,7 +149,7 @@ class SharedHead(nn.Module):
 
     @staticmethod
     def _tower(x: Tensor, convs: nn.ModuleList, norms: nn.ModuleList) -> Tensor:
-        for conv, norm in zip(convs, norms):
+        for conv, norm in zip(convs, norms, strict=True):
             x = F.relu6(norm(conv(x)))
         return x
 

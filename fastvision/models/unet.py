@@ -206,7 +206,7 @@ class UNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits (B, out_channels, *S) for images (B, C_in, *S)."""
-        if any(s % d for s, d in zip(x.shape[2:], self.divisor)):
+        if any(s % d for s, d in zip(x.shape[2:], self.divisor, strict=True)):
             raise ValueError(f"U-Net input sizes {tuple(x.shape[2:])} must be divisible by {self.divisor}")
         skips = []
         for enc in self.encoders[:-1]:

@@ -203,7 +203,7 @@ def multiscale_anchors(
     H, W = image_size
     grid_sizes = list(grid_sizes or anchor_grid_sizes(image_size, levels))
     out = []
-    for level, (gh, gw) in zip(levels, grid_sizes):
+    for level, (gh, gw) in zip(levels, grid_sizes, strict=True):
         stride = 2.0**level
         base = anchor_scale * stride
         sizes = []
@@ -259,7 +259,8 @@ def nms_keep(boxes: Tensor, scores: Tensor, iou_threshold: float, valid: Tensor 
     return out.scatter(1, order, keep)
 
 
-def batched_nms(boxes: Tensor, scores: Tensor, classes: Tensor, iou_threshold: float, valid: Tensor | None = None) -> Tensor:
+def batched_nms(boxes: Tensor, scores: Tensor, classes: Tensor, iou_threshold: float,
+                valid: Tensor | None = None) -> Tensor:
     """Per-class greedy NMS by offsetting each class's boxes so that classes never overlap.
 
     Args:

@@ -12,5 +12,5 @@ from fastvision.optim.optimizers import (
 from fastvision.optim.schedules import build_scheduler, lr_lambda
 from fastvision.optim.step import found_non_finite, grads_found_inf, step_unless
 
-__all__ = ["Novograd", "build_optimizer", "build_scheduler", "effective_lr", "found_non_finite", "grads_found_inf", "lr_lambda",
-           "param_groups", "step_unless"]
+__all__ = ["Novograd", "build_optimizer", "build_scheduler", "effective_lr", "found_non_finite", "grads_found_inf",
+           "lr_lambda", "param_groups", "step_unless"]

@@ -49,7 +49,8 @@ def step_unless(optimizer: Optimizer, found_inf: torch.Tensor | None) -> None:
     if isinstance(optimizer, Novograd):
         optimizer.step(found_inf=found_inf)
         return
-    fused = getattr(optimizer, "_step_supports_amp_scaling", False) and any(g.get("fused") for g in optimizer.param_groups)
+    fused = (getattr(optimizer, "_step_supports_amp_scaling", False)
+             and any(g.get("fused") for g in optimizer.param_groups))
     if found_inf is None or (not fused and found_inf.device.type == "cpu"):
         # nothing checked, or a CPU value read that waits for nothing: a plain step unless skipped,
         # instead of copying every parameter and state tensor to restore them (~10 % of a small
@@ -72,7 +73,7 @@ def step_unless(optimizer: Optimizer, found_inf: torch.Tensor | None) -> None:
                      for p in params if id(p) not in fresh_ids}
         optimizer.step()
         with torch.no_grad():
-            for p, old in zip(params, kept):
+            for p, old in zip(params, kept, strict=True):
                 p.copy_(torch.where(skip, old, p))
             for p, old in old_state.items():
                 for k, v in old.items():

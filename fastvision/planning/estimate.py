@@ -194,6 +194,22 @@ def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, f
     capped at half of it. The achieved share is the traced FLOPs per item over peak x ``t_item`` on
     the benchmark's GPU (its ``gpu`` field).
     """
+    gpu, rows = _read_train_benchmark(path)
+    precision, points = _step_points(rows, amp if amp != "off" else ("tf32" if tf32 else "fp32"))
+    where = f"{gpu.name} {precision} " + ", ".join(f"batch {b}: {b / s:.0f} items/s" for b, s in points)
+    fixed_s, per_item, fixed_source = _split_step(points, path, precision, fixed, given)
+    peak, _ = gpu.peak_tflops(precision)
+    frac = t.flops / t.batch / per_item / (peak * 1e12)
+    return frac, fixed_s, where, fixed_source
+
+
+def _read_train_benchmark(path: Path) -> tuple[GPU, list[dict[str, Any]]]:
+    """``(the GPU it was measured on, measured rows)`` of a train-mode benchmark JSON; only rows
+    with a positive rate and batch size.
+
+    Raises:
+        DataError: the file is unreadable, not a GPU train-mode benchmark, or has no measured row.
+    """
     try:
         report = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -201,10 +217,16 @@ def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, f
     if report.get("mode") != "train" or not report.get("gpu"):
         raise DataError(f"{path}: needs a train-mode benchmark measured on a GPU (its 'gpu' field names it)")
     gpu = get_gpu(report["gpu"])
-    want = amp if amp != "off" else ("tf32" if tf32 else "fp32")
     rows = [r for r in report.get("results", []) if r.get("items_per_s", 0) > 0 and r.get("batch_size", 0) > 0]
     if not rows:
         raise DataError(f"{path}: no measured rows")
+    return gpu, rows
+
+
+def _step_points(rows: list[dict[str, Any]], want: str) -> tuple[str, list[tuple[int, float]]]:
+    """``(precision, [(batch, step seconds)] by batch)`` of the rows at precision ``want`` (a half
+    precision the benchmark lacks falls back to the other one, else the first row's); rows at the
+    same batch size are averaged."""
     have = {r["precision"] for r in rows}
     order = [want] + [h for h in HALF_PRECISIONS if want in HALF_PRECISIONS and h != want]
     precision = next((p for p in order if p in have), rows[0]["precision"])
@@ -212,8 +234,14 @@ def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, f
     for r in rows:
         if r["precision"] == precision:
             by_batch.setdefault(int(r["batch_size"]), []).append(r["batch_size"] / r["items_per_s"])
-    points = sorted((b, sum(v) / len(v)) for b, v in by_batch.items())  # (batch, step seconds)
-    where = f"{gpu.name} {precision} " + ", ".join(f"batch {b}: {b / s:.0f} items/s" for b, s in points)
+    return precision, sorted((b, sum(v) / len(v)) for b, v in by_batch.items())
+
+
+def _split_step(points: list[tuple[int, float]], path: Path, precision: str, fixed: tuple[float, str],
+                given: bool) -> tuple[float, float, str]:
+    """``(fixed seconds per step, seconds per item, fixed source)``: the line through two or more
+    batch sizes, else ``fixed`` taken off the largest batch's step (see
+    :func:`calibration_from_benchmark`)."""
     name = Path(path).name
     b_ref, s_ref = points[-1]
     if len(points) >= 2 and not given:
@@ -223,21 +251,14 @@ def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, f
                             + ", ".join(f"batch {b}: {1e3 * s:.2f} ms" for b, s in points)
                             + "): it says nothing about compute per item; measure larger batch sizes")
         if intercept < 0:  # larger batches ran less efficiently per item: no fixed cost to measure
-            fixed_s, per_item = 0.0, s_ref / b_ref
-            fixed_source = f"none measurable in {name} (per-item time grows with the batch)"
-        else:
-            fixed_s, per_item = intercept, slope
-            fixed_source = f"measured: intercept over {len(points)} batch sizes in {name}"
-    else:
-        fixed_s, fixed_source = fixed
-        if not given:
-            fixed_source += f" ({name} has one batch size: benchmark --batch-sizes A,B measures your own)"
-        if fixed_s > 0.5 * s_ref:
-            fixed_s, fixed_source = 0.5 * s_ref, fixed_source + ", capped at half the measured step"
-        per_item = (s_ref - fixed_s) / b_ref
-    peak, _ = gpu.peak_tflops(precision)
-    frac = t.flops / t.batch / per_item / (peak * 1e12)
-    return frac, fixed_s, where, fixed_source
+            return 0.0, s_ref / b_ref, f"none measurable in {name} (per-item time grows with the batch)"
+        return intercept, slope, f"measured: intercept over {len(points)} batch sizes in {name}"
+    fixed_s, fixed_source = fixed
+    if not given:
+        fixed_source += f" ({name} has one batch size: benchmark --batch-sizes A,B measures your own)"
+    if fixed_s > 0.5 * s_ref:
+        fixed_s, fixed_source = 0.5 * s_ref, fixed_source + ", capped at half the measured step"
+    return fixed_s, (s_ref - fixed_s) / b_ref, fixed_source
 
 
 def step_time(t: StepTrace, gpu: GPU, precision: str, achieved: tuple[float, float] = DEFAULT_ACHIEVED,
@@ -305,7 +326,7 @@ def with_input_scale(cfg: RunConfig, scale: float) -> tuple[RunConfig, str, list
     if "sample_shape" in args:
         c, *spatial = args["sample_shape"]
         steps = [min(32, s & -s) for s in spatial]
-        new = [max(k, int(round(s * scale / k)) * k) for s, k in zip(spatial, steps)]
+        new = [max(k, int(round(s * scale / k)) * k) for s, k in zip(spatial, steps, strict=True)]
         args["sample_shape"] = [c, *new]
         sets, what = [f"task.args.sample_shape={_flow([c, *new])}"], "patch " + "x".join(map(str, new))
     elif "image_size" in args:

@@ -146,8 +146,9 @@ def input_rate_of(cfg: RunConfig, given: float | str | None = None) -> tuple[flo
     """``(items/s per host core, source)`` of the recipe's input path for the planner's input limit.
 
     A measured rate wins: ``--input-rate`` as a number, or the path of a ``fastvision benchmark RECIPE
-    --mode data`` JSON (its ``items_per_cpu_s`` under the recipe's cache mode). A JPEG folder decoded on the host (Pillow, or DALI on the CPU) takes the
-    published per-process rate of the DLE PyTorch ResNet-50 loader (JPEG decode +
+    --mode data`` JSON (its ``items_per_cpu_s`` under the recipe's cache mode). A JPEG folder decoded
+    on the host (Pillow, or DALI on the CPU) takes the published per-process rate of the DLE PyTorch
+    ResNet-50 loader (JPEG decode +
     RandomResizedCrop), calibrated in ``fastvision/scaling/anchors.yaml`` (``dle-pytorch-loader``:
     8,322 img/s on 8 V100 x 8 loader processes). DALI on the GPU decodes inside the step: no host
     limit. Other formats (cached volumes, COCO) have no published per-core rate: no limit, said so.
@@ -165,7 +166,8 @@ def input_rate_of(cfg: RunConfig, given: float | str | None = None) -> tuple[flo
         return float(given), "--input-rate (measured)"
     if cfg.data.name != "imagefolder":
         return None, (f"not known for {cfg.data.name!r}, so the efficiency is a bound that ignores the host "
-                      f"(an unmodelled host pipeline cost held-out TensorFlow rows up to 30 points at 4-8 GPUs: benchmarks/RESULTS.md); "
+                      f"(an unmodelled host pipeline cost held-out TensorFlow rows up to 30 points at 4-8 GPUs: "
+                      f"benchmarks/RESULTS.md); "
                       f"measure it: fastvision benchmark {cfg.recipe} --mode data --data DIR, then --input-rate "
                       f"runs/benchmark/{cfg.recipe}-data.json")
     if decodes_on_gpu(cfg):

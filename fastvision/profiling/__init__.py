@@ -130,6 +130,7 @@ def add_monitor_cli(subparsers) -> None:
     p.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl-C)")
     p.add_argument("--plot", help="also write this PNG")
     p.add_argument("--gpu", type=int, default=0,
-                   help="CUDA device index as the job numbers it (CUDA_VISIBLE_DEVICES honoured; matched to NVML by UUID)")
+                   help="CUDA device index as the job numbers it (CUDA_VISIBLE_DEVICES honoured; matched to NVML "
+                        "by UUID)")
     p.add_argument("--replot", metavar="CSV", help="only plot an existing CSV (to --plot or CSV.png)")
     p.set_defaults(func=_cmd_monitor)

@@ -123,7 +123,7 @@ def read_csv(path: str | Path) -> dict[str, list[float]]:
         parts = line.split(sep)
         if len(parts) != len(header):
             raise FastvisionError(f"{path}:{n}: {len(parts)} fields, header has {len(header)}")
-        for h, v in zip(header, parts):
+        for h, v in zip(header, parts, strict=True):
             cols[h].append(float(v))
     for need in ("time_s", "gpu_util", "mem_used_mib"):
         if need not in cols:

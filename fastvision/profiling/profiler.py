@@ -17,6 +17,7 @@ recipe switch to try first.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -61,10 +62,10 @@ class _Clock:
 
     def durations(self) -> tuple[dict[str, float], dict[str, float]]:
         """(host seconds, device seconds) per phase; device equals host off CUDA."""
-        host = _sums((a, t1 - t0) for (a, t0), (_, t1) in zip(self.host, self.host[1:]))
+        host = _sums((a, t1 - t0) for (a, t0), (_, t1) in itertools.pairwise(self.host))
         if not self.cuda:
             return host, dict(host)
-        dev = _sums((a, e0.elapsed_time(e1) / 1e3) for (a, e0), (_, e1) in zip(self.events, self.events[1:]))
+        dev = _sums((a, e0.elapsed_time(e1) / 1e3) for (a, e0), (_, e1) in itertools.pairwise(self.events))
         return host, dev
 
 
@@ -287,7 +288,8 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | 
             return f"set data.cache: {cache} and data.loader: threads (cache the deterministic preprocessing once)"
         if d.loader == "processes":
             return "set data.loader: threads (no pickling or IPC of cached items)"
-        gpu = "; or data.cache: gpu with data.augment on the device" if device.type == "cuda" and d.cache != "gpu" else ""
+        gpu = ("; or data.cache: gpu with data.augment on the device"
+               if device.type == "cuda" and d.cache != "gpu" else "")
         return (f"raise data.num_workers (now {d.num_workers}), move random transforms into data.augment, "
                 f"or set data.repeats: 2{gpu}")
     if verdict == "communication":
@@ -305,7 +307,8 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | 
             return "set " + (", ".join(off[:-1]) + " and " + off[-1] if len(off) > 1 else off[0])
         # every switch is on: the convolution kernels are the cost. On an H200 (torch 2.11, cuDNN 9)
         # fp16 ran ResNet-50 1.28-1.30x and the 3-D U-Net 1.13-1.21x faster than bf16 (RESULTS.md).
-        fp16 = "; try train.amp: fp16 (`fastvision benchmark --precision bf16,fp16`)" if (precision or t.amp) != "fp16" else ""
+        fp16 = ("; try train.amp: fp16 (`fastvision benchmark --precision bf16,fp16`)"
+                if (precision or t.amp) != "fp16" else "")
         autotune = " or try train.compile: max-autotune" if t.compile != "max-autotune" else ""
         return f"the model is the cost: raise train.batch_size{autotune}{fp16}"
     return ("the model is the cost: set train.amp: bf16, train.compile: true, a smaller model or image size, "

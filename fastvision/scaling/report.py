@@ -132,10 +132,10 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "Scaling") -
                     color=color, capsize=3, label=f"{backend} speed-up")
         pred = [(r["workers"], r["predicted_speedup"]) for r in mine if r["predicted_speedup"] is not None]
         if pred:
-            ax.plot(*zip(*pred), "x:", color=color, label=f"{backend} predicted")
+            ax.plot(*zip(*pred, strict=True), "x:", color=color, label=f"{backend} predicted")
         met = [(r["workers"], r["metric"], r["metric_std"] or 0.0) for r in mine if r["metric"] is not None]
         if met:
-            mx, my, ms = zip(*met)
+            mx, my, ms = zip(*met, strict=True)
             ax_metric.errorbar(mx, my, yerr=ms, fmt="s--", color=color, alpha=0.6, capsize=3,
                                label=f"{backend} {metric}")
         ax_eff.plot(x, [r["efficiency"] for r in mine], "o-", color=color, label=backend)
@@ -174,7 +174,8 @@ def plot_simulation(rows: list[dict[str, Any]], path: Path, measured: list[dict[
             ax.plot([r["workers"]], [r["predicted"]], "o", color=c, mfc="none", ms=8)
     if any(r.get("predicted") is not None for r in published):
         ax.plot([], [], "o", color="grey", mfc="none", ms=8, label="hollow: the model at that row's own batch")
-    ax.set(xscale="log", yscale="log", xlabel="workers (GPUs)", ylabel="speed-up", title="Predicted data-parallel speed-up")
+    ax.set(xscale="log", yscale="log", xlabel="workers (GPUs)", ylabel="speed-up",
+           title="Predicted data-parallel speed-up")
     if published:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     else:
@@ -216,5 +217,5 @@ def simulation_markdown(rows: list[dict[str, Any]]) -> str:
     columns = ["hardware", "GPUs:", "step (ms):", "exposed comm (ms):", "all-reduce", "images/s:", "speed-up:",
                "efficiency:", "binding limit"]
     return markdown(columns, ([r["link"], str(r["workers"]), f"{r['step_s'] * 1e3:.2f}",
-                               f"{r['exposed_comm_s'] * 1e3:.2f}", r.get("algo", ""), f"{r['images_per_s']:.1f}", f"{r['speedup']:.2f}",
-                               f"{r['efficiency']:.1%}", r.get("limit", "")] for r in rows))
+                               f"{r['exposed_comm_s'] * 1e3:.2f}", r.get("algo", ""), f"{r['images_per_s']:.1f}",
+                               f"{r['speedup']:.2f}", f"{r['efficiency']:.1%}", r.get("limit", "")] for r in rows))

@@ -23,9 +23,10 @@ Model (times in seconds, sizes in bytes; ``docs/distributed.md`` states where it
 4. **Host input pipeline.** A CPU input path with ``workers_per_gpu`` loader processes delivers
    ``per_core_items_s`` per process, ``min(cpu_threads, workers_per_gpu * gpus on the node)`` at once
    per node; a pool without a worker count (tf.data) gets ``per_core_items_s`` per physical core.
-   The GPUs of a node share that. A GPU-side decoder (DALI "mixed") has no host limit: its cost is inside the measured step.
-   The rate is the one with every worker of a node busy; the single-GPU measurement already holds
-   its own input pipeline, so the limit applies from 2 GPUs on.
+   The GPUs of a node share that. A GPU-side decoder (DALI "mixed") has no host limit: its cost
+   is inside the measured step. The rate is the one with every worker of a node busy; the
+   single-GPU measurement already holds its own input pipeline, so the limit applies from 2 GPUs
+   on.
 5. **Cluster scale** (:mod:`fastvision.scaling.terms`): the slowest of ``N`` ranks sets the step,
    ``+ jitter_s * sqrt(2 ln N)`` (expected maximum of N normal jitters); ``algo="sharp"``
    reduces across nodes in the switches (NCCL CollNet / SHARP: ``S/g / NIC bw`` once). The fixed
@@ -202,6 +203,35 @@ def legacy_hardware(link: Link, gpus_per_node: int = 8, intra: Link = LINKS["nvl
     return Hardware(name=link.name, gpu="unknown", gpus_per_node=gpus_per_node, cpu_cores=0, intra=intra, nic=link)
 
 
+def _overlapped_backward_end(compute: float, backward_fraction: float, buckets: int, bucket_s: float) -> float:
+    """Seconds until forward, backward and every bucket's all-reduce are done (term 2's overlap).
+
+    Bucket ``i`` of ``buckets`` is ready when its share of backward is, and the all-reduces of
+    ``bucket_s`` each run one after another on one stream, so only the tail past backward shows.
+    """
+    t_b = compute * backward_fraction
+    t_f = compute - t_b
+    done = t_f  # end of the previous bucket's all-reduce
+    for i in range(buckets):
+        done = max(t_f + (i + 1) * t_b / buckets, done) + bucket_s
+    return max(compute, done)
+
+
+def _binding_limit(*, workers: int, compute: float, backward: float, comm: float, exposed: float, straggle: float,
+                   fixed: float, gpu_step: float, input_s: float, step: float) -> str:
+    """Which term sets a predicted step (all times in seconds): ``input pipeline`` when the host is
+    slower than the GPU, then ``communication``, ``stragglers``, ``fixed per-step cost`` or ``compute``."""
+    if input_s > gpu_step:
+        return "input pipeline"
+    if workers > 1 and (comm > backward or exposed > 0.05 * step) and exposed >= max(straggle, fixed):
+        return "communication"
+    if workers > 1 and straggle > 0.05 * step and straggle >= fixed:
+        return "stragglers"
+    if fixed > compute:
+        return "fixed per-step cost"
+    return "compute"
+
+
 def predict_step_time(profile: StepProfile, workers: int, hardware: Hardware | Link | str, *, mode: str = "weak",
                       gpus_per_node: int = 8, intra: Link = LINKS["nvlink"], pipeline: InputPipeline | None = None,
                       backend: Backend | str = "ddp", algo: str = "auto",
@@ -234,14 +264,9 @@ def predict_step_time(profile: StepProfile, workers: int, hardware: Hardware | L
     be = BACKENDS[backend] if isinstance(backend, str) else backend
     per_worker = per_worker_batch or (profile.batch if mode == "weak" else profile.batch / workers)
     compute = profile.compute_s * per_worker / profile.batch
-    t_b = compute * profile.backward_fraction
-    t_f = compute - t_b
     k = bucket_count(profile.grad_bytes, be.fusion_mb) if be.fusion_mb else max(1, profile.buckets)
     c, used = allreduce_s(profile.grad_bytes / k, workers, hw, algo)
-    done = t_f  # end of the previous bucket's all-reduce
-    for i in range(k):
-        done = max(t_f + (i + 1) * t_b / k, done) + c
-    end = max(compute, done) if workers > 1 else compute
+    end = _overlapped_backward_end(compute, profile.backward_fraction, k, c) if workers > 1 else compute
     sync = be.cycle_ms * 1e-3 * k if workers > 1 else 0.0
     gpu_step = end + sync + profile.optimizer_s + profile.overhead_s
     straggle = straggler_s(profile.jitter_s, workers)
@@ -251,16 +276,9 @@ def predict_step_time(profile: StepProfile, workers: int, hardware: Hardware | L
     step = max(gpu_step, input_s)
     exposed = end - compute + sync
     fixed = profile.optimizer_s + profile.overhead_s
-    if input_s > gpu_step:
-        limit = "input pipeline"
-    elif workers > 1 and (k * c > t_b or exposed > 0.05 * step) and exposed >= max(straggle, fixed):
-        limit = "communication"
-    elif workers > 1 and straggle > 0.05 * step and straggle >= fixed:
-        limit = "stragglers"
-    elif fixed > compute:
-        limit = "fixed per-step cost"
-    else:
-        limit = "compute"
+    limit = _binding_limit(workers=workers, compute=compute, backward=compute * profile.backward_fraction,
+                           comm=k * c, exposed=exposed, straggle=straggle, fixed=fixed, gpu_step=gpu_step,
+                           input_s=input_s, step=step)
     return {"step_s": step, "gpu_step_s": gpu_step, "input_s": input_s, "comm_s": k * c if workers > 1 else 0.0,
             "exposed_comm_s": exposed, "sync_s": sync, "straggler_s": straggle, "fixed_s": fixed, "algo": used,
             "per_worker_batch": per_worker,

@@ -109,7 +109,7 @@ def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "we
 
     # The per-worker batch comes from the recipe with the caller's --set overrides; a --set of
     # train.batch_size is consumed here, else it would override the --batch-size given to each run.
-    pairs = list(zip(extra[::2], extra[1::2]))
+    pairs = list(zip(extra[::2], extra[1::2], strict=True))
     batch = load(recipe, [parse_override(v) for k, v in pairs if k == "--set"]).train.batch_size
     extra = [a for k, v in pairs if not (k == "--set" and v.startswith("train.batch_size=")) for a in (k, v)]
     results = []
@@ -244,10 +244,10 @@ def _published(workload: str, top: int, hardware: set[str]) -> list[dict[str, An
             for r in rows]
 
 
-def _cli(args) -> int:
+def _workers(args) -> list[int]:
+    """The ``--workers`` world sizes, checked (and ``--repeats`` with them)."""
     from fastvision.errors import ConfigError
 
-    out = Path(args.out)
     try:
         workers = [int(w) for w in args.workers.split(",")]
     except ValueError:
@@ -256,52 +256,78 @@ def _cli(args) -> int:
         raise ConfigError(f"--workers {args.workers!r}: world sizes must be >= 1")
     if args.repeats < 1:
         raise ConfigError(f"--repeats {args.repeats}: must be >= 1")
-    if args.links:
-        for name in args.links.split(","):
-            if name not in LINKS:
-                raise ConfigError(f"--links: unknown link {name!r}; valid: {', '.join(LINKS)}")
-        targets = [LINKS[name] for name in args.links.split(",")]
+    return workers
+
+
+def _targets(args) -> list[Hardware | Link]:
+    """What ``--simulate`` draws: the ``--links`` presets (old form), else the ``--hardware`` profiles."""
+    from fastvision.errors import ConfigError
+
+    if not args.links:
+        return [load_hardware(h) for h in args.hardware.split(",")]
+    for name in args.links.split(","):
+        if name not in LINKS:
+            raise ConfigError(f"--links: unknown link {name!r}; valid: {', '.join(LINKS)}")
+    return [LINKS[name] for name in args.links.split(",")]
+
+
+def _step_profile(args, results: list[dict[str, Any]]) -> StepProfile:
+    """The single-GPU step to simulate: ``--compute-ms`` and ``--grad-mb``, else the sweep's 1-worker runs."""
+    from fastvision.errors import ConfigError
+
+    if args.compute_ms and args.grad_mb:
+        step, batch, grad = args.compute_ms / 1e3, args.batch, args.grad_mb * 1e6
     else:
-        targets = [load_hardware(h) for h in args.hardware.split(",")]
+        one = [r for r in results if r["workers"] == 1 and r.get("grad_bytes")]
+        if not one:
+            raise ConfigError("--simulate needs --compute-ms and --grad-mb, or a sweep that includes 1 worker")
+        batch = one[0]["global_batch"]
+        step = batch / statistics.fmean(r["images_per_s"] for r in one)
+        grad = one[0]["grad_bytes"]
+    overhead = args.overhead_ms / 1e3
+    if not 0 <= overhead < step:
+        raise ConfigError(f"--overhead-ms {args.overhead_ms}: must be >= 0 and below the step "
+                          f"({step * 1e3:.1f} ms)")
+    jitter = _jitter_ms(args)
+    return StepProfile(compute_s=step - overhead, batch=batch, grad_bytes=grad,
+                       buckets=bucket_count(grad, args.bucket_mb), overhead_s=overhead, jitter_s=jitter / 1e3)
+
+
+def _simulate_cli(args, results: list[dict[str, Any]], targets: list[Hardware | Link], out: Path) -> None:
+    """``scale --simulate``: write and print ``simulation.md/json/png``, and give each sweep result
+    its ``predicted_speedup`` on the first target."""
+    prof = _step_profile(args, results)
+    pipe = _pipeline(args)
+    counts = _counts(args.gpus)
+    published = _published(args.anchors, max(counts), {getattr(t, "name", "") for t in targets}) \
+        if args.anchors else ()
+    rows = [r for t in targets for r in simulate(prof, t, counts, mode=args.mode, gpus_per_node=args.gpus_per_node,
+                                                 pipeline=pipe, backend=args.sync, algo=args.algo)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simulation.md").write_text(simulation_markdown(rows))
+    (out / "simulation.json").write_text(json.dumps(
+        {"profile": prof.__dict__, "pipeline": pipe.__dict__ if pipe else None, "sync": args.sync,
+         "hardware": [t.__dict__ if isinstance(t, Link) else _hw_dict(t) for t in targets], "rows": rows},
+        indent=2))
+    pred = {r["workers"]: r["speedup"] for r in rows if r["link"] == rows[0]["link"]}
+    for r in results:
+        r["predicted_speedup"] = pred.get(r["workers"])
+    plot_simulation(rows, out / "simulation.png", measured=summarize(results) if results else (),
+                    published=published)
+    print((out / "simulation.md").read_text())  # the CLI's output, not library logging
+    print(f"simulation: {out / 'simulation.json'}, {out / 'simulation.png'}")
+
+
+def _cli(args) -> int:
+    out = Path(args.out)
+    workers = _workers(args)
+    targets = _targets(args)
     results = []
     if args.recipe and not (args.simulate and args.compute_ms):
         results = sweep(args.recipe, workers, out, mode=args.mode, epochs=args.epochs, repeats=args.repeats,
                         backends=args.backends.split(","), extra=train_args(args), seed=args.seed)
     if args.simulate:
-        if args.compute_ms and args.grad_mb:
-            step, batch, grad = args.compute_ms / 1e3, args.batch, args.grad_mb * 1e6
-        else:
-            one = [r for r in results if r["workers"] == 1 and r.get("grad_bytes")]
-            if not one:
-                raise ConfigError("--simulate needs --compute-ms and --grad-mb, or a sweep that includes 1 worker")
-            batch = one[0]["global_batch"]
-            step = batch / statistics.fmean(r["images_per_s"] for r in one)
-            grad = one[0]["grad_bytes"]
-        overhead = args.overhead_ms / 1e3
-        if not 0 <= overhead < step:
-            raise ConfigError(f"--overhead-ms {args.overhead_ms}: must be >= 0 and below the step ({step * 1e3:.1f} ms)")
-        jitter = _jitter_ms(args)
-        prof = StepProfile(compute_s=step - overhead, batch=batch, grad_bytes=grad,
-                           buckets=bucket_count(grad, args.bucket_mb), overhead_s=overhead, jitter_s=jitter / 1e3)
-        pipe = _pipeline(args)
-        counts = _counts(args.gpus)
-        published = _published(args.anchors, max(counts), {getattr(t, "name", "") for t in targets}) \
-            if args.anchors else ()
-        rows = [r for t in targets for r in simulate(prof, t, counts, mode=args.mode, gpus_per_node=args.gpus_per_node,
-                                                     pipeline=pipe, backend=args.sync, algo=args.algo)]
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "simulation.md").write_text(simulation_markdown(rows))
-        (out / "simulation.json").write_text(json.dumps(
-            {"profile": prof.__dict__, "pipeline": pipe.__dict__ if pipe else None, "sync": args.sync,
-             "hardware": [t.__dict__ if isinstance(t, Link) else _hw_dict(t) for t in targets], "rows": rows},
-            indent=2))
-        pred = {r["workers"]: r["speedup"] for r in rows if r["link"] == rows[0]["link"]}
-        for r in results:
-            r["predicted_speedup"] = pred.get(r["workers"])
-        plot_simulation(rows, out / "simulation.png", measured=summarize(results) if results else (),
-                        published=published)
-        print((out / "simulation.md").read_text())  # the CLI's output, not library logging
-        print(f"simulation: {out / 'simulation.json'}, {out / 'simulation.png'}")
+        _simulate_cli(args, results, targets, out)
     if results:
         paths = write_report(results, out, title=f"{args.recipe} {args.mode} scaling")
         print(paths["md"].read_text())  # the CLI's output, not library logging

@@ -120,6 +120,18 @@ def _bisect(f, lo: float, hi: float, iters: int = 60) -> float:
     return (lo + hi) / 2
 
 
+def _solve_overhead(group: str, row: dict[str, Any], cv: float, anchors: dict[str, Any],
+                    rates: dict[str, float | None]) -> float:
+    """The ``overhead_ms`` of implementation ``group`` that predicts calibration ``row`` exactly at
+    jitter ``cv`` (ms), by bisection below the row's whole per-GPU step."""
+    top = 1e3 * row["ref_batch"] / row["ref_rate_per_gpu"] * 0.999
+
+    def err(ms: float) -> float:  # predicted minus published; falls as the overhead grows
+        consts = {"jitter_ms": cv, "overhead_ms": {group: ms}}
+        return -predict_row(row, anchors, rates, consts)["error_points"]
+    return _bisect(err, 0.0, top)
+
+
 def fit(anchors: dict[str, Any], rates: dict[str, float | None]) -> dict[str, Any]:
     """The free constants from the calibration rows named in ``anchors["fit"]``, and nothing else.
 
@@ -133,23 +145,16 @@ def fit(anchors: dict[str, Any], rates: dict[str, float | None]) -> dict[str, An
     rows = {r["id"]: r for r in anchors["rows"]}
 
     def overheads(cv: float) -> dict[str, float]:
-        out = {}
-        for group, src in (spec.get("overhead_ms") or {}).items():
-            row = rows[src]
-            top = 1e3 * row["ref_batch"] / row["ref_rate_per_gpu"] * 0.999
-
-            def err(ms: float) -> float:  # predicted minus published; falls as the overhead grows
-                consts = {"jitter_ms": cv, "overhead_ms": {group: ms}}
-                return -predict_row(row, anchors, rates, consts)["error_points"]
-            out[group] = _bisect(err, 0.0, top)
-        return out
+        return {group: _solve_overhead(group, rows[src], cv, anchors, rates)
+                for group, src in (spec.get("overhead_ms") or {}).items()}
 
     jit_row = spec.get("jitter_ms")
     if jit_row is None:
         return {"jitter_ms": 0.0, "overhead_ms": overheads(0.0)}
 
     def jit_err(cv: float) -> float:
-        return -predict_row(rows[jit_row], anchors, rates, {"jitter_ms": cv, "overhead_ms": overheads(cv)})["error_points"]
+        consts = {"jitter_ms": cv, "overhead_ms": overheads(cv)}
+        return -predict_row(rows[jit_row], anchors, rates, consts)["error_points"]
     cv = _bisect(jit_err, 0.0, 5.0, iters=40)
     return {"jitter_ms": cv, "overhead_ms": overheads(cv)}
 

@@ -115,7 +115,8 @@ class DetectionTask(Task):
 
     def evaluator(self) -> Evaluator:
         if not self.ann_file:
-            raise ConfigError("detection needs the validation annotations: set task.args.ann_file or use the coco dataset")
+            raise ConfigError("detection needs the validation annotations: set task.args.ann_file "
+                              "or use the coco dataset")
         return COCOEvaluator(self.ann_file, self.cat_ids, (self.image_size, self.image_size),
                              postprocess=lambda o: postprocess(o, (self.image_size, self.image_size), **self.post),
                              results_path=self.results_path)
@@ -205,7 +206,8 @@ def draw_detections(image: Tensor, boxes: Tensor, scores: Tensor, labels: Tensor
     if gt_boxes is not None:
         for b in gt_boxes.detach().cpu().tolist():
             draw.rectangle(b, outline=(255, 255, 255), width=1)
-    for b, s, c in zip(boxes.detach().cpu().tolist(), scores.detach().cpu().tolist(), labels.detach().cpu().tolist()):
+    on_host = [t.detach().cpu().tolist() for t in (boxes, scores, labels)]
+    for b, s, c in zip(*on_host, strict=True):
         if c < 0 or s < min_score:
             continue
         colour = PALETTE[c % len(PALETTE)]

@@ -129,7 +129,7 @@ class SegmentationTask(Task):
 
             raise ConfigError(f"task.args.eval_crop {list(self.eval_crop)} does not match {len(spatial)}-D images")
         src, dst = [], []
-        for n, m in zip(spatial, self.eval_crop):
+        for n, m in zip(spatial, self.eval_crop, strict=True):
             lo = max(0, (n - m) // 2)
             k = min(n, m)
             src.append(slice(lo, lo + k))
@@ -332,13 +332,14 @@ class SegEvaluator(Evaluator):
                 per = sums.mean_batch().cpu().tolist()
                 out[f"{metric}{tag}{case_suffix}"] = sums.mean()
                 if len(names) > 1:
-                    out.update({f"{metric}{case_suffix}/{k}": v for k, v in zip(names, per)})
+                    out.update({f"{metric}{case_suffix}/{k}": v for k, v in zip(names, per, strict=True)})
                 if metric == "hd95":
                     continue
                 whole = (pooled.dice() if metric == "dice" else pooled.iou()).cpu()
-                out[f"{metric}{tag}{pooled_suffix}"] = float(np.nanmean(whole.numpy())) if (~whole.isnan()).any() else math.nan
+                pooled_mean = float(np.nanmean(whole.numpy())) if (~whole.isnan()).any() else math.nan
+                out[f"{metric}{tag}{pooled_suffix}"] = pooled_mean
                 if len(names) > 1:
-                    out.update({f"{metric}{pooled_suffix}/{k}": v for k, v in zip(names, whole.tolist())})
+                    out.update({f"{metric}{pooled_suffix}/{k}": v for k, v in zip(names, whole.tolist(), strict=True)})
         n = float(self.loss_sum[1])
         out["val_loss"] = float(self.loss_sum[0]) / n if n else float("nan")
         return out

@@ -66,7 +66,8 @@ def test_bad_data_exits_2_naming_the_file(case, data, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["train", "no-such-recipe"], "unknown recipe 'no-such-recipe'"),
-    (["train", "unet2d-microscopy", "--set", "train.epoks=3"], "unknown key train.epoks: section train has no 'epoks'; valid keys there:"),
+    (["train", "unet2d-microscopy", "--set", "train.epoks=3"],
+     "unknown key train.epoks: section train has no 'epoks'; valid keys there:"),
     (["train", "unet2d-microscopy", "--set", "train.epochs=three"], "train.epochs: expected int"),
     (["train", "unet2d-microscopy", "--set", "model.args.widths=[1]"], "unknown key model.args.widths"),
     (["train", "unet2d-microscopy", "--set", "loss.name=dicee"], "unknown loss 'dicee'"),
@@ -180,7 +181,8 @@ def test_synth_refuses_a_non_empty_folder(tmp_path, capsys):
     ("imagenet", ["--classes", "3", "--per-class", "4", "--val-per-class", "2", "--size", "32"],
      ["imagefolder dataset", "train images", "12", "class002: 4"]),
     ("coco", ["--train", "6", "--val", "3"], ["coco dataset", "train2017 images", "val2017 boxes"]),
-    ("spleen", ["--cases", "3", "--test-cases", "1", "--size", "24"], ["decathlon dataset", "Spleen", "training cases"]),
+    ("spleen", ["--cases", "3", "--test-cases", "1", "--size", "24"],
+     ["decathlon dataset", "Spleen", "training cases"]),
 ])
 def test_inspect_other_layouts(kind, options, needles, tmp_path, capsys):
     out = tmp_path / kind

@@ -44,5 +44,5 @@ def test_train_evaluate_predict_from_the_cli(tmp_path):
         x, y, bw, bh = d["bbox"]
         assert d["category_id"] in (1, 3, 5, 8) and 0 <= d["score"] <= 1
         assert -1e-3 <= x and -1e-3 <= y and x + bw <= w + 1e-3 and y + bh <= h + 1e-3
-    for f, e in zip(files, index):
+    for f, e in zip(files, index, strict=True):
         assert Image.open(tmp_path / "pred" / f"{f.stem}_boxes.png").size == (e["width"], e["height"])

@@ -67,6 +67,11 @@ def same(a, b):
                                         for k in a)
 
 
+def _plain(t):
+    """A MONAI MetaTensor as a plain tensor (a plain tensor as it is)."""
+    return t.as_tensor() if hasattr(t, "as_tensor") else t
+
+
 @pytest.mark.parametrize("cache_rate, budget", [(1.0, None), (0.5, None), (1.0, 3 * 8**3 * 12)])
 def test_ram_cache_equals_uncached(cache_rate, budget):
     base = Volumes()
@@ -83,7 +88,7 @@ def test_ram_cache_equals_uncached(cache_rate, budget):
 
 
 def test_ram_cache_matches_monai_and_reports_prefix():
-    monai = pytest.importorskip("monai")
+    pytest.importorskip("monai")
     from monai.data import CacheDataset as MonaiCache
     from monai.transforms import Lambda
 
@@ -93,12 +98,11 @@ def test_ram_cache_matches_monai_and_reports_prefix():
     for i in range(4):
         got = ds[i]
         want = Shift()(Noise()(ref[i], T.item_generator(0, 0, i)))  # the draws of (seed 0, epoch 0, item i)
-        assert torch.equal(got["image"], want["image"].as_tensor() if hasattr(want["image"], "as_tensor") else want["image"])
+        assert torch.equal(got["image"], _plain(want["image"]))
     epoch0 = ds[0]["image"]
     ds.set_epoch(1)  # the next epoch draws again, from (seed 0, epoch 1, item 0)
     assert not torch.equal(ds[0]["image"], epoch0)
-    assert torch.equal(ds[0]["image"], Shift()(Noise()(dict(ref[0]), T.item_generator(0, 1, 0)))["image"].as_tensor()
-                       if hasattr(ref[0]["image"], "as_tensor") else Shift()(Noise()(dict(ref[0]), T.item_generator(0, 1, 0)))["image"])
+    assert torch.equal(ds[0]["image"], _plain(Shift()(Noise()(dict(ref[0]), T.item_generator(0, 1, 0)))["image"]))
     rep = ds.report()
     assert "4/4 items cached" in rep and "2/4 transforms" in rep and "clip_label" in rep and "Noise" in rep
 
@@ -150,7 +154,7 @@ SEED_003 = [["image1", "image2", "image3", "image4"], ["image2", "image3", "imag
 def test_smart_cache_schedule_matches_seed_and_monai():
     """The windows are seed 003's and MONAI's; positions hold them in index order (MONAI's in its
     cache order: the sampler shuffles positions, so only the membership is the schedule)."""
-    monai = pytest.importorskip("monai")
+    pytest.importorskip("monai")
     from monai.data import SmartCacheDataset as MonaiSmart
 
     ds = SmartCacheDataset(Named(), [], cache_num=4, replace_rate=0.25, progress=False)

@@ -30,6 +30,8 @@ SETS = {"train.device": "cpu", "train.amp": "off", "train.seed": SEED, "train.ba
 # every tier, the smart cache at its default window (the whole set): the only smart setting that
 # is a speed switch
 TIERS = ("none", "ram", "disk", "shared", "smart", "gpu")
+# ``spleen``: the generated set of tests/data/conftest.py
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def _cfg(data: Path, cache: str):
@@ -101,19 +103,6 @@ def _strip(epochs: list[list[dict]]) -> list[list[dict]]:
     return [[{k: b[k] for k in ("id", "image", "label")} for b in batches] for batches in epochs]
 
 
-@pytest.fixture(scope="module")
-def spleen(tmp_path_factory) -> Path:
-    from fastvision.data.synth.medical import synth_spleen
-
-    # 10 cases, 5 folds: 8 training cases, so 2 ranks split them evenly
-    return synth_spleen(tmp_path_factory.mktemp("parity") / "spleen", seed=2, cases=10, test_cases=0, size=20)
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "fvcache"))  # the recipe's cache_dir: auto
-
-
 def test_every_cache_tier_serves_the_samplers_items_in_one_process(spleen):
     want = _expected(spleen, 1, 0)
     assert want[0][0]["id"] != want[1][0]["id"]  # the epochs differ: the check sees the epoch's order
@@ -125,7 +114,7 @@ def test_every_cache_tier_serves_the_samplers_items_in_one_process(spleen):
     assert first.std() > 0 and not torch.equal(first, served["none"]["epochs"][1][0]["images"])
     for cache in TIERS:
         for e in range(len(EPOCHS)):
-            for a, b in zip(served["none"]["epochs"][e], served[cache]["epochs"][e]):
+            for a, b in zip(served["none"]["epochs"][e], served[cache]["epochs"][e], strict=True):
                 assert torch.equal(a["images"], b["images"]) and torch.equal(a["labels"], b["labels"]), cache
 
 

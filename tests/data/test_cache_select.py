@@ -78,7 +78,7 @@ def test_disk_cache_second_wrap_reads_no_item_and_a_setting_invalidates(tmp_path
     b = wrap_train_set(second, cache="disk", cache_dir=str(tmp_path))
     again = [b[i] for i in range(len(b))]
     assert second.reads == 0 and base_reads == 6 + 2  # + the determinism check
-    assert all(torch.equal(x["image"], y["image"]) and x["id"] == y["id"] for x, y in zip(items, again))
+    assert all(torch.equal(x["image"], y["image"]) and x["id"] == y["id"] for x, y in zip(items, again, strict=True))
     changed = Counted(scale=2.0)  # a different setting: new signature, new entries
     c = wrap_train_set(changed, cache="disk", cache_dir=str(tmp_path))
     assert torch.equal(c[3]["image"], items[3]["image"] * 2) and changed.reads == 2 + 1  # check + miss

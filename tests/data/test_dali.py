@@ -6,7 +6,8 @@ random-resized-crop scale / aspect distribution (two-sample KS test against draw
 path's box sampler, measured from coordinate-coded images); two ranks read disjoint shards that
 cover the set; the same seed gives the same batches and a resumed run the straight run's weights;
 bad files give the Pillow path's one-line errors; the data benchmark times DALI beside Pillow;
-resnet18-imagefolder reaches the Pillow path's top-1 (slow). Skipped, saying why, where the optional extra is not installed (``pip install -e ".[dali]"``).
+resnet18-imagefolder reaches the Pillow path's top-1 (slow). Skipped, saying why, where the
+optional extra is not installed (``pip install -e ".[dali]"``).
 """
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def test_same_seed_same_batches_and_epochs_differ(tmp_path):
     _batches(a, 0), _batches(a, 1)
     run = _batches(a, 2)
     resumed = _batches(_loader(samples, True, size=16, resize=16), 2)
-    for x, y in zip(run, resumed):
+    for x, y in zip(run, resumed, strict=True):
         assert torch.equal(x["image"], y["image"]) and torch.equal(x["label"], y["label"])
     other_epoch = _batches(_loader(samples, True, size=16, resize=16), 1)
     other_seed = _batches(_loader(samples, True, size=16, resize=16, seed=1), 2)
@@ -287,7 +288,7 @@ def _epoch_labels(loader, epoch, start=0, take=None):
 
 
 def _same(a, b):
-    return len(a) == len(b) and all(x[0] == y[0] and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+    return len(a) == len(b) and all(x[0] == y[0] and torch.equal(x[1], y[1]) for x, y in zip(a, b, strict=True))
 
 
 def test_the_pipeline_is_built_once_and_reset_per_epoch(tmp_path, monkeypatch):
@@ -363,7 +364,8 @@ def test_only_decoder_failures_on_a_bad_file_are_reported_as_undecodable(tmp_pat
     decoding = _dali_error(lambda j, fn, t: fn.decoders.image(j, device="cpu"),
                            np.frombuffer(trunc.read_bytes(), np.uint8))
     window = _dali_error(lambda j, fn, t: fn.decoders.image_slice(j, [0, 0], [500, 500], normalized_anchor=False,
-                                                                  normalized_shape=False), np.frombuffer(whole, np.uint8))
+                                                                  normalized_shape=False),
+                         np.frombuffer(whole, np.uint8))
     crop = _dali_error(lambda j, fn, t: fn.crop(fn.decoders.image(j), crop=[500, 500], out_of_bounds_policy="error"),
                        np.frombuffer(whole, np.uint8))
     detail = str(decoding).split("encountered:", 1)[1].strip().splitlines()[0]

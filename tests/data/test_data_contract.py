@@ -16,12 +16,12 @@ import time
 
 import pytest
 import torch
-from conftest import clean_env
 
 from fastvision import config
 from fastvision.api import run_training
 from fastvision.data.cache.select import CACHES
 from fastvision.data.synth import load_all
+from tests.conftest import clean_env
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +151,8 @@ def test_a_step_checkpoint_resumes_bit_identically(recipe, datasets, tmp_path):
     resumed = _train(recipe, datasets, tmp_path / "cut", *sets, resume=str(step1))
     assert _identical(whole, resumed)
     history = lambda run: torch.load(run / "checkpoints" / "last.pt", weights_only=True)["history"]  # noqa: E731
-    assert [h["train_loss"] for h in history(tmp_path / "whole")] == [h["train_loss"] for h in history(tmp_path / "cut")]
+    assert ([h["train_loss"] for h in history(tmp_path / "whole")]
+            == [h["train_loss"] for h in history(tmp_path / "cut")])
 
 
 def _cli(recipe, data, out, epochs):

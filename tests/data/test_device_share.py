@@ -18,8 +18,10 @@ from fastvision.data.cache.datasets import CacheDataset
 from fastvision.data.cache.device import DeviceCacheDataset
 from fastvision.distributed.samplers import TrainSampler, _mix_seed
 from tests.conftest import run_gloo_ranks
-from tests.data.test_cache_parity import BATCH, SEED, _expected, _private_cache, spleen  # noqa: F401 (fixtures)
+from tests.data.test_cache_parity import SEED, _expected
 from tests.data.test_cache_select import Counted
+
+pytestmark = pytest.mark.usefixtures("private_cache")  # ``spleen``: tests/data/conftest.py
 
 
 def _share(n: int, seed: int, epoch: int, world: int, rank: int) -> list[int]:
@@ -87,7 +89,7 @@ def test_emulated_workers_hold_what_the_emulated_micro_batches_read(spleen):
             perm = torch.randperm(8, generator=torch.Generator().manual_seed(_mix_seed(SEED, 1))).tolist()
             assert _on_device(run.train_set) == sorted(perm[0:6:2] + perm[1:6:2])  # the dropped 2 are not held
     assert [ids for ids, _ in served["gpu"]] == [ids for ids, _ in served["none"]]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(served["gpu"], served["none"]))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(served["gpu"], served["none"], strict=True))
 
 
 CHILD = r"""

@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-nib = pytest.importorskip("nibabel")
-
 from fastvision.cli import main
 from fastvision.data import fingerprint as fpm
 from fastvision.errors import DataError
+
+nib = pytest.importorskip("nibabel")  # fastvision reads NIfTI lazily: only these tests need it
 
 
 def _save(array, spacing, path, lps=False):
@@ -39,7 +39,7 @@ def _tiny(root):
     img0 = np.zeros((6, 5, 4))
     img0[1:4, 1:3, 1:3] = 7.0  # non-zero box 3 x 2 x 2
     lab0 = np.zeros((6, 5, 4))
-    for v, idx in zip((1.0, 2.0, 3.0), ((1, 1, 1), (2, 1, 1), (3, 2, 2))):
+    for v, idx in zip((1.0, 2.0, 3.0), ((1, 1, 1), (2, 1, 1), (3, 2, 2)), strict=True):
         img0[idx], lab0[idx] = v, 1
     img1 = np.full((4, 4, 3), 5.0)  # no zero: the crop keeps everything
     lab1 = np.zeros((4, 4, 3))
@@ -108,7 +108,8 @@ def test_channels_with_different_spacings(tmp_path):
     _save(np.ones((4, 4, 4)), (1, 1, 1), tmp_path / "a_0000.nii.gz")
     _save(np.ones((4, 4, 4)), (1, 1, 2), tmp_path / "a_0001.nii.gz")
     _save(np.zeros((4, 4, 4)), (1, 1, 1), tmp_path / "a.nii.gz")
-    case = {"id": "a", "image": [tmp_path / "a_0000.nii.gz", tmp_path / "a_0001.nii.gz"], "label": tmp_path / "a.nii.gz"}
+    case = {"id": "a", "image": [tmp_path / "a_0000.nii.gz", tmp_path / "a_0001.nii.gz"],
+            "label": tmp_path / "a.nii.gz"}
     with pytest.raises(DataError, match=r"case a: channel a_0001.nii.gz has spacing \[1.0, 1.0, 2.0\]"):
         fpm.case_fingerprint(case)
 
@@ -142,7 +143,7 @@ def test_label_counts_against_numpy_unique(dtype):
     rng = np.random.default_rng(0)
     lab = rng.integers(0, 2 if dtype is bool else 5, (7, 6, 5)).astype(dtype)
     values, counts = np.unique(lab.astype(np.int64), return_counts=True)
-    assert fpm.label_counts(lab, "x.nii.gz") == {int(v): int(n) for v, n in zip(values, counts)}
+    assert fpm.label_counts(lab, "x.nii.gz") == {int(v): int(n) for v, n in zip(values, counts, strict=True)}
 
 
 def test_label_counts_make_no_wide_copy():

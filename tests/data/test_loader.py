@@ -34,7 +34,8 @@ def ids(batches) -> list[list[int]]:
     return [b["label"].tolist() for b in batches]
 
 
-@pytest.mark.parametrize("kind, workers", [("threads", 0), ("threads", 1), ("threads", 3), ("processes", 0), ("processes", 2)])
+@pytest.mark.parametrize("kind, workers", [("threads", 0), ("threads", 1), ("threads", 3), ("processes", 0),
+                                           ("processes", 2)])
 @pytest.mark.parametrize("shuffle, drop_last", [(True, False), (True, True), (False, False)])
 def test_order_matches_dataloader(kind, workers, shuffle, drop_last):
     ds = Items(23)
@@ -104,7 +105,7 @@ def test_prefetcher_cuda_pinned():
     out = list(DevicePrefetcher(ld, torch.device("cuda")))
     assert all(b["image"].is_cuda for b in out)
     ref = [b["image"] for b in build_loader(Items(9), batch_size=4, shuffle=True)]
-    assert all(torch.equal(o["image"].cpu(), r) for o, r in zip(out, ref))
+    assert all(torch.equal(o["image"].cpu(), r) for o, r in zip(out, ref, strict=True))
 
 
 @pytest.mark.gpu

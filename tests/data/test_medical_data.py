@@ -326,4 +326,4 @@ def test_memory_cache_fills_through_the_disk_cache(tmp_path, brats_pair, cache):
         if hasattr(out, "shutdown"):
             out.shutdown()
     assert len(calls) == 4 and len(list(tmp_path.glob("*.fvc"))) == 4  # the second run read every case
-    assert all(torch.equal(a, b) for a, b in zip(*crops))
+    assert all(torch.equal(a, b) for a, b in zip(*crops, strict=True))

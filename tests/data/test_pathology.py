@@ -40,7 +40,8 @@ def test_synth_lesions_are_whole_blobs(seed):
         assert 1 <= FR.label_components(mask > 0).max() <= n
 
 
-@pytest.mark.parametrize("y,x,h,w", [(0, 0, 64, 64), (10, 50, 100, 30), (200, 230, 80, 40), (-5, -7, 20, 20), (300, 0, 4, 4)])
+@pytest.mark.parametrize("y,x,h,w", [(0, 0, 64, 64), (10, 50, 100, 30), (200, 230, 80, 40), (-5, -7, 20, 20),
+                                     (300, 0, 4, 4)])
 def test_read_region_matches_whole_read(slides, y, x, h, w):
     path = slides / "train" / "images" / "slide_000.tif"
     whole = tifffile.imread(path)
@@ -192,7 +193,7 @@ def test_froc_matches_monai():
 
     heat, mask = _hand_case()
     ours_fp, ours_tp, m_fp, m_tp, lesions = [], [], [], [], 0
-    for h, msk in zip(heat, mask):
+    for h, msk in zip(heat, mask, strict=True):
         labels, itc = FR.evaluation_mask(msk if msk is not None else np.zeros_like(h))
         det = FR.local_maxima(h, 0.05, 1)
         fp, tp, n = FR.fp_tp_probs(det, labels, itc)
@@ -239,7 +240,7 @@ def _write_hand_case(tmp_path, fmt, up=2, pad=0):
     heat, mask = _hand_case()
     hd, md = tmp_path / "heat", tmp_path / "masks"
     md.mkdir()
-    for i, (h, m) in enumerate(zip(heat, mask)):
+    for i, (h, m) in enumerate(zip(heat, mask, strict=True)):
         tif, png = P.write_heatmap(h.astype(np.float32), hd / f"slide_{i:03d}_heatmap")
         (png if fmt == "tif" else tif).unlink()
         if m is not None:

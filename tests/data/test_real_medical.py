@@ -88,7 +88,8 @@ def make_brats(root: Path, year: str, n: int = 4) -> Path:
             ("flair", "t1", "t1ce", "t2"), ".nii"
         ids, sep = (2, 1, 4), "_"
     elif year == "2021":
-        top, case_of, mods, ext = "BraTS2021_Training_Data", "BraTS2021_{:05d}", ("flair", "t1", "t1ce", "t2"), ".nii.gz"
+        top, case_of = "BraTS2021_Training_Data", "BraTS2021_{:05d}"
+        mods, ext = ("flair", "t1", "t1ce", "t2"), ".nii.gz"
         ids, sep = (2, 1, 4), "_"
     else:
         top, case_of, mods, ext = "ASNR-MICCAI-BraTS2023-GLI-Challenge-TrainingData", "BraTS-GLI-{:05d}-000", \

@@ -41,7 +41,8 @@ def asap_xml(polygons: list[tuple[str, list[tuple[float, float]]]]) -> str:
     """An ASAP annotation file as Camelyon16 ships them."""
     anns = []
     for k, (group, pts) in enumerate(polygons):
-        coords = "\n".join(f'\t\t\t\t<Coordinate Order="{i}" X="{x:.4f}" Y="{y:.4f}" />' for i, (x, y) in enumerate(pts))
+        coords = "\n".join(f'\t\t\t\t<Coordinate Order="{i}" X="{x:.4f}" Y="{y:.4f}" />'
+                           for i, (x, y) in enumerate(pts))
         anns.append(f'\t\t<Annotation Name="Annotation {k}" Type="Polygon" PartOfGroup="{group}" Color="#F4FA58">\n'
                     f'\t\t\t<Coordinates>\n{coords}\n\t\t\t</Coordinates>\n\t\t</Annotation>')
     groups = "\n".join(f'\t\t<Group Name="{g}" PartOfGroup="None" Color="#64FE2E">\n\t\t\t<Attributes />\n\t\t</Group>'
@@ -73,7 +74,8 @@ def test_pyramid_levels_are_read_by_level(tmp_path):
     level0 = write_pyramid(tmp_path / "s.tif", 0)
     for level, side in enumerate((256, 128, 64)):
         t = TiledTiff(tmp_path / "s.tif", level)
-        assert t.shape == (side, side, 3) and t.downsample == SIDE / side and t.level_shapes == [(256, 256), (128, 128), (64, 64)]
+        assert t.shape == (side, side, 3) and t.downsample == SIDE / side
+        assert t.level_shapes == [(256, 256), (128, 128), (64, 64)]
         assert np.array_equal(t.read_region(10, 20, 30, 40), level0[::2 ** level, ::2 ** level][10:40, 20:60])
         t.close()
     with pytest.raises(DataError, match=r"s.tif: has 3 pyramid level\(s\); level 3 requested"):
@@ -83,7 +85,8 @@ def test_pyramid_levels_are_read_by_level(tmp_path):
 def test_asap_polygons_rasterise_with_exclusions(tmp_path):
     make_camelyon16(tmp_path)
     polys = read_polygons(tmp_path / "training/lesion_annotations/tumor_001.xml")
-    assert [g for g, _ in polys] == ["_2", "_0"] and polys[1][1].tolist() == [[64, 64], [192, 64], [192, 192], [64, 192]]
+    assert [g for g, _ in polys] == ["_2", "_0"]
+    assert polys[1][1].tolist() == [[64, 64], [192, 64], [192, 192], [64, 192]]
     assert mask_downsample_for(32) == 8 and mask_downsample_for(224) == 8 and mask_downsample_for(256) == 64
     mask = rasterize(polys, SIDE, SIDE, 8)
     expected = np.zeros((32, 32), bool)

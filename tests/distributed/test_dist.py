@@ -1,9 +1,10 @@
 """Tests for fastvision.distributed: launch-environment table, samplers, and real 2-rank gloo jobs.
 
-The multi-process tests start this very file as the worker (``python tests/distributed/test_dist.py OUT``)
-under ``torch.distributed.run --standalone`` (through ``distributed.launch_local``) and under hand-made SLURM variables, so the code path
-is the one a user's job takes. Each worker checks DDP's averaged gradient against plain autograd on
-the concatenated global batch, and the reduced metric sums against the whole-set sums.
+The multi-process tests start this very file as the worker (``python tests/distributed/test_dist.py
+OUT``) under ``torch.distributed.run --standalone`` (through ``distributed.launch_local``) and under
+hand-made SLURM variables, so the code path is the one a user's job takes. Each worker checks
+DDP's averaged gradient against plain autograd on the concatenated global batch, and the reduced
+metric sums against the whole-set sums.
 """
 from __future__ import annotations
 
@@ -197,17 +198,24 @@ def _check_results(out: Path, world: int, launcher: str) -> None:
     assert results[0]["weights"] == results[1]["weights"]  # DDP keeps replicas identical
 
 
-@pytest.mark.dist
-def test_two_rank_slurm_srun_variables(tmp_path):
+def _srun_workers(tmp_path: Path, job_id: str, *mode: str, stdout: int = subprocess.PIPE,
+                  **slurm: str) -> list[subprocess.Popen]:
+    """Two workers of this file (``mode`` as in ``__main__``) under hand-made ``srun`` variables of
+    job ``job_id`` on this host, plus the ``slurm`` ones; stderr piped."""
     port = free_port()
     procs = []
     for r in range(2):
         env = clean_env()
-        env.update(SLURM_JOB_ID="4242", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
-                   SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
-                   MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(tmp_path)], cwd=ROOT,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env.update(SLURM_JOB_ID=job_id, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
+                   SLURM_STEP_ID="0", SLURM_NODELIST="localhost", MASTER_PORT=str(port), **slurm)
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(tmp_path), *mode],
+                                      cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.dist
+def test_two_rank_slurm_srun_variables(tmp_path):
+    procs = _srun_workers(tmp_path, "4242", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2")
     errs = [err for _, err in communicate_all(procs, timeout=180)]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
     _check_results(tmp_path, 2, "slurm")
@@ -248,14 +256,7 @@ def test_dead_rank_fails_the_job_naming_it(tmp_path):
 @pytest.mark.dist
 def test_dead_rank_under_srun_variables_does_not_hang(tmp_path):
     """No torchrun watchdog here: gloo itself must raise on the survivor when its peer vanishes."""
-    port = free_port()
-    procs = []
-    for r in range(2):
-        env = clean_env()
-        env.update(SLURM_JOB_ID="7", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
-                   SLURM_STEP_ID="0", SLURM_NODELIST="localhost", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(tmp_path), "die"],
-                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    procs = _srun_workers(tmp_path, "7", "die", stdout=subprocess.DEVNULL)
     codes = []
     for p in procs:
         try:
@@ -325,7 +326,7 @@ def _worker(out: Path) -> None:
     torch.nn.functional.mse_loss(model(x_all[idx]), y_all[idx]).backward()
     torch.nn.functional.mse_loss(ref(x_all), y_all).backward()
     res["grad_max_err"] = max((a.grad - b.grad).abs().max().item()
-                              for a, b in zip(distributed.unwrap(model).parameters(), ref.parameters()))
+                              for a, b in zip(distributed.unwrap(model).parameters(), ref.parameters(), strict=True))
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     res["weights"] = [p.detach().tolist() for p in distributed.unwrap(model).parameters()]
 
@@ -386,7 +387,7 @@ def _emulation_worker(out: Path) -> None:
         emu_w = _sgd_epochs(_bn_model(), 2, x, y, [_batches(emu, e, b) for e in range(2)])
         one = distributed.TrainSampler(len(x), num_replicas=1, rank=0, seed=5)
         naive_w = _sgd_epochs(_bn_model(), 1, x, y, [_batches(one, e, 2 * b) for e in range(2)])
-        rel = lambda ws: max(((a - c).norm() / c.norm()).item() for a, c in zip(ws, ddp_w))  # noqa: E731
+        rel = lambda ws: max(((a - c).norm() / c.norm()).item() for a, c in zip(ws, ddp_w, strict=True))  # noqa: E731
         res = {"emulated_rel": rel(emu_w), "naive_rel": rel(naive_w)}
     (out / f"emu{env.rank}.json").write_text(json.dumps(res))
     distributed.barrier()  # rank 1 must not tear down gloo while rank 0 is still running the references
@@ -410,7 +411,7 @@ def _hook_worker(out: Path) -> None:
         distributed.unwrap(model).load_state_dict(ref.state_dict())
         torch.nn.functional.mse_loss(model(x_all[idx]), y_all[idx]).backward()
         res[hook] = max(((a.grad - b.grad).abs() / b.grad.abs().clamp(min=1e-3)).max().item()
-                        for a, b in zip(distributed.unwrap(model).parameters(), ref.parameters()))
+                        for a, b in zip(distributed.unwrap(model).parameters(), ref.parameters(), strict=True))
         res[hook + "_fp16_exact"] = all(torch.equal(a.grad, a.grad.half().float())
                                         for a in distributed.unwrap(model).parameters())
     try:

@@ -48,7 +48,7 @@ def test_horovod_steps_are_identities_under_ddp():
     model(torch.ones(3, 2)).sum().backward()
     with distributed.synchronized(opt):
         opt.step()
-    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
 
@@ -125,7 +125,8 @@ def _worker(out: Path) -> None:
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_opt.step()
         ref_opt.zero_grad()
-    res["max_rel"] = max(((a - b).norm() / b.norm()).item() for a, b in zip(model.parameters(), ref.parameters()))
+    res["max_rel"] = max(((a - b).norm() / b.norm()).item()
+                         for a, b in zip(model.parameters(), ref.parameters(), strict=True))
     res["weights"] = [p.detach().tolist() for p in model.parameters()]
     (out / f"rank{r}.json").write_text(json.dumps(res))
     distributed.barrier()

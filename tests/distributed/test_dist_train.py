@@ -104,7 +104,7 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path):
     assert p1["global_batch"] == p2["global_batch"] == 4 and p1["effective_lr"] == p2["effective_lr"]
     assert _max_rel(_weights(two), _weights(one)) <= 1e-5
     assert len(e1) == len(e2) == 3
-    for a, b in zip(e1, e2):
+    for a, b in zip(e1, e2, strict=True):
         assert (a["iou"], a["dice"]) == (b["iou"], b["dice"])
     assert 0 < e2[-1]["iou"] < 1
 
@@ -183,7 +183,8 @@ def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path):
 
     # Continue in one process as 2 emulated workers (same global batch, another world size).
     res = subprocess.run(_cmd(data, out, "--epochs", str(epochs), "--batch-size", "2", "--emulate-workers", "2",
-                              "--resume", "auto"), cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
+                              "--resume", "auto"), cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"at epoch {done + 1}" in res.stderr  # picked up after the last completed epoch
     summary = json.loads((out / "summary.json").read_text())

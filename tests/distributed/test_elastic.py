@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -24,52 +23,28 @@ from fastvision.distributed.env import DistEnv
 from fastvision.distributed.samplers import TrainSampler
 from fastvision.engine.state import keep_global_batch
 from tests.conftest import ROOT, clean_env
+from tests.distributed.conftest import last_model, torchrun_train
 from tests.distributed.test_dist_train import _worker_pid
 
 pytestmark = pytest.mark.dist
-
-TINY = ["--device", "cpu", "--batch-size", "1", "--set", "data.args.image_size=[32,32]",
-        "--set", "model.args.filters=[4,8,16]", "--set", "data.args.val_fraction=0.24", "--set", "data.num_workers=0",
-        "--set", "examples=0", "--set", "train.log_every=1"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    from fastvision.data.synth.microscopy import synth
-
-    return synth(tmp_path_factory.mktemp("elastic") / "data", seed=3, count=21, size=32)
-
-
-def _torchrun(data: Path, out: Path, epochs: int, *more: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "--max-restarts", "2", "-m", "fastvision.cli", "train", "unet2d-microscopy", "--data", str(data),
-            "--out", str(out), "--epochs", str(epochs), "--resume", "auto", *TINY, *more]
-
-
-def _model(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"]
-
 
 def _steps(run: Path) -> int:
     path = run / "metrics.jsonl"
     return path.read_text().count('"step": [') if path.exists() else 0  # step and epoch events alike
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("whole") / "run"
-    res = subprocess.run(_torchrun(data, out, 3, "--set", "train.checkpoint_every=5"), cwd=ROOT, env=clean_env(),
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return _model(out)
+def _start_job(data: Path, out: Path, tag: str) -> subprocess.Popen:
+    """The uninterrupted job's command in the background, its workers tagged ``tag``, stderr piped."""
+    return subprocess.Popen(torchrun_train(data, out, 3, "--set", "train.checkpoint_every=5"), cwd=ROOT,
+                            env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
 
 
 @pytest.mark.parametrize("when", ["after a step checkpoint", "before the first checkpoint"])
 def test_torchrun_restarts_a_killed_worker_and_ends_as_the_uninterrupted_job(when, data, uninterrupted, tmp_path):
     out, tag = tmp_path / "run", uuid.uuid4().hex
     last = out / "checkpoints" / "last.pt"
-    proc = subprocess.Popen(_torchrun(data, out, 3, "--set", "train.checkpoint_every=5"), cwd=ROOT,
-                            env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = _start_job(data, out, tag)
     try:
         deadline = time.monotonic() + 120
         ready = (lambda: last.exists()) if when == "after a step checkpoint" else (lambda: _steps(out) >= 1)
@@ -88,7 +63,7 @@ def test_torchrun_restarts_a_killed_worker_and_ends_as_the_uninterrupted_job(whe
         assert had_checkpoint and "resumed from" in err
     else:
         assert not had_checkpoint and "starting from scratch" in err
-    weights = _model(out)
+    weights = last_model(out)
     assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted)
 
 
@@ -121,8 +96,7 @@ def test_a_signal_to_one_rank_stops_both_at_one_step_and_the_restart_continues(d
     """SIGTERM to rank 1 alone: the ranks agree, rank 0 (never signalled) stops at the same step and
     writes its checkpoint, both exit 143; torchrun restarts them and they end as the uninterrupted job."""
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    proc = subprocess.Popen(_torchrun(data, out, 3, "--set", "train.checkpoint_every=5"), cwd=ROOT,
-                            env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = _start_job(data, out, tag)
     try:
         deadline = time.monotonic() + 120
         while proc.poll() is None and _steps(out) < 12 and time.monotonic() < deadline:
@@ -136,5 +110,5 @@ def test_a_signal_to_one_rank_stops_both_at_one_step_and_the_restart_continues(d
     assert proc.returncode == 0, err[-3000:]
     assert err.count("stopped by SIGTERM") == 2, err[-3000:]  # rank 0 stopped too, told by the agreement
     assert "exitcode: 143" in err or "exitcode  : 143" in err, err[-2000:]
-    weights = _model(out)
+    weights = last_model(out)
     assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted)

@@ -47,7 +47,7 @@ def test_two_ranks_agree_every_k_steps_only_when_asked_and_on_the_default_group(
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port)], cwd=ROOT, env=clean_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = []
-    for p, (out, err) in zip(procs, communicate_all(procs, timeout=120)):
+    for p, (out, err) in zip(procs, communicate_all(procs, timeout=120), strict=True):
         assert p.returncode == 0, err[-2000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
     no, stop, ckpt = [False, False], [True, False], [True, True]

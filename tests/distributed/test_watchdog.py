@@ -7,7 +7,8 @@ the restarted workers resume from the untouched ``last.pt`` and end with the uni
 weights. The job runs through a small wrapper of ``fastvision.cli.main`` that also says whether the
 default process group is still joined when ``train`` returns (it must not be).
 
-Data and the uninterrupted reference are test_elastic's (21 generated 32x32 microscopy PNG pairs).
+Data and the uninterrupted reference are the fixtures of tests/distributed/conftest.py (shared with
+test_elastic: 21 generated 32x32 microscopy PNG pairs).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ import torch
 from fastvision.distributed.watchdog import HANG_EXIT, Watchdog, check_timeouts
 from fastvision.errors import ConfigError
 from tests.conftest import ROOT, clean_env
+from tests.distributed.conftest import TINY, last_model
 from tests.distributed.test_dist_train import _worker_pid
-from tests.distributed.test_elastic import TINY, _model, data, uninterrupted  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, SIGSTOP")]
 
@@ -106,7 +107,7 @@ def test_a_frozen_rank_is_named_and_the_job_exits_or_restarts(restarts, data, re
         assert proc.returncode == 0, err[-3000:]
         assert "resumed from" in err
         assert err.count("process group joined: False") == 2, err[-2000:]  # both ranks of the restart
-        weights, whole = _model(out), request.getfixturevalue("uninterrupted")
+        weights, whole = last_model(out), request.getfixturevalue("uninterrupted")
         assert all(torch.equal(weights[k], whole[k]) for k in whole)
 
 

@@ -97,7 +97,7 @@ def test_amp_loss_and_gradients_close_to_fp32_on_a_fixed_batch(amp):
         pytest.skip("this GPU has no bf16")
     ref = _run("segmentation", "fp32")  # same seed: the same initial weights in both builds
     low = _run("segmentation", amp)
-    for a, b in zip(ref.model.state_dict().values(), low.model.state_dict().values()):
+    for a, b in zip(ref.model.state_dict().values(), low.model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     batch = _batch(ref)
     loss32, g32 = _loss_and_grads(ref, batch, autocast=False)

@@ -23,7 +23,8 @@ BLOCKED = ("monai", "nibabel", "pycocotools")
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked: the GPU machine does not have it)", name=name)
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: the GPU machine does not have it)",
+                                      name=name)
         return None
 sys.meta_path.insert(0, Block())
 for name in list(sys.modules):
@@ -80,7 +81,8 @@ def test_the_suites_gpu_test_files_hold_every_gpu_test_and_collect_without_optio
 
     files = gpu_test_files()
     script = BLOCKER % "-m"  # argv[0] is replaced below: run pytest's module instead of the suite
-    script = script.replace('runpy.run_path(sys.argv[0], run_name="__main__")', 'runpy.run_module("pytest", run_name="__main__")')
+    script = script.replace('runpy.run_path(sys.argv[0], run_name="__main__")',
+                            'runpy.run_module("pytest", run_name="__main__")')
     args = ["--co", "-q", "-m", "gpu", "-p", "no:cacheprovider", *map(str, files)]
     sub = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     whole = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-m", "gpu", "-p", "no:cacheprovider",

@@ -49,8 +49,9 @@ def test_a_forced_nonfinite_streak_rolls_back_and_names_the_items(action, factor
     back to step 2's checkpoint (step 4's was written during the streak: not healthy), lowers the
     learning rate or not, and finishes with finite weights."""
     out = tmp_path / "run"
-    res = _train(tiny_microscopy, out, "--set", "model.args.nonfinite_steps=[4,5,6]", "--set", "train.checkpoint_every=2",
-                 "--set", f"train.on_nonfinite={action}", "--set", "train.ema_decay=0.9")
+    res = _train(tiny_microscopy, out, "--set", "model.args.nonfinite_steps=[4,5,6]",
+                 "--set", "train.checkpoint_every=2", "--set", f"train.on_nonfinite={action}",
+                 "--set", "train.ema_decay=0.9")
     assert res.returncode == 0, res.stderr[-3000:]
     lowered = r", learning rate x0\.5" if factor != 1 else ""
     assert re.search(r"step 6: 3 consecutive steps skipped .*rolled back to \S*rollback\.pt \(step 2\)"

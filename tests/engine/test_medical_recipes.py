@@ -49,7 +49,8 @@ def test_cli_predict_writes_nifti_with_input_affine(tmp_path):
     from fastvision.tasks.segment import SegmentationTask
 
     if "predict_nifti_files" not in inspect.getsource(SegmentationTask.predict_files):
-        pytest.skip("SegmentationTask.predict_files does not dispatch NIfTI inputs to inference.nifti.predict_nifti_files yet")
+        pytest.skip("SegmentationTask.predict_files does not dispatch NIfTI inputs to "
+                    "inference.nifti.predict_nifti_files yet")
     data = load_all().get("brats")(tmp_path / "data", seed=0, cases=5, test_cases=1, size=16)
     over = {"data": {"args": {"path": str(data), "patch_size": [16] * 3}, "num_workers": 0},
             "task": {"args": {"sliding_window": {"roi_size": [16] * 3}}}, "model": {"args": {"filters": [4, 8, 16]}},

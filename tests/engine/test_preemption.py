@@ -47,7 +47,8 @@ def _steps_logged(run: Path) -> int:
     return sum(1 for line in lines[:-1] if len(json.loads(line)["step"]) == 2)  # the last may be half written
 
 
-def _interrupt(cmd: list[str], out: Path, sig: int, env: dict, after_steps: int) -> tuple[subprocess.CompletedProcess, float]:
+def _interrupt(cmd: list[str], out: Path, sig: int, env: dict,
+               after_steps: int) -> tuple[subprocess.CompletedProcess, float]:
     """Start ``cmd``, send ``sig`` once ``after_steps`` steps are logged; returns the finished process
     and the seconds from the signal to its exit."""
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -127,7 +128,8 @@ def test_checkpoint_every_rejects_bad_specs(spec):
 def test_a_bad_stop_signal_is_one_line(tiny_microscopy, tmp_path):
     res = subprocess.run(_cmd(tiny_microscopy, tmp_path / "r", 1, "--set", "train.stop_signals=[SIGKILL]"),
                          env=clean_env(), cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith("fastvision: error: train.stop_signals")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1].startswith("fastvision: error: train.stop_signals")
 
 
 def test_checkpoints_by_time_are_mid_epoch_positions(tiny_microscopy, tmp_path):

@@ -47,7 +47,7 @@ def test_steady_state_step_has_no_host_sync(recipe, data_root, tmp_path, monkeyp
     # optim.impl=fused: what auto picks on CUDA (torch's foreach / for-loop Adam read their CPU step
     # counter on the host, harmless on a GPU but indistinguishable here); Novograd is always ours
     run = _run(recipe, data_root, "train.ema_decay=0.9", "train.clip_grad=1.0", "optim.impl=fused")
-    batches = itertools.cycle([b for b, _ in zip(run.train_loader, range(2))])  # the loader runs outside
+    batches = itertools.cycle(list(itertools.islice(run.train_loader, 2)))  # the loader runs outside
     run.step.model.train()
     for _ in range(2):  # warm-up: lazy optimizer state, first EMA copy
         engine.train_step(run.step, batches)
@@ -69,7 +69,8 @@ def test_steady_state_step_has_no_cuda_sync(recipe, amp, data_root, tmp_path, mo
     monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "fvcache"))
     run = _run(recipe, data_root, "train.ema_decay=0.9", "train.clip_grad=1.0", "train.device=cuda")
     run.precision = run.step.precision = type(run.precision)(amp, run.device)
-    batches = itertools.cycle([run.task.to_device(b, run.device, False) for b, _ in zip(run.train_loader, range(2))])
+    batches = itertools.cycle([run.task.to_device(b, run.device, False)
+                               for b in itertools.islice(run.train_loader, 2)])
     run.step.model.train()
     for _ in range(2):
         engine.train_step(run.step, batches)
@@ -100,7 +101,8 @@ def test_compile_modes_reach_torch_compile():
 # ------------------------------------------------------------------------------ the skip
 def _tiny_run(tiny_microscopy, *sets):
     over = [f"data.args.path={tiny_microscopy}", "data.args.image_size=[32,32]", "model.args.filters=[4,8,16]",
-            "train.device=cpu", "train.batch_size=4", "sched.name=constant", "sched.warmup_epochs=0", "train.ema_decay=0.5", *sets]
+            "train.device=cpu", "train.batch_size=4", "sched.name=constant", "sched.warmup_epochs=0",
+            "train.ema_decay=0.5", *sets]
     cfg = config.load("unet2d-microscopy", [config.parse_override(s) for s in over] + [{"train": {"amp": "off"}}])
     cfg.data.augment = {}  # no random draws: runs compare step for step
     return engine.build(cfg, train=True, loaders=False, data_info={})

@@ -74,7 +74,7 @@ def test_train_step_matches_a_plain_torch_reference(tiny_microscopy):
             p -= lr * coef * p.grad
     out = engine.train_step(run.step, iter(micro))
     assert float(out.skipped) == 0 and out.images == 8
-    for (k, a), b in zip(run.model.state_dict().items(), model.state_dict().values()):
+    for (k, a), b in zip(run.model.state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), k
 
 

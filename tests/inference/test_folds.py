@@ -18,7 +18,8 @@ def test_train_folds_writes_cross_validation(spleen_folds):
     data, out, printed = spleen_folds
     assert json.loads((out / "folds.json").read_text())["folds"] == [0, 1]
     res = json.loads((out / "crossval.json").read_text())
-    ids = sorted(e["image"].split("/")[-1][: -len(".nii.gz")] for e in json.loads((data / "dataset.json").read_text())["training"])
+    training = json.loads((data / "dataset.json").read_text())["training"]
+    ids = sorted(e["image"].split("/")[-1][: -len(".nii.gz")] for e in training)
     for k in (0, 1):
         # each fold's validation cases are the reader's split of data.args.fold = k ...
         assert sorted(c["id"] for c in res["cases"] if c["fold"] == k) == kfold_split(ids, k, 2)[1]

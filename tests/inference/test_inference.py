@@ -215,7 +215,8 @@ def test_predict_raw_brats_folder_regions_to_brats_ids(tmp_path):
     root = load_all().get("brats")(tmp_path / "raw", seed=2, cases=1, size=16, layout="brats")
     folder = next(p for p in root.rglob("*") if p.is_dir() and list(p.glob("*_flair.nii.gz")))
     task = SegmentationTask(num_classes=4, mode="regions", regions=BRATS_REGIONS, sample_shape=[4, 8, 8, 8],
-                            loss=nn.MSELoss(), sliding_window={"roi_size": [8, 8, 8], "overlap": 0.25, "mode": "constant"})
+                            loss=nn.MSELoss(),
+                            sliding_window={"roi_size": [8, 8, 8], "overlap": 0.25, "mode": "constant"})
     cfg = _cfg("brats", path=str(root))
     (out,) = predict_nifti_files(task, _FirstChannels(), [folder], tmp_path / "a", cfg, torch.device("cpu"))
     assert out.name == f"{folder.name}.nii.gz"
@@ -238,7 +239,8 @@ def test_predict_raw_brats_folder_regions_to_brats_ids(tmp_path):
 def test_prediction_preprocessing_from_run_args(tmp_path):
     task = SegmentationTask(num_classes=4, sample_shape=[4, 8, 8, 8], loss=nn.MSELoss())
     dec = load_all().get("brats")(tmp_path / "Task01", seed=0, cases=1, test_cases=1, size=12)
-    params, brats = prediction_preprocessing(task, "decathlon", {"path": str(dec), "intensity": "auto", "crop_margin": 2})
+    params, brats = prediction_preprocessing(task, "decathlon",
+                                             {"path": str(dec), "intensity": "auto", "crop_margin": 2})
     assert (params.intensity, params.crop_margin, brats) == ("mri", 2, True)
     spl = load_all().get("spleen")(tmp_path / "Task09", seed=0, cases=1, test_cases=0, size=12)
     params, brats = prediction_preprocessing(task, "decathlon", {"path": str(spl), "target_spacing": [1.5, 1.5, 2]})

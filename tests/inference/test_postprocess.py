@@ -19,7 +19,7 @@ def _flood_largest(mask: np.ndarray) -> np.ndarray:
     seen = np.zeros(mask.shape, bool)
     best: list = []
     steps = [d for d in itertools.product((-1, 0, 1), repeat=mask.ndim) if any(d)]
-    for start in zip(*np.nonzero(mask)):
+    for start in zip(*np.nonzero(mask), strict=True):
         if seen[start]:
             continue
         seen[start], comp, todo = True, [], deque([start])
@@ -27,8 +27,8 @@ def _flood_largest(mask: np.ndarray) -> np.ndarray:
             v = todo.popleft()
             comp.append(v)
             for d in steps:
-                w = tuple(a + b for a, b in zip(v, d))
-                if all(0 <= a < n for a, n in zip(w, mask.shape)) and mask[w] and not seen[w]:
+                w = tuple(a + b for a, b in zip(v, d, strict=True))
+                if all(0 <= a < n for a, n in zip(w, mask.shape, strict=True)) and mask[w] and not seen[w]:
                     seen[w] = True
                     todo.append(w)
         if len(comp) > len(best):
@@ -57,7 +57,7 @@ def test_keep_largest_matches_flood_fill(seed, labels):
 
 def _blob(shape, lo, hi, value=1, out=None):
     out = np.zeros(shape, np.uint8) if out is None else out
-    out[tuple(slice(a, b) for a, b in zip(lo, hi))] = value
+    out[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))] = value
     return out
 
 

@@ -33,7 +33,8 @@ TARGETS = [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0]]
 def test_sigmoid_focal_matches_hand_formula(alpha, gamma, reduction):
     x = torch.tensor(LOGITS)
     t = torch.tensor(TARGETS)
-    want = torch.tensor([[_focal_by_hand(a, b, alpha, gamma) for a, b in zip(ra, rb)] for ra, rb in zip(LOGITS, TARGETS)])
+    want = torch.tensor([[_focal_by_hand(a, b, alpha, gamma) for a, b in zip(ra, rb, strict=True)]
+                         for ra, rb in zip(LOGITS, TARGETS, strict=True)])
     got = sigmoid_focal_loss(x, t, alpha=alpha, gamma=gamma, reduction=reduction)
     want = {"sum": want.sum(), "mean": want.mean(), "none": want}[reduction]
     assert got.dtype == torch.float32
@@ -45,7 +46,8 @@ def test_sigmoid_focal_half_input_is_finite_and_float32():
     loss = sigmoid_focal_loss(x, torch.tensor(TARGETS))
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(loss) and torch.isfinite(x.grad).all()
-    want = sum(_focal_by_hand(a, b, 0.25, 2.0) for ra, rb in zip(LOGITS, TARGETS) for a, b in zip(ra, rb))
+    want = sum(_focal_by_hand(a, b, 0.25, 2.0)
+               for ra, rb in zip(LOGITS, TARGETS, strict=True) for a, b in zip(ra, rb, strict=True))
     assert abs(loss.item() - want) < 1e-4 * want
 
 
@@ -119,7 +121,8 @@ def test_dice_matches_monai(kind, shape, opts):
 
 
 # reduction "none" is not defined for DiceCE; multi-channel sigmoid differs on purpose (test below)
-DICE_CE_CASES = [(k, s, o) for k, s, o in DICE_CASES if o.get("reduction") != "none" and not (k == "float" and s[1] > 1)]
+DICE_CE_CASES = [(k, s, o) for k, s, o in DICE_CASES
+                 if o.get("reduction") != "none" and not (k == "float" and s[1] > 1)]
 
 
 @pytest.mark.parametrize("kind,shape,opts", DICE_CE_CASES)
@@ -137,7 +140,8 @@ def test_dice_ce_matches_monai(kind, shape, opts):
 def test_dice_ce_label_smoothing_matches_monai():
     logits, target, ref_target, _ = _case("index", SHAPE3, seed=2)
     opts = dict(softmax=True, include_background=False, label_smoothing=0.1, weight=[0.3, 1.0, 2.0])
-    ref = monai_losses.DiceCELoss(to_onehot_y=True, **dict(opts, weight=torch.tensor(opts["weight"])))(logits, ref_target)
+    ref_opts = dict(opts, weight=torch.tensor(opts["weight"]))
+    ref = monai_losses.DiceCELoss(to_onehot_y=True, **ref_opts)(logits, ref_target)
     _close(DiceCELoss(**opts)(logits, target), ref)
 
 

@@ -107,7 +107,7 @@ def test_evaluator_per_case_equals_monai_and_keeps_pooled(empty, ignore_empty):
     out = ev.compute()
     # MONAI reduces in float32
     assert out["dice"] == pytest.approx(float(mean.aggregate()), abs=1e-6)
-    for c, v in zip((1, 2, 3), batch_ref.aggregate().tolist()):
+    for c, v in zip((1, 2, 3), batch_ref.aggregate().tolist(), strict=True):
         assert out[f"dice/{c}"] == pytest.approx(v, abs=1e-6)
     pooled = 2 * tp.double() / (2 * tp + fp_fn).double()
     assert out["dice_pooled"] == pytest.approx(float(pooled.mean()), rel=1e-12)
@@ -189,7 +189,8 @@ def _evaluate(cases, batch: int) -> dict:
     task = SegmentationTask(num_classes=4, regions=[[1, 2, 3], [1, 3], [3]], region_names=["WT", "TC", "ET"],
                             empty="one", hd95=True, loss=DiceLoss(softmax=True))
     loader = [{"image": logits[i:i + batch], "label": label[i:i + batch]} for i in range(0, len(label), batch)]
-    return evaluate(torch.nn.Identity(), task, loader, torch.device("cpu"), runtime.Precision("off", torch.device("cpu")))
+    cpu = torch.device("cpu")
+    return evaluate(torch.nn.Identity(), task, loader, cpu, runtime.Precision("off", cpu))
 
 
 def _rank_worker(out: Path) -> None:

@@ -79,7 +79,7 @@ def test_val_items_are_resized_ground_truth(root, gt_json):
         assert item["orig_size"] == (info["height"], info["width"])
         anns = coco.loadAnns(coco.getAnnIds(imgIds=item["image_id"]))
         assert len(item["labels"]) == len(anns)
-        for box, label, crowd, a in zip(item["boxes"], item["labels"], item["iscrowd"], anns):
+        for box, label, crowd, a in zip(item["boxes"], item["labels"], item["iscrowd"], anns, strict=True):
             x, y, w, h = a["bbox"]
             sx, sy = S / info["width"], S / info["height"]
             torch.testing.assert_close(box, torch.tensor([x * sx, y * sy, (x + w) * sx, (y + h) * sy]))
@@ -118,7 +118,8 @@ def test_train_flip_mirrors_image_and_boxes(root):
             mirrored = torch.stack([S - a["boxes"][:, 2], a["boxes"][:, 1], S - a["boxes"][:, 0], a["boxes"][:, 3]], 1)
             torch.testing.assert_close(mirrored, b["boxes"])
     assert 0 < flips < len(plain)
-    again = wrap_train_set(CocoDetection(ann, img, image_size=S, train=True, crop=False, flip=True), cache="ram", seed=1)
+    again = wrap_train_set(CocoDetection(ann, img, image_size=S, train=True, crop=False, flip=True), cache="ram",
+                           seed=1)
     assert all(torch.equal(aug[i]["image"], again[i]["image"]) for i in range(len(plain)))  # draws of (seed, epoch, i)
 
 
@@ -197,7 +198,7 @@ def test_map_equals_pycocotools_on_the_same_files(root, tmp_path):
     gt = COCO(splits.info["val_ann_file"])
     ev = COCOeval(gt, gt.loadRes(str(tmp_path / "res.json")), "bbox")
     ev.evaluate(), ev.accumulate(), ev.summarize()
-    for key, ref in zip(("map", "ap50", "ap75", "ap_small", "ap_medium", "ap_large"), ev.stats[:6]):
+    for key, ref in zip(("map", "ap50", "ap75", "ap_small", "ap_medium", "ap_large"), ev.stats[:6], strict=True):
         assert ours[key] == pytest.approx(float(ref), abs=1e-12), key
     assert coco_metrics(splits.info["val_ann_file"], tmp_path / "res.json")["map"] == pytest.approx(ours["map"])
 

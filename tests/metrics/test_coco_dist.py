@@ -74,8 +74,8 @@ def test_two_rank_coco_map_equals_single_process(tmp_path):
     single = evaluate_shard(root, tmp_path / "single.json")
     assert single["images"] == NUM_VAL and 0.1 < single["map"] < 0.9
 
-    code = ("import sys; from fastvision import distributed; "
-            f"sys.exit(distributed.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(root)!r}, {str(tmp_path)!r}]))")
+    argv = [str(Path(__file__).resolve()), str(root), str(tmp_path)]
+    code = f"import sys; from fastvision import distributed; sys.exit(distributed.launch_local(2, {argv!r}))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

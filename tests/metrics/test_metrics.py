@@ -31,7 +31,7 @@ def _pooled_eval(pred, target, c: int, batches: int = 1):
     task = SegmentationTask(num_classes=c, average="pooled", loss=DiceLoss(softmax=True))
     ev = task.evaluator()
     logits = F.one_hot(pred, c).movedim(-1, 1).float()
-    for lg, lb in zip(logits.chunk(batches), target.chunk(batches)):
+    for lg, lb in zip(logits.chunk(batches), target.chunk(batches), strict=True):
         ev.update(lg, {"label": lb})
     return ev
 

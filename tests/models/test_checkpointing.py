@@ -102,7 +102,7 @@ def test_same_loss_gradients_and_running_stats_with_less_saved_memory(family):
         if p.grad is not None:
             torch.testing.assert_close(p.grad, grads[n], atol=1e-6, rtol=0, msg=n)
     # the recompute must not move BatchNorm statistics a second time
-    for (n, a), b in zip(plain.named_buffers(), ckpt.buffers()):
+    for (n, a), b in zip(plain.named_buffers(), ckpt.buffers(), strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=0, msg=n)
     assert saved_b < 0.75 * saved_a, (saved_b, saved_a)
 
@@ -146,7 +146,7 @@ def test_autocast_recompute_matches(amp):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out.append(_step(m, x)[0])
     torch.testing.assert_close(out[1], out[0], atol=0, rtol=0)
-    for a, b in zip(plain.parameters(), ckpt.parameters()):
+    for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=0)
 
 
@@ -166,7 +166,7 @@ def test_under_ddp_gradients_match():
     finally:
         if started:
             dist.destroy_process_group()
-    for a, b in zip(plain.parameters(), ckpt.parameters()):
+    for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=0)
 
 
@@ -178,7 +178,7 @@ def test_under_torch_compile_gradients_match():
     _step(plain, x)
     compiled = torch.compile(ckpt, backend="aot_eager", fullgraph=True)
     _step(compiled, x)
-    for a, b in zip(plain.parameters(), ckpt.parameters()):
+    for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5)
-    for a, b in zip(plain.buffers(), ckpt.buffers()):
+    for a, b in zip(plain.buffers(), ckpt.buffers(), strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=0)

@@ -6,6 +6,7 @@ are copied into ours).
 """
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -126,9 +127,9 @@ def conv_p(cin, cout, k, dims, bias=True):
 def test_seed001_parameter_count():
     f, dims, total = (8, 16, 32, 64, 128), 2, 0
     enc = (1, *f)
-    for cin, cout in zip(enc[:-1], enc[1:]):  # (conv3x3 + bias + BN(gamma, beta)) x2
+    for cin, cout in itertools.pairwise(enc):  # (conv3x3 + bias + BN(gamma, beta)) x2
         total += conv_p(cin, cout, 3, dims) + 2 * cout + conv_p(cout, cout, 3, dims) + 2 * cout
-    for c_low, c in zip(f[:0:-1], f[-2::-1]):  # 2x2 up-conv c_low -> c, then block 2c -> c
+    for c_low, c in itertools.pairwise(f[::-1]):  # 2x2 up-conv c_low -> c, then block 2c -> c
         total += conv_p(c_low, c, 2, dims) + conv_p(2 * c, c, 3, dims) + 2 * c + conv_p(c, c, 3, dims) + 2 * c
     total += conv_p(8, 1, 1, dims)  # 1x1 head
     assert total == 487_145  # "about 0.49 M" in the seed notes
@@ -140,7 +141,7 @@ def test_nonewnet_channel_plan_and_parameter_count():
     m = create_model("unet3d-nonewnet")
     widths, dims = (32, 64, 128, 256, 320, 320), 3
     total, cin = 0, 4
-    for level, (enc, w) in enumerate(zip(m.encoders, widths)):
+    for level, (enc, w) in enumerate(zip(m.encoders, widths, strict=True)):
         convs = [c for c in enc.modules() if isinstance(c, nn.Conv3d)]
         assert [(c.in_channels, c.out_channels) for c in convs] == [(cin, w), (w, w)]
         assert convs[0].stride == ((1,) * 3 if level == 0 else (2,) * 3) and convs[1].stride == (1,) * 3
@@ -174,7 +175,7 @@ def _copy_unet_from_monai(ours: nn.Module, theirs: nn.Module) -> None:
     src = list(theirs.state_dict().values())
     assert [t.shape for t in dst] == [t.shape for t in src]
     with torch.no_grad():
-        for d, s in zip(dst, src):
+        for d, s in zip(dst, src, strict=True):
             d.copy_(s)
 
 

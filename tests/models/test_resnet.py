@@ -133,7 +133,8 @@ def test_forward_backward_every_depth(name):
 def test_forward_features_strides(name, channels):
     m = MODELS.build(name, {"num_classes": 0, "in_channels": 1}).eval()
     feats = m.forward_features(torch.randn(1, 1, 64, 96))
-    assert [tuple(f.shape) for f in feats] == [(1, c, 64 // s, 96 // s) for c, s in zip(channels, (8, 16, 32))]
+    strides = (8, 16, 32)
+    assert [tuple(f.shape) for f in feats] == [(1, c, 64 // s, 96 // s) for c, s in zip(channels, strides, strict=True)]
     assert m.feature_channels == channels
     assert m(torch.randn(1, 1, 64, 64)).shape == (1, channels[-1])
 

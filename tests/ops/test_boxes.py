@@ -36,7 +36,7 @@ def test_anchor_count(size, count):
     a = multiscale_anchors(size)
     h, w = size
     if count is None:  # level sizes by ceil division, computed independently
-        count = 6 * sum(math.ceil(h / 2**l) * math.ceil(w / 2**l) for l in range(3, 8))
+        count = 6 * sum(math.ceil(h / 2**level) * math.ceil(w / 2**level) for level in range(3, 8))
     assert a.shape == (count, 4)
 
 
@@ -105,7 +105,8 @@ def test_matcher_hand_built():
 def test_matcher_degenerate_images(case):
     anchors = multiscale_anchors((64, 64))
     if case == "empty":
-        gt, labels, crowd = torch.zeros(2, 0, 4), torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool)
+        gt = torch.zeros(2, 0, 4)
+        labels, crowd = torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool)
     else:
         gt = torch.tensor([[[0.0, 0, 64, 64]], [[0.0, 0, 64, 64]]])
         labels = torch.full((2, 1), -1 if case == "padding_only" else 0)

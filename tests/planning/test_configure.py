@@ -16,8 +16,8 @@ import math
 import numpy as np
 import pytest
 
-from fastvision.planning import configure as cf
-from fastvision.planning import configure_rules as rules
+from fastvision.errors import ConfigError
+from fastvision.planning.configure import planner, rules
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_normalisation():
 def test_thin_stack_plans_slice_wise():
     geo = {"spacing": [0.8, 0.8, 6.0], "median_shape": [96, 96, 5], "thin_axis": rules.thin_axis([96, 96, 5])}
     assert geo["thin_axis"] == 2
-    t = cf.topology_for(geo, [96, 96, 1])
+    t = planner.topology_for(geo, [96, 96, 1])
     assert all(s[2] == 1 for s in t.strides) and all(k[2] == 1 for k in t.kernels) and t.patch[2] == 1
     assert rules.thin_axis([40, 50, 35]) is None
 
@@ -96,7 +96,7 @@ def test_thin_stack_plans_slice_wise():
 ])
 def test_augmentation_follows_nnunet_rotation_and_mirroring(patch, spacing, thin, flip_axes, rotate_axes, degrees):
     from fastvision.data.augment.spatial import build_augment
-    from fastvision.planning.configure_recipe import augmentation
+    from fastvision.planning.configure.recipe import augmentation
 
     aug, why = augmentation(patch, spacing, thin)
     assert aug["flip"] == {"prob": 0.5, "axes": flip_axes}
@@ -109,10 +109,10 @@ def test_augmentation_follows_nnunet_rotation_and_mirroring(patch, spacing, thin
 
 
 def test_memory_budget_parsing():
-    assert cf.memory_target(memory="24GiB").memory_gib == pytest.approx(24)
-    assert cf.memory_target(gpu="H100-80GB").name == "H100-80GB"
-    with pytest.raises(cf.ConfigError, match="--memory"):
-        cf.memory_target(memory="lots")
+    assert planner.memory_target(memory="24GiB").memory_gib == pytest.approx(24)
+    assert planner.memory_target(gpu="H100-80GB").name == "H100-80GB"
+    with pytest.raises(ConfigError, match="--memory"):
+        planner.memory_target(memory="lots")
 
 
 def _fingerprint(cases=20, shape=(48, 48, 8), spacing=(0.6, 0.6, 3.6)):
@@ -130,7 +130,7 @@ def test_batch_and_patch_fit_the_budget():
     from fastvision.planning import estimate as est
 
     budget = 0.85  # GiB, 0.75 of which is the fixed CUDA context / workspace margin
-    plan = cf.configure("unused", fingerprint=_fingerprint(), memory=f"{budget}GiB")
+    plan = planner.configure("unused", fingerprint=_fingerprint(), memory=f"{budget}GiB")
     fit = plan["fit"]
     cfg, batch = fit["cfg"], fit["batch"]
     assert batch >= 2 and fit["shrunk"]
@@ -147,10 +147,10 @@ def test_recipe_loads_and_trains_one_epoch(tmp_path):
     from fastvision.api import run_training
     from fastvision.config import load
     from fastvision.data.synth import load_all
-    from fastvision.planning.configure_recipe import write_recipe
+    from fastvision.planning.configure.recipe import write_recipe
 
     data = load_all().get("prostate")(tmp_path / "prostate", seed=0, cases=4, size=24, slices=14)
-    plan = cf.configure(data, memory="8GiB", fingerprint=None)
+    plan = planner.configure(data, memory="8GiB", fingerprint=None)
     path = write_recipe(plan, tmp_path / "recipe.yaml")
     text = path.read_text()
     assert text.count("  # ") >= 8 and "extends: unet3d-spleen-fast" in text
@@ -175,7 +175,8 @@ def test_segresnet_base_plans_an_anisotropic_segresnet():
 
     from fastvision.models import create_model
 
-    plan = cf.configure("unused", fingerprint=_fingerprint(cases=4, shape=(32, 32, 8)), memory="8GiB", base="segresnet")
+    plan = planner.configure("unused", fingerprint=_fingerprint(cases=4, shape=(32, 32, 8)), memory="8GiB",
+                             base="segresnet")
     cfg = plan["fit"]["cfg"]
     assert cfg.data.augment["intensity"] is None  # seed 003's intensity shift is replaced by nnU-Net's ops
     assert cfg.model.name == "segresnet" and cfg.task.args["mode"] == "softmax" and cfg.task.args["regions"] is None
@@ -189,8 +190,8 @@ def test_segresnet_base_plans_an_anisotropic_segresnet():
 @pytest.mark.parametrize("memory", ["0GiB", "0", "nan", "inf"])
 def test_memory_budget_must_be_positive(memory):
     """``float`` accepts these; ``0`` used to loop forever shrinking the patch."""
-    with pytest.raises(cf.ConfigError, match="positive size"):
-        cf.memory_target(memory=memory)
+    with pytest.raises(ConfigError, match="positive size"):
+        planner.memory_target(memory=memory)
 
 
 @pytest.mark.parametrize("budget", ["0.3GiB", "1e-6GiB"])
@@ -240,19 +241,19 @@ def test_a_local_gpu_missing_from_the_table_is_planned_on_its_own_memory(monkeyp
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d=None: types.SimpleNamespace(total_memory=int(memory_gib * 2**30)))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
-    spec = cf.memory_target()
+    spec = planner.memory_target()
     assert spec.memory_gib == pytest.approx(memory_gib, rel=1e-6) and name in spec.name
     assert est.amp_for("auto", spec) == amp
-    plan = cf.configure("unused", fingerprint=_fingerprint(cases=4, shape=(32, 32, 8)))
+    plan = planner.configure("unused", fingerprint=_fingerprint(cases=4, shape=(32, 32, 8)))
     assert plan["gpu_memory_gib"] == pytest.approx(memory_gib, rel=1e-6)
-    with pytest.raises(cf.ConfigError, match="unknown GPU"):  # a name the user typed is still checked
-        cf.memory_target(gpu=name)
+    with pytest.raises(ConfigError, match="unknown GPU"):  # a name the user typed is still checked
+        planner.memory_target(gpu=name)
 
 
 def _cropped_fingerprint(kept: list[float]):
     """Cases whose crop to the non-zero region keeps the given share of the voxels (along x)."""
     fp = _fingerprint(cases=len(kept), shape=(40, 40, 8))
-    for c, k in zip(fp["cases"], kept):
+    for c, k in zip(fp["cases"], kept, strict=True):
         c["shape_after_crop"] = [round(40 * k), 40, 8]
     return fp
 
@@ -267,8 +268,8 @@ def test_mri_uses_the_nonzero_mask_only_where_the_crop_shrank_the_volume(kept, i
     """nnU-Net v2 ``determine_normalization_scheme_and_whether_mask_is_used_for_norm``: the mask
     is used when ``median_relative_size_after_cropping < 3/4``. Today's rule was: always."""
     fp = _cropped_fingerprint(kept)
-    assert cf.relative_size_after_crop(fp["cases"]) == pytest.approx(float(np.median(kept)), abs=0.013)
-    plan = cf.configure("unused", fingerprint=fp, memory="8GiB")
+    assert planner.relative_size_after_crop(fp["cases"]) == pytest.approx(float(np.median(kept)), abs=0.013)
+    plan = planner.configure("unused", fingerprint=fp, memory="8GiB")
     assert plan["overrides"]["data"]["args"]["intensity"] == intensity
     assert rules.normalisation(fp["channels"], float(np.median(kept)))[0] == {"intensity": intensity}
 
@@ -312,7 +313,7 @@ def test_configure_gpus_writes_the_per_gpu_batch(tmp_path, capsys):
     from fastvision.data.synth import load_all
 
     data = load_all().get("prostate")(tmp_path / "Task05", seed=0, cases=4, size=24, slices=14)
-    one = cf.configure(data, memory="8GiB")
+    one = planner.configure(data, memory="8GiB")
     assert main(["configure", str(data), "--memory", "8GiB", "--gpus", "2", "--out", str(tmp_path / "r.yaml")]) == 0
     out = capsys.readouterr().out
     assert "num_workers" in out and "split over 2 GPUs" in out

@@ -191,7 +191,7 @@ def test_plan_cli_table_json_png(tmp_path, capsys):
     e = plan["estimate"]
     assert plan["gpus_per_node"] == 8 and e["fits"]
     # epoch time: the epoch's items over the aggregate rate, both ends of the range
-    for step, eff, epoch in zip(e["step_s"], e["efficiency"], e["epoch_s"]):
+    for step, eff, epoch in zip(e["step_s"], e["efficiency"], e["epoch_s"], strict=True):
         assert epoch == pytest.approx(896 / (16 * 16 * eff / step))
     assert e["cost"][0] == pytest.approx(e["gpu_hours"][0] * 0.5)
     assert (tmp_path / "plan.png").stat().st_size > 0
@@ -373,7 +373,8 @@ def test_plan_uses_the_shipped_measurement_on_the_gpu_it_was_measured_on():
 
     shipped = json.loads((est.MEASURED_DIR / "resnet50-imagenet-train.json").read_text())
     assert shipped["gpu"] == "NVIDIA H200" and shipped["mode"] == "train"
-    rows = [(r["batch_size"], r["batch_size"] / r["items_per_s"]) for r in shipped["results"] if r["precision"] == "bf16"]
+    rows = [(r["batch_size"], r["batch_size"] / r["items_per_s"]) for r in shipped["results"]
+            if r["precision"] == "bf16"]
     slope, intercept = np.polyfit([b for b, _ in rows], [s for _, s in rows], 1)
     cfg = config.load("resnet50-imagenet")  # amp auto: bf16 on an H200
     plan = make_plan(cfg, Cluster(gpu="H200"), Workload(batch=256), switches=False)

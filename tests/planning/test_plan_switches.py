@@ -4,10 +4,13 @@ checkpointing row traces what `train.activation_checkpointing` runs."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fastvision import config
 from fastvision.planning import estimate as est
-from fastvision.planning.plan import Cluster, Workload, make_plan, text_report
+from fastvision.planning.peak import measured_peak
+from fastvision.planning.plan import Cluster, Workload, make_plan
+from fastvision.planning.plan_report import text_report
 from fastvision.registry import DATASETS, TASKS, check_kwargs
 
 
@@ -67,41 +70,13 @@ def test_recipe_setting_is_traced():
     assert on.peak_bytes < est.trace(cfg, 4, checkpointing=False).peak_bytes
 
 
-def _allocator_peak(cfg, batch: int) -> int:
-    """Peak bytes of the CPU allocator (torch.profiler memory events) over the engine's build and
-    two real ``engine.train_step`` calls: the measurement ``benchmarks/plan_memory.py`` makes."""
-    import itertools
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from fastvision import engine
-    from fastvision.planning.autobatch import recipe_run
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run, make_optimizer = recipe_run(cfg, torch.device("cpu"))  # engine.build(train=True): applies the switch
-        run.step.optimizer = make_optimizer(run.model)
-        run.step.scheduler = torch.optim.lr_scheduler.LambdaLR(run.step.optimizer, lambda _: 1.0)
-        data = run.task.synthetic_batch(batch, torch.device("cpu"))
-        for _ in range(2):
-            engine.train_step(run.step, itertools.repeat(data))
-        del run, data
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.slow
 def test_estimate_with_checkpointing_matches_the_measured_peak():
     """Plan's traced peak (no workspace margin) with the switch on vs the allocator's peak of the
     run the engine builds with it: within 15 % (2.4 % when written); the estimate without the
     switch would miss it by more."""
     cfg = config.load("unet2d-microscopy", [{"train": {"activation_checkpointing": True}}])
-    measured = _allocator_peak(cfg, 2)
+    measured = measured_peak(cfg, 2, torch.device("cpu"))  # the measurement benchmarks/plan_memory.py makes
     assert abs(est.trace(cfg, 2).peak_bytes / measured - 1) < 0.15
     assert est.trace(cfg, 2, checkpointing=False).peak_bytes > 1.15 * measured
 
@@ -126,7 +101,8 @@ def test_a_host_bound_jpeg_recipe_is_told_to_decode_on_the_gpu():
     assert first["change"] < -0.4 and first["memory_gib"] == base["memory_gib"]
     assert all(s["change"] == pytest.approx(0, abs=0.005) for s in plan["switches"][1:])  # nothing else helps
     dali = config.load(recipe, [config.parse_override("data.args.backend=dali")])
-    assert "decode on the GPU (DALI)" not in {s["switch"] for s in make_plan(dali, Cluster(gpus=64, hardware="dgx-h100"))["switches"]}
+    dali_plan = make_plan(dali, Cluster(gpus=64, hardware="dgx-h100"))
+    assert "decode on the GPU (DALI)" not in {s["switch"] for s in dali_plan["switches"]}
 
 
 @pytest.mark.parametrize("start,sets", [([], ["data.args.backend=dali"]),

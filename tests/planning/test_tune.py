@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from fastvision import cli, config
-from fastvision.planning.tune_search import Comparison, Switch, order, search
-from fastvision.planning.tune_trial import TrialRunner
+from fastvision.planning.tune.search import Comparison, Switch, order, search
+from fastvision.planning.tune.trial import TrialRunner
 from tests.conftest import ROOT, clean_env
 
 TINY = ["--set", "data.args.image_size=[32,32]", "--set", "model.args.filters=[4,8,16]",
@@ -50,7 +50,7 @@ START = {"data.cache": "none", "data.num_workers": 0, "train.channels_last": Fal
 
 
 def test_search_on_a_stub_cost_model_picks_the_grid_best():
-    grid = [dict(zip(COST, values)) for values in itertools.product(*(t.keys() for t in COST.values()))]
+    grid = [dict(zip(COST, values, strict=True)) for values in itertools.product(*(t.keys() for t in COST.values()))]
     best = min(grid, key=cost)  # brute force over every combination: the independent reference
     result = search(START, order(SWITCHES, "input-bound"), stub_measure, budget_s=1e9)
     assert result.best == best == {"data.cache": "ram", "data.num_workers": 2, "train.channels_last": False}
@@ -190,7 +190,7 @@ def test_two_ranks_run_the_same_trials_and_agree(tiny_microscopy, tmp_path):
 def test_allow_batch_adds_the_batch_switch_and_says_the_lr_rule_in_one_line():
     import torch
 
-    from fastvision.planning.tune_switches import catalogue, lr_line
+    from fastvision.planning.tune.switches import catalogue, lr_line
 
     cfg = config.load("unet2d-microscopy")  # batch 16, optim.lr 0.003 at ref_batch 16
     keys = lambda allow: {s.key: s for s in catalogue(cfg, torch.device("cpu"), 1, allow)}  # noqa: E731
@@ -208,7 +208,7 @@ def test_the_cache_switch_never_offers_smart_nor_leaves_a_smart_window():
     the set trains on other samples, so tune neither tries it nor switches away from it."""
     import torch
 
-    from fastvision.planning.tune_switches import catalogue
+    from fastvision.planning.tune.switches import catalogue
 
     cfg = config.load("unet2d-microscopy")
     cache = {s.key: s for s in catalogue(cfg, torch.device("cpu"), 2, False)}["data.cache"]
@@ -226,7 +226,7 @@ def test_cuda_catalogue_tries_fp16_after_bf16(monkeypatch, bf16):
     is the one hardware fact patched: the catalogue makes no other CUDA call."""
     import torch
 
-    from fastvision.planning.tune_switches import catalogue
+    from fastvision.planning.tune.switches import catalogue
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
     cfg = config.load("unet2d-microscopy")

@@ -89,7 +89,8 @@ def test_fit_solves_each_constant_on_its_named_row_and_is_reproducible():
         assert abs(sv.predict_row(rows[rid], anchors, rates, consts)["error_points"]) < 0.05
     # the table in RESULTS states the same constants (to its printed precision)
     text = RESULTS.read_text()
-    fixed = re.findall(r"fixed per-step cost \*\*([0-9.]+) ms\*\* \(`overhead_ms`, implementation group `([a-z-]+)`", text)
+    fixed = re.findall(r"fixed per-step cost \*\*([0-9.]+) ms\*\* "
+                       r"\(`overhead_ms`, implementation group `([a-z-]+)`", text)
     jitter = float(re.search(r"jitter \*\*([0-9.]+) ms\*\*", text).group(1))
     assert {g for _, g in fixed} == set(consts["overhead_ms"])
     for ms, group in fixed:

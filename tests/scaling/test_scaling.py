@@ -181,8 +181,9 @@ def test_scale_sweep_end_to_end(tmp_path, tiny_microscopy):
     sets = ["data.args.image_size=[32,32]", "model.args.filters=[4,8,16]", "data.num_workers=0", "examples=0",
             "train.batch_size=4"]
     cmd = [sys.executable, "-m", "fastvision.cli", "scale", "unet2d-microscopy", "--workers", "1,2",
-           "--mode", "strong", "--epochs", "1", "--repeats", "2", "--seed", "5", "--simulate", "--links", "ethernet", "--device", "cpu",
-           "--data", str(tiny_microscopy), "--out", str(tmp_path), *[a for s in sets for a in ("--set", s)]]
+           "--mode", "strong", "--epochs", "1", "--repeats", "2", "--seed", "5", "--simulate", "--links", "ethernet",
+           "--device", "cpu", "--data", str(tiny_microscopy), "--out", str(tmp_path),
+           *[a for s in sets for a in ("--set", s)]]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(cmd, cwd=root, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=240)
@@ -212,3 +213,10 @@ def test_scale_rejects_bad_worker_lists(workers, capsys):
 
     assert main(["scale", "unet2d-microscopy", "--workers", workers]) == 2
     assert "--workers" in capsys.readouterr().err
+
+
+def test_sweep_refuses_train_options_that_are_not_flag_value_pairs(tmp_path):
+    """``extra`` is ``--flag value`` pairs: an odd list is refused before any run instead of losing its last item."""
+    with pytest.raises(ValueError):
+        scaling.sweep("unet2d-microscopy", [1], tmp_path, extra=["--set", "train.epochs=1", "--data"])
+    assert not any(tmp_path.iterdir())

@@ -240,7 +240,8 @@ def test_cli_predict_and_evaluate_imagefolder(tmp_path):
         assert float(prob) == pytest.approx(float(ref.max()), abs=1e-5)
     assert main(["evaluate", str(run_dir), "--device", "cpu", "--json", str(tmp_path / "e.json")]) == 0
     ev = json.loads((tmp_path / "e.json").read_text())
-    assert ev["items"] == 6 and ev["top1"] == pytest.approx(s["top1"]) and ev["val_loss"] == pytest.approx(s["val_loss"])
+    assert ev["items"] == 6
+    assert ev["top1"] == pytest.approx(s["top1"]) and ev["val_loss"] == pytest.approx(s["val_loss"])
 
 
 def test_dataset_with_more_classes_than_the_task_is_a_config_error(tmp_path):

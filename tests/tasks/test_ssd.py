@@ -66,7 +66,8 @@ def test_loss_without_positives_is_finite(case):
     out = {k: v.expand(2, *v.shape[1:]).clone() if k != "anchors" else v for k, v in out.items()}
     out["cls_logits"].requires_grad_(True)
     if case == "empty":
-        boxes, labels, crowd = torch.zeros(2, 0, 4), torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool)
+        boxes = torch.zeros(2, 0, 4)
+        labels, crowd = torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool)
     else:
         boxes = torch.tensor([[[0.0, 0, 200, 200]]] * 2)
         labels, crowd = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool)
@@ -116,7 +117,7 @@ def test_forward_backward(name, size, batch, classes):
     model = MODELS.build(name, {"num_classes": classes, "frozen_bn": name == "ssd320"})
     x = torch.randn(batch, 3, size, size)
     out = model(x)
-    A = 6 * sum(math.ceil(size / 2**l) ** 2 for l in range(3, 8))
+    A = 6 * sum(math.ceil(size / 2**level) ** 2 for level in range(3, 8))
     assert out["cls_logits"].shape == (batch, A, classes) and out["box_codes"].shape == (batch, A, 4)
     assert out["anchors"].shape == (A, 4)
     if size == 320:

@@ -132,10 +132,10 @@ class Crop:
 
 def _pad_to(image: Tensor, label: Label, size: list[int]) -> tuple[Tensor, Label]:
     spatial = image.shape[2:]
-    if all(s >= c for s, c in zip(spatial, size)):
+    if all(s >= c for s, c in zip(spatial, size, strict=True)):
         return image, label
     pad: list[int] = []
-    for s, c in reversed(list(zip(spatial, size))):  # F.pad lists the last dim first
+    for s, c in reversed(list(zip(spatial, size, strict=True))):  # F.pad lists the last dim first
         extra = max(c - s, 0)
         pad += [extra // 2, extra - extra // 2]
     image = F.pad(image, pad)
@@ -243,7 +243,8 @@ class Affine:
         return affine(image, label, ang, zoom, m)
 
 
-def affine(image: Tensor, label: Label, angles: Tensor, zoom: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Label]:
+def affine(image: Tensor, label: Label, angles: Tensor, zoom: Tensor,
+           mask: Tensor | None = None) -> tuple[Tensor, Label]:
     """Rotate and zoom a batch about its centre.
 
     Args:

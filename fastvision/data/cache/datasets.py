@@ -149,7 +149,8 @@ class Pipeline(_Cached):
     """No cache: the whole pipeline on every access (the plain path, ``data.cache: none``)."""
 
     def report(self) -> str:
-        return f"Pipeline: not cached ({len(self.base)} items), {len(self.prefix) + len(self.suffix)} transforms per access"
+        return (f"Pipeline: not cached ({len(self.base)} items), "
+                f"{len(self.prefix) + len(self.suffix)} transforms per access")
 
 
 class LazyCache(_Cached):

@@ -187,7 +187,7 @@ class DeviceCacheDataset(Dataset):
         if self.source_holds:
             rest = f", the other {n - on} in the node-shared host cache" if n - on else ""
         else:
-            held = sum(d is not None or h is not None for d, h in zip(self.dev, self.host))
+            held = sum(d is not None or h is not None for d, h in zip(self.dev, self.host, strict=True))
             rest = (f", {held - on} more in host RAM" if held > on else "") + (
                 f", {n - held} read from the source on each access" if held < n else "")
         share = f" (this epoch's share: {len(self.share)})" if self.share_of is not None else ""

@@ -128,7 +128,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -140,7 +140,8 @@ def check_deterministic(dataset: Dataset) -> None:
                           "data.cache: none, or move the randomness to data.augment (batched, on the device)")
 
 
-def cache_source(dataset: Dataset, check: bool = True) -> tuple[Dataset, list[T.TransformFn], Callable[[int], str] | None]:
+def cache_source(dataset: Dataset,
+                 check: bool = True) -> tuple[Dataset, list[T.TransformFn], Callable[[int], str] | None]:
     """``(base, pipeline, identity)`` for the caches.
 
     Raises:
@@ -156,7 +157,8 @@ def cache_source(dataset: Dataset, check: bool = True) -> tuple[Dataset, list[T.
 
 def default_cache_dir() -> Path:
     """``$FASTVISION_CACHE/pipeline`` (default ``~/.cache/fastvision/pipeline``)."""
-    root = os.environ.get("FASTVISION_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastvision"
+    root = (os.environ.get("FASTVISION_CACHE")
+            or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastvision")
     return Path(root) / "pipeline"
 
 
@@ -207,20 +209,13 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
         raise ConfigError(f"data.cache must be one of {', '.join(CACHES)}, got {cache!r}")
     if cache == "none":
         return _uncached(dataset, seed)
-    # A disk cache whose first entry exists was checked when it was written: reading nothing is its point.
-    base, pipeline, identity = cache_source(dataset, check=cache != "disk")
-    if cache != "disk" and cache_dir:  # a memory cache filled from the persistent one: fast second runs
-        base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
-    env = env if env is not None else DistEnv()
-    src = _Source(base, pipeline, env, seed, threads=min(8, os.cpu_count() or 1),
-                  progress=env.rank == 0 and sys.stderr.isatty())
+    src, identity = _source(dataset, cache, cache_dir, env, seed)
     if cache == "ram":
         out = _ram(src, cache_rate)
     elif cache == "disk":
         out = _disk(src, dataset, identity, cache_dir)
     elif cache == "shared":
-        out = SharedCacheDataset(base, pipeline, job_name(), local_rank=env.local_rank,
-                                 local_world_size=env.local_world_size, num_workers=src.threads, progress=src.progress)
+        out = _shared(src)
     elif cache == "smart":
         out = _smart(src, cache_num, cache_rate, replace_rate)
     else:
@@ -238,6 +233,21 @@ class _Source(NamedTuple):
     seed: int
     threads: int  # fill threads
     progress: bool  # show a progress bar
+
+
+def _source(dataset: Dataset, cache: str, cache_dir: str | None, env: Any,
+            seed: int) -> tuple[_Source, Callable[[int], str] | None]:
+    """``(source, identity)`` of a cache other than ``none``: the dataset's cached pipeline (a
+    memory cache with a ``cache_dir`` reads its prefix through the disk cache), the process's
+    ``DistEnv`` (``env`` None: this process's), and the fill threads and progress bar."""
+    # A disk cache whose first entry exists was checked when it was written: reading nothing is its point.
+    base, pipeline, identity = cache_source(dataset, check=cache != "disk")
+    if cache != "disk" and cache_dir:  # a memory cache filled from the persistent one: fast second runs
+        base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
+    env = env if env is not None else DistEnv()
+    src = _Source(base, pipeline, env, seed, threads=min(8, os.cpu_count() or 1),
+                  progress=env.rank == 0 and sys.stderr.isatty())
+    return src, identity
 
 
 def _uncached(dataset: Dataset, seed: int) -> Dataset:
@@ -274,6 +284,13 @@ def _disk(src: _Source, dataset: Dataset, identity: Callable[[int], str] | None,
         check_deterministic(dataset)
     log.info("%s; entries in %s", out.report(), out.dir)
     return out
+
+
+def _shared(src: _Source) -> Dataset:
+    """``shared``: one copy of the items per node in /dev/shm, filled by the node's local ranks."""
+    return SharedCacheDataset(src.base, src.pipeline, job_name(), local_rank=src.env.local_rank,
+                              local_world_size=src.env.local_world_size, num_workers=src.threads,
+                              progress=src.progress)
 
 
 def smart_cache_num(n: int, cache_num: int | None, cache_rate: float) -> int:

@@ -48,11 +48,13 @@ class SmartCacheDataset(_Cached):
         n = len(base)
         self.cache_num = min(cache_num, n)
         self.replace_num = min(math.ceil(self.cache_num * replace_rate), n)
-        self.order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist() if shuffle else list(range(n))
+        self.order = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist() if shuffle
+                      else list(range(n)))
         self.workers = num_workers
         self.epoch = 0
         self.window = self.indices(0)
-        self.store = dict(zip(self.window, fill(self._compute, self.window, num_workers, progress, "smart cache")))
+        self.store = dict(zip(self.window, fill(self._compute, self.window, num_workers, progress, "smart cache"),
+                              strict=True))
         self.num_cached = self.cache_num
         self._pool = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="fastvision-smartcache")
         self._pending: tuple[int, Future] | None = None
@@ -81,7 +83,7 @@ class SmartCacheDataset(_Cached):
         window = self.indices(epoch)
         have = {i: self.store[i] if i in self.store else ready.get(i) for i in window}
         missing = [i for i, v in have.items() if v is None]  # jumped epochs: compute here
-        have.update(zip(missing, fill(self._compute, missing, self.workers, False, "")))
+        have.update(zip(missing, fill(self._compute, missing, self.workers, False, ""), strict=True))
         self.store, self.window, self.epoch = have, window, epoch
         self._prepare(epoch + 1)
 

@@ -82,7 +82,7 @@ def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], 
     Returns:
         (image (C, *size), label (*size)).
     """
-    pad = [max(0, s - n) for s, n in zip(size, label.shape)]
+    pad = [max(0, s - n) for s, n in zip(size, label.shape, strict=True)]
     if any(pad):
         spec = [p for d in reversed(pad) for p in (d // 2, d - d // 2)]
         image, label = F.pad(image, spec), F.pad(label, spec)
@@ -94,8 +94,8 @@ def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], 
             centre = fg[int(torch.randint(len(fg), (), generator=generator))].tolist()
     if centre is None:
         centre = [int(torch.randint(n, (), generator=generator)) for n in shape]
-    start = [min(max(0, c - s // 2), n - s) for c, s, n in zip(centre, size, shape)]
-    sl = tuple(slice(a, a + s) for a, s in zip(start, size))
+    start = [min(max(0, c - s // 2), n - s) for c, s, n in zip(centre, size, shape, strict=True)]
+    sl = tuple(slice(a, a + s) for a, s in zip(start, size, strict=True))
     return image[(slice(None),) + sl], label[sl]
 
 
@@ -314,7 +314,8 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         target_spacing: resample to this voxel size in mm (spleen recipe: 1.5, 1.5, 2.0).
         intensity: "ct", "mri", "zscore", "none" or "auto" (ct when dataset.json's modality is CT).
         window: CT window a_min, a_max, b_min, b_max.
-        crop_foreground, crop_margin: crop to the foreground box (``"nonzero"``: nnU-Net's crop to the non-zero region, see :class:`~fastvision.data.preprocess3d.PreprocessParams`).
+        crop_foreground, crop_margin: crop to the foreground box (``"nonzero"``: nnU-Net's crop to
+            the non-zero region, see :class:`~fastvision.data.preprocess3d.PreprocessParams`).
         patch_size: training patch shape; None trains on whole volumes.
         pos_fraction: share of patches centred on foreground.
         skip_unreadable: drop (with one warning) cases whose NIfTI headers do not read, instead of
@@ -348,7 +349,8 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         window=tuple(map(float, window)), crop_foreground=crop_foreground, crop_margin=crop_margin,
         label_map=label_map, nonfinite=NonFinite(nonfinite).policy)
     info = {"num_classes": len(class_names), "class_names": class_names, "in_channels": max(1, len(modalities)),
-            "channels": modalities, "regions": ["wt", "tc", "et"] if label_map else None, "test_images": [str(p) for p in found["test"]], "preprocess": params.key(),
+            "channels": modalities, "regions": ["wt", "tc", "et"] if label_map else None,
+            "test_images": [str(p) for p in found["test"]], "preprocess": params.key(),
             "label_convention": convention}
     return build_splits(training, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
                         patch_size=patch_size, pos_fraction=pos_fraction)

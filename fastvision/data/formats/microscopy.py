@@ -2,9 +2,10 @@
 
 Images are PNG or TIFF (multi-page, ImageJ and OME included), 8- or 16-bit, grey or RGB; masks
 are binary (0/1, 0/255 or 0/65535, mixed freely across files), instance ids (``binarize``) or
-class indices 0..K-1, and may use another extension than their image (``a.tif`` + ``a.png``). Every file header is checked when the dataset is built, so a missing mask or a
-shape mismatch is reported before training starts, naming the file. A float image holding NaN or Inf
-stops the run naming the file when it is read (``data.args.nonfinite``: ``error`` or ``zero``). Items are
+class indices 0..K-1, and may use another extension than their image (``a.tif`` + ``a.png``).
+Every file header is checked when the dataset is built, so a missing mask or a shape mismatch is
+reported before training starts, naming the file. A float image holding NaN or Inf stops the run
+naming the file when it is read (``data.args.nonfinite``: ``error`` or ``zero``). Items are
 ``{"image": float32 (C, H, W) in [0, 1], "label": int64 (H, W), "id": stem}``.
 """
 from __future__ import annotations
@@ -104,8 +105,9 @@ def mask_to_index(arr: np.ndarray, path: Path, num_classes: int, binarize: bool 
 
     Binary masks are read per file, so 0/1, 0/255 (8-bit) and 0/65535 (16-bit) may be mixed in one
     dataset: with ``num_classes == 2`` a mask holding 0 and one of 1, 255, 65535 (or its dtype's
-    maximum) is background / foreground. ``binarize`` makes every non-zero value foreground (instance-labelled masks, where
-    each cell has its own id). Anything else must already be class indices 0..num_classes-1.
+    maximum) is background / foreground. ``binarize`` makes every non-zero value foreground
+    (instance-labelled masks, where each cell has its own id). Anything else must already be class
+    indices 0..num_classes-1.
     """
     if arr.ndim == 3:  # RGB-saved binary masks: take one channel if all channels agree
         if not (arr == arr[..., :1]).all():
@@ -284,7 +286,8 @@ def default_data_dir() -> Path:
     """The built-in sample: generated once, deterministically, into the user cache."""
     from fastvision.data.synth.microscopy import synth
 
-    cache = Path(os.environ.get("FASTVISION_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastvision"))
+    cache = Path(os.environ.get("FASTVISION_CACHE",
+                                Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastvision"))
     target = cache / "microscopy-sample-v1"
     if not (target / "images").is_dir():
         log.info("generating the built-in microscopy sample (200 images) in %s", target)

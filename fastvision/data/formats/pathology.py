@@ -5,9 +5,10 @@
   optional lesion masks ``PATH/{train,val}/masks/NAME.tif`` (tiled uint8, non-zero = tumour, same
   size) or ASAP XML ``annotations/NAME.xml``; no lesion file = a normal slide. Camelyon16 as
   released (``training/{tumor,normal}/*.tif`` + ``lesion_annotations/*.xml``) too: see
-  :mod:`.camelyon`; patches can be read at any pyramid level (``level``). Slides are cut into a grid of ``patch_size`` patches: tumour when at least half
-  of the patch's central region is lesion, normal when the patch holds no lesion pixel at all
-  (border patches are ambiguous and skipped), normals subsampled to ``normal_per_tumor``.
+  :mod:`.camelyon`; patches can be read at any pyramid level (``level``). Slides are cut into a
+  grid of ``patch_size`` patches: tumour when at least half of the patch's central region is
+  lesion, normal when the patch holds no lesion pixel at all (border patches are ambiguous and
+  skipped), normals subsampled to ``normal_per_tumor``.
 
 Slides are never decoded whole: :class:`TiledTiff` reads only the TIFF tiles a region touches,
 so a 100k x 200k slide costs the memory of a patch. Items are
@@ -331,7 +332,7 @@ def slide_heatmap(slide_path: str | Path, predict, patch_size: int, stride: int 
         arr = np.stack([slide.read_region(i * stride, j * stride, patch_size, patch_size)[..., :3] for i, j in chunk])
         probs = predict(torch.from_numpy(arr).permute(0, 3, 1, 2).contiguous())
         probs = probs.detach().float().cpu().numpy()  # one transfer per batch, not per patch
-        for (i, j), pr in zip(chunk, probs):
+        for (i, j), pr in zip(chunk, probs, strict=True):
             heat[i, j] = pr
     slide.close()
     return heat

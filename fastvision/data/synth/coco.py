@@ -38,7 +38,8 @@ def _polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> list[t
         pts = [(0.0, -1.0), (0.9, 0.75), (-0.9, 0.75)]
     else:  # cross
         a, b = 0.3, 1.0
-        pts = [(-a, -b), (a, -b), (a, -a), (b, -a), (b, a), (a, a), (a, b), (-a, b), (-a, a), (-b, a), (-b, -a), (-a, -a)]
+        pts = [(-a, -b), (a, -b), (a, -a), (b, -a), (b, a), (a, a), (a, b), (-a, b), (-a, a), (-b, a), (-b, -a),
+               (-a, -a)]
     c, s = math.cos(angle), math.sin(angle)
     if shape == "disk":
         c, s = 1.0, 0.0

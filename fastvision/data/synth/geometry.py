@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from fastvision.data.synth import SYNTH
-from fastvision.data.synth.medical import _nifti, _smooth_noise
+from fastvision.data.synth.medical import _smooth_noise, write_decathlon_case
 
 
 def organ_case(rng: np.random.Generator, shape: Sequence[int], means: np.ndarray, radii: Sequence[float] = (0.35, 0.2)
@@ -58,13 +58,9 @@ def write_decathlon(out: Path, name: str, modality: Sequence[str], labels: Seque
         affine = np.diag([*map(float, spacing), 1.0])
         case = f"{name.lower()}_{n + 1:03d}"
         data = image[..., 0] if image.shape[-1] == 1 else image
-        if n < len(cases) - test_cases:
-            _nifti(np.ascontiguousarray(data), affine, out / f"imagesTr/{case}.nii.gz")
-            _nifti(np.ascontiguousarray(label), affine, out / f"labelsTr/{case}.nii.gz")
-            training.append({"image": f"./imagesTr/{case}.nii.gz", "label": f"./labelsTr/{case}.nii.gz"})
-        else:
-            _nifti(np.ascontiguousarray(data), affine, out / f"imagesTs/{case}.nii.gz")
-            test.append(f"./imagesTs/{case}.nii.gz")
+        labelled = n < len(cases) - test_cases
+        write_decathlon_case(out, case, np.ascontiguousarray(data),
+                             np.ascontiguousarray(label) if labelled else None, affine, training, test)
     meta = {"name": name, "description": f"synthetic {name} (fastvision)",
             "tensorImageSize": "4D" if len(modality) > 1 else "3D",
             "modality": {str(i): m for i, m in enumerate(modality)},

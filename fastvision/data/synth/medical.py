@@ -42,6 +42,19 @@ def _nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> None:
     nib.save(img, str(path))
 
 
+def write_decathlon_case(out: Path, case: str, image: np.ndarray, label: np.ndarray | None, affine: np.ndarray,
+                         training: list[dict[str, str]], test: list[str]) -> None:
+    """Write one case of a Decathlon folder: ``imagesTr`` + ``labelsTr`` and its ``training`` entry,
+    or, without a ``label``, ``imagesTs`` and its ``test`` entry (paths as dataset.json lists them)."""
+    if label is None:
+        _nifti(image, affine, out / f"imagesTs/{case}.nii.gz")
+        test.append(f"./imagesTs/{case}.nii.gz")
+        return
+    _nifti(image, affine, out / f"imagesTr/{case}.nii.gz")
+    _nifti(label, affine, out / f"labelsTr/{case}.nii.gz")
+    training.append({"image": f"./imagesTr/{case}.nii.gz", "label": f"./labelsTr/{case}.nii.gz"})
+
+
 def _smooth_noise(rng: np.random.Generator, shape: tuple[int, ...], cells: int = 4) -> np.ndarray:
     """Low-frequency field in [-1, 1]: a coarse random grid upsampled by repetition and blurring."""
     coarse = rng.uniform(-1, 1, size=(cells,) * len(shape))
@@ -50,7 +63,8 @@ def _smooth_noise(rng: np.random.Generator, shape: tuple[int, ...], cells: int =
     for axis in range(len(shape)):  # box blur to remove the block edges
         k = max(1, shape[axis] // cells)
         c = np.cumsum(np.pad(field, [(k, k) if a == axis else (0, 0) for a in range(len(shape))], mode="edge"), axis)
-        field = (np.take(c, range(2 * k, 2 * k + shape[axis]), axis) - np.take(c, range(0, shape[axis]), axis)) / (2 * k)
+        field = (np.take(c, range(2 * k, 2 * k + shape[axis]), axis)
+                 - np.take(c, range(0, shape[axis]), axis)) / (2 * k)
     return field
 
 
@@ -110,13 +124,8 @@ def synth_brats(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 2
         case = f"BRATS_{n + 1:03d}"
         labelled = n < cases
         if layout == "decathlon":
-            sub = "Tr" if labelled else "Ts"
-            _nifti(np.moveaxis(image, 0, -1).round().astype(np.int16), ras, out / f"images{sub}/{case}.nii.gz")
-            if labelled:
-                _nifti(_INTERNAL_TO_MSD[label], ras, out / f"labelsTr/{case}.nii.gz")
-                training.append({"image": f"./imagesTr/{case}.nii.gz", "label": f"./labelsTr/{case}.nii.gz"})
-            else:
-                test.append(f"./imagesTs/{case}.nii.gz")
+            write_decathlon_case(out, case, np.moveaxis(image, 0, -1).round().astype(np.int16),
+                                 _INTERNAL_TO_MSD[label] if labelled else None, ras, training, test)
         elif labelled:
             # Raw BraTS files are stored LPS: flip x and y (data and affine) so world positions match.
             lps = np.diag([-1.0, -1.0, 1.0, 1.0]) @ ras
@@ -137,13 +146,14 @@ def synth_brats(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 2
     return out
 
 
-def spleen_volume(rng: np.random.Generator, shape: tuple[int, int, int], spacing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def spleen_volume(rng: np.random.Generator, shape: tuple[int, int, int],
+                  spacing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """CT-like abdomen in HU on a grid of ``shape`` voxels at ``spacing`` mm, RAS voxel order.
 
     Returns:
         (image int16 (X, Y, Z) in HU, label uint8 (X, Y, Z) with 1 = spleen).
     """
-    axes = [(np.arange(n) - (n - 1) / 2) * s for n, s in zip(shape, spacing)]
+    axes = [(np.arange(n) - (n - 1) / 2) * s for n, s in zip(shape, spacing, strict=True)]
     x, y, z = np.meshgrid(*axes, indexing="ij")  # mm; RAS+: +x patient right, +y anterior
 
     def ellipsoid(c: tuple[float, float, float], r: tuple[float, float, float]) -> np.ndarray:
@@ -191,16 +201,12 @@ def synth_spleen(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 
         image, label = spleen_volume(rng, shape, spacing)
         # Stored LPS (x and y flipped), as CT converted from DICOM usually is.
         affine = np.diag([-spacing[0], -spacing[1], spacing[2], 1.0])
-        affine[:3, 3] = [(shape[0] - 1) / 2 * spacing[0], (shape[1] - 1) / 2 * spacing[1], -(shape[2] - 1) / 2 * spacing[2]]
+        affine[:3, 3] = [(shape[0] - 1) / 2 * spacing[0], (shape[1] - 1) / 2 * spacing[1],
+                         -(shape[2] - 1) / 2 * spacing[2]]
         image, label = image[::-1, ::-1], label[::-1, ::-1]
         case = f"spleen_{n + 1}"
-        if n < cases:
-            _nifti(np.ascontiguousarray(image), affine, out / f"imagesTr/{case}.nii.gz")
-            _nifti(np.ascontiguousarray(label), affine, out / f"labelsTr/{case}.nii.gz")
-            training.append({"image": f"./imagesTr/{case}.nii.gz", "label": f"./labelsTr/{case}.nii.gz"})
-        else:
-            _nifti(np.ascontiguousarray(image), affine, out / f"imagesTs/{case}.nii.gz")
-            test.append(f"./imagesTs/{case}.nii.gz")
+        write_decathlon_case(out, case, np.ascontiguousarray(image),
+                             np.ascontiguousarray(label) if n < cases else None, affine, training, test)
     meta = {
         "name": "Spleen", "description": "synthetic spleen CT (fastvision)", "tensorImageSize": "3D",
         "modality": {"0": "CT"}, "labels": {"0": "background", "1": "spleen"},

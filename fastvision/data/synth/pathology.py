@@ -92,7 +92,8 @@ def synth(out: Path, *, seed: int = 0, slides: int = 4, val_slides: int = 2, siz
             (out / split / d).mkdir(parents=True, exist_ok=True)
         for i in range(n):
             tumour = i < (n + 1) // 2
-            mask = lesion_mask(size, int(rng.integers(1, lesions + 1)), rng) if tumour else np.zeros((size, size), np.uint8)
+            mask = (lesion_mask(size, int(rng.integers(1, lesions + 1)), rng) if tumour
+                    else np.zeros((size, size), np.uint8))
             name = f"slide_{i:03d}.tif"
             tifffile.imwrite(out / split / "images" / name, render_slide(mask, rng), tile=(tile, tile),
                              photometric="rgb", compression="zlib")

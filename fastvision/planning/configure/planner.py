@@ -1,4 +1,4 @@
-"""``fastvision configure DATA``: a 3-D segmentation recipe planned from the dataset and the GPU.
+"""The plan behind ``fastvision configure DATA``: a 3-D segmentation recipe from the dataset and the GPU.
 
 From the fingerprint (:mod:`fastvision.data.fingerprint`) it chooses, by nnU-Net v2's rules
 (``ExperimentPlanner`` and ``get_pool_and_conv_props``; docs/configure.md cites each):
@@ -31,14 +31,8 @@ from typing import Any
 import numpy as np
 
 from fastvision.errors import ConfigError
-from fastvision.planning import configure_rules as rules
-from fastvision.planning.configure_recipe import (
-    choices,
-    plan_json,
-    recipe_overrides,
-    table,
-    write_recipe,
-)
+from fastvision.planning.configure import rules
+from fastvision.planning.configure.recipe import choices, recipe_overrides
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +76,7 @@ def plan_geometry(fp: dict[str, Any]) -> dict[str, Any]:
         inplane = [a for a in range(3) if a != thin]
         p2 = rules.initial_patch([spacing[a] for a in inplane], [median[a] for a in inplane])
         patch = [1] * 3
-        for a, p in zip(inplane, p2):
+        for a, p in zip(inplane, p2, strict=True):
             patch[a] = p
     n_voxels = float(np.prod(median)) * len(cases)
     return {"spacing": spacing, "spacing_why": spacing_why, "median_shape": median, "thin_axis": thin,
@@ -99,7 +93,7 @@ def topology_for(geo: dict[str, Any], patch: Sequence[int]) -> rules.Topology:
 
     def lift(v: list[int], fill: int) -> list[int]:
         out = [fill] * 3
-        for a, x in zip(inplane, v):
+        for a, x in zip(inplane, v, strict=True):
             out[a] = x
         return out
 
@@ -115,7 +109,7 @@ def _shrink(geo: dict[str, Any], patch: list[int]) -> list[int]:
     small = rules.shrink_patch([geo["spacing"][a] for a in inplane], [patch[a] for a in inplane],
                          [geo["median_shape"][a] for a in inplane])
     out = [1] * 3
-    for a, p in zip(inplane, small):
+    for a, p in zip(inplane, small, strict=True):
         out[a] = p
     return out
 
@@ -151,14 +145,15 @@ def fit_budget(geo: dict[str, Any], make_cfg, spec, max_traces: int = 12) -> dic
         last = topo.patch
         want = np.prod(topo.patch) * cap / total
         patch = _shrink(geo, topo.patch)
-        while np.prod(patch) > want and any(p > d for p, d in zip(patch, topology_for(geo, patch).divisor)):
+        while np.prod(patch) > want and any(p > d for p, d in zip(patch, topology_for(geo, patch).divisor,
+                                                                  strict=True)):
             smaller = _shrink(geo, patch)
             if smaller == patch:  # the axis nnU-Net's rule picks cannot shrink further
                 break
             patch = smaller
         if traces >= max_traces or patch == topo.patch:
-            raise ConfigError(f"configure: even a {'x'.join(map(str, topo.patch))} patch at batch {rules.MIN_BATCH} needs "
-                              f"{total / 2**30:.1f} GiB, over the {spec.memory_gib:.3g} GiB of {spec.name}")
+            raise ConfigError(f"configure: even a {'x'.join(map(str, topo.patch))} patch at batch {rules.MIN_BATCH} "
+                              f"needs {total / 2**30:.1f} GiB, over the {spec.memory_gib:.3g} GiB of {spec.name}")
         shrunk = True
     fit = est.largest_batch(cfg, spec, t)
     cover = max(1, round(geo["n_voxels"] * rules.MAX_DATASET_COVERED / float(np.prod(topo.patch))))
@@ -177,9 +172,9 @@ def relative_size_after_crop(cases: Sequence[dict[str, Any]]) -> float:
 
 
 def plan_cluster(geo: dict[str, Any], fit: dict[str, Any], spec, gpus: int, channels: int) -> rules.Cluster:
-    """:func:`configure_rules.cluster` with this plan's figures: the step time by ``plan``'s estimator
-    at the per-GPU batch (linear from the batch-2 trace), patch and dataset bytes (float32 channels
-    + int64 label, as cached), and the GPU memory the step leaves."""
+    """:func:`fastvision.planning.configure.rules.cluster` with this plan's figures: the step time by
+    ``plan``'s estimator at the per-GPU batch (linear from the batch-2 trace), patch and dataset bytes
+    (float32 channels + int64 label, as cached), and the GPU memory the step leaves."""
     from fastvision.planning import estimate as est
 
     if gpus < 1:
@@ -200,7 +195,7 @@ def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = 
 
     Returns:
         ``{"fingerprint", "geometry", "fit", "gpu", "base", "choices": [(key, value, why)],
-        "overrides": recipe mapping}``; :func:`fastvision.planning.configure_recipe.write_recipe`
+        "overrides": recipe mapping}``; :func:`fastvision.planning.configure.recipe.write_recipe`
         writes it.
     """
     from fastvision.data.fingerprint import fingerprint as take_fingerprint
@@ -211,7 +206,8 @@ def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = 
     spec = memory_target(gpu, memory)
     geo = plan_geometry(fp)
     kept = fp.get("median_relative_size_after_cropping", None)
-    norm, norm_why = rules.normalisation(fp["channels"], relative_size_after_crop(fp["cases"]) if kept is None else kept)
+    norm, norm_why = rules.normalisation(fp["channels"],
+                                         relative_size_after_crop(fp["cases"]) if kept is None else kept)
 
     def make_cfg(topo: rules.Topology):
         from fastvision.config import load
@@ -230,42 +226,3 @@ def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = 
     plan["overrides"]["data"]["num_workers"] = split.workers
     plan["choices"] = choices(plan)
     return plan
-
-
-def add_cli(subparsers) -> None:
-    """``fastvision configure DATA``."""
-    p = subparsers.add_parser("configure", help="plan a 3-D segmentation recipe from a Decathlon dataset and a GPU "
-                                                "(spacing, normalisation, patch, network, batch), nnU-Net's rules",
-                              description="Fingerprint the dataset, choose target spacing, normalisation, patch, "
-                                          "pooling per axis, stages and the batch that fits the GPU, and write a "
-                                          "recipe that extends a shipped one, each value commented with its rule.")
-    p.add_argument("data", help="Decathlon folder (dataset.json, imagesTr/, labelsTr/)")
-    p.add_argument("--gpu", help="GPU to fit (a `plan` GPU name; default: this machine's CUDA device, else A100-80GB)")
-    p.add_argument("--memory", help="memory budget instead of --gpu, e.g. 24GiB")
-    p.add_argument("--gpus", type=int, default=1,
-                   help="GPUs of the job: the planned (global) batch is split over them; also states the CPU "
-                        "workers each GPU needs (default 1)")
-    p.add_argument("--base", default="unet3d", choices=sorted(rules.BASES), help="network family (default unet3d)")
-    p.add_argument("--out", type=Path, help="write the recipe YAML here (default: print the table only)")
-    p.add_argument("--json", type=Path, help="also write the plan as JSON")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out / --json file")
-    p.set_defaults(func=cmd_configure)
-
-
-def cmd_configure(args) -> int:
-    from fastvision.api import refuse_overwrite
-
-    for path, flag in ((args.out, "--out"), (args.json, "--json")):
-        if path:
-            refuse_overwrite(path, args.force, flag)  # before the fingerprint: nothing is lost or redone
-    plan = configure(args.data, gpu=args.gpu, memory=args.memory, base=args.base, gpus=args.gpus)
-    print(table(plan))  # the CLI's output
-    if args.out:
-        write_recipe(plan, args.out)
-        print(f"wrote {args.out}; train it with: fastvision train {args.out}")
-    if args.json:
-        from fastvision.utils.files import atomic_write
-
-        atomic_write(args.json, lambda f: f.write(plan_json(plan).encode()))
-        print(f"wrote {args.json}")
-    return 0

@@ -2,7 +2,7 @@
 timed against the incumbent in interleaved rounds, kept only when faster by more than the spread.
 
 Pure logic: what a trial measures comes from a ``measure(incumbent, candidate, switch)`` callable
-(:func:`fastvision.planning.tune_trial.TrialRunner.measure` in ``fastvision tune``; a deterministic
+(:func:`fastvision.planning.tune.trial.TrialRunner.measure` in ``fastvision tune``; a deterministic
 cost model in the tests), and what the ranks agree on from an ``agree`` callable (rank 0 decides).
 A setting is a flat mapping of dotted config keys to values (``{"data.cache": "ram"}``).
 """
@@ -99,7 +99,7 @@ def judge(switch: Switch, value: Any, comp: Comparison, min_gain: float = MIN_GA
                peak_mib=comp.peak_mib, data_share=comp.data_share)
     if comp.error:
         return Trial(**row, kept=False, reason=f"error: {comp.error}")
-    ratios = [c / i for c, i in zip(rates, comp.incumbent_rates) if i > 0]
+    ratios = [c / i for c, i in zip(rates, comp.incumbent_rates, strict=True) if i > 0]
     if not ratios:
         return Trial(**row, kept=False, reason="error: no timed rounds")
     ratio, spread = median(ratios), (max(ratios) - min(ratios)) / 2

@@ -23,8 +23,8 @@ from fastvision import config, engine
 from fastvision.config import RunConfig
 from fastvision.data.loader import endless_batches
 from fastvision.engine import runtime
-from fastvision.engine.loop import DataWait
-from fastvision.planning.tune_search import EXACT_RTOL, NUMERIC_RTOL, Comparison, Switch
+from fastvision.engine.meter import DataWait
+from fastvision.planning.tune.search import EXACT_RTOL, NUMERIC_RTOL, Comparison, Switch
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +165,11 @@ def parity(kind: str, reference: list[float], losses: list[float]) -> dict[str, 
     if kind == "batch":
         return None
     rtol = EXACT_RTOL if kind == "exact" else NUMERIC_RTOL
-    for i, (a, b) in enumerate(zip(reference, losses)):
+    for i, (a, b) in enumerate(zip(reference, losses, strict=True)):
         if not (abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)):  # NaN fails too
             return {"ok": False, "detail": f"step {i + 1} loss {b:.6g} vs {a:.6g} ({kind} switch: "
                                            f"relative tolerance {rtol:g})"}
-    worst = max((abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference, losses)), default=0.0)
+    worst = max((abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference, losses, strict=True)), default=0.0)
     return {"ok": True, "detail": f"{len(losses)} probe losses within {worst:.1e} (tolerance {rtol:g})"}
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from fastvision.planning.configure_rules import (
+from fastvision.planning.configure.rules import (
     ANISOTROPY,
     BASES,
     MAX_DATASET_COVERED,

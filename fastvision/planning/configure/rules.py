@@ -55,7 +55,7 @@ def target_spacing(spacings: Sequence[Sequence[float]], shapes: Sequence[Sequenc
 
 def resampled_shape(shape: Sequence[float], spacing: Sequence[float], target: Sequence[float]) -> list[int]:
     """nnU-Net ``compute_new_shape``: round(shape * spacing / target)."""
-    return [int(round(n * s / t)) for n, s, t in zip(shape, spacing, target)]
+    return [int(round(n * s / t)) for n, s, t in zip(shape, spacing, target, strict=True)]
 
 
 def initial_patch(spacing: Sequence[float], median_shape: Sequence[float]) -> list[int]:
@@ -63,7 +63,7 @@ def initial_patch(spacing: Sequence[float], median_shape: Sequence[float]) -> li
     tmp = 1 / np.asarray(spacing, dtype=float)
     volume = PATCH_VOXELS_3D if len(spacing) == 3 else PATCH_PIXELS_2D
     patch = [round(v) for v in tmp * (volume / np.prod(tmp)) ** (1 / len(spacing))]
-    return [int(min(p, m)) for p, m in zip(patch, median_shape)]
+    return [int(min(p, m)) for p, m in zip(patch, median_shape, strict=True)]
 
 
 @dataclasses.dataclass
@@ -107,14 +107,14 @@ def topology(spacing: Sequence[float], patch: Sequence[int], min_edge: int = MIN
         kernels.append(list(kernel))
     kernels.append([3] * dim)  # the bottleneck
     div = [2**n for n in pools]
-    padded = [int(math.ceil(p / d) * d) for p, d in zip(patch, div)]
+    padded = [int(math.ceil(p / d) * d) for p, d in zip(patch, div, strict=True)]
     return Topology(strides, kernels, padded, pools)
 
 
 def shrink_patch(spacing: Sequence[float], patch: Sequence[int], median_shape: Sequence[float]) -> list[int]:
     """One nnU-Net shrink step: the axis largest relative to the median shape loses one divisor step."""
     patch = list(patch)
-    axis = int(np.argsort([p / m for p, m in zip(patch, median_shape)])[-1])
+    axis = int(np.argsort([p / m for p, m in zip(patch, median_shape, strict=True)])[-1])
     trial = list(patch)
     trial[axis] -= topology(spacing, patch).divisor[axis]
     step = topology(spacing, trial).divisor[axis] if trial[axis] > 0 else topology(spacing, patch).divisor[axis]

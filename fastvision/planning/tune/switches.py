@@ -14,12 +14,12 @@ import torch
 
 from fastvision.config import RunConfig
 from fastvision.errors import ConfigError
-from fastvision.planning.tune_search import Switch
+from fastvision.planning.tune.search import Switch
 from fastvision.registry import DATASETS
 
 
 def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch: bool) -> list[Switch]:
-    """Every switch that can run here, in catalogue order (see :func:`fastvision.planning.tune_search.order`)."""
+    """Every switch that can run here, in catalogue order (see :func:`fastvision.planning.tune.search.order`)."""
     cuda, cores = device.type == "cuda", os.cpu_count() or 1
     bs = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else None
     # Every cache tier serves the sampler's items (docs/CONTRACTS.md), so a tier is an exact switch;

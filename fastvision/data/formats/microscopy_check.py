@@ -1,0 +1,99 @@
+"""Microscopy folders as ``fastvision data inspect`` sees them: which pairs training would stop on,
+and why, and what the usable ones hold (shapes, dtypes, intensity range, mask encodings).
+
+The counterpart of :mod:`fastvision.data.formats.coco_check` for ``images/`` + ``masks/``
+folders: pairs are read with the reader's own :func:`~fastvision.data.formats.microscopy.read_array`
+under the microscopy builder's settings (:func:`microscopy_rule`), so inspect names every file the
+training run would stop on. Nothing here decides anything training does.
+"""
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastvision.data.formats.microscopy import microscopy, read_array
+from fastvision.data.nonfinite import NONFINITE_FILES, count_nonfinite
+from fastvision.errors import ConfigError, DataError
+
+
+def microscopy_rule(settings: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """``(rule, row)``: the microscopy builder's ``channels`` / ``num_classes`` / ``binarize``
+    (its defaults overridden by ``settings``) and the anomaly row of the files training stops on."""
+    defaults = {k: p.default for k, p in inspect.signature(microscopy).parameters.items()
+                if k in ("channels", "num_classes", "binarize")}
+    unknown = set(settings) - set(defaults)
+    if unknown:
+        raise ConfigError(f"data inspect --set {sorted(unknown)[0]}: valid for microscopy: {', '.join(defaults)}")
+    rule = {**defaults, **settings}
+    stops = ("files training stops on (as data.args "
+             + ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in rule.items()) + ")")
+    return rule, stops
+
+
+def read_pair(img_path: Path, mask_path: Path, root: Path,
+              unusable: dict[str, list[str]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(image, mask)`` as training reads them, or None with the reason added to ``unusable``
+    (unreadable or a stack, NaN / Inf values, image and mask of different sizes)."""
+    try:
+        img, mask = read_array(img_path), read_array(mask_path)
+    except DataError as e:  # "<file>: why" -> "name: why"
+        unusable.setdefault("unreadable files, or Z / T stacks (items are 2-D)", []).append(
+            str(e).replace(str(root) + "/", ""))
+        return None
+    counts = ((img_path, count_nonfinite(img)), (mask_path, count_nonfinite(mask)))
+    bad = [f"{p.name} ({n})" for p, n in counts if n]
+    if bad:
+        unusable.setdefault(NONFINITE_FILES, []).extend(bad)
+        return None
+    if img.shape[:2] != mask.shape[:2]:
+        unusable.setdefault("image and mask of different sizes", []).append(
+            f"{img_path.name} {img.shape[:2]} vs {mask_path.name} {mask.shape[:2]}")
+        return None
+    return img, mask
+
+
+@dataclass
+class MaskTally:
+    """What :func:`~fastvision.data.inspect.inspect_microscopy` counts over the readable pairs:
+    image shapes, dtypes and intensity range, mask pixel values and encodings, and the anomalies
+    (which do not stop training)."""
+
+    shapes: Counter = field(default_factory=Counter)
+    dtypes: Counter = field(default_factory=Counter)
+    classes: Counter = field(default_factory=Counter)  # mask value -> pixels
+    encodings: Counter = field(default_factory=Counter)  # "0/1", "0/255", "12 values" -> files
+    by_encoding: dict[str, list[str]] = field(default_factory=dict)  # encoding -> mask names
+    anomalies: dict[str, list[str]] = field(default_factory=dict)
+    lo: float = np.inf
+    hi: float = -np.inf
+
+    def add(self, img: np.ndarray, mask: np.ndarray, img_path: Path, mask_path: Path) -> None:
+        """Count one pair (image (H, W[, C]), mask (H, W[, C]): its first channel)."""
+        self.shapes[str(tuple(img.shape))] += 1
+        self.dtypes[f"{img.dtype} / mask {mask.dtype}"] += 1
+        self.lo, self.hi = min(self.lo, float(img.min())), max(self.hi, float(img.max()))
+        values, counts = np.unique(mask if mask.ndim == 2 else mask[..., 0], return_counts=True)
+        for v, c in zip(values.tolist(), counts.tolist(), strict=True):
+            self.classes[v] += c
+        enc = "/".join(str(v) for v in values.tolist()) if len(values) <= 3 else f"{len(values)} values"
+        self.encodings[enc] += 1
+        self.by_encoding.setdefault(enc, []).append(mask_path.name)
+        if img_path.suffix.lower() != mask_path.suffix.lower():
+            self.anomalies.setdefault("masks with another extension than their image (paired by stem)",
+                                      []).append(f"{img_path.name}+{mask_path.name}")
+        if len(values) > 3:
+            self.anomalies.setdefault("masks with more than 3 values (instance ids? data.args.binarize)",
+                                      []).append(mask_path.name)
+
+    def flag_mixed_binary_encodings(self) -> None:
+        """Name the binary masks encoded unlike most (e.g. 0/1 beside 0/255): each is read as 0/1."""
+        if len([e for e in self.encodings if e.count("/") == 1]) > 1:
+            common = self.encodings.most_common(1)[0][0]
+            self.anomalies["binary masks encoded differently from most (each read as 0/1)"] = [
+                f"{n} ({e})" for e, names in self.by_encoding.items() if e != common and e.count("/") == 1
+                for n in names]

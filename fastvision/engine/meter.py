@@ -1,0 +1,65 @@
+"""What an epoch measures as it trains: :class:`EpochMeter` (the running counters a mid-epoch
+checkpoint carries) and :class:`DataWait` (the step clock that times waiting for the loader)."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from fastvision import distributed
+from fastvision.engine.state import Position
+
+
+class DataWait:
+    """``train_step``'s clock in ``fit`` and tune's trials: seconds spent waiting for the loader (the "data" phase)."""
+
+    def __init__(self) -> None:
+        self.seconds, self._t = 0.0, 0.0
+
+    def __call__(self, phase: str) -> None:
+        if phase == "data":
+            self._t = time.perf_counter()
+        elif phase == "h2d":
+            self.seconds += time.perf_counter() - self._t
+
+
+class EpochMeter:
+    """One epoch's running counters: on the device (read at log intervals and checkpoints only) the
+    loss sum and applied / skipped / consecutive-skipped step counts; on the host this rank's items,
+    the samples all ranks consumed (where a resume continues) and the seconds before a resume.
+    :meth:`state` / :meth:`load` carry them through a mid-epoch checkpoint, so a resumed epoch
+    reports what the uninterrupted one would."""
+
+    def __init__(self, device: torch.device):
+        self.counts = torch.zeros(4, device=device, dtype=torch.float32)  # loss sum, applied, skipped, streak
+        self.images, self.samples, self.resumed_s = 0, 0, 0.0
+        self.t_start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, skipped: torch.Tensor, images: int) -> None:
+        bad = skipped.reshape(()).float()
+        loss_sum, applied, skipped_n, streak = self.counts.unbind()
+        loss_sum += torch.where(bad > 0, 0.0, loss.float())  # a skipped step's loss may be NaN
+        applied += 1 - bad
+        skipped_n += bad
+        streak.mul_(bad).add_(bad)  # +1 when skipped, back to 0 when applied
+        self.images += images
+        self.samples += images * distributed.world_size()  # every rank trains as many items per step
+
+    def state(self) -> dict[str, Any]:
+        """Plain values (a host read: checkpoints only)."""
+        loss_sum, applied, skipped, streak = self.counts.tolist()
+        return {"loss_sum": loss_sum, "applied": applied, "skipped": skipped, "streak": streak,
+                "images": self.images, "time_s": self.elapsed()}
+
+    def load(self, position: Position) -> None:
+        saved = position.meter
+        self.counts.copy_(torch.tensor([saved["loss_sum"], saved["applied"], saved["skipped"], saved["streak"]]))
+        self.images, self.resumed_s, self.samples = saved["images"], saved["time_s"], position.samples
+
+    def start(self) -> None:
+        self.t_start = time.perf_counter()
+
+    def elapsed(self, now: float | None = None) -> float:
+        """Seconds of this epoch's training, the part before a resume included."""
+        return self.resumed_s + (time.perf_counter() if now is None else now) - self.t_start

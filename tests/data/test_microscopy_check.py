@@ -1,0 +1,84 @@
+"""What ``data inspect`` reads from a microscopy pair (``formats/microscopy_check.py``): the rule it
+checks with, why a pair is unusable, and the counts of the usable ones, worked out by hand."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+from PIL import Image
+
+from fastvision.data.formats.microscopy_check import MaskTally, microscopy_rule, read_pair
+from fastvision.data.nonfinite import NONFINITE_FILES
+from fastvision.errors import ConfigError
+
+
+@pytest.mark.parametrize("settings, rule, row", [
+    ({}, {"channels": 1, "num_classes": 2, "binarize": False},
+     "files training stops on (as data.args channels=1, num_classes=2, binarize=false)"),
+    ({"channels": 3, "binarize": True}, {"channels": 3, "num_classes": 2, "binarize": True},
+     "files training stops on (as data.args channels=3, num_classes=2, binarize=true)"),
+])
+def test_rule_is_the_builders_defaults_under_the_settings(settings, rule, row):
+    assert microscopy_rule(settings) == (rule, row)
+
+
+def test_rule_refuses_an_unknown_setting():
+    with pytest.raises(ConfigError, match="data inspect --set size: valid for microscopy: channels, num_classes"):
+        microscopy_rule({"size": 3})
+
+
+def _pair(root: Path, image: np.ndarray, mask: np.ndarray, mask_name: str = "a.png") -> tuple[Path, Path]:
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "masks").mkdir(exist_ok=True)
+    img_path, mask_path = root / "images/a.tif", root / "masks" / mask_name
+    tifffile.imwrite(img_path, image)
+    Image.fromarray(mask).save(mask_path)
+    return img_path, mask_path
+
+
+@pytest.mark.parametrize("image, mask, row, entry", [
+    (np.full((4, 4), np.nan, np.float32), np.zeros((4, 4), np.uint8), NONFINITE_FILES, "a.tif (16)"),
+    (np.zeros((4, 5), np.uint8), np.zeros((4, 4), np.uint8), "image and mask of different sizes",
+     "a.tif (4, 5) vs a.png (4, 4)"),
+])
+def test_an_unusable_pair_is_listed_with_its_reason(tmp_path, image, mask, row, entry):
+    unusable: dict[str, list[str]] = {}
+    assert read_pair(*_pair(tmp_path, image, mask), tmp_path, unusable) is None
+    assert unusable == {row: [entry]}
+
+
+def test_an_unreadable_file_is_named_relative_to_the_folder(tmp_path):
+    img_path, mask_path = _pair(tmp_path, np.zeros((4, 4), np.uint8), np.zeros((4, 4), np.uint8))
+    img_path.write_bytes(b"not a tiff")
+    unusable: dict[str, list[str]] = {}
+    assert read_pair(img_path, mask_path, tmp_path, unusable) is None
+    [(row, [entry])] = unusable.items()
+    assert row.startswith("unreadable files") and entry.startswith("images/a.tif: cannot read image")
+
+
+def test_the_tally_counts_values_encodings_and_anomalies():
+    tally = MaskTally()
+    img = np.array([[0, 7], [3, 200]], np.uint8)
+    masks = {"m1.png": np.array([[0, 1], [1, 1]], np.uint8), "m2.png": np.array([[0, 0], [0, 1]], np.uint8),
+             "m3.tif": np.array([[0, 255], [0, 0]], np.uint8), "m4.png": np.array([[0, 1], [2, 3]], np.uint8)}
+    for name, mask in masks.items():
+        tally.add(img, mask, Path("i.png"), Path(name))
+    tally.flag_mixed_binary_encodings()
+    assert (tally.lo, tally.hi) == (0.0, 200.0) and tally.shapes == {"(2, 2)": 4}
+    assert tally.dtypes == {"uint8 / mask uint8": 4}
+    assert tally.classes == {0: 1 + 3 + 3 + 1, 1: 3 + 1 + 1, 255: 1, 2: 1, 3: 1}
+    assert tally.encodings == {"0/1": 2, "0/255": 1, "4 values": 1}
+    assert tally.anomalies == {
+        "masks with another extension than their image (paired by stem)": ["i.png+m3.tif"],
+        "masks with more than 3 values (instance ids? data.args.binarize)": ["m4.png"],
+        "binary masks encoded differently from most (each read as 0/1)": ["m3.tif (0/255)"]}
+
+
+def test_one_binary_encoding_is_no_anomaly():
+    tally = MaskTally()
+    for _ in range(2):
+        tally.add(np.zeros((2, 2)), np.array([[0, 255], [0, 0]], np.uint8), Path("i.png"), Path("m.png"))
+    tally.flag_mixed_binary_encodings()
+    assert tally.anomalies == {}
