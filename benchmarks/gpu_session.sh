@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# One device call for a lent GPU (issues 23 / 31): the suite (its last row runs the GPU tests), then the
-# measurements the last GPU run left open, most valuable first, each under a time guard so the whole
-# fits one call. The first run (H200, 2026-11-26, benchmarks/RESULTS.md) measured eager bf16/fp16 and
-# the profiles; what it left: compile with fp16, SSD320 in NHWC at both precisions, the 3-D U-Net
-# compiled and in channels_last_3d, the spleen recipe's data wait inside training, and the tuner.
+# One device call for a lent GPU (issues 40, 23, 31): first the levers of issue 40 beside their baselines
+# (benchmarks/gpu_levers.py: the 3-D U-Net in NCDHW vs NDHWC with the layout-keeping norm, the shuffle
+# up-conv, the conv bias, fp16 vs bf16, batch 2/4/7; seed-001 NCHW vs NHWC, transposed vs shuffle up-conv,
+# drop_bias; compiled pairs), each row with its kernel table; then the GPU tests (the suite's last row alone:
+# its other rows measure what no change since the first run touched); then what the first run left open,
+# most valuable first, each under a time guard so the whole fits one call.
 #
 #   bash benchmarks/gpu_session.sh            # on the GPU machine, in the repo root; writes to $OUT
 #
 # Carry .whl (monai, nibabel, pycocotools wheels for cp312, see the device README): the spleen stage
-# writes NIfTI. GPU_SESSION_S (default 540) is the wall-clock the script plans for; no suite row starts
-# after all but SESSION_RESERVE_S (default 240) of it, the stages after it get what is left, and each
-# stage is skipped when less than it needs is left. SKIP_SUITE=1 skips the suite. On the H200 the suite
-# took 292 s (its pytest row 145 s of it) and a machine start 30-75 s: give the call timeout_s 570.
-# Results: $OUT/suite/gpu_suite.{json,md}, $OUT/extra.tar.gz (benchmark JSONs, profiles, tune tables).
+# writes NIfTI. GPU_SESSION_S (default 540) is the wall-clock the script plans for. The levers get
+# LEVERS_S (default 240: no row starts after it) and are stopped when less than TESTS_RESERVE_S (default 170)
+# is left; the tests get what is left, the stages after them what remains, each skipped when less than it
+# needs is left (with the defaults the levers and the tests fill the call: SKIP_TESTS=1 leaves time for the
+# stages). SKIP_LEVERS=1 / SKIP_TESTS=1 skip those parts; FULL_SUITE=1 runs every suite row instead of
+# the tests alone. A machine start took 30-75 s on the H200: give the call timeout_s 570.
+# Results (at most 8 files come back): $OUT/versions.txt; $OUT/levers/{levers.json,levers.md,kernels.txt};
+# $OUT/suite/gpu_suite.{json,md}; $OUT/extra.tar.gz (benchmark JSONs, profiles, tune tables).
 set -u
 start=$(date +%s)
 limit=${GPU_SESSION_S:-540}
-reserve=${SESSION_RESERVE_S:-240}
+reserve=${SESSION_RESERVE_S:-30}
 out=${OUT:-runs/gpu_session}
 dev=${DEVICE:-cuda}
 mkdir -p "$out/suite" /tmp/extra
@@ -31,13 +35,25 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 say "machine"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv 2>&1
-python3 -c "import torch, os; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda', 'cpus', os.cpu_count())"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv 2>&1
+  python3 -c "import torch, os; c = torch.cuda.is_available(); print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), torch.cuda.get_device_name() if c else 'no cuda', \
+'cpus', os.cpu_count())"; } 2>&1 | tee "$out/versions.txt"
 
-if [ "${SKIP_SUITE:-0}" != 1 ]; then
-  say "gpu_suite (budget $(($(left) - reserve)) s)"
-  timeout $(($(left) - 30)) python3 benchmarks/gpu_suite.py --device "$dev" --budget $(($(left) - reserve)) \
-    --out "$out/suite" 2>&1 | grep -v "^benchmark \|^gpu_suite: "
+# 1. issue 40: each lever beside its baseline, in one process, with every row's kernel table
+if [ "${SKIP_LEVERS:-0}" != 1 ]; then
+  say "gpu_levers (budget ${LEVERS_S:-240} s)"
+  timeout $(($(left) - ${TESTS_RESERVE_S:-170})) python3 benchmarks/gpu_levers.py --device "$dev" \
+    --budget "${LEVERS_S:-240}" --out "$out/levers" 2>&1 | grep -v "^gpu_levers: \|^benchmark \|^USDT"
+  say "gpu_levers exit ${PIPESTATUS[0]}"
+fi
+
+# 2. the GPU tests (the suite's last row; FULL_SUITE=1: every row)
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  only=(--only "GPU tests"); [ "${FULL_SUITE:-0}" = 1 ] && only=()
+  say "gpu_suite ${only[*]} (budget $(($(left) - reserve)) s)"
+  timeout $(($(left) - 10)) python3 benchmarks/gpu_suite.py --device "$dev" --budget $(($(left) - reserve)) \
+    "${only[@]}" --out "$out/suite" 2>&1 | grep -v "^benchmark \|^gpu_suite: "
   say "gpu_suite exit ${PIPESTATUS[0]}"
 fi
 
@@ -53,17 +69,15 @@ bench() {  # NAME MIN_SECONDS recipe args...: fastvision benchmark into /tmp/ext
   stage "bench $name" "$need" python3 -m fastvision benchmark "$@" --device "$dev" --steps 20 --warmup 8 \
     --out "/tmp/extra/$name" --force
 }
-# 1. ResNet-50: compile and fp16 together (eager fp16 1.29x bf16, compile 1.37x eager: the 7,000 goal)
+# 3. ResNet-50 from JPEG files: Pillow on the host vs nvJPEG on the GPU (issue 40 item 7; about 3 minutes)
+if [ -f benchmarks/jpeg_gpu_decode.py ]; then
+  stage "jpeg gpu decode" 200 python3 benchmarks/jpeg_gpu_decode.py --out /tmp/extra/jpeg_gpu_decode.json
+fi
+# 3a. ResNet-50: compile and fp16 together (eager fp16 1.29x bf16, compile 1.37x eager: the 8,000 goal)
 bench rn50-compiled 150 resnet50-imagenet --batch-sizes 256 --precision bf16,fp16 --compile
-# 2. SSD320 in NHWC at both precisions and two batches (NHWC 1,053 vs NCHW 910-944 at 64, bf16)
+# 3b. SSD320 in NHWC at both precisions and two batches (NHWC 1,053 vs NCHW 910-944 at 64, bf16)
 bench ssd-nhwc 60 ssd320-coco --batch-sizes 64,128 --precision bf16,fp16 --channels-last \
   --set model.args.pretrained=null
-# 3. 3-D U-Net: channels_last_3d eager, then compiled (eager 25.6 bf16 / 31.0 fp16 vol/s at 2)
-bench unet3d-ndhwc 45 unet3d-brats --batch-sizes 2 --precision bf16,fp16 --channels-last
-bench unet3d-compiled 150 unet3d-brats --batch-sizes 2 --precision bf16,fp16 --compile
-# 3b. which kernels the seed-001 U-Net's step is (1.8 % of peak on the H200): profile's top-kernel table
-stage "profile seed001 kernels" 40 python3 -m fastvision profile unet2d-seed001 --synthetic --device "$dev" --amp bf16 \
-  --set train.channels_last=true --steps 10 --warmup 5 --trace /tmp/trace-seed001 --out /tmp/extra/profile-seed001-trace
 # 4. the spleen recipe's data wait inside training, with the GPU cache (goal: < 5 % of the step)
 if [ "$(left)" -gt 90 ]; then
   python3 -m fastvision data synth spleen /tmp/spleen --cases 12 --size 160 >/dev/null 2>&1 || say "spleen synth failed"

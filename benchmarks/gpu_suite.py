@@ -244,9 +244,11 @@ def measure_tests(device: torch.device, timeout_s: float) -> dict[str, Any]:
     return out
 
 
-def run_suite(device: torch.device, quick: bool, budget: float | None = None) -> dict[str, Any]:
+def run_suite(device: torch.device, quick: bool, budget: float | None = None,
+              only: list[str] | None = None) -> dict[str, Any]:
     """Every selected row, each timed, with a time guard: no row starts after ``budget`` seconds (default:
-    the device's and mode's), and what would not fit is skipped with a note."""
+    the device's and mode's), and what would not fit is skipped with a note. ``only``: run just the rows
+    whose name contains one of these strings (a session re-measures only what a change touched)."""
     if budget is None:
         budget = CPU_BUDGET_S if device.type == "cpu" else QUICK_BUDGET_S if quick else GPU_BUDGET_S
     start, rows = time.perf_counter(), []
@@ -257,7 +259,9 @@ def run_suite(device: torch.device, quick: bool, budget: float | None = None) ->
                "overrides": s["set"], "anchors": [ANCHORS[a][0] for a in w["anchors"]],
                "anchor_sources": [ANCHORS[a][1] for a in w["anchors"]], "goal": w["goal"]}
         t0 = time.perf_counter()
-        if quick and not w["quick"]:
+        if only and not any(o.lower() in w["name"].lower() for o in only):
+            row["skip"] = "not in --only"
+        elif quick and not w["quick"]:
             row["skip"] = "not in --quick"
         elif t0 - start > budget:
             row["skip"] = f"time budget ({budget:.0f} s) spent"
@@ -284,7 +288,8 @@ def run_suite(device: torch.device, quick: bool, budget: float | None = None) ->
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"suite": "gpu_suite", "issue": 13, "device": str(device), "gpu": gpu,
             "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "quick": quick, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available()
+            else None, "quick": quick, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": "python benchmarks/gpu_suite.py " + " ".join(sys.argv[1:]),
             "seconds": round(time.perf_counter() - start, 1), "goal_source": GOAL_SOURCE, "rows": rows}
 
@@ -315,8 +320,9 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 def title(report: dict[str, Any]) -> str:
     where = report["gpu"] or f"{report['device']} ({report['cpu']})"
-    return (f"fastvision GPU suite{' (quick)' if report['quick'] else ''} on {where}, torch {report['torch']}, "
-            f"{report['date']}, {report['seconds']} s")
+    cudnn = f", cuDNN {report['cudnn']}" if report.get("cudnn") else ""
+    return (f"fastvision GPU suite{' (quick)' if report['quick'] else ''} on {where}, torch {report['torch']}"
+            f"{cudnn}, {report['date']}, {report['seconds']} s")
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -348,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=None,
                    help="seconds after which no row starts (default 60 on cpu, 120 --quick, 510 on a GPU)")
     p.add_argument("--out", type=Path, default=Path("runs/gpu_suite"), help="folder for gpu_suite.json / .md")
+    p.add_argument("--only", nargs="+", metavar="TEXT", help="run only the rows whose name contains TEXT, "
+                                                             "e.g. --only 'GPU tests' 'compiled'")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from rich.console import Console
@@ -357,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":  # a bare "cuda" means the current device (set_device needs an index)
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
-    report = run_suite(device, args.quick, args.budget)
+    report = run_suite(device, args.quick, args.budget, args.only)
     Console(width=200).print(rich_table(report))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_suite.json").write_text(json.dumps(report, indent=2) + "\n")

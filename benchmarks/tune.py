@@ -31,7 +31,8 @@ NAIVE = ["data.cache=none", "data.num_workers=0", "train.channels_last=false"]
 GRID = {"data.cache": ["none", "ram"], "data.num_workers": [0, 2]}
 # switches the grid does not cover are pinned in tune too, so both search the same switches (time:
 # compile costs 20-60 s a build here, and every grid point is two end-to-end runs)
-KEEP = ["data.loader", "train.compile", "train.amp", "train.cpu_threads", "train.channels_last"]
+KEEP = ["data.loader", "train.compile", "train.amp", "train.cpu_threads", "train.channels_last",
+        "model.args.norm", "model.args.up", "model.args.drop_bias"]
 COMMON = ["examples=0", "train.val_every=100", "train.target=null", "train.log_every=50"]
 
 SPLEEN = ["data.args.patch_size=[32,32,32]", "task.args.sample_shape=[1,32,32,32]",

@@ -210,9 +210,9 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
     for f in files:
         if not f.exists():
             raise DataError(f"{f}: input not found")
-    # macOS archives carry "._name" companions (AppleDouble metadata) beside every file: not inputs.
-    return [p for f in files for p in (sorted(q for q in f.iterdir() if not q.name.startswith("."))
-                                       if f.is_dir() else [f])]
+    from fastvision.inference.inputs import folder_inputs  # a folder without images: one line naming it
+
+    return [p for f in files for p in (folder_inputs(f) if f.is_dir() else [f])]
 
 
 def is_volume_input(files: list[Path]) -> bool:

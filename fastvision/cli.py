@@ -226,6 +226,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shard(args: argparse.Namespace) -> int:
+    from fastvision.data.shards.writer import write_shards
+
+    index = write_shards(args.src, args.out, args.shard_size, args.format)
+    for split, shards in index.splits.items():
+        print(f"{split}: {sum(s.nsamples for s in shards)} samples in {len(shards)} shard(s), "
+              f"{sum(s.filesize for s in shards) / 1e6:.1f} MB")
+    print(f"shard set: {Path(args.out) / 'shards.json'} (train with --data {args.out})")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (the usage is one ``--help`` away), exit status 2 as before."""
 
@@ -258,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_args.recipes_args(p)
     p.set_defaults(func=cmd_recipes)
 
-    data = sub.add_parser("data", help="synthetic data and dataset inspection")
+    data = sub.add_parser("data", help="synthetic data, dataset inspection and sharding")
     dsub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     p = dsub.add_parser("synth", help="write a synthetic dataset in a real format", add_help=False,
                         description="Write a synthetic dataset. Extra --option VALUE pairs go to the generator; "
@@ -271,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "training: unreadable, a Z/T stack, an image without its mask, sizes that differ.")
     cli_args.inspect_args(p)
     p.set_defaults(func=cmd_inspect)
+    p = dsub.add_parser("shard", help="write a dataset as WebDataset tar shards + an index (train with --data OUT)",
+                        description="Write an ImageFolder/ImageNet or COCO dataset as WebDataset tar shards and "
+                        "shards.json: the files as they are plus labels, deterministic bytes, a sha256 per shard. "
+                        "Rerun after an interruption to complete it; finished shards are never rewritten.")
+    cli_args.shard_args(p)
+    p.set_defaults(func=cmd_shard)
 
     for name, where in FEATURES:
         module, function = where.split(":")

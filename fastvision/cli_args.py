@@ -103,3 +103,11 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="microscopy: check as training with these data.args would (channels, num_classes, "
                         "binarize; default the builder's: channels=1, num_classes=2, binarize=false)")
+
+
+def shard_args(p: argparse.ArgumentParser) -> None:
+    """``fastvision data shard SRC OUT``."""
+    p.add_argument("src", help="an ImageFolder/ImageNet or COCO dataset folder")
+    p.add_argument("out", help="the shard set folder (an unfinished one is completed; finished shards are kept)")
+    p.add_argument("--shard-size", default="256MB", help="target bytes per shard, e.g. 256MB, 1GB (default 256MB)")
+    p.add_argument("--format", choices=("imagefolder", "coco"), help="the source layout (default: detected)")

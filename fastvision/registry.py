@@ -37,6 +37,13 @@ class Registry:
 
         return deco
 
+    def replace(self, name: str, fn: Callable[..., Any]) -> None:
+        """Put ``fn`` where the builder ``name`` was: a wrapper that extends a registered builder (e.g.
+        the ImageFolder and COCO builders that also read shard sets). ``name`` must be registered."""
+        if name not in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is not registered: nothing to replace")
+        self._entries[name] = fn
+
     def get(self, name: str) -> Callable[..., Any]:
         if name not in self._entries:
             raise ConfigError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}")

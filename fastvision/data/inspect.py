@@ -71,6 +71,26 @@ def anomaly_rows(found: dict[str, Sequence[Any]]) -> dict[str, str]:
     return {k: f"{len(v)} ({first_few(v)})" for k, v in found.items() if v}
 
 
+@inspector("shards", lambda p: (p / "shards.json").is_file())
+def inspect_shards(path: Path) -> dict[str, Any]:
+    from fastvision.data.formats.shard_sets import inspect_set
+
+    return inspect_set(path)
+
+
+def _tfrecords(path: Path) -> bool:
+    from fastvision.data.shards.tfrecord import is_tfrecord_set
+
+    return is_tfrecord_set(path)
+
+
+@inspector("tfrecords", _tfrecords)
+def inspect_tfrecords(path: Path) -> dict[str, Any]:
+    from fastvision.data.formats.shard_sets import inspect_tfrecords as report
+
+    return report(path)
+
+
 @inspector("microscopy", lambda p: (p / "images").is_dir() and (p / "masks").is_dir())
 def inspect_microscopy(path: Path, **settings: Any) -> dict[str, Any]:
     """Every pair read and put through training's own :func:`prepare_pair` with the microscopy

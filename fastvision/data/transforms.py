@@ -14,7 +14,8 @@ per item by :func:`item_generator` from ``(seed, epoch, sample index)``, never t
 one, so an augmented item does not depend on which loader thread or process built it, how many
 there are, the world size, or what else drew random numbers meanwhile; a resumed run redraws
 exactly what the uninterrupted run drew. :func:`random_resized_box` is the random-resized-crop
-sampler both ImageNet paths (Pillow and DALI) draw from such a generator.
+sampler every ImageNet path (Pillow, DALI, the GPU decoder) draws from such a generator;
+:func:`random_resized_crop_draws` adds the flip, in the order all of them draw.
 """
 from __future__ import annotations
 
@@ -177,3 +178,23 @@ def random_resized_box(width: int, height: int, scale: tuple[float, float], rati
         w, h = width, height
     left, top = (width - w) // 2, (height - h) // 2
     return float(left), float(top), float(left + w), float(top + h)
+
+
+def random_resized_crop_draws(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float],
+                              hflip: float, generator: torch.Generator | None = None
+                              ) -> tuple[tuple[float, float, float, float], bool]:
+    """``(box, flip)`` of one training sample: :func:`random_resized_box`, then the horizontal flip
+    (drawn only when ``hflip > 0``), in this order from ``generator``: the draws every ImageNet path
+    (Pillow, the GPU decoder) makes for a sample, so the same (seed, epoch, index) crops alike."""
+    box = random_resized_box(width, height, scale, ratio, generator)
+    flip = hflip > 0 and torch.rand((), generator=generator).item() < hflip
+    return box, flip
+
+
+def center_box(width: int, height: int, resize: int, crop: int) -> tuple[float, float, float, float]:
+    """The box of the original image that "shorter side -> ``resize``, centre crop ``crop``" keeps
+    (evaluation on every ImageNet path)."""
+    s = min(width, height) / resize  # original pixels per resized pixel
+    cw, ch = min(crop * s, width), min(crop * s, height)
+    left, top = (width - cw) / 2, (height - ch) / 2
+    return left, top, left + cw, top + ch

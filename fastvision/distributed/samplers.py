@@ -8,7 +8,7 @@ to the running job's; :mod:`fastvision.distributed` re-exports them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 
 import torch
 from torch.utils.data import Sampler
@@ -63,12 +63,14 @@ class TrainSampler(Sampler[int]):
             workers (``--emulate-workers``); each emulated worker's partial last batch is dropped,
             as a training loader with ``drop_last`` does on a real rank.
         batch_size: per-worker batch, needed only when emulating.
+        order: the dataset's own order of an epoch (a shard set's shard-aware permutation), drawn
+            from the generator this sampler seeds with (seed, epoch); default a uniform permutation.
     """
 
     def __init__(self, data: Sized | int, *, num_replicas: int | None = None, rank: int | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, emulate_workers: int = 1,
-                 batch_size: int = 1):
-        self.n = _length(data)
+                 batch_size: int = 1, order: Callable[[torch.Generator], list[int]] | None = None):
+        self.n, self.order = _length(data), order
         self.num_replicas, self.rank = _group(num_replicas, rank)
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.emulate, self.batch_size = emulate_workers, batch_size
@@ -93,7 +95,7 @@ class TrainSampler(Sampler[int]):
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(_mix_seed(self.seed, self.epoch if epoch is None else epoch))
-            order = torch.randperm(self.n, generator=g).tolist()
+            order = self.order(g) if self.order else torch.randperm(self.n, generator=g).tolist()
         else:
             order = list(range(self.n))
         if self.total > self.n and self.n > 0:

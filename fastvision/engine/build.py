@@ -144,7 +144,7 @@ def _build_loaders(run: Run, micro_steps: int, wrap_train_set: Callable[[Any], A
     cfg, tc, device = run.cfg, run.cfg.train, run.device
     raw = run.train_set
     # the sampler first: the gpu cache holds on the device the share it reads each epoch
-    sampler = train_sampler(len(raw), cfg, tc.batch_size)
+    sampler = train_sampler(len(raw), cfg, tc.batch_size, order=getattr(raw, "epoch_order", None))
     run.train_set = cached_train_set(raw, cfg, run.env, device, share=sampler.indices)
     data = wrap_train_set(run.train_set) if wrap_train_set else run.train_set
     run.train_loader = make_loader(data, run.task, cfg, tc.batch_size, True, device,
@@ -162,11 +162,12 @@ def _build_loaders(run: Run, micro_steps: int, wrap_train_set: Callable[[Any], A
                           f"the {len(raw)} training items")
 
 
-def train_sampler(n: int, cfg: RunConfig, batch_size: int) -> distributed.TrainSampler:
+def train_sampler(n: int, cfg: RunConfig, batch_size: int, order=None) -> distributed.TrainSampler:
     """The training order of ``n`` items: this rank's share of the (train.seed, epoch) permutation
-    (emulated workers' micro-batches with ``train.emulate_workers``)."""
+    (emulated workers' micro-batches with ``train.emulate_workers``); ``order``: the dataset's own
+    permutation of a (seed, epoch) generator (a shard set's ``epoch_order``)."""
     return distributed.TrainSampler(n, seed=cfg.train.seed, shuffle=True, emulate_workers=cfg.train.emulate_workers,
-                             batch_size=batch_size)
+                             batch_size=batch_size, order=order)
 
 
 def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device,

@@ -28,7 +28,13 @@ from fastvision.losses.basic import (
     label_smoothing_ce,
     sigmoid_focal_loss,
 )
-from fastvision.losses.compound import DiceBCELoss, DiceCELoss, DiceFocalLoss
+from fastvision.losses.compound import (
+    DeepSupervisionLoss,
+    DiceBCELoss,
+    DiceCELoss,
+    DiceFocalLoss,
+    deep_supervision_weights,
+)
 from fastvision.losses.dice import (
     DiceLoss,
     GeneralizedDiceLoss,
@@ -37,7 +43,8 @@ from fastvision.losses.dice import (
 )
 
 __all__ = [
-    "ACTIVATIONS", "BCEWithLogitsLoss", "CrossEntropyLoss", "DiceBCELoss", "DiceCELoss", "DiceFocalLoss",
+    "ACTIVATIONS", "BCEWithLogitsLoss", "CrossEntropyLoss", "DeepSupervisionLoss", "DiceBCELoss", "DiceCELoss",
+    "DiceFocalLoss",
     "DiceLoss", "FocalLoss", "GeneralizedDiceLoss", "MaskedDiceLoss", "TverskyLoss", "class_indices",
-    "dense_target", "label_smoothing_ce", "sigmoid_focal_loss",
+    "deep_supervision_weights", "dense_target", "label_smoothing_ce", "sigmoid_focal_loss",
 ]

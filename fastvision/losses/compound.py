@@ -178,3 +178,53 @@ class DiceBCELoss(nn.Module):
             inter, denom = (p * g).sum(dims), p.sum(dims) + g.sum(dims)
             dice = (1 - (2 * inter + self.smooth_nr) / (denom + self.smooth_dr)).mean(0).sum()
             return self.lambda_bce * bce + self.lambda_dice * dice
+
+
+def deep_supervision_weights(n: int) -> list[float]:
+    """nnU-Net's weights of ``n`` outputs, full resolution first: ``1 / 2**i``, the lowest output's
+    set to 0, normalised to sum 1 (``nnUNetTrainer._build_loss``). ``n = 4`` -> 8/14, 4/14, 2/14, 0."""
+    if n < 2:
+        raise ValueError(f"deep supervision needs at least 2 outputs, got {n}")
+    w = [1 / 2**i for i in range(n)]
+    w[-1] = 0.0
+    total = sum(w)
+    return [v / total for v in w]
+
+
+def downsample_target(target: Tensor, spatial: tuple[int, ...]) -> Tensor:
+    """A label map at a lower decoder scale as nnU-Net's ``DownsampleSegForDSTransform``: nearest-exact
+    interpolation of class indices ``(B, *S)`` / ``(B, 1, *S)`` or float region masks ``(B, C, *S)``."""
+    if tuple(target.shape[-len(spatial):]) == tuple(spatial):
+        return target
+    squeeze = target.dim() == len(spatial) + 1
+    x = target[:, None] if squeeze else target
+    out = F.interpolate(x.float(), size=list(spatial), mode="nearest-exact").to(target.dtype)
+    return out[:, 0] if squeeze else out
+
+
+class DeepSupervisionLoss(nn.Module):
+    """``sum_i w_i * loss(outputs[i], target at outputs[i]'s scale)`` (nnU-Net's ``DeepSupervisionWrapper``).
+
+    Args:
+        loss: the per-scale loss, ``loss(logits, target)``.
+        weights: one per output, full resolution first; None: :func:`deep_supervision_weights`.
+    """
+
+    def __init__(self, loss: nn.Module, weights: list[float] | None = None):
+        super().__init__()
+        self.loss, self.weights = loss, None if weights is None else [float(w) for w in weights]
+
+    def forward(self, outputs: list[Tensor] | Tensor, target: Tensor) -> Tensor:
+        """Args: outputs ``[(B, C, *S_i)]`` (or one tensor: the plain loss); target at full resolution."""
+        if isinstance(outputs, Tensor):
+            return self.loss(outputs, target)
+        weights = self.weights if self.weights is not None else deep_supervision_weights(len(outputs))
+        if len(weights) != len(outputs):
+            raise ValueError(f"{len(weights)} deep supervision weights for {len(outputs)} outputs")
+        total = 0.0
+        for w, out in zip(weights, outputs, strict=True):
+            if w:
+                total = total + w * self.loss(out, downsample_target(target, tuple(out.shape[2:])))
+            else:  # nnU-Net's zero weight (lowest scale); a zero term keeps its head in the graph for DDP
+                total = total + out.float().sum() * 0.0
+        return total

@@ -7,18 +7,27 @@ Typical use::
 
     conv(3)(16, 32, 3, padding=1)                   # nn.Conv3d
     norm("instance", 3, 32)                         # nn.InstanceNorm3d(32, affine=True)
+    norm("instance_cl", 3, 32)                      # the same norm, keeping a channels_last_3d input's layout
     act("leakyrelu", slope=0.01)                    # nn.LeakyReLU(0.01)
     ConvNormAct(3, 16, 32, stride=2, norm="instance", act="leakyrelu")
+    ShuffleUp(3, 32, 16, 2)                         # a 2x2x2 stride-2 transposed conv as 1x1x1 conv + 3-D shuffle
+
+The GPU levers (docs/gpu.md, "Model levers"): ``instance_cl`` (an InstanceNorm that keeps a
+channels-last layout, the activation inside it), :class:`ShuffleUp` (``up_impl="shuffle"``) and
+:func:`drop_bias_before_norm`. Each gives the stock layers' results up to float rounding.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 Size = int | Sequence[int]  # one value for every axis, or one per axis (3x3x1 kernels, 2x2x1 strides)
-NormName = Literal["batch", "instance", "group", "none"]
+NormName = Literal["batch", "instance", "instance_cl", "group", "none"]
 ActName = Literal["relu", "leakyrelu", "prelu", "relu6", "gelu", "none"]
 
 
@@ -73,7 +82,9 @@ def norm(name: NormName | None, spatial_dims: int, channels: int, *, groups: int
     """Normalisation layer over ``channels`` feature maps.
 
     Args:
-        name: "batch", "instance" (always ``affine=True``, no running stats), "group" or "none"/None.
+        name: "batch", "instance" (always ``affine=True``, no running stats), "instance_cl" (the same
+            norm as :class:`InstanceNormCL`: a channels-last input stays channels-last), "group" or
+            "none"/None.
         spatial_dims: 1, 2 or 3 (ignored by "group").
         channels: number of channels C of the (B, C, *S) input.
         groups: number of groups for "group" (must divide ``channels``).
@@ -86,11 +97,65 @@ def norm(name: NormName | None, spatial_dims: int, channels: int, *, groups: int
         return (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)[d](channels, eps=eps)
     if name == "instance":
         return (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[d](channels, eps=eps, affine=True)
+    if name == "instance_cl":
+        return InstanceNormCL(channels, eps=eps)
     if name == "group":
         if channels % groups:
             raise ValueError(f"group norm: {groups} groups do not divide {channels} channels")
         return nn.GroupNorm(groups, channels, eps=eps)
-    raise ValueError(f"unknown norm {name!r}; valid: batch, instance, group, none")
+    raise ValueError(f"unknown norm {name!r}; valid: batch, instance, instance_cl, group, none")
+
+
+class InstanceNormCL(nn.Module):
+    """Affine instance norm of (B, C, *S) that keeps the input's memory layout, forward and backward.
+
+    ``nn.InstanceNorm3d`` reshapes its input to run batch norm and so copies a channels_last_3d
+    tensor to contiguous and returns it contiguous (pytorch #67976, #72341); the next conv copies it
+    back. Here the statistics are a reduction over S (``var_mean``) and the output one
+    ``addcmul(shift, x, scale)`` per element, ops whose outputs follow the input's layout. The same
+    parameters (``weight``, ``bias``: C) and state-dict keys as ``nn.InstanceNorm{N}d(affine=True)``.
+
+    Args:
+        channels: C.
+        eps: added to the variance.
+        act: "relu" or "leakyrelu" to apply in place on the output inside this module (MLPerf's
+            InstanceNorm with the activation in it); None for none.
+        slope: leakyrelu's negative slope.
+
+    Numerics: fp32 / bf16 inputs reduce with ``var_mean`` in their dtype (fp32 accumulation);
+    fp16 ones take E[x^2] - E[x]^2 from fp32 reductions (an fp16 variance overflows above 65504).
+    """
+
+    def __init__(self, channels: int, eps: float = 1e-5, act: Literal["relu", "leakyrelu"] | None = None,
+                 slope: float = 0.01):
+        super().__init__()
+        if act not in (None, "relu", "leakyrelu"):
+            raise ValueError(f"InstanceNormCL fuses relu or leakyrelu only, got {act!r}")
+        self.eps, self.act, self.slope = eps, act, slope
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dims = tuple(range(2, x.dim()))
+        if x.dtype == torch.float16:
+            n = math.prod(x.shape[2:])
+            mean = torch.mean(x, dims, keepdim=True, dtype=torch.float32)
+            sq = torch.linalg.vector_norm(x, 2, dims, keepdim=True, dtype=torch.float32) ** 2 / n
+            var = (sq - mean * mean).clamp_min(0)
+        else:
+            var, mean = torch.var_mean(x, dim=dims, keepdim=True, correction=0)
+        shape = (1, -1) + (1,) * len(dims)
+        scale = torch.rsqrt(var.float() + self.eps) * self.weight.view(shape)
+        shift = self.bias.view(shape) - mean.float() * scale
+        y = torch.addcmul(shift.to(x.dtype), x, scale.to(x.dtype))
+        if self.act == "relu":
+            y = F.relu_(y)  # in place: y is this module's fresh output, and addcmul's backward does not read it
+        elif self.act == "leakyrelu":
+            y = F.leaky_relu_(y, self.slope)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.numel()}, eps={self.eps}" + (f", act={self.act}" if self.act else "")
 
 
 def act(name: ActName | None, *, slope: float = 0.01, inplace: bool = False) -> nn.Module:
@@ -132,6 +197,11 @@ class ConvNormAct(nn.Sequential):
         transposed: use a transposed conv whose output is exactly ``S * stride``.
         norm_groups: groups for group norm.
         act_slope: negative slope for leakyrelu.
+        up_impl: how a transposed conv is computed: "transpose" (``nn.ConvTranspose{N}d``) or
+            "shuffle" (:class:`ShuffleUp`, the same weights; kernel == stride only).
+
+    With ``norm="instance_cl"`` and a relu / leakyrelu (no dropout) the activation runs inside the
+    norm module (no ``act`` submodule; the state dict is the same).
 
     Shapes:
         (B, C_in, *S) -> (B, C_out, *S') with S' = ceil(S / stride) (or S * stride if transposed).
@@ -152,12 +222,15 @@ class ConvNormAct(nn.Sequential):
         transposed: bool = False,
         norm_groups: int = 8,
         act_slope: float = 0.01,
+        up_impl: Literal["transpose", "shuffle"] = "transpose",
     ):
         if bias is None:
             bias = norm in (None, "none")
         kernel_size, stride = per_axis(kernel_size, spatial_dims), per_axis(stride, spatial_dims)
         padding = tuple((k - 1) // 2 for k in kernel_size)
-        if transposed:
+        if transposed and up_impl == "shuffle":
+            layer = ShuffleUp(spatial_dims, in_channels, out_channels, kernel_size, stride, bias=bias)
+        elif transposed:
             # output_padding makes (S-1)*s - 2p + k + op == S*s for k=2 and k=3 at stride 2 (and k odd at 1)
             output_padding = tuple(s - 1 - (k - 1) % 2 for k, s in zip(kernel_size, stride, strict=True))
             layer = conv_transpose(spatial_dims)(
@@ -168,11 +241,14 @@ class ConvNormAct(nn.Sequential):
         has_norm = norm not in (None, "none")
         super().__init__()
         self.conv = layer
-        if has_norm:
+        fuse = norm == "instance_cl" and act in ("relu", "leakyrelu") and dropout <= 0
+        if fuse:
+            self.norm = InstanceNormCL(out_channels, act=act, slope=act_slope)
+        elif has_norm:
             self.norm = _norm(norm, spatial_dims, out_channels, groups=norm_groups)
         if dropout > 0:
             self.drop = nn.Dropout(dropout)
-        if act not in (None, "none"):
+        if act not in (None, "none") and not fuse:
             # in place is safe here: the act's input is a fresh conv/norm/dropout output
             self.act = _act(act, slope=act_slope, inplace=True)
 
@@ -232,6 +308,81 @@ class ResidualUnit(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.conv(x) + self.residual(x)
+
+
+class ShuffleUp(nn.Module):
+    """A transposed conv whose kernel equals its stride (2x2x2 at stride 2), computed as a 1x1 conv
+    to ``C_out * prod(stride)`` channels and an N-d pixel shuffle.
+
+    Each output voxel of such a transposed conv takes one input voxel through one kernel tap, so
+    the result equals ``nn.ConvTranspose{N}d(C_in, C_out, stride, stride)`` given the same weights;
+    the parameters are stored in that layer's shapes (``weight``: (C_in, C_out, *stride), ``bias``:
+    C_out), so state dicts load either way. On a channels-last input the 1x1 conv's output channels
+    are ordered tap-major and the shuffle writes a channels-last output (one copy); on a contiguous
+    input channel-major, as ``pixel_shuffle``.
+
+    Args:
+        spatial_dims: 1, 2 or 3.
+        in_channels / out_channels: C_in -> C_out.
+        kernel_size: must equal ``stride`` per axis.
+        stride: up-sampling factor, an int or one per axis (``(2, 2, 1)``).
+        bias: learn a bias of C_out.
+
+    Shapes:
+        (B, C_in, *S) -> (B, C_out, *(S * stride)).
+    """
+
+    def __init__(self, spatial_dims: int, in_channels: int, out_channels: int, kernel_size: Size, stride: Size,
+                 bias: bool = True):
+        super().__init__()
+        k, s = per_axis(kernel_size, spatial_dims), per_axis(stride, spatial_dims)
+        if k != s:
+            raise ValueError(f"up='shuffle' needs the up-convolution's kernel equal to its stride, got kernel {k} "
+                             f"at stride {s} (up_kernel 2 with stride 2; else up='transpose')")
+        self.dims, self.factors, self.out_channels = spatial_dims, s, out_channels
+        self.weight = nn.Parameter(torch.empty(in_channels, out_channels, *s))
+        self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
+        # nn.ConvTranspose's own initialisation, same draws: either implementation starts from the same weights
+        nn.modules.conv._ConvNd.reset_parameters(self)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, cin, cout, taps = self.dims, self.weight.shape[0], self.out_channels, math.prod(self.factors)
+        cl = x.dim() > 3 and not x.is_contiguous() and x.is_contiguous(
+            memory_format=torch.channels_last if n == 2 else torch.channels_last_3d)
+        spatial = tuple(range(2, 2 + n))
+        order = (*spatial, 1, 0) if cl else (1, *spatial, 0)  # output channel = tap * C_out + o, or o * taps + tap
+        w = self.weight.permute(order).reshape(cout * taps, cin, *(1,) * n)
+        b = None if self.bias is None else (self.bias.repeat(taps) if cl else self.bias.repeat_interleave(taps))
+        y = (F.conv1d, F.conv2d, F.conv3d)[n - 1](x, w, b)
+        batch, size = y.shape[0], y.shape[2:]
+        out = tuple(a * f for a, f in zip(size, self.factors, strict=True))
+        inter = [i for a in range(n) for i in (a, n + a)]  # S1, f1, S2, f2, ... as offsets of (*S, *f)
+        if cl:  # (B, *S, *f, C_out) in memory -> (B, S1, f1, S2, f2, ..., C_out): one copy, channels-last
+            y = y.permute(0, *spatial, 1).reshape(batch, *size, *self.factors, cout)
+            y = y.permute(0, *(1 + i for i in inter), 2 * n + 1).reshape(batch, *out, cout)
+            return y.permute(0, n + 1, *range(1, n + 1))
+        y = y.reshape(batch, cout, *self.factors, *size)  # (B, C_out, *f, *S) -> (B, C_out, S1, f1, S2, f2, ...)
+        return y.permute(0, 1, *(2 + (i + n) % (2 * n) for i in inter)).reshape(batch, cout, *out)
+
+
+def drop_bias_before_norm(model: nn.Module) -> int:
+    """Remove the bias of every conv of a :class:`ConvNormAct` that a batch or instance norm follows.
+
+    Such a norm subtracts each channel's mean, so a per-channel constant added before it cancels:
+    the training outputs are the same up to float rounding. Instance norm keeps no statistics; batch
+    norm's running mean then tracks the unbiased means, so eval outputs agree once it has converged
+    (the difference decays as ``(1 - momentum) ** steps``). Group norm is left alone: it subtracts a
+    group's mean, not a channel's. Called after initialisation, so the other weights are those the model
+    with biases draws. Returns the number of biases removed.
+    """
+    removed = 0
+    for m in model.modules():
+        if isinstance(m, ConvNormAct) and getattr(m.conv, "bias", None) is not None and isinstance(
+                getattr(m, "norm", None), (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
+                                           InstanceNormCL)):
+            m.conv.bias = None
+            removed += 1
+    return removed
 
 
 # ConvNormAct's arguments shadow the factory names; keep module-level aliases for use inside it.

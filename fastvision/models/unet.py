@@ -30,8 +30,10 @@ from fastvision.models.layers import (
     ConvNormAct,
     NormName,
     ResidualUnit,
+    ShuffleUp,
     Size,
     conv,
+    drop_bias_before_norm,
     per_axis,
     pool,
 )
@@ -99,9 +101,9 @@ class _Parts:
         k = kernel if self.residual else (1,) * self.dims
         if all(s == 1 for s in stride):
             return ConvNormAct(self.dims, cin, cout, k, **o)
-        if self.up == "transpose":
+        if self.up in ("transpose", "shuffle"):
             uk = tuple(self.up_kernel if s > 1 or self.up_kernel % 2 else 1 for s in stride)
-            return ConvNormAct(self.dims, cin, cout, uk, stride, transposed=True, **o)
+            return ConvNormAct(self.dims, cin, cout, uk, stride, transposed=True, up_impl=self.up, **o)
         mode = ("linear", "bilinear", "trilinear")[self.dims - 1]
         return nn.Sequential(nn.Upsample(scale_factor=tuple(float(s) for s in stride), mode=mode, align_corners=False),
                              ConvNormAct(self.dims, cin, cout, k, **o))
@@ -110,7 +112,7 @@ class _Parts:
 def _xavier(model: nn.Module) -> None:
     """Glorot-uniform conv weights and zero biases (seed 000)."""
     for m in model.modules():
-        if isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        if isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d, ShuffleUp)):
             nn.init.xavier_uniform_(m.weight)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
@@ -136,12 +138,19 @@ class UNet(nn.Module):
         norm_groups: groups for group norm.
         bias: conv bias; ``None`` = only where no norm follows.
         down: "maxpool" (pool, then stride-1 convs) or "stride" (the stage's first conv is strided).
-        up: "transpose" (transposed conv) or "interp" ((bi/tri)linear resize + conv).
+        up: "transpose" (transposed conv), "shuffle" (the same transposed conv computed as a 1x1 conv
+            + pixel shuffle, :class:`~fastvision.models.layers.ShuffleUp`; ``up_kernel`` 2 only) or
+            "interp" ((bi/tri)linear resize + conv).
         up_kernel: transposed-conv kernel (2 for the classic 2x2x2 stride-2 up-conv, 3 in MONAI).
         head_kernel: kernel of the classic output conv (1 or 3); unused when ``residual``.
         dropout: dropout probability after each norm (0 disables it).
         residual: use the residual layout described in the module docstring.
         init: "default" (PyTorch) or "xavier" (Glorot uniform weights, zero bias, as seed 000).
+        drop_bias: after initialisation, remove the bias of every conv that a batch or instance norm
+            follows (the norm cancels it: same outputs up to rounding; MLPerf's convs have none).
+        deep_supervision: in training, also return logits of the lower decoder scales (nnU-Net): a
+            list, full resolution first, one 1x1 head per lower decoder stage; eval returns the
+            full-resolution logits only. Classic layout with at least two decoder stages.
 
     Shapes:
         (B, C_in, *S) -> (B, out_channels, *S); each size in S must be divisible by the product of the
@@ -167,12 +176,14 @@ class UNet(nn.Module):
         norm_groups: int = 8,
         bias: bool | None = None,
         down: Literal["maxpool", "stride"] = "maxpool",
-        up: Literal["transpose", "interp"] = "transpose",
+        up: Literal["transpose", "interp", "shuffle"] = "transpose",
         up_kernel: int = 2,
         head_kernel: int = 1,
         dropout: float = 0.0,
         residual: bool = False,
         init: Literal["default", "xavier"] = "default",
+        drop_bias: bool = False,
+        deep_supervision: bool = False,
     ):
         super().__init__()
         self.strides, self.kernels = stage_geometry(spatial_dims, filters, strides, kernel_size, residual)
@@ -201,8 +212,11 @@ class UNet(nn.Module):
             nn.Identity() if residual
             else conv(spatial_dims)(filters[0], out_channels, head_kernel, padding=(head_kernel - 1) // 2)
         )
+        self.ds_heads = _ds_heads(spatial_dims, filters, out_channels, residual) if deep_supervision else None
         if init == "xavier":
             _xavier(self)
+        if drop_bias:
+            drop_bias_before_norm(self)
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits (B, out_channels, *S) for images (B, C_in, *S)."""
@@ -213,9 +227,25 @@ class UNet(nn.Module):
             x = enc(x)
             skips.append(x)
         x = self.encoders[-1](x)
+        low = []  # deep supervision: logits of decoder stages 1.. (training only)
         for i in reversed(range(len(self.decoders))):
             x = self.decoders[i](torch.cat([skips[i], self.ups[i](x)], dim=1))
-        return self.head(x)
+            if self.ds_heads is not None and self.training and i > 0:
+                low.append(self.ds_heads[i - 1](x))
+        return [self.head(x), *low[::-1]] if low else self.head(x)
+
+
+def _ds_heads(spatial_dims: int, filters: Sequence[int], out_channels: int, residual: bool) -> nn.ModuleList:
+    """1x1 logit heads of decoder stages 1 .. depth - 1 (stage 0 is the model's own head)."""
+    from fastvision.errors import ConfigError
+
+    if residual:
+        raise ConfigError("model.args.deep_supervision needs the classic U-Net layout (residual: false): the residual "
+                          "layout's decoder stages have no logit heads")
+    if len(filters) < 3:
+        raise ConfigError(f"model.args.deep_supervision needs at least two decoder scales; filters {list(filters)} "
+                          "give one")
+    return nn.ModuleList(conv(spatial_dims)(filters[i], out_channels, 1) for i in range(1, len(filters) - 1))
 
 
 # the generic U-Net: the class is its own builder, its signature the recipe schema
@@ -243,31 +273,36 @@ unet3d = MODELS.register("unet3d")(_with_dims(3))
 @MODELS.register("unet2d-seed001")
 def unet2d_seed001(
     *, in_channels: int = 1, out_channels: int = 1, filters: tuple[int, ...] = (8, 16, 32, 64, 128),
-    dropout: float = 0.0,
+    dropout: float = 0.0, up: Literal["transpose", "shuffle"] = "transpose", drop_bias: bool = False,
 ) -> UNet:
-    """Seed 001's 2-D U-Net: (conv3x3 + bias + BN + ReLU) x2, 2x2 max-pool, 2x2 stride-2 up-conv, 1x1 head."""
+    """Seed 001's 2-D U-Net: (conv3x3 + bias + BN + ReLU) x2, 2x2 max-pool, 2x2 stride-2 up-conv, 1x1 head.
+
+    ``up: shuffle`` and ``drop_bias: true`` are speed levers with the same results up to rounding.
+    """
     return UNet(2, in_channels, out_channels, filters, norm="batch", act="relu", bias=True, down="maxpool",
-                up="transpose", up_kernel=2, head_kernel=1, dropout=dropout)
+                up=up, up_kernel=2, head_kernel=1, dropout=dropout, drop_bias=drop_bias)
 
 
 @MODELS.register("unet3d-nonewnet")
 def unet3d_nonewnet(
     *, in_channels: int = 4, out_channels: int = 4, filters: tuple[int, ...] = (32, 64, 128, 256, 320, 320),
-    norm: NormName = "instance", dropout: float = 0.0,
+    norm: NormName = "instance", dropout: float = 0.0, up: Literal["transpose", "shuffle"] = "transpose",
+    bias: bool | None = None,
 ) -> UNet:
     """Seed 000's 3D U-Net (No New-Net): stride-2 conv down, 2^3 up-conv, InstanceNorm, LeakyReLU 0.01, 3^3 head.
 
-    Convs before a norm have no bias; group norm uses 16 groups as in the seed.
+    Convs before a norm have no bias (``bias: true`` adds them, for comparison); group norm uses 16
+    groups as in the seed. ``norm: instance_cl`` and ``up: shuffle`` are speed levers (docs/gpu.md).
     """
     return UNet(3, in_channels, out_channels, filters, norm=norm, act="leakyrelu", act_slope=0.01, norm_groups=16,
-                bias=None, down="stride", up="transpose", up_kernel=2, head_kernel=3, dropout=dropout, init="xavier")
+                bias=bias, down="stride", up=up, up_kernel=2, head_kernel=3, dropout=dropout, init="xavier")
 
 
 @MODELS.register("unet3d-spleen")
 def unet3d_spleen(
     *, in_channels: int = 1, out_channels: int = 2, filters: tuple[int, ...] = (32, 64, 128, 256, 512),
-    n_convs: int = 2, norm: NormName = "batch", act: ActName = "prelu", dropout: float = 0.2,
+    n_convs: int = 2, norm: NormName = "batch", act: ActName = "prelu", dropout: float = 0.2, drop_bias: bool = False,
 ) -> UNet:
     """MONAI fast-training spleen net: ``UNet(3, 1, 2, (32..512), strides 2, num_res_units=2, BATCH, 0.2)``."""
     return UNet(3, in_channels, out_channels, filters, n_convs=n_convs, norm=norm, act=act, bias=True,
-                down="stride", up="transpose", up_kernel=3, dropout=dropout, residual=True)
+                down="stride", up="transpose", up_kernel=3, dropout=dropout, residual=True, drop_bias=drop_bias)

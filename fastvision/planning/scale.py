@@ -136,9 +136,13 @@ def fixed_step_ms(given: float | None = None) -> tuple[float, str]:
 
 
 def decodes_on_gpu(cfg: RunConfig) -> bool:
-    """The recipe's images are decoded by DALI's ``mixed`` decoder (nvJPEG, inside the step): ``data.args``
-    ``backend: dali`` with ``dali_device`` other than ``cpu`` (``auto`` is the GPU on a CUDA device)."""
+    """The recipe's images are decoded by nvJPEG on the GPU: DALI's ``mixed`` decoder (``data.args``
+    ``backend: dali`` with ``dali_device`` other than ``cpu``; ``auto`` is the GPU on a CUDA device), or
+    torchvision's (``backend: nvjpeg``, whose host side reads bytes and draws crops: about 12,900 items
+    per CPU-second measured, benchmarks/RESULTS.md, so no host limit at any GPU rate)."""
     args = cfg.data.args or {}
+    if args.get("backend") == "nvjpeg":
+        return True
     return args.get("backend") == "dali" and args.get("dali_device", "auto") != "cpu"
 
 
@@ -171,7 +175,8 @@ def input_rate_of(cfg: RunConfig, given: float | str | None = None) -> tuple[flo
                       f"measure it: fastvision benchmark {cfg.recipe} --mode data --data DIR, then --input-rate "
                       f"runs/benchmark/{cfg.recipe}-data.json")
     if decodes_on_gpu(cfg):
-        return None, "DALI decodes on the GPU: no host limit"
+        decoder = "nvJPEG (torchvision)" if (cfg.data.args or {}).get("backend") == "nvjpeg" else "DALI"
+        return None, f"{decoder} decodes on the GPU: no host limit"
     from fastvision.scaling.validation import input_rates, load_anchors
 
     rate = input_rates(load_anchors())["dle-pytorch-loader"]

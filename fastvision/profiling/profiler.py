@@ -30,6 +30,7 @@ import torch
 from fastvision import distributed, engine
 from fastvision.config import RunConfig
 from fastvision.data.loader import endless_batches
+from fastvision.models import levers
 from fastvision.profiling.monitor import NvmlSampler
 
 log = logging.getLogger(__name__)
@@ -275,7 +276,9 @@ def _report(cfg: RunConfig, clocks: list[_Clock], walls: list[float], no_sync_bw
             "config": {"recipe": cfg.recipe, "data.cache": cfg.data.cache, "data.loader": cfg.data.loader,
                        "data.num_workers": cfg.data.num_workers, "train.amp": cfg.train.amp,
                        "precision": precision,  # what train.amp resolved to on this device (auto)
-                       "train.batch_size": cfg.train.batch_size, "train.compile": cfg.train.compile}}
+                       "train.batch_size": cfg.train.batch_size, "train.compile": cfg.train.compile,
+                       "train.channels_last": cfg.train.channels_last,
+                       **levers.current(cfg.model.name, cfg.model.args)}}
 
 
 def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | None = None) -> str:
@@ -301,8 +304,13 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | 
         return ("raise train.batch_size, and set train.compile: reduce-overhead (CUDA graphs: fewer kernel "
                 "launches; needs static shapes)")
     if device.type == "cuda":
-        off = [s for s, on in (("train.amp: bf16", t.amp != "off"), ("train.channels_last: true", t.channels_last),
-                               ("train.compile: true", bool(t.compile))) if not on]
+        lever = levers.levers(cfg.model.name, cfg.model.args)
+        # a stock instance norm copies channels-last activations: the layout pays with instance_cl alone
+        norm = " with model.args.norm: instance_cl" if "model.args.norm" in lever else ""
+        items = (("train.amp: bf16", t.amp != "off"), (f"train.channels_last: true{norm}", t.channels_last),
+                 ("model.args.norm: instance_cl", not (t.channels_last and norm)),
+                 ("train.compile: true", bool(t.compile)))
+        off = [s for s, on in items if not on]
         if off:
             return "set " + (", ".join(off[:-1]) + " and " + off[-1] if len(off) > 1 else off[0])
         # every switch is on: the convolution kernels are the cost. On an H200 (torch 2.11, cuDNN 9)
@@ -310,6 +318,9 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | 
         fp16 = ("; try train.amp: fp16 (`fastvision benchmark --precision bf16,fp16`)"
                 if (precision or t.amp) != "fp16" else "")
         autotune = " or try train.compile: max-autotune" if t.compile != "max-autotune" else ""
-        return f"the model is the cost: raise train.batch_size{autotune}{fp16}"
+        rest = [f"{k.removeprefix('model.args.')}: {str(v[0]).lower()}" for k, v in lever.items()]
+        model = (f"; measure model.args {' and '.join(rest)} (the same model up to rounding: `fastvision tune` "
+                 "tries them)" if rest else "")
+        return f"the model is the cost: raise train.batch_size{autotune}{fp16}{model}"
     return ("the model is the cost: set train.amp: bf16, train.compile: true, a smaller model or image size, "
             "or run on a GPU (--device cuda)")

@@ -107,7 +107,13 @@ class SegmentationTask(Task):
         """(B, *S) labels -> (B, R, *S) bool region masks (:func:`fastvision.ops.regions.region_masks`)."""
         return region_masks(label, self.consts.get("region_lut", label.device))
 
-    def loss(self, outputs: Tensor, batch: dict[str, Any]) -> Tensor:
+    def loss(self, outputs: Tensor | list[Tensor], batch: dict[str, Any]) -> Tensor:
+        """The loss of the logits; a list (a deep-supervised model in training: full resolution first)
+        gets nnU-Net's scale weights against the label downsampled to each scale."""
+        if isinstance(outputs, (list, tuple)):
+            from fastvision.losses.compound import DeepSupervisionLoss
+
+            return DeepSupervisionLoss(self.loss_fn)(outputs, self.target(batch["label"]))
         return self.loss_fn(outputs, self.target(batch["label"]))
 
     # -- evaluation ----------------------------------------------------------------

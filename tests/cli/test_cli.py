@@ -206,5 +206,5 @@ def test_every_subcommand_is_named_in_cli_py():
     builtins = {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
                 and getattr(n.func, "attr", None) == "add_parser" and isinstance(n.args[0], ast.Constant)}
     features = {name for name, _ in cli.FEATURES}
-    assert set(sub.choices) == (builtins - {"synth", "inspect"}) | features
+    assert set(sub.choices) == (builtins - {"synth", "inspect", "shard"}) | features  # data ACTIONs
     assert {"train", "evaluate", "predict", "benchmark", "profile", "monitor", "export"} <= set(sub.choices)

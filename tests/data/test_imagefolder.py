@@ -154,3 +154,11 @@ def test_dali_backend_without_dali_is_one_clear_error(tmp_path):
     root = synth(tmp_path / "inet", classes=2, per_class=2, val_per_class=1, size=32)
     with pytest.raises(ConfigError, match="backend=dali needs NVIDIA DALI"):
         DATASETS.build("imagefolder", {"path": str(root), "backend": "dali"})
+
+
+def test_backend_choice_is_checked(synth_root):
+    """A misspelt ``data.args.backend`` is a ConfigError listing the decoders (pillow, dali, nvjpeg)."""
+    from fastvision.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="backend.*'pillow', 'dali', 'nvjpeg'.*'nvjpg'"):
+        DATASETS.build("imagefolder", {"path": str(synth_root), "backend": "nvjpg"})

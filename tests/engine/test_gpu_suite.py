@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,3 +92,50 @@ def test_the_suites_gpu_test_files_hold_every_gpu_test_and_collect_without_optio
     assert sub.returncode == 0, sub.stdout[-2000:] + sub.stderr[-2000:]
     assert "blocked" not in sub.stdout + sub.stderr
     assert len(ids(sub.stdout)) >= 20 and ids(sub.stdout) == ids(whole.stdout)
+
+
+@pytest.mark.slow
+def test_cpu_quick_levers_run_each_lever_beside_its_baseline_with_kernel_tables(tmp_path):
+    """benchmarks/gpu_levers.py (issue 40) at CI sizes, without MONAI, nibabel or pycocotools: every
+    --quick row measured, each lever's ratio to its own group's baseline, a kernel table per row, the
+    header with the versions, and the three files a GPU session brings back."""
+    script = BLOCKER % str(ROOT / "benchmarks" / "gpu_levers.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTVISION_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", script, "--device", "cpu", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "blocked" not in proc.stdout + proc.stderr
+
+    report = json.loads((tmp_path / "levers.json").read_text())
+    assert report["issue"] == 40 and report["device"] == "cpu" and report["torch"] and "cudnn" in report
+    from benchmarks.gpu_levers import ROWS
+
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == [r["name"] for r in ROWS]
+    measured = [r for r in report["rows"] if "items_per_s" in r]
+    assert {r["name"] for r in measured} == {r["name"] for r in ROWS if r["quick"]}
+    for r in measured:
+        assert "error" not in r and r["items_per_s"] > 0 and r["kernels"] and r["flops_per_item"] > 0
+        assert 0 < sum(k["share"] for k in r["kernels"]) <= 1 + 1e-9
+        assert r["settings"]["precision"] == "fp32"  # CI sizes: fp32 on a CPU
+        if r["base"]:  # the ratio is to the baseline of the lever's own group
+            base = rows[r["base"]]
+            assert base["group"] == r["group"] and r["vs_base"] == r["items_per_s"] / base["items_per_s"]
+    lever = rows["unet3d NDHWC instance_cl bf16 bs2"]
+    assert lever["channels_last"] and lever["settings"]["overrides"]["model.args.norm"] == "instance_cl"
+    table = [ln for ln in (tmp_path / "levers.md").read_text().splitlines() if ln.startswith("|")]
+    assert len(table) == 2 + len(ROWS) and all(ln.count("|") == table[0].count("|") for ln in table)
+    kernels = (tmp_path / "kernels.txt").read_text()
+    assert kernels.count("== ") == len(measured) and "convolution" in kernels
+
+
+def test_only_runs_the_named_rows_and_skips_the_others_with_a_note():
+    """A session re-measures only what a change touched: ``--only 'GPU tests'`` leaves every other row
+    skipped (on a CPU the tests row itself is skipped: it needs CUDA)."""
+    from benchmarks.gpu_suite import WORKLOADS, run_suite
+
+    report = run_suite(torch.device("cpu"), quick=False, only=["gpu TESTS"])
+    rows = {r["name"]: r for r in report["rows"]}
+    assert rows["GPU tests (pytest -m gpu)"]["skip"] == "needs a CUDA device"
+    assert all(r["skip"] == "not in --only" for n, r in rows.items() if n != "GPU tests (pytest -m gpu)")
+    assert len(rows) == len(WORKLOADS) and "cudnn" in report

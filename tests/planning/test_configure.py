@@ -320,3 +320,47 @@ def test_configure_gpus_writes_the_per_gpu_batch(tmp_path, capsys):
     cfg = load(str(tmp_path / "r.yaml"))
     assert cfg.train.batch_size == math.ceil(one["fit"]["batch"] / 2)
     assert cfg.data.num_workers == one["cluster"].workers
+
+
+def test_nnunet_trainer_writes_nnunet_training(tmp_path):
+    """``--trainer nnunet``: nnUNetTrainer's values (read from nnU-Net v2.8's source) in the recipe, each
+    commented; the recipe loads, builds a deep-supervised U-Net and trains one epoch on CPU."""
+    pytest.importorskip("nibabel")
+    from fastvision.api import run_training
+    from fastvision.config import load
+    from fastvision.data.synth import load_all
+    from fastvision.planning.configure.recipe import write_recipe
+    from fastvision.planning.configure.trainer import steps_per_epoch
+
+    data = load_all().get("prostate")(tmp_path / "prostate", seed=0, cases=4, size=24, slices=14)
+    plan = planner.configure(data, memory="8GiB", trainer="nnunet")
+    text = write_recipe(plan, tmp_path / "recipe.yaml").read_text()
+    assert "--trainer nnunet" in text and "# Training: nnunet" in text and "optim: {" in text
+    cfg = load(str(tmp_path / "recipe.yaml"))
+    o, s, lo = cfg.optim, cfg.sched, cfg.loss.args
+    assert (o.name, o.lr, o.momentum, o.nesterov, o.weight_decay, o.no_decay_norm_bias) == ("sgd", 0.01, 0.99, True,
+                                                                                              3e-5, False)
+    assert (s.name, s.power, s.warmup_epochs) == ("poly", 0.9, 0.0)
+    assert (lo["lambda_dice"], lo["lambda_ce"], lo["squared_pred"], lo["include_background"]) == (1.0, 1.0, False,
+                                                                                                 False)
+    assert cfg.model.args["deep_supervision"] is True and cfg.data.args["pos_fraction"] == 0.33
+    # 1000 x 250 iterations at this data's steps per pass (4 cases: 3 in fold 0's training set)
+    assert cfg.train.epochs == math.ceil(250_000 / steps_per_epoch(4, cfg.train.batch_size))
+    aug = cfg.data.augment
+    assert aug["affine"]["rotate_prob"] == aug["affine"]["zoom_prob"] == 0.2 and aug["blur"]["prob"] == 0.2
+    assert aug["lowres"]["prob"] == 0.25 and aug["gamma_inverted"]["prob"] == 0.1 and aug["gamma"]["retain_stats"]
+    run_training(str(tmp_path / "recipe.yaml"), out=str(tmp_path / "run"), overrides={"epochs": 1},
+                 extra=[{"model": {"args": {"filters": [4, 8, 16, 32][:len(cfg.model.args["filters"])]}},
+                         "data": {"cache": "ram", "cache_dir": None, "args": {"num_folds": 2}}}], progress=False)
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--trainer", "nnUnet"], "--trainer 'nnUnet'"),
+    (["--trainer", "nnunet", "--base", "segresnet"], "--trainer nnunet needs deep supervision"),
+])
+def test_bad_trainer_is_one_line(argv, key, tmp_path, capsys):
+    from fastvision.cli import main
+
+    assert main(["configure", str(tmp_path / "no-such-data"), "--memory", "8GiB", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0]

@@ -152,8 +152,29 @@ def test_compute_bound_advice_names_only_the_switches_still_off():
     cfg.train.amp = "auto"  # on a GPU without bf16 (a V100) auto runs fp16: fp16 is not advised again
     assert "fp16" in advice("compute", cfg, cuda, "bf16") and "fp16" not in advice("compute", cfg, cuda, "fp16")
     cfg.train.amp, cfg.train.compile = "fp16", "max-autotune"
+    assert advice("compute", cfg, cuda) == ("the model is the cost: raise train.batch_size; measure model.args "
+                                            "up: shuffle and drop_bias: true (the same model up to rounding: "
+                                            "`fastvision tune` tries them)")
+    cfg.model.args.update(up="shuffle", drop_bias=True)  # the seed-001 model's levers, both set
     assert advice("compute", cfg, cuda) == "the model is the cost: raise train.batch_size"
     assert "run on a GPU" in advice("compute", cfg, torch.device("cpu"))
+
+
+def test_compute_bound_advice_pairs_channels_last_with_the_layout_keeping_norm():
+    """The 3-D U-Net's stock InstanceNorm copies channels-last activations (issue 40): the advice
+    names channels-last together with ``norm: instance_cl``, or the norm alone once channels-last is on."""
+    from fastvision import config
+    from fastvision.profiling import advice
+
+    cuda = torch.device("cuda")
+    cfg = config.load("unet3d-brats")
+    cfg.train.amp, cfg.train.channels_last, cfg.train.compile = "bf16", False, True
+    assert advice("compute", cfg, cuda) == "set train.channels_last: true with model.args.norm: instance_cl"
+    cfg.train.channels_last = True
+    assert advice("compute", cfg, cuda) == "set model.args.norm: instance_cl"
+    cfg.model.args["norm"] = "instance_cl"
+    assert advice("compute", cfg, cuda, "bf16").endswith("measure model.args up: shuffle (the same model up to "
+                                                         "rounding: `fastvision tune` tries them)")
 
 
 def test_trace_names_the_ops_that_take_the_step(tmp_path):

@@ -49,6 +49,9 @@ def test_plan_without_an_input_limit_names_the_fabric_and_has_no_largest_line(ca
     text = capsys.readouterr().out
     assert re.search(r"input path\s+DALI decodes on the GPU: no host limit", text)
     assert "items/s on 16 GPUs" in text and "largest N" not in text
+    # torchvision's nvJPEG backend decodes on the GPU too; its host side is bytes and crop draws
+    assert main([*PLAN, "--gpus", "16", "--set", "data.args.backend=nvjpeg"]) == 0
+    assert re.search(r"input path\s+nvJPEG \(torchvision\) decodes on the GPU: no host limit", capsys.readouterr().out)
     # the fixed per-step cost is the one fitted on the PyTorch DDP implementation (fastvision's own kind)
     fixed = fitted()["overhead_ms"]["mlperf-retinanet-pytorch"]
     assert f"+ {fixed:.2f} ms per step fixed, fitted on MLPerf RetinaNet, PyTorch DDP" in text

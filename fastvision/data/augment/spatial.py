@@ -13,33 +13,40 @@ Recipe form (``data.augment``), one dict per op, applied in this order::
     crop: {size: [96, 96, 96], pos: 1, neg: 1}   # foreground-biased when pos + neg > 0
     flip: {prob: 0.5, axes: [0, 1, 2]}           # each spatial axis independently
     rot90: {prob: 0.5}                           # in the plane of the last two spatial axes
-    affine: {prob: 0.2, degrees: 15, scale: [0.9, 1.1]}   # also rotate_axes, zoom_axes, same_zoom
+    affine: {prob: 0.2, degrees: 15, scale: [0.9, 1.1]}   # also rotate_axes, zoom_axes, same_zoom, *_prob
     intensity: {prob: 0.5, scale: 0.1, shift: 0.1}
     noise: {prob: 0.15, std: 0.1}
+    blur: {prob: 0.2, sigma: [0.5, 1.0], channel_prob: 0.5}          # degrade.py
     brightness: {prob: 0.15, factor: 0.25}
     contrast: {prob: 0.15, factor: 0.25}
-    gamma: {prob: 0.15, range: [0.7, 1.5]}
+    lowres: {prob: 0.25, range: [0.5, 1.0], channel_prob: 0.5}        # degrade.py
+    gamma_inverted: {prob: 0.1, range: [0.7, 1.5], retain_stats: true}
+    gamma: {prob: 0.15, range: [0.7, 1.5]}                  # also per_channel, retain_stats
     color_jitter: {prob: 0.8, brightness: 0.4, contrast: 0.4, saturation: 0.4, hue: 0.1}
 """
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fastvision.data.augment.checks import _validate
+from fastvision.data.augment.degrade import Blur, LowResolution
 from fastvision.data.augment.intensity import (
     Brightness,
     ColorJitter,
     Contrast,
     Gamma,
     Intensity,
+    InvertedGamma,
     Label,
     Noise,
+    _on_rows,
     _select,
 )
 from fastvision.errors import ConfigError
@@ -180,9 +187,9 @@ class Flip:
         for a in self.axes if self.axes is not None else range(nd):
             m = rng.mask(self.prob)
             dim = a - nd  # negative dim: the same axis in images, index and one-hot labels
-            image = _select(m, image.flip(dim), image)
+            image = _on_rows(m, image, lambda x, _, d=dim: x.flip(d))
             if label is not None:
-                label = _select(m, label.flip(dim), label)
+                label = _on_rows(m, label, lambda x, _, d=dim: x.flip(d))
         return image, label
 
 
@@ -216,7 +223,8 @@ class Affine:
     slice along axis 2 in its own plane, nnU-Net's "dummy 2-D" augmentation of anisotropic patches).
     ``zoom_axes``: the spatial axes to zoom along (default all; the others keep their size).
     ``same_zoom``: one zoom factor for every zoomed axis of a sample (nnU-Net's scaling) instead of
-    one per axis."""
+    one per axis. ``rotate_prob`` / ``zoom_prob``: separate probabilities of the rotation and of the
+    zoom (nnU-Net's p_rotation, p_scaling), each drawn per sample; unset, both happen together with ``prob``."""
 
     prob: float = 0.2
     degrees: float = 0.0
@@ -224,10 +232,14 @@ class Affine:
     rotate_axes: list[int] | None = None
     zoom_axes: list[int] | None = None
     same_zoom: bool = False
+    rotate_prob: float | None = None
+    zoom_prob: float | None = None
 
     def __call__(self, image: Tensor, label: Label, rng: _Rng) -> tuple[Tensor, Label]:
         nd = image.dim() - 2
-        m = rng.mask(self.prob)
+        m = m_zoom = rng.mask(self.prob)
+        if self.rotate_prob is not None or self.zoom_prob is not None:
+            m, m_zoom = (rng.mask(self.prob if p is None else p) for p in (self.rotate_prob, self.zoom_prob))
         n_angles = 1 if nd == 2 else 3
         ang = rng.uniform(-self.degrees, self.degrees, n_angles) * (math.pi / 180) * m[:, None]
         if nd == 3 and self.rotate_axes is not None:  # angles are about (x, y, z) = spatial axes (2, 1, 0)
@@ -239,8 +251,17 @@ class Affine:
         if self.zoom_axes is not None:  # zoom is in (x, y[, z]) = reversed spatial order too
             keep = _const(tuple(float(nd - 1 - i in self.zoom_axes) for i in range(nd)), image.device, torch.float32)
             draw = draw * keep + (1 - keep)
-        zoom = torch.where(m[:, None], draw, torch.ones((), device=image.device))
-        return affine(image, label, ang, zoom, m)
+        zoom = torch.where(m_zoom[:, None], draw, torch.ones((), device=image.device))
+        fire = m | m_zoom
+        if image.device.type == "cpu":  # only the samples that fire (finding them costs no sync on the CPU)
+            idx = fire.nonzero().squeeze(1)
+            if idx.numel() == 0:
+                return image, label
+            if idx.numel() < image.shape[0]:
+                sub, sub_label = affine(image[idx], None if label is None else label[idx], ang[idx], zoom[idx])
+                image = image.index_copy(0, idx, sub)
+                return image, None if label is None else label.index_copy(0, idx, sub_label)
+        return affine(image, label, ang, zoom, fire)
 
 
 def affine(image: Tensor, label: Label, angles: Tensor, zoom: Tensor,
@@ -284,9 +305,9 @@ def _rotation(ang: Tensor, nd: int) -> Tensor:
 
 
 OPS: dict[str, type] = {
-    "crop": Crop, "flip": Flip, "rot90": Rot90, "affine": Affine, "intensity": Intensity,
-    "noise": Noise, "brightness": Brightness, "contrast": Contrast, "gamma": Gamma,
-    "color_jitter": ColorJitter,
+    "crop": Crop, "flip": Flip, "rot90": Rot90, "affine": Affine, "intensity": Intensity, "noise": Noise,
+    "blur": Blur, "brightness": Brightness, "contrast": Contrast, "lowres": LowResolution,
+    "gamma_inverted": InvertedGamma, "gamma": Gamma, "color_jitter": ColorJitter,
 }
 
 
@@ -360,28 +381,3 @@ def build_augment(spatial_dims: int, **spec: dict[str, Any]) -> BatchAugment | N
         _validate(name, op, spatial_dims)
         ops.append((name, op))
     return BatchAugment(spatial_dims, ops) if ops else None
-
-
-def _validate(name: str, op: Any, nd: int) -> None:
-    where = f"data.augment.{name}"
-    for f in fields(op):
-        v = getattr(op, f.name)
-        if f.name == "prob" and not 0.0 <= v <= 1.0:
-            raise ConfigError(f"{where}.prob must be in [0, 1], got {v}")
-        if isinstance(v, float) and f.name != "prob" and v < 0:
-            raise ConfigError(f"{where}.{f.name} must be >= 0, got {v}")
-    if name == "crop" and (len(op.size) != nd or min(op.size) < 1):
-        raise ConfigError(f"{where}.size needs {nd} positive sizes, got {op.size}")
-    if name == "flip" and op.axes is not None and any(not 0 <= a < nd for a in op.axes):
-        raise ConfigError(f"{where}.axes must be spatial axes in [0, {nd}), got {op.axes}")
-    if name == "affine":
-        for key in ("rotate_axes", "zoom_axes"):
-            axes = getattr(op, key)
-            if axes is not None and any(not 0 <= a < nd for a in axes):
-                raise ConfigError(f"{where}.{key} must be spatial axes in [0, {nd}), got {axes}")
-    for key in ("scale", "range"):
-        v = getattr(op, key, None)
-        if name in ("affine", "gamma") and v is not None and not (len(v) == 2 and 0 < v[0] <= v[1]):
-            raise ConfigError(f"{where}.{key} must be [low, high] with 0 < low <= high, got {v}")
-    if name == "color_jitter" and op.hue > 0.5:
-        raise ConfigError(f"{where}.hue must be <= 0.5, got {op.hue}")

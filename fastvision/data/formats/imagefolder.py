@@ -32,7 +32,9 @@ from fastvision.data.formats.imagenet_val import flat_val_samples, is_flat
 from fastvision.data.transforms import (  # noqa: F401  (random_resized_box: also the DALI path's)
     RandomTransform,
     Transform,
+    center_box,
     random_resized_box,
+    random_resized_crop_draws,
 )
 from fastvision.errors import DataError
 from fastvision.registry import DATASETS
@@ -86,14 +88,6 @@ def open_image(path: str, draft_size: tuple[int, int] | None = None) -> Image.Im
         raise DataError(f"{path}: cannot decode image ({e})") from e
 
 
-def center_box(width: int, height: int, resize: int, crop: int) -> tuple[float, float, float, float]:
-    """The box of the original image that "shorter side -> ``resize``, centre crop ``crop``" keeps."""
-    s = min(width, height) / resize  # original pixels per resized pixel
-    cw, ch = min(crop * s, width), min(crop * s, height)
-    left, top = (width - cw) / 2, (height - ch) / 2
-    return left, top, left + cw, top + ch
-
-
 def load_crop(path: str | bytes | memoryview, train: bool, size: int, resize: int, scale: tuple[float, float],
               ratio: tuple[float, float], hflip: float, generator: torch.Generator | None = None,
               name: str | None = None) -> np.ndarray:
@@ -111,8 +105,9 @@ def load_crop(path: str | bytes | memoryview, train: bool, size: int, resize: in
             width, height = probe.size
     except (UnidentifiedImageError, OSError) as e:
         raise DataError(f"{name}: cannot decode image ({e})") from e
+    flip = False
     if train:
-        box = random_resized_box(width, height, scale, ratio, generator)
+        box, flip = random_resized_crop_draws(width, height, scale, ratio, hflip, generator)
     else:
         box = center_box(width, height, resize, size)
     # keep at least `size` output pixels per box side after the DCT-scale reduction
@@ -126,7 +121,7 @@ def load_crop(path: str | bytes | memoryview, train: bool, size: int, resize: in
     sx, sy = img.width / width, img.height / height
     box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
     img = img.resize((size, size), Image.BILINEAR, box=box)
-    if train and hflip > 0 and torch.rand((), generator=generator).item() < hflip:
+    if flip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
     return np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy needs one
 
@@ -248,8 +243,8 @@ def _class_folder_val(val_root: Path, classes: list[str], train_dir: str) -> lis
 def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_size: int = 224,
           resize_size: int = 256, scale: tuple[float, float] = (0.08, 1.0),
           ratio: tuple[float, float] = (0.75, 4 / 3), hflip: float = 0.5,
-          backend: Literal["pillow", "dali"] = "pillow", dali_device: Literal["cpu", "gpu", "auto"] = "auto",
-          dali_threads: int | None = None, val_labels: str | None = None,
+          backend: Literal["pillow", "dali", "nvjpeg"] = "pillow", dali_device: Literal["cpu", "gpu", "auto"] = "auto",
+          dali_threads: int | None = None, nvjpeg_threads: int | None = None, val_labels: str | None = None,
           invalid: Literal["warn", "error"] = "warn", skip_unreadable: bool = False) -> DatasetSplits:
     """ImageFolder train/val splits.
 
@@ -262,11 +257,15 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
         scale: random-resized-crop area range (seed 004: 0.08-1.0).
         ratio: random-resized-crop aspect range.
         hflip: horizontal flip probability in training.
-        backend: ``pillow`` (default) or ``dali`` (NVIDIA DALI's own reader, fused decode + crop and
-            loader; ``pip install -e ".[dali]"``; see :mod:`fastvision.data.dali`).
+        backend: ``pillow`` (default), ``dali`` (NVIDIA DALI's own reader, fused decode + crop and
+            loader; ``pip install -e ".[dali]"``; see :mod:`fastvision.data.dali`), or ``nvjpeg``
+            (torchvision's batched nvJPEG decode on the GPU; see :mod:`fastvision.data.gpu_decode`).
         dali_device: DALI decodes on ``cpu`` (libjpeg-turbo), ``gpu`` (nvJPEG) or ``auto`` (gpu
             when the run's device is CUDA).
         dali_threads: DALI CPU threads per pipeline (None: the CPU count, at most 8).
+        nvjpeg_threads: ``backend: nvjpeg`` (torchvision's batched nvJPEG decode on the GPU; see
+            :mod:`fastvision.data.gpu_decode`): host threads reading files and JPEG headers (None:
+            the CPU count, at most 8).
         val_labels: labels of a flat ``val_dir`` (ImageNet as distributed; see
             :mod:`.imagenet_val`): found automatically when None.
         invalid: flat val entries without a usable label: "warn" skips them with one warning,
@@ -293,4 +292,9 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
         explain = functools.partial(pillow_error, size=image_size, resize=resize_size)
         dkw = dict(kw, dali_device=dali_device, threads=dali_threads, explain=explain)
         return DatasetSplits(DaliImageFolder(train, train=True, **dkw), DaliImageFolder(val, train=False, **dkw), info)
+    if backend == "nvjpeg":
+        from fastvision.data.gpu_decode import NvjpegImageFolder
+
+        return DatasetSplits(NvjpegImageFolder(train, train=True, threads=nvjpeg_threads, **kw),
+                             NvjpegImageFolder(val, train=False, threads=nvjpeg_threads, **kw), info)
     return DatasetSplits(ImageFolderDataset(train, True, **kw), ImageFolderDataset(val, False, **kw), info)

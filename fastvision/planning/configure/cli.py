@@ -23,6 +23,10 @@ def add_cli(subparsers) -> None:
                    help="GPUs of the job: the planned (global) batch is split over them; also states the CPU "
                         "workers each GPU needs (default 1)")
     p.add_argument("--base", default="unet3d", choices=sorted(rules.BASES), help="network family (default unet3d)")
+    p.add_argument("--trainer", default=None, metavar="{fast,nnunet}",
+                   help="training written: nnunet (nnUNetTrainer's optimizer, poly schedule, Dice+CE with deep "
+                        "supervision, augmentation, iterations; default for unet3d) or fast (the base recipe's; "
+                        "default for segresnet)")
     p.add_argument("--out", type=Path, help="write the recipe YAML here (default: print the table only)")
     p.add_argument("--json", type=Path, help="also write the plan as JSON")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out / --json file")
@@ -35,7 +39,8 @@ def cmd_configure(args) -> int:
     for path, flag in ((args.out, "--out"), (args.json, "--json")):
         if path:
             refuse_overwrite(path, args.force, flag)  # before the fingerprint: nothing is lost or redone
-    plan = configure(args.data, gpu=args.gpu, memory=args.memory, base=args.base, gpus=args.gpus)
+    plan = configure(args.data, gpu=args.gpu, memory=args.memory, base=args.base, gpus=args.gpus,
+                     trainer=args.trainer)
     print(table(plan))  # the CLI's output
     if args.out:
         write_recipe(plan, args.out)

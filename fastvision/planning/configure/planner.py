@@ -189,9 +189,10 @@ def plan_cluster(geo: dict[str, Any], fit: dict[str, Any], spec, gpus: int, chan
 
 
 def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = None, base: str = "unet3d",
-              fingerprint: dict[str, Any] | None = None, gpus: int = 1) -> dict[str, Any]:
+              fingerprint: dict[str, Any] | None = None, gpus: int = 1, trainer: str | None = None) -> dict[str, Any]:
     """Plan a recipe for the Decathlon folder ``data`` (see the module docstring); ``gpus``: the
-    GPUs of the job, each taking ``ceil(batch / gpus)`` of the planned batch.
+    GPUs of the job, each taking ``ceil(batch / gpus)`` of the planned batch; ``trainer``: ``fast`` or
+    ``nnunet`` (:mod:`~fastvision.planning.configure.trainer`; None: the base's ``DEFAULT_TRAINER``).
 
     Returns:
         ``{"fingerprint", "geometry", "fit", "gpu", "base", "choices": [(key, value, why)],
@@ -199,9 +200,12 @@ def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = 
         writes it.
     """
     from fastvision.data.fingerprint import fingerprint as take_fingerprint
+    from fastvision.planning.configure.trainer import DEFAULT_TRAINER, check_trainer
 
     if base not in rules.BASES:
         raise ConfigError(f"--base {base!r}: valid: {', '.join(rules.BASES)}")
+    trainer = trainer or DEFAULT_TRAINER[base]
+    check_trainer(trainer, base)
     fp = fingerprint or take_fingerprint(data)
     spec = memory_target(gpu, memory)
     geo = plan_geometry(fp)
@@ -213,7 +217,8 @@ def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = 
         from fastvision.config import load
         from fastvision.planning import estimate as est
 
-        cfg = load(rules.BASES[base], [recipe_overrides(fp, geo, topo, norm, base, rules.MIN_BATCH, str(data))])
+        cfg = load(rules.BASES[base], [recipe_overrides(fp, geo, topo, norm, base, rules.MIN_BATCH, str(data),
+                                                        trainer)])
         cfg = copy.deepcopy(cfg)
         cfg.train.amp = est.amp_for(cfg.train.amp, spec)  # what it means on the target GPU
         return cfg
@@ -221,8 +226,9 @@ def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = 
     fit = fit_budget(geo, make_cfg, spec)
     split = plan_cluster(geo, fit, spec, gpus, len(fp["channels"]))
     plan = {"fingerprint": fp, "geometry": geo, "fit": fit, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib,
-            "base": base, "normalisation": norm, "normalisation_why": norm_why, "data": str(data), "cluster": split}
-    plan["overrides"] = recipe_overrides(fp, geo, fit["topology"], norm, base, split.per_gpu, str(data))
+            "base": base, "trainer": trainer, "normalisation": norm, "normalisation_why": norm_why, "data": str(data),
+            "cluster": split}
+    plan["overrides"] = recipe_overrides(fp, geo, fit["topology"], norm, base, split.per_gpu, str(data), trainer)
     plan["overrides"]["data"]["num_workers"] = split.workers
     plan["choices"] = choices(plan)
     return plan

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from fastvision.planning.configure.rules import (
     Topology,
     features,
 )
+from fastvision.planning.configure.trainer import nnunet_augment, nnunet_overrides, trainer_choices
 
 
 def _model(fp: dict[str, Any], topo: Topology, base: str, thin: bool) -> dict[str, Any]:
@@ -38,7 +40,8 @@ def _model(fp: dict[str, Any], topo: Topology, base: str, thin: bool) -> dict[st
         "down": "stride", "up": "transpose", "up_kernel": 2, "head_kernel": 1, "dropout": 0.0, "residual": False}}
 
 
-def augmentation(patch: list[int], spacing: list[float], thin: int | None) -> tuple[dict[str, Any], str]:
+def augmentation(patch: list[int], spacing: list[float], thin: int | None,
+                 trainer: str = "fast") -> tuple[dict[str, Any], str]:
     """nnU-Net v2's training augmentation (``nnUNetTrainer.get_training_transforms`` and
     ``configure_rotation_dummyDA_mirroring_and_inital_patch_size``) as fastvision's batched ops, and why.
 
@@ -46,7 +49,8 @@ def augmentation(patch: list[int], spacing: list[float], thin: int | None) -> tu
     stack, trained slice-wise) is augmented slice by slice ("dummy 2-D"): rotation up to 180 degrees
     about that axis only and zoom in the slice plane; otherwise rotation up to 30 degrees about every
     axis. Mirroring on every axis a patch has more than one voxel along (nnU-Net mirrors (0, 1, 2) in 3-D;
-    ``predict --tta`` mirrors the same axes).
+    ``predict --tta`` mirrors the same axes). ``trainer="nnunet"`` adds the rest of nnU-Net's ops
+    (:func:`~fastvision.planning.configure.trainer.nnunet_augment`).
     """
     coarse = thin if thin is not None else int(np.argmax(spacing))
     dummy_2d = thin is not None or max(patch) / patch[coarse] > ANISOTROPY
@@ -62,17 +66,22 @@ def augmentation(patch: list[int], spacing: list[float], thin: int | None) -> tu
            + (f"rotation up to 180 deg about axis {coarse} only, zoom in its plane (anisotropic patch: nnU-Net's "
               "dummy 2-D)" if dummy_2d else "rotation up to 30 deg about every axis")
            + "; Gaussian noise p 0.1 (std up to sqrt 0.1); brightness and contrast 0.75-1.25 p 0.15; gamma 0.7-1.5 "
-           "p 0.3. Not carried over: blur, low-resolution simulation, the inverted-gamma variant, and separate "
-           "probabilities for rotation and zoom")
-    return aug, why
+           "p 0.3. ")
+    if trainer == "nnunet":
+        return nnunet_augment(aug, dummy_2d, coarse), why + (
+            "nnU-Net's trainer: rotation and zoom each p 0.2; blur sigma 0.5-1 p 0.2 (per channel 0.5); low "
+            "resolution 0.5-1 p 0.25 (per channel 0.5" + (f", not along axis {coarse}" if dummy_2d else "")
+            + "); inverted gamma p 0.1; gammas per channel, keeping mean and std")
+    return aug, why + ("Not carried over (`--trainer nnunet` has them): blur, low-resolution simulation, the "
+                       "inverted-gamma variant, separate probabilities for rotation and zoom")
 
 
 def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, norm: dict[str, Any], base: str,
-                     batch: int, data: str) -> dict[str, Any]:
-    """The mapping layered on the base recipe (``extends``)."""
+                     batch: int, data: str, trainer: str = "fast") -> dict[str, Any]:
+    """The mapping layered on the base recipe (``extends``); ``trainer``: ``fast`` or ``nnunet``."""
     patch = list(topo.patch)
     regions = fp.get("regions")
-    augment, _ = augmentation(patch, geo["spacing"], geo["thin_axis"])
+    augment, _ = augmentation(patch, geo["spacing"], geo["thin_axis"], trainer)
     from fastvision.config import read_recipe, recipe_path
 
     for op in (read_recipe(recipe_path(BASES[base])).get("data") or {}).get("augment") or {}:
@@ -96,7 +105,21 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
         out["loss"] = {"args": {"sigmoid": True, "softmax": False, "include_background": True}}
     elif base == "segresnet":
         out["loss"] = {"args": {"sigmoid": False, "softmax": True, "include_background": False}}
+    if trainer == "nnunet":
+        from fastvision.config import merge
+
+        out = merge(out, nnunet_overrides(fp["n_cases"], batch, bool(regions), geo["thin_axis"] is not None,
+                                          len(topo.strides)))
     return out
+
+
+TRAINER_WHY = {
+    "fast": "the base recipe's optimizer, schedule and loss (seed 003's fast training; the default for --base "
+            "segresnet, which has no decoder scales for deep supervision)",
+    "nnunet": "nnUNetTrainer's SGD 0.01 Nesterov 0.99, poly decay, Dice + CE with deep supervision, its whole "
+              "augmentation and 1000 x 250 iterations; the default for --base unet3d: it reached the common Dice "
+              "sooner than --trainer fast on generated CT and MR (benchmarks/train_vs_nnunet.py, docs/configure.md)",
+}
 
 
 def _budget(plan: dict[str, Any]) -> str:
@@ -143,16 +166,19 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
                  f"{fit['batch_cover']}; at least {MIN_BATCH} (estimated {fit['memory_gib']:.2f} GiB)"
                  + (f"; {split.why_batch}" if split.gpus > 1 else "")))
     rows.append(("data.num_workers", ov["data"]["num_workers"], f"CPU workers per GPU: {split.why_workers}"))
-    rows.append(("data.augment", ov["data"]["augment"], augmentation(d["patch_size"], geo["spacing"], thin)[1]))
+    trainer = plan.get("trainer", "fast")
+    rows.append(("data.augment", ov["data"]["augment"],
+                 augmentation(d["patch_size"], geo["spacing"], thin, trainer)[1]))
     rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; fp32 on CPU (the batch was sized for "
                                       "the target GPU's precision)"))
     rows.append(("task.args.sliding_window", t["sliding_window"],
                  f"ROI = the training patch, overlap {OVERLAP:g}, Gaussian blending (nnU-Net's predictor)"))
-    return rows
+    return rows + trainer_choices(trainer, ov, fp["n_cases"])
 
 
 def _flow(v: Any) -> str:
-    return json.dumps(v)  # JSON is YAML flow style
+    """JSON is YAML flow style; 1e-05 gets its ".0" (YAML 1.1 reads a float without a dot as a string)."""
+    return re.sub(r"(?<![\w.\"])(\d+)e([-+]\d+)", r"\1.0e\2", json.dumps(v))
 
 
 def _emit(d: dict[str, Any], why: dict[str, str], indent: int = 0, path: str = "") -> list[str]:
@@ -173,11 +199,12 @@ def recipe_text(plan: dict[str, Any]) -> str:
     """The recipe YAML: ``extends`` the base, every planned value commented."""
     fp = plan["fingerprint"]
     why = {k: w for k, _, w in choices(plan)}
-    gpus = plan["cluster"].gpus
-    head = [f"# Planned by `fastvision configure {plan['data']} --base {plan['base']}"
+    gpus, trainer = plan["cluster"].gpus, plan.get("trainer", "fast")
+    head = [f"# Planned by `fastvision configure {plan['data']} --base {plan['base']} --trainer {trainer}"
             f"{f' --gpus {gpus}' if gpus > 1 else ''}` for {_budget(plan)}",
             f"# from the fingerprint of {fp['n_cases']} cases ({fp['name']}): nnU-Net v2's planning rules, batch by",
             "# `fastvision plan`'s estimator. docs/configure.md says when to override a value.",
+            f"# Training: {trainer}: {TRAINER_WHY[trainer]}",
             f"extends: {BASES[plan['base']]}"]
     return "\n".join(head + _emit(plan["overrides"], why)) + "\n"
 

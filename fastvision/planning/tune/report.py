@@ -25,7 +25,8 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     final = [result["final"]] if result.get("final") else []
     for i, t in enumerate(result["trials"] + final, 1):
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}±{t['spread']:.2f}"
-        name = "final: tuned vs start" if t["key"] == "final" else f"{i}. {t['key']}={t['value']}"
+        also = "".join(f" (+ {k}={v})" for k, v in (t.get("implies") or {}).items())
+        name = "final: tuned vs start" if t["key"] == "final" else f"{i}. {t['key']}={t['value']}{also}"
         out.append([name, t["kind"], _fmt(t["items_per_s"], ".1f"), ratio,
                     _fmt(t["p90_ms"], ".1f"), _fmt(t["peak_mib"], ".0f"),
                     "-" if t["data_share"] is None else f"{100 * t['data_share']:.0f}%", t["reason"]])

@@ -9,7 +9,7 @@ from typing import Any
 from fastvision import config, distributed
 from fastvision.errors import ConfigError
 from fastvision.planning.tune.search import Comparison, Switch, Trial, judge, order, search
-from fastvision.planning.tune.switches import catalogue, current, lr_line
+from fastvision.planning.tune.switches import catalogue, current, implied, lr_line
 from fastvision.planning.tune.trial import TrialRunner
 
 
@@ -42,7 +42,7 @@ def run_tune(cfg: config.RunConfig, *, budget_s: float, keep: list[str], allow_b
                           f"a trial takes at least {trial_s:.0f} s more): raise --budget")
     # one trial's time is kept back for the final check of the whole tuned setting against the start
     result = search(start, order(switches, verdict), runner.measure, budget_s=budget_s, spent_s=base_s, reserve=1,
-                    agree=_agree)
+                    agree=_agree, expand=implied)
     best, final = final_check(runner, start, result.best, [t for t in result.trials if t.kept])
     chosen = {k: v for k, v in best.items() if v != start.get(k)}
     tc = cfg.train

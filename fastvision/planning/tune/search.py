@@ -71,6 +71,7 @@ class Trial:
     kept: bool
     reason: str
     seconds: float = 0.0
+    implies: dict[str, Any] = field(default_factory=dict)  # what the candidate also changed (``expand``)
 
 
 @dataclass
@@ -151,6 +152,7 @@ def search(start: dict[str, Any], switches: list[Switch], measure: Callable[[dic
                 comp = Comparison(error=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
             trial = judge(sw, value, comp)
             trial.seconds = clock() - t
+            trial.implies = {k: v for k, v in cand.items() if k != sw.key and incumbent.get(k) != v}
             durations.append(trial.seconds)
             trial = agree(trial)
             trials.append(trial)

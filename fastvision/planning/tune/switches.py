@@ -2,7 +2,14 @@
 
 Each is a config key with the values worth trying, grouped by the profiler verdict it answers and
 ordered inside its group by the profiler's advice (``profiling.profiler.advice``): the cache before
-the loader before the workers; channels-last, then compile, then precision and threads.
+the loader before the workers; channels-last, the model's own levers, then compile, then precision
+and threads.
+
+A switch's kind says what it does to the numbers (the parity rule of ``trial.parity``): ``exact``
+only where the same items meet the same arithmetic (cache tier, loader kind, workers, DDP
+buckets); ``numeric`` where the arithmetic changes: precision, compile, layout, the model levers
+(the same model up to float rounding) and CPU threads (another reduction order: a microscopy
+start's step-2 loss was 1.7187 at one thread count and 1.71873 at another, beyond the exact rule's 1e-5).
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import torch
 
 from fastvision.config import RunConfig
 from fastvision.errors import ConfigError
+from fastvision.models import levers
 from fastvision.planning.tune.search import Switch
 from fastvision.registry import DATASETS
 
@@ -32,8 +40,10 @@ def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch
            Switch("data.num_workers", workers, "exact", "input")]
     if _has_dali() and "backend" in _dataset_params(cfg):
         out.append(Switch("data.args.backend", ("dali",), "numeric", "input"))
-    out += [Switch("train.channels_last", (True, False), "numeric", "compute"),
-            Switch("train.compile", ("auto",), "numeric", "compute")]
+    out.append(Switch("train.channels_last", (True, False), "numeric", "compute"))
+    # the model's GPU levers still at their stock value (models/levers.py): the same model up to rounding
+    out += [Switch(k, v, "numeric", "compute") for k, v in levers.levers(cfg.model.name, cfg.model.args).items()]
+    out.append(Switch("train.compile", ("auto",), "numeric", "compute"))
     if cuda:
         # fp16 after bf16: on an H200 (torch 2.11, cuDNN 9) fp16 convolutions ran ResNet-50 1.28-1.30x and
         # the 3-D U-Net 1.13-1.21x faster than bf16 (benchmarks/RESULTS.md); the loss check still decides
@@ -44,8 +54,10 @@ def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch
                 Switch("train.compile", ("reduce-overhead",), "numeric", "host")]
     else:
         out += [Switch("train.amp", ("bf16",), "numeric", "compute"),
-                # None (the start) means torch's current count: only the other ones are candidates
-                Switch("train.cpu_threads", tuple(sorted({1, cores} - {torch.get_num_threads()})), "exact", "compute")]
+                # None (the start) means torch's current count: only the other ones are candidates. Numeric:
+                # another thread count sums in another order (see the module docstring)
+                Switch("train.cpu_threads", tuple(sorted({1, cores} - {torch.get_num_threads()})), "numeric",
+                       "compute")]
     if allow_batch and bs:
         out.append(Switch("train.batch_size", (2 * bs, 4 * bs), "batch", "host"))
     if world_size > 1:
@@ -65,8 +77,8 @@ def smart_window(cfg: RunConfig) -> bool:
 
 # every key a switch may set on some machine: what --keep accepts
 SWITCH_KEYS = ("data.cache", "data.loader", "data.num_workers", "data.args.backend", "train.channels_last",
-               "train.compile", "train.amp", "train.tf32", "train.cpu_threads", "train.batch_size",
-               "train.ddp_bucket_mb", "train.ddp_comm_hook", "train.accum_steps")
+               *levers.LEVER_KEYS, "train.compile", "train.amp", "train.tf32", "train.cpu_threads",
+               "train.batch_size", "train.ddp_bucket_mb", "train.ddp_comm_hook", "train.accum_steps")
 
 
 def check_keep(keys: list[str]) -> None:
@@ -76,10 +88,26 @@ def check_keep(keys: list[str]) -> None:
             raise ConfigError(f"--keep {k}: not a speed switch; valid: {', '.join(SWITCH_KEYS)}")
 
 
+def implied(candidate: dict[str, Any], switch: Switch) -> dict[str, Any]:
+    """What a candidate brings along (``search``'s ``expand``): channels-last with a stock instance
+    norm also takes the layout-keeping one, whose copies would otherwise hide the layout's gain
+    (nnU-Net measured channels_last_3d with stock norms 24 % slower). Only when the norm is a switch
+    (not pinned with ``--keep``)."""
+    if (switch.key == "train.channels_last" and candidate.get("train.channels_last") is True
+            and candidate.get("model.args.norm") in levers.LAYOUT_COPYING_NORMS):
+        return {**candidate, "model.args.norm": "instance_cl"}
+    return candidate
+
+
 def current(cfg: RunConfig, keys: list[str]) -> dict[str, Any]:
-    """The config's value of each dotted key (``data.args.backend`` absent: None)."""
+    """The config's value of each dotted key (``data.args.backend`` absent: None; a model lever: the
+    model's own default where the recipe does not set it)."""
+    model = levers.current(cfg.model.name, cfg.model.args)
     out = {}
     for key in keys:
+        if key in levers.LEVER_KEYS:
+            out[key] = model.get(key)
+            continue
         node: Any = cfg
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)

@@ -1,0 +1,144 @@
+"""nnU-Net v2's training augmentation: fastvision's batched ops against batchgeneratorsv2's transforms,
+on the same patch and probabilities, one CPU thread each (patches/s per core), plus each op's cost.
+
+nnU-Net's side runs in its OWN virtual environment (``--nnunet-python``): the pipeline is
+``nnUNetTrainer.get_training_transforms`` itself (3-D, rotation +-30 degrees, mirroring on every
+axis, no deep supervision), applied per patch as nnU-Net's data loader does. fastvision's is the
+spec ``configure --trainer nnunet`` writes (``planning.configure.recipe.augmentation``), applied to a
+batch of ``--batch`` patches at once. Per-op cost: each op alone with every probability (and its
+per-channel probability) at 1, i.e. its cost when it fires; the pipeline figure uses the real
+probabilities. Rounds interleave the two sides; the figures are medians.
+
+Usage (about 3 minutes on 2 shared cores)::
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/aug_vs_nnunet.py --nnunet-python /work/nnunet-venv/bin/python
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+NNUNET = r"""
+import json, sys, time
+import numpy as np, torch
+torch.set_num_threads(1)
+from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
+from batchgeneratorsv2.transforms.utils.random import RandomTransform
+cfg = json.loads(sys.argv[1])
+patch, c, n = cfg["patch"], cfg["channels"], cfg["n"]
+rot = (-30 / 360 * 2 * np.pi, 30 / 360 * 2 * np.pi)
+def pipeline():
+    return nnUNetTrainer.get_training_transforms(patch, rot, None, (0, 1, 2), False)
+NAMES = {"SpatialTransform": "affine", "GaussianNoiseTransform": "noise", "GaussianBlurTransform": "blur",
+         "MultiplicativeBrightnessTransform": "brightness", "ContrastTransform": "contrast",
+         "SimulateLowResolutionTransform": "lowres", "MirrorTransform": "flip"}
+def ops():
+    out = {}
+    for t in pipeline().transforms:
+        inner = t.transform if isinstance(t, RandomTransform) else t
+        name = type(inner).__name__
+        if name == "GammaTransform":
+            name = "gamma_inverted" if inner.p_invert_image == 1 else "gamma"
+        else:
+            name = NAMES.get(name)
+        if name is None:
+            continue
+        for k in ("p_per_channel", "p_rotation", "p_scaling"):
+            if hasattr(inner, k):
+                setattr(inner, k, 1.0)
+        out[name] = inner
+    return out
+g = torch.Generator().manual_seed(0)
+img = torch.randn(c, *patch, generator=g)
+seg = (torch.rand(1, *patch, generator=g) > 0.7).to(torch.int16)
+def rate(t, n):
+    for _ in range(8):  # warm-up; the blur's fft-or-conv choice is timed once per size and kernel, then cached
+        t(image=img.clone(), segmentation=seg.clone())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t(image=img.clone(), segmentation=seg.clone())
+    return (time.perf_counter() - t0) / n
+res = {"pipeline_s": rate(pipeline(), n), "ops_s": {k: rate(t, max(2, n // 4)) for k, t in ops().items()}}
+print("NNUNET_JSON" + json.dumps(res))
+"""
+
+
+def fastvision_times(patch: list[int], channels: int, batch: int, n: int) -> dict:
+    """Seconds per patch: the nnU-Net pipeline as ``configure --trainer nnunet`` writes it, and each op alone."""
+    import torch
+
+    from fastvision.data.augment.spatial import build_augment
+    from fastvision.planning.configure.recipe import augmentation
+
+    torch.set_num_threads(1)
+    spec, _ = augmentation(patch, [1.0] * 3, None, "nnunet")
+    g = torch.Generator().manual_seed(0)
+    img = torch.randn(batch, channels, *patch, generator=g)
+    seg = (torch.rand(batch, *patch, generator=g) > 0.7).long()
+
+    def rate(aug, n: int) -> float:
+        for _ in range(8):  # warm-up, as the other side
+            aug(img.clone(), seg.clone(), g)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            aug(img.clone(), seg.clone(), g)
+        return (time.perf_counter() - t0) / (n * batch)
+
+    ops = {}
+    for name, opts in spec.items():
+        if opts is None:
+            continue
+        forced = {k: (1.0 if k.endswith("prob") else v) for k, v in opts.items()}
+        ops[name] = rate(build_augment(3, **{name: forced}), max(1, n // (4 * batch)))
+    return {"pipeline_s": rate(build_augment(3, **spec), max(1, n // batch)), "ops_s": ops}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nnunet-python", default="/work/nnunet-venv/bin/python")
+    ap.add_argument("--patch", type=int, nargs=3, default=[64, 64, 64])
+    ap.add_argument("--channels", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=2, help="fastvision's batch (nnU-Net augments one patch at a time)")
+    ap.add_argument("--n", type=int, default=16, help="patches per pipeline measurement")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    cfg = {"patch": args.patch, "channels": args.channels, "n": args.n}
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="", nnUNet_raw="/tmp", nnUNet_preprocessed="/tmp",
+               nnUNet_results="/tmp")
+    fv, nn = [], []
+    for _ in range(args.rounds):  # interleaved: a neighbour's load hits both sides alike
+        fv.append(fastvision_times(args.patch, args.channels, args.batch, args.n))
+        r = subprocess.run([args.nnunet_python, "-c", NNUNET, json.dumps(cfg)], env=env, capture_output=True,
+                           text=True, check=False)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("NNUNET_JSON")), None)
+        if line is None:
+            raise SystemExit(f"nnU-Net side failed:\n{r.stderr[-3000:]}")
+        nn.append(json.loads(line[len("NNUNET_JSON"):]))
+
+    def med(rows, key, op=None):
+        return statistics.median(r["ops_s"][op] if op else r[key] for r in rows)
+
+    f_pipe, n_pipe = med(fv, "pipeline_s"), med(nn, "pipeline_s")
+    out = {"patch": args.patch, "channels": args.channels, "batch": args.batch, "rounds": args.rounds,
+           "fastvision_patches_per_s_per_core": 1 / f_pipe, "nnunet_patches_per_s_per_core": 1 / n_pipe,
+           "ratio": n_pipe / f_pipe, "ops_ms": {}}
+    print(f"patch {args.patch} x {args.channels} ch, 1 thread each, median of {args.rounds} interleaved rounds")
+    print(f"pipeline: fastvision {1 / f_pipe:.2f} patches/s (batch {args.batch}), nnU-Net {1 / n_pipe:.2f} "
+          f"patches/s: {n_pipe / f_pipe:.2f}x")
+    print(f"{'op (fires, p = 1)':<18} {'fastvision ms':>14} {'nnU-Net ms':>11} {'ratio':>6}")
+    for op in fv[0]["ops_s"]:
+        a, b = med(fv, None, op) * 1e3, (med(nn, None, op) * 1e3 if op in nn[0]["ops_s"] else float("nan"))
+        out["ops_ms"][op] = {"fastvision": a, "nnunet": b}
+        print(f"{op:<18} {a:>14.2f} {b:>11.2f} {b / a:>6.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""3-D training side by side: nnU-Net v2's ``nnUNetTrainer`` against fastvision on the configured
+recipe of the same plan, on the same generated data, on the CPU, cut to the same iterations.
+
+Per dataset (a CT one, ``data synth spleen``, and an MR one, ``data synth hippocampus``; >= 20
+cases each): nnU-Net v2, in its OWN virtual environment, converts, fingerprints, plans (8 GB target)
+and preprocesses the folder (3d_fullres), then trains fold 0 on the CPU with its own trainer, cut
+by a subclass defined in its script (``nnUNetTrainer`` with ``num_epochs`` x
+``num_iterations_per_epoch`` = the run's iterations, the nnU-Net trainer ``nnUNetv2_train -device
+cpu`` runs), its augmentation processes (``nnUNet_n_proc_DA``) = the cores given. Its validation
+cases are fastvision's fold 0 (``splits_final.json`` is written from fastvision's split), so both
+sides score the same cases. Every ``--val-every`` iterations it predicts them whole
+(``perform_actual_validation``, sliding window, no mirroring) and records the mean foreground Dice.
+
+fastvision plans the folder with ``configure --memory 8GiB --trainer T`` (T = nnunet and fast),
+takes nnU-Net's patch and batch (``--set``; the network is the same by configure's rules, checked
+by benchmarks/configure_vs_nnunet.py), and trains through the real CLI for the same iterations,
+validating the same cases (sliding window, per-case Dice) at the same iterations.
+
+Reported per side: iterations/s of the training loop (augmentation and data waits included;
+validation and preprocessing excluded), validation Dice after the same iterations, and the
+training time to the highest Dice every side reaches (the first validation at or above it).
+
+Usage (about 15 minutes on 2 shared cores at the defaults)::
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/train_vs_nnunet.py --nnunet-python /work/nnunet-venv/bin/python \\
+        --work /tmp/tvn --json /tmp/tvn/out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DATASETS = [  # (MSD folder, synth kind, options, nnU-Net dataset id)
+    ("Task09_Spleen", "spleen", {"cases": 20, "test_cases": 1, "size": 32}, 981),
+    ("Task04_Hippocampus", "hippocampus", {"cases": 20, "test_cases": 1}, 982),
+]
+
+NNUNET = r"""
+import json, os, sys, time
+import numpy as np, torch
+did, raw, iters, per_epoch, val_every, cores = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+split = json.loads(sys.argv[7])
+pre = os.environ["nnUNet_preprocessed"]
+from nnunetv2.dataset_conversion.convert_MSD_dataset import convert_msd_dataset
+from nnunetv2.experiment_planning.plan_and_preprocess_api import extract_fingerprints, plan_experiments, preprocess
+convert_msd_dataset(raw, overwrite_target_id=int(did), num_processes=cores)
+extract_fingerprints([int(did)], num_processes=cores)
+plan_experiments([int(did)], gpu_memory_target_in_gb=8)
+preprocess([int(did)], configurations=("3d_fullres",), num_processes=(cores,))
+name = [d for d in os.listdir(pre) if d.startswith(f"Dataset{did}_")][0]
+json.dump([split], open(os.path.join(pre, name, "splits_final.json"), "w"))
+plans = json.load(open(os.path.join(pre, name, "nnUNetPlans.json")))
+ds = json.load(open(os.path.join(pre, name, "dataset.json")))
+from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
+curve, clock = [], {"train": 0.0}
+class Cut(nnUNetTrainer):
+    def __init__(self, plans, configuration, fold, dataset_json, device=torch.device("cpu")):
+        super().__init__(plans, configuration, fold, dataset_json, device)  # nnU-Net reads this signature
+        self.num_iterations_per_epoch, self.num_epochs = per_epoch, iters // per_epoch
+        self.num_val_iterations_per_epoch, self.save_every = 1, 10 ** 9
+    def on_train_start(self):
+        super().on_train_start()
+        self.inference_allowed_mirroring_axes = None  # validation without mirroring, as fastvision's
+    def on_train_epoch_start(self):
+        super().on_train_epoch_start()
+        self._t0 = time.perf_counter()
+    def on_train_epoch_end(self, outputs):
+        clock["train"] += time.perf_counter() - self._t0
+        super().on_train_epoch_end(outputs)
+    def on_epoch_end(self):
+        done = (self.current_epoch + 1) * self.num_iterations_per_epoch
+        super().on_epoch_end()
+        if done % val_every == 0:
+            self.perform_actual_validation(False)
+            s = json.load(open(os.path.join(self.output_folder, "validation", "summary.json")))
+            curve.append({"iterations": done, "train_s": clock["train"], "dice": s["foreground_mean"]["Dice"]})
+            self.set_deep_supervision_enabled(True)
+    def perform_actual_validation(self, save=False):
+        if curve and curve[-1]["iterations"] == self.current_epoch * self.num_iterations_per_epoch:
+            return  # run_training's closing validation: the last one is recorded already
+        super().perform_actual_validation(save)
+cm = plans["configurations"]["3d_fullres"]
+plans["continue_training"] = False  # what nnunetv2.run.run_training sets
+t = Cut(plans, "3d_fullres", 0, ds, device=torch.device("cpu"))
+t0 = time.perf_counter()
+t.run_training()
+print("NNUNET_JSON" + json.dumps({"curve": curve, "wall_s": time.perf_counter() - t0, "patch": cm["patch_size"],
+      "batch": cm["batch_size"], "features": cm["architecture"]["arch_kwargs"]["features_per_stage"],
+      "strides": cm["architecture"]["arch_kwargs"]["strides"], "spacing": cm["spacing"],
+      "transpose_forward": plans["transpose_forward"]}))
+"""
+
+
+def run(cmd: list[str], env: dict, timeout: float) -> str:
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if r.returncode:
+        raise SystemExit(f"failed ({r.returncode}): {' '.join(cmd[:5])} ...\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def nnunet_side(python: str, work: Path, data: Path, did: int, args, split: dict) -> dict:
+    env = dict(os.environ, nnUNet_raw=str(work / "raw"), nnUNet_preprocessed=str(work / "pre"),
+               nnUNet_results=str(work / "res"), nnUNet_n_proc_DA=str(args.cores),
+               nnUNet_def_n_proc=str(args.cores), OMP_NUM_THREADS=str(args.cores),
+               PYTHONPATH="")
+    for k in ("raw", "pre", "res"):
+        (work / k).mkdir(parents=True, exist_ok=True)
+    out = run([python, "-c", NNUNET, str(did), str(data), str(args.iterations), str(args.per_epoch),
+               str(args.val_every), str(args.cores), json.dumps(split)], env, args.timeout)
+    line = next(x for x in out.splitlines() if x.startswith("NNUNET_JSON"))
+    return json.loads(line[len("NNUNET_JSON"):])
+
+
+def fastvision_side(data: Path, work: Path, trainer: str, nn: dict, args) -> dict:
+    """configure --trainer, nnU-Net's patch and batch, the same iterations; the curve from metrics.jsonl."""
+    from fastvision.data.formats.decathlon import kfold_split
+
+    recipe = work / f"{trainer}.yaml"
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.cores), FASTVISION_CACHE=str(work / "cache"))
+    run([sys.executable, "-m", "fastvision", "configure", str(data), "--memory", "8GiB", "--trainer", trainer,
+         "--out", str(recipe), "--force"], env, 600)
+    tf = nn["transpose_forward"]  # nnU-Net's axes are the transposed SimpleITK (Z, Y, X) order
+    patch = [0, 0, 0]
+    for i, a in enumerate(tf):
+        patch[2 - a] = nn["patch"][i]
+    cases = len(json.load(open(data / "dataset.json"))["training"])
+    steps = len(kfold_split([str(i) for i in range(cases)], 0, 5)[0]) // nn["batch"]
+    epochs, val_every = max(1, round(args.iterations / steps)), max(1, round(args.val_every / steps))
+    sets = {"data.args.patch_size": patch, "task.args.sample_shape": None, "train.batch_size": nn["batch"],
+            "task.args.sliding_window.roi_size": patch, "train.epochs": epochs, "train.val_every": val_every,
+            "train.target": None, "data.num_workers": args.cores, "data.cache": "ram", "data.cache_dir": None,
+            "examples": 0, "train.device": "cpu"}
+    if trainer == "nnunet":
+        sets["sched.name"] = "poly"  # over this run's iterations, as nnU-Net's poly over its cut run
+    argv = [sys.executable, "-m", "fastvision", "train", str(recipe), "--out", str(work / f"run-{trainer}")]
+    for k, v in sets.items():
+        if k == "task.args.sample_shape":
+            v = [len(json.load(open(data / "dataset.json"))["modality"]), *patch]
+        argv += ["--set", f"{k}={json.dumps(v)}"]
+    t0 = time.perf_counter()
+    run(argv, env, args.timeout)
+    wall = time.perf_counter() - t0
+    curve, clock = [], 0.0
+    for line in open(work / f"run-{trainer}" / "metrics.jsonl"):
+        rec = json.loads(line)
+        d = rec.get("data") or {}
+        if "epoch_time_s" in d and rec.get("step"):  # an epoch's event (the closing summary repeats the last)
+            clock += d["epoch_time_s"]
+            if "dice" in d:
+                ep = len([1 for _ in curve]) + 1
+                curve.append({"iterations": ep * val_every * steps, "train_s": clock, "dice": d["dice"]})
+    return {"curve": curve, "wall_s": wall, "steps_per_epoch": steps, "epochs": epochs}
+
+
+def summarise(sides: dict[str, dict]) -> dict:
+    """it/s, Dice at the last common iteration, and train time to the best Dice every side reaches."""
+    out = {}
+    common = min(max(p["iterations"] for p in s["curve"]) for s in sides.values())
+    reach = min(max(p["dice"] for p in s["curve"]) for s in sides.values())
+    for name, s in sides.items():
+        last = [p for p in s["curve"] if p["iterations"] <= common][-1]
+        hit = next(p for p in s["curve"] if p["dice"] >= reach)
+        first = s["curve"][0]  # after the first validation: warm-up, worker start and cache fill left out
+        steady = (last["iterations"] - first["iterations"]) / max(last["train_s"] - first["train_s"], 1e-9)
+        out[name] = {"it_per_s": last["iterations"] / last["train_s"], "iterations": last["iterations"],
+                     "steady_it_per_s": steady if last is not first else None,
+                     "dice": last["dice"], "time_to_dice_s": hit["train_s"], "curve": s["curve"]}
+    out["_dice_reached_by_all"] = reach
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nnunet-python", default="/work/nnunet-venv/bin/python")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/tvn"))
+    ap.add_argument("--iterations", type=int, default=120, help="training iterations per side")
+    ap.add_argument("--per-epoch", type=int, default=20, help="nnU-Net iterations per epoch (its cut)")
+    ap.add_argument("--val-every", type=int, default=40, help="iterations between validations (both sides)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--datasets", nargs="+", default=[d[1] for d in DATASETS])
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    from fastvision.data.formats.decathlon import kfold_split
+    from fastvision.data.synth import load_all
+
+    report = {"args": {k: str(v) for k, v in vars(args).items()}}
+    for folder, kind, opts, did in DATASETS:
+        if kind not in args.datasets:
+            continue
+        work = args.work / kind
+        data = load_all().get(kind)(work / folder, seed=0, **opts)
+        ids = sorted(Path(c["image"]).name.replace(".nii.gz", "")
+                     for c in json.load(open(data / "dataset.json"))["training"])
+        train, val = kfold_split(ids, 0, 5)
+        nn = nnunet_side(args.nnunet_python, work, data, did, args, {"train": train, "val": val})
+        sides = {"nnunet": nn, **{f"fastvision-{t}": fastvision_side(data, work, t, nn, args)
+                                  for t in ("nnunet", "fast")}}
+        report[kind] = {"plan": {k: nn[k] for k in ("patch", "batch", "features", "strides", "spacing")},
+                        **summarise(sides)}
+        r = report[kind]
+        print(f"{kind}: patch {nn['patch']} batch {nn['batch']}; Dice reached by all: {r['_dice_reached_by_all']:.3f}")
+        for name in sides:
+            x = r[name]
+            print(f"  {name:<20} {x['it_per_s']:.3f} it/s  Dice {x['dice']:.3f} at {x['iterations']} it  "
+                  f"to Dice {r['_dice_reached_by_all']:.3f}: {x['time_to_dice_s']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Where shards come from: the index of a shard set, and its files from a folder or over HTTP.
+
+A shard set is a folder (or the same folder served over HTTP) holding ``shards.json`` and the tar
+shards it lists. :class:`ShardStore` turns a shard's name into a local file: the file itself for
+a folder; for ``http(s)://`` a copy in a node-local cache (``data.args.shard_cache_dir``) kept
+under a size limit (``shard_cache_gb``), least recently used evicted first. A download goes to a
+temporary file, is checked against the index's sha256 while it streams, and is renamed into place;
+an exclusive file lock per shard makes every rank of a node wait for one download instead of
+starting its own. HTTP errors and timeouts are retried ``shard_retries`` times with a doubling
+pause, then reported as one line naming the URL.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import http.client
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastvision.errors import DataError
+
+INDEX = "shards.json"
+FORMAT = "fastvision-shards/v1"
+
+
+@dataclass
+class Shard:
+    """One shard of a split: its file name (relative to the set), sample count, size and sha256."""
+
+    url: str
+    nsamples: int
+    filesize: int
+    sha256: str
+
+
+@dataclass
+class ShardIndex:
+    """A shard set's ``shards.json``: the source format, its dataset facts, and each split's shards."""
+
+    base: str
+    source: str
+    info: dict[str, Any]
+    splits: dict[str, list[Shard]]
+    files: dict[str, str] = field(default_factory=dict)  # other files of the set (COCO's val annotations)
+    writer: dict[str, Any] = field(default_factory=dict)
+
+
+def is_remote(path: str | Path) -> bool:
+    return str(path).startswith(("http://", "https://"))
+
+
+def is_shard_set(path: str | Path | None) -> bool:
+    """``path`` is a URL, or a folder holding a shard index: what ``--data`` recognises as shards."""
+    if path is None:
+        return False
+    return is_remote(path) or (Path(path) / INDEX).is_file()
+
+
+def parse_index(doc: Any, base: str, where: str) -> ShardIndex:
+    """The :class:`ShardIndex` of a loaded ``shards.json``; DataError naming ``where`` if it is not one."""
+    try:
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT!r}")
+        splits = {name: [Shard(s["url"], int(s["nsamples"]), int(s["filesize"]), str(s["sha256"]))
+                         for s in entry["shardlist"]] for name, entry in doc["splits"].items()}
+        return ShardIndex(base, str(doc["source"]), dict(doc["info"]), splits, dict(doc.get("files", {})),
+                          dict(doc.get("writer", {})))
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{where}: not a fastvision shard index ({type(e).__name__}: {e})") from e
+
+
+def index_doc(index: ShardIndex) -> dict[str, Any]:
+    """``shards.json``'s content; each split is a WebDataset-style shard list (url, nsamples)."""
+    return {"format": FORMAT, "source": index.source, "writer": index.writer, "info": index.info,
+            "files": index.files,
+            "splits": {name: {"shardlist": [vars(s) for s in shards]} for name, shards in index.splits.items()}}
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class ShardStore:
+    """Local files of a shard set (see the module docstring).
+
+    Args:
+        base: the set's folder or ``http(s)://`` URL.
+        cache_dir: node-local cache root for a URL (default ``~/.cache/fastvision/shards``).
+        cache_gb: cache size limit (GB, 1e9 bytes); least recently used shards are evicted.
+        retries: extra tries after an HTTP error or timeout.
+        timeout_s: per-request timeout (seconds).
+    """
+
+    def __init__(self, base: str | Path, cache_dir: str | None = None, cache_gb: float = 100.0, retries: int = 3,
+                 timeout_s: float = 30.0):
+        self.base = str(base).rstrip("/")
+        self.remote = is_remote(self.base)
+        self.limit = int(cache_gb * 1e9)
+        self.retries, self.timeout_s = retries, timeout_s
+        self.downloads = 0  # shards this process fetched (the rest came from the cache)
+        root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "fastvision" / "shards"
+        self.cache = root / hashlib.sha256(self.base.encode()).hexdigest()[:16] if self.remote else None
+
+    def name(self, rel: str) -> str:
+        """The shard's name in messages: its URL or path."""
+        return f"{self.base}/{rel}"
+
+    def read_small(self, rel: str) -> bytes:
+        """A small file of the set (the index), read whole (over HTTP with retries)."""
+        if not self.remote:
+            path = Path(self.base) / rel
+            try:
+                return path.read_bytes()
+            except OSError as e:
+                raise DataError(f"{path}: cannot read ({e})") from e
+        return self._get(self.name(rel), lambda r: r.read())
+
+    def index(self) -> ShardIndex:
+        where = self.name(INDEX)
+        try:
+            doc = json.loads(self.read_small(INDEX))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{where}: not JSON ({e})") from e
+        return parse_index(doc, self.base, where)
+
+    def local(self, shard: Shard) -> Path:
+        """A local file holding ``shard``: the set's own file, or the cached copy (downloaded if absent)."""
+        if not self.remote:
+            return Path(self.base) / shard.url
+        assert self.cache is not None
+        self.cache.mkdir(parents=True, exist_ok=True)
+        path = self.cache / shard.url
+        if path.is_file():
+            os.utime(path)  # the LRU clock: eviction takes the oldest access first
+            return path
+        with open(self.cache / f".{shard.url}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one download per node: the other ranks wait here
+            try:
+                if not path.is_file():
+                    self._make_room(shard)
+                    self._download(shard, path)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return path
+
+    def _make_room(self, shard: Shard) -> None:
+        """Evict cached shards, least recently used first, until ``shard`` fits under the limit."""
+        assert self.cache is not None
+        if shard.filesize > self.limit:
+            raise DataError(f"{self.name(shard.url)}: shard cache {self.cache} full: the shard needs "
+                            f"{shard.filesize / 1e9:.3g} GB, the limit is {self.limit / 1e9:.3g} GB "
+                            f"(data.args.shard_cache_gb)")
+        files = [p for p in self.cache.glob("*.tar") if p.is_file()]
+        used = sum(p.stat().st_size for p in files)
+        for old in sorted(files, key=lambda p: p.stat().st_mtime):
+            if used + shard.filesize <= self.limit:
+                break
+            with contextlib.suppress(FileNotFoundError):  # another process evicted it first
+                used -= old.stat().st_size
+                old.unlink()  # a reader holding it open keeps reading (POSIX)
+
+    def _download(self, shard: Shard, path: Path) -> None:
+        url = self.name(shard.url)
+        tmp = path.with_name(f".{path.name}.part{os.getpid()}")
+
+        def save(response) -> str:
+            digest = hashlib.sha256()
+            with open(tmp, "wb") as f:
+                while chunk := response.read(1 << 20):
+                    f.write(chunk)
+                    digest.update(chunk)
+            return digest.hexdigest()
+
+        try:
+            sha = self._get(url, save)
+            if sha != shard.sha256:
+                raise DataError(f"{url}: checksum mismatch (sha256 {sha[:12]}..., the index says "
+                                f"{shard.sha256[:12]}...): a corrupt or replaced shard")
+            os.replace(tmp, path)
+            self.downloads += 1
+        except OSError as e:
+            raise DataError(f"{url}: cannot write to the shard cache {self.cache} ({e.strerror or e})") from e
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _get(self, url: str, consume):
+        """``consume(response)`` of a GET of ``url``, retried on HTTP errors and timeouts."""
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(0.2 * 2 ** (attempt - 1), 5.0))
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
+                    return consume(response)
+            except urllib.error.HTTPError as e:
+                last = e
+                if e.code == 404:  # missing stays missing: no point retrying
+                    break
+            except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as e:
+                last = e
+        reason = getattr(last, "reason", None) or last
+        raise DataError(f"{url}: HTTP error after {attempt + 1} tries ({reason})")

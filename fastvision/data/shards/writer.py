@@ -1,0 +1,231 @@
+"""``fastvision data shard SRC OUT``: write a dataset as WebDataset tar shards plus ``shards.json``.
+
+Shards hold the files as they are (the encoded JPEG/PNG bytes) and their labels, so a shard set
+is about the size of the dataset. Each split's samples are written in one fixed shuffled order
+(``torch.randperm`` of the writer seed, recorded in the index): a shard then mixes the classes
+instead of holding one, which the shard-aware training order relies on. Shard boundaries follow
+from the member sizes alone, so they are known before a byte is written.
+
+The writer is deterministic (same input and options, same bytes: fixed tar metadata and order)
+and resumable: a shard goes to a temporary file and is renamed into place when complete, so after
+an interruption every shard present is whole; the next run checks each one present (size, tar
+structure, sample count) and writes only the missing ones. A finished shard is never rewritten.
+The index is written last; a shard set without ``shards.json`` is unfinished.
+
+Members of sample ``<key>`` (WebDataset groups members by key):
+  ImageFolder: ``<key>.<jpeg|png|...>`` the file, ``<key>.cls`` the class index (decimal text),
+  ``<key>.id`` the file's path relative to SRC.
+  COCO: ``<key>.<ext>`` the image, ``<key>.json`` ``{"image": the COCO image record,
+  "annotations": its usable annotations}``; the validation annotation file is copied beside.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastvision.data.shards import tario
+from fastvision.data.shards.store import INDEX, Shard, ShardIndex, index_doc, write_atomic
+from fastvision.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+WRITER_SEED = 0
+
+
+@dataclass
+class Member:
+    """One file of a sample: extension, byte size, and how to read its bytes."""
+
+    ext: str
+    size: int
+    read: Callable[[], bytes]
+
+
+def _file(path: str | Path, ext: str | None = None) -> Member:
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+    except OSError as e:
+        raise DataError(f"{p}: cannot read ({e})") from e
+    return Member(ext or p.suffix.lower().lstrip(".") or "bin", size, p.read_bytes)
+
+
+def _text(data: bytes, ext: str) -> Member:
+    return Member(ext, len(data), lambda: data)
+
+
+def parse_size(text: str | int) -> int:
+    """``"256MB"`` / ``"1.5GB"`` / ``"64KiB"`` / ``1000`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1024, "MIB": 1024 ** 2, "GIB": 1024 ** 3}
+    s = text.strip().upper()
+    num = s.rstrip("KMGIB")
+    try:
+        value = int(float(num) * units[s[len(num):]])
+    except (KeyError, ValueError):
+        raise ConfigError(f"--shard-size {text!r}: expected a size like 256MB, 1GB or 64KiB") from None
+    if value < tario.BLOCK * 4:
+        raise ConfigError(f"--shard-size {text!r}: at least 2KB")
+    return value
+
+
+def imagefolder_source(src: Path) -> tuple[dict[str, Any], dict[str, list[list[Member]]], dict[str, Path]]:
+    """ImageFolder / ImageNet layout: ``(info, {split: [sample members]}, files to copy)``."""
+    from fastvision.data.formats.imagefolder import build
+
+    splits = build(path=str(src))
+    out = {}
+    for name, ds in (("train", splits.train), ("val", splits.val)):
+        out[name] = [[_file(p), _text(str(label).encode(), "cls"),
+                      _text(os.path.relpath(p, src).encode(), "id")] for p, label in ds.samples]
+    info = {k: splits.info[k] for k in ("classes", "num_classes")}
+    return info, out, {}
+
+
+def _coco_splits(src: Path) -> tuple[str, str]:
+    names = sorted(p.name[len("instances_"):-len(".json")] for p in (src / "annotations").glob("instances_*.json"))
+    train = [n for n in names if "train" in n]
+    val = [n for n in names if "val" in n]
+    if len(train) != 1 or len(val) != 1:
+        raise DataError(f"{src / 'annotations'}: expected one instances_<train split>.json and one "
+                        f"instances_<val split>.json, found {', '.join(names) or 'none'}")
+    return train[0], val[0]
+
+
+def coco_source(src: Path) -> tuple[dict[str, Any], dict[str, list[list[Member]]], dict[str, Path]]:
+    """COCO layout: each image with a JSON member of its record and usable annotations."""
+    from fastvision.data.formats.coco import build
+
+    train_split, val_split = _coco_splits(src)
+    splits = build(path=str(src), train_split=train_split, val_split=val_split)
+    out = {}
+    for name, ds in (("train", splits.train), ("val", splits.val)):
+        rows = []
+        for i, image_id in enumerate(ds.ids):
+            anns = [a for a in ds.coco.imgToAnns.get(image_id, []) if a["id"] in ds.valid_ann_ids]
+            doc = json.dumps({"image": ds.coco.imgs[image_id], "annotations": anns}, sort_keys=True).encode()
+            rows.append([_file(ds.path(i)), _text(doc, "json")])
+        out[name] = rows
+    info = {"cat_ids": splits.info["cat_ids"], "class_names": splits.info["class_names"],
+            "num_classes": splits.info["num_classes"]}
+    return info, out, {"val_ann_file": Path(splits.info["val_ann_file"])}
+
+
+SOURCES = {"imagefolder": imagefolder_source, "coco": coco_source}
+
+
+def detect_source(src: Path) -> str:
+    if not src.is_dir():
+        raise DataError(f"{src}: dataset folder not found")
+    if any((src / "annotations").glob("instances_*.json")):
+        return "coco"
+    if (src / "train").is_dir():
+        return "imagefolder"
+    raise DataError(f"{src}: neither an ImageFolder/ImageNet folder (train/<class>/) nor COCO "
+                    f"(annotations/instances_*.json); `fastvision data shard` reads those")
+
+
+def plan(samples: list[list[Member]], shard_size: int) -> list[list[int]]:
+    """Sample indices of each shard: a shard closes when the next sample would pass ``shard_size``."""
+    shards: list[list[int]] = [[]]
+    used = tario.BLOCK * 2
+    for i, members in enumerate(samples):
+        need = tario.member_bytes(m.size for m in members)
+        if shards[-1] and used + need > shard_size:
+            shards.append([])
+            used = tario.BLOCK * 2
+        shards[-1].append(i)
+        used += need
+    return shards if shards[0] else []
+
+
+def _existing(path: Path, expected_size: int, n: int) -> Shard:
+    """The record of a shard a previous run finished; DataError if it is not the planned shard."""
+    size = path.stat().st_size
+    if size != expected_size:
+        raise DataError(f"{path}: {size} bytes where this input makes {expected_size}: the source or "
+                        f"--shard-size changed since it was written (remove {path.parent} to start over)")
+    table, sha = tario.scan(path, path.name, verify=True)
+    found = len(tario.samples(table))
+    if found != n:
+        raise DataError(f"{path}: {found} samples where this input makes {n} (remove {path.parent} to start over)")
+    return Shard(path.name, n, size, sha or "")
+
+
+def _write_shard(path: Path, keys: list[str], rows: list[list[Member]]) -> Shard:
+    digest = hashlib.sha256()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            for key, members in zip(keys, rows, strict=True):
+                for m in members:
+                    data = m.read()
+                    if len(data) != m.size:
+                        raise DataError(f"{key}.{m.ext}: changed size while being sharded")
+                    tario.write_member(f, f"{key}.{m.ext}", data, digest)
+            f.write(tario.END)
+            digest.update(tario.END)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # whole or absent: a killed writer leaves no partial shard under this name
+    finally:
+        tmp.unlink(missing_ok=True)
+    return Shard(path.name, len(rows), path.stat().st_size, digest.hexdigest())
+
+
+def write_split(out: Path, split: str, samples: list[list[Member]], shard_size: int) -> list[Shard]:
+    """Write (or complete) one split's shards in the writer's shuffled order."""
+    g = torch.Generator()
+    g.manual_seed(WRITER_SEED)
+    order = torch.randperm(len(samples), generator=g).tolist()
+    done = []
+    for k, idx in enumerate(plan([samples[i] for i in order], shard_size)):
+        path = out / f"{split}-{k:06d}.tar"
+        keys = [f"{j:08d}" for j in idx]  # the position in the written order: unique and dot-free
+        rows = [samples[order[j]] for j in idx]
+        if path.exists():
+            size = sum(tario.member_bytes(m.size for m in r) for r in rows) + len(tario.END)
+            done.append(_existing(path, size, len(rows)))
+        else:
+            done.append(_write_shard(path, keys, rows))
+            log.debug("%s: %d samples, %.1f MB", path, len(rows), done[-1].filesize / 1e6)
+    return done
+
+
+def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256MB",
+                 source: str | None = None) -> ShardIndex:
+    """Shard dataset ``src`` into ``out`` (see the module docstring); returns the written index.
+
+    Args:
+        src: an ImageFolder/ImageNet or COCO dataset folder.
+        out: the shard set folder (made if absent; an unfinished one is completed).
+        shard_size: target bytes per shard (``"256MB"``); a sample larger than it gets a shard alone.
+        source: ``imagefolder`` or ``coco`` (default: detected from ``src``'s layout).
+    """
+    src, out = Path(src), Path(out)
+    size = parse_size(shard_size)
+    source = source or detect_source(src)
+    if source not in SOURCES:
+        raise ConfigError(f"data shard --format {source!r}: one of {', '.join(SOURCES)}")
+    info, splits, files = SOURCES[source](src)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".*.tmp*"):  # a killed writer's partial shard: never one a reader sees
+        stale.unlink()
+    index = ShardIndex(str(out), source, info, {}, writer={"seed": WRITER_SEED, "shard_size": size})
+    for split, samples in splits.items():
+        index.splits[split] = write_split(out, split, samples, size)
+    for key, path in files.items():
+        rel = f"{path.parent.name}/{path.name}"
+        (out / rel).parent.mkdir(exist_ok=True)
+        write_atomic(out / rel, path.read_bytes())
+        index.files[key] = rel
+    write_atomic(out / INDEX, json.dumps(index_doc(index), indent=1).encode())
+    return index

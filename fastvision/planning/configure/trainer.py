@@ -1,0 +1,94 @@
+"""The training ``fastvision configure --trainer`` writes: ``fast`` (the base recipe's, seed 003's fast
+training) or ``nnunet`` (``nnUNetTrainer``'s, value for value, mapped onto fastvision's keys).
+
+nnU-Net v2.8's ``nnUNetTrainer`` (read from its source): SGD lr 0.01, Nesterov momentum 0.99, weight
+decay 3e-5 on every parameter; ``PolyLRScheduler`` (1 - epoch / 1000) ** 0.9; 1000 epochs of 250
+iterations; Dice (``MemoryEfficientSoftDiceLoss``, smooth 1e-5, no background for softmax labels,
+with it for sigmoid regions; batch Dice only where a 3d_lowres cascade exists) + CE, weights 1 / 1;
+deep supervision over the decoder scales, weights 1 / 2^i with the lowest set to 0, normalised;
+``oversample_foreground_percent`` 0.33; and ``get_training_transforms``' augmentation.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastvision.errors import ConfigError
+
+TRAINERS = ("fast", "nnunet")
+# docs/configure.md "Which trainer": benchmarks/train_vs_nnunet.py reached the common Dice sooner and ended
+# higher with nnunet than with fast on both generated sets (CT and MR); SegResNet has no decoder scales
+DEFAULT_TRAINER = {"unet3d": "nnunet", "segresnet": "fast"}
+NNUNET_EPOCHS, NNUNET_ITERATIONS = 1000, 250  # nnUNetTrainer.num_epochs, num_iterations_per_epoch
+VAL_EVERY_ITERATIONS = 2500  # our sliding-window validation every 10 nnU-Net epochs (it validates 50 patches each)
+
+
+def check_trainer(trainer: str, base: str) -> None:
+    """One-line errors for ``--trainer``: an unknown choice, or nnU-Net's on a net without decoder scales."""
+    if trainer not in TRAINERS:
+        raise ConfigError(f"--trainer {trainer!r}: valid: {', '.join(TRAINERS)}")
+    if trainer == "nnunet" and base != "unet3d":
+        raise ConfigError(f"--trainer nnunet needs deep supervision over decoder scales: --base {base} has none "
+                          "(use --base unet3d, or --trainer fast)")
+
+
+def steps_per_epoch(n_cases: int, batch: int, num_folds: int = 5) -> int:
+    """Optimizer steps in one pass over fold 0's training cases (``kfold_split``: fold 0 holds
+    ``ceil(n / folds)`` cases)."""
+    return max(1, (n_cases - math.ceil(n_cases / num_folds)) // batch)
+
+
+def nnunet_augment(augment: dict[str, Any], dummy_2d: bool, coarse: int) -> dict[str, Any]:
+    """The fast recipe's ops (:func:`~fastvision.planning.configure.recipe.augmentation`) completed to
+    ``get_training_transforms``: rotation and zoom each p 0.2, blur, low resolution, both gammas."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in augment.items()}
+    out["affine"].update(rotate_prob=0.2, zoom_prob=0.2)
+    out["blur"] = {"prob": 0.2, "sigma": [0.5, 1.0], "channel_prob": 0.5}
+    out["lowres"] = {"prob": 0.25, "range": [0.5, 1.0], "channel_prob": 0.5,
+                     **({"ignore_axes": [coarse]} if dummy_2d else {})}
+    out["gamma_inverted"] = {"prob": 0.1, "range": [0.7, 1.5], "per_channel": True, "retain_stats": True}
+    out["gamma"] = {"prob": 0.3, "range": [0.7, 1.5], "per_channel": True, "retain_stats": True}
+    return out
+
+
+def nnunet_overrides(n_cases: int, batch: int, regions: bool, thin: bool, stages: int) -> dict[str, Any]:
+    """``optim``, ``sched``, ``loss``, ``train`` and the model's deep supervision of nnU-Net's trainer
+    (a U-Net of ``stages`` stages; with 2 there is one decoder scale and nothing to supervise deeply)."""
+    steps = steps_per_epoch(n_cases, batch)
+    return {
+        "model": {"args": {"deep_supervision": stages >= 3}},
+        "loss": {"name": "dice_ce", "args": {
+            "include_background": regions, "softmax": not regions, "sigmoid": regions, "squared_pred": False,
+            "batch": thin, "smooth_nr": 1e-5, "smooth_dr": 1e-5, "lambda_dice": 1.0, "lambda_ce": 1.0}},
+        "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.99, "nesterov": True, "weight_decay": 3e-5,
+                  "no_decay_norm_bias": False, "ref_batch": None},
+        "sched": {"name": "poly", "power": 0.9, "warmup_epochs": 0.0, "min_lr_factor": 0.0},
+        "train": {"epochs": math.ceil(NNUNET_EPOCHS * NNUNET_ITERATIONS / steps),
+                  "val_every": max(1, round(VAL_EVERY_ITERATIONS / steps))},
+    }
+
+
+def trainer_choices(trainer: str, ov: dict[str, Any], n_cases: int) -> list[tuple[str, Any, str]]:
+    """``(key, value, why)`` rows of the trainer's keys, for the table and the YAML comments."""
+    if trainer != "nnunet":
+        return [("trainer", "fast", "the base recipe's optimizer, schedule and loss, no deep supervision "
+                                    "(unet3d-spleen-fast: seed 003's SGD 0.2, constant LR, DiceCE 0.5/0.5)")]
+    batch, steps = ov["train"]["batch_size"], steps_per_epoch(n_cases, ov["train"]["batch_size"])
+    total = NNUNET_EPOCHS * NNUNET_ITERATIONS
+    return [
+        ("optim", ov["optim"], "nnUNetTrainer: SGD lr 0.01, Nesterov momentum 0.99, weight decay 3e-5 on every "
+                               "parameter (norms and biases too), no LR scaling"),
+        ("sched", ov["sched"], "nnU-Net's PolyLRScheduler, (1 - t)^0.9, no warm-up; stepped per iteration here "
+                               "(nnU-Net steps it per 250-iteration epoch: within 0.4 % of it)"),
+        ("loss", ov["loss"], "nnU-Net's Dice + CE, weights 1/1, smooth 1e-5, Dice without background for labels "
+                             "(with it for sigmoid regions), batch Dice only for 2-D / cascade plans"),
+        ("model.args.deep_supervision", ov["model"]["args"]["deep_supervision"],
+         "logits at every decoder scale in training, weights 1/2^i, the lowest 0, normalised; targets by "
+         "nearest-exact down-sampling (off with a single decoder scale)"),
+        ("train.epochs", ov["train"]["epochs"],
+         f"nnU-Net's {NNUNET_EPOCHS} epochs x {NNUNET_ITERATIONS} iterations = {total} iterations, at {steps} "
+         f"steps per pass over fold 0's cases (batch {batch})"),
+        ("train.val_every", ov["train"]["val_every"],
+         f"sliding-window validation about every {VAL_EVERY_ITERATIONS} iterations (nnU-Net: 50 patches per "
+         "epoch, whole cases only at the end)"),
+    ]

@@ -1,0 +1,153 @@
+"""nnU-Net v2's augmentation ops (blur, low resolution, inverted / stats-keeping gamma, separate
+rotation and zoom probabilities) against independent references: scipy's Gaussian filter,
+``F.interpolate``'s two resizes (batchgeneratorsv2's definition), hand-computed statistics."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from scipy import ndimage
+
+from fastvision.data.augment.degrade import lowres_gathered, odd_kernel_size
+from fastvision.data.augment.spatial import build_augment
+from fastvision.errors import ConfigError
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("sigma, size", [(0.5, 3), (0.75, 5), (1.0, 7), (0.9, 5)])
+def test_kernel_size_rounds_to_odd_as_batchgenerators(sigma, size):
+    # round_to_nearest_odd(6 sigma + 0.5): 3.5 -> 3, 5.0 -> 5, 6.5 -> 7, 5.9 -> 5 (6 is even, 5.9 - 6 < 0)
+    assert int(odd_kernel_size(torch.tensor(sigma))) == size
+
+
+@pytest.mark.parametrize("nd, sigma", [(2, 0.75), (3, 0.6), (3, 1.0)])
+def test_blur_matches_scipy(nd, sigma):
+    x = torch.rand(2, 2, *([7] * nd), generator=gen(1))
+    aug = build_augment(nd, blur={"prob": 1.0, "sigma": [sigma, sigma], "channel_prob": 1.0})
+    out, _ = aug(x.clone(), None, gen(2))
+    half = int(odd_kernel_size(torch.tensor(sigma))) // 2
+    ref = x.numpy().astype(np.float64)
+    for a in range(nd):  # torch's reflect padding is scipy's "mirror"; radius = int(truncate * sigma + 0.5)
+        ref = ndimage.gaussian_filter1d(ref, sigma, axis=2 + a, mode="mirror", truncate=(half + 0.2) / sigma)
+    assert torch.allclose(out.double(), torch.from_numpy(ref), atol=1e-5)
+
+
+def test_blur_only_touches_firing_channels():
+    x = torch.rand(8, 2, 6, 6, 6, generator=gen(3))
+    out, _ = build_augment(3, blur={"prob": 0.5, "channel_prob": 0.5})(x.clone(), None, gen(4))
+    changed = (out - x).flatten(2).abs().amax(2) > 0  # (B, C)
+    assert 0 < int(changed.sum()) < 16  # some rows blurred, some untouched exactly
+
+
+def _lowres_reference(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """batchgeneratorsv2's SimulateLowResolutionTransform on one channel: nearest-exact down, then linear up."""
+    shape = list(x.shape[2:])
+    small = [round(n * scale) for n in shape]
+    mode = ("linear", "bilinear", "trilinear")[len(shape) - 1]
+    return F.interpolate(F.interpolate(x, small, mode="nearest-exact"), shape, mode=mode)
+
+
+@pytest.mark.parametrize("nd, shape, scale", [(2, (9, 7), 0.61), (3, (8, 6, 5), 0.5), (3, (7, 9, 6), 0.83)])
+def test_lowres_gathered_matches_two_resizes(nd, shape, scale):
+    """The batched (GPU) form: each row at its own scale, against the two resizes of each row."""
+    scales = torch.tensor([scale, 0.5, 1.0])
+    x = torch.rand(3, 1, *shape, generator=gen(5))
+    want = torch.cat([_lowres_reference(x[i:i + 1], float(s)) for i, s in enumerate(scales)])
+    assert torch.allclose(lowres_gathered(x, scales, None), want, atol=1e-6)
+    out, _ = build_augment(nd, lowres={"prob": 1.0, "range": [scale, scale], "channel_prob": 1.0})(x, None, gen(6))
+    assert torch.allclose(out, torch.cat([_lowres_reference(x[i:i + 1], scale) for i in range(3)]), atol=1e-6)
+
+
+def test_lowres_hand_case_and_ignored_axis():
+    # 4 voxels at scale 0.5: nearest-exact keeps voxels 1 and 3 (b, d); linear back: b, b + (d-b)/4, ...
+    x = torch.tensor([[[0.0, 1.0, 2.0, 5.0]]])
+    out, _ = build_augment(1 + 1, lowres={"prob": 1.0, "range": [0.5, 0.5], "channel_prob": 1.0})(
+        x[..., None].expand(1, 1, 4, 2).contiguous(), None, gen(0))
+    assert torch.allclose(out[0, 0, :, 0], torch.tensor([1.0, 2.0, 4.0, 5.0]))
+    y = torch.rand(1, 1, 4, 4, 4, generator=gen(7))
+    spec = {"prob": 1.0, "range": [0.5, 0.5], "channel_prob": 1.0, "ignore_axes": [0]}
+    out, _ = build_augment(3, lowres=spec)(y, None, gen(0))
+    ref = torch.stack([_lowres_reference(y[:, :, i], 0.5) for i in range(4)], 2)  # each slice of axis 0 alone
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+def _gamma_ref(x: np.ndarray, g: float, invert: bool) -> np.ndarray:
+    x = -x if invert else x
+    mean, std = x.mean(), x.std(ddof=1)
+    lo, hi = x.min(), x.max()
+    y = ((x - lo) / (hi - lo)) ** g * (hi - lo) + lo
+    y = (y - y.mean()) / y.std(ddof=1) * std + mean
+    return -y if invert else y
+
+
+@pytest.mark.parametrize("op", ["gamma", "gamma_inverted"])
+def test_gamma_keeps_stats_and_inverts(op):
+    x = torch.rand(1, 1, 5, 6, generator=gen(8)) * 3 - 1
+    out, _ = build_augment(2, **{op: {"prob": 1.0, "range": [1.4, 1.4], "retain_stats": True}})(x, None, gen(0))
+    ref = _gamma_ref(x.double().numpy()[0, 0], 1.4, op == "gamma_inverted")
+    assert np.allclose(out[0, 0].double().numpy(), ref, atol=1e-5)
+
+
+def test_gamma_per_channel_draws_differ():
+    x = torch.rand(1, 2, 6, 6, generator=gen(9)).expand(1, 2, 6, 6).clone()
+    x[:, 1] = x[:, 0]
+    out, _ = build_augment(2, gamma={"prob": 1.0, "per_channel": True})(x, None, gen(1))
+    assert not torch.allclose(out[:, 0], out[:, 1])
+
+
+def test_separate_rotation_and_zoom_probabilities():
+    """rotate_prob 1 / zoom_prob 0 only rotates: a zoomed-only sample would change a centred disc's area,
+    a rotated-only one keeps it; and each probability fires on its own share of samples."""
+    n = 400
+    m = build_augment(2, affine={"prob": 0.0, "rotate_prob": 0.3, "zoom_prob": 0.6, "degrees": 30, "scale": [0.7, 1.4]})
+    rng_masks = []
+
+    class Spy:
+        def __init__(self, gen):
+            from fastvision.data.augment.spatial import _Rng
+
+            self.r = _Rng(gen, n, torch.device("cpu"))
+
+        def __getattr__(self, k):
+            return getattr(self.r, k)
+
+        def mask(self, p):
+            out = self.r.mask(p)
+            rng_masks.append((p, out.float().mean().item()))
+            return out
+
+    op = m.ops[0][1]
+    op(torch.zeros(n, 1, 4, 4), None, Spy(gen(3)))
+    probs = dict(rng_masks)
+    assert abs(probs[0.3] - 0.3) < 0.07 and abs(probs[0.6] - 0.6) < 0.07
+    yy, xx = torch.meshgrid(torch.arange(32.0), torch.arange(32.0), indexing="ij")
+    disc = (((yy - 15.5) ** 2 + (xx - 15.5) ** 2) < 8**2).float()[None, None]
+    only_rot = build_augment(2, affine={"rotate_prob": 1.0, "zoom_prob": 0.0, "degrees": 40, "scale": [0.5, 0.5]})
+    out, _ = only_rot(disc, None, gen(1))
+    assert abs(out.sum().item() - disc.sum().item()) / disc.sum().item() < 0.03  # no 0.5 zoom (area x 4 or / 4)
+
+
+@pytest.mark.parametrize("spec, key", [
+    ({"blur": {"prob": 1.2}}, "data.augment.blur.prob"),
+    ({"blur": {"channel_prob": -0.1}}, "data.augment.blur.channel_prob"),
+    ({"lowres": {"range": [0.9, 0.5]}}, "data.augment.lowres.range"),
+    ({"lowres": {"ignore_axes": [3]}}, "data.augment.lowres.ignore_axes"),
+    ({"affine": {"zoom_prob": 2.0}}, "data.augment.affine.zoom_prob"),
+    ({"gamma_inverted": {"prob": -1.0}}, "data.augment.gamma_inverted.prob"),
+])
+def test_bad_probabilities_name_the_key(spec, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build_augment(3, **spec)
+
+
+def test_new_ops_deterministic_and_shape_preserving():
+    spec = {"blur": {"prob": 0.5}, "lowres": {"prob": 0.5}, "gamma_inverted": {"prob": 0.5, "retain_stats": True},
+            "gamma": {"prob": 0.5, "per_channel": True, "retain_stats": True}}
+    x = torch.rand(4, 2, 8, 8, 8, generator=gen(2))
+    a, _ = build_augment(3, **spec)(x.clone(), None, gen(11))
+    b, _ = build_augment(3, **spec)(x.clone(), None, gen(11))
+    assert a.shape == x.shape and torch.equal(a, b) and torch.isfinite(a).all()

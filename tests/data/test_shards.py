@@ -1,0 +1,223 @@
+"""Shard sets: the writer's bytes, webdataset reading them, items as from files, the shard-aware
+order under the sampler (any world size, mid-epoch starts), and each kind of bad shard."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastvision.data.formats.coco import build as coco_folder
+from fastvision.data.formats.imagefolder import ImageFolderDataset, RandomResizedCrop, list_samples
+from fastvision.data.formats.shard_sets import build_shards
+from fastvision.data.shards import tario
+from fastvision.data.shards.reader import shard_order
+from fastvision.data.shards.writer import write_shards
+from fastvision.data.synth import load_all
+from fastvision.distributed.samplers import TrainSampler
+from fastvision.errors import DataError
+from fastvision.registry import DATASETS
+from tests.conftest import ROOT, clean_env
+
+SIZE = "12KB"  # 3 tiny JPEG samples a shard
+
+
+@pytest.fixture(scope="module")
+def inet(tmp_path_factory) -> Path:
+    return load_all().get("imagenet")(tmp_path_factory.mktemp("inet") / "src", seed=0, classes=3, per_class=6,
+                                      val_per_class=2, size=32)
+
+
+@pytest.fixture(scope="module")
+def shards(inet, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "out"
+    write_shards(inet, out, SIZE)
+    return out
+
+
+def _index(out: Path) -> dict:
+    return json.loads((out / "shards.json").read_text())
+
+
+def test_the_writer_is_deterministic_and_webdataset_reads_the_files_as_they_are(inet, shards, tmp_path):
+    again = write_shards(inet, tmp_path / "again", SIZE)
+    files = sorted(p.name for p in shards.iterdir() if p.suffix == ".tar")
+    assert len(files) > 3 and files == sorted(p.name for p in (tmp_path / "again").iterdir() if p.suffix == ".tar")
+    assert all((shards / f).read_bytes() == (tmp_path / "again" / f).read_bytes() for f in files)
+    assert (shards / "shards.json").read_bytes() == (tmp_path / "again" / "shards.json").read_bytes()
+    wds = pytest.importorskip("webdataset")
+
+    urls = [str(shards / s.url) for s in again.splits["train"]]
+    got = {s["id"].decode(): (s["jpeg"], int(s["cls"])) for s in wds.WebDataset(urls, shardshuffle=False)}
+    classes = sorted(p.name for p in (inet / "train").iterdir())
+    expect = {os.path.relpath(p, inet): (Path(p).read_bytes(), c) for p, c in list_samples(inet / "train", classes)}
+    assert got == expect  # every file once, byte for byte, with its class
+    with tarfile.open(shards / files[0]) as tf:  # the member table against Python's tar reader
+        assert tario.scan(shards / files[0], files[0], True)[0] == {m.name: (m.offset_data, m.size) for m in tf}
+
+
+def test_an_interrupted_write_continues_and_never_rewrites_a_finished_shard(inet, shards, tmp_path):
+    out = tmp_path / "cut"
+    write_shards(inet, out, SIZE)
+    kept = out / "train-000000.tar"
+    stat = kept.stat()
+    (out / "train-000002.tar").unlink()  # killed before it was renamed into place ...
+    (out / ".train-000002.tar.tmp999").write_bytes(b"partial")  # ... leaving its partial temporary file
+    (out / "shards.json").unlink()
+    write_shards(inet, out, SIZE)
+    assert kept.stat().st_ino == stat.st_ino and kept.stat().st_mtime_ns == stat.st_mtime_ns
+    assert not list(out.glob(".*tmp*"))
+    assert all((out / p.name).read_bytes() == p.read_bytes() for p in shards.iterdir() if p.is_file())
+    with open(out / "train-000001.tar", "ab") as f:  # a shard that is not what this input makes: refused
+        f.write(b"\0" * 512)
+    with pytest.raises(DataError, match="train-000001.tar.*source or --shard-size changed"):
+        write_shards(inet, out, SIZE)
+
+
+def test_shard_order_is_a_permutation_in_windows_of_shards_from_the_generator():
+    counts = [3, 4, 2, 5, 3]
+    starts = [0, 3, 7, 9, 14]
+    shard_of = lambda i: max(k for k, s in enumerate(starts) if s <= i)  # noqa: E731
+    g = lambda seed: torch.Generator().manual_seed(seed)  # noqa: E731
+    order = shard_order(counts, 2, g(1))
+    assert sorted(order) == list(range(17)) and order == shard_order(counts, 2, g(1)) != shard_order(counts, 2, g(2))
+    # the windows: the shards of each window are read together, each shard in exactly one window
+    seen, pos = [], 0
+    while pos < 17:
+        first = {shard_of(order[pos])}
+        window = set()
+        for i in order[pos:]:
+            window.add(shard_of(i))
+            if len(window) > 2:
+                window.discard(shard_of(i))
+                break
+        n = sum(counts[s] for s in window)
+        assert {shard_of(i) for i in order[pos:pos + n]} == window and first <= window
+        seen += sorted(window)
+        pos += n
+    assert sorted(seen) == list(range(5))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_mid_epoch_start_continues_the_shard_order_at_any_world_size(world):
+    """Ranks stride the dataset's order as they stride a uniform one: started at sample 7, rank r
+    reads the positions >= 7 that are r modulo the world size, of one order whatever the world size."""
+    order = lambda g: shard_order([4, 4, 4, 4, 3], 2, g)  # noqa: E731
+    one = TrainSampler(19, num_replicas=1, rank=0, seed=5, order=order)
+    one.set_epoch(3)
+    full = list(one)
+    assert sorted(full) == list(range(19)) and full == order(torch.Generator().manual_seed(_seed(5, 3)))
+    for r in range(world):
+        s = TrainSampler(19, num_replicas=world, rank=r, seed=5, order=order)
+        s.set_epoch(3, start=7)
+        padded = s.permutation()
+        assert padded[:19] == full
+        assert list(s) == [padded[p] for p in range(7, len(padded)) if p % world == r]
+
+
+def _seed(seed: int, epoch: int) -> int:
+    from fastvision.distributed.samplers import _mix_seed
+
+    return _mix_seed(seed, epoch)
+
+
+def test_items_and_augmentation_are_the_folders(inet, shards):
+    kw = dict(image_size=24, resize_size=28)
+    folder = DATASETS.build("imagefolder", {"path": str(inet), **kw})
+    sharded = DATASETS.build("imagefolder", {"path": str(shards), **kw})
+    assert sharded.info["train_images"] == len(folder.train) and sharded.info["classes"] == folder.info["classes"]
+    by_id = {os.path.relpath(p, inet): i for i, (p, _) in enumerate(folder.val.samples)}
+    for i in range(len(sharded.val)):
+        a = sharded.val[i]
+        b = folder.val[by_id[a["id"]]]
+        assert torch.equal(a["image"], b["image"]) and a["label"] == b["label"]
+    base, (read, crop) = sharded.train.cache_pipeline()
+    assert isinstance(crop, RandomResizedCrop)
+    item = read(base[5])
+    j = next(k for k, (p, _) in enumerate(folder.train.samples) if os.path.relpath(p, inet) == item["id"])
+    fbase, (fread, fcrop) = folder.train.cache_pipeline()
+    theirs = fread(fbase[j])
+    assert torch.equal(item["data"], theirs["data"]) and item["label"] == theirs["label"]
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    assert torch.equal(crop(item, g1)["image"], fcrop(theirs, g2)["image"])
+    assert isinstance(folder.train, ImageFolderDataset)
+
+
+def test_an_epoch_in_the_shard_order_opens_each_shard_once(shards):
+    ds = DATASETS.build("imagefolder", {"path": str(shards), "image_size": 24, "resize_size": 28}).train
+    _, (read, _) = ds.cache_pipeline()
+    labels = [read({"index": i})["label"] for i in ds.epoch_order(torch.Generator().manual_seed(0))]
+    assert ds.reader.opens == len(ds.reader.shards) > 3 and sorted(labels) == [0] * 6 + [1] * 6 + [2] * 6
+
+
+def test_coco_items_are_the_folders(tmp_path):
+    src = load_all().get("coco")(tmp_path / "coco", seed=0, train=4, val=3)
+    write_shards(src, tmp_path / "out", "64KB")
+    folder = coco_folder(path=str(src), image_size=48)
+    sharded = DATASETS.build("coco", {"path": str(tmp_path / "out"), "image_size": 48})
+    assert sharded.info["cat_ids"] == folder.info["cat_ids"] and Path(sharded.info["val_ann_file"]).is_file()
+    pos = {image_id: i for i, image_id in enumerate(folder.val.ids)}
+    for i in range(len(sharded.val)):
+        a = sharded.val[i]
+        b = folder.val[pos[a["image_id"]]]
+        assert all(torch.equal(a[k], b[k]) for k in ("image", "boxes", "labels", "iscrowd"))
+        d, e = sharded.val.decode(i), folder.val.decode(pos[a["image_id"]])
+        assert torch.equal(d["image"], e["image"]) and torch.equal(d["boxes"], e["boxes"])
+
+
+def _copy(shards: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in shards.iterdir():
+        if p.is_file():
+            (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def _train_split(path: Path, **kw):
+    return build_shards(str(path), "imagefolder", {"image_size": 24, "resize_size": 28}, **kw).train
+
+
+def test_each_bad_shard_is_one_line_naming_it(shards, tmp_path, caplog):
+    bad = _copy(shards, tmp_path / "bad")
+    name = "train-000001.tar"
+    data = (bad / name).read_bytes()
+    (bad / name).write_bytes(data[:-700])  # truncated: refused when the dataset is built
+    with pytest.raises(DataError, match=f"{name}: .* bytes, the index says"):
+        _train_split(bad)
+    flipped = bytearray(data)
+    flipped[600] ^= 0xFF  # inside the first image: same size, other bytes
+    (bad / name).write_bytes(bytes(flipped))
+    ds = _train_split(bad)
+    with pytest.raises(DataError, match=f"{name}: checksum mismatch"):
+        ds[ds.reader.starts[1]]
+    header = bytearray(data)
+    header[100] ^= 0xFF  # the first member's header: caught without the checksum too
+    (bad / name).write_bytes(bytes(header))
+    with pytest.raises(DataError, match=f"{name}: corrupt tar header at byte 0"):
+        _train_split(bad, shard_verify=False)[ds.reader.starts[1]]
+    (bad / name).write_bytes(data)
+    doc = _index(bad)
+    doc["splits"]["train"]["shardlist"][1]["nsamples"] += 1
+    (bad / "shards.json").write_text(json.dumps(doc))
+    n = doc["splits"]["train"]["shardlist"][1]["nsamples"]
+    with pytest.raises(DataError, match=f"{name}: {n - 1} samples, the index says {n}"):
+        ds = _train_split(bad)
+        ds[ds.reader.starts[1]]
+    caplog.set_level(logging.WARNING)
+    kept = _train_split(bad, skip_unreadable=True)
+    assert len(kept) == 18 - (n - 1) and f"skipped 1 unreadable shard(s), {n} samples" in caplog.text
+
+
+def test_the_cli_exits_2_with_the_shard_named(shards, tmp_path):
+    bad = _copy(shards, tmp_path / "bad")
+    (bad / "val-000000.tar").write_bytes((bad / "val-000000.tar").read_bytes()[:1000])
+    cmd = [sys.executable, "-m", "fastvision", "data", "inspect", str(bad)]
+    res = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "val-000000.tar" in res.stderr.strip().splitlines()[-1]
+    assert "imagefolder" in res.stdout and "train" in res.stdout

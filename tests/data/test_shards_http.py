@@ -1,0 +1,136 @@
+"""Shard sets over HTTP, from a ``http.server`` on 127.0.0.1 started by the test: items as from the
+folder, one download per shard for all readers of a node, LRU eviction under the size limit, and
+HTTP errors, timeouts, checksum mismatches and a full cache as one line naming the URL."""
+from __future__ import annotations
+
+import collections
+import functools
+import http.server
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastvision.data.formats.shard_sets import build_shards
+from fastvision.data.shards.writer import write_shards
+from fastvision.data.synth import load_all
+from fastvision.errors import DataError
+
+ITEM = {"image_size": 24, "resize_size": 28}
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    gets: collections.Counter = collections.Counter()
+    delay = 0.0
+    fail: dict[str, int] = {}  # path -> HTTP status to answer
+
+    def do_GET(self):
+        type(self).gets[self.path] += 1
+        if self.path in self.fail:
+            self.send_error(self.fail[self.path])
+            return
+        time.sleep(self.delay)
+        super().do_GET()
+
+    def copyfile(self, source, outputfile):
+        try:
+            super().copyfile(source, outputfile)
+        except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+            pass
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("http")
+    src = load_all().get("imagenet")(root / "src", seed=0, classes=2, per_class=6, val_per_class=1, size=32)
+    write_shards(src, root / "out", "14KB")
+    return root / "out"
+
+
+@pytest.fixture
+def server(shard_dir):
+    _Handler.gets.clear()
+    _Handler.delay, _Handler.fail = 0.0, {}
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(shard_dir)))
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=5)
+
+
+def _split(url: str, cache: Path, **kw):
+    return build_shards(url, "imagefolder", ITEM, shard_cache_dir=str(cache), **kw)
+
+
+def test_items_over_http_are_the_folders_and_each_shard_is_downloaded_once(server, shard_dir, tmp_path):
+    local = build_shards(str(shard_dir), "imagefolder", ITEM)
+    a, b = _split(server, tmp_path / "c"), _split(server, tmp_path / "c")  # two ranks of one node
+    n = len(local.train)
+    threads = [threading.Thread(target=lambda d=d: [d.train[i] for i in range(n)]) for d in (a, b, a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tars = {p: c for p, c in _Handler.gets.items() if p.endswith(".tar")}
+    assert len(tars) == len(local.train.reader.shards) > 3 and set(tars.values()) == {1}
+    assert a.train.reader.store.downloads + b.train.reader.store.downloads == len(tars)
+    for i in (0, n // 2, n - 1):
+        assert torch.equal(a.train[i]["image"], local.train[i]["image"]) and a.train[i]["id"] == local.train[i]["id"]
+
+
+def test_the_cache_keeps_its_limit_by_evicting_the_least_recently_used(server, shard_dir, tmp_path):
+    sizes = [s["filesize"] for s in json.loads((shard_dir / "shards.json").read_text())["splits"]["train"]["shardlist"]]
+    limit = 2 * max(sizes) + min(sizes) // 2  # room for two shards
+    ds = _split(server, tmp_path / "c", shard_cache_gb=limit / 1e9).train
+    ds.reader.keep_open = 1
+    for i in range(len(ds)):
+        ds[i]
+    cached = sorted(p.name for p in ds.reader.store.cache.glob("*.tar"))
+    last_two = sorted(s.url for s in ds.reader.shards[-2:])
+    assert cached == last_two and sum((ds.reader.store.cache / c).stat().st_size for c in cached) <= limit
+    ds[0]  # evicted: fetched again
+    assert _Handler.gets[f"/{ds.reader.shards[0].url}"] == 2
+
+
+def test_http_errors_are_retried_a_bounded_number_of_times_then_named(server, tmp_path):
+    _Handler.fail = {"/train-000001.tar": 503}
+    ds = _split(server, tmp_path / "c", shard_retries=2).train
+    with pytest.raises(DataError, match=r"train-000001.tar: HTTP error after 3 tries"):
+        ds[ds.reader.starts[1]]
+    assert _Handler.gets["/train-000001.tar"] == 3
+    _Handler.fail = {"/shards.json": 404}  # missing stays missing: not retried
+    with pytest.raises(DataError, match=r"shards.json: HTTP error after 1 tries"):
+        _split(server, tmp_path / "c")
+
+
+def test_a_timeout_is_retried_then_named(server, tmp_path):
+    ds = _split(server, tmp_path / "c", shard_retries=1, shard_timeout_s=0.3).train
+    _Handler.delay = 1.0
+    with pytest.raises(DataError, match=r"train-000000.tar: HTTP error after 2 tries \(.*timed out"):
+        ds[0]
+    assert not [p for p in ds.reader.store.cache.iterdir() if not p.name.endswith(".lock")]
+
+
+def test_a_checksum_mismatch_or_a_full_cache_is_named_and_nothing_is_kept(server, shard_dir, tmp_path):
+    full = _split(server, tmp_path / "c", shard_cache_gb=1e-6).train  # 1 kB: no shard fits
+    with pytest.raises(DataError, match=r"train-000000.tar: shard cache .* full: the shard needs"):
+        full[0]
+    ds = _split(server, tmp_path / "d").train
+    path = shard_dir / ds.reader.shards[0].url
+    good = path.read_bytes()
+    try:
+        path.write_bytes(good[:600] + bytes([good[600] ^ 0xFF]) + good[601:])
+        with pytest.raises(DataError, match=r"train-000000.tar: checksum mismatch"):
+            ds[0]
+        assert not [p for p in ds.reader.store.cache.iterdir() if not p.name.endswith(".lock")]
+    finally:
+        path.write_bytes(good)
