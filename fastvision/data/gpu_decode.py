@@ -35,14 +35,19 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-from fastvision.data.transforms import RandomTransform, Transform, center_box, random_resized_crop_draws
+from fastvision.data.transforms import (
+    RandomTransform,
+    ReadBytes,
+    Transform,
+    center_box,
+    random_resized_crop_draws,
+)
 from fastvision.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -64,21 +69,6 @@ def require_decoder() -> Callable:
         raise ConfigError("data.args.backend=nvjpeg decodes on the GPU and needs CUDA (torch.cuda.is_available() is "
                           "False); use backend: pillow")
     return decode_jpeg
-
-
-class ReadEncoded(Transform):
-    """An item's encoded file and label: ``{"data": uint8 (N,), "label": int, "id": path}``."""
-
-    def __init__(self, samples: list[tuple[str, int]]):
-        self.samples = samples
-
-    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
-        path, label = self.samples[item["index"]]
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise DataError(f"{path}: cannot read image ({e})") from e
-        return {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8), "label": label, "id": path}
 
 
 def _header(data: torch.Tensor, name: str) -> tuple[int, int, bool]:
@@ -135,7 +125,7 @@ def host_dataset(samples: list[tuple[str, int]], train: bool, *, image_size: int
     from fastvision.data.cache.select import _Indices
 
     window = RandomWindow(scale, ratio, hflip) if train else CenterWindow(image_size, resize_size)
-    pipe = Pipeline(_Indices(len(samples)), [ReadEncoded(samples), window])
+    pipe = Pipeline(_Indices(len(samples)), [ReadBytes(samples), window])
     pipe.seed = seed
     return pipe
 

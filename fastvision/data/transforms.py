@@ -26,9 +26,12 @@ import inspect
 import json
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from fastvision.errors import DataError
 
 Item = dict[str, Any]
 TransformFn = Callable[[Item], Item]
@@ -44,6 +47,26 @@ class Transform:
 
     def signature(self) -> str:
         return _default_signature(self)
+
+
+class ReadBytes(Transform):
+    """An item's encoded file and label, read as they are: ``{"data": uint8 (N,), "label": int, "id":
+    path}``, the cacheable first step of every path that decodes later (the Pillow path after its
+    random crop has chosen the DCT scale, nvJPEG on the GPU)."""
+
+    def __init__(self, samples: list[tuple[str, int]]):
+        self.samples = samples
+
+    def __call__(self, item: Item) -> Item:
+        path, label = self.samples[item["index"]]
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise DataError(f"{path}: cannot read image ({e})") from e
+        return {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8), "label": label, "id": path}
+
+    def signature(self) -> str:
+        return "fastvision.imagefolder.read_bytes/v1"  # identity() names the file's state
 
 
 def _jsonable(v: Any) -> Any:

@@ -183,7 +183,7 @@ def _train_split(path: Path, **kw):
     return build_shards(str(path), "imagefolder", {"image_size": 24, "resize_size": 28}, **kw).train
 
 
-def test_each_bad_shard_is_one_line_naming_it(shards, tmp_path, caplog):
+def test_each_bad_shard_is_one_line_naming_it(shards, tmp_path, caplog, fresh_logging):
     bad = _copy(shards, tmp_path / "bad")
     name = "train-000001.tar"
     data = (bad / name).read_bytes()

@@ -31,6 +31,7 @@ from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.imagenet_val import flat_val_samples, is_flat
 from fastvision.data.transforms import (  # noqa: F401  (random_resized_box: also the DALI path's)
     RandomTransform,
+    ReadBytes,
     Transform,
     center_box,
     random_resized_box,
@@ -141,25 +142,6 @@ def pillow_error(path: str, full: bool, size: int, resize: int) -> DataError | N
     return None
 
 
-class _ReadBytes(Transform):
-    """The cacheable step of a training item: the file's encoded bytes (decoding comes after the
-    random crop has chosen the DCT scale)."""
-
-    def __init__(self, samples: list[tuple[str, int]]):
-        self.samples = samples
-
-    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
-        path, label = self.samples[item["index"]]
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise DataError(f"{path}: cannot read image ({e})") from e
-        return {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8), "label": label, "id": path}
-
-    def signature(self) -> str:
-        return "fastvision.imagefolder.read_bytes/v1"  # identity() names the file's state
-
-
 class RandomResizedCrop(RandomTransform):
     """Random-resized crop + horizontal flip of encoded bytes, drawn from the item's generator."""
 
@@ -215,7 +197,7 @@ class ImageFolderDataset(Dataset):
         """``(indices, [read bytes, RandomResizedCrop])``: caches hold encoded files."""
         from fastvision.data.cache.select import _Indices
 
-        return _Indices(len(self), self.identity), [_ReadBytes(self.samples),
+        return _Indices(len(self), self.identity), [ReadBytes(self.samples),
                                                     RandomResizedCrop(self.image_size, self.scale, self.ratio,
                                                                       self.hflip)]
 
