@@ -32,9 +32,10 @@ from typing import Any
 from fastvision.data.formats.base import DatasetSplits
 from fastvision.data.formats.shards import ShardCoco, ShardImageFolder
 from fastvision.data.shards.reader import ShardReader
-from fastvision.data.shards.store import Shard, ShardIndex, ShardStore, is_shard_set, write_atomic
+from fastvision.data.shards.store import Shard, ShardIndex, ShardStore, is_shard_set
 from fastvision.data.shards.tfrecord import imagenet_members, is_tfrecord_set
 from fastvision.errors import ConfigError, DataError
+from fastvision.utils.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,8 @@ def _val_ann(store: ShardStore, index: ShardIndex) -> str:
         return str(Path(store.base) / rel)
     assert store.cache is not None
     local = store.cache / rel
-    local.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(local, store.read_small(rel))
+    data = store.read_small(rel)
+    atomic_write(local, lambda f: f.write(data))
     return str(local)
 
 
@@ -166,10 +167,10 @@ def recognise(registry, name: str) -> None:
     @functools.wraps(fn)
     def builder(*, path: str, **kwargs: Any) -> DatasetSplits:
         shard = {k: kwargs.pop(k, default) for k, (_, default) in SHARD_ARGS.items()}
-        if not is_shard_set(path) and not (name == "imagefolder" and is_tfrecord_set(path)):
-            return fn(path=path, **kwargs)
         if name == "imagefolder" and is_tfrecord_set(path):
             return build_tfrecords(path, kwargs, kwargs.get("skip_unreadable", False), **shard)
+        if not is_shard_set(path):
+            return fn(path=path, **kwargs)
         if kwargs.get("backend", "pillow") != "pillow":
             raise ConfigError(f"data.args.backend={kwargs['backend']}: shard sets are read by the pillow backend")
         return build_shards(path, name, kwargs, kwargs.get("skip_unreadable", False), **shard)

@@ -83,12 +83,6 @@ def index_doc(index: ShardIndex) -> dict[str, Any]:
             "splits": {name: {"shardlist": [vars(s) for s in shards]} for name, shards in index.splits.items()}}
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 class ShardStore:
     """Local files of a shard set (see the module docstring).
 

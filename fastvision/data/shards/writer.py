@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from fastvision.data.shards import tario
-from fastvision.data.shards.store import INDEX, Shard, ShardIndex, index_doc, write_atomic
+from fastvision.data.shards.store import INDEX, Shard, ShardIndex, index_doc
 from fastvision.errors import ConfigError, DataError
+from fastvision.utils.files import atomic_write
 
 log = logging.getLogger(__name__)
 WRITER_SEED = 0
@@ -162,22 +163,18 @@ def _existing(path: Path, expected_size: int, n: int) -> Shard:
 
 def _write_shard(path: Path, keys: list[str], rows: list[list[Member]]) -> Shard:
     digest = hashlib.sha256()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            for key, members in zip(keys, rows, strict=True):
-                for m in members:
-                    data = m.read()
-                    if len(data) != m.size:
-                        raise DataError(f"{key}.{m.ext}: changed size while being sharded")
-                    tario.write_member(f, f"{key}.{m.ext}", data, digest)
-            f.write(tario.END)
-            digest.update(tario.END)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # whole or absent: a killed writer leaves no partial shard under this name
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    def write(f) -> None:
+        for key, members in zip(keys, rows, strict=True):
+            for m in members:
+                data = m.read()
+                if len(data) != m.size:
+                    raise DataError(f"{key}.{m.ext}: changed size while being sharded")
+                tario.write_member(f, f"{key}.{m.ext}", data, digest)
+        f.write(tario.END)
+        digest.update(tario.END)
+
+    atomic_write(path, write)  # whole or absent: a killed writer leaves no partial shard under this name
     return Shard(path.name, len(rows), path.stat().st_size, digest.hexdigest())
 
 
@@ -224,8 +221,9 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256M
         index.splits[split] = write_split(out, split, samples, size)
     for key, path in files.items():
         rel = f"{path.parent.name}/{path.name}"
-        (out / rel).parent.mkdir(exist_ok=True)
-        write_atomic(out / rel, path.read_bytes())
+        data = path.read_bytes()
+        atomic_write(out / rel, lambda f, data=data: f.write(data))
         index.files[key] = rel
-    write_atomic(out / INDEX, json.dumps(index_doc(index), indent=1).encode())
+    doc = json.dumps(index_doc(index), indent=1).encode()
+    atomic_write(out / INDEX, lambda f: f.write(doc))
     return index
