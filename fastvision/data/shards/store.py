@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fastvision.errors import DataError
+from fastvision.utils.files import atomic_write
 
 INDEX = "shards.json"
 FORMAT = "fastvision-shards/v1"
@@ -164,27 +165,27 @@ class ShardStore:
 
     def _download(self, shard: Shard, path: Path) -> None:
         url = self.name(shard.url)
-        tmp = path.with_name(f".{path.name}.part{os.getpid()}")
 
-        def save(response) -> str:
-            digest = hashlib.sha256()
-            with open(tmp, "wb") as f:
+        def save(f) -> None:
+            def consume(response) -> str:
+                f.seek(0)
+                f.truncate()  # a retried GET writes the file from its start again
+                digest = hashlib.sha256()
                 while chunk := response.read(1 << 20):
                     f.write(chunk)
                     digest.update(chunk)
-            return digest.hexdigest()
+                return digest.hexdigest()
 
-        try:
-            sha = self._get(url, save)
-            if sha != shard.sha256:
+            sha = self._get(url, consume)
+            if sha != shard.sha256:  # raised before the rename: the cache never holds a bad shard
                 raise DataError(f"{url}: checksum mismatch (sha256 {sha[:12]}..., the index says "
                                 f"{shard.sha256[:12]}...): a corrupt or replaced shard")
-            os.replace(tmp, path)
-            self.downloads += 1
+
+        try:
+            atomic_write(path, save)
         except OSError as e:
             raise DataError(f"{url}: cannot write to the shard cache {self.cache} ({e.strerror or e})") from e
-        finally:
-            tmp.unlink(missing_ok=True)
+        self.downloads += 1
 
     def _get(self, url: str, consume):
         """``consume(response)`` of a GET of ``url``, retried on HTTP errors and timeouts."""
