@@ -305,11 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/gpu_levers"), help="folder for the JSON, MD and kernels")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    if device.type == "cuda":  # a bare "cuda" means the current device (set_device needs an index)
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-        torch.cuda.set_device(device)
+    from benchmarks.gpu_suite import resolve_device
+
+    device = resolve_device(args.device)
     result = run_levers(device, args.quick, args.budget, args.out)
     write(result, args.out)
     print(markdown(result))

@@ -346,6 +346,17 @@ def rich_table(report: dict[str, Any]):
     return table
 
 
+def resolve_device(name: str) -> torch.device:
+    """``--device``: ``auto`` is CUDA where present, else the CPU; a CUDA device becomes the current
+    one (a bare ``cuda`` means the current device: ``set_device`` needs an index)."""
+    device = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
+                          "cpu" if name == "auto" else name)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -360,11 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from rich.console import Console
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    if device.type == "cuda":  # a bare "cuda" means the current device (set_device needs an index)
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-        torch.cuda.set_device(device)
+    device = resolve_device(args.device)
     report = run_suite(device, args.quick, args.budget, args.only)
     Console(width=200).print(rich_table(report))
     args.out.mkdir(parents=True, exist_ok=True)
