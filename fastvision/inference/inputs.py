@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fastvision.data.formats.imagefolder import EXTENSIONS
 from fastvision.errors import DataError
 
-# what predict reads: NIfTI volumes and BraTS-style case folders (3-D segmentation), PNG / TIFF masks'
-# inputs (2-D segmentation), and the image-folder formats of classification and detection
-SUFFIXES = (".nii.gz", ".nii", ".png", ".tif", ".tiff", ".jpg", ".jpeg", ".bmp", ".ppm", ".webp")
+# what predict reads: NIfTI volumes and BraTS-style case folders (3-D segmentation), and the image
+# files the image-folder reader takes (2-D segmentation's PNG / TIFF, classification, detection)
+SUFFIXES = (".nii.gz", ".nii", *EXTENSIONS)
 
 
 def folder_inputs(folder: Path) -> list[Path]:
