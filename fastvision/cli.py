@@ -217,7 +217,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     settings = {}  # KEY=VALUE of data.args, parsed as train's --set parses them
     for item in args.set:
         settings.update(parse_override("data.args." + item.strip().removeprefix("data.args."))["data"]["args"])
-    report = inspect_path(Path(args.path), settings)
+    report = inspect_path(args.path if "://" in args.path else Path(args.path), settings)  # a URL: shards
     print_report(report)
     unusable = report.get("unusable") or {}
     if unusable:  # every anomaly is listed above; the exit code says the folder does not train as is

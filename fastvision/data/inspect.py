@@ -33,9 +33,17 @@ def inspector(name: str, detect: Callable[[Path], bool]):
     return deco
 
 
-def inspect_path(path: Path, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+def inspect_path(path: Path | str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report of the first layout that detects ``path``; ``settings``: the dataset builder
-    arguments its checks follow (``data inspect --set channels=3``; microscopy only)."""
+    arguments its checks follow (``data inspect --set channels=3``; microscopy only). A URL
+    (``http(s)://``, ``s3://``) is a shard set or, without ``shards.json``, a TFRecord folder."""
+    from fastvision.data.shards.remote import is_remote
+
+    if is_remote(path):
+        if settings:
+            raise ConfigError(f"data inspect --set: only the microscopy layout takes settings, {path} is a URL")
+        return _inspect_url(str(path))
+    path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: not found")
     for name, detect, fn in _INSPECTORS:
@@ -76,6 +84,19 @@ def inspect_shards(path: Path) -> dict[str, Any]:
     from fastvision.data.formats.shard_sets import inspect_set
 
     return inspect_set(path)
+
+
+def _inspect_url(url: str) -> dict[str, Any]:
+    from fastvision.data.formats.shard_sets import inspect_set, inspect_tfrecords
+    from fastvision.data.shards.remote import NotFound
+
+    try:
+        return {"layout": "shards", "path": url, **inspect_set(url)}
+    except NotFound as missing:
+        try:
+            return {"layout": "tfrecords", "path": url, **inspect_tfrecords(url)}
+        except NotFound as e:
+            raise DataError(f"{missing}; not a TFRecord folder either: {e}") from None
 
 
 def _tfrecords(path: Path) -> bool:

@@ -1,9 +1,12 @@
 """Shard sets over HTTP, from a ``http.server`` on 127.0.0.1 started by the test: items as from the
 folder, one download per shard for all readers of a node, LRU eviction under the size limit, and
-HTTP errors, timeouts, checksum mismatches and a full cache as one line naming the URL."""
+HTTP errors, timeouts, checksum mismatches and a full cache as one line naming the URL; a folder of
+TFRecords (no index: found by the server's directory listing) read through the same cache, and
+``data inspect`` of both kinds from a URL."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import http.server
 import json
@@ -15,9 +18,11 @@ import pytest
 import torch
 
 from fastvision.data.formats.shard_sets import build_shards
+from fastvision.data.inspect import inspect_path
 from fastvision.data.shards.writer import write_shards
 from fastvision.data.synth import load_all
 from fastvision.errors import DataError
+from fastvision.registry import DATASETS
 
 ITEM = {"image_size": 24, "resize_size": 28}
 
@@ -53,18 +58,27 @@ def shard_dir(tmp_path_factory) -> Path:
     return root / "out"
 
 
-@pytest.fixture
-def server(shard_dir):
+@contextlib.contextmanager
+def serve(directory: Path):
+    """``http://127.0.0.1:PORT`` serving ``directory`` (GETs counted in ``_Handler.gets``)."""
     _Handler.gets.clear()
     _Handler.delay, _Handler.fail = 0.0, {}
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(shard_dir)))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(directory)))
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+
+
+@pytest.fixture
+def server(shard_dir):
+    with serve(shard_dir) as url:
+        yield url
 
 
 def _split(url: str, cache: Path, **kw):
@@ -134,3 +148,41 @@ def test_a_checksum_mismatch_or_a_full_cache_is_named_and_nothing_is_kept(server
         assert not [p for p in ds.reader.store.cache.iterdir() if not p.name.endswith(".lock")]
     finally:
         path.write_bytes(good)
+
+
+def test_tfrecords_over_http_are_the_local_folders_items_through_the_cache(tmp_path, monkeypatch):
+    pytest.importorskip("tfrecord")
+    from tests.data.test_shards_tfrecord import write_tfrecord_set
+
+    out, _ = write_tfrecord_set(tmp_path)
+    args = {"image_size": 24, "resize_size": 28, "shard_cache_dir": str(tmp_path / "cache")}
+    local = DATASETS.build("imagefolder", {"path": str(out), **args})
+    with serve(out) as url:
+        remote = DATASETS.build("imagefolder", {"path": url, **args})  # no shards.json: the listing's TFRecords
+        files = {p: c for p, c in _Handler.gets.items() if "-of-" in p}
+        again = DATASETS.build("imagefolder", {"path": url, **args})  # another rank of the node: the cache
+        assert sorted(files) == sorted(f"/{p.name}" for p in out.iterdir()) and set(files.values()) == {1}
+        assert {p: c for p, c in _Handler.gets.items() if "-of-" in p} == files
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))  # inspect's default cache
+        assert inspect_path(url)["val"] == "2 records in 1 readable file(s)"
+    for split in ("train", "val"):
+        a, b, c = getattr(remote, split), getattr(local, split), getattr(again, split)
+        assert len(a) == len(b) == len(c) > 0
+        for i in range(len(a)):
+            assert torch.equal(a[i]["image"], b[i]["image"]) and int(a[i]["label"]) == int(b[i]["label"])
+            assert torch.equal(c[i]["image"], b[i]["image"])
+
+
+def test_a_url_with_neither_an_index_nor_tfrecords_is_one_line(tmp_path):
+    (tmp_path / "x.txt").write_text("not a dataset")
+    with serve(tmp_path) as url, pytest.raises(DataError) as e:
+        DATASETS.build("imagefolder", {"path": url, "shard_cache_dir": str(tmp_path / "c")})
+    assert str(e.value) == (f"{url}/shards.json: HTTP error after 1 tries (File not found); not a TFRecord folder "
+                            f"either: {url}/ lists no TFRecord files (train-*-of-*, validation-*-of-*)")
+
+
+def test_data_inspect_reports_a_shard_set_from_its_url(server, shard_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    remote, local = inspect_path(server), inspect_path(shard_dir)
+    assert remote["layout"] == local["layout"] == "shards" and remote["path"] == server
+    assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}

@@ -16,11 +16,11 @@ from fastvision.registry import DATASETS
 tfrecord = pytest.importorskip("tfrecord")
 
 
-@pytest.fixture(scope="module")
-def tf_set(tmp_path_factory):
+def write_tfrecord_set(root):
+    """DLE-style ImageNet TFRecords (2 train files, 1 validation file) of a generated JPEG set,
+    written by the ``tfrecord`` package: ``(folder, {file name: [(jpeg path, class)]})``."""
     from tfrecord.writer import TFRecordWriter
 
-    root = tmp_path_factory.mktemp("tfr")
     src = load_all().get("imagenet")(root / "src", seed=0, classes=2, per_class=3, val_per_class=1, size=32)
     classes = ["class000", "class001"]
     samples = {"train": list_samples(src / "train", classes), "val": list_samples(src / "val", classes)}
@@ -38,6 +38,11 @@ def tf_set(tmp_path_factory):
             writer.close()
             written[name] = part
     return out, written
+
+
+@pytest.fixture(scope="module")
+def tf_set(tmp_path_factory):
+    return write_tfrecord_set(tmp_path_factory.mktemp("tfr"))
 
 
 def test_records_parse_as_the_tfrecord_package_reads_them(tf_set):

@@ -32,7 +32,8 @@ from typing import Any
 from fastvision.data.formats.base import DatasetSplits
 from fastvision.data.formats.shards import ShardCoco, ShardImageFolder
 from fastvision.data.shards.reader import ShardReader
-from fastvision.data.shards.store import Shard, ShardIndex, ShardStore, is_shard_set
+from fastvision.data.shards.remote import NotFound
+from fastvision.data.shards.store import ShardIndex, ShardStore, is_shard_set
 from fastvision.data.shards.tfrecord import imagenet_members, is_tfrecord_set
 from fastvision.errors import ConfigError, DataError
 from fastvision.utils.files import atomic_write
@@ -92,7 +93,16 @@ def build_shards(path: str, fmt: str, item_args: dict[str, Any], skip_unreadable
                  tfrecord_label_offset: int = 1) -> DatasetSplits:
     """Train/val splits of the shard set at ``path`` for a ``fmt`` recipe (see the module docstring)."""
     store = ShardStore(path, shard_cache_dir, shard_cache_gb, shard_retries, shard_timeout_s)
-    index = store.index()
+    try:
+        index = store.index()
+    except NotFound as missing:
+        if fmt != "imagefolder" or not store.remote:
+            raise
+        try:  # a URL of DLE ImageNet TFRecords has no shards.json
+            return build_tfrecords(store, item_args, skip_unreadable, shard_window, shard_verify,
+                                   tfrecord_label_offset)
+        except NotFound as e:
+            raise DataError(f"{missing}; not a TFRecord folder either: {e}") from None
     if index.source != fmt:
         raise ConfigError(f"{store.name('shards.json')}: a shard set of {index.source} data; this recipe "
                           f"reads {fmt}")
@@ -114,31 +124,22 @@ def build_shards(path: str, fmt: str, item_args: dict[str, Any], skip_unreadable
                          ShardCoco(readers["val"], cat_ids, False, shard_window, **kw), info)
 
 
-def build_tfrecords(path: str, item_args: dict[str, Any], skip_unreadable: bool = False,
-                    shard_window: int = 2, shard_verify: bool = True, tfrecord_label_offset: int = 1,
-                    **remote: Any) -> DatasetSplits:
-    """Train/val splits of a folder of DLE ImageNet TFRecords (:mod:`fastvision.data.shards.tfrecord`):
-    each file is a shard whose record offsets come from one pass over its headers."""
+def build_tfrecords(store: ShardStore, item_args: dict[str, Any], skip_unreadable: bool = False,
+                    shard_window: int = 2, shard_verify: bool = True, tfrecord_label_offset: int = 1) -> DatasetSplits:
+    """Train/val splits of a folder of DLE ImageNet TFRecords, local or at a URL without a
+    ``shards.json`` (:mod:`fastvision.data.shards.tfrecord`): each file is a shard whose record
+    offsets come from one pass over its headers (a remote file fetched into the cache for it)."""
     from fastvision.data.shards import tfrecord
 
-    root, store = Path(path), ShardStore(path)
     convert = functools.partial(imagenet_members, label_offset=tfrecord_label_offset)
-    readers, bad = {}, []
-    for split, pattern in (("train", "train-*-of-*"), ("val", "validation-*-of-*")):
-        shards = []
-        for f in sorted(root.glob(pattern)):
-            try:
-                shards.append(Shard(f.name, len(tfrecord.scan(f, str(f), False)[0]), f.stat().st_size, ""))
-            except DataError as e:
-                if not skip_unreadable:
-                    raise
-                bad.append(str(e))
-        readers[split] = ShardReader(store, shards, shard_verify, scan=tfrecord.scan, convert=convert)
+    splits, bad = tfrecord.split_shards(store, shard_verify and store.remote, skip_unreadable)
+    readers = {split: ShardReader(store, shards, shard_verify, scan=tfrecord.scan, convert=convert)
+               for split, shards in splits.items()}
     if bad:
         log.warning("%s: skipped %d unreadable TFRecord file(s) (data.args.skip_unreadable=true); first: %s",
-                    root, len(bad), bad[0])
+                    store.base, len(bad), bad[0])
     kw = {k: v for k, v in item_args.items() if k in ITEM_ARGS["imagefolder"]}
-    info = {"shards": {s: len(r.shards) for s, r in readers.items()}, "shard_set": f"{root} (TFRecords)",
+    info = {"shards": {s: len(r.shards) for s, r in readers.items()}, "shard_set": f"{store.base} (TFRecords)",
             "train_images": len(readers["train"]), "val_images": len(readers["val"])}
     return DatasetSplits(ShardImageFolder(readers["train"], True, shard_window, **kw),
                          ShardImageFolder(readers["val"], False, shard_window, **kw), info)
@@ -168,7 +169,9 @@ def recognise(registry, name: str) -> None:
     def builder(*, path: str, **kwargs: Any) -> DatasetSplits:
         shard = {k: kwargs.pop(k, default) for k, (_, default) in SHARD_ARGS.items()}
         if name == "imagefolder" and is_tfrecord_set(path):
-            return build_tfrecords(path, kwargs, kwargs.get("skip_unreadable", False), **shard)
+            remote = ("shard_cache_dir", "shard_cache_gb", "shard_retries", "shard_timeout_s")
+            return build_tfrecords(ShardStore(path), kwargs, kwargs.get("skip_unreadable", False),
+                                   **{k: v for k, v in shard.items() if k not in remote})
         if not is_shard_set(path):
             return fn(path=path, **kwargs)
         if kwargs.get("backend", "pillow") != "pillow":
@@ -183,9 +186,10 @@ def recognise(registry, name: str) -> None:
     registry.replace(name, builder)
 
 
-def inspect_set(path: Path) -> dict[str, Any]:
-    """``data inspect`` of a shard set: source, splits, and every shard read in full (sha256, tar
-    structure, sample count against the index); a bad shard is listed as unusable."""
+def inspect_set(path: str | Path) -> dict[str, Any]:
+    """``data inspect`` of a shard set (a folder or a URL): source, splits, and every shard read in
+    full (sha256, tar structure, sample count against the index; a remote shard is fetched into the
+    default cache for it); a bad shard is listed as unusable."""
     store = ShardStore(path)
     index = store.index()
     report: dict[str, Any] = {"detected": f"WebDataset tar shards of {index.source} data",
@@ -196,49 +200,43 @@ def inspect_set(path: Path) -> dict[str, Any]:
                          f"{sum(s.filesize for s in shards) / 1e6:.1f} MB")
         for shard in shards:
             try:
-                _check_size(Path(store.base) / shard.url, shard.filesize, store.name(shard.url))
+                if not store.remote:
+                    _check_size(Path(store.base) / shard.url, shard.filesize, store.name(shard.url))
                 ShardReader(store, [shard]).check(0)
             except DataError as e:
                 bad.append(str(e))
     report.update({k: v for k, v in index.info.items() if k in ("num_classes", "classes", "class_names")})
+    return _with_anomalies(report, "unreadable shards", bad)
+
+
+def _with_anomalies(report: dict[str, Any], kind: str, bad: list[str]) -> dict[str, Any]:
     if bad:
         from fastvision.data.formats.anomalies import first_few
 
-        report["anomalies"] = {"unreadable shards": f"{len(bad)} ({first_few(bad, 3)})"}
+        report["anomalies"] = {kind: f"{len(bad)} ({first_few(bad, 3)})"}
         report["unusable"] = {bad[0]: len(bad)}
     return report
 
 
-def inspect_tfrecords(path: Path, label_offset: int = 1) -> dict[str, Any]:
-    """``data inspect`` of a TFRecord folder: records per split (every record's framing and, with
-    ``crc32c`` installed, its data CRC checked), the first record's features, the label range."""
+def inspect_tfrecords(path: str | Path, label_offset: int = 1) -> dict[str, Any]:
+    """``data inspect`` of a TFRecord folder (local, or at a URL that lists its files): records per
+    split (every record's framing and, with ``crc32c`` installed, its data CRC checked), the first
+    record's features, the label range."""
     from fastvision.data.shards import tfrecord
 
+    store = ShardStore(path)
     report: dict[str, Any] = {"detected": "TFRecords (tf.train.Example; no index: one pass per file)"}
-    bad: list[str] = []
+    splits, bad = tfrecord.split_shards(store, True, skip=True)
     labels: set[int] = set()
-    for split, pattern in (("train", "train-*-of-*"), ("val", "validation-*-of-*")):
-        files, records = sorted(path.glob(pattern)), 0
-        for f in files:
-            try:
-                found, _ = tfrecord.scan(f, str(f), True)
-            except DataError as e:
-                bad.append(str(e))
-                continue
-            records += len(found)
-            reader = ShardReader(ShardStore(path), [Shard(f.name, len(found), f.stat().st_size, "")], False,
-                                 scan=tfrecord.scan)
-            for i in range(min(len(found), 50)):  # a sample of each file's labels
+    for split, shards in splits.items():
+        for shard in shards:
+            reader = ShardReader(store, [shard], False, scan=tfrecord.scan)
+            for i in range(min(shard.nsamples, 50)):  # a sample of each file's labels
                 name, members = reader.sample(i)
                 ex = tfrecord.parse_example(members["rec"])
                 report.setdefault("features", ", ".join(sorted(ex)))
                 labels.update(int(v) for v in ex.get("image/class/label", []))
-        report[split] = f"{records} records in {len(files)} file(s)"
+        report[split] = f"{sum(s.nsamples for s in shards)} records in {len(shards)} readable file(s)"
     if labels:
         report["image/class/label (sampled)"] = f"{min(labels)}-{max(labels)} (minus {label_offset}: class index)"
-    if bad:
-        from fastvision.data.formats.anomalies import first_few
-
-        report["anomalies"] = {"unreadable files": f"{len(bad)} ({first_few(bad, 3)})"}
-        report["unusable"] = {bad[0]: len(bad)}
-    return report
+    return _with_anomalies(report, "unreadable files", bad)

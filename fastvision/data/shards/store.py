@@ -1,29 +1,27 @@
-"""Where shards come from: the index of a shard set, and its files from a folder or over HTTP.
+"""Where shards come from: the index of a shard set, and its files from a folder or a URL.
 
-A shard set is a folder (or the same folder served over HTTP) holding ``shards.json`` and the tar
-shards it lists. :class:`ShardStore` turns a shard's name into a local file: the file itself for
-a folder; for ``http(s)://`` a copy in a node-local cache (``data.args.shard_cache_dir``) kept
-under a size limit (``shard_cache_gb``), least recently used evicted first. A download goes to a
-temporary file, is checked against the index's sha256 while it streams, and is renamed into place;
+A shard set is a folder (or the same folder served over HTTP or held in S3) holding ``shards.json``
+and the tar shards it lists. :class:`ShardStore` turns a shard's name into a local file: the file
+itself for a folder; for ``http(s)://`` and ``s3://`` a copy in a node-local cache
+(``data.args.shard_cache_dir``) kept under a size limit (``shard_cache_gb``), least recently used
+evicted first. A download goes to a temporary file, is checked against the index's sha256 (a
+TFRecord file, which has no index: against its size) while it streams, and is renamed into place;
 an exclusive file lock per shard makes every rank of a node wait for one download instead of
-starting its own. HTTP errors and timeouts are retried ``shard_retries`` times with a doubling
-pause, then reported as one line naming the URL.
+starting its own. Errors and timeouts are retried ``shard_retries`` times with a doubling pause,
+then reported as one line naming the URL (:mod:`.remote`).
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import hashlib
-import http.client
 import json
 import os
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastvision.data.shards.remote import Remote, is_remote
 from fastvision.errors import DataError
 from fastvision.utils.files import atomic_write
 
@@ -53,12 +51,9 @@ class ShardIndex:
     writer: dict[str, Any] = field(default_factory=dict)
 
 
-def is_remote(path: str | Path) -> bool:
-    return str(path).startswith(("http://", "https://"))
-
-
 def is_shard_set(path: str | Path | None) -> bool:
-    """``path`` is a URL, or a folder holding a shard index: what ``--data`` recognises as shards."""
+    """``path`` is a URL (``http(s)://``, ``s3://``), or a folder holding a shard index: what ``--data``
+    recognises as shards (a URL may also be a TFRecord folder: see ``shard_sets``)."""
     if path is None:
         return False
     return is_remote(path) or (Path(path) / INDEX).is_file()
@@ -88,10 +83,10 @@ class ShardStore:
     """Local files of a shard set (see the module docstring).
 
     Args:
-        base: the set's folder or ``http(s)://`` URL.
+        base: the set's folder or ``http(s)://`` / ``s3://`` URL.
         cache_dir: node-local cache root for a URL (default ``~/.cache/fastvision/shards``).
         cache_gb: cache size limit (GB, 1e9 bytes); least recently used shards are evicted.
-        retries: extra tries after an HTTP error or timeout.
+        retries: extra tries after an HTTP / S3 error or timeout.
         timeout_s: per-request timeout (seconds).
     """
 
@@ -100,7 +95,7 @@ class ShardStore:
         self.base = str(base).rstrip("/")
         self.remote = is_remote(self.base)
         self.limit = int(cache_gb * 1e9)
-        self.retries, self.timeout_s = retries, timeout_s
+        self.fetch = Remote(self.base, retries, timeout_s) if self.remote else None
         self.downloads = 0  # shards this process fetched (the rest came from the cache)
         root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "fastvision" / "shards"
         self.cache = root / hashlib.sha256(self.base.encode()).hexdigest()[:16] if self.remote else None
@@ -110,14 +105,15 @@ class ShardStore:
         return f"{self.base}/{rel}"
 
     def read_small(self, rel: str) -> bytes:
-        """A small file of the set (the index), read whole (over HTTP with retries)."""
+        """A small file of the set (the index), read whole (from a URL with retries)."""
         if not self.remote:
             path = Path(self.base) / rel
             try:
                 return path.read_bytes()
             except OSError as e:
                 raise DataError(f"{path}: cannot read ({e})") from e
-        return self._get(self.name(rel), lambda r: r.read())
+        assert self.fetch is not None
+        return self.fetch.get(self.name(rel))
 
     def index(self) -> ShardIndex:
         where = self.name(INDEX)
@@ -154,7 +150,7 @@ class ShardStore:
             raise DataError(f"{self.name(shard.url)}: shard cache {self.cache} full: the shard needs "
                             f"{shard.filesize / 1e9:.3g} GB, the limit is {self.limit / 1e9:.3g} GB "
                             f"(data.args.shard_cache_gb)")
-        files = [p for p in self.cache.glob("*.tar") if p.is_file()]
+        files = [p for p in self.cache.iterdir() if p.is_file() and not p.name.startswith(".")]
         used = sum(p.stat().st_size for p in files)
         for old in sorted(files, key=lambda p: p.stat().st_mtime):
             if used + shard.filesize <= self.limit:
@@ -167,40 +163,32 @@ class ShardStore:
         url = self.name(shard.url)
 
         def save(f) -> None:
-            def consume(response) -> str:
+            def consume(response) -> tuple[str, int]:
                 f.seek(0)
                 f.truncate()  # a retried GET writes the file from its start again
-                digest = hashlib.sha256()
+                digest, n = hashlib.sha256(), 0
                 while chunk := response.read(1 << 20):
-                    f.write(chunk)
+                    try:
+                        f.write(chunk)
+                    except OSError as e:  # the disk, not the request: no retry
+                        raise DataError(f"{url}: cannot write to the shard cache {self.cache} "
+                                        f"({e.strerror or e})") from e
                     digest.update(chunk)
-                return digest.hexdigest()
+                    n += len(chunk)
+                return digest.hexdigest(), n
 
-            sha = self._get(url, consume)
-            if sha != shard.sha256:  # raised before the rename: the cache never holds a bad shard
+            assert self.fetch is not None
+            sha, n = self.fetch.request(url, consume)
+            # raised before the rename: the cache never holds a bad shard
+            if shard.sha256 and sha != shard.sha256:
                 raise DataError(f"{url}: checksum mismatch (sha256 {sha[:12]}..., the index says "
                                 f"{shard.sha256[:12]}...): a corrupt or replaced shard")
+            if n != shard.filesize:
+                raise DataError(f"{url}: {n} bytes arrived, expected {shard.filesize}: a truncated transfer "
+                                f"or a replaced file")
 
         try:
             atomic_write(path, save)
         except OSError as e:
             raise DataError(f"{url}: cannot write to the shard cache {self.cache} ({e.strerror or e})") from e
         self.downloads += 1
-
-    def _get(self, url: str, consume):
-        """``consume(response)`` of a GET of ``url``, retried on HTTP errors and timeouts."""
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(0.2 * 2 ** (attempt - 1), 5.0))
-            try:
-                with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
-                    return consume(response)
-            except urllib.error.HTTPError as e:
-                last = e
-                if e.code == 404:  # missing stays missing: no point retrying
-                    break
-            except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as e:
-                last = e
-        reason = getattr(last, "reason", None) or last
-        raise DataError(f"{url}: HTTP error after {attempt + 1} tries ({reason})")

@@ -14,10 +14,15 @@ byte); with the ``crc32c`` package installed (``pip install -e ".[shards]"``) an
 """
 from __future__ import annotations
 
+import fnmatch
 import struct
 from pathlib import Path
 
+from fastvision.data.shards.remote import NotFound
+from fastvision.data.shards.store import Shard, ShardStore
 from fastvision.errors import DataError
+
+SPLITS = (("train", "train-*-of-*"), ("val", "validation-*-of-*"))
 
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
 _TABLE = []
@@ -157,6 +162,48 @@ def imagenet_members(name: str, members: dict[str, bytes], label_offset: int = 1
     except (KeyError, IndexError, ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{name}: not an ImageNet tf.train.Example (image/encoded, image/class/label): "
                         f"{type(e).__name__} {e}") from e
+
+
+def _files(store: ShardStore) -> dict[str, int | None]:
+    """``{name: size or None}`` of the files in the set's folder, or listed at its URL."""
+    if store.fetch is None:
+        return {p.name: p.stat().st_size for p in Path(store.base).iterdir() if p.is_file()}
+    return store.fetch.listing()
+
+
+def split_shards(store: ShardStore, verify: bool, skip: bool) -> tuple[dict[str, list[Shard]], list[str]]:
+    """Each split's TFRecord files as shards (no sha256: a TFRecord checks its own CRCs), and the
+    one-line errors of the files left out under ``skip`` (otherwise the first one raises). A URL
+    without a listing or without TFRecord files in it raises :class:`NotFound`.
+
+    The record count of a file takes one pass over its headers (with ``verify``, its data CRCs
+    too); a file at a URL is fetched into the node-local cache for it first (one download per
+    node), so building the dataset reads the whole set once and the first epoch reads the cache.
+    """
+    try:
+        names = _files(store)
+    except DataError as e:
+        raise NotFound(f"no listing of TFRecord files ({e})") from e
+    out: dict[str, list[Shard]] = {}
+    bad: list[str] = []
+    for split, pattern in SPLITS:
+        out[split] = []
+        for name in sorted(fnmatch.filter(names, pattern)):
+            url = store.name(name)
+            try:
+                size = names[name]
+                if size is None:
+                    assert store.fetch is not None
+                    size = store.fetch.size(url)
+                records, _ = scan(store.local(Shard(name, 0, size, "")), url, verify)
+                out[split].append(Shard(name, len(records), size, ""))
+            except DataError as e:
+                if not skip:
+                    raise
+                bad.append(str(e))
+    if store.remote and not (out["train"] or bad):
+        raise NotFound(f"{store.base}/ lists no TFRecord files ({', '.join(p for _, p in SPLITS)})")
+    return out, bad
 
 
 def is_tfrecord_set(path: str | Path) -> bool:
