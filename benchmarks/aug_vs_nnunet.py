@@ -7,7 +7,9 @@ axis, no deep supervision), applied per patch as nnU-Net's data loader does. fas
 spec ``configure --trainer nnunet`` writes (``planning.configure.recipe.augmentation``), applied to a
 batch of ``--batch`` patches at once. Per-op cost: each op alone with every probability (and its
 per-channel probability) at 1, i.e. its cost when it fires; the pipeline figure uses the real
-probabilities. Rounds interleave the two sides; the figures are medians.
+probabilities. Rounds interleave the two sides; the figures are medians. Per core = the process's CPU
+time (``time.process_time``: one thread each, so a neighbour's load on a shared machine does not count);
+the pipeline's wall-clock ratio is printed beside it.
 
 Usage (about 3 minutes on 2 shared cores)::
 
@@ -55,23 +57,26 @@ def ops():
 g = torch.Generator().manual_seed(0)
 img = torch.randn(c, *patch, generator=g)
 seg = (torch.rand(1, *patch, generator=g) > 0.7).to(torch.int16)
-def rate(t, n):
+def rate(t, n, clock=time.process_time):
     for _ in range(8):  # warm-up; the blur's fft-or-conv choice is timed once per size and kernel, then cached
         t(image=img.clone(), segmentation=seg.clone())
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), clock()
     for _ in range(n):
         t(image=img.clone(), segmentation=seg.clone())
-    return (time.perf_counter() - t0) / n
-res = {"pipeline_s": rate(pipeline(), n), "ops_s": {k: rate(t, max(2, n // 4)) for k, t in ops().items()}}
+    return (clock() - c0) / n, (time.perf_counter() - t0) / n
+pipe = rate(pipeline(), n)
+res = {"pipeline_s": pipe[0], "pipeline_wall_s": pipe[1],
+       "ops_s": {k: rate(t, max(2, n // 4))[0] for k, t in ops().items()}}
 print("NNUNET_JSON" + json.dumps(res))
 """
 
 
-def fastvision_times(patch: list[int], channels: int, batch: int, n: int) -> dict:
-    """Seconds per patch: the nnU-Net pipeline as ``configure --trainer nnunet`` writes it, and each op alone."""
+def fastvision_times(patch: list[int], channels: int, batch: int, n: int, compiled: bool = False) -> dict:
+    """Seconds per patch: the nnU-Net pipeline as ``configure --trainer nnunet`` writes it, and each op alone;
+    ``compiled``: with ``affine.compiled`` (the fused kernel, compiled before the clock starts)."""
     import torch
 
-    from fastvision.data.augment.spatial import build_augment
+    from fastvision.data.augment.spatial import affine, build_augment
     from fastvision.planning.configure.recipe import augmentation
 
     torch.set_num_threads(1)
@@ -79,22 +84,27 @@ def fastvision_times(patch: list[int], channels: int, batch: int, n: int) -> dic
     g = torch.Generator().manual_seed(0)
     img = torch.randn(batch, channels, *patch, generator=g)
     seg = (torch.rand(batch, *patch, generator=g) > 0.7).long()
+    if compiled:
+        spec["affine"]["compiled"] = True
+        for k in range(1, batch + 1):  # compile for every count of firing samples
+            affine(img[:k], seg[:k].to(torch.uint8), torch.zeros(k, 3), torch.ones(k, 3), compiled=True)
 
-    def rate(aug, n: int) -> float:
+    def rate(aug, n: int) -> tuple[float, float]:
         for _ in range(8):  # warm-up, as the other side
             aug(img.clone(), seg.clone(), g)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             aug(img.clone(), seg.clone(), g)
-        return (time.perf_counter() - t0) / (n * batch)
+        return (time.process_time() - c0) / (n * batch), (time.perf_counter() - t0) / (n * batch)
 
     ops = {}
     for name, opts in spec.items():
         if opts is None:
             continue
         forced = {k: (1.0 if k.endswith("prob") else v) for k, v in opts.items()}
-        ops[name] = rate(build_augment(3, **{name: forced}), max(1, n // (4 * batch)))
-    return {"pipeline_s": rate(build_augment(3, **spec), max(1, n // batch)), "ops_s": ops}
+        ops[name] = rate(build_augment(3, **{name: forced}), max(1, n // (4 * batch)))[0]
+    pipe = rate(build_augment(3, **spec), max(1, n // batch))
+    return {"pipeline_s": pipe[0], "pipeline_wall_s": pipe[1], "ops_s": ops}
 
 
 def main() -> None:
@@ -105,6 +115,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="fastvision's batch (nnU-Net augments one patch at a time)")
     ap.add_argument("--n", type=int, default=16, help="patches per pipeline measurement")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compiled", action="store_true", help="fastvision's affine with its compiled CPU kernel")
     ap.add_argument("--json")
     args = ap.parse_args()
     cfg = {"patch": args.patch, "channels": args.channels, "n": args.n}
@@ -112,7 +123,7 @@ def main() -> None:
                nnUNet_results="/tmp")
     fv, nn = [], []
     for _ in range(args.rounds):  # interleaved: a neighbour's load hits both sides alike
-        fv.append(fastvision_times(args.patch, args.channels, args.batch, args.n))
+        fv.append(fastvision_times(args.patch, args.channels, args.batch, args.n, args.compiled))
         r = subprocess.run([args.nnunet_python, "-c", NNUNET, json.dumps(cfg)], env=env, capture_output=True,
                            text=True, check=False)
         line = next((x for x in r.stdout.splitlines() if x.startswith("NNUNET_JSON")), None)
@@ -124,13 +135,16 @@ def main() -> None:
         return statistics.median(r["ops_s"][op] if op else r[key] for r in rows)
 
     f_pipe, n_pipe = med(fv, "pipeline_s"), med(nn, "pipeline_s")
+    f_wall, n_wall = med(fv, "pipeline_wall_s"), med(nn, "pipeline_wall_s")
     out = {"patch": args.patch, "channels": args.channels, "batch": args.batch, "rounds": args.rounds,
+           "compiled": args.compiled,
            "fastvision_patches_per_s_per_core": 1 / f_pipe, "nnunet_patches_per_s_per_core": 1 / n_pipe,
-           "ratio": n_pipe / f_pipe, "ops_ms": {}}
+           "ratio": n_pipe / f_pipe, "wall_ratio": n_wall / f_wall, "ops_ms": {}}
     print(f"patch {args.patch} x {args.channels} ch, 1 thread each, median of {args.rounds} interleaved rounds")
-    print(f"pipeline: fastvision {1 / f_pipe:.2f} patches/s (batch {args.batch}), nnU-Net {1 / n_pipe:.2f} "
-          f"patches/s: {n_pipe / f_pipe:.2f}x")
-    print(f"{'op (fires, p = 1)':<18} {'fastvision ms':>14} {'nnU-Net ms':>11} {'ratio':>6}")
+    print(f"pipeline (CPU time): fastvision {1 / f_pipe:.2f} patches/s (batch {args.batch}), nnU-Net "
+          f"{1 / n_pipe:.2f} patches/s: {n_pipe / f_pipe:.2f}x; wall clock {1 / f_wall:.2f} vs {1 / n_wall:.2f}: "
+          f"{n_wall / f_wall:.2f}x")
+    print(f"{'op (fires, p = 1)':<18} {'fastvision ms':>14} {'nnU-Net ms':>11} {'ratio':>6}  (CPU time per patch)")
     for op in fv[0]["ops_s"]:
         a, b = med(fv, None, op) * 1e3, (med(nn, None, op) * 1e3 if op in nn[0]["ops_s"] else float("nan"))
         out["ops_ms"][op] = {"fastvision": a, "nnunet": b}

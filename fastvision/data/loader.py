@@ -169,6 +169,9 @@ def _set_epoch(sampler, dataset, epoch: int, start_sample: int, batch_size: int,
         sampler.set_epoch(epoch)
     if hasattr(dataset, "set_epoch"):
         dataset.set_epoch(epoch)
+    if hasattr(dataset, "set_batch_slots") and isinstance(sampler, TrainSampler):
+        # each index's place in its batch, from the epoch's whole order (a resume mid-epoch gets the same)
+        dataset.set_batch_slots(sampler.indices(), batch_size)
     return repeats - done
 
 

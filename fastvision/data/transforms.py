@@ -137,6 +137,18 @@ def item_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(item_seed(seed, epoch, index))
 
 
+SLOT_KEY = "batch_slot"  # an item's (position in its batch, batch size), for a transform that asks
+
+
+def batch_slots(order: Sequence[int], batch_size: int) -> dict[int, tuple[int, int]]:
+    """Dataset index -> (position in its batch, batch size), from one epoch's whole order of this
+    rank (the order's first item starts a batch; an index listed twice keeps its first place)."""
+    slots: dict[int, tuple[int, int]] = {}
+    for pos, i in enumerate(order):
+        slots.setdefault(int(i), (pos % batch_size, batch_size))
+    return slots
+
+
 def apply_random(transforms: Sequence[TransformFn], item: Item, generator: torch.Generator) -> Item:
     """Apply ``transforms`` in order; the random ones get ``generator`` (one stream per item)."""
     for t in transforms:

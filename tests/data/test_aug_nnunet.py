@@ -151,3 +151,78 @@ def test_new_ops_deterministic_and_shape_preserving():
     a, _ = build_augment(3, **spec)(x.clone(), None, gen(11))
     b, _ = build_augment(3, **spec)(x.clone(), None, gen(11))
     assert a.shape == x.shape and torch.equal(a, b) and torch.isfinite(a).all()
+
+
+def test_flip_one_pass_per_sample_equals_each_axis_drawn_in_turn():
+    """The CPU path flips a sample once over all its drawn axes; the masks are the same draws (one per
+    axis, in axis order) as flipping axis by axis."""
+    x, lab = torch.rand(6, 2, 4, 5, 3, generator=gen(12)), torch.randint(0, 300, (6, 4, 5, 3), generator=gen(13))
+    out, out_lab = build_augment(3, flip={"prob": 0.5})(x, lab, gen(14))
+    g = gen(14)
+    masks = [torch.rand(6, generator=g) < 0.5 for _ in range(3)]
+    for i in range(6):
+        dims = [a for a in range(3) if masks[a][i]]
+        assert torch.equal(out[i], x[i].flip([d + 1 for d in dims])) and torch.equal(out_lab[i], lab[i].flip(dims))
+    assert out_lab.dtype == torch.int64  # labels beyond uint8 are moved as they are
+
+
+def test_labels_move_as_uint8_and_come_back_in_their_dtype():
+    lab = torch.randint(0, 4, (2, 6, 6, 6), generator=gen(15))
+    aug = build_augment(3, flip={"prob": 1.0}, affine={"prob": 1.0, "degrees": 20})
+    out8, lab8 = aug(torch.rand(2, 1, 6, 6, 6, generator=gen(16)), lab.to(torch.uint8), gen(17))
+    out64, lab64 = aug(torch.rand(2, 1, 6, 6, 6, generator=gen(16)), lab, gen(17))
+    assert lab64.dtype == torch.int64 and lab8.dtype == torch.uint8 and torch.equal(lab64, lab8.long())
+    assert torch.equal(out8, out64)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_linear_grid_is_affine_grid(nd):
+    from fastvision.data.augment.affine import _linear_grid
+
+    lin = torch.randn(3, nd, nd, generator=gen(18))
+    shape = [3, 1, *([5, 7, 4][:nd])]
+    ref = F.affine_grid(torch.cat([lin, torch.zeros(3, nd, 1)], 2), shape, align_corners=False)
+    assert torch.allclose(_linear_grid(lin, torch.Size(shape[2:])), ref, atol=1e-6)
+
+
+def test_sampling_scale_shrinks_by_the_draw():
+    """nnU-Net's scale s multiplies the sampling coordinates: s = 2 halves a centred cube (zoom 1/2);
+    as a zoom (the default), 2 doubles it."""
+    lab = torch.zeros(1, 16, 16, 16, dtype=torch.long)
+    lab[:, 4:12, 4:12, 4:12] = 1
+    spec = {"prob": 0.0, "rotate_prob": 0.0, "zoom_prob": 1.0, "scale": [2.0, 2.0], "same_zoom": True}
+    _, small = build_augment(3, affine={**spec, "sampling_scale": True})(torch.zeros(1, 1, 16, 16, 16), lab, gen(0))
+    _, big = build_augment(3, affine=spec)(torch.zeros(1, 1, 16, 16, 16), lab, gen(0))
+    assert int(small.sum()) == 4**3 and int(big.sum()) == 16**3
+
+
+def test_fused_sampler_matches_grid_sample():
+    """resample.sample (what affine.compiled compiles) against grid_sample: trilinear image, nearest label."""
+    from fastvision.data.augment.resample import sample
+
+    x = torch.rand(2, 2, 9, 8, 7, generator=gen(19))
+    lab = torch.randint(0, 3, (2, 9, 8, 7), generator=gen(20), dtype=torch.uint8)
+    lin = torch.eye(3).repeat(2, 1, 1) * 0.9 + torch.randn(2, 3, 3, generator=gen(21)) * 0.2
+    grid = F.affine_grid(torch.cat([lin, torch.zeros(2, 3, 1)], 2), list(x.shape), align_corners=False)
+    img, out_lab = sample(x, lab, lin)
+    assert torch.allclose(img, F.grid_sample(x, grid, align_corners=False), atol=1e-5)
+    ref = F.grid_sample(lab[:, None].float(), grid, mode="nearest", align_corners=False)[:, 0].to(torch.uint8)
+    assert (out_lab != ref).float().mean() < 0.01 and out_lab.dtype == torch.uint8  # ties at .5 may round apart
+
+
+def test_blur_rows_each_with_their_own_sigmas():
+    """Every (sample, channel) row blurred with its own sigma per axis (drawn after the two masks), each
+    against scipy's Gaussian filter with that row's kernel."""
+    x = torch.rand(3, 2, 7, 6, 8, generator=gen(22))
+    out, _ = build_augment(3, blur={"prob": 1.0, "sigma": [0.5, 1.0], "channel_prob": 1.0})(x.clone(), None, gen(23))
+    g = gen(23)
+    torch.rand(3, generator=g), torch.rand(3, 2, generator=g)  # the sample and channel draws
+    sig = 0.5 + 0.5 * torch.rand(3, 2, 3, generator=g)
+    for b in range(3):
+        for c in range(2):
+            ref = x[b, c].double().numpy()
+            for a in range(3):
+                s = float(sig[b, c, a])
+                half = int(odd_kernel_size(torch.tensor(s))) // 2
+                ref = ndimage.gaussian_filter1d(ref, s, axis=a, mode="mirror", truncate=(half + 0.2) / s)
+            assert np.allclose(out[b, c].double().numpy(), ref, atol=1e-5)

@@ -349,6 +349,10 @@ def test_nnunet_trainer_writes_nnunet_training(tmp_path):
     aug = cfg.data.augment
     assert aug["affine"]["rotate_prob"] == aug["affine"]["zoom_prob"] == 0.2 and aug["blur"]["prob"] == 0.2
     assert aug["lowres"]["prob"] == 0.25 and aug["gamma_inverted"]["prob"] == 0.1 and aug["gamma"]["retain_stats"]
+    # nnUNetTrainer: clip_grad_norm_(.., 12); batchgeneratorsv2's noise uses its (0, 0.1) "variance" draw as the
+    # std; SpatialTransform's scale multiplies the sampling coordinates; nnUNetDataLoader's last-items oversampling
+    assert cfg.train.clip_grad == 12.0 and aug["noise"]["std"] == 0.1 and aug["affine"]["sampling_scale"] is True
+    assert (cfg.data.args["oversample"], cfg.data.args["placement"]) == ("batch_tail", "nnunet")
     run_training(str(tmp_path / "recipe.yaml"), out=str(tmp_path / "run"), overrides={"epochs": 1},
                  extra=[{"model": {"args": {"filters": [4, 8, 16, 32][:len(cfg.model.args["filters"])]}},
                          "data": {"cache": "ram", "cache_dir": None, "args": {"num_folds": 2}}}], progress=False)

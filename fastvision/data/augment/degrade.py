@@ -38,9 +38,9 @@ def _rows(fire: Tensor, image: Tensor, fn: Callable[[Tensor, Tensor], Tensor]) -
         rows = fire.reshape(-1).nonzero().squeeze(1)
         if rows.numel() == 0:
             return image
-        out = flat.clone()
-        out[rows] = fn(flat[rows], rows).to(image.dtype)
-        return out.reshape(image.shape)
+        if rows.numel() == b * c:
+            return fn(flat, rows).to(image.dtype).reshape(image.shape)
+        return flat.index_copy(0, rows, fn(flat[rows], rows).to(image.dtype)).reshape(image.shape)  # row copies
     out = fn(flat, torch.arange(b * c, device=image.device)).to(image.dtype).reshape(image.shape)
     return _select(fire, out, image)
 
@@ -74,6 +74,9 @@ class Blur:
             reach = (odd_kernel_size(s) // 2)[..., None]  # each kernel's own half-width; outside: weight 0
             w = torch.exp(-0.5 * (taps / s[..., None]) ** 2) * (taps.abs() <= reach)
             w = w / w.sum(-1, keepdim=True)  # (N, nd, K)
+            if x.device.type == "cpu":  # a few rows: shifted adds of each row's own taps, 2-3x cheaper than conv
+                return torch.stack([_shift_blur(x[i, 0].float(), w[i], reach[i, :, 0].tolist(), half)
+                                    for i in range(x.shape[0])])[:, None]
             y = x.reshape(1, x.shape[0], *x.shape[2:]).float()
             for a in range(nd):
                 shape = [1] * nd
@@ -86,6 +89,25 @@ class Blur:
             return y.reshape(x.shape)
 
         return _rows(fire, image, blur), label
+
+
+def _shift_blur(x: Tensor, w: Tensor, reach: list[float], half: int) -> Tensor:
+    """One row (*S) blurred along each axis by its taps ``w`` (nd, 2 half + 1), of which only the
+    ``reach[a]`` either side of the centre are non-zero: reflect padding, then a weighted sum of shifted
+    views (the grouped convolution's result, without its zero taps)."""
+    nd = x.dim()
+    wl = w.tolist()
+    for a in range(nd):
+        r, n = int(reach[a]), x.shape[a]
+        pad = [0, 0] * nd
+        pad[2 * (nd - 1 - a)] = pad[2 * (nd - 1 - a) + 1] = r
+        y = F.pad(x[None, None], pad, mode="reflect")[0, 0] if r else x
+        taps = wl[a][half - r:half + r + 1]
+        out = y.narrow(a, 0, n) * taps[0]
+        for k in range(1, 2 * r + 1):
+            out.add_(y.narrow(a, k, n), alpha=taps[k])
+        x = out
+    return x
 
 
 def _lowres_axis(n: int, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:

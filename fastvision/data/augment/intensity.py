@@ -38,9 +38,7 @@ def _on_rows(mask: Tensor, image: Tensor, fn) -> Tensor:
         return image
     if idx.numel() == image.shape[0]:
         return fn(image, idx)
-    out = image.clone()
-    out[idx] = fn(image[idx], idx).to(image.dtype)
-    return out
+    return image.index_copy(0, idx, fn(image[idx], idx).to(image.dtype))  # row copies: no scatter per element
 
 
 def _std_mean(flat: Tensor) -> tuple[Tensor, Tensor]:
@@ -89,7 +87,7 @@ class Noise:
 
         def noise(x: Tensor, idx: Tensor | None) -> Tensor:  # on the CPU: drawn for the firing samples only
             s = _bshape(x, sd if idx is None else sd[idx])
-            return x + torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype) * s
+            return torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype).mul_(s).add_(x)
 
         return _on_rows(m, image, noise), label
 
@@ -122,8 +120,9 @@ class Contrast:
         def contrast(x: Tensor, idx: Tensor | None) -> Tensor:
             f = _bshape(x, f_all if idx is None else f_all[idx])
             flat = x.flatten(2)
-            mean, lo, hi = (_bshape(x, v) for v in (flat.mean(2), flat.amin(2), flat.amax(2)))
-            return torch.minimum(torch.maximum((x - mean) * f + mean, lo), hi)
+            lo, hi = flat.aminmax(dim=2)
+            mean, lo, hi = (_bshape(x, v) for v in (flat.mean(2), lo, hi))
+            return (x - mean).mul_(f).add_(mean).clamp_(lo, hi)  # one new tensor, updated in place
 
         return _on_rows(m, image, contrast), label
 

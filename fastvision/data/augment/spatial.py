@@ -13,7 +13,8 @@ Recipe form (``data.augment``), one dict per op, applied in this order::
     crop: {size: [96, 96, 96], pos: 1, neg: 1}   # foreground-biased when pos + neg > 0
     flip: {prob: 0.5, axes: [0, 1, 2]}           # each spatial axis independently
     rot90: {prob: 0.5}                           # in the plane of the last two spatial axes
-    affine: {prob: 0.2, degrees: 15, scale: [0.9, 1.1]}   # also rotate_axes, zoom_axes, same_zoom, *_prob
+    affine: {prob: 0.2, degrees: 15, scale: [0.9, 1.1]}   # also rotate_axes, zoom_axes, same_zoom, *_prob,
+                                                          # sampling_scale
     intensity: {prob: 0.5, scale: 0.1, shift: 0.1}
     noise: {prob: 0.15, std: 0.1}
     blur: {prob: 0.2, sigma: [0.5, 1.0], channel_prob: 0.5}          # degrade.py
@@ -26,8 +27,6 @@ Recipe form (``data.augment``), one dict per op, applied in this order::
 """
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fastvision.data.augment.affine import Affine, _const, affine  # noqa: F401 (affine: re-exported)
 from fastvision.data.augment.checks import _validate
 from fastvision.data.augment.degrade import Blur, LowResolution
 from fastvision.data.augment.intensity import (
@@ -46,18 +46,10 @@ from fastvision.data.augment.intensity import (
     InvertedGamma,
     Label,
     Noise,
-    _on_rows,
     _select,
 )
 from fastvision.errors import ConfigError
 from fastvision.registry import check_kwargs
-
-
-@functools.lru_cache(maxsize=64)
-def _const(values: tuple, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """A small constant vector on ``device``, copied there once: a host-to-device copy of pageable
-    memory inside the step would be a host sync. Callers must not modify it in place."""
-    return torch.tensor(values, dtype=dtype).to(device)
 
 
 class _Rng:
@@ -184,12 +176,21 @@ class Flip:
 
     def __call__(self, image: Tensor, label: Label, rng: _Rng) -> tuple[Tensor, Label]:
         nd = image.dim() - 2
-        for a in self.axes if self.axes is not None else range(nd):
-            m = rng.mask(self.prob)
-            dim = a - nd  # negative dim: the same axis in images, index and one-hot labels
-            image = _on_rows(m, image, lambda x, _, d=dim: x.flip(d))
+        dims = [a - nd for a in (self.axes if self.axes is not None else range(nd))]  # negative: images and labels
+        masks = [rng.mask(self.prob) for _ in dims]
+        if image.device.type == "cpu":  # one flip per sample over all its drawn axes (free to read on the CPU)
+            per_sample = [[d for d, f in zip(dims, fires, strict=True) if f]
+                          for fires in torch.stack(masks, 1).tolist()]
+            if not any(per_sample):
+                return image, label
+            image = torch.stack([x.flip(d) if d else x for x, d in zip(image, per_sample, strict=True)])
             if label is not None:
-                label = _on_rows(m, label, lambda x, _, d=dim: x.flip(d))
+                label = torch.stack([y.flip(d) if d else y for y, d in zip(label, per_sample, strict=True)])
+            return image, label
+        for m, d in zip(masks, dims, strict=True):
+            image = _select(m, image.flip(d), image)
+            if label is not None:
+                label = _select(m, label.flip(d), label)
         return image, label
 
 
@@ -213,95 +214,15 @@ class Rot90:
         return out_i, out_l
 
 
-@dataclass
-class Affine:
-    """Rotation (uniform in +-``degrees`` about each axis in 3-D, in-plane in 2-D) and per-axis
-    zoom (uniform in ``scale``) about the centre, in pixel units so non-square images are not
-    sheared. Bilinear for images, nearest for labels, zeros outside.
-
-    ``rotate_axes`` (3-D): the spatial axes to rotate about (default all three; ``[2]`` turns each
-    slice along axis 2 in its own plane, nnU-Net's "dummy 2-D" augmentation of anisotropic patches).
-    ``zoom_axes``: the spatial axes to zoom along (default all; the others keep their size).
-    ``same_zoom``: one zoom factor for every zoomed axis of a sample (nnU-Net's scaling) instead of
-    one per axis. ``rotate_prob`` / ``zoom_prob``: separate probabilities of the rotation and of the
-    zoom (nnU-Net's p_rotation, p_scaling), each drawn per sample; unset, both happen together with ``prob``."""
-
-    prob: float = 0.2
-    degrees: float = 0.0
-    scale: list[float] | None = None
-    rotate_axes: list[int] | None = None
-    zoom_axes: list[int] | None = None
-    same_zoom: bool = False
-    rotate_prob: float | None = None
-    zoom_prob: float | None = None
-
-    def __call__(self, image: Tensor, label: Label, rng: _Rng) -> tuple[Tensor, Label]:
-        nd = image.dim() - 2
-        m = m_zoom = rng.mask(self.prob)
-        if self.rotate_prob is not None or self.zoom_prob is not None:
-            m, m_zoom = (rng.mask(self.prob if p is None else p) for p in (self.rotate_prob, self.zoom_prob))
-        n_angles = 1 if nd == 2 else 3
-        ang = rng.uniform(-self.degrees, self.degrees, n_angles) * (math.pi / 180) * m[:, None]
-        if nd == 3 and self.rotate_axes is not None:  # angles are about (x, y, z) = spatial axes (2, 1, 0)
-            ang = ang * _const(tuple(float(2 - i in self.rotate_axes) for i in range(3)), image.device, torch.float32)
-        lo, hi = self.scale if self.scale is not None else (1.0, 1.0)
-        draw = rng.uniform(lo, hi, nd)
-        if self.same_zoom:
-            draw = draw[:, :1].expand(-1, nd)
-        if self.zoom_axes is not None:  # zoom is in (x, y[, z]) = reversed spatial order too
-            keep = _const(tuple(float(nd - 1 - i in self.zoom_axes) for i in range(nd)), image.device, torch.float32)
-            draw = draw * keep + (1 - keep)
-        zoom = torch.where(m_zoom[:, None], draw, torch.ones((), device=image.device))
-        fire = m | m_zoom
-        if image.device.type == "cpu":  # only the samples that fire (finding them costs no sync on the CPU)
-            idx = fire.nonzero().squeeze(1)
-            if idx.numel() == 0:
-                return image, label
-            if idx.numel() < image.shape[0]:
-                sub, sub_label = affine(image[idx], None if label is None else label[idx], ang[idx], zoom[idx])
-                image = image.index_copy(0, idx, sub)
-                return image, None if label is None else label.index_copy(0, idx, sub_label)
-        return affine(image, label, ang, zoom, fire)
-
-
-def affine(image: Tensor, label: Label, angles: Tensor, zoom: Tensor,
-           mask: Tensor | None = None) -> tuple[Tensor, Label]:
-    """Rotate and zoom a batch about its centre.
-
-    Args:
-        image: (B, C, *S) float, bilinear.
-        label: (B, *S) int64 or (B, L, *S) float, nearest; or None.
-        angles: (B, 1) radians in 2-D (counter-clockwise in (x, y) = (W, H) order) or (B, 3) about x, y, z.
-        zoom: (B, nd) zoom factors in (x, y[, z]) = (W, H[, D]) order; > 1 enlarges.
-        mask: (B,) bool, samples to transform (default all).
-    """
-    nd = image.dim() - 2
-    rot = _rotation(angles.float(), nd)  # (B, nd, nd) in (x, y[, z]) order
-    half = _const(tuple(image.shape[2:][::-1]), image.device, torch.float32) / 2
-    # Sampling maps output -> input: n_in = D^-1 Z^-1 R^T D n_out, D = half-size, Z = zoom.
-    lin = rot.transpose(1, 2) * half[None, None, :] / half[None, :, None] / zoom.float()[:, :, None]
-    theta = torch.cat([lin, torch.zeros_like(lin[:, :, :1])], 2)
-    grid = F.affine_grid(theta, list(image.shape), align_corners=False)
-    out = F.grid_sample(image, grid.to(image.dtype), mode="bilinear", align_corners=False)
-    image = out if mask is None else _select(mask, out, image)
-    if label is not None:
-        lab = label[:, None] if label.dim() == nd + 1 else label
-        lab_out = F.grid_sample(lab.to(grid.dtype), grid, mode="nearest", align_corners=False)
-        lab_out = lab_out.to(label.dtype).reshape(label.shape)
-        label = lab_out if mask is None else _select(mask, lab_out, label)
-    return image, label
-
-
-def _rotation(ang: Tensor, nd: int) -> Tensor:
-    """(B, nd, nd) rotation matrices from angles (B, 1) in 2-D or (B, 3) about x, y, z in 3-D."""
-    c, s = ang.cos(), ang.sin()
-    one, zero = torch.ones_like(c[:, 0]), torch.zeros_like(c[:, 0])
-    if nd == 2:
-        return torch.stack([c[:, 0], -s[:, 0], s[:, 0], c[:, 0]], 1).reshape(-1, 2, 2)
-    rx = torch.stack([one, zero, zero, zero, c[:, 0], -s[:, 0], zero, s[:, 0], c[:, 0]], 1)
-    ry = torch.stack([c[:, 1], zero, s[:, 1], zero, one, zero, -s[:, 1], zero, c[:, 1]], 1)
-    rz = torch.stack([c[:, 2], -s[:, 2], zero, s[:, 2], c[:, 2], zero, zero, zero, one], 1)
-    return rz.reshape(-1, 3, 3) @ ry.reshape(-1, 3, 3) @ rx.reshape(-1, 3, 3)
+def _narrow(label: Label, nd: int) -> Label:
+    """Class-index labels of 0..255 on the CPU as uint8 while they are flipped, cropped and resampled: an
+    8th of int64's bytes to move (given back in the caller's dtype at the end). On a GPU asking the range
+    would be a host sync, so they stay as they are."""
+    if label is None or label.device.type != "cpu" or label.dim() != nd + 1 or label.dtype.is_floating_point \
+            or label.dtype == torch.uint8 or label.numel() == 0:
+        return label
+    lo, hi = torch.stack(label.aminmax()).tolist()  # a CPU tensor's tolist: no value read the sync detector sees
+    return label.to(torch.uint8) if 0 <= lo and hi < 256 else label
 
 
 OPS: dict[str, type] = {
@@ -322,6 +243,8 @@ class BatchAugment:
     def __init__(self, spatial_dims: int, ops: list[tuple[str, Any]]):
         self.spatial_dims = spatial_dims
         self.ops = ops
+        # labels are narrowed for the ops that move them (an intensity-only chain leaves them alone)
+        self.moves_label = any(isinstance(op, (Crop, Flip, Rot90, Affine)) for _, op in ops)
 
     def __call__(self, image: Tensor, label: Label = None,
                  generator: torch.Generator | None = None) -> tuple[Tensor, Label]:
@@ -340,9 +263,11 @@ class BatchAugment:
         if label is not None and label.shape[-self.spatial_dims:] != image.shape[2:]:
             raise ValueError(f"label {tuple(label.shape)} does not match image {tuple(image.shape)}")
         rng = _Rng(generator, image.shape[0], image.device)
+        dtype = label.dtype if label is not None else None
+        label = _narrow(label, self.spatial_dims) if self.moves_label else label
         for _, op in self.ops:
             image, label = op(image, label, rng)
-        return image, label
+        return image, label if label is None else label.to(dtype)
 
     def __repr__(self) -> str:
         return f"BatchAugment({', '.join(f'{n}={op}' for n, op in self.ops)})"

@@ -90,15 +90,33 @@ def fill(fn: Callable[[int], Any], indices: Sequence[int], workers: int, progres
 
 
 def finish(suffix: Sequence[T.TransformFn], item: dict[str, Any], seed: int, epoch: int,
-           index: int) -> dict[str, Any]:
+           index: int, slot: tuple[int, int] | None = None) -> dict[str, Any]:
     """A cached item as served: the random ``suffix`` run on a shallow copy (so the cache's dict is
-    never edited) with the generator of ``(seed, epoch, index)``, ``index`` being the base index."""
+    never edited) with the generator of ``(seed, epoch, index)``, ``index`` being the base index.
+    ``slot``: the item's (position, batch size) in the epoch's order, handed to a suffix transform
+    that asks for it (``batch_slot``; nnU-Net's foreground oversampling of a batch's last items)."""
     if not suffix:
         return dict(item)
-    return T.apply_random(suffix, dict(item), T.item_generator(seed, epoch, index))
+    item = dict(item)
+    if slot is not None and any(getattr(t, "batch_slot", False) for t in suffix):
+        item[T.SLOT_KEY] = slot
+    return T.apply_random(suffix, item, T.item_generator(seed, epoch, index))
 
 
-class _Cached(Dataset):
+class BatchSlots:
+    """The batch position of each index of the loader's epoch order, for :func:`finish` (set by the
+    loader at every ``set_epoch``: :func:`~fastvision.data.loader.build_loader`)."""
+
+    slots: dict[int, tuple[int, int]] | None = None
+
+    def set_batch_slots(self, order: Sequence[int], batch_size: int) -> None:
+        self.slots = T.batch_slots(order, batch_size)
+
+    def slot(self, i: int) -> tuple[int, int] | None:
+        return None if self.slots is None else self.slots.get(i)
+
+
+class _Cached(BatchSlots, Dataset):
     """Shared plumbing: prefix/suffix split, reporting, per-access suffix.
 
     The suffix (random transforms, and whatever follows the first one) runs on every access with
@@ -131,7 +149,7 @@ class _Cached(Dataset):
     def finish(self, item: dict[str, Any], index: int) -> dict[str, Any]:
         """Run the suffix on a cached item of base index ``index`` (a shallow copy: suffix
         transforms may replace keys without touching the cached dict)."""
-        return finish(self.suffix, item, self.seed, self.epoch, index)
+        return finish(self.suffix, item, self.seed, self.epoch, index, self.slot(index))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.finish(self._cached(i), i)

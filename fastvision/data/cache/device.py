@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastvision.data import transforms as T
-from fastvision.data.cache.datasets import available_ram, finish, guard, item_nbytes
+from fastvision.data.cache.datasets import BatchSlots, available_ram, finish, guard, item_nbytes
 from fastvision.data.loader import _move
 from fastvision.utils.tree import map_tensors
 
@@ -40,7 +40,7 @@ def fill_order(n: int, rank: int = 0, world_size: int = 1) -> list[int]:
     return [i for i in range(n) if i % world_size == rank] + [i for i in range(n) if i % world_size != rank]
 
 
-class DeviceCacheDataset(Dataset):
+class DeviceCacheDataset(BatchSlots, Dataset):
     """Preprocessed items indexed as ``source``, this epoch's share of them on ``device`` (CUDA or CPU).
 
     Random transforms (``suffix``) run per access on the cached tensors, so on CUDA the
@@ -180,7 +180,7 @@ class DeviceCacheDataset(Dataset):
             if item is None:  # not held (the CPU beyond its budget): the source's pipeline
                 item = self.source[i]
             item = _move(item, self.device)
-        return finish(self.suffix, item, self.seed, self.epoch, i)
+        return finish(self.suffix, item, self.seed, self.epoch, i, self.slot(i))
 
     def report(self) -> str:
         n, on = len(self), self.num_cached

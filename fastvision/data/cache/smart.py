@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastvision.data import transforms as T
-from fastvision.data.cache.datasets import _Cached, fill
+from fastvision.data.cache.datasets import _Cached, fill, finish
 from fastvision.errors import ConfigError
 
 
@@ -94,7 +94,8 @@ class SmartCacheDataset(_Cached):
         return self.store[self.window[j]]
 
     def __getitem__(self, j: int) -> dict[str, Any]:
-        return self.finish(self._cached(j), self.window[j])  # draws keyed by the base index
+        # draws keyed by the base index, the batch position by the loader's index
+        return finish(self.suffix, self._cached(j), self.seed, self.epoch, self.window[j], self.slot(j))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -2,7 +2,7 @@
 
 Also holds what every 3-D volume format shares: deterministic k-fold splits, :class:`VolumeDataset`
 (item = one preprocessed case, deterministic, so ``data.cache`` can hold it) and the training
-crop :class:`RandPatch`, which runs after the cache with a per-item generator.
+crop :class:`~fastvision.data.formats.patches.RandPatch`, which runs after the cache with a per-item generator.
 
 Items: ``{"image": float32 (C, X, Y, Z), "label": int64 (X, Y, Z), "id": str}`` where X, Y, Z are
 the NIfTI voxel axes after reorientation to RAS (MONAI's order; see ``data/preprocess3d.py``).
@@ -25,15 +25,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from fastvision.data import spatial3d
 from fastvision.data.formats.anomalies import drop_unreadable, first_few, nifti_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
+from fastvision.data.formats.patches import RandPatch, random_patch  # noqa: F401 (re-exported)
 from fastvision.data.nonfinite import NonFinite
 from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
-from fastvision.data.transforms import RandomTransform, Transform
+from fastvision.data.transforms import Transform
 from fastvision.errors import ConfigError, DataError
 from fastvision.registry import DATASETS
 
@@ -66,55 +66,6 @@ def kfold_split(ids: Sequence[str], fold: int, num_folds: int, seed: int = 0) ->
     return [order[i] for i in sorted(set(perm.tolist()) - val)], [order[i] for i in sorted(val)]
 
 
-def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], pos_fraction: float,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Crop a ``size`` patch centred on a foreground voxel with probability ``pos_fraction``.
-
-    Otherwise the centre is uniform, as MONAI's ``RandCropByPosNegLabel`` does. Volumes smaller than
-    ``size`` are zero-padded first. The tensors may live on any device; the random numbers come
-    from ``generator`` (a CPU generator), so a crop on the GPU equals the crop on the CPU.
-
-    Args:
-        image: (C, *S) float tensor; label: (*S) integer tensor.
-        size: patch shape (len(S),).
-        generator: CPU generator of the draws (the per-item generator in training).
-
-    Returns:
-        (image (C, *size), label (*size)).
-    """
-    pad = [max(0, s - n) for s, n in zip(size, label.shape, strict=True)]
-    if any(pad):
-        spec = [p for d in reversed(pad) for p in (d // 2, d - d // 2)]
-        image, label = F.pad(image, spec), F.pad(label, spec)
-    shape = label.shape
-    centre = None
-    if float(torch.rand((), generator=generator)) < pos_fraction:
-        fg = torch.nonzero(label > 0)
-        if len(fg):  # one host sync per item, as MONAI's crop has on the GPU
-            centre = fg[int(torch.randint(len(fg), (), generator=generator))].tolist()
-    if centre is None:
-        centre = [int(torch.randint(n, (), generator=generator)) for n in shape]
-    start = [min(max(0, c - s // 2), n - s) for c, s, n in zip(centre, size, shape, strict=True)]
-    sl = tuple(slice(a, a + s) for a, s in zip(start, size, strict=True))
-    return image[(slice(None),) + sl], label[sl]
-
-
-class RandPatch(RandomTransform):
-    """The training crop of a cached volume (:func:`random_patch`), drawn per item from
-    ``(seed, epoch, index)``. Runs where the cached tensors live: a ``gpu`` cache crops on the GPU.
-
-    Per item, not batched: volumes differ in shape, so they cannot be stacked before the crop.
-    """
-
-    def __init__(self, patch_size: Sequence[int], pos_fraction: float):
-        self.patch_size, self.pos_fraction = tuple(patch_size), pos_fraction
-
-    def __call__(self, item: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
-        image, label = random_patch(item["image"], item["label"], self.patch_size, self.pos_fraction, generator)
-        # contiguous copies: the cached volume stays untouched and collation is one memcpy
-        return {**item, "image": image.contiguous(), "label": label.long()}
-
-
 class VolumeDataset(Dataset):
     """3-D cases: item ``i`` is case ``i`` preprocessed (deterministic; no cache of its own).
 
@@ -128,17 +79,21 @@ class VolumeDataset(Dataset):
         params: preprocessing settings.
         patch_size: training patch shape (the random crop of :meth:`cache_pipeline`); None:
             whole volumes (validation, prediction).
-        pos_fraction: probability that a patch is centred on a foreground voxel.
+        pos_fraction: share of patches centred on a foreground voxel.
+        oversample, placement: which patches must hold foreground and where a patch is cut
+            (:mod:`~fastvision.data.formats.patches`).
         compute: ``compute(paths, params) -> dict``, :func:`preprocess_case` unless a test counts calls.
     """
 
     def __init__(self, cases: list[dict[str, Any]], params: PreprocessParams, *,
                  patch_size: Sequence[int] | None = None, pos_fraction: float = 0.5,
+                 oversample: str = "random", placement: str = "monai",
                  compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]] = preprocess_case):
         self.cases = cases
         self.params, self.compute = params, compute
         self.patch_size = tuple(patch_size) if patch_size else None
         self.pos_fraction = pos_fraction
+        self.crop = RandPatch(self.patch_size, pos_fraction, oversample, placement) if self.patch_size else None
         # Cached labels are uint8 when a crop follows (an 8th of int64's bytes; the crop widens
         # only the patch), int64 when the volume itself is the item.
         self._prefix = [_Preprocess(params, compute, "uint8" if self.patch_size else "int64")]
@@ -155,8 +110,7 @@ class VolumeDataset(Dataset):
 
     def cache_pipeline(self) -> tuple[Dataset, list]:
         """``(case files, [preprocess, random patch])``: what the caches of ``data.cache`` run."""
-        crop = [RandPatch(self.patch_size, self.pos_fraction)] if self.patch_size else []
-        return _CaseFiles(self.cases), [*self._prefix, *crop]
+        return _CaseFiles(self.cases), [*self._prefix, *([self.crop] if self.crop else [])]
 
     def meta(self, index: int) -> dict[str, Any]:
         """Geometry of case ``index`` for :func:`~fastvision.data.preprocess3d.restore_to_input`."""
@@ -286,13 +240,13 @@ def _case_id(path: str) -> str:
 
 def build_splits(cases: list[dict[str, Any]], params: PreprocessParams, info: dict[str, Any], *, fold: int,
                  num_folds: int, split_seed: int, patch_size: Sequence[int] | None,
-                 pos_fraction: float) -> DatasetSplits:
+                 pos_fraction: float, oversample: str = "random", placement: str = "monai") -> DatasetSplits:
     """Split ``cases`` by fold and wrap both parts in :class:`VolumeDataset` (caching is
     ``data.cache``'s job)."""
     train_ids, val_ids = kfold_split([c["id"] for c in cases], fold, num_folds, split_seed)
     by_id = {c["id"]: c for c in cases}
     train = VolumeDataset([by_id[i] for i in train_ids], params, patch_size=patch_size,
-                          pos_fraction=pos_fraction)
+                          pos_fraction=pos_fraction, oversample=oversample, placement=placement)
     val = VolumeDataset([by_id[i] for i in val_ids], params)
     info = {**info, "train_cases": len(train), "val_cases": len(val), "fold": fold, "num_folds": num_folds,
             "spatial_dims": 3, "axis_order": "C,X,Y,Z (RAS voxel axes)"}
@@ -305,7 +259,8 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
                     window: tuple[float, float, float, float] = (-57.0, 164.0, 0.0, 1.0),
                     crop_foreground: bool | str = True, crop_margin: int = 0,
                     patch_size: tuple[int, int, int] | None = None, pos_fraction: float = 0.5,
-                    skip_unreadable: bool = False, nonfinite: str = "error") -> DatasetSplits:
+                    oversample: str = "random", placement: str = "monai", skip_unreadable: bool = False,
+                    nonfinite: str = "error") -> DatasetSplits:
     """Decathlon task folder -> train/val of fold ``fold`` (of ``num_folds``).
 
     Args:
@@ -318,6 +273,10 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
             the non-zero region, see :class:`~fastvision.data.preprocess3d.PreprocessParams`).
         patch_size: training patch shape; None trains on whole volumes.
         pos_fraction: share of patches centred on foreground.
+        oversample: ``random`` (each patch with probability ``pos_fraction``) or ``batch_tail``
+            (nnU-Net: the last ``round(pos_fraction * B)`` of every batch, by the sampler's order).
+        placement: ``monai`` (patch kept inside the volume) or ``nnunet`` (``get_bbox``: a random
+            present class's voxel exactly at the centre, the box may leave the volume).
         skip_unreadable: drop (with one warning) cases whose NIfTI headers do not read, instead of
             stopping with an error naming the file.
         nonfinite: a volume holding NaN or Inf: ``error`` stops with one line naming the file when
@@ -353,4 +312,5 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
             "test_images": [str(p) for p in found["test"]], "preprocess": params.key(),
             "label_convention": convention}
     return build_splits(training, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
-                        patch_size=patch_size, pos_fraction=pos_fraction)
+                        patch_size=patch_size, pos_fraction=pos_fraction, oversample=oversample,
+                        placement=placement)

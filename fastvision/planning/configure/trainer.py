@@ -5,8 +5,10 @@ nnU-Net v2.8's ``nnUNetTrainer`` (read from its source): SGD lr 0.01, Nesterov m
 decay 3e-5 on every parameter; ``PolyLRScheduler`` (1 - epoch / 1000) ** 0.9; 1000 epochs of 250
 iterations; Dice (``MemoryEfficientSoftDiceLoss``, smooth 1e-5, no background for softmax labels,
 with it for sigmoid regions; batch Dice only where a 3d_lowres cascade exists) + CE, weights 1 / 1;
-deep supervision over the decoder scales, weights 1 / 2^i with the lowest set to 0, normalised;
-``oversample_foreground_percent`` 0.33; and ``get_training_transforms``' augmentation.
+deep supervision over the decoder scales, weights 1 / 2^i with the lowest set to 0, normalised; the
+gradient's global norm clipped to 12;
+``oversample_foreground_percent`` 0.33 (the last ``round(0.33 B)`` items of a batch, ``get_bbox``'s
+placement); and ``get_training_transforms``' augmentation.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from typing import Any
 from fastvision.errors import ConfigError
 
 TRAINERS = ("fast", "nnunet")
-# docs/configure.md "Which trainer": benchmarks/train_vs_nnunet.py reached the common Dice sooner and ended
-# higher with nnunet than with fast on both generated sets (CT and MR); SegResNet has no decoder scales
+# docs/configure.md "Which trainer": in benchmarks/train_vs_nnunet.py nnunet reached the common Dice as soon or
+# sooner than fast in 7 of 8 runs (CT and MR) and ended higher in 5; SegResNet has no decoder scales
 DEFAULT_TRAINER = {"unet3d": "nnunet", "segresnet": "fast"}
 NNUNET_EPOCHS, NNUNET_ITERATIONS = 1000, 250  # nnUNetTrainer.num_epochs, num_iterations_per_epoch
 VAL_EVERY_ITERATIONS = 2500  # our sliding-window validation every 10 nnU-Net epochs (it validates 50 patches each)
@@ -40,9 +42,10 @@ def steps_per_epoch(n_cases: int, batch: int, num_folds: int = 5) -> int:
 
 def nnunet_augment(augment: dict[str, Any], dummy_2d: bool, coarse: int) -> dict[str, Any]:
     """The fast recipe's ops (:func:`~fastvision.planning.configure.recipe.augmentation`) completed to
-    ``get_training_transforms``: rotation and zoom each p 0.2, blur, low resolution, both gammas."""
+    ``get_training_transforms``: rotation and zoom each p 0.2, the scale drawn as nnU-Net's (it scales the
+    sampling coordinates: zoom 1 / U(0.7, 1.4)), blur, low resolution, both gammas."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in augment.items()}
-    out["affine"].update(rotate_prob=0.2, zoom_prob=0.2)
+    out["affine"].update(rotate_prob=0.2, zoom_prob=0.2, sampling_scale=True)
     out["blur"] = {"prob": 0.2, "sigma": [0.5, 1.0], "channel_prob": 0.5}
     out["lowres"] = {"prob": 0.25, "range": [0.5, 1.0], "channel_prob": 0.5,
                      **({"ignore_axes": [coarse]} if dummy_2d else {})}
@@ -57,13 +60,14 @@ def nnunet_overrides(n_cases: int, batch: int, regions: bool, thin: bool, stages
     steps = steps_per_epoch(n_cases, batch)
     return {
         "model": {"args": {"deep_supervision": stages >= 3}},
+        "data": {"args": {"oversample": "batch_tail", "placement": "nnunet"}},
         "loss": {"name": "dice_ce", "args": {
             "include_background": regions, "softmax": not regions, "sigmoid": regions, "squared_pred": False,
             "batch": thin, "smooth_nr": 1e-5, "smooth_dr": 1e-5, "lambda_dice": 1.0, "lambda_ce": 1.0}},
         "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.99, "nesterov": True, "weight_decay": 3e-5,
                   "no_decay_norm_bias": False, "ref_batch": None},
         "sched": {"name": "poly", "power": 0.9, "warmup_epochs": 0.0, "min_lr_factor": 0.0},
-        "train": {"epochs": math.ceil(NNUNET_EPOCHS * NNUNET_ITERATIONS / steps),
+        "train": {"clip_grad": 12.0, "epochs": math.ceil(NNUNET_EPOCHS * NNUNET_ITERATIONS / steps),
                   "val_every": max(1, round(VAL_EVERY_ITERATIONS / steps))},
     }
 
@@ -82,9 +86,16 @@ def trainer_choices(trainer: str, ov: dict[str, Any], n_cases: int) -> list[tupl
                                "(nnU-Net steps it per 250-iteration epoch: within 0.4 % of it)"),
         ("loss", ov["loss"], "nnU-Net's Dice + CE, weights 1/1, smooth 1e-5, Dice without background for labels "
                              "(with it for sigmoid regions), batch Dice only for 2-D / cascade plans"),
+        ("data.args.oversample", "batch_tail",
+         "nnUNetDataLoader: the last round(0.33 B) items of every batch are centred on foreground (batch 2: "
+         "the second), by their place in the sampler's order; not each item with probability 0.33"),
+        ("data.args.placement", "nnunet",
+         "nnUNetDataLoader.get_bbox: a random present class, one of its voxels exactly at the patch centre (the "
+         "patch may reach past the volume, zeros there); other patches uniform over the volume"),
         ("model.args.deep_supervision", ov["model"]["args"]["deep_supervision"],
          "logits at every decoder scale in training, weights 1/2^i, the lowest 0, normalised; targets by "
          "nearest-exact down-sampling (off with a single decoder scale)"),
+        ("train.clip_grad", ov["train"]["clip_grad"], "nnUNetTrainer.train_step: clip_grad_norm_(parameters, 12)"),
         ("train.epochs", ov["train"]["epochs"],
          f"nnU-Net's {NNUNET_EPOCHS} epochs x {NNUNET_ITERATIONS} iterations = {total} iterations, at {steps} "
          f"steps per pass over fold 0's cases (batch {batch})"),

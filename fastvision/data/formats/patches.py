@@ -1,0 +1,150 @@
+"""The training crop of a cached 3-D volume: where a patch is cut, and which patches must hold foreground.
+
+Two placements (``data.args.placement``):
+
+* ``monai`` (:func:`random_patch`): the centre is a random foreground voxel (any class) or a uniform
+  voxel; the patch is then moved inside the volume (MONAI ``RandCropByPosNegLabel``).
+* ``nnunet`` (:func:`nnunet_patch`): ``nnUNetDataLoader.get_bbox``. A foreground patch picks one of
+  the classes present with equal probability, then one of its voxels, and puts it at the patch centre
+  (start ``voxel - size // 2``, held above ``-need_to_pad // 2`` only: the patch may reach past the
+  volume, read as zeros); any other patch starts uniformly in ``[-need_to_pad // 2, shape +
+  need_to_pad // 2 + need_to_pad % 2 - size]``, ``need_to_pad`` being what a volume smaller than the
+  patch lacks.
+
+Which patches must hold foreground (``data.args.oversample``): ``random``, each with probability
+``pos_fraction``; ``batch_tail``, nnU-Net's ``_oversample_last_XX_percent``: the items at batch
+positions ``>= round(B * (1 - pos_fraction))`` (with batch 2 and 0.33: the second of each pair).
+The position is the item's place in the sampler's order of the epoch
+(:func:`~fastvision.data.transforms.batch_slots`), so the rule is a function of (seed, epoch, sampler),
+and a resumed epoch redraws what it drew.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fastvision.data.transforms import SLOT_KEY, RandomTransform
+from fastvision.errors import ConfigError
+
+PLACEMENTS, OVERSAMPLING = ("monai", "nnunet"), ("random", "batch_tail")
+
+
+def forced_foreground(slot: tuple[int, int], pos_fraction: float) -> bool:
+    """nnU-Net's ``_oversample_last_XX_percent``: the last ``B - round(B (1 - p))`` positions of a batch."""
+    pos, batch = slot
+    return not pos < round(batch * (1 - pos_fraction))
+
+
+def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], pos_fraction: float,
+                 generator: torch.Generator | None = None,
+                 force: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Crop a ``size`` patch centred on a foreground voxel with probability ``pos_fraction``.
+
+    Otherwise the centre is uniform, as MONAI's ``RandCropByPosNegLabel`` does. Volumes smaller than
+    ``size`` are zero-padded first. The tensors may live on any device; the random numbers come
+    from ``generator`` (a CPU generator), so a crop on the GPU equals the crop on the CPU.
+
+    Args:
+        image: (C, *S) float tensor; label: (*S) integer tensor.
+        size: patch shape (len(S),).
+        generator: CPU generator of the draws (the per-item generator in training).
+        force: foreground or not, decided by the caller (the batch position); the draw is made anyway.
+
+    Returns:
+        (image (C, *size), label (*size)).
+    """
+    pad = [max(0, s - n) for s, n in zip(size, label.shape, strict=True)]
+    if any(pad):
+        spec = [p for d in reversed(pad) for p in (d // 2, d - d // 2)]
+        image, label = F.pad(image, spec), F.pad(label, spec)
+    shape = label.shape
+    centre = None
+    want = float(torch.rand((), generator=generator)) < pos_fraction
+    if want if force is None else force:
+        fg = torch.nonzero(label > 0)
+        if len(fg):  # one host sync per item, as MONAI's crop has on the GPU
+            centre = fg[int(torch.randint(len(fg), (), generator=generator))].tolist()
+    if centre is None:
+        centre = [int(torch.randint(n, (), generator=generator)) for n in shape]
+    start = [min(max(0, c - s // 2), n - s) for c, s, n in zip(centre, size, shape, strict=True)]
+    sl = tuple(slice(a, a + s) for a, s in zip(start, size, strict=True))
+    return image[(slice(None),) + sl], label[sl]
+
+
+def nnunet_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], foreground: bool,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nnUNetDataLoader.get_bbox`` with ``initial_patch_size == size``, then ``crop_and_pad_nd``:
+    zeros (label 0, nnU-Net's -1 after its ``RemoveLabelTansform``) where the box leaves the volume.
+
+    Args:
+        image: (C, *S); label: (*S) integer class indices.
+        foreground: put a voxel of a random present class at the centre (nnU-Net's ``force_fg``);
+            a volume without foreground falls back to a uniform box, as nnU-Net's does.
+    """
+    shape = label.shape
+    need = [max(0, s - n) for s, n in zip(size, shape, strict=True)]
+    lbs = [-d // 2 for d in need]
+    ubs = [n + d // 2 + d % 2 - s for n, d, s in zip(shape, need, size, strict=True)]
+    start = None
+    if foreground:
+        classes = [int(c) for c in torch.unique(label).tolist() if c > 0]
+        if classes:
+            c = classes[int(torch.randint(len(classes), (), generator=generator))]
+            voxels = torch.nonzero(label == c)
+            voxel = voxels[int(torch.randint(len(voxels), (), generator=generator))].tolist()
+            start = [max(lo, v - s // 2) for lo, v, s in zip(lbs, voxel, size, strict=True)]
+    if start is None:
+        start = [int(torch.randint(lo, hi + 1, (), generator=generator)) for lo, hi in zip(lbs, ubs, strict=True)]
+    return _crop_pad(image, start, size), _crop_pad(label[None], start, size)[0]
+
+
+def _crop_pad(x: torch.Tensor, start: Sequence[int], size: Sequence[int]) -> torch.Tensor:
+    """``x[:, start:start + size]`` per spatial axis, zeros where the box leaves ``x`` (a view when inside)."""
+    shape = x.shape[1:]
+    lo = [max(0, a) for a in start]
+    hi = [min(n, a + s) for n, a, s in zip(shape, start, size, strict=True)]
+    out = x[(slice(None),) + tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))]
+    pad = [p for a, s, lo_, hi_ in reversed(list(zip(start, size, lo, hi, strict=True)))
+           for p in (lo_ - a, a + s - hi_)]
+    return F.pad(out, pad) if any(pad) else out
+
+
+class RandPatch(RandomTransform):
+    """The training crop of a cached volume, drawn per item from ``(seed, epoch, index)``. Runs where
+    the cached tensors live: a ``gpu`` cache crops on the GPU.
+
+    Per item, not batched: volumes differ in shape, so they cannot be stacked before the crop. With
+    ``oversample="batch_tail"`` the cache gives the item its batch position (``SLOT_KEY``, from the
+    sampler's order); an item read outside a loader (no position) falls back to the probability.
+    """
+
+    def __init__(self, patch_size: Sequence[int], pos_fraction: float, oversample: str = "random",
+                 placement: str = "monai"):
+        if oversample not in OVERSAMPLING:
+            raise ConfigError(f"data.args.oversample: {oversample!r}; valid: {', '.join(OVERSAMPLING)}")
+        if placement not in PLACEMENTS:
+            raise ConfigError(f"data.args.placement: {placement!r}; valid: {', '.join(PLACEMENTS)}")
+        self.patch_size, self.pos_fraction = tuple(patch_size), pos_fraction
+        self.oversample, self.placement = oversample, placement
+
+    @property
+    def batch_slot(self) -> bool:
+        """Whether the cache must pass this item's batch position (``SLOT_KEY``)."""
+        return self.oversample == "batch_tail"
+
+    def __call__(self, item: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+        item = dict(item)
+        slot = item.pop(SLOT_KEY, None)
+        force = forced_foreground(slot, self.pos_fraction) if slot is not None else None
+        if self.placement == "nnunet":
+            want = float(torch.rand((), generator=generator)) < self.pos_fraction
+            image, label = nnunet_patch(item["image"], item["label"], self.patch_size,
+                                        want if force is None else force, generator)
+        else:
+            image, label = random_patch(item["image"], item["label"], self.patch_size, self.pos_fraction,
+                                        generator, force)
+        # contiguous copies: the cached volume stays untouched and collation is one memcpy
+        return {**item, "image": image.contiguous(), "label": label.long()}
