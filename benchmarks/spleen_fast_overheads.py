@@ -2,7 +2,8 @@
 
 Runs the ``unet3d-spleen-fast`` row of ``spleen_fast_vs_baseline.py`` alone (same generated data and
 options) with wall-clock timers wrapped around the module-level functions ``fit`` calls (build,
-training epochs, validation, checkpoint snapshot/wait, logging, the end-of-run plot and summary).
+training epochs, validation, checkpoint snapshot/wait, logging, the end-of-run plot and summary),
+replaced in ``fastvision.engine.loop``, where ``fit`` looks them up.
 No profiler: the timers add microseconds per call. Threads (checkpoint writer, plot import) are not
 timed themselves; they show as waits (``BackgroundWriter.join``) or as contention in other rows.
 
@@ -21,9 +22,9 @@ from pathlib import Path
 from spleen_fast_vs_baseline import fastvision_run  # noqa: E402  (benchmarks/ is the script's folder)
 
 import fastvision
-from fastvision import config, engine
+from fastvision import config
 from fastvision.data.synth.medical import synth_spleen
-from fastvision.engine import checkpoint, log
+from fastvision.engine import checkpoint, log, loop
 
 SECONDS: dict[str, float] = collections.defaultdict(float)
 
@@ -57,12 +58,12 @@ def main() -> None:
     args = argparse.Namespace(target=0.8, max_epochs=a.max_epochs, spacing=[3.0, 3.0, 3.0], patch=[32, 32, 16],
                               seed=0)
     for owner, name, label in [
-            (engine, "train_one_epoch", "training epochs (train_one_epoch)"),
-            (engine, "evaluate", "validation (evaluate)"),
+            (loop, "train_one_epoch", "training epochs (train_one_epoch)"),
+            (loop, "evaluate", "validation (evaluate)"),
             (log.RunLogger, "plot_curves", "curves.png (plot_curves)"),
             (checkpoint.BackgroundWriter, "write", "checkpoints in the loop (wait for previous + snapshot)"),
             (checkpoint.BackgroundWriter, "join", "checkpoint waits (join; includes the waits inside the row above)"),
-            (engine, "build", "build (model, loaders, cache fill)"),
+            (loop, "build", "build (model, loaders, cache fill)"),
             (log.RunLogger, "epoch_end", "per-epoch logging (epoch_end)"),
             (config, "load", "config load"),
             (log.RunLogger, "summary", "run summary")]:

@@ -5,8 +5,10 @@ on an A100), shrunk to run in minutes on a CPU: small generated volumes (``data 
 ``--zoom`` so the whole body is in view), coarser target spacing, small patches, and every network
 narrowed by the same factor (``--width``). All three pipelines see the same files, the same
 preprocessing (RAS, resampling, CT window -57..164 HU -> 0..1, crop to foreground), the same fold,
-patch size and validation (sliding window, global foreground Dice over the validation volumes) and
-stop at the same target.
+patch size and validation (sliding window; the mean over validation cases of each case's foreground
+Dice, the tutorial's ``DiceMetric`` and the recipes' ``dice``; until issue 41 MONAI's side pooled the
+cases) and stop at the same target. ``spleen_levers.py`` reuses both runners with a validation cadence
+(``val_every``, MONAI's ``val_interval``) and window (``roi``) of its own, and ``--set`` overrides.
 
 1. ``fastvision.train("unet3d-spleen-fast", target=...)``: DiceCE, SGD 0.2, thread loader.
 2. ``fastvision.train("unet3d-spleen-baseline", target=...)``: Dice, Adam 2e-4, process loader.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -42,17 +45,25 @@ from fastvision.data.synth.medical import synth_spleen
 
 
 def fastvision_run(recipe: str, data: Path, out: Path, a: argparse.Namespace, filters: list[int],
-                   batch: int) -> dict:
-    """One fastvision run to the target; returns seconds and epochs."""
-    os.environ["FASTVISION_CACHE"] = str(out / f"cache-{recipe}")  # preprocessing from scratch
+                   batch: int, extra: dict | None = None, name: str | None = None) -> dict:
+    """One fastvision run to the target; returns seconds and epochs. ``extra``: ``--set`` overrides on
+    top of the benchmark's (a lever); ``name``: the run's folder (default: the recipe's name)."""
+    name = name or recipe
+    cache = out / f"cache-{name}"
+    if not getattr(a, "warm_cache", False):
+        shutil.rmtree(cache, ignore_errors=True)  # preprocessing from scratch
+    os.environ["FASTVISION_CACHE"] = str(cache)
+    shutil.rmtree(out / name, ignore_errors=True)
     t0 = time.perf_counter()
-    s = fastvision.train(recipe, out=str(out / recipe), data=str(data), epochs=a.max_epochs, device="cpu", amp="off",
-                         target=f"dice={a.target}", seed=a.seed, batch_size=batch, **{
-                             "train.val_every": 1, "examples": 0, "model.args.filters": filters,
-                             "data.args.target_spacing": a.spacing, "data.args.patch_size": a.patch,
-                             "task.args.sliding_window.roi_size": a.patch,
+    s = fastvision.train(recipe, out=str(out / name), data=str(data), device="cpu", amp="off",
+                         target=f"dice={a.target}", seed=a.seed, **{
+                             "train.epochs": a.max_epochs, "train.batch_size": batch,
+                             "train.val_every": getattr(a, "val_every", 1), "examples": 0,
+                             "model.args.filters": filters, "data.args.target_spacing": a.spacing,
+                             "data.args.patch_size": a.patch,
+                             "task.args.sliding_window.roi_size": getattr(a, "roi", None) or a.patch,
                              "task.args.sliding_window.sw_batch_size": 4,
-                             **({"data.num_workers": 2} if recipe.endswith("baseline") else {})})
+                             **({"data.num_workers": 2} if recipe.endswith("baseline") else {}), **(extra or {})})
     return {"reached": bool(s.get("target_reached")), "train_s": s.get("time_to_target_s", s["train_time_s"]),
             "wall_s": time.perf_counter() - t0, "epochs": s.get("target_epoch", s["epochs"]), "dice": s.get("dice")}
 
@@ -75,8 +86,9 @@ def monai_run(data: Path, a: argparse.Namespace, filters: list[int]) -> dict:
         Spacingd,
         SpatialPadd,
     )
+    from monai.utils import set_determinism
 
-    torch.manual_seed(a.seed)
+    set_determinism(seed=a.seed)  # as the tutorial: its random crops draw from seeded generators
     t0 = time.perf_counter()
     cases = read_dataset_json(data)["training"]
     train_ids, val_ids = kfold_split([c["id"] for c in cases], 0, 5, 0)  # fastvision's fold 0
@@ -97,7 +109,7 @@ def monai_run(data: Path, a: argparse.Namespace, filters: list[int]) -> dict:
     loss_fn = DiceCELoss(to_onehot_y=True, softmax=True, include_background=False, squared_pred=True, batch=True,
                          lambda_dice=0.5, lambda_ce=0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=4e-5)
-    train_s, dice = 0.0, 0.0
+    train_s, dice, curve = 0.0, 0.0, []
     for epoch in range(a.max_epochs):
         model.train()
         e0 = time.perf_counter()
@@ -107,22 +119,25 @@ def monai_run(data: Path, a: argparse.Namespace, filters: list[int]) -> dict:
             loss.backward()
             opt.step()
         train_s += time.perf_counter() - e0
+        if (epoch + 1) % getattr(a, "val_every", 1) and epoch + 1 != a.max_epochs:
+            continue  # the tutorial's val_interval
         model.eval()
-        tp = fp = fn = 0
-        with torch.no_grad():  # global foreground Dice over the validation set, as fastvision counts it
+        scores = []
+        with torch.no_grad():  # the mean over cases of each case's foreground Dice: the tutorial's DiceMetric
             for item in val_ds:
-                logits = sliding_window_inference(item["image"][None].as_tensor(), a.patch, 4, model,
-                                                  mode="constant", overlap=0.25)
+                roi = getattr(a, "roi", None) or a.patch
+                logits = sliding_window_inference(item["image"][None].as_tensor(), roi, 4, model, mode="constant",
+                                                  overlap=0.25)
                 pred, lab = logits.argmax(1)[0] == 1, item["label"][0].as_tensor() == 1
-                tp += int((pred & lab).sum())
-                fp += int((pred & ~lab).sum())
-                fn += int((~pred & lab).sum())
-        dice = 2 * tp / max(1, 2 * tp + fp + fn)
+                tp, fp, fn = int((pred & lab).sum()), int((pred & ~lab).sum()), int((~pred & lab).sum())
+                scores.append(2 * tp / max(1, 2 * tp + fp + fn))
+        dice = float(np.mean(scores))
+        curve.append((epoch + 1, round(dice, 4)))
         if dice >= a.target:
             return {"reached": True, "train_s": train_s, "wall_s": time.perf_counter() - t0, "epochs": epoch + 1,
-                    "dice": dice}
+                    "dice": dice, "curve": curve}
     return {"reached": False, "train_s": train_s, "wall_s": time.perf_counter() - t0, "epochs": a.max_epochs,
-            "dice": dice}
+            "dice": dice, "curve": curve}
 
 
 def main() -> None:

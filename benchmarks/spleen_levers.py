@@ -1,0 +1,185 @@
+"""Spleen against MONAI's fast tutorial: what makes ``unet3d-spleen-fast`` reach the target Dice sooner,
+each lever alone against seed 003's settings (the recipe as shipped before issue 41), then together
+(issue 41 item 4).
+
+The setting is ``spleen_fast_vs_baseline.py``'s, made longer: 40 generated cases (fold 0 of 5 = 32
+training / 8 validation volumes, as the tutorial's 32 / 9), finer spacing (2 mm) and larger volumes,
+a harder target (per-case foreground Dice 0.85: the tutorial's ``DiceMetric``), the validation window
+1.5-2x the training patch (the tutorial validates 160^3 windows on 96^3 patches) and validation every
+5 epochs on both sides (the tutorial's ``val_interval``; the recipe's ``train.val_every``). Same
+network (widths / 4), data, fold, patch, batch 4 (unless the lever is the batch), loss, optimizer and
+seed on both sides; one patch per cached volume per step on both (the thread loader yields one crop per
+item). A lever changes only what its name says, on fastvision's side. The epochs to the target depend
+on the training seed (on both sides), so every lever runs with several seeds (``--seeds``);
+``--rounds`` repeats them.
+
+Each round runs, per seed, MONAI's pipeline, then every lever (the order rotated from run to run, so
+none always runs first); the tables give medians over the runs and each run's ratio to the MONAI run of
+the same seed and round. ``train_s`` counts training epochs only, ``wall_s`` everything from loading
+the files to the validation that reached the target (preprocessing and caching from scratch unless the
+lever is the warm disk cache), ``cpu_s`` the process CPU time of the run (less disturbed by other jobs
+on a shared machine than the wall time).
+
+Usage: ``python benchmarks/spleen_levers.py [--seeds 0 1 2] [--rounds 1] [--levers NAME ...] [--combo NAME ...]
+[--json FILE]``
+(``--list`` prints the levers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from spleen_fast_vs_baseline import fastvision_run, monai_run  # noqa: E402  (benchmarks/ is the script's folder)
+
+from fastvision.data.synth.medical import synth_spleen
+
+RECIPE = "unet3d-spleen-fast"
+# name -> (--set overrides on top of the benchmark's, options of the run: batch, warm disk cache)
+LEVERS: dict[str, tuple[dict, dict]] = {
+    "seed 003's batch 4 (shipped before issue 41)": ({}, {"batch": 4}),
+    "validate every epoch (val_every 1)": ({"train.val_every": 1}, {}),
+    "validate every 2 epochs": ({"train.val_every": 2}, {}),
+    "window overlap 0 (validation)": ({"task.args.sliding_window.overlap": 0.0}, {}),
+    "pos_fraction 0.67": ({"data.args.pos_fraction": 0.67}, {}),
+    "pos_fraction 1.0": ({"data.args.pos_fraction": 1.0}, {}),
+    "half of each batch foreground (oversample batch_tail)": ({"data.args.oversample": "batch_tail"}, {}),
+    "warm-up 1 epoch": ({"sched.warmup_epochs": 1.0, "sched.warmup_start_factor": 0.1}, {}),
+    "poly decay over 40 epochs": ({"sched.name": "poly", "train.epochs": 40}, {}),
+    "cosine decay over 40 epochs": ({"sched.name": "cosine", "train.epochs": 40}, {}),
+    "lr 0.1": ({"optim.lr": 0.1}, {}),
+    "weight decay on norms and biases too (as MONAI)": ({"optim.no_decay_norm_bias": False}, {}),
+    "batch 2 (twice the steps; shipped since issue 41)": ({}, {"batch": 2}),
+    "warm disk cache (second run)": ({}, {"warm_cache": True}),
+}
+
+
+def run_lever(name: str, data: Path, out: Path, a: argparse.Namespace, filters: list[int]) -> dict:
+    """One fastvision run of the recipe with lever ``name`` applied."""
+    overrides, opts = LEVERS[name]
+    ns = argparse.Namespace(**{**vars(a), "warm_cache": opts.get("warm_cache", False)})
+    return fastvision_run(RECIPE, data, out, ns, filters, opts.get("batch", a.batch), dict(overrides), _folder(name))
+
+
+def _folder(name: str) -> str:
+    return "lever-" + "".join(c if c.isalnum() else "-" for c in name)
+
+
+def timed(fn, *args) -> dict:
+    """``fn(*args)`` plus the process CPU seconds it took (every thread of this process: training,
+    cache fill, checkpoint writer), a figure the other jobs on a shared machine disturb less."""
+    c = time.process_time()
+    r = fn(*args)
+    return {**r, "cpu_s": time.process_time() - c}
+
+
+def per_round(rs: list[dict], monai: list[dict]) -> list[str]:
+    """Each round's summed wall time over its seeds, over MONAI's in the same round: long enough to
+    steady the ratio, and the seeds' epochs are the same in every round. A run that missed the target
+    counts its whole time (a lower bound of its time to target)."""
+    rounds = sorted({r["round"] for r in rs})
+    total = {k: sum(m["wall_s"] for m in monai if m["round"] == k) for k in rounds}
+    return [f"{sum(r['wall_s'] for r in rs if r['round'] == k) / total[k]:.2f}" for k in rounds]
+
+
+def table(runs: dict[str, list[dict]], monai: list[dict]) -> list[str]:
+    """Markdown rows: medians over the runs (seeds x rounds), and each run's wall ratio to the MONAI run
+    of the same seed and round."""
+    rows = ["| pipeline | reached | epochs per seed | train s | wall s | train / MONAI | wall / MONAI "
+            "| CPU s / MONAI | wall / MONAI, each run | all seeds' wall / MONAI's, each round |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, rs in [("MONAI fast tutorial", monai), *runs.items()]:
+        med = {k: float(np.median([r[k] for r in rs])) for k in ("train_s", "wall_s")}
+        ratio = {k: [r[k] / m[k] for r, m in zip(rs, monai, strict=True)] for k in ("train_s", "wall_s", "cpu_s")}
+        n_seeds = len({r["seed"] for r in rs})
+        epochs = "/".join(("" if r["reached"] else ">") + str(r["epochs"]) for r in rs[:n_seeds])
+        mark = "" if all(r["reached"] for r in rs) else ">"
+        rows.append(f"| {name} | {sum(r['reached'] for r in rs)}/{len(rs)} | {epochs} | {mark}{med['train_s']:.1f} | "
+                    f"{mark}{med['wall_s']:.1f} | {np.median(ratio['train_s']):.2f} | "
+                    f"**{np.median(ratio['wall_s']):.2f}** | {np.median(ratio['cpu_s']):.2f} | "
+                    f"{', '.join(f'{w:.2f}' for w in ratio['wall_s'])} | {', '.join(per_round(rs, monai))} |")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", type=float, default=0.85, help="per-case foreground Dice to reach")
+    p.add_argument("--max-epochs", type=int, default=60)
+    p.add_argument("--cases", type=int, default=40)
+    p.add_argument("--size", type=int, default=48, help="in-plane voxels of the generated CT")
+    p.add_argument("--zoom", type=float, default=1.333, help="spacing multiplier of the generator")
+    p.add_argument("--spacing", type=float, nargs=3, default=[2.0, 2.0, 2.0], help="target spacing, mm")
+    p.add_argument("--patch", type=int, nargs=3, default=[32, 32, 16])
+    p.add_argument("--roi", type=int, nargs=3, default=[48, 48, 32], help="validation window (both sides)")
+    p.add_argument("--val-every", type=int, default=5, help="validation cadence (both sides: the tutorial's)")
+    p.add_argument("--batch", type=int, default=4, help="fastvision's batch unless a lever sets one (MONAI's: 4)")
+    p.add_argument("--width", type=int, default=4, help="divide the recipe's channel widths by this")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (both sides)")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the generated cases")
+    p.add_argument("--rounds", type=int, default=1, help="repeats of every seed (timing stability)")
+    p.add_argument("--levers", nargs="*", default=None, help="lever names (default: all); see --list")
+    p.add_argument("--combo", nargs="*", default=None, help="also run these levers together (names)")
+    p.add_argument("--no-monai", action="store_true", help="skip MONAI (exploring levers only)")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args()
+    if a.list:
+        print("\n".join(LEVERS))
+        return
+    import torch._dynamo  # noqa: F401  (imported before any clock, as in spleen_fast_vs_baseline.py)
+
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    names = a.levers or list(LEVERS)
+    if a.combo:
+        combo = "together: " + " + ".join(a.combo)
+        LEVERS[combo] = ({k: v for n in a.combo for k, v in LEVERS[n][0].items()},
+                         {k: v for n in a.combo for k, v in LEVERS[n][1].items()})
+        names.append(combo)
+    out = a.out or Path(tempfile.mkdtemp(prefix="spleen-levers-"))
+    data = out / "Task09"
+    if not (data / "dataset.json").exists():
+        synth_spleen(data, seed=a.data_seed, cases=a.cases, test_cases=0, size=a.size, zoom=a.zoom)
+    filters = [w // a.width for w in (32, 64, 128, 256, 512)]
+    for name in names:  # a warm disk cache is filled once, untimed, before the rounds
+        if LEVERS[name][1].get("warm_cache"):
+            shutil.rmtree(out / f"cache-{_folder(name)}", ignore_errors=True)
+            run_lever(name, data, out, argparse.Namespace(**{**vars(a), "max_epochs": 1, "seed": 0}), filters)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    monai: list[dict] = []
+    loads = []
+    for rnd in range(a.rounds):  # a round: every seed; a seed: MONAI, then the levers in a rotated order
+        for seed in a.seeds:
+            loads.append(os.getloadavg()[0])
+            t = time.perf_counter()
+            sa = argparse.Namespace(**{**vars(a), "seed": seed})
+            if not a.no_monai:
+                monai.append({**timed(monai_run, data, sa, filters), "seed": seed, "round": rnd})
+            k = (rnd * len(a.seeds) + a.seeds.index(seed)) % len(names)
+            for name in names[k:] + names[:k]:
+                runs[name].append({**timed(run_lever, name, data, out, sa, filters), "seed": seed, "round": rnd})
+                print(f"round {rnd + 1} seed {seed} {name}: {runs[name][-1]}", flush=True)
+            print(f"round {rnd + 1} seed {seed}: {time.perf_counter() - t:.0f} s, load {loads[-1]:.2f}; MONAI "
+                  f"{monai[-1] if monai else None}", flush=True)
+    print(f"\ntarget dice {a.target} (per case), {a.cases} cases {a.size}^2 x zoom {a.zoom}, spacing {a.spacing}, "
+          f"patch {a.patch}, window {a.roi}, validation every {a.val_every} epochs, batch {a.batch}, "
+          f"widths {filters}, torch threads {torch.get_num_threads()}, seeds {a.seeds} x {a.rounds} round(s), "
+          f"1-min load at each round's start {', '.join(f'{x:.2f}' for x in loads)}: medians\n")
+    if monai:
+        print("\n".join(table(runs, monai)))
+    else:
+        for name, rs in runs.items():
+            print(name, [(r["seed"], r["epochs"], round(r["train_s"], 1), round(r["wall_s"], 1), r["reached"])
+                         for r in rs])
+    if a.json:
+        a.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+                                      "monai": monai, "runs": runs, "loads": loads}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
