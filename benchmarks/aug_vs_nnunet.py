@@ -9,7 +9,10 @@ batch of ``--batch`` patches at once. Per-op cost: each op alone with every prob
 per-channel probability) at 1, i.e. its cost when it fires; the pipeline figure uses the real
 probabilities. Rounds interleave the two sides; the figures are medians. Per core = the process's CPU
 time (``time.process_time``: one thread each, so a neighbour's load on a shared machine does not count);
-the pipeline's wall-clock ratio is printed beside it.
+the pipeline's wall-clock ratio is printed beside it. ``--labels`` sets the classes in the label patch
+(nnU-Net resamples labels per class); two more affine rows time ``label_mode: linear`` and the network's
+patch sampled from nnU-Net's enlarged initial patch (``affine.size``); ``--initial`` feeds both pipelines
+the initial patch, as nnU-Net's loader feeds its transforms.
 
 Usage (about 3 minutes on 2 shared cores)::
 
@@ -55,41 +58,52 @@ def ops():
         out[name] = inner
     return out
 g = torch.Generator().manual_seed(0)
-img = torch.randn(c, *patch, generator=g)
-seg = (torch.rand(1, *patch, generator=g) > 0.7).to(torch.int16)
-def rate(t, n, clock=time.process_time):
+def inputs(size):
+    return torch.randn(c, *size, generator=g), torch.randint(0, cfg["labels"], (1, *size), generator=g).to(torch.int16)
+img, seg = inputs(patch)
+def rate(t, n, clock=time.process_time, img=img, seg=seg):
     for _ in range(8):  # warm-up; the blur's fft-or-conv choice is timed once per size and kernel, then cached
         t(image=img.clone(), segmentation=seg.clone())
     t0, c0 = time.perf_counter(), clock()
     for _ in range(n):
         t(image=img.clone(), segmentation=seg.clone())
     return (clock() - c0) / n, (time.perf_counter() - t0) / n
-pipe = rate(pipeline(), n)
+# the pipeline's input: the network's patch, or (--initial) the enlarged initial patch nnU-Net's loader cuts
+pipe_img, pipe_seg = inputs(cfg["initial"]) if cfg["from_initial"] else (img, seg)
+pipe = rate(pipeline(), n, img=pipe_img, seg=pipe_seg)
 res = {"pipeline_s": pipe[0], "pipeline_wall_s": pipe[1],
        "ops_s": {k: rate(t, max(2, n // 4))[0] for k, t in ops().items()}}
+# SpatialTransform (its labels always per class, linear) from nnU-Net's enlarged initial patch
+big_img, big_seg = inputs(cfg["initial"])
+res["ops_s"]["affine, from the initial patch"] = rate(ops()["affine"], max(2, n // 4), img=big_img, seg=big_seg)[0]
 print("NNUNET_JSON" + json.dumps(res))
 """
 
 
-def fastvision_times(patch: list[int], channels: int, batch: int, n: int, compiled: bool = False) -> dict:
+def fastvision_times(patch: list[int], channels: int, batch: int, n: int, compiled: bool = False,
+                     labels: int = 2, from_initial: bool = False) -> dict:
     """Seconds per patch: the nnU-Net pipeline as ``configure --trainer nnunet`` writes it, and each op alone;
-    ``compiled``: with ``affine.compiled`` (the fused kernel, compiled before the clock starts)."""
+    ``compiled``: with ``affine.compiled`` (the fused kernel, compiled before the clock starts). Two more
+    affine rows: labels resampled per class (``label_mode: linear``, nnU-Net's rule), and the network's patch
+    sampled from nnU-Net's enlarged initial patch (``size``), both forced to fire."""
     import torch
 
     from fastvision.data.augment.spatial import affine, build_augment
     from fastvision.planning.configure.recipe import augmentation
+    from fastvision.planning.configure.trainer import initial_patch
 
     torch.set_num_threads(1)
     spec, _ = augmentation(patch, [1.0] * 3, None, "nnunet")
+    big = initial_patch(patch, spec["affine"]["degrees"], False, 0)
     g = torch.Generator().manual_seed(0)
     img = torch.randn(batch, channels, *patch, generator=g)
-    seg = (torch.rand(batch, *patch, generator=g) > 0.7).long()
+    seg = torch.randint(0, labels, (batch, *patch), generator=g)
     if compiled:
         spec["affine"]["compiled"] = True
         for k in range(1, batch + 1):  # compile for every count of firing samples
             affine(img[:k], seg[:k].to(torch.uint8), torch.zeros(k, 3), torch.ones(k, 3), compiled=True)
 
-    def rate(aug, n: int) -> tuple[float, float]:
+    def rate(aug, n: int, img=img, seg=seg) -> tuple[float, float]:
         for _ in range(8):  # warm-up, as the other side
             aug(img.clone(), seg.clone(), g)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -103,7 +117,17 @@ def fastvision_times(patch: list[int], channels: int, batch: int, n: int, compil
             continue
         forced = {k: (1.0 if k.endswith("prob") else v) for k, v in opts.items()}
         ops[name] = rate(build_augment(3, **{name: forced}), max(1, n // (4 * batch)))[0]
-    pipe = rate(build_augment(3, **spec), max(1, n // batch))
+    forced = {k: (1.0 if k.endswith("prob") else v) for k, v in spec["affine"].items()}
+    ops["affine, linear labels"] = rate(build_augment(3, affine={**forced, "label_mode": "linear"}),
+                                        max(1, n // (4 * batch)))[0]
+    big_img = torch.randn(batch, channels, *big, generator=g)
+    big_seg = torch.randint(0, labels, (batch, *big), generator=g)
+    ops["affine, from the initial patch"] = rate(
+        build_augment(3, affine={**forced, "label_mode": "linear", "size": list(patch)}), max(1, n // (4 * batch)),
+        big_img, big_seg)[0]
+    if from_initial:  # the affine samples the network's patch from the loader's enlarged one
+        spec["affine"].update(size=list(patch), label_mode="linear")
+    pipe = rate(build_augment(3, **spec), max(1, n // batch), *((big_img, big_seg) if from_initial else ()))
     return {"pipeline_s": pipe[0], "pipeline_wall_s": pipe[1], "ops_s": ops}
 
 
@@ -116,14 +140,23 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16, help="patches per pipeline measurement")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compiled", action="store_true", help="fastvision's affine with its compiled CPU kernel")
+    ap.add_argument("--labels", type=int, default=2, help="classes in the label patch (background included)")
+    ap.add_argument("--initial", action="store_true",
+                    help="both pipelines start from nnU-Net's enlarged initial patch (fastvision: affine.size, "
+                         "label_mode linear), as nnU-Net's loader feeds its transforms")
     ap.add_argument("--json")
     args = ap.parse_args()
-    cfg = {"patch": args.patch, "channels": args.channels, "n": args.n}
+    from fastvision.planning.configure.trainer import initial_patch
+
+    cfg = {"patch": args.patch, "channels": args.channels, "n": args.n, "labels": args.labels,
+           "from_initial": args.initial,
+           "initial": initial_patch(args.patch, 30, False, 0)}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="", nnUNet_raw="/tmp", nnUNet_preprocessed="/tmp",
                nnUNet_results="/tmp")
     fv, nn = [], []
     for _ in range(args.rounds):  # interleaved: a neighbour's load hits both sides alike
-        fv.append(fastvision_times(args.patch, args.channels, args.batch, args.n, args.compiled))
+        fv.append(fastvision_times(args.patch, args.channels, args.batch, args.n, args.compiled, args.labels,
+                                   args.initial))
         r = subprocess.run([args.nnunet_python, "-c", NNUNET, json.dumps(cfg)], env=env, capture_output=True,
                            text=True, check=False)
         line = next((x for x in r.stdout.splitlines() if x.startswith("NNUNET_JSON")), None)
@@ -137,6 +170,7 @@ def main() -> None:
     f_pipe, n_pipe = med(fv, "pipeline_s"), med(nn, "pipeline_s")
     f_wall, n_wall = med(fv, "pipeline_wall_s"), med(nn, "pipeline_wall_s")
     out = {"patch": args.patch, "channels": args.channels, "batch": args.batch, "rounds": args.rounds,
+           "from_initial": args.initial,
            "compiled": args.compiled,
            "fastvision_patches_per_s_per_core": 1 / f_pipe, "nnunet_patches_per_s_per_core": 1 / n_pipe,
            "ratio": n_pipe / f_pipe, "wall_ratio": n_wall / f_wall, "ops_ms": {}}
@@ -144,11 +178,12 @@ def main() -> None:
     print(f"pipeline (CPU time): fastvision {1 / f_pipe:.2f} patches/s (batch {args.batch}), nnU-Net "
           f"{1 / n_pipe:.2f} patches/s: {n_pipe / f_pipe:.2f}x; wall clock {1 / f_wall:.2f} vs {1 / n_wall:.2f}: "
           f"{n_wall / f_wall:.2f}x")
-    print(f"{'op (fires, p = 1)':<18} {'fastvision ms':>14} {'nnU-Net ms':>11} {'ratio':>6}  (CPU time per patch)")
+    print(f"{'op (fires, p = 1)':<32} {'fastvision ms':>14} {'nnU-Net ms':>11} {'ratio':>6}  (CPU time per patch)")
     for op in fv[0]["ops_s"]:
-        a, b = med(fv, None, op) * 1e3, (med(nn, None, op) * 1e3 if op in nn[0]["ops_s"] else float("nan"))
+        theirs = "affine" if op == "affine, linear labels" else op  # SpatialTransform's labels are always linear
+        a, b = med(fv, None, op) * 1e3, (med(nn, None, theirs) * 1e3 if theirs in nn[0]["ops_s"] else float("nan"))
         out["ops_ms"][op] = {"fastvision": a, "nnunet": b}
-        print(f"{op:<18} {a:>14.2f} {b:>11.2f} {b / a:>6.2f}")
+        print(f"{op:<32} {a:>14.2f} {b:>11.2f} {b / a:>6.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -9,7 +9,8 @@ a harder target (per-case foreground Dice 0.85: the tutorial's ``DiceMetric``), 
 5 epochs on both sides (the tutorial's ``val_interval``; the recipe's ``train.val_every``). Same
 network (widths / 4), data, fold, patch, batch 4 (unless the lever is the batch), loss, optimizer and
 seed on both sides; one patch per cached volume per step on both (the thread loader yields one crop per
-item). A lever changes only what its name says, on fastvision's side. The epochs to the target depend
+item) unless the lever is ``data.args.num_samples`` (fastvision's side only: MONAI's stays at one). A
+lever changes only what its name says, on fastvision's side. The epochs to the target depend
 on the training seed (on both sides), so every lever runs with several seeds (``--seeds``);
 ``--rounds`` repeats them.
 
@@ -22,7 +23,7 @@ on a shared machine than the wall time).
 
 Usage: ``python benchmarks/spleen_levers.py [--seeds 0 1 2] [--rounds 1] [--levers NAME ...] [--combo NAME ...]
 [--json FILE]``
-(``--list`` prints the levers).
+(``--list`` prints the levers; ``--validation-parts X Y Z`` times only the validation's scoring).
 """
 from __future__ import annotations
 
@@ -56,6 +57,13 @@ LEVERS: dict[str, tuple[dict, dict]] = {
     "weight decay on norms and biases too (as MONAI)": ({"optim.no_decay_norm_bias": False}, {}),
     "batch 2 (twice the steps; shipped since issue 41)": ({}, {"batch": 2}),
     "warm disk cache (second run)": ({}, {"warm_cache": True}),
+    # round 2 (issue 41 item 4): levers against the shipped batch 2
+    "batch 1": ({}, {"batch": 1}),
+    "num_samples 2 at batch 1": ({"data.args.num_samples": 2}, {"batch": 1}),
+    "num_samples 4 at batch 1": ({"data.args.num_samples": 4}, {"batch": 1}),
+    "num_samples 2 at batch 2": ({"data.args.num_samples": 2}, {"batch": 2}),
+    "num_samples 4 at batch 2": ({"data.args.num_samples": 4}, {"batch": 2}),
+    "batch 2, no validation loss (task.args.val_loss false)": ({"task.args.val_loss": False}, {"batch": 2}),
 }
 
 
@@ -106,6 +114,35 @@ def table(runs: dict[str, list[dict]], monai: list[dict]) -> list[str]:
     return rows
 
 
+def validation_parts(shape: list[int], rounds: int) -> None:
+    """Milliseconds of one validation volume's scoring, old and new path, interleaved rounds (medians):
+    the two-class argmax against :func:`~fastvision.tasks.seg_eval.foreground_of_two` (the same
+    masks), and the evaluator's update with and without the validation loss (``task.args.val_loss``)."""
+    import torch
+
+    from fastvision.losses import DiceCELoss
+    from fastvision.tasks.seg_eval import foreground_of_two
+    from fastvision.tasks.segment import SegmentationTask
+
+    logits = torch.randn(1, 2, *shape)
+    batch = {"label": (torch.rand(1, *shape) > 0.9).long()}
+    loss = DiceCELoss(include_background=False, softmax=True, squared_pred=True, batch=True)
+    tasks = {v: SegmentationTask(num_classes=2, val_loss=v, loss=loss) for v in (True, False)}
+    assert torch.equal(logits.argmax(1) == 1, foreground_of_two(logits))
+    parts = {"argmax(1) == 1": lambda: logits.argmax(1) == 1, "foreground_of_two": lambda: foreground_of_two(logits),
+             "update, val_loss on": lambda: tasks[True].evaluator().update(logits, batch),
+             "update, val_loss off": lambda: tasks[False].evaluator().update(logits, batch)}
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    for _ in range(rounds):
+        for k, fn in parts.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t) * 1e3)
+    for k, v in times.items():
+        print(f"{k}: {np.median(v):.2f} ms (median of {rounds}; volume {shape}, "
+              f"torch threads {torch.get_num_threads()})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", type=float, default=0.85, help="per-case foreground Dice to reach")
@@ -126,6 +163,8 @@ def main() -> None:
     p.add_argument("--combo", nargs="*", default=None, help="also run these levers together (names)")
     p.add_argument("--no-monai", action="store_true", help="skip MONAI (exploring levers only)")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--validation-parts", type=int, nargs=3, default=None, metavar=("X", "Y", "Z"),
+                   help="only time the validation's scoring on one volume of this shape (old and new path)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
@@ -135,6 +174,9 @@ def main() -> None:
     import torch._dynamo  # noqa: F401  (imported before any clock, as in spleen_fast_vs_baseline.py)
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if a.validation_parts:
+        validation_parts(a.validation_parts, max(5, a.rounds))
+        return
     names = a.levers or list(LEVERS)
     if a.combo:
         combo = "together: " + " + ".join(a.combo)

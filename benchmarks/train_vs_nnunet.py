@@ -21,6 +21,9 @@ steps (``--schedule epoch``, the default; :func:`cut_schedule`). ``--set KEY=JSO
 the fastvision side (one difference measured alone), ``--reuse-nnunet`` takes the nnU-Net side saved by
 an earlier run in the same ``--work`` folder, ``--trainers`` picks the fastvision sides.
 
+Where the configured recipe cuts the network's patch from nnU-Net's enlarged initial patch
+(``data.augment.affine.size``), the fastvision side's loader patch is the initial patch around nnU-Net's.
+
 Reported per side: iterations/s of the training loop (augmentation and data waits included;
 validation and preprocessing excluded), validation Dice after the same iterations, and the
 training time to the highest Dice every side reaches (the first validation at or above it).
@@ -39,6 +42,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 DATASETS = [  # (MSD folder, synth kind, options, nnU-Net dataset id)
     ("Task09_Spleen", "spleen", {"cases": 20, "test_cases": 1, "size": 32}, 981),
@@ -151,6 +156,13 @@ def fastvision_side(data: Path, work: Path, trainer: str, nn: dict, args, extra:
             "task.args.sliding_window.roi_size": patch, "train.epochs": epochs, "train.val_every": val_every,
             "train.target": None, "data.num_workers": args.cores, "data.cache": "ram", "data.cache_dir": None,
             "examples": 0, "train.device": "cpu"}
+    affine = ((yaml.safe_load(recipe.read_text()).get("data") or {}).get("augment") or {}).get("affine") or {}
+    if "size" in affine:  # nnU-Net's enlarged initial patch around nnU-Net's patch (configure's rule)
+        from fastvision.planning.configure.trainer import initial_patch
+
+        rot = affine.get("rotate_axes")
+        sets["data.args.patch_size"] = initial_patch(patch, affine["degrees"], rot is not None, rot[0] if rot else 0)
+        sets["data.augment.affine.size"] = patch
     if trainer == "nnunet":  # nnU-Net's poly over its cut run, stepped per its epoch as it is stepped there
         sets.update(cut_schedule(args.iterations // args.per_epoch, args.per_epoch, steps)
                     if args.schedule == "epoch" else {"sched.name": "poly"})

@@ -138,6 +138,7 @@ def item_generator(seed: int, epoch: int, index: int) -> torch.Generator:
 
 
 SLOT_KEY = "batch_slot"  # an item's (position in its batch, batch size), for a transform that asks
+SAMPLES_KEY = "samples"  # an item made of several samples (k crops of one volume): the collate flattens them
 
 
 def batch_slots(order: Sequence[int], batch_size: int) -> dict[int, tuple[int, int]]:

@@ -109,11 +109,25 @@ class _Parts:
                              ConvNormAct(self.dims, cin, cout, k, **o))
 
 
-def _xavier(model: nn.Module) -> None:
-    """Glorot-uniform conv weights and zero biases (seed 000)."""
+INITS = ("default", "xavier", "he")
+
+
+def _init_weights(model: nn.Module, init: str) -> None:
+    """Conv and transposed-conv weights re-drawn, biases zeroed: ``xavier`` Glorot-uniform (seed 000);
+    ``he`` nnU-Net's ``InitWeights_He(1e-2)``, ``kaiming_normal_(a=0.01)`` (fan-in, leaky-ReLU gain:
+    std ``sqrt(2 / (1 + 0.01^2) / fan_in)``). ``default`` keeps PyTorch's own initialisation."""
+    if init not in INITS:
+        from fastvision.errors import ConfigError
+
+        raise ConfigError(f"model.args.init: {init!r}; valid: {', '.join(INITS)}")
+    if init == "default":
+        return
     for m in model.modules():
         if isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d, ShuffleUp)):
-            nn.init.xavier_uniform_(m.weight)
+            if init == "he":
+                nn.init.kaiming_normal_(m.weight, a=1e-2)
+            else:
+                nn.init.xavier_uniform_(m.weight)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
 
@@ -145,7 +159,8 @@ class UNet(nn.Module):
         head_kernel: kernel of the classic output conv (1 or 3); unused when ``residual``.
         dropout: dropout probability after each norm (0 disables it).
         residual: use the residual layout described in the module docstring.
-        init: "default" (PyTorch) or "xavier" (Glorot uniform weights, zero bias, as seed 000).
+        init: "default" (PyTorch), "xavier" (Glorot uniform weights, zero bias, as seed 000) or "he"
+            (nnU-Net's ``InitWeights_He(1e-2)``: Kaiming-normal weights for leaky-ReLU 0.01, zero bias).
         drop_bias: after initialisation, remove the bias of every conv that a batch or instance norm
             follows (the norm cancels it: same outputs up to rounding; MLPerf's convs have none).
         deep_supervision: in training, also return logits of the lower decoder scales (nnU-Net): a
@@ -181,7 +196,7 @@ class UNet(nn.Module):
         head_kernel: int = 1,
         dropout: float = 0.0,
         residual: bool = False,
-        init: Literal["default", "xavier"] = "default",
+        init: str = "default",
         drop_bias: bool = False,
         deep_supervision: bool = False,
     ):
@@ -213,8 +228,7 @@ class UNet(nn.Module):
             else conv(spatial_dims)(filters[0], out_channels, head_kernel, padding=(head_kernel - 1) // 2)
         )
         self.ds_heads = _ds_heads(spatial_dims, filters, out_channels, residual) if deep_supervision else None
-        if init == "xavier":
-            _xavier(self)
+        _init_weights(self, init)
         if drop_bias:
             drop_bias_before_norm(self)
 

@@ -8,19 +8,18 @@ are sums over cases, combined across ranks by one exact all-reduce (``metrics.ca
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.utils.data import default_collate
 
-from fastvision.metrics import RegionCounts, hd95
-from fastvision.metrics.cases import CaseSums, case_counts, case_scores
 from fastvision.ops.regions import region_lut, region_masks
 from fastvision.registry import TASKS
 from fastvision.tasks.base import DeviceConstants, Evaluator, Task
+from fastvision.tasks.seg_eval import SegEvaluator, foreground_of_two  # noqa: F401 (SegEvaluator re-exported)
 
 
 @TASKS.register("segmentation")
@@ -49,6 +48,10 @@ class SegmentationTask(Task):
             or ``zero`` (seed 000's TF code).
         hd95: also the per-case 95th-percentile Hausdorff distance (voxels); cases where the
             prediction or the truth is empty are left out of it.
+        val_loss: also compute the loss in validation (``val_loss``). ``false`` saves the loss on
+            every validation volume (~5 ms per 50x50x36 volume on one CPU thread); nothing
+            else reads it unless the recipe targets it (``train.target=val_loss=...``, then refused
+            as not a metric of the run). The other metrics do not change.
         loss: the loss module (built by the engine from the recipe's ``loss`` section).
         augment: callable ``(image, label, generator) -> (image, label)`` or None.
         info: the dataset's ``info`` (every task receives it; segmentation needs nothing from it).
@@ -62,7 +65,8 @@ class SegmentationTask(Task):
                  sample_shape: list[int] = (1, 256, 256), sliding_window: dict | None = None,
                  eval: Literal["sliding_window", "crop"] = "sliding_window", eval_crop: list[int] | None = None,
                  average: Literal["case", "pooled"] = "case", empty: Literal["ignore", "one", "zero"] = "ignore",
-                 hd95: bool = False, loss: nn.Module, augment=None, info: dict | None = None):
+                 hd95: bool = False, val_loss: bool = True, loss: nn.Module, augment=None,
+                 info: dict | None = None):
         from fastvision.errors import ConfigError
 
         self.num_classes, self.mode, self.loss_fn, self.augment_fn = num_classes, mode, loss, augment
@@ -77,6 +81,9 @@ class SegmentationTask(Task):
             raise ConfigError("task.args.region_names is required with regions in softmax mode (keys dice/<name>)")
         self.region_names = list(region_names) if region_names else None
         self.eval_mode, self.average, self.empty, self.hd95 = eval, average, empty, hd95
+        if not isinstance(val_loss, bool):
+            raise ConfigError(f"task.args.val_loss must be true or false, got {val_loss!r}")
+        self.val_loss = val_loss
         self.eval_crop = tuple(eval_crop) if eval_crop else None
         if eval == "crop" and self.eval_crop is None:
             raise ConfigError("task.args.eval=crop needs task.args.eval_crop, e.g. [224, 224, 160]")
@@ -89,6 +96,15 @@ class SegmentationTask(Task):
         self.spacing = tuple(float(s) for s in spacing) if spacing else None  # the voxel size the overlays draw
 
     # -- training ------------------------------------------------------------------
+    def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """``default_collate``; an item holding several patches of one volume (``data.args.num_samples``:
+        :data:`~fastvision.data.transforms.SAMPLES_KEY`) gives them as consecutive rows."""
+        from fastvision.data.transforms import SAMPLES_KEY
+
+        if items and SAMPLES_KEY in items[0]:
+            items = [p for item in items for p in item[SAMPLES_KEY]]
+        return default_collate(items)
+
     def augment(self, batch: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
         if self.augment_fn is None:
             return batch
@@ -153,6 +169,8 @@ class SegmentationTask(Task):
     def predict_labels(self, logits: Tensor) -> Tensor:
         """(B, C, *S) logits -> (B, *S) class indices (softmax / sigmoid) or (B, R, *S) bool."""
         if self.mode == "softmax":
+            if logits.shape[1] == 2:  # the argmax of two logits, as one compare (cheaper than argmax)
+                return foreground_of_two(logits).long()
             return logits.argmax(1)
         if self.mode == "sigmoid":
             return (logits[:, 0] > 0).long()
@@ -248,109 +266,6 @@ class SegmentationTask(Task):
             written += [out, overlay_png(image, None, pred, out_dir / f"{f.stem}_overlay.png")]
         return written
 
-class SegEvaluator(Evaluator):
-    """Per-case scores as :class:`~fastvision.metrics.cases.CaseSums` (Dice, IoU, optional HD95),
-    pooled tp/fp/fn as :class:`~fastvision.metrics.RegionCounts`, for the foreground classes (or
-    the regions of mode ``regions``) and, in softmax mode with ``regions``, the derived regions;
-    plus the loss sums. Each item of a validation batch is one case.
-
-    The sums live on the device of the first batch, so updates never copy to the host.
-    """
-
-    def __init__(self, task: SegmentationTask):
-        self.task = task
-        self._reset(torch.device("cpu"))
-
-    def _groups(self) -> list[tuple[str, list[str]]]:
-        """(group, channel names): ``classes`` (foreground classes or regions) then ``regions``."""
-        t = self.task
-        if t.mode == "regions":
-            return [("classes", t.region_names or [str(r) for r in range(len(t.regions))])]
-        names = [str(c) for c in range(1, t.num_classes)] if t.mode == "softmax" else ["1"]
-        return [("classes", names)] + ([("regions", t.region_names)] if t.regions else [])
-
-    def _reset(self, device: torch.device) -> None:
-        self.device = device
-        self.parts: dict[str, Any] = {}
-        for group, names in self._groups():
-            c = len(names)
-            self.parts[f"{group}.dice"] = CaseSums(c, device)
-            self.parts[f"{group}.iou"] = CaseSums(c, device)
-            if self.task.hd95:
-                self.parts[f"{group}.hd95"] = CaseSums(c, device, scale=2.0**20)
-            self.parts[f"{group}.pooled"] = RegionCounts(c, device)
-        self.loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of loss * n, n)
-
-    def _masks(self, outputs: Tensor, label: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
-        """(pred, truth) boolean ``(B, C, *S)`` masks per group."""
-        t = self.task
-        pred = t.predict_labels(outputs)
-        if t.mode == "regions":
-            return {"classes": (pred, t.region_masks(label))}
-        if t.mode == "sigmoid":
-            return {"classes": (pred.bool().unsqueeze(1), (label > 0).unsqueeze(1))}
-        fg = torch.arange(1, t.num_classes, device=label.device).view(1, -1, *([1] * (label.dim() - 1)))
-        out = {"classes": (pred.unsqueeze(1) == fg, label.unsqueeze(1) == fg)}
-        if t.regions:
-            out["regions"] = (t.region_masks(pred), t.region_masks(label))
-        return out
-
-    def update(self, outputs: Tensor, batch: dict[str, Any]) -> None:
-        label = batch["label"]
-        if label.device != self.device:
-            self._reset(label.device)  # first batch: nothing accumulated yet
-        for group, (pred, truth) in self._masks(outputs, label).items():
-            tp, fp, fn = case_counts(pred, truth)
-            self.parts[f"{group}.dice"].update(case_scores(tp, fp, fn, "dice", self.task.empty))
-            self.parts[f"{group}.iou"].update(case_scores(tp, fp, fn, "iou", self.task.empty))
-            if self.task.hd95:
-                self.parts[f"{group}.hd95"].update(_hd95_cases(pred, truth))
-            self.parts[f"{group}.pooled"].add(tp.sum(0), fp.sum(0), fn.sum(0))  # the same counts, pooled
-        n = label.shape[0]
-        loss = self.task.loss(outputs.float(), batch).detach().double()
-        self.loss_sum += torch.stack([loss * n, loss.new_tensor(float(n))])
-
-    def state(self) -> Tensor:
-        return torch.cat([p.state() for p in self.parts.values()] + [self.loss_sum])
-
-    def load_state(self, state: Tensor) -> None:
-        self._reset(state.device)
-        start = 0
-        for part in self.parts.values():
-            n = part.state().numel()
-            part.load_state(state[start:start + n])
-            start += n
-        self.loss_sum = state[start:start + 2].clone()
-
-    def compute(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        case_suffix, pooled_suffix = ("", "_pooled") if self.task.average == "case" else ("_case", "")
-        groups = self._groups()
-        for group, names in groups:
-            # with derived regions (softmax + regions) the regions are the headline: per-label means
-            # get the "_labels" suffix (seed 000's mean_dice is dice_labels)
-            tag = "_labels" if group == "classes" and len(groups) == 2 else ""
-            pooled = self.parts[f"{group}.pooled"]
-            for metric in ("dice", "iou", "hd95"):
-                if metric == "hd95" and not self.task.hd95:
-                    continue
-                sums = self.parts[f"{group}.{metric}"]
-                per = sums.mean_batch().cpu().tolist()
-                out[f"{metric}{tag}{case_suffix}"] = sums.mean()
-                if len(names) > 1:
-                    out.update({f"{metric}{case_suffix}/{k}": v for k, v in zip(names, per, strict=True)})
-                if metric == "hd95":
-                    continue
-                whole = (pooled.dice() if metric == "dice" else pooled.iou()).cpu()
-                pooled_mean = float(np.nanmean(whole.numpy())) if (~whole.isnan()).any() else math.nan
-                out[f"{metric}{tag}{pooled_suffix}"] = pooled_mean
-                if len(names) > 1:
-                    out.update({f"{metric}{pooled_suffix}/{k}": v for k, v in zip(names, whole.tolist(), strict=True)})
-        n = float(self.loss_sum[1])
-        out["val_loss"] = float(self.loss_sum[0]) / n if n else float("nan")
-        return out
-
-
 def finest_plane(image: Tensor, label: Tensor, pred: Tensor, spacing: tuple[float, ...] | None):
     """The slice of a RAS (X, Y, Z) case in the plane of its two finest axes (axial for CT and
     thick-slice MR; a tie keeps X, Y) through the most foreground (truth, else prediction, else the
@@ -374,15 +289,3 @@ def finest_plane(image: Tensor, label: Tensor, pred: Tensor, spacing: tuple[floa
         return s.transpose(-1, -2).flip(-2)
 
     return plane(image), plane(label), plane(pred), (spacing[b], spacing[a])
-
-
-def _hd95_cases(pred: Tensor, truth: Tensor) -> Tensor:
-    """``(B, C)`` float64 HD95 in voxels; NaN where either mask is empty (left out of the mean)."""
-    b, c = pred.shape[:2]
-    out = torch.full((b, c), math.nan, dtype=torch.float64, device=pred.device)
-    for i in range(b):
-        for j in range(c):
-            d = hd95(pred[i, j], truth[i, j])
-            if torch.isfinite(d):
-                out[i, j] = d
-    return out

@@ -226,3 +226,52 @@ def test_blur_rows_each_with_their_own_sigmas():
                 half = int(odd_kernel_size(torch.tensor(s))) // 2
                 ref = ndimage.gaussian_filter1d(ref, s, axis=a, mode="mirror", truncate=(half + 0.2) / s)
             assert np.allclose(out[b, c].double().numpy(), ref, atol=1e-5)
+
+
+def test_linear_label_hand_cases():
+    """``label_mode: linear`` (batchgeneratorsv2's per-class bilinear + argmax, ties to the nearest label)
+    on a 4 x 4 label zoomed by 1/2 (``sampling_scale`` 2): output voxel (1, 1) samples input pixel
+    (0.5, 0.5), the centre of labels [[1, 2], [3, 3]]: class 3 has half the weight and wins, where nearest
+    takes voxel (0, 0)'s 1. Output voxel (2, 2) samples (2.5, 2.5) of [[2, 0], [2, 0]]: a 2-0 tie, settled
+    by the nearest voxel (2, 2): 2. Outside the input: background."""
+    lab = torch.tensor([[1, 2, 0, 0], [3, 3, 0, 0], [0, 0, 2, 0], [0, 0, 2, 0]], dtype=torch.uint8)[None]
+    spec = {"prob": 0.0, "rotate_prob": 0.0, "zoom_prob": 1.0, "scale": [2.0, 2.0], "same_zoom": True,
+            "sampling_scale": True}
+    img = torch.zeros(1, 1, 4, 4)
+    _, near = build_augment(2, affine=spec)(img, lab, gen(0))
+    _, lin = build_augment(2, affine={**spec, "label_mode": "linear"})(img, lab, gen(0))
+    assert lin.dtype == torch.uint8 and lin.shape == lab.shape
+    assert int(near[0, 1, 1]) == 1 and int(lin[0, 1, 1]) == 3
+    assert int(lin[0, 2, 2]) == 2 and int(lin[0, 0, 0]) == 0 and int(lin[0, 3, 3]) == 0
+    _, given = build_augment(2, affine={**spec, "label_mode": "linear", "label_classes": 4})(img, lab, gen(0))
+    assert torch.equal(given, lin)  # the class count given (no host sync on a GPU) or read from the batch
+
+
+def test_enlarged_patch_centre_crop_and_no_zero_corners():
+    """``affine.size``: a 12^3 patch from a 20^3 input. Not firing: the centred crop (margin 4 each side);
+    firing with no rotation or zoom: the same voxels (a bilinear read at voxel centres); rotated 30 degrees
+    about every axis, the corners come from the margin: no zeros, where the same rotation of the 12^3
+    patch alone leaves zero corners."""
+    x = torch.rand(2, 1, 20, 20, 20, generator=gen(30)) + 1
+    lab = torch.randint(0, 3, (2, 20, 20, 20), generator=gen(31))
+    still = build_augment(3, affine={"prob": 0.0, "size": [12, 12, 12]})(x, lab, gen(0))
+    assert torch.equal(still[0], x[:, :, 4:16, 4:16, 4:16]) and torch.equal(still[1], lab[:, 4:16, 4:16, 4:16])
+    same = build_augment(3, affine={"prob": 1.0, "size": [12, 12, 12]})(x, lab, gen(0))
+    assert torch.allclose(same[0], still[0], atol=1e-5) and torch.equal(same[1], still[1])
+    rot = {"prob": 1.0, "degrees": 30.0, "rotate_prob": 1.0, "zoom_prob": 0.0}
+    big, _ = build_augment(3, affine={**rot, "size": [12, 12, 12]})(x, lab, gen(1))
+    alone, _ = build_augment(3, affine=rot)(x[:, :, 4:16, 4:16, 4:16].contiguous(), lab[:, 4:16, 4:16, 4:16], gen(1))
+    assert big.shape == (2, 1, 12, 12, 12) and big.min() > 0.5 and (alone == 0).any()
+    # one sample firing (the CPU path's index_copy into the centred crops)
+    half, half_lab = build_augment(3, affine={"prob": 0.5, "degrees": 30.0, "size": [12, 12, 12]})(x, lab, gen(2))
+    assert half.shape == (2, 1, 12, 12, 12) and half_lab.shape == (2, 12, 12, 12)
+    # nnU-Net's order: the spatial transform cuts the patch first, the mirror moves the smaller patch
+    names = [n for n, _ in build_augment(3, flip={"prob": 0.5}, affine={"size": [12, 12, 12]}).ops]
+    assert names == ["affine", "flip"]
+
+
+@pytest.mark.parametrize("spec, key", [({"size": [8, 8]}, "size"), ({"label_mode": "cubic"}, "label_mode"),
+                                       ({"label_classes": 0}, "label_classes")])
+def test_bad_affine_size_or_label_mode_names_the_key(spec, key):
+    with pytest.raises(ConfigError, match=f"data.augment.affine.{key}"):
+        build_augment(3, affine=spec)

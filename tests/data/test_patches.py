@@ -60,6 +60,9 @@ def test_bad_patch_rule_names_the_key():
         RandPatch((4, 4, 4), 0.33, oversample="last")
     with pytest.raises(ConfigError, match=r"data\.args\.placement"):
         RandPatch((4, 4, 4), 0.33, placement="center")
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match=r"data\.args\.pos_fraction"):
+            RandPatch((4, 4, 4), bad)
 
 
 class _Record(RandomTransform):
@@ -100,3 +103,22 @@ def test_crop_without_a_loader_falls_back_to_the_probability():
     for seed in range(5):  # slot 1 of 2 is forced whatever the draw
         out = crop({**item, SLOT_KEY: (1, 2)}, torch.Generator().manual_seed(seed))
         assert out["label"][2, 2, 2] == 1 and SLOT_KEY not in out
+
+
+def test_nnunet_patch_final_size_widens_the_random_box():
+    """An initial patch of 12 for a final 8 in a 20-voxel axis: need_to_pad = 12 - 8 = 4, the box starts
+    uniformly in [-2, 20 + 2 - 12] = [-2, 10] (get_bbox's lbs, ubs); without final_size in [0, 8]."""
+    image = (torch.arange(20).reshape(1, 20, 1, 1) + 1).float().expand(1, 20, 12, 12).contiguous()
+    label = torch.zeros(20, 12, 12, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(3)
+
+    def starts(final):
+        out = set()
+        for _ in range(300):
+            im, _ = nnunet_patch(image, label, (12, 12, 12), False, g, final)
+            col = im[0, :, 0, 0]
+            first = int(col.nonzero()[0, 0])
+            out.add(int(col[first]) - 1 - first)  # the box's start: volume index minus patch index
+        return out
+
+    assert starts((8, 12, 12)) == set(range(-2, 11)) and starts(None) == set(range(0, 9))

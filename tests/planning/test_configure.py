@@ -368,3 +368,41 @@ def test_bad_trainer_is_one_line(argv, key, tmp_path, capsys):
     assert main(["configure", str(tmp_path / "no-such-data"), "--memory", "8GiB", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and key in err[0]
+
+
+def test_initial_patch_is_nnunets_get_patch_size_with_even_margins():
+    """nnU-Net v2.8's get_patch_size(patch, 30 deg x 3, (0.85, 1.25)) gives (60, 67, 51) for (32, 48, 32) and
+    (43, 51, 46) for (24, 32, 32); dummy 2-D (180 deg) gives (188, 188, 188) for (12, 160, 128), the coarse axis
+    then set back to 12. Odd margins are rounded up to even (67 -> 68, 51 -> 52, 43 -> 44, 51 -> 52)."""
+    from fastvision.planning.configure.trainer import initial_patch
+
+    assert initial_patch([32, 48, 32], 30, False, 0) == [60, 68, 52]
+    assert initial_patch([24, 32, 32], 30, False, 0) == [44, 52, 46]
+    assert initial_patch([12, 160, 128], 180, True, 0) == [12, 188, 188]
+
+
+def test_nnunet_trainer_options_of_issue_41_third_pass(tmp_path, monkeypatch):
+    """With He initialisation, the enlarged initial patch and linear label resampling switched on, the
+    recipe writes them (the loader's patch the initial one, the affine's the network's) and trains."""
+    pytest.importorskip("nibabel")
+    from fastvision.api import run_training
+    from fastvision.config import load
+    from fastvision.data.synth import load_all
+    from fastvision.planning.configure import trainer
+    from fastvision.planning.configure.recipe import write_recipe
+
+    for flag in ("HE_INIT", "ENLARGED_PATCH", "LINEAR_LABELS"):
+        monkeypatch.setattr(trainer, flag, True)
+    data = load_all().get("hippocampus")(tmp_path / "hip", seed=0, cases=4, shape=(20, 28, 20))
+    plan = planner.configure(data, memory="8GiB", trainer="nnunet")
+    write_recipe(plan, tmp_path / "recipe.yaml")
+    cfg = load(str(tmp_path / "recipe.yaml"))
+    net, aff = cfg.task.args["sample_shape"][1:], cfg.data.augment["affine"]
+    assert aff["size"] == net and aff["label_mode"] == "linear" and cfg.model.args["init"] == "he"
+    assert aff["label_classes"] == 3  # background and the two hippocampus labels
+    assert cfg.data.args["patch_size"] == trainer.initial_patch(net, aff["degrees"], "rotate_axes" in aff,
+                                                               (aff.get("rotate_axes") or [0])[0])
+    assert all(p > n for p, n in zip(cfg.data.args["patch_size"], net, strict=True))
+    run_training(str(tmp_path / "recipe.yaml"), out=str(tmp_path / "run"), overrides={"epochs": 1},
+                 extra=[{"model": {"args": {"filters": [4, 8, 16, 32, 64][:len(cfg.model.args["filters"])]}},
+                         "data": {"cache": "ram", "cache_dir": None, "args": {"num_folds": 2}}}], progress=False)

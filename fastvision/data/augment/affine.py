@@ -38,7 +38,15 @@ class Affine:
     ``sampling_scale``: the draw from ``scale`` multiplies the sampling coordinates (nnU-Net's
     ``SpatialTransform``: a draw > 1 shrinks the objects), i.e. the zoom is 1 / draw, instead of being the zoom.
     ``compiled``: on the CPU, resample 3-D patches with a ``torch.compile``'d fused kernel (about 2x cheaper
-    than ``grid_sample``; the first call per shape compiles; :mod:`~fastvision.data.augment.resample`)."""
+    than ``grid_sample``; the first call per shape compiles; :mod:`~fastvision.data.augment.resample`).
+    ``size``: the output patch (nnU-Net's enlarged initial patch): the input is a larger patch
+    (``data.args.patch_size``) and the op samples the centred ``size`` from it, rotated and zoomed where it
+    fires (the rotated corners come from the margin, not zeros), a centred crop where it does not
+    (``(n - size) // 2`` from the start: the same centre when ``n - size`` is even).
+    ``label_mode``: ``nearest``, or ``linear``: class-index labels resampled as batchgeneratorsv2's
+    ``SpatialTransform`` does (bilinear per class, argmax; a tie goes to the nearest voxel's label where it
+    is among the tied; :func:`_linear_label`; float labels stay nearest). ``label_classes``: the number of
+    classes, background included (unset: read from the batch, one host sync on a GPU)."""
 
     prob: float = 0.2
     degrees: float = 0.0
@@ -50,6 +58,9 @@ class Affine:
     zoom_prob: float | None = None
     sampling_scale: bool = False
     compiled: bool = False
+    size: list[int] | None = None
+    label_mode: str = "nearest"
+    label_classes: int | None = None
 
     def __call__(self, image: Tensor, label: Label, rng: Any) -> tuple[Tensor, Label]:
         nd = image.dim() - 2
@@ -71,20 +82,36 @@ class Affine:
             draw = draw * keep + (1 - keep)
         zoom = torch.where(m_zoom[:, None], draw, torch.ones((), device=image.device))
         fire = m | m_zoom
+        opts = dict(compiled=self.compiled, size=self.size, label_mode=self.label_mode, classes=self.label_classes)
         if image.device.type == "cpu":  # only the samples that fire (finding them costs no sync on the CPU)
             idx = fire.nonzero().squeeze(1)
-            if idx.numel() == 0:
-                return image, label
             if idx.numel() < image.shape[0]:
+                kept, kept_label = centre_crop(image, self.size), centre_crop(label, self.size, image.dim())
+                if idx.numel() == 0:
+                    return kept, kept_label
                 sub, sub_label = affine(image[idx], None if label is None else label[idx], ang[idx], zoom[idx],
-                                        compiled=self.compiled)
-                image = image.index_copy(0, idx, sub)
-                return image, None if label is None else label.index_copy(0, idx, sub_label)
-        return affine(image, label, ang, zoom, fire, compiled=self.compiled)
+                                        **opts)
+                image = kept.index_copy(0, idx, sub)
+                return image, None if label is None else kept_label.index_copy(0, idx, sub_label)
+        return affine(image, label, ang, zoom, fire, **opts)
 
 
-def affine(image: Tensor, label: Label, angles: Tensor, zoom: Tensor,
-           mask: Tensor | None = None, compiled: bool = False) -> tuple[Tensor, Label]:
+def centre_crop(x: Tensor | None, size: list[int] | None, image_dim: int | None = None) -> Tensor | None:
+    """The centred ``size`` window of (B, [C,] *S) ``x``, starting at ``(n - size) // 2`` per axis (``x`` when
+    ``size`` is None). ``image_dim``: the image's rank, to tell a (B, *S) label from a (B, L, *S) one."""
+    if x is None or size is None:
+        return x
+    nd = len(size)
+    lead = x.dim() - nd
+    if image_dim is not None and x.dim() == image_dim - 1:
+        lead = 1
+    start = [(n - s) // 2 for n, s in zip(x.shape[lead:], size, strict=True)]
+    return x[(slice(None),) * lead + tuple(slice(a, a + s) for a, s in zip(start, size, strict=True))]
+
+
+def affine(image: Tensor, label: Label, angles: Tensor, zoom: Tensor, mask: Tensor | None = None,
+           compiled: bool = False, size: list[int] | None = None, label_mode: str = "nearest",
+           classes: int | None = None) -> tuple[Tensor, Label]:
     """Rotate and zoom a batch about its centre.
 
     Args:
@@ -95,26 +122,60 @@ def affine(image: Tensor, label: Label, angles: Tensor, zoom: Tensor,
         mask: (B,) bool, samples to transform (default all).
         compiled: on the CPU, resample 3-D images with the fused compiled kernel
             (:mod:`~fastvision.data.augment.resample`) instead of ``grid_sample``.
+        size: output spatial size (default the input's), sampled about the input's centre.
+        label_mode: ``nearest`` or ``linear`` (class-index labels: per-class bilinear, then argmax).
+        classes: ``linear``'s number of classes (default: the batch's largest label + 1, a host sync on a GPU).
     """
     nd = image.dim() - 2
+    out_spatial = image.shape[2:] if size is None else torch.Size(size)
     rot = _rotation(angles.float(), nd)  # (B, nd, nd) in (x, y[, z]) order
-    half = _const(tuple(image.shape[2:][::-1]), image.device, torch.float32) / 2
-    # Sampling maps output -> input: n_in = D^-1 Z^-1 R^T D n_out, D = half-size, Z = zoom.
-    lin = rot.transpose(1, 2) * half[None, None, :] / half[None, :, None] / zoom.float()[:, :, None]
-    fused = run_compiled(image, label, lin) if compiled and image.device.type == "cpu" else None
+    half_in = _const(tuple(image.shape[2:][::-1]), image.device, torch.float32) / 2
+    half_out = _const(tuple(out_spatial[::-1]), image.device, torch.float32) / 2
+    # Sampling maps output -> input: n_in = D_in^-1 Z^-1 R^T D_out n_out, D = half-size, Z = zoom.
+    lin = rot.transpose(1, 2) * half_out[None, None, :] / half_in[None, :, None] / zoom.float()[:, :, None]
+    linear = label is not None and label_mode == "linear" and label.dim() == nd + 1
+    fused = None
+    if compiled and image.device.type == "cpu" and out_spatial == image.shape[2:]:
+        fused = run_compiled(image, None if linear else label, lin)
+    grid = None if fused is not None and not linear else _linear_grid(lin, out_spatial)
     if fused is not None:
         out, lab_out = fused
     else:
-        grid = _linear_grid(lin, image.shape[2:])
         out = F.grid_sample(image, grid.to(image.dtype), mode="bilinear", align_corners=False)
-        if label is not None:
+        if label is not None and not linear:
             lab = label[:, None] if label.dim() == nd + 1 else label
             lab_out = F.grid_sample(lab.to(grid.dtype), grid, mode="nearest", align_corners=False)
-            lab_out = lab_out.to(label.dtype).reshape(label.shape)
-    image = out if mask is None else _select(mask, out, image)
+            lab_out = lab_out.to(label.dtype).reshape(label.shape[:-nd] + out_spatial)
+    if linear:
+        lab_out = _linear_label(label, grid, classes)
+    image = out if mask is None else _select(mask, out, centre_crop(image, size))
     if label is not None:
-        label = lab_out if mask is None else _select(mask, lab_out, label)
+        label = lab_out if mask is None else _select(mask, lab_out, centre_crop(label, size, nd + 2))
     return image, label
+
+
+def _linear_label(label: Tensor, grid: Tensor, classes: int | None = None) -> Tensor:
+    """(B, *S) class indices resampled at ``grid`` as batchgeneratorsv2's ``SpatialTransform`` (``mode_seg=
+    'bilinear'``, ``seg_tiebreak='nearest'``, nnU-Net's padding label -1): each class's indicator bilinearly
+    sampled, x 1000, rounded to float16 (near-ties become ties, as there); outside the input the padding
+    label, whose score is what the classes' scores leave of 1000. The argmax (a tie: the lowest label, the
+    padding first), except where the nearest voxel's label (the padding outside) has the top score. The
+    padding label becomes background (nnU-Net's ``RemoveLabelTansform(-1, 0)``). One pass per class."""
+    nd = label.dim() - 1
+    k = classes or (int(label.max()) + 1 if label.numel() else 1)  # read from the batch: a host sync on a GPU
+    lab = label[:, None]
+    classes = torch.arange(k, device=label.device, dtype=label.dtype).view(1, k, *[1] * nd)
+    raw = F.grid_sample((lab == classes).to(grid.dtype), grid, mode="bilinear", align_corners=False)
+    near = F.grid_sample((lab + 1).to(grid.dtype), grid, mode="nearest", align_corners=False)[:, 0].to(torch.int16)
+    best = ((1 - raw.sum(1)) * 1000).half()  # the padding label's score: label index 0 here, -1 in nnU-Net
+    win = torch.zeros_like(near)
+    own = torch.where(near == 0, best, torch.zeros((), dtype=best.dtype, device=best.device))
+    for c in range(k):
+        score = (raw[:, c] * 1000).half()
+        win = torch.where(score > best, c + 1, win)
+        best = torch.maximum(best, score)
+        own = torch.where(near == c + 1, score, own)
+    return (torch.where(own == best, near, win) - 1).clamp_min(0).to(label.dtype)
 
 
 def _linear_grid(lin: Tensor, spatial: torch.Size) -> Tensor:

@@ -25,6 +25,12 @@ def _validate(name: str, op: Any, nd: int) -> None:
             axes = getattr(op, key)
             if axes is not None and any(not 0 <= a < nd for a in axes):
                 raise ConfigError(f"{where}.{key} must be spatial axes in [0, {nd}), got {axes}")
+        if op.size is not None and (len(op.size) != nd or min(op.size) < 1):
+            raise ConfigError(f"{where}.size needs {nd} positive sizes, got {op.size}")
+        if op.label_mode not in ("nearest", "linear"):
+            raise ConfigError(f"{where}.label_mode: {op.label_mode!r}; valid: nearest, linear")
+        if op.label_classes is not None and op.label_classes < 1:
+            raise ConfigError(f"{where}.label_classes must be >= 1, got {op.label_classes}")
     if name == "lowres" and op.ignore_axes is not None and any(not 0 <= a < nd for a in op.ignore_axes):
         raise ConfigError(f"{where}.ignore_axes must be spatial axes in [0, {nd}), got {op.ignore_axes}")
     for key in ("scale", "range", "sigma"):

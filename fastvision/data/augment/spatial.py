@@ -8,13 +8,15 @@ Randomness: small per-sample parameters are drawn from the caller's ``torch.Gene
 device, in a fixed order whether or not an op fires, so a seed gives the same augmentation on CPU
 and GPU. Full-size noise is drawn from a device generator seeded from the caller's generator.
 
-Recipe form (``data.augment``), one dict per op, applied in this order::
+Recipe form (``data.augment``), one dict per op, applied in this order (an affine with ``size``, which cuts
+the network's patch from a larger one, right after the crop)::
 
     crop: {size: [96, 96, 96], pos: 1, neg: 1}   # foreground-biased when pos + neg > 0
     flip: {prob: 0.5, axes: [0, 1, 2]}           # each spatial axis independently
     rot90: {prob: 0.5}                           # in the plane of the last two spatial axes
     affine: {prob: 0.2, degrees: 15, scale: [0.9, 1.1]}   # also rotate_axes, zoom_axes, same_zoom, *_prob,
-                                                          # sampling_scale
+                                                          # sampling_scale, size, label_mode,
+                                                          # label_classes, compiled
     intensity: {prob: 0.5, scale: 0.1, shift: 0.1}
     noise: {prob: 0.15, std: 0.1}
     blur: {prob: 0.2, sigma: [0.5, 1.0], channel_prob: 0.5}          # degrade.py
@@ -305,4 +307,9 @@ def build_augment(spatial_dims: int, **spec: dict[str, Any]) -> BatchAugment | N
             raise ConfigError(f"data.augment.{name}: {e}") from None
         _validate(name, op, spatial_dims)
         ops.append((name, op))
+    names = [n for n, _ in ops]
+    if "affine" in names and ops[names.index("affine")][1].size is not None:
+        # it cuts the network's patch from a larger one: before the flip and rot90 (nnU-Net's order, spatial
+        # first), so they move the smaller patch
+        ops.insert(names.index("crop") + 1 if "crop" in names else 0, ops.pop(names.index("affine")))
     return BatchAugment(spatial_dims, ops) if ops else None

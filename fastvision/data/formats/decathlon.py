@@ -33,7 +33,7 @@ from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.patches import RandPatch, random_patch  # noqa: F401 (re-exported)
 from fastvision.data.nonfinite import NonFinite
 from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
-from fastvision.data.transforms import Transform
+from fastvision.data.transforms import SAMPLES_KEY, SLOT_KEY, RandomTransform, Transform
 from fastvision.errors import ConfigError, DataError
 from fastvision.registry import DATASETS
 
@@ -82,18 +82,22 @@ class VolumeDataset(Dataset):
         pos_fraction: share of patches centred on a foreground voxel.
         oversample, placement: which patches must hold foreground and where a patch is cut
             (:mod:`~fastvision.data.formats.patches`).
+        num_samples: crops per cached volume per access (:class:`MultiPatch`; 1: one patch, the item
+            as before).
         compute: ``compute(paths, params) -> dict``, :func:`preprocess_case` unless a test counts calls.
     """
 
     def __init__(self, cases: list[dict[str, Any]], params: PreprocessParams, *,
                  patch_size: Sequence[int] | None = None, pos_fraction: float = 0.5,
-                 oversample: str = "random", placement: str = "monai",
+                 oversample: str = "random", placement: str = "monai", num_samples: int = 1,
                  compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]] = preprocess_case):
         self.cases = cases
         self.params, self.compute = params, compute
         self.patch_size = tuple(patch_size) if patch_size else None
         self.pos_fraction = pos_fraction
         self.crop = RandPatch(self.patch_size, pos_fraction, oversample, placement) if self.patch_size else None
+        if check_num_samples(num_samples) > 1 and self.crop is not None:
+            self.crop = MultiPatch(self.crop, num_samples)
         # Cached labels are uint8 when a crop follows (an 8th of int64's bytes; the crop widens
         # only the patch), int64 when the volume itself is the item.
         self._prefix = [_Preprocess(params, compute, "uint8" if self.patch_size else "int64")]
@@ -120,6 +124,46 @@ class VolumeDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         item = self._prefix[0](_CaseFiles(self.cases)[index])
         return {**item, "label": item["label"].long()}
+
+
+def check_num_samples(k: Any) -> int:
+    """``data.args.num_samples`` as an int >= 1, else a one-line :class:`ConfigError` naming the key."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"data.args.num_samples must be an integer >= 1, got {k!r}")
+    return k
+
+
+class MultiPatch(RandomTransform):
+    """``k`` crops of one cached volume per access (MONAI ``RandCropByPosNegLabeld(num_samples=k)``):
+    the volume is read once for ``k`` patches. The crops are drawn one after another from the item's
+    own generator of ``(seed, epoch, index)``, so they are deterministic and a resumed run draws them
+    again alike. The item holds them as ``SAMPLES_KEY``: a list of ``k`` patch items, which the
+    segmentation task's ``collate`` flattens (a batch of ``B`` volumes is ``B * k`` patches, crop
+    ``j`` of batch position ``p`` at row ``p * k + j``).
+
+    Batch-tail oversampling (``oversample: batch_tail``) keeps its meaning in patches: crop ``j`` of
+    the item at batch position ``p`` (batch of ``B`` volumes) gets position ``p * k + j`` of ``B * k``,
+    so the last ``round(pos_fraction * B * k)`` patches of every batch hold foreground, as with ``B * k``
+    volumes of one patch each.
+    """
+
+    def __init__(self, crop: RandPatch, k: int):
+        self.crop, self.k = crop, check_num_samples(k)
+
+    @property
+    def batch_slot(self) -> bool:
+        return bool(getattr(self.crop, "batch_slot", False))
+
+    def __call__(self, item: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+        base = dict(item)
+        slot = base.pop(SLOT_KEY, None)
+        patches = []
+        for j in range(self.k):
+            one = dict(base)
+            if slot is not None:
+                one[SLOT_KEY] = (slot[0] * self.k + j, slot[1] * self.k)
+            patches.append(self.crop(one, generator))
+        return {SAMPLES_KEY: patches}
 
 
 class _CaseFiles(Dataset):
@@ -240,13 +284,15 @@ def _case_id(path: str) -> str:
 
 def build_splits(cases: list[dict[str, Any]], params: PreprocessParams, info: dict[str, Any], *, fold: int,
                  num_folds: int, split_seed: int, patch_size: Sequence[int] | None,
-                 pos_fraction: float, oversample: str = "random", placement: str = "monai") -> DatasetSplits:
+                 pos_fraction: float, oversample: str = "random", placement: str = "monai",
+                 num_samples: int = 1) -> DatasetSplits:
     """Split ``cases`` by fold and wrap both parts in :class:`VolumeDataset` (caching is
     ``data.cache``'s job)."""
     train_ids, val_ids = kfold_split([c["id"] for c in cases], fold, num_folds, split_seed)
     by_id = {c["id"]: c for c in cases}
     train = VolumeDataset([by_id[i] for i in train_ids], params, patch_size=patch_size,
-                          pos_fraction=pos_fraction, oversample=oversample, placement=placement)
+                          pos_fraction=pos_fraction, oversample=oversample, placement=placement,
+                          num_samples=num_samples)
     val = VolumeDataset([by_id[i] for i in val_ids], params)
     info = {**info, "train_cases": len(train), "val_cases": len(val), "fold": fold, "num_folds": num_folds,
             "spatial_dims": 3, "axis_order": "C,X,Y,Z (RAS voxel axes)"}
@@ -259,9 +305,10 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
                     window: tuple[float, float, float, float] = (-57.0, 164.0, 0.0, 1.0),
                     crop_foreground: bool | str = True, crop_margin: int = 0,
                     patch_size: tuple[int, int, int] | None = None, pos_fraction: float = 0.5,
-                    oversample: str = "random", placement: str = "monai", skip_unreadable: bool = False,
-                    nonfinite: str = "error") -> DatasetSplits:
-    """Decathlon task folder -> train/val of fold ``fold`` (of ``num_folds``).
+                    oversample: str = "random", placement: str = "monai", num_samples: int = 1,
+                    skip_unreadable: bool = False, nonfinite: str = "error") -> DatasetSplits:
+    """Decathlon task folder -> train/val of fold ``fold`` (of ``num_folds``); the preprocessed volumes
+    are cached by ``data.cache`` (ram, disk, shared, smart, gpu), not here.
 
     Args:
         path: folder with dataset.json (e.g. ``Task09_Spleen``).
@@ -277,14 +324,13 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
             (nnU-Net: the last ``round(pos_fraction * B)`` of every batch, by the sampler's order).
         placement: ``monai`` (patch kept inside the volume) or ``nnunet`` (``get_bbox``: a random
             present class's voxel exactly at the centre, the box may leave the volume).
+        num_samples: patches cut from each cached volume per step (MONAI's; :class:`MultiPatch`).
         skip_unreadable: drop (with one warning) cases whose NIfTI headers do not read, instead of
             stopping with an error naming the file.
-        nonfinite: a volume holding NaN or Inf: ``error`` stops with one line naming the file when
-            it is read (the cache fill, or the item); ``zero`` reads those voxels as 0, one warning
-            per file.
-
-    Preprocessed volumes are cached by ``data.cache`` (ram, disk, shared, smart, gpu), not here.
+        nonfinite: NaN or Inf in a volume: ``error`` stops with one line naming the file when it
+            is read (the cache fill, or the item); ``zero`` reads them as 0, one warning per file.
     """
+    check_num_samples(num_samples)  # before any file is read
     found = read_dataset_json(dataset_folder(path, "Decathlon dataset"))
     for kind, names in found["anomalies"].items():
         log.info("%s: %d %s, e.g. %s", path, len(names), kind, first_few(names))
@@ -313,4 +359,4 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
             "label_convention": convention}
     return build_splits(training, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
                         patch_size=patch_size, pos_fraction=pos_fraction, oversample=oversample,
-                        placement=placement)
+                        placement=placement, num_samples=num_samples)

@@ -75,17 +75,22 @@ def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], 
 
 
 def nnunet_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], foreground: bool,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``nnUNetDataLoader.get_bbox`` with ``initial_patch_size == size``, then ``crop_and_pad_nd``:
+                 generator: torch.Generator | None = None,
+                 final_size: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nnUNetDataLoader.get_bbox`` (``size`` its ``initial_patch_size``), then ``crop_and_pad_nd``:
     zeros (label 0, nnU-Net's -1 after its ``RemoveLabelTansform``) where the box leaves the volume.
 
     Args:
         image: (C, *S); label: (*S) integer class indices.
         foreground: put a voxel of a random present class at the centre (nnU-Net's ``force_fg``);
             a volume without foreground falls back to a uniform box, as nnU-Net's does.
+        final_size: the network's patch where ``size`` is nnU-Net's enlarged initial patch (default
+            ``size``): ``need_to_pad`` is then at least ``size - final_size``, so the final patch, cut from
+            the centre later (``data.augment.affine.size``), reaches the volume's faces as often as nnU-Net's.
     """
     shape = label.shape
-    need = [max(0, s - n) for s, n in zip(size, shape, strict=True)]
+    final = size if final_size is None else final_size
+    need = [max(s - f, s - n, 0) for s, f, n in zip(size, final, shape, strict=True)]
     lbs = [-d // 2 for d in need]
     ubs = [n + d // 2 + d % 2 - s for n, d, s in zip(shape, need, size, strict=True)]
     start = None
@@ -122,13 +127,16 @@ class RandPatch(RandomTransform):
     """
 
     def __init__(self, patch_size: Sequence[int], pos_fraction: float, oversample: str = "random",
-                 placement: str = "monai"):
+                 placement: str = "monai", final_size: Sequence[int] | None = None):
         if oversample not in OVERSAMPLING:
             raise ConfigError(f"data.args.oversample: {oversample!r}; valid: {', '.join(OVERSAMPLING)}")
         if placement not in PLACEMENTS:
             raise ConfigError(f"data.args.placement: {placement!r}; valid: {', '.join(PLACEMENTS)}")
+        if not 0.0 <= pos_fraction <= 1.0:
+            raise ConfigError(f"data.args.pos_fraction: {pos_fraction!r}; a probability in [0, 1]")
         self.patch_size, self.pos_fraction = tuple(patch_size), pos_fraction
         self.oversample, self.placement = oversample, placement
+        self.final_size = tuple(final_size) if final_size else None  # nnunet placement: nnunet_patch's final_size
 
     @property
     def batch_slot(self) -> bool:
@@ -142,7 +150,7 @@ class RandPatch(RandomTransform):
         if self.placement == "nnunet":
             want = float(torch.rand((), generator=generator)) < self.pos_fraction
             image, label = nnunet_patch(item["image"], item["label"], self.patch_size,
-                                        want if force is None else force, generator)
+                                        want if force is None else force, generator, self.final_size)
         else:
             image, label = random_patch(item["image"], item["label"], self.patch_size, self.pos_fraction,
                                         generator, force)

@@ -22,7 +22,7 @@ from fastvision.planning.configure.rules import (
     Topology,
     features,
 )
-from fastvision.planning.configure.trainer import nnunet_augment, nnunet_overrides, trainer_choices
+from fastvision.planning.configure.trainer import initial_patch, nnunet_augment, nnunet_overrides, trainer_choices
 
 
 def _model(fp: dict[str, Any], topo: Topology, base: str, thin: bool) -> dict[str, Any]:
@@ -69,10 +69,15 @@ def augmentation(patch: list[int], spacing: list[float], thin: int | None,
            "uses it as the std); brightness and contrast 0.75-1.25 p 0.15; gamma 0.7-1.5 "
            "p 0.3. ")
     if trainer == "nnunet":
-        return nnunet_augment(aug, dummy_2d, coarse), why + (
+        aug = nnunet_augment(aug, dummy_2d, coarse, patch)
+        return aug, why + (
             "nnU-Net's trainer: rotation and zoom each p 0.2; blur sigma 0.5-1 p 0.2 (per channel 0.5); low "
             "resolution 0.5-1 p 0.25 (per channel 0.5" + (f", not along axis {coarse}" if dummy_2d else "")
-            + "); inverted gamma p 0.1; gammas per channel, keeping mean and std")
+            + "); inverted gamma p 0.1; gammas per channel, keeping mean and std"
+            + ("; the affine cuts the network's patch from nnU-Net's enlarged initial patch (no zero corners)"
+               if "size" in aug["affine"] else "")
+            + ("; labels resampled per class, linearly, then argmax (nnU-Net's SpatialTransform)"
+               if aug["affine"].get("label_mode") == "linear" else ""))
     return aug, why + ("Not carried over (`--trainer nnunet` has them): blur, low-resolution simulation, the "
                        "inverted-gamma variant, separate probabilities for rotation and zoom")
 
@@ -106,6 +111,12 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
         out["loss"] = {"args": {"sigmoid": True, "softmax": False, "include_background": True}}
     elif base == "segresnet":
         out["loss"] = {"args": {"sigmoid": False, "softmax": True, "include_background": False}}
+    if augment["affine"].get("label_mode") == "linear":  # the class count written: no host sync on a GPU
+        augment["affine"]["label_classes"] = max(map(int, fp["labels"])) + 1
+    if "size" in augment["affine"]:  # nnU-Net's enlarged initial patch: the loader crops it, the affine the net's
+        rot = augment["affine"].get("rotate_axes")
+        out["data"]["args"]["patch_size"] = initial_patch(patch, augment["affine"]["degrees"], rot is not None,
+                                                          rot[0] if rot else 0)
     if trainer == "nnunet":
         from fastvision.config import merge
 
@@ -151,8 +162,13 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
     shape_note = (f"median shape after crop and resampling {_vec(geo['median_shape'])}"
                   + (f"; axis {thin} has < {2 * MIN_EDGE} voxels: a thin stack, trained slice-wise (2-D)"
                      if thin is not None else ""))
+    patch = list(topo.patch)
     rows.append(("data.args.patch_size", d["patch_size"],
-                 f"voxel-size aspect at 256^3, clipped to the {shape_note}, padded to the divisor {_vec(topo.divisor)}"
+                 (f"nnU-Net's enlarged initial patch for the network's {_vec(patch)} (its get_patch_size over the "
+                  "rotation, margins rounded to even: the affine samples the network's patch from it); the network's: "
+                  if list(d["patch_size"]) != patch else "")
+                 + f"voxel-size aspect at 256^3, clipped to the {shape_note}, padded to the divisor "
+                 f"{_vec(topo.divisor)}"
                  + ("; shrunk until batch 2 fits" if fit["shrunk"] else "")))
     rows.append(("model.args.strides", m["strides"],
                  f"pool an axis while its spacing is within 2x of the finest and its map has >= {2 * MIN_EDGE} voxels "
@@ -170,7 +186,7 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
     rows.append(("data.num_workers", ov["data"]["num_workers"], f"CPU workers per GPU: {split.why_workers}"))
     trainer = plan.get("trainer", "fast")
     rows.append(("data.augment", ov["data"]["augment"],
-                 augmentation(d["patch_size"], geo["spacing"], thin, trainer)[1]))
+                 augmentation(patch, geo["spacing"], thin, trainer)[1]))
     rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; fp32 on CPU (the batch was sized for "
                                       "the target GPU's precision)"))
     rows.append(("task.args.sliding_window", t["sliding_window"],

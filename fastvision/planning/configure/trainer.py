@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from fastvision.errors import ConfigError
 
 TRAINERS = ("fast", "nnunet")
@@ -23,6 +25,10 @@ TRAINERS = ("fast", "nnunet")
 DEFAULT_TRAINER = {"unet3d": "nnunet", "segresnet": "fast"}
 NNUNET_EPOCHS, NNUNET_ITERATIONS = 1000, 250  # nnUNetTrainer.num_epochs, num_iterations_per_epoch
 VAL_EVERY_ITERATIONS = 2500  # our sliding-window validation every 10 nnU-Net epochs (it validates 50 patches each)
+# issue 41's third pass (benchmarks/RESULTS.md, "MR: nnU-Net's differences ..."): each measured alone over 3 seeds
+HE_INIT = False  # model.args.init: he
+ENLARGED_PATCH = False  # data.args.patch_size: the initial patch, data.augment.affine.size: the network's
+LINEAR_LABELS = False  # data.augment.affine.label_mode: linear
 
 
 def check_trainer(trainer: str, base: str) -> None:
@@ -40,12 +46,36 @@ def steps_per_epoch(n_cases: int, batch: int, num_folds: int = 5) -> int:
     return max(1, (n_cases - math.ceil(n_cases / num_folds)) // batch)
 
 
-def nnunet_augment(augment: dict[str, Any], dummy_2d: bool, coarse: int) -> dict[str, Any]:
+def initial_patch(patch: list[int], degrees: float, dummy_2d: bool, coarse: int) -> list[int]:
+    """nnU-Net's enlarged initial patch: ``get_patch_size(patch, rot, rot, rot, (0.85, 1.25))`` (the patch's
+    corner vector rotated by the largest angle about each axis in turn, capped at 90 degrees, the largest
+    extent per axis, divided by 0.85, truncated; the coarse axis kept in dummy 2-D), then each margin
+    rounded up to an even number, so the final patch's centre is the larger one's (a centred crop and a
+    rotation about the centre read the same voxels)."""
+    a = min(math.radians(degrees), math.pi / 2)
+    c, s = math.cos(a), math.sin(a)
+    mats = (np.array([[1, 0, 0], [0, c, -s], [0, s, c]]), np.array([[c, 0, s], [0, 1, 0], [-s, 0, c]]),
+            np.array([[c, -s, 0], [s, c, 0], [0, 0, 1]]))
+    coords = np.array(patch, dtype=float)
+    extent = np.max(np.vstack([coords, *[np.abs(coords @ m) for m in mats]]), 0) / 0.85
+    out = [int(v) for v in extent]
+    if dummy_2d:
+        out[coarse] = patch[coarse]
+    return [p + (max(o - p, 0) + 1) // 2 * 2 for p, o in zip(patch, out, strict=True)]
+
+
+def nnunet_augment(augment: dict[str, Any], dummy_2d: bool, coarse: int, patch: list[int]) -> dict[str, Any]:
     """The fast recipe's ops (:func:`~fastvision.planning.configure.recipe.augmentation`) completed to
     ``get_training_transforms``: rotation and zoom each p 0.2, the scale drawn as nnU-Net's (it scales the
-    sampling coordinates: zoom 1 / U(0.7, 1.4)), blur, low resolution, both gammas."""
+    sampling coordinates: zoom 1 / U(0.7, 1.4)), blur, low resolution, both gammas; with
+    ``ENLARGED_PATCH`` the affine samples the network's ``patch`` from the loader's larger initial patch
+    (:func:`initial_patch`); with ``LINEAR_LABELS`` it resamples labels per class, linearly, as nnU-Net."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in augment.items()}
     out["affine"].update(rotate_prob=0.2, zoom_prob=0.2, sampling_scale=True)
+    if ENLARGED_PATCH:
+        out["affine"]["size"] = list(patch)
+    if LINEAR_LABELS:
+        out["affine"]["label_mode"] = "linear"
     out["blur"] = {"prob": 0.2, "sigma": [0.5, 1.0], "channel_prob": 0.5}
     out["lowres"] = {"prob": 0.25, "range": [0.5, 1.0], "channel_prob": 0.5,
                      **({"ignore_axes": [coarse]} if dummy_2d else {})}
@@ -59,7 +89,7 @@ def nnunet_overrides(n_cases: int, batch: int, regions: bool, thin: bool, stages
     (a U-Net of ``stages`` stages; with 2 there is one decoder scale and nothing to supervise deeply)."""
     steps = steps_per_epoch(n_cases, batch)
     return {
-        "model": {"args": {"deep_supervision": stages >= 3}},
+        "model": {"args": {"deep_supervision": stages >= 3, **({"init": "he"} if HE_INIT else {})}},
         "data": {"args": {"oversample": "batch_tail", "placement": "nnunet"}},
         "loss": {"name": "dice_ce", "args": {
             "include_background": regions, "softmax": not regions, "sigmoid": regions, "squared_pred": False,
@@ -95,6 +125,8 @@ def trainer_choices(trainer: str, ov: dict[str, Any], n_cases: int) -> list[tupl
         ("model.args.deep_supervision", ov["model"]["args"]["deep_supervision"],
          "logits at every decoder scale in training, weights 1/2^i, the lowest 0, normalised; targets by "
          "nearest-exact down-sampling (off with a single decoder scale)"),
+        *([("model.args.init", "he", "nnU-Net's InitWeights_He(1e-2): Kaiming-normal conv weights for leaky ReLU "
+                                     "0.01, zero biases")] if HE_INIT else []),
         ("train.clip_grad", ov["train"]["clip_grad"], "nnUNetTrainer.train_step: clip_grad_norm_(parameters, 12)"),
         ("train.epochs", ov["train"]["epochs"],
          f"nnU-Net's {NNUNET_EPOCHS} epochs x {NNUNET_ITERATIONS} iterations = {total} iterations, at {steps} "
