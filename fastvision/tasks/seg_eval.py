@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,10 +11,7 @@ from torch import Tensor
 
 from fastvision.metrics import RegionCounts, hd95
 from fastvision.metrics.cases import CaseSums, case_counts, case_scores
-from fastvision.tasks.base import Evaluator
-
-if TYPE_CHECKING:
-    from fastvision.tasks.segment import SegmentationTask
+from fastvision.tasks.base import Evaluator, Task
 
 
 class SegEvaluator(Evaluator):
@@ -26,7 +23,7 @@ class SegEvaluator(Evaluator):
     The sums live on the device of the first batch, so updates never copy to the host.
     """
 
-    def __init__(self, task: SegmentationTask):
+    def __init__(self, task: Task):  # a SegmentationTask (tasks.segment imports this module)
         self.task = task
         self._reset(torch.device("cpu"))
 
