@@ -12,7 +12,11 @@ time (``time.process_time``: one thread each, so a neighbour's load on a shared 
 the pipeline's wall-clock ratio is printed beside it. ``--labels`` sets the classes in the label patch
 (nnU-Net resamples labels per class); two more affine rows time ``label_mode: linear`` and the network's
 patch sampled from nnU-Net's enlarged initial patch (``affine.size``); ``--initial`` feeds both pipelines
-the initial patch, as nnU-Net's loader feeds its transforms.
+the initial patch, as nnU-Net's loader feeds its transforms. Two more rows split the affine: rotation
+only and scale only (fastvision resamples a zoom without rotation separably, one 1-D pass per axis). The
+"in pipeline" column times each op as the pipeline runs it after an earlier op's copy: in place, as
+nnU-Net's transforms update their (cloned) input. Labels: ``--label-dtype`` (uint8 by default, what
+fastvision's 3-D loader gives; the second pass fed int64 labels, copied and narrowed to uint8 in each call).
 
 Usage (about 3 minutes on 2 shared cores)::
 
@@ -76,19 +80,26 @@ res = {"pipeline_s": pipe[0], "pipeline_wall_s": pipe[1],
 # SpatialTransform (its labels always per class, linear) from nnU-Net's enlarged initial patch
 big_img, big_seg = inputs(cfg["initial"])
 res["ops_s"]["affine, from the initial patch"] = rate(ops()["affine"], max(2, n // 4), img=big_img, seg=big_seg)[0]
+# the affine split: rotation (with no scaling) and scaling alone, each forced
+for key, (p_rot, p_scale) in {"affine, rotation only": (1.0, 0.0), "affine, scale only": (0.0, 1.0)}.items():
+    t = ops()["affine"]
+    t.p_rotation, t.p_scaling = p_rot, p_scale
+    res["ops_s"][key] = rate(t, max(2, n // 4))[0]
 print("NNUNET_JSON" + json.dumps(res))
 """
 
 
 def fastvision_times(patch: list[int], channels: int, batch: int, n: int, compiled: bool = False,
-                     labels: int = 2, from_initial: bool = False) -> dict:
+                     labels: int = 2, from_initial: bool = False, label_dtype: str = "uint8") -> dict:
     """Seconds per patch: the nnU-Net pipeline as ``configure --trainer nnunet`` writes it, and each op alone;
-    ``compiled``: with ``affine.compiled`` (the fused kernel, compiled before the clock starts). Two more
-    affine rows: labels resampled per class (``label_mode: linear``, nnU-Net's rule), and the network's patch
-    sampled from nnU-Net's enlarged initial patch (``size``), both forced to fire."""
+    ``compiled``: with ``affine.compiled`` (the fused kernel, compiled before the clock starts). More affine
+    rows: labels resampled per class (``label_mode: linear``, nnU-Net's rule), the network's patch sampled
+    from nnU-Net's enlarged initial patch (``size``), rotation only and scale only, all forced to fire.
+    ``ops_inplace_s``: each op as it runs inside the pipeline, on a tensor an earlier op made (which it
+    updates in place; alone, an op leaves the caller's input as it was and writes a new tensor)."""
     import torch
 
-    from fastvision.data.augment.spatial import affine, build_augment
+    from fastvision.data.augment.spatial import _Rng, affine, build_augment
     from fastvision.planning.configure.recipe import augmentation
     from fastvision.planning.configure.trainer import initial_patch
 
@@ -97,11 +108,11 @@ def fastvision_times(patch: list[int], channels: int, batch: int, n: int, compil
     big = initial_patch(patch, spec["affine"]["degrees"], False, 0)
     g = torch.Generator().manual_seed(0)
     img = torch.randn(batch, channels, *patch, generator=g)
-    seg = torch.randint(0, labels, (batch, *patch), generator=g)
+    seg = torch.randint(0, labels, (batch, *patch), generator=g).to(getattr(torch, label_dtype))
     if compiled:
         spec["affine"]["compiled"] = True
         for k in range(1, batch + 1):  # compile for every count of firing samples
-            affine(img[:k], seg[:k].to(torch.uint8), torch.zeros(k, 3), torch.ones(k, 3), compiled=True)
+            affine(img[:k], seg[:k].to(torch.uint8), torch.full((k, 3), 0.1), torch.ones(k, 3), compiled=True)
 
     def rate(aug, n: int, img=img, seg=seg) -> tuple[float, float]:
         for _ in range(8):  # warm-up, as the other side
@@ -111,24 +122,34 @@ def fastvision_times(patch: list[int], channels: int, batch: int, n: int, compil
             aug(img.clone(), seg.clone(), g)
         return (time.process_time() - c0) / (n * batch), (time.perf_counter() - t0) / (n * batch)
 
-    ops = {}
+    def _owner(gen, batch: int, device) -> _Rng:
+        """A random source whose caller holds no tensor: the op owns its input, as after an earlier op."""
+        rng = _Rng(gen, batch, device)
+        rng.caller = set()
+        return rng
+
+    def forced(opts: dict) -> dict:
+        return {k: (1.0 if k.endswith("prob") else v) for k, v in opts.items()}
+
+    ops, inplace, n_op = {}, {}, max(1, n // (4 * batch))
     for name, opts in spec.items():
         if opts is None:
             continue
-        forced = {k: (1.0 if k.endswith("prob") else v) for k, v in opts.items()}
-        ops[name] = rate(build_augment(3, **{name: forced}), max(1, n // (4 * batch)))[0]
-    forced = {k: (1.0 if k.endswith("prob") else v) for k, v in spec["affine"].items()}
-    ops["affine, linear labels"] = rate(build_augment(3, affine={**forced, "label_mode": "linear"}),
-                                        max(1, n // (4 * batch)))[0]
+        ops[name] = rate(build_augment(3, **{name: forced(opts)}), n_op)[0]
+        op = build_augment(3, **{name: forced(opts)}).ops[0][1]
+        inplace[name] = rate(lambda x, y, gen, op=op: op(x, y, _owner(gen, batch, x.device)), n_op)[0]
+    aff = forced(spec["affine"])
+    ops["affine, linear labels"] = rate(build_augment(3, affine={**aff, "label_mode": "linear"}), n_op)[0]
     big_img = torch.randn(batch, channels, *big, generator=g)
-    big_seg = torch.randint(0, labels, (batch, *big), generator=g)
+    big_seg = torch.randint(0, labels, (batch, *big), generator=g).to(seg.dtype)
     ops["affine, from the initial patch"] = rate(
-        build_augment(3, affine={**forced, "label_mode": "linear", "size": list(patch)}), max(1, n // (4 * batch)),
-        big_img, big_seg)[0]
+        build_augment(3, affine={**aff, "label_mode": "linear", "size": list(patch)}), n_op, big_img, big_seg)[0]
+    for key, (p_rot, p_scale) in {"affine, rotation only": (1.0, 0.0), "affine, scale only": (0.0, 1.0)}.items():
+        ops[key] = rate(build_augment(3, affine={**aff, "rotate_prob": p_rot, "zoom_prob": p_scale}), n_op)[0]
     if from_initial:  # the affine samples the network's patch from the loader's enlarged one
         spec["affine"].update(size=list(patch), label_mode="linear")
     pipe = rate(build_augment(3, **spec), max(1, n // batch), *((big_img, big_seg) if from_initial else ()))
-    return {"pipeline_s": pipe[0], "pipeline_wall_s": pipe[1], "ops_s": ops}
+    return {"pipeline_s": pipe[0], "pipeline_wall_s": pipe[1], "ops_s": ops, "ops_inplace_s": inplace}
 
 
 def main() -> None:
@@ -141,6 +162,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compiled", action="store_true", help="fastvision's affine with its compiled CPU kernel")
     ap.add_argument("--labels", type=int, default=2, help="classes in the label patch (background included)")
+    ap.add_argument("--label-dtype", default="uint8", choices=["uint8", "int16", "int64"],
+                    help="fastvision's label patch dtype (uint8: what its 3-D loader gives, preprocess3d; "
+                         "nnU-Net's side gets int16, its own)")
     ap.add_argument("--initial", action="store_true",
                     help="both pipelines start from nnU-Net's enlarged initial patch (fastvision: affine.size, "
                          "label_mode linear), as nnU-Net's loader feeds its transforms")
@@ -156,7 +180,7 @@ def main() -> None:
     fv, nn = [], []
     for _ in range(args.rounds):  # interleaved: a neighbour's load hits both sides alike
         fv.append(fastvision_times(args.patch, args.channels, args.batch, args.n, args.compiled, args.labels,
-                                   args.initial))
+                                   args.initial, args.label_dtype))
         r = subprocess.run([args.nnunet_python, "-c", NNUNET, json.dumps(cfg)], env=env, capture_output=True,
                            text=True, check=False)
         line = next((x for x in r.stdout.splitlines() if x.startswith("NNUNET_JSON")), None)
@@ -170,7 +194,7 @@ def main() -> None:
     f_pipe, n_pipe = med(fv, "pipeline_s"), med(nn, "pipeline_s")
     f_wall, n_wall = med(fv, "pipeline_wall_s"), med(nn, "pipeline_wall_s")
     out = {"patch": args.patch, "channels": args.channels, "batch": args.batch, "rounds": args.rounds,
-           "from_initial": args.initial,
+           "from_initial": args.initial, "label_dtype": args.label_dtype,
            "compiled": args.compiled,
            "fastvision_patches_per_s_per_core": 1 / f_pipe, "nnunet_patches_per_s_per_core": 1 / n_pipe,
            "ratio": n_pipe / f_pipe, "wall_ratio": n_wall / f_wall, "ops_ms": {}}
@@ -178,12 +202,19 @@ def main() -> None:
     print(f"pipeline (CPU time): fastvision {1 / f_pipe:.2f} patches/s (batch {args.batch}), nnU-Net "
           f"{1 / n_pipe:.2f} patches/s: {n_pipe / f_pipe:.2f}x; wall clock {1 / f_wall:.2f} vs {1 / n_wall:.2f}: "
           f"{n_wall / f_wall:.2f}x")
-    print(f"{'op (fires, p = 1)':<32} {'fastvision ms':>14} {'nnU-Net ms':>11} {'ratio':>6}  (CPU time per patch)")
+    rounds = [(1 / f["pipeline_s"], 1 / m["pipeline_s"]) for f, m in zip(fv, nn, strict=True)]
+    out["rounds_patches_per_s"] = [{"fastvision": a, "nnunet": b} for a, b in rounds]
+    print("per round (fastvision / nnU-Net patches/s, ratio): "
+          + "; ".join(f"{a:.1f} / {b:.1f}, {a / b:.2f}x" for a, b in rounds))
+    print(f"{'op (fires, p = 1)':<32} {'fastvision ms':>14} {'in pipeline':>12} {'nnU-Net ms':>11} {'ratio':>6} "
+          f"{'ratio in pipeline':>18}  (CPU time per patch)")
     for op in fv[0]["ops_s"]:
         theirs = "affine" if op == "affine, linear labels" else op  # SpatialTransform's labels are always linear
         a, b = med(fv, None, op) * 1e3, (med(nn, None, theirs) * 1e3 if theirs in nn[0]["ops_s"] else float("nan"))
-        out["ops_ms"][op] = {"fastvision": a, "nnunet": b}
-        print(f"{op:<32} {a:>14.2f} {b:>11.2f} {b / a:>6.2f}")
+        c = (statistics.median(r["ops_inplace_s"][op] for r in fv) * 1e3 if op in fv[0]["ops_inplace_s"]
+             else float("nan"))
+        out["ops_ms"][op] = {"fastvision": a, "fastvision_in_pipeline": c, "nnunet": b}
+        print(f"{op:<32} {a:>14.2f} {c:>12.2f} {b:>11.2f} {b / a:>6.2f} {b / c:>18.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

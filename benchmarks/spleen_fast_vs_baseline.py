@@ -8,7 +8,9 @@ preprocessing (RAS, resampling, CT window -57..164 HU -> 0..1, crop to foregroun
 patch size and validation (sliding window; the mean over validation cases of each case's foreground
 Dice, the tutorial's ``DiceMetric`` and the recipes' ``dice``; until issue 41 MONAI's side pooled the
 cases) and stop at the same target. ``spleen_levers.py`` reuses both runners with a validation cadence
-(``val_every``, MONAI's ``val_interval``) and window (``roi``) of its own, and ``--set`` overrides.
+(``val_every``, MONAI's ``val_interval``) and window (``roi``) of its own, and ``--set`` overrides;
+``monai_val_window: whole`` / ``halves`` validates MONAI's side in fastvision's ``task.args.val_window``
+layout (:func:`monai_window`).
 
 1. ``fastvision.train("unet3d-spleen-fast", target=...)``: DiceCE, SGD 0.2, thread loader.
 2. ``fastvision.train("unet3d-spleen-baseline", target=...)``: Dice, Adam 2e-4, process loader.
@@ -65,7 +67,36 @@ def fastvision_run(recipe: str, data: Path, out: Path, a: argparse.Namespace, fi
                              "task.args.sliding_window.sw_batch_size": 4,
                              **({"data.num_workers": 2} if recipe.endswith("baseline") else {}), **(extra or {})})
     return {"reached": bool(s.get("target_reached")), "train_s": s.get("time_to_target_s", s["train_time_s"]),
-            "wall_s": time.perf_counter() - t0, "epochs": s.get("target_epoch", s["epochs"]), "dice": s.get("dice")}
+            "wall_s": time.perf_counter() - t0, "epochs": s.get("target_epoch", s["epochs"]), "dice": s.get("dice"),
+            "curve": dice_curve(out / name / "metrics.jsonl")}
+
+
+def dice_curve(metrics: Path) -> list[tuple[int, float]]:
+    """(epoch, per-case Dice) of every validation of a fastvision run (its ``metrics.jsonl``)."""
+    curve = []
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        rec = json.loads(line)
+        step, data = rec.get("step"), rec.get("data") or {}
+        if isinstance(step, list) and len(step) == 1 and "dice" in data:
+            curve.append((step[0] + 1, round(float(data["dice"]), 4)))
+    return curve
+
+
+def monai_window(a: argparse.Namespace, shape: tuple[int, ...], divisor: int) -> tuple[list[int], float]:
+    """MONAI's validation window and overlap: the benchmark's ``roi`` (overlap 0.25), or with
+    ``monai_val_window`` ``whole`` / ``halves`` the layout of fastvision's ``task.args.val_window``
+    (:func:`fastvision.tasks.seg_eval.validation_window`): the volume rounded up to the network's
+    divisor in one window, or two along its longest axis (overlap 0; MONAI pads symmetrically, as
+    fastvision, and places the two windows at 0 and the far end, as fastvision)."""
+    how = getattr(a, "monai_val_window", "roi")
+    if how == "roi":
+        return list(getattr(a, "roi", None) or a.patch), 0.25
+    roi = [-(-s // divisor) * divisor for s in shape]
+    if how == "halves":
+        k = max(range(len(shape)), key=lambda i: shape[i])
+        half = (shape[k] + 1) // 2
+        roi[k] = min(roi[k], -(-half // divisor) * divisor)
+    return roi, 0.0
 
 
 def monai_run(data: Path, a: argparse.Namespace, filters: list[int]) -> dict:
@@ -125,9 +156,9 @@ def monai_run(data: Path, a: argparse.Namespace, filters: list[int]) -> dict:
         scores = []
         with torch.no_grad():  # the mean over cases of each case's foreground Dice: the tutorial's DiceMetric
             for item in val_ds:
-                roi = getattr(a, "roi", None) or a.patch
+                roi, overlap = monai_window(a, tuple(item["image"].shape[1:]), 2 ** (len(filters) - 1))
                 logits = sliding_window_inference(item["image"][None].as_tensor(), roi, 4, model, mode="constant",
-                                                  overlap=0.25)
+                                                  overlap=overlap)
                 pred, lab = logits.argmax(1)[0] == 1, item["label"][0].as_tensor() == 1
                 tp, fp, fn = int((pred & lab).sum()), int((pred & ~lab).sum()), int((~pred & lab).sum())
                 scores.append(2 * tp / max(1, 2 * tp + fp + fn))

@@ -22,8 +22,11 @@ lever is the warm disk cache), ``cpu_s`` the process CPU time of the run (less d
 on a shared machine than the wall time).
 
 Usage: ``python benchmarks/spleen_levers.py [--seeds 0 1 2] [--rounds 1] [--levers NAME ...] [--combo NAME ...]
-[--json FILE]``
-(``--list`` prints the levers; ``--validation-parts X Y Z`` times only the validation's scoring).
+[--monai-also halves] [--json FILE]``
+(``--list`` prints the levers; ``--validation-parts X Y Z`` times only the validation's scoring;
+``--window-cost X Y Z`` only one validation volume's forward per ``task.args.val_window`` layout;
+``--monai-also whole|halves`` also runs MONAI validating in that layout, the fair pair of a lever that
+sets ``task.args.val_window``: the layout changes the score on both sides).
 """
 from __future__ import annotations
 
@@ -64,6 +67,20 @@ LEVERS: dict[str, tuple[dict, dict]] = {
     "num_samples 2 at batch 2": ({"data.args.num_samples": 2}, {"batch": 2}),
     "num_samples 4 at batch 2": ({"data.args.num_samples": 4}, {"batch": 2}),
     "batch 2, no validation loss (task.args.val_loss false)": ({"task.args.val_loss": False}, {"batch": 2}),
+    # round 3 (issue 41 item 4): deep supervision, validation cost and cadence, against the shipped batch 2
+    "batch 2, deep supervision": ({"model.args.deep_supervision": True}, {"batch": 2}),
+    "batch 2, whole-volume validation": ({"task.args.val_window": "whole"}, {"batch": 2}),
+    "batch 2, validate every 2 epochs": ({"train.val_every": 2}, {"batch": 2}),
+    "batch 2, whole-volume validation every 2 epochs": ({"task.args.val_window": "whole", "train.val_every": 2},
+                                                        {"batch": 2}),
+    "batch 2, whole-volume validation every epoch": ({"task.args.val_window": "whole", "train.val_every": 1},
+                                                     {"batch": 2}),
+    "batch 2, validation in two halves": ({"task.args.val_window": "halves"}, {"batch": 2}),
+    "batch 2, validation in two halves every 2 epochs": ({"task.args.val_window": "halves", "train.val_every": 2},
+                                                         {"batch": 2}),
+    "batch 2, validation in two halves every epoch": ({"task.args.val_window": "halves", "train.val_every": 1},
+                                                      {"batch": 2}),
+    "batch 2, validate every epoch": ({"train.val_every": 1}, {"batch": 2}),
 }
 
 
@@ -86,22 +103,26 @@ def timed(fn, *args) -> dict:
     return {**r, "cpu_s": time.process_time() - c}
 
 
-def per_round(rs: list[dict], monai: list[dict]) -> list[str]:
+def per_round(rs: list[dict], monai: list[dict], key: str = "wall_s") -> list[str]:
     """Each round's summed wall time over its seeds, over MONAI's in the same round: long enough to
     steady the ratio, and the seeds' epochs are the same in every round. A run that missed the target
     counts its whole time (a lower bound of its time to target)."""
     rounds = sorted({r["round"] for r in rs})
-    total = {k: sum(m["wall_s"] for m in monai if m["round"] == k) for k in rounds}
-    return [f"{sum(r['wall_s'] for r in rs if r['round'] == k) / total[k]:.2f}" for k in rounds]
+    total = {k: sum(m[key] for m in monai if m["round"] == k) for k in rounds}
+    return [f"{sum(r[key] for r in rs if r['round'] == k) / total[k]:.2f}" for k in rounds]
 
 
-def table(runs: dict[str, list[dict]], monai: list[dict]) -> list[str]:
+def table(runs: dict[str, list[dict]], monai: list[dict], monai_whole: list[dict] | None = None) -> list[str]:
     """Markdown rows: medians over the runs (seeds x rounds), and each run's wall ratio to the MONAI run
-    of the same seed and round."""
+    of the same seed and round; with ``monai_whole`` (MONAI validating in ``--monai-also``'s layout) also
+    each round's summed wall and CPU time over that MONAI's."""
+    extra = monai_whole is not None
     rows = ["| pipeline | reached | epochs per seed | train s | wall s | train / MONAI | wall / MONAI "
-            "| CPU s / MONAI | wall / MONAI, each run | all seeds' wall / MONAI's, each round |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, rs in [("MONAI fast tutorial", monai), *runs.items()]:
+            "| CPU s / MONAI | wall / MONAI, each run | all seeds' wall / MONAI's, each round |"
+            + (" all seeds' wall; CPU / that MONAI's (validating as val_window), each round |" if extra else ""),
+            "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if extra else "")]
+    pipelines = [("MONAI fast tutorial", monai)] + ([("MONAI, validation as val_window", monai_whole)] if extra else [])
+    for name, rs in [*pipelines, *runs.items()]:
         med = {k: float(np.median([r[k] for r in rs])) for k in ("train_s", "wall_s")}
         ratio = {k: [r[k] / m[k] for r, m in zip(rs, monai, strict=True)] for k in ("train_s", "wall_s", "cpu_s")}
         n_seeds = len({r["seed"] for r in rs})
@@ -110,7 +131,9 @@ def table(runs: dict[str, list[dict]], monai: list[dict]) -> list[str]:
         rows.append(f"| {name} | {sum(r['reached'] for r in rs)}/{len(rs)} | {epochs} | {mark}{med['train_s']:.1f} | "
                     f"{mark}{med['wall_s']:.1f} | {np.median(ratio['train_s']):.2f} | "
                     f"**{np.median(ratio['wall_s']):.2f}** | {np.median(ratio['cpu_s']):.2f} | "
-                    f"{', '.join(f'{w:.2f}' for w in ratio['wall_s'])} | {', '.join(per_round(rs, monai))} |")
+                    f"{', '.join(f'{w:.2f}' for w in ratio['wall_s'])} | {', '.join(per_round(rs, monai))} |"
+                    + (f" {', '.join(per_round(rs, monai_whole))}; {', '.join(per_round(rs, monai_whole, 'cpu_s'))} |"
+                       if extra else ""))
     return rows
 
 
@@ -143,6 +166,40 @@ def validation_parts(shape: list[int], rounds: int) -> None:
               f"torch threads {torch.get_num_threads()})")
 
 
+def window_cost(shape: list[int], roi: list[int], filters: list[int], rounds: int) -> None:
+    """CPU milliseconds of one validation volume's forward, the recipe's sliding window against
+    ``task.args.val_window`` ``whole`` and ``halves``, interleaved rounds (medians), eval mode and no
+    autograd as in validation; and how far their logits and masks differ from the recipe's window's on
+    an untrained net (border context only: a pointwise net gives the same logits either way,
+    tests/tasks/test_val_window.py)."""
+    import torch
+
+    from fastvision.losses import DiceCELoss
+    from fastvision.models import create_model
+    from fastvision.tasks.segment import SegmentationTask
+
+    torch.manual_seed(0)
+    net = create_model("unet3d-spleen", filters=tuple(filters)).eval()
+    window = {"roi_size": roi, "overlap": 0.25, "mode": "constant", "sw_batch_size": 4}
+    tasks = {v: SegmentationTask(num_classes=2, sliding_window=window, val_window=v, loss=DiceCELoss())
+             for v in ("roi", "whole", "halves")}
+    x = torch.rand(1, 1, *shape)
+    times: dict[str, list[float]] = {k: [] for k in tasks}
+    with torch.no_grad():
+        out = {k: t.eval_forward(net, {"image": x}) for k, t in tasks.items()}
+        for _ in range(rounds):
+            for k, t in tasks.items():
+                c = time.process_time()
+                t.eval_forward(net, {"image": x})
+                times[k].append((time.process_time() - c) * 1e3)
+    masks = {k: v.argmax(1) for k, v in out.items()}
+    print(f"volume {shape}, window {roi}, widths {filters}, torch threads {torch.get_num_threads()}: CPU ms "
+          + ", ".join(f"{k} {np.median(v):.1f}" for k, v in times.items()) + f" (median of {rounds})")
+    for k in ("whole", "halves"):
+        print(f"untrained net, {k} against roi: max |logit difference| {float((out['roi'] - out[k]).abs().max()):.3g}, "
+              f"masks differ in {float((masks['roi'] != masks[k]).float().mean()) * 100:.2f} % of voxels")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", type=float, default=0.85, help="per-case foreground Dice to reach")
@@ -162,9 +219,13 @@ def main() -> None:
     p.add_argument("--levers", nargs="*", default=None, help="lever names (default: all); see --list")
     p.add_argument("--combo", nargs="*", default=None, help="also run these levers together (names)")
     p.add_argument("--no-monai", action="store_true", help="skip MONAI (exploring levers only)")
+    p.add_argument("--monai-also", choices=("whole", "halves"), default=None,
+                   help="also run MONAI validating in this layout (the fair pair of task.args.val_window)")
     p.add_argument("--list", action="store_true")
     p.add_argument("--validation-parts", type=int, nargs=3, default=None, metavar=("X", "Y", "Z"),
                    help="only time the validation's scoring on one volume of this shape (old and new path)")
+    p.add_argument("--window-cost", type=int, nargs=3, default=None, metavar=("X", "Y", "Z"),
+                   help="only time one validation forward of a volume of this shape, --roi window against whole")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
@@ -174,6 +235,9 @@ def main() -> None:
     import torch._dynamo  # noqa: F401  (imported before any clock, as in spleen_fast_vs_baseline.py)
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if a.window_cost:
+        window_cost(a.window_cost, a.roi, [w // a.width for w in (32, 64, 128, 256, 512)], max(5, a.rounds))
+        return
     if a.validation_parts:
         validation_parts(a.validation_parts, max(5, a.rounds))
         return
@@ -194,6 +258,7 @@ def main() -> None:
             run_lever(name, data, out, argparse.Namespace(**{**vars(a), "max_epochs": 1, "seed": 0}), filters)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     monai: list[dict] = []
+    monai_whole: list[dict] = []
     loads = []
     for rnd in range(a.rounds):  # a round: every seed; a seed: MONAI, then the levers in a rotated order
         for seed in a.seeds:
@@ -202,6 +267,10 @@ def main() -> None:
             sa = argparse.Namespace(**{**vars(a), "seed": seed})
             if not a.no_monai:
                 monai.append({**timed(monai_run, data, sa, filters), "seed": seed, "round": rnd})
+            if a.monai_also:
+                wa = argparse.Namespace(**{**vars(sa), "monai_val_window": a.monai_also})
+                monai_whole.append({**timed(monai_run, data, wa, filters), "seed": seed, "round": rnd})
+                print(f"round {rnd + 1} seed {seed} MONAI {a.monai_also} validation: {monai_whole[-1]}", flush=True)
             k = (rnd * len(a.seeds) + a.seeds.index(seed)) % len(names)
             for name in names[k:] + names[:k]:
                 runs[name].append({**timed(run_lever, name, data, out, sa, filters), "seed": seed, "round": rnd})
@@ -213,14 +282,15 @@ def main() -> None:
           f"widths {filters}, torch threads {torch.get_num_threads()}, seeds {a.seeds} x {a.rounds} round(s), "
           f"1-min load at each round's start {', '.join(f'{x:.2f}' for x in loads)}: medians\n")
     if monai:
-        print("\n".join(table(runs, monai)))
+        print("\n".join(table(runs, monai, monai_whole if a.monai_also else None)))
     else:
         for name, rs in runs.items():
             print(name, [(r["seed"], r["epochs"], round(r["train_s"], 1), round(r["wall_s"], 1), r["reached"])
                          for r in rs])
     if a.json:
         a.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-                                      "monai": monai, "runs": runs, "loads": loads}, indent=2))
+                                      "monai": monai, "monai_whole": monai_whole, "runs": runs, "loads": loads},
+                                     indent=2))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,11 @@ validating the same cases (sliding window, per-case Dice) at the same iterations
 nnU-Net steps its poly schedule once per (cut) epoch; fastvision's `--trainer nnunet` side gets the same
 steps (``--schedule epoch``, the default; :func:`cut_schedule`). ``--set KEY=JSON`` changes one key of
 the fastvision side (one difference measured alone), ``--reuse-nnunet`` takes the nnU-Net side saved by
-an earlier run in the same ``--work`` folder, ``--trainers`` picks the fastvision sides.
+an earlier run in the same ``--work`` folder, ``--trainers`` picks the fastvision sides (none: nnU-Net's
+alone). nnU-Net is not seeded, so its runs differ: ``--nnunet-runs N`` trains N of them, each saved
+(:func:`nnunet_runs`; a repeat reuses the folder's preprocessed data), and ``--compare NAME=GLOB ...``
+compares saved runs without training: each group's mean Dice per checkpoint and each group against the
+first (bootstrap CI and permutation test of the difference of means, :func:`diff_stats`).
 
 Where the configured recipe cuts the network's patch from nnU-Net's enlarged initial patch
 (``data.augment.affine.size``), the fastvision side's loader patch is the initial patch around nnU-Net's.
@@ -54,14 +58,15 @@ NNUNET = r"""
 import json, os, sys, time
 import numpy as np, torch
 did, raw, iters, per_epoch, val_every, cores = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
-split = json.loads(sys.argv[7])
+split, prepare = json.loads(sys.argv[7]), sys.argv[8] == "1"
 pre = os.environ["nnUNet_preprocessed"]
 from nnunetv2.dataset_conversion.convert_MSD_dataset import convert_msd_dataset
 from nnunetv2.experiment_planning.plan_and_preprocess_api import extract_fingerprints, plan_experiments, preprocess
-convert_msd_dataset(raw, overwrite_target_id=int(did), num_processes=cores)
-extract_fingerprints([int(did)], num_processes=cores)
-plan_experiments([int(did)], gpu_memory_target_in_gb=8)
-preprocess([int(did)], configurations=("3d_fullres",), num_processes=(cores,))
+if prepare:  # a repeated run in the same folder trains on the data its first run preprocessed
+    convert_msd_dataset(raw, overwrite_target_id=int(did), num_processes=cores)
+    extract_fingerprints([int(did)], num_processes=cores)
+    plan_experiments([int(did)], gpu_memory_target_in_gb=8)
+    preprocess([int(did)], configurations=("3d_fullres",), num_processes=(cores,))
 name = [d for d in os.listdir(pre) if d.startswith(f"Dataset{did}_")][0]
 json.dump([split], open(os.path.join(pre, name, "splits_final.json"), "w"))
 plans = json.load(open(os.path.join(pre, name, "nnUNetPlans.json")))
@@ -120,10 +125,29 @@ def nnunet_side(python: str, work: Path, data: Path, did: int, args, split: dict
                PYTHONPATH="")
     for k in ("raw", "pre", "res"):
         (work / k).mkdir(parents=True, exist_ok=True)
+    prepared = any((d / "nnUNetPlans_3d_fullres").is_dir() for d in (work / "pre").glob(f"Dataset{did}_*"))
     out = run([python, "-c", NNUNET, str(did), str(data), str(args.iterations), str(args.per_epoch),
-               str(args.val_every), str(args.cores), json.dumps(split)], env, args.timeout)
+               str(args.val_every), str(args.cores), json.dumps(split), "0" if prepared else "1"],
+              env, args.timeout)
     line = next(x for x in out.splitlines() if x.startswith("NNUNET_JSON"))
     return json.loads(line[len("NNUNET_JSON"):])
+
+
+def nnunet_runs(args, work: Path, data: Path, did: int, split: dict) -> list[dict]:
+    """The nnU-Net side: ``--nnunet-runs`` fresh trainings (nnU-Net is not seeded, so its runs differ),
+    each saved as WORK/KIND/nnunet_side-N.json (N the next free index, so several invocations gather
+    runs) and the latest also as nnunet_side.json, which ``--reuse-nnunet`` takes instead of training."""
+    saved = work / "nnunet_side.json"
+    if args.reuse_nnunet and saved.is_file():
+        return [json.loads(saved.read_text())]
+    runs = []
+    for _ in range(args.nnunet_runs):
+        nn = nnunet_side(args.nnunet_python, work, data, did, args, split)
+        index = len(list(work.glob("nnunet_side-*.json")))
+        (work / f"nnunet_side-{index}.json").write_text(json.dumps(nn))
+        saved.write_text(json.dumps(nn))
+        runs.append(nn)
+    return runs
 
 
 def cut_schedule(nn_epochs: int, per_epoch: int, steps: int) -> dict:
@@ -205,6 +229,62 @@ def summarise(sides: dict[str, dict]) -> dict:
     return out
 
 
+def load_curves(pattern: str) -> list[list[dict]]:
+    """The validation curves in the JSON files ``pattern`` matches (a glob): an nnU-Net side saved by
+    :func:`nnunet_runs` (``{"curve": ...}``) or a ``--json`` report (each ``fastvision-*`` side of it)."""
+    import glob
+
+    curves = []
+    for f in sorted(glob.glob(pattern)):
+        d = json.load(open(f))
+        if "curve" in d:
+            curves.append(d["curve"])
+            continue
+        for kind in (v for k, v in d.items() if k != "args"):
+            curves += [v["curve"] for k, v in kind.items() if k.startswith("fastvision-")]
+    return curves
+
+
+def diff_stats(a, b, n: int = 20000, seed: int = 0) -> dict:
+    """mean(a) - mean(b) with a 95 % percentile bootstrap CI (each group resampled with replacement, ``n``
+    times) and a two-sided permutation p-value (``n`` random relabellings of the pooled runs; numpy only)."""
+    import numpy as np
+
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    rng = np.random.default_rng(seed)
+    boot = (a[rng.integers(0, len(a), (n, len(a)))].mean(1) - b[rng.integers(0, len(b), (n, len(b)))].mean(1))
+    d = a.mean() - b.mean()
+    pooled = np.concatenate([a, b])
+    perm = np.argsort(rng.random((n, len(pooled))), axis=1)
+    diffs = pooled[perm[:, :len(a)]].mean(1) - pooled[perm[:, len(a):]].mean(1)
+    p = (np.sum(np.abs(diffs) >= abs(d) - 1e-12) + 1) / (n + 1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return {"diff": float(d), "ci95": [float(lo), float(hi)], "p": float(p)}
+
+
+def compare(groups: list[str], low: float = 0.5, high: float = 0.8) -> None:
+    """Print each group's mean Dice per checkpoint, its runs below ``low`` / between / at or above ``high``
+    at the first checkpoint (MR's modes: about 0.44, the second class not yet predicted, and about 0.87),
+    and each group against the first (:func:`diff_stats`)."""
+    import numpy as np
+
+    named = [(g.split("=", 1)[0], load_curves(g.split("=", 1)[1])) for g in groups]
+    its = [p["iterations"] for p in named[0][1][0]]
+    table = {}
+    for name, curves in named:
+        table[name] = np.array([[next(p["dice"] for p in c if p["iterations"] == i) for i in its] for c in curves])
+        m, first = table[name].mean(0), table[name][:, 0]
+        print(f"{name:<12} n={len(curves)}  mean " + " / ".join(f"{x:.3f}" for x in m) +
+              f"  at {its[0]}: {int((first < low).sum())} < {low}, {int(((first >= low) & (first < high)).sum())} "
+              f"between, {int((first >= high).sum())} >= {high}")
+    ref = named[0][0]
+    for name, _ in named[1:]:
+        for j, i in enumerate(its):
+            r = diff_stats(table[name][:, j], table[ref][:, j])
+            print(f"  {name} - {ref} at {i:>3}: {r['diff']:+.3f}  95% CI [{r['ci95'][0]:+.3f}, "
+                  f"{r['ci95'][1]:+.3f}]  p={r['p']:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nnunet-python", default="/work/nnunet-venv/bin/python")
@@ -216,7 +296,10 @@ def main() -> None:
     ap.add_argument("--datasets", nargs="+", default=[d[1] for d in DATASETS])
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--trainers", nargs="+", default=["nnunet", "fast"], choices=["nnunet", "fast"])
+    ap.add_argument("--trainers", nargs="*", default=["nnunet", "fast"], choices=["nnunet", "fast"],
+                    help="the fastvision sides (none: the nnU-Net side alone)")
+    ap.add_argument("--nnunet-runs", type=int, default=1,
+                    help="fresh nnU-Net runs per dataset (nnU-Net is not seeded; each is saved, see nnunet_runs)")
     ap.add_argument("--schedule", choices=["epoch", "iteration"], default="epoch",
                     help="fastvision's poly stepped as nnU-Net's cut run steps it (epoch) or per iteration")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
@@ -224,7 +307,11 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the fastvision run folders")
     ap.add_argument("--reuse-nnunet", action="store_true",
                     help="take the nnU-Net side from WORK/KIND/nnunet_side.json of an earlier run")
+    ap.add_argument("--compare", nargs="+", metavar="NAME=GLOB",
+                    help="no training: compare saved runs' curves, each group against the first (see compare)")
     args = ap.parse_args()
+    if args.compare:
+        return compare(args.compare)
     from fastvision.data.formats.decathlon import kfold_split
     from fastvision.data.synth import load_all
 
@@ -237,16 +324,13 @@ def main() -> None:
         ids = sorted(Path(c["image"]).name.replace(".nii.gz", "")
                      for c in json.load(open(data / "dataset.json"))["training"])
         train, val = kfold_split(ids, 0, 5)
-        saved = work / "nnunet_side.json"
-        if args.reuse_nnunet and saved.is_file():
-            nn = json.loads(saved.read_text())
-        else:
-            nn = nnunet_side(args.nnunet_python, work, data, did, args, {"train": train, "val": val})
-            saved.write_text(json.dumps(nn))
+        runs = nnunet_runs(args, work, data, did, {"train": train, "val": val})
+        nn = runs[0]
         extra = dict(kv.split("=", 1) for kv in args.set)
         extra = {k: json.loads(v) for k, v in extra.items()}
-        sides = {"nnunet": nn, **{f"fastvision-{t}": fastvision_side(data, work, t, nn, args, extra, args.tag)
-                                  for t in args.trainers}}
+        sides = {**{"nnunet" + (f"-{i}" if i else ""): r for i, r in enumerate(runs)},
+                 **{f"fastvision-{t}": fastvision_side(data, work, t, nn, args, extra, args.tag)
+                    for t in args.trainers}}
         report[kind] = {"plan": {k: nn[k] for k in ("patch", "batch", "features", "strides", "spacing")},
                         **summarise(sides)}
         r = report[kind]

@@ -164,8 +164,10 @@ class UNet(nn.Module):
         drop_bias: after initialisation, remove the bias of every conv that a batch or instance norm
             follows (the norm cancels it: same outputs up to rounding; MLPerf's convs have none).
         deep_supervision: in training, also return logits of the lower decoder scales (nnU-Net): a
-            list, full resolution first, one 1x1 head per lower decoder stage; eval returns the
-            full-resolution logits only. Classic layout with at least two decoder stages.
+            list, full resolution first, one 1x1 head per lower decoder stage i > 0 (1/2^i of the input
+            with the default strides; it reads ``filters[i]`` channels in the classic layout,
+            ``filters[i - 1]`` in the residual one); eval returns the full-resolution logits
+            only, which the heads do not touch. Needs at least two decoder stages.
 
     Shapes:
         (B, C_in, *S) -> (B, out_channels, *S); each size in S must be divisible by the product of the
@@ -250,16 +252,18 @@ class UNet(nn.Module):
 
 
 def _ds_heads(spatial_dims: int, filters: Sequence[int], out_channels: int, residual: bool) -> nn.ModuleList:
-    """1x1 logit heads of decoder stages 1 .. depth - 1 (stage 0 is the model's own head)."""
+    """1x1 logit heads of decoder stages 1 .. depth - 1 (stage 0 makes the model's own logits).
+
+    Decoder stage i outputs ``filters[i]`` channels in the classic layout; in the residual layout its
+    up-sampling maps to ``filters[i - 1]`` channels (the width the stage above concatenates), so the
+    head reads those."""
     from fastvision.errors import ConfigError
 
-    if residual:
-        raise ConfigError("model.args.deep_supervision needs the classic U-Net layout (residual: false): the residual "
-                          "layout's decoder stages have no logit heads")
     if len(filters) < 3:
         raise ConfigError(f"model.args.deep_supervision needs at least two decoder scales; filters {list(filters)} "
                           "give one")
-    return nn.ModuleList(conv(spatial_dims)(filters[i], out_channels, 1) for i in range(1, len(filters) - 1))
+    width = (lambda i: filters[i - 1]) if residual else (lambda i: filters[i])
+    return nn.ModuleList(conv(spatial_dims)(width(i), out_channels, 1) for i in range(1, len(filters) - 1))
 
 
 # the generic U-Net: the class is its own builder, its signature the recipe schema
@@ -316,7 +320,12 @@ def unet3d_nonewnet(
 def unet3d_spleen(
     *, in_channels: int = 1, out_channels: int = 2, filters: tuple[int, ...] = (32, 64, 128, 256, 512),
     n_convs: int = 2, norm: NormName = "batch", act: ActName = "prelu", dropout: float = 0.2, drop_bias: bool = False,
+    deep_supervision: bool = False,
 ) -> UNet:
-    """MONAI fast-training spleen net: ``UNet(3, 1, 2, (32..512), strides 2, num_res_units=2, BATCH, 0.2)``."""
+    """MONAI fast-training spleen net: ``UNet(3, 1, 2, (32..512), strides 2, num_res_units=2, BATCH, 0.2)``.
+
+    ``deep_supervision: true`` adds nnU-Net-style 1x1 logit heads on the lower decoder stages (training
+    returns ``[full, 1/2, 1/4, ...]``; MONAI's net has none; the full-resolution logits are unchanged)."""
     return UNet(3, in_channels, out_channels, filters, n_convs=n_convs, norm=norm, act=act, bias=True,
-                down="stride", up="transpose", up_kernel=3, dropout=dropout, residual=True, drop_bias=drop_bias)
+                down="stride", up="transpose", up_kernel=3, dropout=dropout, residual=True, drop_bias=drop_bias,
+                deep_supervision=deep_supervision)

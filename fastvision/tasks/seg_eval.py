@@ -142,3 +142,62 @@ def _hd95_cases(pred: Tensor, truth: Tensor) -> Tensor:
             if torch.isfinite(d):
                 out[i, j] = d
     return out
+
+
+VAL_WINDOW_HELP = ("roi (the sliding window's roi_size), whole, halves, or a positive voxel count (whole where "
+                   "it fits)")
+
+
+def check_val_window(value: Any) -> str | int:
+    """``task.args.val_window`` as given, or a one-line ConfigError naming the key."""
+    if value in ("roi", "whole", "halves") or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    from fastvision.errors import ConfigError
+
+    raise ConfigError(f"task.args.val_window: {value!r}; valid: {VAL_WINDOW_HELP}")
+
+
+def model_divisor(model: torch.nn.Module) -> tuple[int, ...]:
+    """The size every spatial axis of the model's input must divide by (``UNet`` / ``SegResNet``
+    ``divisor``), through DDP, EMA (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    m = model
+    for _ in range(4):
+        if hasattr(m, "divisor"):
+            return tuple(int(d) for d in m.divisor)
+        inner = getattr(m, "_orig_mod", None)  # not `or`: a Sequential of length 0 is falsy
+        m = inner if inner is not None else getattr(m, "module", None)
+        if m is None:
+            break
+    from fastvision.errors import ConfigError
+
+    raise ConfigError(f"task.args.val_window: {type(model).__name__} states no size divisor (UNet and SegResNet "
+                      "do); use val_window: roi")
+
+
+def validation_window(window: dict, spatial: tuple[int, ...], model: torch.nn.Module,
+                      val_window: str | int) -> dict:
+    """The sliding-window arguments of one validation volume (``task.args.val_window``).
+
+    ``roi``: the recipe's window. ``whole``: one window, the volume rounded up per axis to the model's
+    divisor (the window code pads it symmetrically with zeros and crops the logits back), so a volume
+    a few voxels larger than the window no longer costs 2^3 overlapping windows. ``halves``: as
+    ``whole``, but the longest axis is covered by two windows of half its size (rounded up to the
+    divisor; they overlap where that rounding passes the middle) run as one batch of 2: on the CPU,
+    PyTorch runs a batch-1 3-D convolution of a narrow net on its slow path (``slow_conv3d``; a
+    64x64x48 volume at widths 8-128 costs 3x two 32x64x48 windows in one batch). A voxel count: the
+    whole volume where its rounded size fits in that many voxels, else the recipe's window (a memory
+    cap for large volumes). Validation only: ``predict`` keeps the recipe's window.
+    """
+    if val_window == "roi":
+        return window
+    div = model_divisor(model)
+    roi = [math.ceil(s / d) * d for s, d in zip(spatial, div, strict=True)]
+    if val_window not in ("whole", "halves") and math.prod(roi) > val_window:
+        return window
+    if val_window == "halves":
+        a = max(range(len(spatial)), key=lambda i: spatial[i])
+        roi[a] = min(roi[a], math.ceil(math.ceil(spatial[a] / 2) / div[a]) * div[a])
+    # overlap 0: one window per axis, or exactly two on a halved one; constant blending returns a
+    # single window's logits exactly (x * 1 / 1) and averages the two halves where they overlap
+    return {**window, "roi_size": roi, "overlap": 0.0, "mode": "constant",
+            "sw_batch_size": max(2, int(window.get("sw_batch_size", 1)))}

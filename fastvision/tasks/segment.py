@@ -19,7 +19,12 @@ from torch.utils.data import default_collate
 from fastvision.ops.regions import region_lut, region_masks
 from fastvision.registry import TASKS
 from fastvision.tasks.base import DeviceConstants, Evaluator, Task
-from fastvision.tasks.seg_eval import SegEvaluator, foreground_of_two  # noqa: F401 (SegEvaluator re-exported)
+from fastvision.tasks.seg_eval import (  # noqa: F401 (SegEvaluator re-exported)
+    SegEvaluator,
+    check_val_window,
+    foreground_of_two,
+    validation_window,
+)
 
 
 @TASKS.register("segmentation")
@@ -36,6 +41,11 @@ class SegmentationTask(Task):
         region_names: names used in the metric keys (``dice/WT``); default: the region's index.
         sample_shape: (C, *S) of one input, for benchmark mode's synthetic batches.
         sliding_window: validation by sliding window: ``{roi_size, overlap, mode, sw_batch_size}``.
+        val_window: the window of validation (with ``sliding_window``; ``predict`` keeps the recipe's):
+            ``roi`` its ``roi_size``; ``whole`` one forward per volume, the volume padded up to the
+            model's divisor; ``halves`` two windows in one batch, each half the longest axis (the
+            CPU's batch-1 convolutions are slow); a voxel count: ``whole`` where the padded volume
+            has at most that many voxels, else ``roi`` (:func:`~fastvision.tasks.seg_eval.validation_window`).
         eval: ``sliding_window`` (or one plain forward without ``sliding_window``), or ``crop``:
             seed 000's single forward on the centre ``eval_crop`` of each volume (cropped or
             zero-padded per axis); voxels outside the crop are predicted background.
@@ -65,8 +75,8 @@ class SegmentationTask(Task):
                  sample_shape: list[int] = (1, 256, 256), sliding_window: dict | None = None,
                  eval: Literal["sliding_window", "crop"] = "sliding_window", eval_crop: list[int] | None = None,
                  average: Literal["case", "pooled"] = "case", empty: Literal["ignore", "one", "zero"] = "ignore",
-                 hd95: bool = False, val_loss: bool = True, loss: nn.Module, augment=None,
-                 info: dict | None = None):
+                 hd95: bool = False, val_loss: bool = True, val_window: str | int = "roi", loss: nn.Module,
+                 augment=None, info: dict | None = None):
         from fastvision.errors import ConfigError
 
         self.num_classes, self.mode, self.loss_fn, self.augment_fn = num_classes, mode, loss, augment
@@ -83,7 +93,7 @@ class SegmentationTask(Task):
         self.eval_mode, self.average, self.empty, self.hd95 = eval, average, empty, hd95
         if not isinstance(val_loss, bool):
             raise ConfigError(f"task.args.val_loss must be true or false, got {val_loss!r}")
-        self.val_loss = val_loss
+        self.val_loss, self.val_window = val_loss, check_val_window(val_window)
         self.eval_crop = tuple(eval_crop) if eval_crop else None
         if eval == "crop" and self.eval_crop is None:
             raise ConfigError("task.args.eval=crop needs task.args.eval_crop, e.g. [224, 224, 160]")
@@ -134,13 +144,21 @@ class SegmentationTask(Task):
 
     # -- evaluation ----------------------------------------------------------------
     def eval_forward(self, model: nn.Module, batch: dict[str, Any]) -> Tensor:
+        """Validation logits: the crop, one plain forward, or the sliding window that
+        ``val_window`` picks for the volume."""
+        return self._forward(model, batch["image"], validation=True)
+
+    def _forward(self, model: nn.Module, image: Tensor, validation: bool) -> Tensor:
         if self.eval_mode == "crop":
-            return self._crop_forward(model, batch["image"])
+            return self._crop_forward(model, image)
         if self.sliding_window is None:
-            return model(batch["image"])
+            return model(image)
         from fastvision.inference.window import sliding_window_inference
 
-        return sliding_window_inference(batch["image"], model=model, **self.sliding_window)
+        window = self.sliding_window
+        if validation and self.val_window != "roi":
+            window = validation_window(window, tuple(image.shape[2:]), model, self.val_window)
+        return sliding_window_inference(image, model=model, **window)
 
     def _crop_forward(self, model: nn.Module, image: Tensor) -> Tensor:
         """One forward on the centre crop (zero-padded where the volume is smaller) of size
@@ -243,7 +261,7 @@ class SegmentationTask(Task):
             image = _to_channels(image, args["channels"], f)
             h, w = image.shape[-2:]
             x, _ = fit_size(image, torch.zeros(h, w, dtype=torch.long), size, args["fit"])
-            logits = self.eval_forward(model, {"image": x[None].to(device)}).float()
+            logits = self._forward(model, x[None].to(device), validation=False).float()  # the recipe's window
             if args["fit"] == "pad":  # undo the padding, then the shrink (if any)
                 scale = min(1.0, size[0] / h, size[1] / w)
                 logits = logits[..., : max(1, int(h * scale)), : max(1, int(w * scale))]

@@ -1,6 +1,8 @@
 """The batched affine of :mod:`fastvision.data.augment.spatial`: rotation and zoom about the patch centre,
 one ``grid_sample`` (or, on the CPU with ``compiled``, the fused kernel of
-:mod:`~fastvision.data.augment.resample`) for the batch's firing samples."""
+:mod:`~fastvision.data.augment.resample`) for the batch's firing samples; on the CPU a sample zoomed
+without rotation (a diagonal matrix) is resampled separably, one 1-D pass per axis
+(:mod:`~fastvision.data.augment.separable`, the same numbers to float rounding, labels bit for bit)."""
 from __future__ import annotations
 
 import functools
@@ -12,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastvision.data.augment.intensity import Label, _select
+from fastvision.data.augment.intensity import Label, _select, owned
 from fastvision.data.augment.resample import run_compiled
+from fastvision.data.augment.separable import Separable, diagonal_rows
 
 
 @functools.lru_cache(maxsize=64)
@@ -85,15 +88,28 @@ class Affine:
         opts = dict(compiled=self.compiled, size=self.size, label_mode=self.label_mode, classes=self.label_classes)
         if image.device.type == "cpu":  # only the samples that fire (finding them costs no sync on the CPU)
             idx = fire.nonzero().squeeze(1)
+            if idx.numel() == image.shape[0]:
+                return affine(image, label, ang, zoom, None, **opts)
             if idx.numel() < image.shape[0]:
                 kept, kept_label = centre_crop(image, self.size), centre_crop(label, self.size, image.dim())
                 if idx.numel() == 0:
                     return kept, kept_label
                 sub, sub_label = affine(image[idx], None if label is None else label[idx], ang[idx], zoom[idx],
                                         **opts)
-                image = kept.index_copy(0, idx, sub)
-                return image, None if label is None else kept_label.index_copy(0, idx, sub_label)
+                # into the input itself where it is this call's own tensor (and not cut by ``size``)
+                image = _put_rows(kept, idx, sub, owned(rng, kept))
+                return image, None if label is None else _put_rows(kept_label, idx, sub_label, owned(rng, kept_label))
         return affine(image, label, ang, zoom, fire, **opts)
+
+
+def _put_rows(x: Tensor, idx: Tensor, rows: Tensor, own: bool) -> Tensor:
+    """``x`` with its rows ``idx`` replaced by ``rows``: copied into ``x`` itself where it is this call's own
+    tensor (one ``copy_`` per row, 2x cheaper than ``index_copy_``), else into a new tensor."""
+    if not own:
+        return x.index_copy(0, idx, rows)
+    for j, i in enumerate(idx.tolist()):
+        x[i].copy_(rows[j])
+    return x
 
 
 def centre_crop(x: Tensor | None, size: list[int] | None, image_dim: int | None = None) -> Tensor | None:
@@ -134,28 +150,73 @@ def affine(image: Tensor, label: Label, angles: Tensor, zoom: Tensor, mask: Tens
     # Sampling maps output -> input: n_in = D_in^-1 Z^-1 R^T D_out n_out, D = half-size, Z = zoom.
     lin = rot.transpose(1, 2) * half_out[None, None, :] / half_in[None, :, None] / zoom.float()[:, :, None]
     linear = label is not None and label_mode == "linear" and label.dim() == nd + 1
-    fused = None
-    if compiled and image.device.type == "cpu" and out_spatial == image.shape[2:]:
-        fused = run_compiled(image, None if linear else label, lin)
-    grid = None if fused is not None and not linear else _linear_grid(lin, out_spatial)
-    if fused is not None:
-        out, lab_out = fused
+    opts = dict(out_spatial=out_spatial, compiled=compiled, linear=linear, classes=classes)
+    if image.device.type == "cpu":  # zoom without rotation: separable (reading the matrices is free here)
+        out, lab_out = _resample_split(image, label, lin, diagonal_rows(lin), **opts)
     else:
-        out = F.grid_sample(image, grid.to(image.dtype), mode="bilinear", align_corners=False)
-        if label is not None and not linear:
-            lab = label[:, None] if label.dim() == nd + 1 else label
-            lab_out = F.grid_sample(lab.to(grid.dtype), grid, mode="nearest", align_corners=False)
-            lab_out = lab_out.to(label.dtype).reshape(label.shape[:-nd] + out_spatial)
-    if linear:
-        lab_out = _linear_label(label, grid, classes)
+        out, lab_out = _resample(image, label, lin, **opts)
     image = out if mask is None else _select(mask, out, centre_crop(image, size))
     if label is not None:
         label = lab_out if mask is None else _select(mask, lab_out, centre_crop(label, size, nd + 2))
     return image, label
 
 
-def _linear_label(label: Tensor, grid: Tensor, classes: int | None = None) -> Tensor:
-    """(B, *S) class indices resampled at ``grid`` as batchgeneratorsv2's ``SpatialTransform`` (``mode_seg=
+def _resample_split(image: Tensor, label: Label, lin: Tensor, diagonal: list[bool], **opts) -> tuple[Tensor, Label]:
+    """:func:`_resample` with the samples whose matrix is ``diagonal`` resampled separably
+    (:mod:`~fastvision.data.augment.separable`), the others as before, put back in batch order."""
+    if not any(diagonal):
+        return _resample(image, label, lin, **opts)
+    if all(diagonal):
+        return _resample(image, label, lin, separable=True, **opts)
+    parts = [torch.tensor([i for i, d in enumerate(diagonal) if d == want], dtype=torch.long) for want in (True, False)]
+    done = [_resample(image[i], None if label is None else label[i], lin[i], separable=want, **opts)
+            for i, want in zip(parts, (True, False), strict=True)]
+    order = torch.cat(parts)
+    out = torch.empty((image.shape[0], *done[0][0].shape[1:]), dtype=done[0][0].dtype).index_copy_(
+        0, order, torch.cat([done[0][0], done[1][0]]))
+    if label is None:
+        return out, None
+    lab = torch.cat([done[0][1], done[1][1]])
+    return out, torch.empty((label.shape[0], *lab.shape[1:]), dtype=lab.dtype).index_copy_(0, order, lab)
+
+
+def _resample(image: Tensor, label: Label, lin: Tensor, out_spatial: torch.Size, compiled: bool, linear: bool,
+              classes: int | None, separable: bool = False) -> tuple[Tensor, Label]:
+    """(B, C, *S) ``image`` (bilinear) and ``label`` (nearest, or per class with ``linear``) sampled at
+    ``lin`` (B, nd, nd) on the centred ``out_spatial`` grid: ``separable`` (every matrix diagonal: one 1-D
+    pass per axis), the fused compiled kernel, or ``grid_sample``."""
+    nd = image.dim() - 2
+    if separable:
+        sep = Separable(lin, image.shape[2:], out_spatial)
+        bilinear, nearest = sep.linear, sep.nearest
+    else:
+        fused = None
+        if compiled and image.device.type == "cpu" and out_spatial == image.shape[2:]:
+            fused = run_compiled(image, None if linear else label, lin)
+        if fused is not None and not linear:
+            return fused
+        grid = _linear_grid(lin, out_spatial)
+
+        def bilinear(x: Tensor) -> Tensor:
+            return F.grid_sample(x, grid.to(x.dtype), mode="bilinear", align_corners=False)
+
+        def nearest(x: Tensor) -> Tensor:
+            return F.grid_sample(x.to(grid.dtype), grid, mode="nearest", align_corners=False).to(x.dtype)
+
+        if fused is not None:
+            return fused[0], _linear_label(label, bilinear, nearest, classes)
+    out = bilinear(image)
+    if label is None:
+        return out, None
+    if linear:
+        return out, _linear_label(label, bilinear, nearest, classes)
+    lab = label[:, None] if label.dim() == nd + 1 else label
+    return out, nearest(lab).reshape(label.shape[:-nd] + out_spatial)
+
+
+def _linear_label(label: Tensor, bilinear, nearest, classes: int | None = None) -> Tensor:
+    """(B, *S) class indices resampled by ``bilinear`` and ``nearest`` (grid_sample's, or the separable
+    ones, on (B, K, *S) tensors) as batchgeneratorsv2's ``SpatialTransform`` (``mode_seg=
     'bilinear'``, ``seg_tiebreak='nearest'``, nnU-Net's padding label -1): each class's indicator bilinearly
     sampled, x 1000, rounded to float16 (near-ties become ties, as there); outside the input the padding
     label, whose score is what the classes' scores leave of 1000. The argmax (a tie: the lowest label, the
@@ -165,8 +226,8 @@ def _linear_label(label: Tensor, grid: Tensor, classes: int | None = None) -> Te
     k = classes or (int(label.max()) + 1 if label.numel() else 1)  # read from the batch: a host sync on a GPU
     lab = label[:, None]
     classes = torch.arange(k, device=label.device, dtype=label.dtype).view(1, k, *[1] * nd)
-    raw = F.grid_sample((lab == classes).to(grid.dtype), grid, mode="bilinear", align_corners=False)
-    near = F.grid_sample((lab + 1).to(grid.dtype), grid, mode="nearest", align_corners=False)[:, 0].to(torch.int16)
+    raw = bilinear((lab == classes).float())
+    near = nearest(lab.to(torch.int16) + 1)[:, 0]
     best = ((1 - raw.sum(1)) * 1000).half()  # the padding label's score: label index 0 here, -1 in nnU-Net
     win = torch.zeros_like(near)
     own = torch.where(near == 0, best, torch.zeros((), dtype=best.dtype, device=best.device))

@@ -26,16 +26,32 @@ def _select(mask: Tensor, new: Tensor, old: Tensor) -> Tensor:
     return torch.where(_bshape(old, mask), new, old)
 
 
-def _on_rows(mask: Tensor, image: Tensor, fn) -> Tensor:
+def owned(rng: Any, x: Tensor) -> bool:
+    """True when ``x`` is a CPU tensor an earlier op of this call made (``rng.owns``: not the caller's
+    input) and contiguous: an op may then update it in place instead of writing a new copy (on 64^3
+    patches a new tensor costs as much as the op itself: the allocator maps and zeroes fresh pages)."""
+    owns = getattr(rng, "owns", None)
+    return x.device.type == "cpu" and owns is not None and owns(x) and x.is_contiguous()
+
+
+def _on_rows(mask: Tensor, image: Tensor, fn, fn_=None, own: bool = False) -> Tensor:
     """``fn(x, idx)`` on the samples that fire, in place of the others' input: on the CPU only those
-    rows (``idx`` their indices; free to find there), on a GPU all of them (``idx`` None) then selected."""
+    rows (``idx`` their indices; free to find there), on a GPU all of them (``idx`` None) then selected.
+    ``own`` (the pipeline's own tensor, :func:`owned`) with ``fn_``: ``fn_(rows, idx)`` updates each firing
+    row of ``image`` in place (``idx`` a slice), and ``image`` itself is returned."""
     if image.device.type != "cpu":
         return _select(mask, fn(image, None), image)
     # a CPU mask read as a list: no op runs (``nonzero`` would be one whose size depends on the data,
     # which the host-sync detector counts, as it must on a GPU)
-    idx = torch.tensor([i for i, fires in enumerate(mask.tolist()) if fires], dtype=torch.long)
-    if idx.numel() == 0:
+    fires = [i for i, f in enumerate(mask.tolist()) if f]
+    if not fires:
         return image
+    if own and fn_ is not None:
+        for i in [None] if len(fires) == image.shape[0] else fires:
+            rows = slice(None) if i is None else slice(i, i + 1)
+            fn_(image[rows], rows)
+        return image
+    idx = torch.tensor(fires, dtype=torch.long)
     if idx.numel() == image.shape[0]:
         return fn(image, idx)
     return image.index_copy(0, idx, fn(image[idx], idx).to(image.dtype))  # row copies: no scatter per element
@@ -45,7 +61,8 @@ def _std_mean(flat: Tensor) -> tuple[Tensor, Tensor]:
     """(unbiased std, mean) over the last axis of (N, C, V), two passes: ``torch.std_mean`` over a dim
     is ~8x slower on the CPU for these shapes."""
     mean = flat.mean(2)
-    var = (flat - mean[..., None]).square_().sum(2) / max(flat.shape[2] - 1, 1)
+    d = flat - mean[..., None]
+    var = d.mul_(d).sum(2) / max(flat.shape[2] - 1, 1)  # d * d: square_'s values, 2x cheaper on the CPU
     return var.sqrt_(), mean
 
 
@@ -84,6 +101,14 @@ class Noise:
         m = rng.mask(self.prob)
         sd = rng.uniform(0.0, self.std)
         gen = rng.device_generator()
+        if owned(rng, image):  # the firing rows' noise drawn at once, as below, then added in place
+            fires = [i for i, f in enumerate(m.tolist()) if f]
+            if fires:
+                n = torch.randn((len(fires), *image.shape[1:]), generator=gen, device=image.device, dtype=image.dtype)
+                n.mul_(_bshape(n, sd[fires]))
+                for j, i in enumerate(fires):
+                    image[i].add_(n[j])
+            return image, label
 
         def noise(x: Tensor, idx: Tensor | None) -> Tensor:  # on the CPU: drawn for the firing samples only
             s = _bshape(x, sd if idx is None else sd[idx])
@@ -102,7 +127,8 @@ class Brightness:
     def __call__(self, image: Tensor, label: Label, rng: Any) -> tuple[Tensor, Label]:
         m = rng.mask(self.prob)
         f = rng.uniform(1 - self.factor, 1 + self.factor)
-        return _on_rows(m, image, lambda x, idx: x * _bshape(x, f if idx is None else f[idx])), label
+        return _on_rows(m, image, lambda x, idx: x * _bshape(x, f if idx is None else f[idx]),
+                        lambda x, rows: x.mul_(_bshape(x, f[rows])), owned(rng, image)), label
 
 
 @dataclass
@@ -117,14 +143,16 @@ class Contrast:
         m = rng.mask(self.prob)
         f_all = rng.uniform(1 - self.factor, 1 + self.factor)
 
-        def contrast(x: Tensor, idx: Tensor | None) -> Tensor:
+        def contrast(x: Tensor, idx, inplace: bool = False) -> Tensor:
             f = _bshape(x, f_all if idx is None else f_all[idx])
             flat = x.flatten(2)
-            lo, hi = flat.aminmax(dim=2)
-            mean, lo, hi = (_bshape(x, v) for v in (flat.mean(2), lo, hi))
-            return (x - mean).mul_(f).add_(mean).clamp_(lo, hi)  # one new tensor, updated in place
+            # amin, amax and clamp_min_ / clamp_max_: the values of aminmax(dim) and clamp_(tensor, tensor), which
+            # are 8-10x slower on the CPU (a reduction and a ternary op without the vectorised loops)
+            mean, lo, hi = (_bshape(x, v) for v in (flat.mean(2), flat.amin(2), flat.amax(2)))
+            out = x.sub_(mean) if inplace else x - mean  # the in-place form: the same operations, in order
+            return out.mul_(f).add_(mean).clamp_min_(lo).clamp_max_(hi)
 
-        return _on_rows(m, image, contrast), label
+        return _on_rows(m, image, contrast, lambda x, rows: contrast(x, rows, True), owned(rng, image)), label
 
 
 @dataclass
@@ -146,18 +174,21 @@ class Gamma:
         m = rng.mask(self.prob)
         g_lo, g_hi = self.range if self.range is not None else (0.7, 1.5)
         g_all = rng.uniform(g_lo, g_hi, *((image.shape[1],) if self.per_channel else ()))
-        return _on_rows(m, image, lambda x, idx: self._apply(x, g_all if idx is None else g_all[idx])), label
+        return _on_rows(m, image, lambda x, idx: self._apply(x, g_all if idx is None else g_all[idx]),
+                        lambda x, rows: self._apply(x, g_all[rows], True), owned(rng, image)), label
 
-    def _apply(self, image: Tensor, g: Tensor) -> Tensor:
-        """The gamma of (N, C, *S) images with exponents g (N,) or (N, C)."""
+    def _apply(self, image: Tensor, g: Tensor, inplace: bool = False) -> Tensor:
+        """The gamma of (N, C, *S) images with exponents g (N,) or (N, C); ``inplace``: in ``image``'s memory
+        (the same operations in the same order, so the same numbers)."""
         g = _bshape(image, g)
-        x = -image if self.invert else image
+        x = (image.neg_() if inplace else -image) if self.invert else image
+        inplace = inplace or self.invert  # -image is a new tensor: free to update
         flat = x.flatten(2)
         lo, hi = _bshape(x, flat.amin(2)), _bshape(x, flat.amax(2))
         span = (hi - lo).clamp_min(1e-7)
-        out = (x - lo).div_(span).clamp_(0, 1).pow_(g).mul_(span).add_(lo)  # one new tensor, updated in place
+        std_in, mean_in = _std_mean(flat) if self.retain_stats else (None, None)  # before x is updated
+        out = (x.sub_(lo) if inplace else x - lo).div_(span).clamp_(0, 1).pow_(g).mul_(span).add_(lo)
         if self.retain_stats:
-            std_in, mean_in = _std_mean(flat)
             std_out, mean_out = _std_mean(out.flatten(2))
             out.sub_(_bshape(x, mean_out)).mul_(_bshape(x, std_in / std_out.clamp_min(1e-7))).add_(_bshape(x, mean_in))
         return out.neg_() if self.invert else out

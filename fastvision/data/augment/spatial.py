@@ -62,12 +62,20 @@ class _Rng:
         self.batch = batch
         self.device = device
         self._dev_gen: torch.Generator | None = None
+        # the storages of the caller's tensors, never updated in place (None: unknown, nothing is)
+        self.caller: set[int] | None = None
+
+    def owns(self, x: Tensor) -> bool:
+        """True when ``x`` is not (a view of) one of the caller's tensors: an earlier op of this call made
+        it, and no one else holds it, so a later op may update it in place."""
+        return self.caller is not None and x.untyped_storage().data_ptr() not in self.caller
 
     def uniform(self, lo: float, hi: float, *shape: int) -> Tensor:
         """(B, *shape) float32 uniform in [lo, hi) on the data device."""
         gdev = self.gen.device if self.gen is not None else torch.device("cpu")
         u = torch.rand((self.batch, *shape), generator=self.gen, device=gdev)
-        return (lo + (hi - lo) * u).to(self.device, non_blocking=True)
+        u = u.mul_(hi - lo).add_(lo)  # lo + (hi - lo) u, the same float32 operations, no new tensors
+        return u if gdev == self.device else u.to(self.device, non_blocking=True)
 
     def mask(self, prob: float) -> Tensor:
         """(B,) bool: which samples this op is applied to."""
@@ -265,6 +273,7 @@ class BatchAugment:
         if label is not None and label.shape[-self.spatial_dims:] != image.shape[2:]:
             raise ValueError(f"label {tuple(label.shape)} does not match image {tuple(image.shape)}")
         rng = _Rng(generator, image.shape[0], image.device)
+        rng.caller = {t.untyped_storage().data_ptr() for t in (image, label) if t is not None}
         dtype = label.dtype if label is not None else None
         label = _narrow(label, self.spatial_dims) if self.moves_label else label
         for _, op in self.ops:
