@@ -109,7 +109,7 @@ class _Parts:
                              ConvNormAct(self.dims, cin, cout, k, **o))
 
 
-INITS = ("default", "xavier", "he")
+INITS = ("default", "xavier", "he", "he_heads")
 
 
 def _init_weights(model: nn.Module, init: str) -> None:
@@ -122,6 +122,9 @@ def _init_weights(model: nn.Module, init: str) -> None:
         raise ConfigError(f"model.args.init: {init!r}; valid: {', '.join(INITS)}")
     if init == "default":
         return
+    if init == "he_heads":
+        _he_heads(model)
+        return
     for m in model.modules():
         if isinstance(m, (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d, ShuffleUp)):
             if init == "he":
@@ -130,6 +133,25 @@ def _init_weights(model: nn.Module, init: str) -> None:
                 nn.init.xavier_uniform_(m.weight)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+
+def _he_heads(model: nn.Module) -> None:
+    """``he_heads``: PyTorch's initialisation in the body, nnU-Net's He draw (``kaiming_normal_(a=0.01)``, zero
+    bias) on the logit heads only (``head`` and the deep-supervision heads), drawn on a fork of the global RNG so
+    every later draw is the default run's. Every body conv feeds an instance or batch norm, which cancels its
+    weight scale; the heads feed none, and PyTorch's default there is ~2.4x smaller than He, which leaves the
+    foreground logits below the background's for the first iterations (benchmarks/RESULTS.md, "CT at 16
+    iterations: what was checked")."""
+    from fastvision.errors import ConfigError
+
+    if not isinstance(getattr(model, "head", None), (nn.Conv2d, nn.Conv3d)):
+        raise ConfigError("model.args.init: he_heads needs the classic U-Net layout (residual: false): the residual "
+                          "layout's logits come out of its top residual unit")
+    with torch.random.fork_rng(devices=[]):
+        for h in [model.head, *(model.ds_heads or [])]:
+            nn.init.kaiming_normal_(h.weight, a=1e-2)
+            if h.bias is not None:
+                nn.init.zeros_(h.bias)
 
 
 class UNet(nn.Module):
@@ -160,7 +182,8 @@ class UNet(nn.Module):
         dropout: dropout probability after each norm (0 disables it).
         residual: use the residual layout described in the module docstring.
         init: "default" (PyTorch), "xavier" (Glorot uniform weights, zero bias, as seed 000) or "he"
-            (nnU-Net's ``InitWeights_He(1e-2)``: Kaiming-normal weights for leaky-ReLU 0.01, zero bias).
+            (nnU-Net's ``InitWeights_He(1e-2)``: Kaiming-normal weights for leaky-ReLU 0.01, zero bias), or
+            "he_heads" (PyTorch's in the body, He on the logit heads only; classic layout).
         drop_bias: after initialisation, remove the bias of every conv that a batch or instance norm
             follows (the norm cancels it: same outputs up to rounding; MLPerf's convs have none).
         deep_supervision: in training, also return logits of the lower decoder scales (nnU-Net): a

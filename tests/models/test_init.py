@@ -31,3 +31,37 @@ def test_bad_init_is_one_line_naming_the_key():
         create_model("unet3d", filters=(8, 16), init="kaiming")
     msg = str(e.value)
     assert msg.startswith("model.args.init: 'kaiming'") and "he" in msg and "\n" not in msg
+
+
+def test_he_heads_draws_he_on_the_logit_heads_only_and_leaves_every_other_draw_as_default():
+    kw = dict(in_channels=1, out_channels=3, filters=(32, 64, 128, 256), norm="instance", act="leakyrelu",
+              deep_supervision=True)
+    torch.manual_seed(0)
+    base = create_model("unet3d", **kw)
+    after_base = torch.rand(4)  # the next draw of the global stream after building
+    torch.manual_seed(0)
+    heads = create_model("unet3d", init="he_heads", **kw)
+    assert torch.equal(torch.rand(4), after_base)  # drawn on a fork: later draws are the default run's
+    head_names = {n for n, _ in heads.named_parameters() if n.startswith(("head.", "ds_heads."))}
+    assert head_names == {"head.weight", "head.bias", "ds_heads.0.weight", "ds_heads.0.bias",
+                          "ds_heads.1.weight", "ds_heads.1.bias"}
+    b = dict(base.named_parameters())
+    for n, p in heads.named_parameters():
+        if n not in head_names:
+            assert torch.equal(p, b[n]), n  # the body keeps PyTorch's initialisation, draw for draw
+        elif n.endswith("bias"):
+            assert not p.any()
+    # the 1x1 heads: fan_in = width; He std sqrt(2 / (1 + 0.01^2) / fan_in), PyTorch's 1 / sqrt(3 fan_in)
+    for name, fan_in in (("head.weight", 32), ("ds_heads.0.weight", 64), ("ds_heads.1.weight", 128)):
+        w = dict(heads.named_parameters())[name].detach().flatten()
+        he = math.sqrt(2 / (1 + 0.01 ** 2) / fan_in)
+        sample_sd = w.std().item()  # 3 * fan_in draws: within 35 % of the formula, far from the default's 0.41x
+        assert 0.65 * he < sample_sd < 1.35 * he, (name, sample_sd, he)
+        assert not torch.equal(w, b[name].detach().flatten())
+
+
+def test_he_heads_on_the_residual_layout_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError) as e:
+        create_model("unet", spatial_dims=3, filters=(8, 16, 32), residual=True, init="he_heads")
+    msg = str(e.value)
+    assert msg.startswith("model.args.init: he_heads") and "residual" in msg and "\n" not in msg

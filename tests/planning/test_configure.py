@@ -344,6 +344,7 @@ def test_nnunet_trainer_writes_nnunet_training(tmp_path):
     assert (lo["lambda_dice"], lo["lambda_ce"], lo["squared_pred"], lo["include_background"]) == (1.0, 1.0, False,
                                                                                                  False)
     assert cfg.model.args["deep_supervision"] is True and cfg.data.args["pos_fraction"] == 0.33
+    assert cfg.model.args["init"] == "he_heads"  # He on the logit heads only (issue 41's fourth pass)
     # 1000 x 250 iterations at this data's steps per pass (4 cases: 3 in fold 0's training set)
     assert cfg.train.epochs == math.ceil(250_000 / steps_per_epoch(4, cfg.train.batch_size))
     aug = cfg.data.augment
