@@ -159,15 +159,14 @@ def check_val_window(value: Any) -> str | int:
 
 def model_divisor(model: torch.nn.Module) -> tuple[int, ...]:
     """The size every spatial axis of the model's input must divide by (``UNet`` / ``SegResNet``
-    ``divisor``), through DDP, EMA (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    m = model
-    for _ in range(4):
+    ``divisor``), under DDP and ``torch.compile`` (:func:`fastvision.distributed.unwrap`) and an EMA's
+    ``.module``."""
+    from fastvision.distributed.wrap import unwrap
+
+    bare = unwrap(model)
+    for m in (bare, getattr(bare, "module", None)):
         if hasattr(m, "divisor"):
             return tuple(int(d) for d in m.divisor)
-        inner = getattr(m, "_orig_mod", None)  # not `or`: a Sequential of length 0 is falsy
-        m = inner if inner is not None else getattr(m, "module", None)
-        if m is None:
-            break
     from fastvision.errors import ConfigError
 
     raise ConfigError(f"task.args.val_window: {type(model).__name__} states no size divisor (UNet and SegResNet "
