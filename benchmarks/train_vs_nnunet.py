@@ -23,7 +23,9 @@ an earlier run in the same ``--work`` folder, ``--trainers`` picks the fastvisio
 alone). nnU-Net is not seeded, so its runs differ: ``--nnunet-runs N`` trains N of them, each saved
 (:func:`nnunet_runs`; a repeat reuses the folder's preprocessed data), and ``--compare NAME=GLOB ...``
 compares saved runs without training: each group's mean Dice per checkpoint and each group against the
-first (bootstrap CI and permutation test of the difference of means, :func:`diff_stats`).
+first (bootstrap CI and permutation test of the difference of means, :func:`diff_stats`); ``--goal
+NAME=GLOB ...`` gives issue 41's goal per paired run (:func:`goal`: fastvision's training time to nnU-Net's
+last Dice within 0.02, over nnU-Net's time to that Dice).
 
 Where the configured recipe cuts the network's patch from nnU-Net's enlarged initial patch
 (``data.augment.affine.size``), the fastvision side's loader patch is the initial patch around nnU-Net's.
@@ -285,6 +287,42 @@ def compare(groups: list[str], low: float = 0.5, high: float = 0.8) -> None:
                   f"{r['ci95'][1]:+.3f}]  p={r['p']:.3f}")
 
 
+def goal(groups: list[str], tolerance: float = 0.02) -> dict:
+    """Issue 41's goal per paired run: the first group is nnU-Net's runs, each other group fastvision's,
+    paired by sorted file order (round i against round i). Target D = the nnU-Net run's last Dice; its
+    time = the first validation at or above D; fastvision's = the first at or above D - ``tolerance``
+    (the same Dice within 0.02); ratio = fastvision / nnU-Net training time (None: never reached).
+    Beside it, without the tolerance: each side's time to the highest Dice both runs reach."""
+    import numpy as np
+
+    named = [(g.split("=", 1)[0], load_curves(g.split("=", 1)[1])) for g in groups]
+    (ref, nn_curves), out = named[0], {}
+    for name, curves in named[1:]:
+        rows = []
+        for nn, fv in zip(nn_curves, curves, strict=True):
+            target = nn[-1]["dice"]
+            t_nn = next(p["train_s"] for p in nn if p["dice"] >= target)
+            hit = next((p for p in fv if p["dice"] >= target - tolerance), None)
+            common = min(max(p["dice"] for p in nn), max(p["dice"] for p in fv))  # both reach it, no tolerance
+            strict = (next(p["train_s"] for p in fv if p["dice"] >= common)
+                      / next(p["train_s"] for p in nn if p["dice"] >= common))
+            rows.append({"target": target, "nnunet_s": t_nn, "fastvision_s": hit and hit["train_s"],
+                         "fastvision_it": hit and hit["iterations"],
+                         "ratio": hit and hit["train_s"] / t_nn, "last_dice": fv[-1]["dice"],
+                         "common": common, "common_ratio": strict})
+            r = rows[-1]
+            print(f"{name:<12} target {target:.3f}: {ref} {t_nn:6.1f} s, {name} "
+                  + (f"{r['fastvision_s']:6.1f} s ({r['fastvision_it']} it) = {r['ratio']:.2f}x"
+                     if hit else "not reached") + f"; last Dice {r['last_dice']:.3f} vs {nn[-1]['dice']:.3f}"
+                  + f"; highest common Dice {common:.3f} at {strict:.2f}x")
+        ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+        print(f"{name:<12} {len(ratios)}/{len(rows)} reached; median ratio "
+              + (f"{np.median(ratios):.2f}x" if ratios else "-")
+              + f"; median ratio to the highest common Dice {np.median([r['common_ratio'] for r in rows]):.2f}x")
+        out[name] = rows
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nnunet-python", default="/work/nnunet-venv/bin/python")
@@ -309,9 +347,14 @@ def main() -> None:
                     help="take the nnU-Net side from WORK/KIND/nnunet_side.json of an earlier run")
     ap.add_argument("--compare", nargs="+", metavar="NAME=GLOB",
                     help="no training: compare saved runs' curves, each group against the first (see compare)")
+    ap.add_argument("--goal", nargs="+", metavar="NAME=GLOB",
+                    help="no training: issue 41's goal per paired run, nnU-Net's group first (see goal)")
     args = ap.parse_args()
     if args.compare:
         return compare(args.compare)
+    if args.goal:
+        goal(args.goal)
+        return None
     from fastvision.data.formats.decathlon import kfold_split
     from fastvision.data.synth import load_all
 

@@ -19,7 +19,11 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_auto_on_cpu_keeps_fp32_and_logs_it():
+@pytest.mark.parametrize("tiles,want,dtype", [(False, "off", None), (True, "bf16", torch.bfloat16)])
+def test_auto_on_cpu_is_bf16_only_with_amx_tiles_and_logs_it(monkeypatch, tiles, want, dtype):
+    """A CPU without AMX bf16 tiles keeps fp32; one with them (Sapphire Rapids+) autocasts in bf16, no
+    scaler. torch's own CPU probe is replaced, so both branches run on any machine."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: tiles)
     # a handler on the module's logger itself: the CLI may have stopped propagation to the root
     logger, lines = logging.getLogger("fastvision.engine.runtime"), _Lines()
     level = logger.level
@@ -30,8 +34,17 @@ def test_auto_on_cpu_keeps_fp32_and_logs_it():
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
-    assert p.mode == "off" and p.requested == "auto" and p.dtype is None and not p.scaler.is_enabled()
-    assert any(line.startswith("precision: off (train.amp=auto") for line in lines.lines)
+    assert p.mode == want and p.requested == "auto" and p.dtype is dtype and not p.scaler.is_enabled()
+    assert any(line.startswith(f"precision: {want} (train.amp=auto; cpu") for line in lines.lines)
+    with p.autocast():
+        y = torch.nn.functional.conv3d(torch.randn(2, 1, 4, 4, 4), torch.randn(2, 1, 3, 3, 3))
+    assert y.dtype == (dtype or torch.float32)
+
+
+def test_cpu_probe_missing_means_fp32(monkeypatch):
+    """A torch without the AMX probe (older builds, other CPUs) is taken as no tiles."""
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert runtime.resolve_amp("auto", torch.device("cpu"))[0] == "off"
 
 
 @pytest.mark.parametrize("capability,bf16,want", [((7, 0), False, "fp16"), ((7, 5), False, "fp16"),

@@ -74,6 +74,29 @@ def test_budget_stops_the_search_and_names_what_it_did_not_try():
     assert result.untried == ["data.num_workers=2", "data.num_workers=4", "train.channels_last=True"]
 
 
+def test_the_budget_decision_is_the_agreed_one_not_this_ranks_clock():
+    """Under torchrun a rank whose clock ran past the budget still runs the trials rank 0 runs (and
+    one whose clock did not stops where rank 0 stops): otherwise the ranks' collectives mismatch."""
+    now = [0.0]
+
+    def measure(inc, cand, sw):
+        now[0] += 10.0
+        return stub_measure(inc, cand, sw)
+
+    def rank0_within_budget(value):  # rank 0's answer: never over budget; trials pass through
+        return False if isinstance(value, bool) else value
+
+    result = search(START, order(SWITCHES, "input-bound"), measure, budget_s=25.0, clock=lambda: now[0],
+                    agree=rank0_within_budget)
+    assert len(result.trials) == 5 and result.untried == []  # this clock alone would stop after 2 (test above)
+
+    def rank0_over_budget(value):
+        return True if isinstance(value, bool) else value
+
+    result = search(START, order(SWITCHES, "input-bound"), measure, budget_s=1e9, agree=rank0_over_budget)
+    assert result.trials == [] and len(result.untried) == 5
+
+
 def test_a_switch_that_raises_is_dropped_with_its_reason_and_the_search_goes_on():
     def measure(inc, cand, sw):
         if cand["data.cache"] == "ram":

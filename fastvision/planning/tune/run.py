@@ -34,8 +34,11 @@ def run_tune(cfg: config.RunConfig, *, budget_s: float, keep: list[str], allow_b
     runner = runner or TrialRunner(cfg)
     t0 = time.monotonic()
     report = runner.baseline(start)
-    base_s = time.monotonic() - t0
+    # every time-based decision is rank 0's: each rank's own clock would send the ranks down
+    # different paths (steps per round, the budget check) and hang them in a collective
+    base_s = _agree(time.monotonic() - t0)
     verdict = _agree(report["verdict"])
+    runner.k = _agree(runner.k)
     trial_s = _agree(runner.trial_estimate())
     if base_s + trial_s > budget_s:
         raise ConfigError(f"--budget {budget_s:.0f} s cannot fit one trial here (the baseline took {base_s:.0f} s, "

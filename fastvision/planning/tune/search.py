@@ -116,7 +116,7 @@ def judge(switch: Switch, value: Any, comp: Comparison, min_gain: float = MIN_GA
 
 def search(start: dict[str, Any], switches: list[Switch], measure: Callable[[dict, dict, Switch], Comparison], *,
            budget_s: float, spent_s: float = 0.0, reserve: int = 0, clock: Callable[[], float] = time.monotonic,
-           agree: Callable[[Trial], Trial] = lambda t: t,
+           agree: Callable[[Any], Any] = lambda t: t,
            expand: Callable[[dict, Switch], dict] = lambda cand, sw: cand) -> SearchResult:
     """Greedy search in ``switches`` order from ``start``: each value of each switch is tried
     against the incumbent of the moment and becomes the incumbent when kept.
@@ -129,7 +129,9 @@ def search(start: dict[str, Any], switches: list[Switch], measure: Callable[[dic
         spent_s: seconds already spent (the baseline profile).
         reserve: trials (of the mean duration) to leave in the budget for what follows (the final check).
         clock: seconds, monotonic (injected by tests).
-        agree: every rank's judged trial -> the one all ranks act on (rank 0's).
+        agree: every rank's judged trial, or its budget decision -> the one all ranks act on
+            (rank 0's): ranks whose clocks disagree would otherwise run different trials and hang
+            in the first collective one of them skips.
         expand: adds what a candidate implies (a batch change: the scaled LR).
     """
     t0 = clock() - spent_s
@@ -141,7 +143,7 @@ def search(start: dict[str, Any], switches: list[Switch], measure: Callable[[dic
                 continue
             seen.add(repr(value))
             mean = sum(durations) / len(durations) if durations else 0.0
-            if clock() - t0 + mean * (1 + reserve) > budget_s:
+            if agree(clock() - t0 + mean * (1 + reserve) > budget_s):  # rank 0's clock decides for all
                 untried.append(f"{sw.key}={value}")
                 continue
             cand = expand({**incumbent, sw.key: value}, sw)

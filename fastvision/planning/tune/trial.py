@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastvision import config, engine
+from fastvision import config, distributed, engine
 from fastvision.config import RunConfig
 from fastvision.data.loader import endless_batches
 from fastvision.engine import runtime
@@ -137,9 +137,12 @@ class TrialRunner:
             note = _compile_note(cand)
             if note.startswith("eager"):
                 return Comparison(error=f"train.compile auto fell back to {note}")
+            # a round ends early on a slow candidate in one process only: under DDP each step is a
+            # collective, and ranks that stopped after different step counts would hang
+            limit = 3 * self.round_s if distributed.world_size() == 1 else float("inf")
             for r in range(self.rounds):
                 for one in ((inc, cand) if r % 2 == 0 else (cand, inc)):
-                    one.timed(self.k, 3 * self.round_s)
+                    one.timed(self.k, limit)
             return Comparison(incumbent_rates=inc.rates, candidate_rates=cand.rates,
                               p90_ms=float(np.percentile(cand.steps, 90)) * 1e3, peak_mib=cand.peak,
                               data_share=cand.data_s / max(cand.total_s, 1e-9),

@@ -1,0 +1,67 @@
+"""benchmarks/train_vs_nnunet.py's statistics on hand-made curves (no training): issue 41's goal per
+paired run and the permutation test, checked against values worked out by hand."""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tvn():
+    spec = importlib.util.spec_from_file_location("train_vs_nnunet", ROOT / "benchmarks" / "train_vs_nnunet.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _curve(points):
+    return [{"iterations": 8 * (i + 1), "train_s": s, "dice": d} for i, (s, d) in enumerate(points)]
+
+
+def test_goal_pairs_runs_and_applies_the_tolerance_to_fastvision_only(tvn, tmp_path):
+    nn = tmp_path / "nn"
+    fv = tmp_path / "fv"
+    nn.mkdir(), fv.mkdir()
+    # nnU-Net run 0 ends at 0.90, first reached at 30 s; run 1 ends at 0.80, first reached at 10 s (0.81 at 10 s).
+    json.dump({"curve": _curve([(10, 0.5), (20, 0.7), (30, 0.9), (40, 0.9)])}, open(nn / "nnunet_side-1.json", "w"))
+    json.dump({"curve": _curve([(10, 0.81), (20, 0.6), (30, 0.8)])}, open(nn / "nnunet_side-2.json", "w"))
+    # fastvision run 0 reaches 0.885 (>= 0.90 - 0.02) at 12 s, its best is 0.89; run 1 never reaches 0.78.
+    report = {"hippocampus": {"fastvision-nnunet": {"curve": _curve([(6, 0.6), (12, 0.885), (18, 0.89)])}}}
+    json.dump(report, open(fv / "a.json", "w"))
+    json.dump({"hippocampus": {"fastvision-nnunet": {"curve": _curve([(5, 0.7), (9, 0.75)])}}},
+              open(fv / "b.json", "w"))
+    out = tvn.goal([f"nnU-Net={nn}/nnunet_side-*.json", f"fv={fv}/*.json"])["fv"]
+    assert out[0]["target"] == 0.9 and out[0]["nnunet_s"] == 30 and out[0]["fastvision_s"] == 12
+    assert out[0]["ratio"] == pytest.approx(12 / 30)
+    # without the tolerance: the highest Dice both reach is fastvision's 0.89; nnU-Net first at 30 s, fastvision 18 s
+    assert out[0]["common"] == 0.89 and out[0]["common_ratio"] == pytest.approx(18 / 30)
+    assert out[1]["ratio"] is None and out[1]["fastvision_s"] is None
+    assert out[1]["common"] == 0.75 and out[1]["common_ratio"] == pytest.approx(9 / 10)
+
+
+def test_goal_refuses_unequal_run_counts(tvn, tmp_path):
+    for i in range(2):
+        json.dump({"curve": _curve([(10, 0.5)])}, open(tmp_path / f"nnunet_side-{i}.json", "w"))
+    json.dump({"curve": _curve([(10, 0.5)])}, open(tmp_path / "fv.json", "w"))
+    with pytest.raises(ValueError):
+        tvn.goal([f"nn={tmp_path}/nnunet_side-*.json", f"fv={tmp_path}/fv.json"])
+
+
+def test_permutation_p_matches_exact_enumeration(tvn):
+    a, b = [0.9, 0.95, 0.97, 0.93], [0.8, 0.85, 0.9, 0.82]
+    pooled = np.array(a + b)
+    d = np.mean(a) - np.mean(b)
+    splits = list(itertools.combinations(range(8), 4))
+    exact = sum(abs(pooled[list(s)].mean() - np.delete(pooled, list(s)).mean()) >= abs(d) - 1e-12
+                for s in splits) / len(splits)
+    out = tvn.diff_stats(a, b)
+    assert out["diff"] == pytest.approx(d)
+    assert out["p"] == pytest.approx(exact, abs=0.01)
+    assert out["ci95"][0] < d < out["ci95"][1]
