@@ -82,7 +82,7 @@ class TrainConfig:
     batch_size: int | Literal["auto"] = 16  # per worker; "auto": largest that fits (fastvision.planning.autobatch)
     accum_steps: int = 1
     clip_grad: float | None = None  # max global grad norm
-    amp: AmpMode = "off"  # auto: bf16 if native (GPU sm80+, CPU with AMX), else fp16 + scaling on CUDA, fp32 on CPU
+    amp: AmpMode = "off"  # auto: bf16 if native (GPU sm80+), else fp16 + scaling; CPU fp32
     tf32: bool = True
     # true == default; auto: compiled, eager after a compile error or when the first steps are slower
     compile: bool | Literal["default", "reduce-overhead", "max-autotune", "auto"] = False

@@ -30,17 +30,18 @@ def resolve_amp(mode: str, device: torch.device) -> tuple[str, str]:
 
     ``auto``: on CUDA, bf16 where the GPU computes it natively (compute capability 8.0+: A100,
     H100, RTX 30xx and newer), else fp16 with dynamic loss scaling (V100, T4: seed 004's AMP);
-    on a CPU with AMX bf16 tiles (Intel Xeon Sapphire Rapids and newer) bf16 autocast, which oneDNN
-    runs on the tiles (nnU-Net's 3-D U-Net trains ~1.8x faster than in fp32 there: benchmarks/RESULTS.md,
-    "bf16 on the CPU");
-    on other CPUs and devices fp32 ("off"). Other modes are returned unchanged.
+    on CPU and other devices fp32 ("off"). On a CPU with AMX bf16 tiles (Xeon Sapphire Rapids and
+    newer) the reason names ``train.amp: bf16`` as the faster opt-in (oneDNN runs bf16 on the tiles:
+    benchmarks/RESULTS.md, "bf16 on the CPU"); not the default: it changes the numerics of every CPU
+    run, and its speed-up is measured on the 3-D U-Net only.
+    Other modes are returned unchanged.
     """
     if mode != "auto":
         return mode, "as configured"
-    if device.type == "cpu" and cpu_has_bf16_tiles():
-        return "bf16", "cpu with AMX bf16 tiles: oneDNN computes bf16 natively"
     if device.type != "cuda":
-        return "off", f"{device.type}: fp32" + (" (no AMX bf16 tiles)" if device.type == "cpu" else "")
+        tiles = device.type == "cpu" and cpu_has_bf16_tiles()
+        hint = "; this CPU has AMX bf16 tiles: train.amp=bf16 is faster" if tiles else ""
+        return "off", f"{device.type}: fp32{hint}"
     major, minor = torch.cuda.get_device_capability(device)
     name = torch.cuda.get_device_name(device)
     if major >= 8 and torch.cuda.is_bf16_supported():
@@ -69,8 +70,8 @@ class Precision:
     """Autocast context and loss scaler for one of ``off``, ``fp16``, ``bf16`` or ``auto``.
 
     fp16 uses a dynamic GradScaler (skips steps whose gradients overflow); bf16 has the fp32
-    exponent range and needs no scaler. bf16 autocast also works on CPU (``auto`` picks it on CPUs
-    with AMX bf16 tiles). ``auto`` is resolved
+    exponent range and needs no scaler. bf16 autocast also works on CPU (fast on CPUs with AMX
+    bf16 tiles; ``auto`` keeps fp32 there and says so). ``auto`` is resolved
     once here (:func:`resolve_amp`); ``mode`` is then the precision actually used (``requested``
     keeps what was asked) and is logged.
     """

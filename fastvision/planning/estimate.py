@@ -73,8 +73,7 @@ def trace(cfg: RunConfig, batch: int, *, amp: str | None = None, channels_last: 
     """One traced step of ``cfg`` at per-device ``batch`` (the recipe's switches unless given:
     ``checkpointing`` is ``train.activation_checkpointing``).
 
-    ``amp: auto`` left unresolved means what it means on the CPU the trace runs on (bf16 on a CPU
-    with AMX bf16 tiles, else fp32);
+    ``amp: auto`` left unresolved means what it means on the CPU the trace runs on (fp32);
     :func:`fastvision.planning.plan.make_plan` resolves it for the target GPU first.
     """
     from fastvision.engine.runtime import resolve_amp

@@ -140,8 +140,8 @@ def autocast_ctx(amp: str | None) -> contextlib.AbstractContextManager:
     ``amp`` is the precision resolved for the planned GPU (``plan`` turns ``auto`` into fp16 or
     bf16 by the GPU's spec); its dtype comes from the runtime's one rule
     (:func:`fastvision.engine.runtime.autocast_dtype`) on the device the trace runs on, so an
-    unresolved ``auto`` is what it is on this CPU (bf16 with AMX tiles, else fp32). "fp32" / "tf32"
-    (plan's precision names) and None are fp32.
+    unresolved ``auto`` is fp32 as on any CPU. "fp32" / "tf32" (plan's precision names) and None
+    are fp32.
     """
     from fastvision.engine.runtime import autocast_dtype
 

@@ -19,10 +19,11 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.mark.parametrize("tiles,want,dtype", [(False, "off", None), (True, "bf16", torch.bfloat16)])
-def test_auto_on_cpu_is_bf16_only_with_amx_tiles_and_logs_it(monkeypatch, tiles, want, dtype):
-    """A CPU without AMX bf16 tiles keeps fp32; one with them (Sapphire Rapids+) autocasts in bf16, no
-    scaler. torch's own CPU probe is replaced, so both branches run on any machine."""
+@pytest.mark.parametrize("tiles", [False, True])
+def test_auto_on_cpu_keeps_fp32_and_names_bf16_where_amx(monkeypatch, tiles):
+    """``auto`` on any CPU is fp32 (no autocast, no scaler); where the CPU has AMX bf16 tiles (Sapphire
+    Rapids+) the logged line names ``train.amp=bf16`` as the faster opt-in. torch's own CPU probe is
+    replaced, so both branches run on any machine."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: tiles)
     # a handler on the module's logger itself: the CLI may have stopped propagation to the root
     logger, lines = logging.getLogger("fastvision.engine.runtime"), _Lines()
@@ -34,17 +35,26 @@ def test_auto_on_cpu_is_bf16_only_with_amx_tiles_and_logs_it(monkeypatch, tiles,
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
-    assert p.mode == want and p.requested == "auto" and p.dtype is dtype and not p.scaler.is_enabled()
-    assert any(line.startswith(f"precision: {want} (train.amp=auto; cpu") for line in lines.lines)
+    assert p.mode == "off" and p.requested == "auto" and p.dtype is None and not p.scaler.is_enabled()
+    mine = [line for line in lines.lines if line.startswith("precision: off (train.amp=auto; cpu: fp32")]
+    assert len(mine) == 1 and ("train.amp=bf16 is faster" in mine[0]) == tiles
     with p.autocast():
         y = torch.nn.functional.conv3d(torch.randn(2, 1, 4, 4, 4), torch.randn(2, 1, 3, 3, 3))
-    assert y.dtype == (dtype or torch.float32)
+    assert y.dtype == torch.float32
+
+
+def test_bf16_on_cpu_autocasts_convolutions():
+    """The opt-in: ``train.amp: bf16`` on a CPU runs convolutions in bf16, with no scaler."""
+    p = runtime.Precision("bf16", torch.device("cpu"))
+    with p.autocast():
+        y = torch.nn.functional.conv3d(torch.randn(2, 1, 4, 4, 4), torch.randn(2, 1, 3, 3, 3))
+    assert p.mode == "bf16" and y.dtype == torch.bfloat16 and not p.scaler.is_enabled()
 
 
 def test_cpu_probe_missing_means_fp32(monkeypatch):
     """A torch without the AMX probe (older builds, other CPUs) is taken as no tiles."""
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
-    assert runtime.resolve_amp("auto", torch.device("cpu"))[0] == "off"
+    assert not runtime.cpu_has_bf16_tiles()
 
 
 @pytest.mark.parametrize("capability,bf16,want", [((7, 0), False, "fp16"), ((7, 5), False, "fp16"),

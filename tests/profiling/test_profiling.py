@@ -116,10 +116,9 @@ def test_monitor_without_nvml_is_one_line_error(tmp_path, capsys):
 
 
 def test_profile_takes_amp_auto_as_train_does(tmp_path):
-    """``--amp auto`` resolves as in ``train``: on a CPU, fp32 (precision "off") unless it has AMX tiles."""
-    want = "bf16" if torch.cpu._is_amx_tile_supported() else "off"
+    """``--amp auto`` resolves as in ``train``: on a CPU, fp32 (precision "off")."""
     report = _profile(tmp_path, "auto", "--amp", "auto", "--set", "data.args.image_size=[16,16]")
-    assert report["config"]["train.amp"] == "auto" and report["config"]["precision"] == want
+    assert report["config"]["train.amp"] == "auto" and report["config"]["precision"] == "off"
 
 
 def test_synthetic_profile_needs_no_dataset(tmp_path):

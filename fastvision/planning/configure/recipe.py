@@ -187,8 +187,8 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
     trainer = plan.get("trainer", "fast")
     rows.append(("data.augment", ov["data"]["augment"],
                  augmentation(patch, geo["spacing"], thin, trainer)[1]))
-    rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; on CPU bf16 with AMX, else fp32 "
-                                      "(the batch was sized for the target GPU's precision)"))
+    rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; fp32 on CPU (the batch was sized for "
+                                      "the target GPU's precision)"))
     rows.append(("task.args.sliding_window", t["sliding_window"],
                  f"ROI = the training patch, overlap {OVERLAP:g}, Gaussian blending (nnU-Net's predictor)"))
     return rows + trainer_choices(trainer, ov, fp["n_cases"])
