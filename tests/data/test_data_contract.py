@@ -89,10 +89,25 @@ def _identical(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize("recipe", list(RECIPES))
+# The cache is the dataset's ``cache_pipeline`` (set by its format and data.args) behind a tier, served by
+# the recipe's loader (threads, or forked worker processes for none / ram / disk / shared; smart and gpu
+# always run on threads). The recipes with a full-size model (ResNet-50, SSD320: 25-36 M parameters, 2-4 s
+# a cell) add no pipeline of their own: resnet50-imagenet's is resnet18-imagefolder's (ImageFolder bytes +
+# RandomResizedCrop; only scale differs) behind a process loader, ssd320-coco's is ssd320-small-shapes'
+# (decode + SSDAugment; only the jitter strength differs) behind a process loader, and resnet50-imagenet-250ep
+# is resnet50-imagenet with task.args.mixup (batched, after the loader) and more epochs. So every tier runs
+# with every dataset format through the small recipes, and behind both loaders (unet2d-seed001 and
+# unet3d-spleen-baseline use worker processes); the full-size recipes run their own tier (none), and
+# resnet50-imagenet and ssd320-coco also the node-shared one through their worker processes.
+FULL_MODEL_CACHES = {"resnet50-imagenet": ("none", "shared"), "resnet50-imagenet-250ep": ("none",),
+                     "ssd320-coco": ("none", "shared")}
+CELLS = [pytest.param(r, c, id=f"{r}-{c}") for r in RECIPES for c in FULL_MODEL_CACHES.get(r, CACHES)]
+
+
+@pytest.mark.parametrize("recipe, cache", CELLS)
 def test_every_recipe_trains_with_every_cache(recipe, cache, datasets, tmp_path):
-    sets = ["train.epochs=1", "train.steps_per_epoch=2", f"data.cache={cache}", "data.cache_num=2"]
+    # one step: the cache is built, filled and served to the step and to validation all the same
+    sets = ["train.epochs=1", "train.steps_per_epoch=1", f"data.cache={cache}", "data.cache_num=2"]
     if cache in ("smart", "gpu"):  # main-process caches: threads
         sets.append("data.loader=threads")
     weights = _train(recipe, datasets, tmp_path / "run", *sets)
@@ -128,21 +143,21 @@ def test_worker_processes_do_not_change_the_weights(recipe, datasets, tmp_path):
 
 @pytest.mark.parametrize("recipe", ["unet3d-brats", "ssd320-small-shapes", "resnet18-imagefolder"])
 def test_resume_after_a_checkpoint_equals_the_uninterrupted_run(recipe, datasets, tmp_path):
-    """Python API: stop after epoch 1 (epochs=1), continue to 3 with --resume auto."""
+    """Python API: stop after epoch 1 (epochs=1), continue to 2 with --resume auto."""
     sets = ["train.steps_per_epoch=2", "train.seed=3", "sched.name=constant"]
-    whole = _train(recipe, datasets, tmp_path / "whole", *sets, "train.epochs=3")
+    whole = _train(recipe, datasets, tmp_path / "whole", *sets, "train.epochs=2")
     _train(recipe, datasets, tmp_path / "cut", *sets, "train.epochs=1")
-    resumed = _train(recipe, datasets, tmp_path / "cut", *sets, "train.epochs=3", resume="auto")
+    resumed = _train(recipe, datasets, tmp_path / "cut", *sets, "train.epochs=2", resume="auto")
     assert _identical(whole, resumed)
 
 
 @pytest.mark.parametrize("recipe", REPRO)
 def test_a_step_checkpoint_resumes_bit_identically(recipe, datasets, tmp_path):
-    """The checkpoint after step 1 (2 or 3 steps an epoch: batch 1 for the 3-D sets' 2 training cases;
-    train.checkpoint_every=1, kept as step-1.pt), continued in another run directory, ends with the
-    uninterrupted run's weights and epoch losses."""
+    """The checkpoint after step 1 (mid-epoch: 2 steps an epoch, batch 1 for the 3-D sets' 2 training
+    cases; train.checkpoint_every=1, kept as step-1.pt), continued in another run directory, ends with
+    the uninterrupted run's weights and epoch losses."""
     batch = 1 if RECIPES[recipe][0] in ("spleen", "brats") else 2
-    sets = ["train.epochs=2", f"train.batch_size={batch}", "train.steps_per_epoch=3", "train.seed=3",
+    sets = ["train.epochs=2", f"train.batch_size={batch}", "train.steps_per_epoch=2", "train.seed=3",
             "train.checkpoint_every=1", "train.keep_checkpoints=10"]
     whole = _train(recipe, datasets, tmp_path / "whole", *sets)
     step1 = tmp_path / "whole" / "checkpoints" / "step-00000001.pt"
@@ -156,24 +171,40 @@ def test_a_step_checkpoint_resumes_bit_identically(recipe, datasets, tmp_path):
 
 
 def _cli(recipe, data, out, epochs):
+    """``train`` arguments; one intra-op thread (train.cpu_threads) in the killed child and in this
+    process, so the in-process runs compute what the child computes, bit for bit."""
     tiny = [f"data.args.path={data}", "train.batch_size=2", "train.target=null", "examples=0",
-            "train.steps_per_epoch=3", "train.seed=5", "sched.name=constant", "train.amp=off", *RECIPES[recipe][1]]
-    cmd = [sys.executable, "-m", "fastvision", "train", recipe, "--out", str(out), "--device", "cpu",
-           "--epochs", str(epochs)]
+            "train.steps_per_epoch=3", "train.seed=5", "sched.name=constant", "train.amp=off", "train.cpu_threads=1",
+            *RECIPES[recipe][1]]
+    cmd = ["train", recipe, "--out", str(out), "--device", "cpu", "--epochs", str(epochs)]
     for s in tiny:
         cmd += ["--set", s]
     return cmd
 
 
+def _cli_here(argv) -> None:
+    """``fastvision train`` in this process (``cli.main``), its thread setting undone afterwards."""
+    from fastvision import cli
+
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("recipe", ["unet3d-spleen-fast", "unet2d-microscopy"])
 def test_kill_9_then_resume_auto_is_bit_identical(recipe, datasets, tmp_path):
+    """The run that is killed is a real process (SIGKILL: no handler, no flush); the uninterrupted run
+    and the ``--resume auto`` continuation are the same CLI command run in this process (the
+    autouse fixture gives it the child's FASTVISION_CACHE)."""
     data = datasets[RECIPES[recipe][0]]
     env = clean_env(FASTVISION_CACHE=str(tmp_path / "fvcache"))
     epochs = 6
-    subprocess.run(_cli(recipe, data, tmp_path / "whole", epochs), env=env, check=True, capture_output=True)
+    _cli_here(_cli(recipe, data, tmp_path / "whole", epochs))
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(_cli(recipe, data, cut, epochs), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "fastvision", *_cli(recipe, data, cut, epochs)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = cut / "checkpoints" / "last.pt"
     try:
         while proc.poll() is None and not last.exists():
@@ -184,6 +215,6 @@ def test_kill_9_then_resume_auto_is_bit_identical(recipe, datasets, tmp_path):
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     done = torch.load(last, weights_only=True)["epoch"]
     assert done < epochs - 1, "the run finished before the kill: nothing was interrupted"
-    subprocess.run(_cli(recipe, data, cut, epochs) + ["--resume", "auto"], env=env, check=True, capture_output=True)
+    _cli_here(_cli(recipe, data, cut, epochs) + ["--resume", "auto"])
     load = lambda d: torch.load(d / "checkpoints" / "last.pt", weights_only=True)["model"]  # noqa: E731
     assert _identical(load(tmp_path / "whole"), load(cut))

@@ -8,10 +8,12 @@ metric sums against the whole-set sums.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -221,26 +223,87 @@ def test_two_rank_slurm_srun_variables(tmp_path):
     _check_results(tmp_path, 2, "slurm")
 
 
-def _launch(tmp_path: Path, mode: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``distributed.launch_local`` (the code behind ``--nproc``) running this file's ``mode`` worker."""
-    code = ("import sys; from fastvision import distributed; "
-            f"sys.exit(distributed.launch_local(2, [{str(Path(__file__).resolve())!r}, {str(tmp_path)!r}, {mode!r}]))")
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True,
-                          text=True, timeout=timeout)
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raises TimeoutError in what runs in this (main) thread past ``seconds``: a hang fails the test
+    (a subprocess it waits for is then killed by ``subprocess.run``)."""
+    import signal
+
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(int(seconds))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def launch_here(argv: list[str], err_file: Path, timeout: float = 180) -> tuple[int, str]:
+    """``distributed.launch_local(2, argv)`` (the code behind ``--nproc``), called in this process: the
+    launcher's exit code and what it and its workers wrote to stderr (kept in ``err_file``). Running past
+    ``timeout`` seconds (a hang) fails the test.
+
+    In this process, not through a ``python -c`` of its own: that one would only import torch (seconds of
+    CPU) to start the same torchrun process with the same arguments and the same environment."""
+    saved = os.dup(2)
+    try:
+        with time_limit(timeout), err_file.open("w") as err:  # the launcher's stderr: to the file meanwhile
+            os.dup2(err.fileno(), 2)
+            rc = distributed.launch_local(2, argv, environ=clean_env())
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    return rc, err_file.read_text()
+
+
+def _launch(out: Path, mode: str, timeout: float = 180) -> tuple[int, str]:
+    """:func:`launch_here` running this file's ``mode`` worker, its results in ``out``."""
+    return launch_here([str(Path(__file__).resolve()), str(out), mode], out / f"{mode}.stderr", timeout)
+
+
+def run_once(tmp_path_factory, name: str, make):
+    """``make(folder)`` (its result JSON-able, its files in ``folder``) run once in the whole test run,
+    however many test modules and pytest-xdist workers ask for it: the first one runs it under a file
+    lock, the others wait for it and read its result. Returns ``(folder, result)``."""
+    import filelock
+
+    run_id, base = os.environ.get("PYTEST_XDIST_TESTRUNUID"), tmp_path_factory.getbasetemp()
+    folder = base.parent / f"{name}-{run_id}" if run_id else base / name  # shared by this run's workers
+    with filelock.FileLock(f"{folder}.lock"):
+        done = folder / "result.json"
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix="try-", dir=folder))  # after a failed try: a clean folder
+            done.write_text(json.dumps({"folder": str(work), "result": make(work)}))
+        res = json.loads(done.read_text())
+        return Path(res["folder"]), res["result"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_job(tmp_path_factory) -> tuple[Path, int, str]:
+    """One ``launch_local`` job of 2 ranks that does what the next four tests check (its results folder,
+    exit code and stderr): the collectives, a DDP step and a sharded metric (``rank{r}.json``), BatchNorm
+    training vs emulated workers (``emu0.json``), the fp16 comm hook (``hook{r}.json``), and ends the way
+    the teardown test needs (``teardown{r}.json``). One job instead of four: 4 torch imports, not 16."""
+    out, (rc, err) = run_once(tmp_path_factory, "two_rank_job", lambda out: _launch(out, "job"))
+    return out, rc, err
 
 
 @pytest.mark.dist
-def test_launch_local_two_workers(tmp_path):
-    proc = _launch(tmp_path, "basic")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_results(tmp_path, 2, "torchrun")
+def test_launch_local_two_workers(two_rank_job):
+    out, rc, err = two_rank_job
+    assert rc == 0, err[-3000:]
+    _check_results(out, 2, "torchrun")
 
 
 @pytest.mark.dist
-def test_emulated_workers_match_two_rank_ddp(tmp_path):
-    proc = _launch(tmp_path, "emulate")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads((tmp_path / "emu0.json").read_text())
+def test_emulated_workers_match_two_rank_ddp(two_rank_job):
+    out, rc, err = two_rank_job
+    assert rc == 0, err[-3000:]
+    res = json.loads((out / "emu0.json").read_text())
     assert res["emulated_rel"] <= 1e-5
     # the same global batch through one BatchNorm is a different model: emulation is not a no-op
     assert res["naive_rel"] > 1e-3
@@ -248,9 +311,9 @@ def test_emulated_workers_match_two_rank_ddp(tmp_path):
 
 @pytest.mark.dist
 def test_dead_rank_fails_the_job_naming_it(tmp_path):
-    proc = _launch(tmp_path, "die", timeout=60)  # TimeoutExpired (a hang) fails the test
-    assert proc.returncode != 0
-    assert "rank: 1" in proc.stderr and "exitcode: 7" in proc.stderr, proc.stderr[-3000:]
+    rc, err = _launch(tmp_path, "die", timeout=60)  # TimeoutError (a hang) fails the test
+    assert rc != 0
+    assert "rank: 1" in err and "exitcode: 7" in err, err[-3000:]
 
 
 @pytest.mark.dist
@@ -309,6 +372,12 @@ def _worker(out: Path) -> None:
     """One rank of a real job: collectives, a DDP step, an EvalSampler-sharded metric."""
     torch.set_num_threads(1)
     env, device = distributed.init("cpu", timeout_s=60)
+    _collectives(out, env, device)
+    distributed.shutdown()
+
+
+def _collectives(out: Path, env: distributed.DistEnv, device: torch.device) -> None:
+    """What :func:`_worker` checks, in a joined process group (``rank{r}.json``)."""
     r, w = distributed.rank(), distributed.world_size()
     res: dict = {"env": {"rank": env.rank, "world_size": env.world_size, "launcher": env.launcher}}
     res["sum"] = distributed.all_reduce_sum(torch.tensor([float(r + 1)], dtype=torch.float64)).item()
@@ -341,7 +410,6 @@ def _worker(out: Path) -> None:
 
     distributed.barrier()
     (out / f"rank{r}.json").write_text(json.dumps(res))
-    distributed.shutdown()
 
 
 def _bn_model() -> torch.nn.Module:
@@ -373,10 +441,8 @@ def _batches(sampler, epoch: int, b: int) -> list[list[int]]:
     return [idx[i:i + b] for i in range(0, len(idx) - b + 1, b)]
 
 
-def _emulation_worker(out: Path) -> None:
+def _emulation(out: Path, env: distributed.DistEnv, device: torch.device) -> None:
     """2-rank DDP training of a BatchNorm model vs --emulate-workers 2 (and vs a naive big batch)."""
-    torch.set_num_threads(1)
-    env, device = distributed.init("cpu", timeout_s=60)
     x, y, b = *_bn_data(), 2
     ddp = distributed.wrap_model(_bn_model(), device)
     sampler = distributed.TrainSampler(len(x), seed=5)
@@ -391,14 +457,11 @@ def _emulation_worker(out: Path) -> None:
         res = {"emulated_rel": rel(emu_w), "naive_rel": rel(naive_w)}
     (out / f"emu{env.rank}.json").write_text(json.dumps(res))
     distributed.barrier()  # rank 1 must not tear down gloo while rank 0 is still running the references
-    distributed.shutdown()
 
 
-def _hook_worker(out: Path) -> None:
+def _hook(out: Path, env: distributed.DistEnv, device: torch.device) -> None:
     """DDP with ``ddp_comm_hook: fp16`` (gloo reduces fp16, not bf16): gradients equal the plain
     global-batch gradients to fp16 precision, and the fp32 all-reduce's exactly."""
-    torch.set_num_threads(1)
-    env, device = distributed.init("cpu", timeout_s=60)
     g = torch.Generator().manual_seed(0)
     x_all, y_all = torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
     torch.manual_seed(1)
@@ -420,30 +483,29 @@ def _hook_worker(out: Path) -> None:
         res["bf16_error"] = str(e)
     (out / f"hook{env.rank}.json").write_text(json.dumps(res))
     distributed.barrier()
-    distributed.shutdown()
 
 
 @pytest.mark.dist
-def test_fp16_comm_hook_all_reduces_half_precision_gradients(tmp_path):
-    proc = _launch(tmp_path, "hook")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_fp16_comm_hook_all_reduces_half_precision_gradients(two_rank_job):
+    out, rc, err = two_rank_job
+    assert rc == 0, err[-3000:]
     for r in range(2):
-        res = json.loads((tmp_path / f"hook{r}.json").read_text())
+        res = json.loads((out / f"hook{r}.json").read_text())
         assert res["none"] < 1e-5 and not res["none_fp16_exact"]  # fp32 all-reduce
         assert 1e-6 < res["fp16"] < 2e-3 and res["fp16_fp16_exact"]  # gradients went through fp16
         assert res["bf16_error"].startswith("train.ddp_comm_hook: bf16 is not available here")  # gloo
 
 
 @pytest.mark.dist
-def test_gloo_threads_are_joined_before_the_interpreter_exits(tmp_path):
+def test_gloo_threads_are_joined_before_the_interpreter_exits(two_rank_job):
     """gloo's worker threads outlive destroy_process_group; one that asks for the GIL once the
     interpreter finalizes (in a run: to release a work that holds backward's autograd context; here:
     a future's callback) ends the process with SIGABRT ("terminate called without an active
-    exception"). distributed.shutdown joins them before."""
-    proc = _launch(tmp_path, "teardown")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    exception"). distributed.shutdown joins them before. (The job's end, after its other checks.)"""
+    out, rc, err = two_rank_job
+    assert rc == 0, err[-3000:]  # not SIGABRT
     for r in range(2):
-        seen = json.loads((tmp_path / f"teardown{r}.json").read_text())
+        seen = json.loads((out / f"teardown{r}.json").read_text())
         if seen["at_exit"] is None:
             pytest.skip("no /proc/self/task to count threads in")
         assert seen["before_shutdown"] > 0  # torch still names them pt_gloo_runloop: the count means something
@@ -454,8 +516,8 @@ def test_gloo_threads_are_joined_before_the_interpreter_exits(tmp_path):
 
 @pytest.mark.dist
 def test_shutdown_after_an_error_does_not_wait_for_a_stuck_collective(tmp_path):
-    proc = _launch(tmp_path, "stuck", timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rc, err = _launch(tmp_path, "stuck", timeout=120)
+    assert rc == 0, err[-3000:]
     assert json.loads((tmp_path / "stuck0.json").read_text())["shutdown_s"] < 10
 
 
@@ -506,15 +568,10 @@ class _SlowFinalizer:
         time.sleep(0.6)
 
 
-def _teardown_worker(out: Path) -> None:
-    """A good run's end (DDP step, barrier, shutdown) with a gloo worker thread that needs the GIL after
-    the caller has finished: the exit must be clean (not SIGABRT), gloo's threads joined before the
-    interpreter finalizes."""
+def _job_worker(out: Path) -> None:
+    """One rank of the job the ``two_rank_job`` tests share: :func:`_collectives`, :func:`_emulation`,
+    :func:`_hook`, then the end :func:`_teardown` checks."""
     import atexit
-    import threading
-    import time
-
-    import torch.distributed as tdist
 
     torch.set_num_threads(1)
     seen: dict = {}
@@ -522,6 +579,23 @@ def _teardown_worker(out: Path) -> None:
         {**seen, "at_exit": _gloo_threads()})))  # registered before any of dist's: runs after them
     env, device = distributed.init("cpu", timeout_s=60)
     seen["rank"] = env.rank
+    _collectives(out, env, device)
+    _emulation(out, env, device)
+    _hook(out, env, device)
+    _teardown(out, env, device, seen)
+
+
+def _teardown(out: Path, env: distributed.DistEnv, device: torch.device, seen: dict) -> None:
+    """A good run's end (DDP step, barrier, shutdown) with a gloo worker thread that needs the GIL after
+    the caller has finished: the exit must be clean (not SIGABRT), gloo's threads joined before the
+    interpreter finalizes. ``seen`` (with this ``rank``) is written by an ``atexit`` function registered
+    before the process group was joined."""
+    import atexit
+    import threading
+    import time
+
+    import torch.distributed as tdist
+
     model = distributed.wrap_model(torch.nn.Linear(3, 2), device)
     model(torch.randn(4, 3)).sum().backward()  # DDP's all-reduce works hold backward's context
     distributed.barrier()
@@ -576,9 +650,8 @@ def _stuck_worker(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"basic": _worker, "emulate": _emulation_worker, "die": _dying_worker, "hook": _hook_worker,
-     "teardown": _teardown_worker, "stuck": _stuck_worker}[sys.argv[2] if len(sys.argv) > 2
-                                                           else "basic"](Path(sys.argv[1]))
+    mode = sys.argv[2] if len(sys.argv) > 2 else "basic"
+    {"basic": _worker, "job": _job_worker, "die": _dying_worker, "stuck": _stuck_worker}[mode](Path(sys.argv[1]))
 
 
 @pytest.mark.parametrize("environ,expected", [  # {ppid} / {pid}: this process's, filled in by the test

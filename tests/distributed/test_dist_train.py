@@ -1,8 +1,10 @@
 """End-to-end data-parallel training through the real CLI: 2 gloo ranks against 1 process.
 
-Every run here is ``python -m fastvision.cli train unet2d-microscopy`` on a tiny generated PNG data
-set (16 training, 5 validation images: an odd validation set that splits 2 + 3 over two ranks), with
-random augmentation off so that the only randomness is the sampler's permutation.
+Every run here is ``fastvision train unet2d-microscopy`` (``cli.main`` in the test process when one
+process trains or ``--nproc`` starts torchrun; ``python -m fastvision.cli`` under srun's variables or
+where a worker is killed) on a tiny generated PNG data set (16 training, 5 validation images: an odd
+validation set that splits 2 + 3 over two ranks), with random augmentation off so that the only
+randomness is the sampler's permutation.
 
 What must hold, and why:
 
@@ -65,11 +67,32 @@ def _cmd(data: Path, out: Path, *args: str) -> list[str]:
             "--out", str(out), *TINY, *args]
 
 
-def _train(data: Path, out: Path, *args: str, timeout: float = 120) -> Path:
-    proc = subprocess.run(_cmd(data, out, *args), cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+@pytest.fixture
+def train_here(monkeypatch):
+    """``train(data, out, *args)``: the command of :func:`_cmd` through ``fastvision.cli.main`` in this
+    process (a process of its own would cost seconds of torch import and prove nothing more: with
+    ``--nproc`` this process starts torchrun as the CLI's does), in the environment :func:`clean_env`
+    gives the subprocesses (no launcher variables, one torch thread); returns ``out``."""
+    from fastvision import cli
+    from tests.distributed.test_dist import time_limit
+
+    clean = clean_env()
+    for key in set(os.environ) - set(clean):
+        monkeypatch.delenv(key)
+    for key, value in clean.items():
+        monkeypatch.setenv(key, value)
+
+    def train(data: Path, out: Path, *args: str) -> Path:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 of clean_env
+        try:
+            with time_limit(120):
+                assert cli.main(_cmd(data, out, *args)[3:]) == 0
+        finally:
+            torch.set_num_threads(threads)
+        return out
+
+    return train
 
 
 def _weights(run: Path, params_only: bool = False) -> dict[str, torch.Tensor]:
@@ -95,9 +118,9 @@ def _events(run: Path) -> tuple[dict, list[dict]]:
 
 
 
-def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path):
-    one = _train(data, tmp_path / "one", "--epochs", "3", "--batch-size", "4", *NO_NORM)
-    two = _train(data, tmp_path / "two", "--epochs", "3", "--batch-size", "2", "--nproc", "2", *NO_NORM)
+def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path, train_here):
+    one = train_here(data, tmp_path / "one", "--epochs", "3", "--batch-size", "4", *NO_NORM)
+    two = train_here(data, tmp_path / "two", "--epochs", "3", "--batch-size", "2", "--nproc", "2", *NO_NORM)
     p1, e1 = _events(one)
     p2, e2 = _events(two)
     assert (p1["world_size"], p2["world_size"]) == (1, 2) and p2["launcher"] == "torchrun"
@@ -115,7 +138,7 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path):
     assert (whole["iou"], whole["dice"]) == (e2[-1]["iou"], e2[-1]["dice"])
 
 
-def test_batchnorm_two_srun_tasks_equal_emulated_workers(data, tmp_path):
+def test_batchnorm_two_srun_tasks_equal_emulated_workers(data, tmp_path, train_here):
     """Two tasks with srun's variables (no launcher) == ``--emulate-workers 2``; != batch 4 in one BN."""
     port, out = free_port(), tmp_path / "srun"
     procs = []
@@ -135,8 +158,8 @@ def test_batchnorm_two_srun_tasks_equal_emulated_workers(data, tmp_path):
     params, _ = _events(out)
     assert (params["launcher"], params["world_size"], params["global_batch"]) == ("slurm", 2, 4)
 
-    emu = _train(data, tmp_path / "emu", "--epochs", "2", "--batch-size", "2", "--emulate-workers", "2")
-    big = _train(data, tmp_path / "big", "--epochs", "2", "--batch-size", "4")
+    emu = train_here(data, tmp_path / "emu", "--epochs", "2", "--batch-size", "2", "--emulate-workers", "2")
+    big = train_here(data, tmp_path / "big", "--epochs", "2", "--batch-size", "4")
     assert _events(emu)[0]["global_batch"] == 4
     srun_w = _weights(out, params_only=True)
     assert _max_rel(_weights(emu, params_only=True), srun_w) <= 1e-5
@@ -160,7 +183,7 @@ def _worker_pid(tag: str, rank: int) -> int | None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
-def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path):
+def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path, train_here, capfd):
     out, tag, epochs = tmp_path / "run", uuid.uuid4().hex, 12
     proc = subprocess.Popen(_cmd(data, out, "--epochs", str(epochs), "--batch-size", "2", "--nproc", "2"),
                             cwd=ROOT, env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL,
@@ -182,11 +205,9 @@ def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path):
     assert done < epochs - 1, "the run finished before the kill: nothing was interrupted"
 
     # Continue in one process as 2 emulated workers (same global batch, another world size).
-    res = subprocess.run(_cmd(data, out, "--epochs", str(epochs), "--batch-size", "2", "--emulate-workers", "2",
-                              "--resume", "auto"), cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert f"at epoch {done + 1}" in res.stderr  # picked up after the last completed epoch
+    capfd.readouterr()
+    train_here(data, out, "--epochs", str(epochs), "--batch-size", "2", "--emulate-workers", "2", "--resume", "auto")
+    assert f"at epoch {done + 1}" in capfd.readouterr().err  # picked up after the last completed epoch
     summary = json.loads((out / "summary.json").read_text())
     assert summary["epochs"] == epochs
     assert torch.load(last, map_location="cpu", weights_only=True)["epoch"] == epochs - 1

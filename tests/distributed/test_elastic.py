@@ -1,7 +1,7 @@
-"""Elastic restarts under the real torchrun: a worker killed with SIGKILL, torchrun restarts both
-workers (``--max-restarts 2``), ``--resume auto`` continues by itself, and the job ends exactly as
-the uninterrupted 2-rank job does. And a checkpoint continues on another world size with the
-global batch and the sample order kept.
+"""Elastic restarts under the real torchrun: a worker killed with SIGKILL (or sent SIGTERM), torchrun
+restarts both workers, ``--resume auto`` continues by itself, and the job ends exactly as the
+uninterrupted 2-rank job does (the three interruptions are made to one job, in turn). And a
+checkpoint continues on another world size with the global batch and the sample order kept.
 
 Data: 21 generated 32x32 microscopy PNG pairs (16 to train on: 8 steps an epoch per rank at batch
 1), random flips on, so each rank's augmentation stream must come back as it was.
@@ -24,6 +24,7 @@ from fastvision.distributed.samplers import TrainSampler
 from fastvision.engine.state import keep_global_batch
 from tests.conftest import ROOT, clean_env
 from tests.distributed.conftest import last_model, torchrun_train
+from tests.distributed.test_dist import run_once
 from tests.distributed.test_dist_train import _worker_pid
 
 pytestmark = pytest.mark.dist
@@ -33,37 +34,96 @@ def _steps(run: Path) -> int:
     return path.read_text().count('"step": [') if path.exists() else 0  # step and epoch events alike
 
 
-def _start_job(data: Path, out: Path, tag: str) -> subprocess.Popen:
-    """The uninterrupted job's command in the background, its workers tagged ``tag``, stderr piped."""
-    return subprocess.Popen(torchrun_train(data, out, 3, "--set", "train.checkpoint_every=5"), cwd=ROOT,
-                            env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+def _wait(what, proc: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while proc.poll() is None and not what() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
-@pytest.mark.parametrize("when", ["after a step checkpoint", "before the first checkpoint"])
-def test_torchrun_restarts_a_killed_worker_and_ends_as_the_uninterrupted_job(when, data, uninterrupted, tmp_path):
-    out, tag = tmp_path / "run", uuid.uuid4().hex
-    last = out / "checkpoints" / "last.pt"
-    proc = _start_job(data, out, tag)
-    try:
-        deadline = time.monotonic() + 120
-        ready = (lambda: last.exists()) if when == "after a step checkpoint" else (lambda: _steps(out) >= 1)
-        while proc.poll() is None and not ready() and time.monotonic() < deadline:
-            time.sleep(0.005)
+def shared_uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The ``uninterrupted`` fixture of tests/distributed/conftest.py (same data, same command), run
+    once for this module and test_watchdog's, on every pytest-xdist worker: a torchrun job of its own."""
+    from fastvision.data.synth.microscopy import synth
+
+    def make(folder: Path) -> str:
+        data = synth(folder / "data", seed=3, count=21, size=32)
+        res = subprocess.run(torchrun_train(data, folder / "run", 3, "--set", "train.checkpoint_every=5"), cwd=ROOT,
+                             env=clean_env(), capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return str(folder / "run")
+
+    return last_model(Path(run_once(tmp_path_factory, "uninterrupted", make)[1]))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    return shared_uninterrupted(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def interrupted(data, tmp_path_factory) -> dict:
+    """The uninterrupted job's command (``--max-restarts 3``), its workers interrupted three times, each
+    restart by torchrun continuing (``--resume auto``) on its own:
+
+    0. rank 1 killed (SIGKILL) once the first step is logged, before the first checkpoint;
+    1. rank 1 of the restarted workers killed once a step checkpoint is written;
+    2. SIGTERM to rank 1 alone of the next workers, 12 steps in;
+
+    then the workers of the last restart finish. One job for the three cases of the tests below (8
+    worker processes, not 12 in three jobs), run once for all pytest-xdist workers. Returns its exit
+    code, final weights, whether a checkpoint was there at each interruption, and its stderr cut at
+    the interruptions: part ``i`` is what was written after interruption ``i`` (torchrun's report of
+    it, the next workers' start).
+    """
+    folder, res = run_once(tmp_path_factory, "interrupted", lambda folder: _interrupt(data, folder / "run"))
+    return {**res, "weights": last_model(folder / "run")}
+
+
+def _interrupt(data: Path, out: Path) -> dict:
+    """The job of the ``interrupted`` fixture, into ``out``."""
+    tag = uuid.uuid4().hex
+    last, log = out / "checkpoints" / "last.pt", out.parent / "stderr.txt"
+    cmd = torchrun_train(data, out, 3, "--set", "train.checkpoint_every=5")
+    cmd[cmd.index("--max-restarts") + 1] = "3"
+    with log.open("w") as err_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL,
+                                stderr=err_file, text=True)
+    cuts, had, victims = [], [], []
+
+    def interrupt(ready, sig: int) -> None:
+        # rank 1 of the workers now running (not one interrupted before), once ``ready``
+        _wait(lambda: ready() and _worker_pid(tag, 1) not in (None, *victims), proc)  # /proc read last
         victim = _worker_pid(tag, 1)
-        assert victim is not None and proc.poll() is None, "no worker to kill"
-        had_checkpoint = last.exists()
-        os.kill(victim, signal.SIGKILL)
-        _, err = proc.communicate(timeout=240)
+        assert victim not in (None, *victims) and proc.poll() is None, f"no worker to stop ({len(victims)})"
+        had.append(last.exists())
+        cuts.append(len(log.read_text()))
+        os.kill(victim, sig)
+        victims.append(victim)
+
+    try:
+        interrupt(lambda: _steps(out) >= 1, signal.SIGKILL)
+        interrupt(last.exists, signal.SIGKILL)
+        # resumed from the step checkpoint (its records after the checkpoint rewound), then 12 steps in
+        interrupt(lambda: "resumed from" in log.read_text()[cuts[-1]:] and _steps(out) >= 12, signal.SIGTERM)
+        proc.wait(timeout=240)
     finally:
         proc.kill()
-    assert proc.returncode == 0, err[-3000:]  # torchrun restarted the workers and the job finished by itself
+    err = log.read_text()
+    parts = [err[a:b] for a, b in zip(cuts, [*cuts[1:], len(err)], strict=True)]
+    return {"rc": proc.returncode, "err": err, "parts": parts, "had_checkpoint": had}
+
+
+@pytest.mark.parametrize("when", ["before the first checkpoint", "after a step checkpoint"])
+def test_torchrun_restarts_a_killed_worker_and_ends_as_the_uninterrupted_job(when, interrupted, uninterrupted):
+    i = ["before the first checkpoint", "after a step checkpoint"].index(when)
+    err, had_checkpoint = interrupted["parts"][i], interrupted["had_checkpoint"][i]
+    assert interrupted["rc"] == 0, interrupted["err"][-3000:]  # torchrun restarted the workers, the job finished
     assert "exitcode: -9" in err or "exitcode  : -9" in err, err[-2000:]
     if when == "after a step checkpoint":
         assert had_checkpoint and "resumed from" in err
     else:
         assert not had_checkpoint and "starting from scratch" in err
-    weights = last_model(out)
+    weights = interrupted["weights"]
     assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted)
 
 
@@ -92,23 +152,12 @@ def test_another_world_size_keeps_the_global_batch_and_the_sample_order():
     assert uneven.train.accum_steps == 1
 
 
-def test_a_signal_to_one_rank_stops_both_at_one_step_and_the_restart_continues(data, uninterrupted, tmp_path):
+def test_a_signal_to_one_rank_stops_both_at_one_step_and_the_restart_continues(interrupted, uninterrupted):
     """SIGTERM to rank 1 alone: the ranks agree, rank 0 (never signalled) stops at the same step and
     writes its checkpoint, both exit 143; torchrun restarts them and they end as the uninterrupted job."""
-    out, tag = tmp_path / "run", uuid.uuid4().hex
-    proc = _start_job(data, out, tag)
-    try:
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and _steps(out) < 12 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        victim = _worker_pid(tag, 1)
-        assert victim is not None and proc.poll() is None, "no worker to signal"
-        os.kill(victim, signal.SIGTERM)
-        _, err = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err[-3000:]
+    err = interrupted["parts"][2]
+    assert interrupted["rc"] == 0, interrupted["err"][-3000:]
     assert err.count("stopped by SIGTERM") == 2, err[-3000:]  # rank 0 stopped too, told by the agreement
     assert "exitcode: 143" in err or "exitcode  : 143" in err, err[-2000:]
-    weights = last_model(out)
+    weights = interrupted["weights"]
     assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted)

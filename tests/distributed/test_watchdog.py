@@ -7,8 +7,8 @@ the restarted workers resume from the untouched ``last.pt`` and end with the uni
 weights. The job runs through a small wrapper of ``fastvision.cli.main`` that also says whether the
 default process group is still joined when ``train`` returns (it must not be).
 
-Data and the uninterrupted reference are the fixtures of tests/distributed/conftest.py (shared with
-test_elastic: 21 generated 32x32 microscopy PNG pairs).
+Data is the fixture of tests/distributed/conftest.py (21 generated 32x32 microscopy PNG pairs); the
+uninterrupted reference is conftest's job, run once for this module and test_elastic.
 """
 from __future__ import annotations
 
@@ -29,10 +29,13 @@ from fastvision.errors import ConfigError
 from tests.conftest import ROOT, clean_env
 from tests.distributed.conftest import TINY, last_model
 from tests.distributed.test_dist_train import _worker_pid
+from tests.distributed.test_elastic import shared_uninterrupted
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, SIGSTOP")]
 
-HANG_S = 8  # seconds without progress that count as a hang (a tiny step takes milliseconds)
+# seconds without progress that count as a hang: a tiny step takes milliseconds, and no two beats of a
+# healthy run of this job were more than 0.5 s apart on 2 loaded cores (load average 6): 10 times that
+HANG_S = 5
 
 WRAPPER = """\
 import sys
@@ -42,6 +45,12 @@ rc = main(sys.argv[1:])
 print(f"train returned {rc}; process group joined: {d.is_initialized()}", file=sys.stderr)
 sys.exit(rc)
 """
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """conftest's ``uninterrupted``, the very run test_elastic compares with: one job for both modules."""
+    return shared_uninterrupted(tmp_path_factory)
 
 
 def _job(data: Path, out: Path, wrapper: Path, restarts: int) -> list[str]:

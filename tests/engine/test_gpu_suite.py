@@ -86,12 +86,31 @@ def test_the_suites_gpu_test_files_hold_every_gpu_test_and_collect_without_optio
                             'runpy.run_module("pytest", run_name="__main__")')
     args = ["--co", "-q", "-m", "gpu", "-p", "no:cacheprovider", *map(str, files)]
     sub = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    whole = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                            str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     ids = lambda out: {ln for ln in out.splitlines() if "::" in ln}  # noqa: E731
     assert sub.returncode == 0, sub.stdout[-2000:] + sub.stderr[-2000:]
     assert "blocked" not in sub.stdout + sub.stderr
-    assert len(ids(sub.stdout)) >= 20 and ids(sub.stdout) == ids(whole.stdout)
+    assert len(ids(sub.stdout)) >= 20 and ids(sub.stdout) == _gpu_test_ids_of_the_whole_tree()
+
+
+def _gpu_test_ids_of_the_whole_tree() -> set[str]:
+    """``pytest --co -m gpu tests`` in this process (most test modules are imported already; a
+    subprocess would import torch and every test module again): the node ids as ``--co -q`` prints them."""
+
+    class Ids:
+        found: set[str] = set()
+
+        def pytest_collection_finish(self, session):
+            self.found = {item.nodeid for item in session.items}
+
+    ids, cwd = Ids(), os.getcwd()
+    os.chdir(ROOT)  # node ids relative to the root, as the subprocess's
+    try:
+        rc = pytest.main(["--co", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist",
+                          "-p", "no:terminal", str(ROOT / "tests")], plugins=[ids])
+    finally:
+        os.chdir(cwd)
+    assert rc == 0, rc
+    return ids.found
 
 
 @pytest.mark.slow

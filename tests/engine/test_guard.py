@@ -8,6 +8,7 @@ by hand from the good batches (momentum 0.1, unbiased variance).
 """
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -27,10 +28,19 @@ TINY = ["--device", "cpu", "--batch-size", "2", "--set", "data.args.image_size=[
         "--set", "sched.name=constant", "--set", "sched.warmup_epochs=0", "--set", "train.max_nonfinite=3"]
 
 
-def _train(data: Path, out: Path, *more: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "fastvision", "train", "unet2d-microscopy", "--data", str(data), "--out", str(out),
-           "--epochs", "2", *TINY, *more]
-    return subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _train(capfd, data: Path, out: Path, *more: str) -> subprocess.CompletedProcess:
+    """``fastvision train`` in this process (what is tested is the guard and the CLI's exit status and
+    messages, not a process of its own): its return code and what it wrote to stderr."""
+    from fastvision.cli import main
+
+    argv = ["train", "unet2d-microscopy", "--data", str(data), "--out", str(out), "--epochs", "2", *TINY, *more]
+    capfd.readouterr()
+    logger = logging.getLogger("fastvision")
+    try:
+        rc = main(argv)
+    finally:  # as the fresh_logging fixture: the CLI's handler writes to this test's captured stderr
+        logger.handlers[:], logger.propagate = [], True
+    return subprocess.CompletedProcess(argv, rc, "", capfd.readouterr().err)
 
 
 def _items_at(data: Path, step: int, batch: int = 2) -> list[str]:
@@ -44,12 +54,12 @@ def _items_at(data: Path, step: int, batch: int = 2) -> list[str]:
 
 
 @pytest.mark.parametrize("action, factor", [("rollback_lower_lr", 0.5), ("rollback", 1.0)])
-def test_a_forced_nonfinite_streak_rolls_back_and_names_the_items(action, factor, tiny_microscopy, tmp_path):
+def test_a_forced_nonfinite_streak_rolls_back_and_names_the_items(action, factor, tiny_microscopy, tmp_path, capfd):
     """Steps 4-6 NaN, max_nonfinite 3, a checkpoint every 2 steps, an EMA: at step 6 the run rolls
     back to step 2's checkpoint (step 4's was written during the streak: not healthy), lowers the
     learning rate or not, and finishes with finite weights."""
     out = tmp_path / "run"
-    res = _train(tiny_microscopy, out, "--set", "model.args.nonfinite_steps=[4,5,6]",
+    res = _train(capfd, tiny_microscopy, out, "--set", "model.args.nonfinite_steps=[4,5,6]",
                  "--set", "train.checkpoint_every=2", "--set", f"train.on_nonfinite={action}",
                  "--set", "train.ema_decay=0.9")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -88,20 +98,20 @@ def test_two_ranks_roll_back_together_and_name_every_ranks_items(tiny_microscopy
 
 @pytest.mark.parametrize("every, expect", [("2", r"last healthy checkpoint is \S*rollback\.pt \(step 2\)"),
                                            (None, "no healthy checkpoint of this run to roll back to")])
-def test_on_nonfinite_stop_names_the_checkpoint_to_resume_from(every, expect, tiny_microscopy, tmp_path):
+def test_on_nonfinite_stop_names_the_checkpoint_to_resume_from(every, expect, tiny_microscopy, tmp_path, capfd):
     more = ["--set", f"train.checkpoint_every={every}"] if every else []
-    res = _train(tiny_microscopy, tmp_path / "run", "--set", "model.args.nonfinite_steps=[4,5,6]",
+    res = _train(capfd, tiny_microscopy, tmp_path / "run", "--set", "model.args.nonfinite_steps=[4,5,6]",
                  "--set", "train.on_nonfinite=stop", *more)
     assert res.returncode == 2, res.stderr[-3000:]
     line = res.stderr.strip().splitlines()[-1]
     assert "stopping at step 6: 3 consecutive steps skipped" in line and re.search(expect, line), line
 
 
-def test_non_finite_weights_roll_back_and_a_run_that_keeps_diverging_stops(tiny_microscopy, tmp_path):
+def test_non_finite_weights_roll_back_and_a_run_that_keeps_diverging_stops(tiny_microscopy, tmp_path, capfd):
     """SGD at lr 1e38 makes the weights infinite at each applied step: each time the run rolls back
     (to the checkpoint of the step before) and halves the rate; the fourth time within
     10 x max_nonfinite steps it stops, exit 2, naming the last healthy checkpoint."""
-    res = _train(tiny_microscopy, tmp_path / "run", "--set", "optim.name=sgd", "--set", "optim.lr=1e38",
+    res = _train(capfd, tiny_microscopy, tmp_path / "run", "--set", "optim.name=sgd", "--set", "optim.lr=1e38",
                  "--set", "train.checkpoint_every=1")
     assert res.returncode == 2, res.stderr[-3000:]
     assert res.stderr.count("a weight is not finite; rolled back to") == 3, res.stderr[-3000:]

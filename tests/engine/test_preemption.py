@@ -7,7 +7,9 @@ mid-epoch resume must restore.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -47,6 +49,31 @@ def _steps_logged(run: Path) -> int:
     return sum(1 for line in lines[:-1] if len(json.loads(line)["step"]) == 2)  # the last may be half written
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """This process on one thread, as each subprocess (OMP_NUM_THREADS=1, clean_env): the in-process
+    runs compute the same bits as the subprocess ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(argv: list[str]) -> int:
+    """``fastvision ARGV`` in this process (``_cmd`` without ``python -m fastvision``): the runs that are
+    not about the process itself; the logger is reset after, as ``fresh_logging`` does."""
+    from fastvision.cli import main
+
+    logger = logging.getLogger("fastvision")
+    try:
+        with _one_thread():
+            return main(argv[3:])
+    finally:
+        logger.handlers[:], logger.propagate = [], True
+
+
 def _interrupt(cmd: list[str], out: Path, sig: int, env: dict,
                after_steps: int) -> tuple[subprocess.CompletedProcess, float]:
     """Start ``cmd``, send ``sig`` once ``after_steps`` steps are logged; returns the finished process
@@ -61,13 +88,24 @@ def _interrupt(cmd: list[str], out: Path, sig: int, env: dict,
     return subprocess.CompletedProcess(cmd, proc.returncode, "", err), time.monotonic() - sent
 
 
+EPOCHS, ONE = 3, ["--batch-size", "1"]
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_microscopy, tmp_path_factory) -> Path:
+    """The uninterrupted run both signals' resumes must match bit for bit (the same command, one thread,
+    in this process: what is tested is the interrupted process and its resume, not this one)."""
+    run = tmp_path_factory.mktemp("preempt") / "whole"
+    assert _main(_cmd(tiny_microscopy, run, EPOCHS, *ONE)) == 0
+    return run
+
+
 @pytest.mark.parametrize("sig, slurm", [(signal.SIGTERM, False), (signal.SIGUSR1, True)])
-def test_a_stop_signal_mid_epoch_checkpoints_and_resume_is_bit_identical(sig, slurm, tiny_microscopy, tmp_path):
-    """Batch 1: 13 steps an epoch; the signal comes a few steps into the second epoch."""
-    epochs, one = 3, ["--batch-size", "1"]
-    whole = tmp_path / "whole"
-    subprocess.run(_cmd(tiny_microscopy, whole, epochs, *one), env=clean_env(), cwd=ROOT, check=True,
-                   capture_output=True)
+def test_a_stop_signal_mid_epoch_checkpoints_and_resume_is_bit_identical(sig, slurm, tiny_microscopy, tmp_path,
+                                                                         whole, capfd):
+    """Batch 1: 13 steps an epoch; the signal comes a few steps into the second epoch. The interrupted
+    run is a real process (the signal, its exit status); the resume runs in this process."""
+    epochs, one = EPOCHS, ONE
 
     env, more = clean_env(), [*one]
     if slurm:  # a SLURM job with requeue on: a stub scontrol on PATH records its call
@@ -88,10 +126,11 @@ def test_a_stop_signal_mid_epoch_checkpoints_and_resume_is_bit_identical(sig, sl
     if slurm:
         assert calls.read_text().split() == ["requeue", "4242"]
 
-    done = subprocess.run(_cmd(tiny_microscopy, cut, epochs, *one, "--resume", "auto"), env=clean_env(), cwd=ROOT,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert f"step {ckpt['position']['step']}" in done.stderr  # resumed inside the epoch
+    capfd.readouterr()
+    rc = _main(_cmd(tiny_microscopy, cut, epochs, *one, "--resume", "auto"))
+    done_err = capfd.readouterr().err
+    assert rc == 0, done_err[-2000:]
+    assert f"step {ckpt['position']['step']}" in done_err  # resumed inside the epoch
     assert _identical(_model(whole), _model(cut))
     hist = lambda run: torch.load(run / "checkpoints" / "last.pt", weights_only=True)["history"]  # noqa: E731
     assert [h["train_loss"] for h in hist(whole)] == [h["train_loss"] for h in hist(cut)]
@@ -99,8 +138,8 @@ def test_a_stop_signal_mid_epoch_checkpoints_and_resume_is_bit_identical(sig, sl
 
 def test_step_checkpoints_every_n_steps_and_kept_ones(tiny_microscopy, tmp_path):
     out = tmp_path / "run"
-    subprocess.run(_cmd(tiny_microscopy, out, 3, "--set", "train.checkpoint_every=5", "--set",
-                        "train.keep_checkpoints=2"), env=clean_env(), cwd=ROOT, check=True, capture_output=True)
+    assert _main(_cmd(tiny_microscopy, out, 3, "--set", "train.checkpoint_every=5", "--set",
+                      "train.keep_checkpoints=2")) == 0
     kept = sorted(p.name for p in (out / "checkpoints").glob("step-*.pt"))
     assert kept == ["step-00000010.pt", "step-00000015.pt"]  # 5, 10, 15 written; the newest two kept
     assert checkpoint.load(out / "checkpoints" / "last.pt")["step"] == 18  # 6 steps an epoch (13 items, batch 2)
@@ -125,11 +164,10 @@ def test_checkpoint_every_rejects_bad_specs(spec):
         policy.Every(spec)
 
 
-def test_a_bad_stop_signal_is_one_line(tiny_microscopy, tmp_path):
-    res = subprocess.run(_cmd(tiny_microscopy, tmp_path / "r", 1, "--set", "train.stop_signals=[SIGKILL]"),
-                         env=clean_env(), cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 2
-    assert res.stderr.strip().splitlines()[-1].startswith("fastvision: error: train.stop_signals")
+def test_a_bad_stop_signal_is_one_line(tiny_microscopy, tmp_path, capfd):
+    capfd.readouterr()
+    assert _main(_cmd(tiny_microscopy, tmp_path / "r", 1, "--set", "train.stop_signals=[SIGKILL]")) == 2
+    assert capfd.readouterr().err.strip().splitlines()[-1].startswith("fastvision: error: train.stop_signals")
 
 
 def test_checkpoints_by_time_are_mid_epoch_positions(tiny_microscopy, tmp_path):

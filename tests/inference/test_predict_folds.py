@@ -141,8 +141,9 @@ def test_killed_sharded_predict_resumes(spleen_folds, tmp_path):
     from fastvision.data.synth import load_all
 
     _, out, _ = spleen_folds
-    # larger cases than the fixture's (about a second each here), so the kill lands mid-way
-    data = load_all().get("spleen")(tmp_path / "big", seed=5, cases=0, test_cases=6, size=48)
+    # larger cases than the fixture's (about a second each here), so the kill lands mid-way: 2 a rank, and
+    # the first file written ends the job before either rank can finish its second
+    data = load_all().get("spleen")(tmp_path / "big", seed=5, cases=0, test_cases=4, size=48)
     want = _one_thread_predict(out, data / "imagesTs", tmp_path / "one")
     dest = tmp_path / "pred"
     cmd = _predict_cmd(out, [data / "imagesTs"], dest, "--nproc", "2")

@@ -11,7 +11,6 @@ whichever rank produces them, and the mAP is well inside (0, 1).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from fastvision.metrics.coco import (  # noqa: E402
     COCOEvaluator,
     ground_truth_as_detections,
 )
-from tests.conftest import clean_env  # noqa: E402
 
 S = 128  # network input side
 NUM_VAL = 13  # odd: the two shards differ in length
@@ -74,11 +72,10 @@ def test_two_rank_coco_map_equals_single_process(tmp_path):
     single = evaluate_shard(root, tmp_path / "single.json")
     assert single["images"] == NUM_VAL and 0.1 < single["map"] < 0.9
 
-    argv = [str(Path(__file__).resolve()), str(root), str(tmp_path)]
-    code = f"import sys; from fastvision import distributed; sys.exit(distributed.launch_local(2, {argv!r}))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
-                          timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from tests.distributed.test_dist import launch_here
+
+    rc, err = launch_here([str(Path(__file__).resolve()), str(root), str(tmp_path)], tmp_path / "stderr.txt")
+    assert rc == 0, err[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # each rank evaluated only its half, yet both report the whole set's metrics
     assert [r["local_images"] for r in ranks] == [NUM_VAL // 2, NUM_VAL - NUM_VAL // 2]

@@ -172,22 +172,31 @@ def test_scale_cli_passes_train_options_through():
 
 
 @pytest.mark.dist
-def test_scale_sweep_end_to_end(tmp_path, tiny_microscopy):
-    """`scale --workers 1,2 --mode strong --repeats 2 --simulate` on tiny data: real runs with seeds 5 and 6."""
-    import os
-    import subprocess
+def test_scale_sweep_end_to_end(tmp_path, tiny_microscopy, monkeypatch, capfd):
+    """`scale --workers 1,2 --mode strong --repeats 2 --simulate` on tiny data: real runs with seeds 5 and 6.
+    The sweep's training runs are real processes (as the command starts them); the `scale` command itself
+    runs in this process, which only starts them and reads their results."""
+    import logging
+
+    from fastvision.cli import main
 
     root = Path(__file__).resolve().parents[2]
     sets = ["data.args.image_size=[32,32]", "model.args.filters=[4,8,16]", "data.num_workers=0", "examples=0",
             "train.batch_size=4"]
-    cmd = [sys.executable, "-m", "fastvision.cli", "scale", "unet2d-microscopy", "--workers", "1,2",
-           "--mode", "strong", "--epochs", "1", "--repeats", "2", "--seed", "5", "--simulate", "--links", "ethernet",
-           "--device", "cpu", "--data", str(tiny_microscopy), "--out", str(tmp_path),
-           *[a for s in sets for a in ("--set", s)]]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, cwd=root, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["scale", "unet2d-microscopy", "--workers", "1,2",
+            "--mode", "strong", "--epochs", "1", "--repeats", "2", "--seed", "5", "--simulate", "--links", "ethernet",
+            "--device", "cpu", "--data", str(tiny_microscopy), "--out", str(tmp_path),
+            *[a for s in sets for a in ("--set", s)]]
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # the runs' environment: this process's, as the command's
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    monkeypatch.chdir(root)
+    try:
+        rc = main(argv)
+    finally:  # as the fresh_logging fixture: no handler left writing to this test's captured stderr
+        logging.getLogger("fastvision").handlers[:], logging.getLogger("fastvision").propagate = [], True
+    assert rc == 0, capfd.readouterr().err[-3000:]
     for name in ("scaling.csv", "scaling.json", "scaling.md", "scaling.png", "simulation.json"):
         assert (tmp_path / name).is_file(), name
     with open(tmp_path / "scaling.csv", newline="") as f:
