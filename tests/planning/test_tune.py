@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 
@@ -140,44 +139,19 @@ def test_parity_refuses_a_switch_that_changes_the_loss_and_passes_an_exact_one(t
 
 # ------------------------------------------------------------------ the CLI
 # The CLI tests check what tune writes and decides, not its timing: 2 interleaved rounds of about 0.25 s
-# per run instead of the default 5 of 1 s (each trial still builds both runs, checks parity on the probe
-# steps and judges the rounds). In-process through the constructor's defaults; in the torchrun ranks
-# through this sitecustomize, which sets the same defaults once the trial module is imported.
-SHORT_TRIALS = {"probe": 3, "rounds": 2, "round_s": 0.25}
-SITECUSTOMIZE = f"""
-import importlib.abc, importlib.util, sys
-
-class _ShortTrials(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "fastvision.planning.tune.trial":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            module.TrialRunner.__init__.__kwdefaults__.update({SHORT_TRIALS!r})
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, _ShortTrials())
-"""
-
-
-@pytest.fixture
-def short_trials(monkeypatch):
-    monkeypatch.setattr(TrialRunner.__init__, "__kwdefaults__", dict(SHORT_TRIALS))
+# per run (tune's --rounds / --round-seconds) instead of the default 5 of 1 s; each trial still builds
+# both runs, checks parity on the probe steps and judges the rounds.
+SHORT = ["--rounds", "2", "--round-seconds", "0.25"]
 
 
 def _tune(data, out, *extra):
     return cli.main(["tune", "unet2d-microscopy", "--data", str(data), "--out", str(out / "tuned.yaml"),
-                     "--json", str(out / "trials.json"), "--budget", "90s", *TINY, *PIN, *extra])
+                     "--json", str(out / "trials.json"), "--budget", "90s", *SHORT, *TINY, *PIN, *extra])
 
 
 @pytest.mark.slow
 def test_tune_writes_a_recipe_that_trains_as_is_and_reuses_its_result(tiny_microscopy, tmp_path, monkeypatch,
-                                                                       capsys, short_trials):
+                                                                       capsys):
     monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "t"
@@ -186,6 +160,7 @@ def test_tune_writes_a_recipe_that_trains_as_is_and_reuses_its_result(tiny_micro
     assert (out / "tuned.png").read_bytes()[:4] == b"\x89PNG"
     assert {t["key"] for t in first["trials"]} == {"data.cache"}
     assert first["verdict"].endswith("-bound") and first["trials"]
+    assert first["rounds"] == 2 and 3 <= first["steps_per_round"] <= 30
     tuned = yaml.safe_load((out / "tuned.yaml").read_text())
     assert tuned["extends"] == "unet2d-microscopy" and tuned["model"]["args"]["filters"] == [4, 8, 16]
     cfg = config.load(str(out / "tuned.yaml"))
@@ -201,12 +176,15 @@ def test_tune_writes_a_recipe_that_trains_as_is_and_reuses_its_result(tiny_micro
     assert "--force" in capsys.readouterr().err
     assert _tune(tiny_microscopy, out, *again, "--force") == 0
     assert json.loads((out / "trials.json").read_text()) == first
+    assert "reusing the stored tune result" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--keep", "train.epochs"], "--keep train.epochs: not a speed switch"),
     (["--budget", "5s"], "cannot fit one trial"),
     (["--budget", "soon"], "--budget 'soon'"),
+    (["--rounds", "1"], "--rounds 1: a trial needs at least 2 timed rounds"),
+    (["--round-seconds", "0"], "--round-seconds 0.0: must be a positive"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tiny_microscopy, tmp_path, capsys, extra, message):
     out = tmp_path / "t"
@@ -228,19 +206,16 @@ def test_missing_data_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
 @pytest.mark.slow
 def test_two_ranks_run_the_same_trials_and_agree(tiny_microscopy, tmp_path):
     out = tmp_path / "t"
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     cmd = [sys.executable, "-m", "fastvision.cli", "tune", "unet2d-microscopy", "--data", str(tiny_microscopy),
            "--out", str(out / "tuned.yaml"), "--json", str(out / "trials.json"), "--budget", "30s", "--nproc", "2",
-           *TINY, *PIN, "--keep", "data.num_workers", "train.ddp_bucket_mb", "train.ddp_comm_hook",
+           *SHORT, *TINY, *PIN, "--keep", "data.num_workers", "train.ddp_bucket_mb", "train.ddp_comm_hook",
            "--set", "train.batch_size=2"]
-    env = clean_env(FASTVISION_CACHE=str(tmp_path / "cache"))
-    env["PYTHONPATH"] = f"{tmp_path / 'site'}{os.pathsep}{env['PYTHONPATH']}"
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, cwd=ROOT, env=clean_env(FASTVISION_CACHE=str(tmp_path / "cache")),
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((out / "trials.json").read_text())
     assert result["hardware"]["world_size"] == 2
-    assert result["rounds"] == SHORT_TRIALS["rounds"]  # the ranks ran the short trials
+    assert result["rounds"] == 2  # the ranks ran --rounds 2
     assert [t["key"] for t in result["trials"]] == ["data.cache"] * len(result["trials"]) and result["trials"]
     ranks = result["rank_settings"]
     assert len(ranks) == 2 and ranks[0] == ranks[1]  # every rank ends on rank 0's choice

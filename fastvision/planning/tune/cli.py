@@ -24,6 +24,7 @@ from fastvision.errors import ConfigError, DataError
 from fastvision.planning.tune import report
 from fastvision.planning.tune.run import run_tune
 from fastvision.planning.tune.switches import SWITCH_KEYS, check_keep
+from fastvision.planning.tune.trial import TrialRunner
 from fastvision.utils.files import atomic_write
 from fastvision.utils.hostcpu import host_cpu_name
 
@@ -89,6 +90,10 @@ def cmd_tune(args) -> int:
 
     check_keep(args.keep)
     budget_s = parse_budget(args.budget)
+    if args.rounds < 2:
+        raise ConfigError(f"--rounds {args.rounds}: a trial needs at least 2 timed rounds (their spread is the noise)")
+    if not args.round_seconds > 0:
+        raise ConfigError(f"--round-seconds {args.round_seconds}: must be a positive number of seconds")
     if budget_s < MIN_BUDGET_S:
         raise ConfigError(f"--budget {args.budget}: cannot fit one trial (a trial builds and times two runs: "
                           f"give at least {MIN_BUDGET_S:.0f} s)")
@@ -106,14 +111,16 @@ def cmd_tune(args) -> int:
     env, device = distributed.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
     hw = hardware(device, env.world_size)
     key = cache_key(args.recipe, args.set, {"device": args.device, "keep": sorted(args.keep),
-                                            "allow": sorted(args.allow)}, hw, data)
+                                            "allow": sorted(args.allow),
+                                            "rounds": args.rounds, "round_s": args.round_seconds}, hw, data)
     stored = cache_path(key)
     result = None
     if not args.fresh and stored.is_file():
         result = json.loads(stored.read_text())
         log.info("reusing the stored tune result %s (--fresh measures again)", stored)
     if result is None:
-        result = run_tune(cfg, budget_s=budget_s, keep=args.keep, allow_batch="batch" in args.allow)
+        runner = TrialRunner(cfg, rounds=args.rounds, round_s=args.round_seconds)
+        result = run_tune(cfg, budget_s=budget_s, keep=args.keep, allow_batch="batch" in args.allow, runner=runner)
         result.update(recipe=cfg.recipe, hardware=hw, date=time.strftime("%Y-%m-%d %H:%M"), sets=list(args.set),
                       extends=str(Path(args.recipe).resolve()) if Path(args.recipe).suffix in (".yaml", ".yml")
                       else args.recipe, cache_key=key)
@@ -148,6 +155,10 @@ def add_cli(subparsers) -> None:
                    help=f"pin these switches at the start's value; valid: {', '.join(SWITCH_KEYS)}")
     p.add_argument("--allow", nargs="+", action="extend", default=[], choices=["batch"],
                    help="batch: the search may change train.batch_size (LR by the recipe's scaling rule)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved timed rounds per trial (default 5, at least 2): more on a noisy machine")
+    p.add_argument("--round-seconds", type=float, default=1.0, metavar="S",
+                   help="seconds of steps per round (default 1); the baseline's step time sets the steps")
     p.add_argument("--fresh", action="store_true", help="measure again even if a stored result matches")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out / --json")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
