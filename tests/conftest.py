@@ -86,11 +86,34 @@ def tiny_overrides(data_path, **more) -> dict:
             "data.num_workers": 0, "train.log_every": 1, "examples": 2, **more}
 
 
-@pytest.fixture
-def fresh_logging():
-    """An earlier CLI call leaves the "fastvision" logger writing to that test's closed stderr and
-    not propagating: reset it so warnings reach caplog and nothing writes to a closed stream."""
+def _reset_logging() -> None:
+    """A CLI call leaves the "fastvision" logger writing to that test's (later closed) stderr and not
+    propagating: back to no handler, propagating."""
     logger = logging.getLogger("fastvision")
     logger.handlers[:], logger.propagate = [], True
+
+
+@pytest.fixture
+def fresh_logging():
+    """Reset the "fastvision" logger before and after the test, so warnings reach caplog and nothing
+    writes to a closed stream."""
+    _reset_logging()
     yield
-    logger.handlers[:], logger.propagate = [], True
+    _reset_logging()
+
+
+def cli_here(argv: list[str], *, threads: int | None = None) -> int:
+    """``fastvision ARGV`` in this process (``fastvision.cli.main``), for tests about what a command
+    writes and returns rather than about a process of its own (which costs seconds of torch import).
+    ``threads``: torch threads while it runs (1: as a subprocess under ``clean_env``'s OMP_NUM_THREADS=1,
+    so both compute the same bits). Afterwards this process's thread count and logger are as before."""
+    from fastvision.cli import main
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return main(argv)
+    finally:
+        torch.set_num_threads(before)
+        _reset_logging()

@@ -21,7 +21,7 @@ from fastvision import config
 from fastvision.api import run_training
 from fastvision.data.cache.select import CACHES
 from fastvision.data.synth import load_all
-from tests.conftest import clean_env
+from tests.conftest import clean_env, cli_here
 
 pytestmark = pytest.mark.slow
 
@@ -182,17 +182,6 @@ def _cli(recipe, data, out, epochs):
     return cmd
 
 
-def _cli_here(argv) -> None:
-    """``fastvision train`` in this process (``cli.main``), its thread setting undone afterwards."""
-    from fastvision import cli
-
-    threads = torch.get_num_threads()
-    try:
-        assert cli.main(argv) == 0
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("recipe", ["unet3d-spleen-fast", "unet2d-microscopy"])
 def test_kill_9_then_resume_auto_is_bit_identical(recipe, datasets, tmp_path):
     """The run that is killed is a real process (SIGKILL: no handler, no flush); the uninterrupted run
@@ -201,7 +190,7 @@ def test_kill_9_then_resume_auto_is_bit_identical(recipe, datasets, tmp_path):
     data = datasets[RECIPES[recipe][0]]
     env = clean_env(FASTVISION_CACHE=str(tmp_path / "fvcache"))
     epochs = 6
-    _cli_here(_cli(recipe, data, tmp_path / "whole", epochs))
+    assert cli_here(_cli(recipe, data, tmp_path / "whole", epochs)) == 0
     cut = tmp_path / "cut"
     proc = subprocess.Popen([sys.executable, "-m", "fastvision", *_cli(recipe, data, cut, epochs)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -215,6 +204,6 @@ def test_kill_9_then_resume_auto_is_bit_identical(recipe, datasets, tmp_path):
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     done = torch.load(last, weights_only=True)["epoch"]
     assert done < epochs - 1, "the run finished before the kill: nothing was interrupted"
-    _cli_here(_cli(recipe, data, cut, epochs) + ["--resume", "auto"])
+    assert cli_here(_cli(recipe, data, cut, epochs) + ["--resume", "auto"]) == 0
     load = lambda d: torch.load(d / "checkpoints" / "last.pt", weights_only=True)["model"]  # noqa: E731
     assert _identical(load(tmp_path / "whole"), load(cut))

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, clean_env, free_port  # noqa: E402
+from tests.conftest import ROOT, clean_env, cli_here, free_port  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -73,7 +73,6 @@ def train_here(monkeypatch):
     process (a process of its own would cost seconds of torch import and prove nothing more: with
     ``--nproc`` this process starts torchrun as the CLI's does), in the environment :func:`clean_env`
     gives the subprocesses (no launcher variables, one torch thread); returns ``out``."""
-    from fastvision import cli
     from tests.distributed.test_dist import time_limit
 
     clean = clean_env()
@@ -83,13 +82,8 @@ def train_here(monkeypatch):
         monkeypatch.setenv(key, value)
 
     def train(data: Path, out: Path, *args: str) -> Path:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 of clean_env
-        try:
-            with time_limit(120):
-                assert cli.main(_cmd(data, out, *args)[3:]) == 0
-        finally:
-            torch.set_num_threads(threads)
+        with time_limit(120):
+            assert cli_here(_cmd(data, out, *args)[3:], threads=1) == 0  # one thread: OMP_NUM_THREADS=1 of clean_env
         return out
 
     return train

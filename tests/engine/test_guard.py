@@ -8,7 +8,6 @@ by hand from the good batches (momentum 0.1, unbiased variance).
 """
 from __future__ import annotations
 
-import logging
 import re
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import torch
 from fastvision import config, engine
 from fastvision.distributed.samplers import TrainSampler
 from fastvision.registry import DATASETS
-from tests.conftest import ROOT, clean_env
+from tests.conftest import ROOT, clean_env, cli_here
 
 TINY = ["--device", "cpu", "--batch-size", "2", "--set", "data.args.image_size=[32,32]", "--set", "data.num_workers=0",
         "--set", "examples=0", "--set", "train.log_every=1", "--set", "model.name=probe",
@@ -31,15 +30,9 @@ TINY = ["--device", "cpu", "--batch-size", "2", "--set", "data.args.image_size=[
 def _train(capfd, data: Path, out: Path, *more: str) -> subprocess.CompletedProcess:
     """``fastvision train`` in this process (what is tested is the guard and the CLI's exit status and
     messages, not a process of its own): its return code and what it wrote to stderr."""
-    from fastvision.cli import main
-
     argv = ["train", "unet2d-microscopy", "--data", str(data), "--out", str(out), "--epochs", "2", *TINY, *more]
     capfd.readouterr()
-    logger = logging.getLogger("fastvision")
-    try:
-        rc = main(argv)
-    finally:  # as the fresh_logging fixture: the CLI's handler writes to this test's captured stderr
-        logger.handlers[:], logger.propagate = [], True
+    rc = cli_here(argv)
     return subprocess.CompletedProcess(argv, rc, "", capfd.readouterr().err)
 
 

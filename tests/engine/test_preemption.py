@@ -7,9 +7,7 @@ mid-epoch resume must restore.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -22,7 +20,7 @@ import torch
 
 from fastvision.engine import checkpoint, policy
 from fastvision.errors import ConfigError
-from tests.conftest import ROOT, clean_env
+from tests.conftest import ROOT, clean_env, cli_here
 
 TINY = ["--device", "cpu", "--batch-size", "2", "--set", "data.args.image_size=[32,32]",
         "--set", "model.args.filters=[4,8,16]", "--set", "data.num_workers=0", "--set", "examples=0",
@@ -49,29 +47,10 @@ def _steps_logged(run: Path) -> int:
     return sum(1 for line in lines[:-1] if len(json.loads(line)["step"]) == 2)  # the last may be half written
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """This process on one thread, as each subprocess (OMP_NUM_THREADS=1, clean_env): the in-process
-    runs compute the same bits as the subprocess ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _main(argv: list[str]) -> int:
-    """``fastvision ARGV`` in this process (``_cmd`` without ``python -m fastvision``): the runs that are
-    not about the process itself; the logger is reset after, as ``fresh_logging`` does."""
-    from fastvision.cli import main
-
-    logger = logging.getLogger("fastvision")
-    try:
-        with _one_thread():
-            return main(argv[3:])
-    finally:
-        logger.handlers[:], logger.propagate = [], True
+    """``_cmd``'s command (without ``python -m fastvision``) in this process, on one thread as the
+    subprocesses: the runs that are not about the process itself."""
+    return cli_here(argv[3:], threads=1)
 
 
 def _interrupt(cmd: list[str], out: Path, sig: int, env: dict,

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from fastvision.data.loader import ThreadLoader
 from fastvision.distributed.env import DistEnv
 from fastvision.distributed.samplers import TrainSampler
 from fastvision.engine.state import Position, keep_global_batch
+from tests.conftest import cli_here
 
 HOROVODRUN = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "4",
               "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1", "HOROVOD_HOSTNAME": "localhost",
@@ -81,15 +81,9 @@ TINY = ["--device", "cpu", "--batch-size", "2", "--set", "data.args.image_size=[
 
 def _train(data: Path, out: Path, keep: int, *more: str) -> None:
     """``fastvision train`` in this process (what is tested is the files a resume writes, not a process)."""
-    from fastvision.cli import main
-
     argv = ["train", "unet2d-microscopy", "--data", str(data), "--out", str(out), "--epochs", "3", *TINY,
             "--set", f"train.keep_checkpoints={keep}", *more]
-    logger = logging.getLogger("fastvision")
-    try:
-        assert main(argv) == 0
-    finally:  # as the fresh_logging fixture: no handler left writing to this test's captured stderr
-        logger.handlers[:], logger.propagate = [], True
+    assert cli_here(argv) == 0
 
 
 def test_resume_from_an_older_step_checkpoint_keeps_what_it_writes_and_logs_each_step_once(tiny_microscopy, tmp_path):

@@ -176,9 +176,7 @@ def test_scale_sweep_end_to_end(tmp_path, tiny_microscopy, monkeypatch, capfd):
     """`scale --workers 1,2 --mode strong --repeats 2 --simulate` on tiny data: real runs with seeds 5 and 6.
     The sweep's training runs are real processes (as the command starts them); the `scale` command itself
     runs in this process, which only starts them and reads their results."""
-    import logging
-
-    from fastvision.cli import main
+    from tests.conftest import cli_here
 
     root = Path(__file__).resolve().parents[2]
     sets = ["data.args.image_size=[32,32]", "model.args.filters=[4,8,16]", "data.num_workers=0", "examples=0",
@@ -192,10 +190,7 @@ def test_scale_sweep_end_to_end(tmp_path, tiny_microscopy, monkeypatch, capfd):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", str(root))
     monkeypatch.chdir(root)
-    try:
-        rc = main(argv)
-    finally:  # as the fresh_logging fixture: no handler left writing to this test's captured stderr
-        logging.getLogger("fastvision").handlers[:], logging.getLogger("fastvision").propagate = [], True
+    rc = cli_here(argv)
     assert rc == 0, capfd.readouterr().err[-3000:]
     for name in ("scaling.csv", "scaling.json", "scaling.md", "scaling.png", "simulation.json"):
         assert (tmp_path / name).is_file(), name
