@@ -45,6 +45,8 @@ import time
 import traceback
 from pathlib import Path
 
+from fastvision.utils.files import atomic_write
+
 log = logging.getLogger(__name__)
 
 HANG_EXIT = 124  # what ``timeout`` returns for a command that ran out of time
@@ -202,7 +204,7 @@ class Watchdog:
         log.error("%s", line)
         try:
             self.store.set("fastvision/hang/report", line)
-            (self.folder / "report.txt").write_text(line + "\n")
+            atomic_write(self.folder / "report.txt", lambda f: f.write((line + "\n").encode()))  # whole or absent
         except Exception:  # noqa: BLE001 - the line is in the log already
             pass
         self._leave()
@@ -236,7 +238,7 @@ class Watchdog:
         for ident, frame in sys._current_frames().items():
             lines.append(f"\nThread {names.get(ident, ident)}:\n")
             lines.extend(traceback.format_stack(frame))
-        (self.folder / f"rank-{self.rank}.txt").write_text("".join(lines))
+        atomic_write(self.folder / f"rank-{self.rank}.txt", lambda f: f.write("".join(lines).encode()))
 
     def _write_flight_recorder(self) -> None:
         """On NCCL: PyTorch's record of the last collectives (which one each rank waits in), in the
