@@ -75,12 +75,13 @@ def test_lowres_hand_case_and_ignored_axis():
     assert torch.allclose(out, ref, atol=1e-6)
 
 
-def _gamma_ref(x: np.ndarray, g: float, invert: bool) -> np.ndarray:
+def _gamma_ref(x: np.ndarray, g: float, invert: bool, retain: bool = True) -> np.ndarray:
     x = -x if invert else x
     mean, std = x.mean(), x.std(ddof=1)
     lo, hi = x.min(), x.max()
     y = ((x - lo) / (hi - lo)) ** g * (hi - lo) + lo
-    y = (y - y.mean()) / y.std(ddof=1) * std + mean
+    if retain:
+        y = (y - y.mean()) / y.std(ddof=1) * std + mean
     return -y if invert else y
 
 
@@ -90,6 +91,21 @@ def test_gamma_keeps_stats_and_inverts(op):
     out, _ = build_augment(2, **{op: {"prob": 1.0, "range": [1.4, 1.4], "retain_stats": True}})(x, None, gen(0))
     ref = _gamma_ref(x.double().numpy()[0, 0], 1.4, op == "gamma_inverted")
     assert np.allclose(out[0, 0].double().numpy(), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["gamma", "gamma_inverted"])
+@pytest.mark.parametrize("retain", [True, False])
+@pytest.mark.parametrize("g", [0.7, 1.4])
+def test_gamma_of_every_sample_and_channel_matches_the_formula(op, retain, g):
+    """3-D batch of 2 x 2 channels, each (sample, channel) its own range and stats: the op (in its
+    folded, exp-log form) against batchgeneratorsv2's formula in float64."""
+    x = torch.randn(2, 2, 5, 6, 7, generator=gen(18)) * torch.tensor([1.0, 3.0]).reshape(1, 2, 1, 1, 1) + 0.5
+    spec = {"prob": 1.0, "range": [g, g], "per_channel": True, "retain_stats": retain}
+    out, _ = build_augment(3, **{op: spec})(x, None, gen(0))
+    for b in range(2):
+        for c in range(2):
+            ref = _gamma_ref(x[b, c].double().numpy(), g, op == "gamma_inverted", retain)
+            assert np.allclose(out[b, c].double().numpy(), ref, atol=2e-5, rtol=0), (b, c)
 
 
 def test_gamma_per_channel_draws_differ():
