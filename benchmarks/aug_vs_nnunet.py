@@ -17,6 +17,10 @@ only and scale only (fastvision resamples a zoom without rotation separably, one
 "in pipeline" column times each op as the pipeline runs it after an earlier op's copy: in place, as
 nnU-Net's transforms update their (cloned) input. Labels: ``--label-dtype`` (uint8 by default, what
 fastvision's 3-D loader gives; the second pass fed int64 labels, copied and narrowed to uint8 in each call).
+Host memory: fastvision's side runs under ``train.cpu_heap`` as ``train`` sets it (``--cpu-heap``, default the
+config's ``keep``: glibc keeps freed tensor memory instead of faulting in fresh pages for each new tensor);
+nnU-Net's under the C library's defaults, as it runs, unless ``--nnunet-heap keep`` gives it the same
+parameters through glibc's environment variables (the allocator's share of the ratio).
 
 Usage (about 3 minutes on 2 shared cores)::
 
@@ -30,6 +34,8 @@ import os
 import statistics
 import subprocess
 import time
+
+from fastvision.config import TrainConfig
 
 NNUNET = r"""
 import json, sys, time
@@ -168,15 +174,25 @@ def main() -> None:
     ap.add_argument("--initial", action="store_true",
                     help="both pipelines start from nnU-Net's enlarged initial patch (fastvision: affine.size, "
                          "label_mode linear), as nnU-Net's loader feeds its transforms")
+    ap.add_argument("--cpu-heap", choices=["keep", "system"], default=TrainConfig().cpu_heap,
+                    help="fastvision's train.cpu_heap (default: the config's, what train sets in engine.build)")
+    ap.add_argument("--nnunet-heap", choices=["keep", "system"], default="system",
+                    help="keep: nnU-Net's process gets the same malloc parameters through glibc's environment "
+                         "variables (MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_), to see the allocator's share")
     ap.add_argument("--json")
     args = ap.parse_args()
+    from fastvision.engine import runtime
     from fastvision.planning.configure.trainer import initial_patch
+
+    runtime.set_heap(args.cpu_heap)  # in this process, as engine.build does for train
 
     cfg = {"patch": args.patch, "channels": args.channels, "n": args.n, "labels": args.labels,
            "from_initial": args.initial,
            "initial": initial_patch(args.patch, 30, False, 0)}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="", nnUNet_raw="/tmp", nnUNet_preprocessed="/tmp",
                nnUNet_results="/tmp")
+    if args.nnunet_heap == "keep":
+        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(runtime.HEAP_KEEP_TRIM))
     fv, nn = [], []
     for _ in range(args.rounds):  # interleaved: a neighbour's load hits both sides alike
         fv.append(fastvision_times(args.patch, args.channels, args.batch, args.n, args.compiled, args.labels,
@@ -194,11 +210,13 @@ def main() -> None:
     f_pipe, n_pipe = med(fv, "pipeline_s"), med(nn, "pipeline_s")
     f_wall, n_wall = med(fv, "pipeline_wall_s"), med(nn, "pipeline_wall_s")
     out = {"patch": args.patch, "channels": args.channels, "batch": args.batch, "rounds": args.rounds,
+           "cpu_heap": args.cpu_heap, "nnunet_heap": args.nnunet_heap,
            "from_initial": args.initial, "label_dtype": args.label_dtype,
            "compiled": args.compiled,
            "fastvision_patches_per_s_per_core": 1 / f_pipe, "nnunet_patches_per_s_per_core": 1 / n_pipe,
            "ratio": n_pipe / f_pipe, "wall_ratio": n_wall / f_wall, "ops_ms": {}}
-    print(f"patch {args.patch} x {args.channels} ch, 1 thread each, median of {args.rounds} interleaved rounds")
+    print(f"patch {args.patch} x {args.channels} ch, 1 thread each, median of {args.rounds} interleaved rounds; "
+          f"heap: fastvision {args.cpu_heap}, nnU-Net {args.nnunet_heap}")
     print(f"pipeline (CPU time): fastvision {1 / f_pipe:.2f} patches/s (batch {args.batch}), nnU-Net "
           f"{1 / n_pipe:.2f} patches/s: {n_pipe / f_pipe:.2f}x; wall clock {1 / f_wall:.2f} vs {1 / n_wall:.2f}: "
           f"{n_wall / f_wall:.2f}x")

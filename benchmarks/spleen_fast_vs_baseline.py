@@ -21,6 +21,8 @@ Times: ``train_s`` sums training epochs only (what fastvision's time to target c
 validation, no set-up); ``wall_s`` is everything from dataset loading to the target (preprocessing
 and caching from scratch: each run gets a fresh cache folder). Every library's modules are imported
 before its clock starts (MONAI's at the top of ``monai_run``, fastvision's at the top of this script).
+Both run in this process under one host-memory setting: ``train.cpu_heap``'s default, set at the top
+(``runtime.set_heap``; fastvision's build would set it after the first run otherwise).
 
 Usage: ``python benchmarks/spleen_fast_vs_baseline.py [--target 0.8] [--max-epochs 150] [--out DIR]
 [--repeats 5 --baseline-once]``. Prints a Markdown table (medians over the rounds, and each round's
@@ -42,8 +44,14 @@ import torch
 import fastvision
 import fastvision.api  # noqa: F401  (library imports before the clocks, as for MONAI's below)
 import fastvision.engine  # noqa: F401
+from fastvision.config import TrainConfig
 from fastvision.data.formats.decathlon import kfold_split, read_dataset_json
 from fastvision.data.synth.medical import synth_spleen
+from fastvision.engine import runtime
+
+# One process, one allocator: fastvision's build sets train.cpu_heap process-wide, so it is set here,
+# before any run, and MONAI's runs share it (the comparison does not credit fastvision with it).
+runtime.set_heap(TrainConfig().cpu_heap)
 
 
 def fastvision_run(recipe: str, data: Path, out: Path, a: argparse.Namespace, filters: list[int],

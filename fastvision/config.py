@@ -87,6 +87,9 @@ class TrainConfig:
     # true == default; auto: compiled, eager after a compile error or when the first steps are slower
     compile: bool | Literal["default", "reduce-overhead", "max-autotune", "auto"] = False
     cpu_threads: int | None = None  # CPU intra-op threads (torch.set_num_threads); None: OMP_NUM_THREADS
+    # host memory freed by large tensors: "keep" it in the process for the next one (glibc malloc: no
+    # mmap per tensor, no trim; fastvision.engine.runtime.set_heap), or "system": the C library's defaults
+    cpu_heap: Literal["keep", "system"] = "keep"
     channels_last: bool = False
     # recompute named blocks in the backward instead of keeping their activations: true (the model
     # family's blocks), false, or a list of block names (fastvision.models.checkpointing)

@@ -98,6 +98,7 @@ def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False,
     env, device = distributed.init(tc.device, timeout_s=tc.dist_timeout_s, backend=tc.backend)
     runtime.set_tf32(tc.tf32)
     runtime.set_threads(tc.cpu_threads)
+    runtime.set_heap(tc.cpu_heap)
     runtime.seed_everything(tc.seed, tc.deterministic)
     if data_info is None:
         splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
