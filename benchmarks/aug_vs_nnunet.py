@@ -222,8 +222,10 @@ def main() -> None:
           f"{n_wall / f_wall:.2f}x")
     rounds = [(1 / f["pipeline_s"], 1 / m["pipeline_s"]) for f, m in zip(fv, nn, strict=True)]
     out["rounds_patches_per_s"] = [{"fastvision": a, "nnunet": b} for a, b in rounds]
+    out["round_ratio_median"] = statistics.median(a / b for a, b in rounds)
     print("per round (fastvision / nnU-Net patches/s, ratio): "
-          + "; ".join(f"{a:.1f} / {b:.1f}, {a / b:.2f}x" for a, b in rounds))
+          + "; ".join(f"{a:.1f} / {b:.1f}, {a / b:.2f}x" for a, b in rounds)
+          + f"; median of the rounds' ratios {out['round_ratio_median']:.2f}x")
     print(f"{'op (fires, p = 1)':<32} {'fastvision ms':>14} {'in pipeline':>12} {'nnU-Net ms':>11} {'ratio':>6} "
           f"{'ratio in pipeline':>18}  (CPU time per patch)")
     for op in fv[0]["ops_s"]:

@@ -231,16 +231,19 @@ def _linear_label(label: Tensor, bilinear, nearest, classes: int | None = None) 
 
 def _linear_grid(lin: Tensor, spatial: torch.Size) -> Tensor:
     """``F.affine_grid`` of ``[lin | 0]`` (align_corners=False) as a sum of one broadcast term per axis:
-    one pass over the grid instead of a (voxels x (nd + 1)) @ ((nd + 1) x nd) product (5x cheaper on the CPU)."""
+    one pass over the grid instead of a (voxels x (nd + 1)) @ ((nd + 1) x nd) product (5x cheaper on the CPU).
+    Summed coordinate-major, (B, nd, *S), and returned as its (B, *S, nd) view: the sum's inner axis is then a
+    spatial one the CPU vectorises, not the grid's 2 or 3 coordinates (8x cheaper for 64^3; the same values,
+    and ``grid_sample`` reads the view's strides at the contiguous grid's speed)."""
     nd = len(spatial)
     grid = None
     for a, n in enumerate(spatial):  # spatial axis a is grid coordinate nd - 1 - a (x is the last axis)
         base = (torch.arange(n, device=lin.device, dtype=lin.dtype) * 2 + 1) / n - 1
         shape = [1] * nd
         shape[a] = n
-        term = base.reshape(1, *shape, 1) * lin[:, :, nd - 1 - a].reshape(-1, *([1] * nd), nd)
+        term = base.reshape(1, 1, *shape) * lin[:, :, nd - 1 - a].reshape(-1, nd, *([1] * nd))
         grid = term if grid is None else grid + term
-    return grid
+    return grid.movedim(1, -1)
 
 
 def _rotation(ang: Tensor, nd: int) -> Tensor:
