@@ -11,9 +11,9 @@ alternating within a round and their order swapped from round to round:
   (``planning.configure.recipe.augmentation``), batch 2, CPU time per patch on one thread, after
   ``runtime.set_heap`` (the call ``engine.build`` makes).
 
-Page faults: the child's minor faults (``wait4``'s rusage) per step or per patch, beyond what its import and
-build fault in (measured by a run of zero steps). The report gives medians over the rounds and the ratio keep /
-system, and each round's ratio.
+Page faults: the child's minor faults (``wait4``'s rusage) per step or per patch; per step beyond what its
+import, build and first step fault in (measured by a run of one step). The report gives medians over the
+rounds and the ratio keep / system, and each round's ratio.
 
 Usage::
 
@@ -72,10 +72,10 @@ def _child(cmd: list[str]) -> tuple[str, int]:
 
 
 def train_step(recipe: str, batch: int, sets: list[str], mode: str, steps: int, work: Path) -> tuple[float, float]:
-    """p50 step ms, and minor faults per step beyond a zero-step run's."""
+    """p50 step ms, and minor faults per step beyond a one-step run's."""
     def run(n: int) -> tuple[dict, int]:
         cmd = [sys.executable, "-m", "fastvision", "benchmark", recipe, "--mode", "train", "--device", "cpu",
-               "--precision", "fp32", "--batch-sizes", str(batch), "--steps", str(max(n, 1)), "--warmup", "2",
+               "--precision", "fp32", "--batch-sizes", str(batch), "--steps", str(n), "--warmup", "2",
                "--out", str(work), "--force", "--set", f"train.cpu_heap={mode}"]
         for s in sets:
             cmd += ["--set", s]

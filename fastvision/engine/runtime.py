@@ -277,8 +277,8 @@ def set_heap(mode: str) -> bool:
 
     Why: by default a tensor of 128 KB or more gets its own ``mmap`` (the threshold adapts, up to 32 MB, and
     the heap is trimmed as soon as its free top passes twice that), so each new 3-D patch, augmentation copy
-    or activation faults in fresh zeroed pages: about 1,000 page faults per 64^3 two-channel patch in nnU-Net's
-    augmentation and 19,000 per step of a 64^3 3-D U-Net, against 15 and none kept
+    or activation faults in fresh zeroed pages: about 950 page faults per 64^3 two-channel patch in nnU-Net's
+    augmentation and 19,000 per step of a 64^3 3-D U-Net, against 12 and 200 kept
     (``benchmarks/cpu_heap.py``). This is what the jemalloc / tcmalloc ``LD_PRELOAD`` of PyTorch's CPU
     performance guides buys, without a preload. The cost: the process keeps its peak heap until it exits
     (its RSS does not shrink after a peak). Process-wide, like the thread count, and inherited by forked loader

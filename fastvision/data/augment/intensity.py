@@ -72,7 +72,12 @@ def _std_mean(flat: Tensor) -> tuple[Tensor, Tensor]:
     """(unbiased std, mean) over the last axis of (N, C, V), two passes (the second a norm of the
     differences): ``torch.std_mean`` over a dim is ~8x slower on the CPU for these shapes."""
     mean = flat.mean(2)
-    return torch.linalg.vector_norm(flat - mean[..., None], dim=2) / max(flat.shape[2] - 1, 1) ** 0.5, mean
+    return _centred_std(flat - mean[..., None]), mean
+
+
+def _centred_std(centred: Tensor) -> Tensor:
+    """Unbiased std over the last axis of (N, C, V) values whose mean is already subtracted: one pass."""
+    return torch.linalg.vector_norm(centred, dim=2) / max(centred.shape[2] - 1, 1) ** 0.5
 
 
 def _idle(mask: Tensor, image: Tensor) -> bool:
@@ -212,7 +217,7 @@ class Gamma:
         # (lo + span p - mean_out) * std_in / std_out + mean_in (of x' = -x when inverted: mean_in negated)
         mean_p = _bshape(image, p.flatten(2).mean(2))
         p.sub_(mean_p)
-        std_p = _bshape(image, torch.linalg.vector_norm(p.flatten(2), dim=2)) / max(flat.shape[2] - 1, 1) ** 0.5
+        std_p = _bshape(image, _centred_std(p.flatten(2)))
         factor = span * _bshape(image, std_in) / (std_p * span).clamp_min(1e-7)
         return p.mul_(factor * sign).add_(_bshape(image, mean_in))
 
