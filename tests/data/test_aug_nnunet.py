@@ -180,6 +180,28 @@ def test_flip_one_pass_per_sample_equals_each_axis_drawn_in_turn():
         dims = [a for a in range(3) if masks[a][i]]
         assert torch.equal(out[i], x[i].flip([d + 1 for d in dims])) and torch.equal(out_lab[i], lab[i].flip(dims))
     assert out_lab.dtype == torch.int64  # labels beyond uint8 are moved as they are
+    x0, lab0 = torch.rand(6, 2, 4, 5, 3, generator=gen(12)), torch.randint(0, 300, (6, 4, 5, 3), generator=gen(13))
+    assert torch.equal(x, x0) and torch.equal(lab, lab0)  # the caller's tensors are left as they were
+
+
+@pytest.mark.parametrize("prob", [0.5, 1.0])
+def test_flip_after_an_op_that_made_the_batch_flips_each_sample_as_drawn(prob):
+    """Behind the affine that cuts the patch (its own new tensor), the flip writes each drawn sample's flip
+    over its row in place (prob 0.5: mixed axes) or flips the batch at once (prob 1: all axes everywhere);
+    either way sample i is the affine's output flipped over the axes its three draws chose."""
+    x, lab = torch.rand(5, 2, 9, 8, 7, generator=gen(40)), torch.randint(0, 3, (5, 9, 8, 7), generator=gen(41))
+    aff = {"prob": 0.7, "degrees": 20, "size": [6, 5, 4]}
+    g = gen(42)
+    ref, ref_lab = build_augment(3, affine=aff)(x, lab, g)  # the same draws, then the flip's from g
+    masks = [torch.rand(5, generator=g) < prob for _ in range(3)]
+    out, out_lab = build_augment(3, affine=aff, flip={"prob": prob})(x, lab, gen(42))
+    flipped = 0
+    for i in range(5):
+        dims = [a for a in range(3) if masks[a][i]]
+        flipped += bool(dims)
+        assert torch.equal(out[i], ref[i].flip([d + 1 for d in dims]))
+        assert torch.equal(out_lab[i], ref_lab[i].flip(dims))
+    assert flipped >= 3
 
 
 def test_labels_move_as_uint8_and_come_back_in_their_dtype():
