@@ -82,6 +82,16 @@ LEVERS: dict[str, tuple[dict, dict]] = {
                                                       {"batch": 2}),
     "batch 2, validate every epoch": ({"train.val_every": 1}, {"batch": 2}),
 }
+_BEST = {"task.args.val_window": "halves", "train.val_every": 1}  # round 3's best setting, with batch 2
+LEVERS.update({  # round 4: the optimizer, on top of round 3's best setting
+    "best + Adam 1e-3": ({**_BEST, "optim.name": "adam", "optim.lr": 1e-3, "optim.weight_decay": 0.0}, {"batch": 2}),
+    "best + Adam 3e-3": ({**_BEST, "optim.name": "adam", "optim.lr": 3e-3, "optim.weight_decay": 0.0}, {"batch": 2}),
+    "best + Novograd 1e-2": ({**_BEST, "optim.name": "novograd", "optim.lr": 1e-2, "optim.betas": [0.9, 0.98],
+                              "optim.weight_decay": 0.0}, {"batch": 2}),
+    "best + Novograd 3e-2": ({**_BEST, "optim.name": "novograd", "optim.lr": 3e-2, "optim.betas": [0.9, 0.98],
+                              "optim.weight_decay": 0.0}, {"batch": 2}),
+    "best + SGD 0.3": ({**_BEST, "optim.lr": 0.3}, {"batch": 2}),
+})
 
 
 def run_lever(name: str, data: Path, out: Path, a: argparse.Namespace, filters: list[int]) -> dict:
