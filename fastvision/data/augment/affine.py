@@ -2,7 +2,8 @@
 one ``grid_sample`` (or, on the CPU with ``compiled``, the fused kernel of
 :mod:`~fastvision.data.augment.resample`) for the batch's firing samples; on the CPU a sample zoomed
 without rotation (a diagonal matrix) is resampled separably, one 1-D pass per axis
-(:mod:`~fastvision.data.augment.separable`, the same numbers to float rounding, labels bit for bit)."""
+(:mod:`~fastvision.data.augment.separable`, the same numbers to float rounding, labels bit for bit), and
+3-D labels are read by one gather at ``grid_sample``'s nearest positions (:func:`nearest_3d`, bit for bit)."""
 from __future__ import annotations
 
 import functools
@@ -191,6 +192,8 @@ def _resample(image: Tensor, label: Label, lin: Tensor, out_spatial: torch.Size,
             return F.grid_sample(x, grid.to(x.dtype), mode="bilinear", align_corners=False)
 
         def nearest(x: Tensor) -> Tensor:
+            if _gathers_nearest(x):
+                return nearest_3d(x, grid)
             return F.grid_sample(x.to(grid.dtype), grid, mode="nearest", align_corners=False).to(x.dtype)
 
         if fused is not None:
@@ -202,6 +205,32 @@ def _resample(image: Tensor, label: Label, lin: Tensor, out_spatial: torch.Size,
         return out, _linear_label(label, bilinear, nearest, classes)
     lab = label[:, None] if label.dim() == nd + 1 else label
     return out, nearest(lab).reshape(label.shape[:-nd] + out_spatial)
+
+
+def _gathers_nearest(x: Tensor) -> bool:
+    """Whether :func:`nearest_3d` serves this ``grid_sample(mode="nearest")``: a 3-D CPU tensor (on a GPU the
+    kernel is fast), not bool (no zero padding), padded volume small enough for exact float32 indices."""
+    return x.device.type == "cpu" and x.dim() == 5 and x.dtype != torch.bool \
+        and math.prod(n + 2 for n in x.shape[2:]) < 2 ** 24
+
+
+def nearest_3d(x: Tensor, grid: Tensor) -> Tensor:
+    """``F.grid_sample(x, grid, mode="nearest", align_corners=False)`` (zeros outside) of a (B, L, D, H, W) CPU
+    tensor of any dtype, bit for bit, as one gather: each output voxel's source index is computed as the kernel
+    computes it (``((g + 1) size - 1) / 2`` in float32, rounded half to even as its ``nearbyint``) and read from
+    ``x`` padded with one voxel of zeros, where every outside coordinate is clamped. The 3-D kernel is a scalar
+    loop per voxel on the CPU; this is 2-2.6x cheaper on 64^3 labels, and the labels need no float copy.
+    ``grid`` (B, *S_out, 3) is :func:`_linear_grid`'s view of coordinate-major planes (read back as planes)."""
+    b, ch, d, h, w = x.shape
+    padded = F.pad(x, (1, 1, 1, 1, 1, 1)).reshape(b, ch, -1)
+    planes = grid.movedim(-1, 1)  # (B, 3, *S_out): the x, y, z planes
+    idx = None
+    for k, size, stride in ((2, d, (h + 2) * (w + 2)), (1, h, w + 2), (0, w, 1)):
+        c = planes[:, k] + 1  # grid_sample's unnormalise, the same float32 operations in the same order
+        c.mul_(size).sub_(1).div_(2).round_().add_(1).clamp_(0, size + 1)  # + 1: the padding's shift
+        idx = c.mul_(stride) if idx is None else idx.add_(c, alpha=stride)  # integers < 2^24: exact in float32
+    out = torch.gather(padded, 2, idx.long().reshape(b, 1, -1).expand(b, ch, -1))
+    return out.reshape(b, ch, *grid.shape[1:4])
 
 
 def _linear_label(label: Tensor, bilinear, nearest, classes: int | None = None) -> Tensor:
