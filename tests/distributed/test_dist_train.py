@@ -1,8 +1,8 @@
 """End-to-end data-parallel training through the real CLI: 2 gloo ranks against 1 process.
 
 Every run here is ``fastvision train unet2d-microscopy`` (``cli.main`` in the test process when one
-process trains or ``--nproc`` starts torchrun; ``python -m fastvision.cli`` under srun's variables or
-where a worker is killed) on a tiny generated PNG data set (16 training, 5 validation images: an odd
+process trains or ``--nproc`` starts torchrun, also where a worker is killed; ``python -m fastvision.cli``
+under srun's variables) on a tiny generated PNG data set (16 training, 5 validation images: an odd
 validation set that splits 2 + 3 over two ranks), with random augmentation off so that the only
 randomness is the sampler's permutation.
 
@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -177,29 +178,40 @@ def _worker_pid(tag: str, rank: int) -> int | None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
-def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path, train_here, capfd):
-    out, tag, epochs = tmp_path / "run", uuid.uuid4().hex, 12
-    proc = subprocess.Popen(_cmd(data, out, "--epochs", str(epochs), "--batch-size", "2", "--nproc", "2"),
-                            cwd=ROOT, env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        last = out / "checkpoints" / "last.pt"
+def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path, train_here, capfd, monkeypatch):
+    """``--nproc 2`` through ``fastvision.cli.main`` in this process (as ``train_here``: it starts the
+    real torchrun and its workers, whose stderr ``capfd`` reads), rank 1 killed from a thread once the
+    first epoch's checkpoint is written; 6 epochs: 5 left when the kill is due, 4 or more of them
+    for the one-process resume to train."""
+    from tests.distributed.test_dist import time_limit
+
+    out, tag, epochs = tmp_path / "run", uuid.uuid4().hex, 6
+    last, seen = out / "checkpoints" / "last.pt", {}
+    monkeypatch.setenv("FV_TEST_TAG", tag)  # in the workers' environment: _worker_pid finds them by it
+
+    def kill_rank_1() -> None:
         deadline = time.monotonic() + 90
-        while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while not last.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        victim = _worker_pid(tag, 1)
-        assert last.exists() and victim is not None, "no checkpoint / worker to kill"
-        os.kill(victim, signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)  # a hang fails the test here
-    finally:
-        proc.kill()
-    assert proc.returncode != 0
+        seen["victim"] = victim = _worker_pid(tag, 1)
+        seen["checkpoint"] = last.exists()
+        if victim is not None:
+            os.kill(victim, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_rank_1, daemon=True)
+    capfd.readouterr()
+    killer.start()
+    with time_limit(150):  # the wait for the checkpoint, then a hang after the kill, fails the test here
+        rc = cli_here(_cmd(data, out, "--epochs", str(epochs), "--batch-size", "2", "--nproc", "2")[3:], threads=1)
+    killer.join(timeout=5)
+    err = capfd.readouterr().err
+    assert seen.get("checkpoint") and seen.get("victim") is not None, "no checkpoint / worker to kill\n" + err[-3000:]
+    assert rc != 0
     assert "rank: 1" in err and "exitcode: -9" in err, err[-3000:]
     done = torch.load(last, map_location="cpu", weights_only=True)["epoch"]
     assert done < epochs - 1, "the run finished before the kill: nothing was interrupted"
 
     # Continue in one process as 2 emulated workers (same global batch, another world size).
-    capfd.readouterr()
     train_here(data, out, "--epochs", str(epochs), "--batch-size", "2", "--emulate-workers", "2", "--resume", "auto")
     assert f"at epoch {done + 1}" in capfd.readouterr().err  # picked up after the last completed epoch
     summary = json.loads((out / "summary.json").read_text())

@@ -1,7 +1,8 @@
 """Elastic restarts under the real torchrun: a worker killed with SIGKILL (or sent SIGTERM), torchrun
 restarts both workers, ``--resume auto`` continues by itself, and the job ends exactly as the
-uninterrupted 2-rank job does (the three interruptions are made to one job, in turn). And a
-checkpoint continues on another world size with the global batch and the sample order kept.
+uninterrupted 2-rank job does (the three interruptions are made to one job, in turn; a fourth, a
+frozen worker the hang watchdog names, is test_watchdog's). And a checkpoint continues on another
+world size with the global batch and the sample order kept.
 
 Data: 21 generated 32x32 microscopy PNG pairs (16 to train on: 8 steps an epoch per rank at batch
 1), random flips on, so each rank's augmentation stream must come back as it was.
@@ -60,57 +61,78 @@ def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
     return shared_uninterrupted(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def interrupted(data, tmp_path_factory) -> dict:
-    """The uninterrupted job's command (``--max-restarts 3``), its workers interrupted three times, each
-    restart by torchrun continuing (``--resume auto``) on its own:
+def shared_interrupted(tmp_path_factory) -> dict:
+    """The uninterrupted job's command (``--max-restarts 4``, through test_watchdog's wrapper of the CLI,
+    its hang timeout set), its workers interrupted four times, each restart by torchrun continuing
+    (``--resume auto``) on its own:
 
     0. rank 1 killed (SIGKILL) once the first step is logged, before the first checkpoint;
     1. rank 1 of the restarted workers killed once a step checkpoint is written;
     2. SIGTERM to rank 1 alone of the next workers, 12 steps in;
+    3. rank 1 of the next workers frozen (SIGSTOP) once they have taken a step: test_watchdog's hang,
+       which rank 0's watchdog reports, exiting 124 (:func:`tests.distributed.test_watchdog.freeze`);
 
-    then the workers of the last restart finish. One job for the three cases of the tests below (8
-    worker processes, not 12 in three jobs), run once for all pytest-xdist workers. Returns its exit
-    code, final weights, whether a checkpoint was there at each interruption, and its stderr cut at
-    the interruptions: part ``i`` is what was written after interruption ``i`` (torchrun's report of
-    it, the next workers' start).
-    """
-    folder, res = run_once(tmp_path_factory, "interrupted", lambda folder: _interrupt(data, folder / "run"))
-    return {**res, "weights": last_model(folder / "run")}
+    then the workers of the last restart finish. One job for the three cases of the tests below and
+    test_watchdog's restarting one (10 worker processes and one torchrun, not 16 and four in four
+    jobs), run once for all modules and pytest-xdist workers. Returns its exit code, its run folder
+    (``out``), whether a checkpoint was there at each interruption, what :func:`freeze` saw
+    (``frozen``), and its stderr (``err``), also cut at the interruptions: part ``i`` is what was
+    written after interruption ``i`` (torchrun's report of it, the next workers' start) and before the
+    next one."""
+    def make(folder: Path) -> dict:
+        from fastvision.data.synth.microscopy import synth
+
+        return _interrupt(synth(folder / "data", seed=3, count=21, size=32), folder / "run")
+
+    return run_once(tmp_path_factory, "interrupted", make)[1]
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> dict:
+    res = shared_interrupted(tmp_path_factory)
+    return {**res, "weights": last_model(Path(res["out"]))}
 
 
 def _interrupt(data: Path, out: Path) -> dict:
-    """The job of the ``interrupted`` fixture, into ``out``."""
+    """The job of :func:`shared_interrupted` on ``data``, into ``out``."""
+    from tests.distributed.test_watchdog import freeze, job_command
+
     tag = uuid.uuid4().hex
     last, log = out / "checkpoints" / "last.pt", out.parent / "stderr.txt"
-    cmd = torchrun_train(data, out, 3, "--set", "train.checkpoint_every=5")
-    cmd[cmd.index("--max-restarts") + 1] = "3"
+    cmd = job_command(data, out, out.parent / "train_job.py", 4)
     with log.open("w") as err_file:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL,
                                 stderr=err_file, text=True)
     cuts, had, victims = [], [], []
 
-    def interrupt(ready, sig: int) -> None:
+    def next_victim(ready) -> int:
         # rank 1 of the workers now running (not one interrupted before), once ``ready``
         _wait(lambda: ready() and _worker_pid(tag, 1) not in (None, *victims), proc)  # /proc read last
         victim = _worker_pid(tag, 1)
         assert victim not in (None, *victims) and proc.poll() is None, f"no worker to stop ({len(victims)})"
         had.append(last.exists())
         cuts.append(len(log.read_text()))
-        os.kill(victim, sig)
         victims.append(victim)
+        return victim
+
+    def resumed(records: int):  # these workers resumed (after the last interruption), ``records`` logged
+        return lambda: "resumed from" in log.read_text()[cuts[-1]:] and _steps(out) >= records
 
     try:
-        interrupt(lambda: _steps(out) >= 1, signal.SIGKILL)
-        interrupt(last.exists, signal.SIGKILL)
+        os.kill(next_victim(lambda: _steps(out) >= 1), signal.SIGKILL)
+        os.kill(next_victim(last.exists), signal.SIGKILL)
         # resumed from the step checkpoint (its records after the checkpoint rewound), then 12 steps in
-        interrupt(lambda: "resumed from" in log.read_text()[cuts[-1]:] and _steps(out) >= 12, signal.SIGTERM)
+        os.kill(next_victim(resumed(12)), signal.SIGTERM)
+        # resumed from the SIGTERM's checkpoint (12 to 14 records), then a step or more: the watchdog is
+        # armed (by the first step), 11 records (9 steps) before the job's end
+        frozen = freeze(proc, next_victim(resumed(16)), log, out / "hang")
         proc.wait(timeout=240)
     finally:
         proc.kill()
     err = log.read_text()
     parts = [err[a:b] for a, b in zip(cuts, [*cuts[1:], len(err)], strict=True)]
-    return {"rc": proc.returncode, "err": err, "parts": parts, "had_checkpoint": had}
+    return {"rc": proc.returncode, "out": str(out), "err": err, "parts": parts, "had_checkpoint": had,
+            "frozen": frozen}
 
 
 @pytest.mark.parametrize("when", ["before the first checkpoint", "after a step checkpoint"])

@@ -2,10 +2,15 @@
 
 Rank 0 waits in the step's gradient all-reduce; after ``train.hang_timeout_s`` it writes its stacks
 to ``RUN/hang/rank-0.txt``, names rank 1 (host and pid) in one line and exits 124. Without restarts
-the job fails; with ``--max-restarts 1`` (rank 1 continued with SIGCONT, so torchrun can stop it)
-the restarted workers resume from the untouched ``last.pt`` and end with the uninterrupted job's
+the job fails; with restarts left (rank 1 continued with SIGCONT, so torchrun can stop it) the
+restarted workers resume from the untouched ``last.pt`` and end with the uninterrupted job's
 weights. The job runs through a small wrapper of ``fastvision.cli.main`` that also says whether the
 default process group is still joined when ``train`` returns (it must not be).
+
+The job without restarts is this module's own; the one with restarts is test_elastic's restarting
+job, whose last interruption is this frozen rank (:func:`freeze`): one torchrun job and two worker
+processes fewer than a restarting job of its own, the property the same (a hang in a restarting
+torchrun job, its restarted workers ending as the uninterrupted job).
 
 Data is the fixture of tests/distributed/conftest.py (21 generated 32x32 microscopy PNG pairs); the
 uninterrupted reference is conftest's job, run once for this module and test_elastic.
@@ -29,7 +34,7 @@ from fastvision.errors import ConfigError
 from tests.conftest import ROOT, clean_env
 from tests.distributed.conftest import TINY, last_model
 from tests.distributed.test_dist_train import _worker_pid
-from tests.distributed.test_elastic import shared_uninterrupted
+from tests.distributed.test_elastic import shared_interrupted, shared_uninterrupted
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, SIGSTOP")]
 
@@ -53,7 +58,16 @@ def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
     return shared_uninterrupted(tmp_path_factory)
 
 
-def _job(data: Path, out: Path, wrapper: Path, restarts: int) -> list[str]:
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> dict:
+    """test_elastic's restarting job (``--max-restarts 4``), its last interruption :func:`freeze`."""
+    return shared_interrupted(tmp_path_factory)
+
+
+def job_command(data: Path, out: Path, wrapper: Path, restarts: int) -> list[str]:
+    """The 2-worker torchrun job (``restarts`` restarts) of ``fastvision train`` through :data:`WRAPPER`
+    (written to ``wrapper``), resuming from ``out``, its hang timeout :data:`HANG_S`."""
+    wrapper.write_text(WRAPPER)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", str(restarts), str(wrapper), "train", "unet2d-microscopy", "--data", str(data),
             "--out", str(out), "--epochs", "3", "--resume", "auto", *TINY, "--set", "train.checkpoint_every=5",
@@ -67,37 +81,55 @@ def _wait(what, seconds: float, proc: subprocess.Popen | None = None) -> bool:
     return bool(what())
 
 
-@pytest.mark.parametrize("restarts", [0, 1])
-def test_a_frozen_rank_is_named_and_the_job_exits_or_restarts(restarts, data, request, tmp_path):
-    out, tag, log = tmp_path / "run", uuid.uuid4().hex, tmp_path / "stderr.txt"
-    wrapper = tmp_path / "train_job.py"
-    wrapper.write_text(WRAPPER)
-    last, hang = out / "checkpoints" / "last.pt", out / "hang"
-    with log.open("w") as err_file:
-        proc = subprocess.Popen(_job(data, out, wrapper, restarts), cwd=ROOT, env=clean_env(FV_TEST_TAG=tag),
-                                stdout=subprocess.DEVNULL, stderr=err_file, text=True)
-    victim = None
+def freeze(proc: subprocess.Popen, victim: int, log: Path, hang: Path) -> dict:
+    """SIGSTOP the worker ``victim`` (rank 1) of the job ``proc`` (its stderr in ``log``, its run's
+    ``hang`` folder), wait for the watchdog's report, then SIGCONT it (torchrun can stop, or restart,
+    a frozen worker only once it runs). Returns what was seen (JSON-able): the report line came
+    (``reported``) after ``seconds``, the hang folder's stack files then, ``report.txt``, and where
+    the job's stderr stood at the freeze (``cut``)."""
+    cut = len(log.read_text())
+    os.kill(victim, signal.SIGSTOP)
     try:
-        assert _wait(last.exists, 180, proc), "no checkpoint written"
-        victim = _worker_pid(tag, 1)
-        assert victim is not None and proc.poll() is None, "no worker to freeze"
-        os.kill(victim, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        reported = _wait(lambda: "did not arrive" in log.read_text() and (hang / "report.txt").exists(), HANG_S + 90,
-                         proc)
+        reported = _wait(lambda: "did not arrive" in log.read_text()[cut:] and (hang / "report.txt").exists(),
+                         HANG_S + 90, proc)
         seconds = time.monotonic() - stopped_at
         live_stacks = sorted(p.name for p in hang.glob("rank-*.txt")) if hang.exists() else []
         report = (hang / "report.txt").read_text() if reported else ""
-        os.kill(victim, signal.SIGCONT)  # torchrun can stop (or restart) a frozen worker only once it runs
-        proc.wait(timeout=240)
     finally:
-        if victim is not None:
-            try:
-                os.kill(victim, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        proc.kill()
-    err = log.read_text()
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    return {"victim": victim, "reported": reported, "seconds": seconds, "live_stacks": live_stacks,
+            "report": report, "cut": cut}
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_frozen_rank_is_named_and_the_job_exits_or_restarts(restarts, data, request, tmp_path):
+    if restarts == 0:
+        out, tag, log = tmp_path / "run", uuid.uuid4().hex, tmp_path / "stderr.txt"
+        with log.open("w") as err_file:
+            proc = subprocess.Popen(job_command(data, out, tmp_path / "train_job.py", restarts), cwd=ROOT,
+                                    env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL, stderr=err_file,
+                                    text=True)
+        try:
+            assert _wait((out / "checkpoints" / "last.pt").exists, 180, proc), "no checkpoint written"
+            victim = _worker_pid(tag, 1)
+            assert victim is not None and proc.poll() is None, "no worker to freeze"
+            seen = freeze(proc, victim, log, out / "hang")
+            proc.wait(timeout=240)
+        finally:
+            proc.kill()
+        rc, full_err = proc.returncode, log.read_text()
+    else:  # test_elastic's job, frozen after three interruptions
+        job = request.getfixturevalue("interrupted")
+        out, seen, rc, full_err = Path(job["out"]), job["frozen"], job["rc"], job["err"]
+    err, before = full_err[seen["cut"]:], full_err[:seen["cut"]]  # the job's stderr from the freeze on, before it
+    assert "did not arrive" not in before, before[-3000:]  # the one report is the frozen rank's
+    last, hang = out / "checkpoints" / "last.pt", out / "hang"
+    victim, reported, seconds, live_stacks, report = (seen[k] for k in ("victim", "reported", "seconds",
+                                                                         "live_stacks", "report"))
     assert reported, err[-3000:]
     assert seconds < HANG_S + 90
     line = next(x for x in err.splitlines() if "did not arrive" in x)
@@ -109,11 +141,11 @@ def test_a_frozen_rank_is_named_and_the_job_exits_or_restarts(restarts, data, re
     assert "Thread MainThread" in stacks and "fastvision-watchdog" in stacks and "engine/loop.py" in stacks
     assert f"exitcode: {HANG_EXIT}" in err or f"exitcode  : {HANG_EXIT}" in err, err[-3000:]
     if restarts == 0:
-        assert proc.returncode != 0
+        assert rc != 0
         ckpt = torch.load(last, weights_only=True)  # the last good checkpoint, untouched by the exit
         assert all(torch.isfinite(t).all() for t in ckpt["model"].values() if t.is_floating_point())
     else:
-        assert proc.returncode == 0, err[-3000:]
+        assert rc == 0, err[-3000:]
         assert "resumed from" in err
         assert err.count("process group joined: False") == 2, err[-2000:]  # both ranks of the restart
         weights, whole = last_model(out), request.getfixturevalue("uninterrupted")
