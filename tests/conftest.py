@@ -1,6 +1,7 @@
 """Shared fixtures: tiny real datasets written to disk once per session, and GPU skipping."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -12,6 +13,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move every object alive after collection (the imported modules, torch's and MONAI's included) out of
+    the garbage collector's reach: a full ``gc.collect()``, which autobatch, tune and the DDP tests call
+    after each try, then scans only what the tests made (0.3-0.6 s a call in a process that has collected
+    the suite, under 0.01 s after)."""
+    gc.freeze()
 
 
 def clean_env(**more: str) -> dict[str, str]:

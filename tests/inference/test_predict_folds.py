@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fastvision import cli
-from tests.conftest import clean_env
+from tests.conftest import clean_env, cli_here
 
 monai_inferers = pytest.importorskip("monai.inferers")
 
@@ -105,14 +105,37 @@ def one_process(spleen_folds, tmp_path_factory):
     return _one_thread_predict(out, data / "imagesTs", tmp_path_factory.mktemp("one") / "pred")
 
 
+@pytest.fixture
+def sharded_here(monkeypatch, capfd):
+    """``predict(cmd) -> (exit code, stdout, stderr)``: a ``predict --nproc 2`` command of :func:`_predict_cmd`
+    through ``fastvision.cli.main`` in this process, in the environment :func:`clean_env` gives a
+    subprocess. This process starts the real torchrun and its two ranks, as the command's own process
+    would (which would only import torch to start them); ``capfd`` reads what the ranks print."""
+    from tests.distributed.test_dist import time_limit
+
+    clean = clean_env()
+    for key in set(os.environ) - set(clean):
+        monkeypatch.delenv(key)
+    for key, value in clean.items():
+        monkeypatch.setenv(key, value)
+
+    def predict(cmd: list[str]) -> tuple[int, str, str]:
+        capfd.readouterr()
+        with time_limit(600):
+            rc = cli_here(cmd[3:])
+        out, err = capfd.readouterr()
+        return rc, out, err
+
+    return predict
+
+
 @pytest.mark.dist
-def test_two_processes_write_each_case_once_same_bytes(spleen_folds, one_process, tmp_path):
+def test_two_processes_write_each_case_once_same_bytes(spleen_folds, one_process, tmp_path, sharded_here):
     data, out, _ = spleen_folds
     dest = tmp_path / "pred"
-    r = subprocess.run(_predict_cmd(out, [data / "imagesTs"], dest, "--nproc", "2"), env=clean_env(),
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    lines = re.findall(r"rank (\d) of 2: wrote (\d+) files", r.stdout)
+    rc, stdout, stderr = sharded_here(_predict_cmd(out, [data / "imagesTs"], dest, "--nproc", "2"))
+    assert rc == 0, stderr
+    lines = re.findall(r"rank (\d) of 2: wrote (\d+) files", stdout)
     assert sorted(rank for rank, _ in lines) == ["0", "1"]
     # every case exists and the ranks' counts add up to the case count: none written twice
     assert sum(int(n) for _, n in lines) == len(one_process) == 10
@@ -137,13 +160,16 @@ def _descendants(pid: int) -> list[int]:
 
 
 @pytest.mark.dist
-def test_killed_sharded_predict_resumes(spleen_folds, tmp_path):
+def test_killed_sharded_predict_resumes(spleen_folds, tmp_path, sharded_here):
+    """The killed job is a process of its own (the CLI's, torchrun and both ranks: all killed); the resume,
+    the same command, runs through ``cli.main`` here (``sharded_here``: still torchrun and two ranks)."""
     from fastvision.data.synth import load_all
 
     _, out, _ = spleen_folds
-    # larger cases than the fixture's (about a second each here), so the kill lands mid-way: 2 a rank, and
-    # the first file written ends the job before either rank can finish its second
-    data = load_all().get("spleen")(tmp_path / "big", seed=5, cases=0, test_cases=4, size=48)
+    # larger cases than the fixture's (about a second each here), so the kill lands mid-way: 3 cases, 2 for
+    # rank 0 and 1 for rank 1, and the first file written ends the job before rank 0 can finish its second
+    # (the margin of 4 cases, 2 a rank: either rank's second case)
+    data = load_all().get("spleen")(tmp_path / "big", seed=5, cases=0, test_cases=3, size=48)
     want = _one_thread_predict(out, data / "imagesTs", tmp_path / "one")
     dest = tmp_path / "pred"
     cmd = _predict_cmd(out, [data / "imagesTs"], dest, "--nproc", "2")
@@ -157,9 +183,9 @@ def test_killed_sharded_predict_resumes(spleen_folds, tmp_path):
     job.communicate()
     before = {p.name: p.stat().st_ino for p in dest.glob("*.nii.gz")}
     assert 0 < len(before) < len(want), "the kill did not land mid-way"
-    r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert _written(r.stdout) == len(want) - len(before)  # only what was missing
+    rc, stdout, stderr = sharded_here(cmd)
+    assert rc == 0, stderr
+    assert _written(stdout) == len(want) - len(before)  # only what was missing
     assert _bytes(dest) == want
     assert all(dest.joinpath(n).stat().st_ino == ino for n, ino in before.items())  # not rewritten
 

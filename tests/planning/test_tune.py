@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
+import os
 
 import pytest
 import yaml
@@ -14,7 +13,7 @@ import yaml
 from fastvision import cli, config
 from fastvision.planning.tune.search import Comparison, Switch, order, search
 from fastvision.planning.tune.trial import TrialRunner
-from tests.conftest import ROOT, clean_env
+from tests.conftest import ROOT, clean_env, cli_here
 
 TINY = ["--set", "data.args.image_size=[32,32]", "--set", "model.args.filters=[4,8,16]",
         "--set", "train.batch_size=4", "--device", "cpu"]
@@ -138,10 +137,11 @@ def test_parity_refuses_a_switch_that_changes_the_loss_and_passes_an_exact_one(t
 
 
 # ------------------------------------------------------------------ the CLI
-# The CLI tests check what tune writes and decides, not its timing: 2 interleaved rounds of about 0.25 s
-# per run (tune's --rounds / --round-seconds) instead of the default 5 of 1 s; each trial still builds
-# both runs, checks parity on the probe steps and judges the rounds.
-SHORT = ["--rounds", "2", "--round-seconds", "0.25"]
+# The CLI tests check what tune writes and decides, not its timing: 2 interleaved rounds of about 0.05 s
+# per run (tune's --rounds / --round-seconds) instead of the default 5 of 1 s: a few steps a round at
+# these tiny steps (tune takes at least 3); each trial still builds both runs, checks parity on the probe
+# steps and judges the rounds.
+SHORT = ["--rounds", "2", "--round-seconds", "0.05"]
 
 
 def _tune(data, out, *extra):
@@ -204,22 +204,36 @@ def test_missing_data_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_two_ranks_run_the_same_trials_and_agree(tiny_microscopy, tmp_path):
+def test_two_ranks_run_the_same_trials_and_agree(tiny_microscopy, tmp_path, monkeypatch, capfd):
+    """``tune --nproc 2`` through ``fastvision.cli.main`` in this process, in the environment
+    :func:`clean_env` gives a subprocess: it starts the real torchrun and its two ranks, as the CLI's own
+    process would (a process of its own would only import torch to start them); ``capfd`` reads what
+    the ranks print."""
+    from tests.distributed.test_dist import time_limit
+
     out = tmp_path / "t"
-    cmd = [sys.executable, "-m", "fastvision.cli", "tune", "unet2d-microscopy", "--data", str(tiny_microscopy),
-           "--out", str(out / "tuned.yaml"), "--json", str(out / "trials.json"), "--budget", "30s", "--nproc", "2",
-           *SHORT, *TINY, *PIN, "--keep", "data.num_workers", "train.ddp_bucket_mb", "train.ddp_comm_hook",
-           "--set", "train.batch_size=2"]
-    res = subprocess.run(cmd, cwd=ROOT, env=clean_env(FASTVISION_CACHE=str(tmp_path / "cache")),
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    clean = clean_env(FASTVISION_CACHE=str(tmp_path / "cache"))
+    for key in set(os.environ) - set(clean):
+        monkeypatch.delenv(key)
+    for key, value in clean.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(ROOT)
+    argv = ["tune", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(out / "tuned.yaml"),
+            "--json", str(out / "trials.json"), "--budget", "30s", "--nproc", "2",
+            *SHORT, *TINY, *PIN, "--keep", "data.num_workers", "train.ddp_bucket_mb", "train.ddp_comm_hook",
+            "--set", "train.batch_size=2"]
+    capfd.readouterr()
+    with time_limit(600):
+        rc = cli_here(argv)
+    stdout, stderr = capfd.readouterr()
+    assert rc == 0, stderr[-3000:]
     result = json.loads((out / "trials.json").read_text())
     assert result["hardware"]["world_size"] == 2
     assert result["rounds"] == 2  # the ranks ran --rounds 2
     assert [t["key"] for t in result["trials"]] == ["data.cache"] * len(result["trials"]) and result["trials"]
     ranks = result["rank_settings"]
     assert len(ranks) == 2 and ranks[0] == ranks[1]  # every rank ends on rank 0's choice
-    assert res.stdout.count("wrote ") == 3  # rank 0 alone writes
+    assert stdout.count("wrote ") == 3  # rank 0 alone writes
 
 
 def test_allow_batch_adds_the_batch_switch_and_says_the_lr_rule_in_one_line():
