@@ -18,8 +18,10 @@ def test_train_compile_auto_falls_back_to_eager_on_a_forced_compile_error(tiny_m
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fastvision.cli", "train", "unet2d-microscopy", "--data", str(tiny_microscopy),
            "--out", str(out), "--epochs", "1", "--batch-size", "4", "--device", "cpu",
-           "--set", "data.args.image_size=[32,32]", "--set", "model.args.filters=[4,8]",  # 2 levels: less to trace
-           "--set", "data.num_workers=0", "--set", "examples=0", "--set", "train.compile=auto"]
+           "--set", "data.args.image_size=[32,32]", "--set", "data.num_workers=0", "--set", "examples=0",
+           # the test model probe (BatchNorm + a 1x1 conv): the least to trace and lower before Inductor's
+           # C++ step fails, the same failure and fallback as a U-Net's
+           "--set", "model.name=probe", "--set", "train.compile=auto"]
     # Inductor finds no C++ compiler: a real compile error; a fresh kernel cache so nothing is reused
     env = clean_env(CXX="/nonexistent/g++", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -20,7 +20,7 @@ import torch
 from fastvision import config, engine
 from fastvision.distributed.samplers import TrainSampler
 from fastvision.registry import DATASETS
-from tests.conftest import ROOT, clean_env, cli_here
+from tests.conftest import ROOT, clean_env, cli_here, communicate_all, free_port
 
 TINY = ["--device", "cpu", "--batch-size", "2", "--set", "data.args.image_size=[32,32]", "--set", "data.num_workers=0",
         "--set", "examples=0", "--set", "train.log_every=1", "--set", "model.name=probe",
@@ -72,19 +72,24 @@ def test_a_forced_nonfinite_streak_rolls_back_and_names_the_items(action, factor
 
 @pytest.mark.dist
 def test_two_ranks_roll_back_together_and_name_every_ranks_items(tiny_microscopy, tmp_path):
-    """torchrun, 2 gloo ranks at batch 1: the same global batches as one process at batch 2, so the
-    same items are named (both ranks' together), and both ranks load the rollback and finish (13 items
-    padded to 14: 7 steps)."""
+    """2 gloo ranks at batch 1, each a real ``python -m fastvision.cli`` process with the variables
+    torchrun gives its workers (env:// rendezvous; no launcher process, which would only add its own
+    torch import): the same global batches as one process at batch 2, so the same items are named
+    (both ranks' together), and both ranks load the rollback and finish (13 items padded to 14: 7 steps)."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "fastvision.cli", "train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(out),
-           "--epochs", "1", *TINY, "--batch-size", "1", "--set", "model.args.nonfinite_steps=[4,5,6]",
-           "--set", "train.checkpoint_every=2"]
-    res = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert re.search(r"step 6: 3 consecutive steps skipped .*rolled back to \S*rollback\.pt \(step 2\)", res.stderr)
+    cmd = [sys.executable, "-m", "fastvision.cli", "train", "unet2d-microscopy", "--data", str(tiny_microscopy),
+           "--out", str(out), "--epochs", "1", *TINY, "--batch-size", "1",
+           "--set", "model.args.nonfinite_steps=[4,5,6]", "--set", "train.checkpoint_every=2"]
+    port = str(free_port())
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=clean_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    stderr = "".join(err for _, err in communicate_all(procs, timeout=300))
+    assert [p.returncode for p in procs] == [0, 0], stderr[-3000:]
+    assert re.search(r"step 6: 3 consecutive steps skipped .*rolled back to \S*rollback\.pt \(step 2\)", stderr)
     for step in (4, 5, 6):
-        assert f"step {step} (non-finite loss; items {', '.join(_items_at(tiny_microscopy, step))})" in res.stderr
+        assert f"step {step} (non-finite loss; items {', '.join(_items_at(tiny_microscopy, step))})" in stderr
     last = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert last["step"] == 7 and all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
 

@@ -1,8 +1,10 @@
 """COCO evaluation under DDP: 2 gloo ranks each score half the validation images; the gathered
 metrics equal the single-process metrics exactly.
 
-This file is also the worker (``python tests/metrics/test_coco_dist.py ROOT OUT``), started by
-``distributed.launch_local`` (``torch.distributed.run --standalone``), the code path of ``--nproc``.
+Each rank is a real process started as torchrun starts its workers (``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT``, env:// rendezvous: ``tests.conftest.run_gloo_ranks``) running this
+file's ``_worker``; the launcher itself (``distributed.launch_local``, the code path of ``--nproc``)
+is tested in tests/distributed/test_dist.py, and here would only add a process importing torch.
 Each rank shards the set with the engine's ``EvalSampler`` and reduces the evaluator the way
 ``engine.evaluate`` does (``state()`` on every rank, one all-reduce, ``load_state``, ``compute``).
 Detections are noisy ground truth, seeded per image id, so both runs see identical detections
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # also run as a worker script
+sys.path.insert(0, str(ROOT))  # also imported by the ranks (CHILD)
 
 from fastvision import distributed  # noqa: E402
 from fastvision.data.formats.coco import build, collate_detection  # noqa: E402
@@ -72,11 +74,9 @@ def test_two_rank_coco_map_equals_single_process(tmp_path):
     single = evaluate_shard(root, tmp_path / "single.json")
     assert single["images"] == NUM_VAL and 0.1 < single["map"] < 0.9
 
-    from tests.distributed.test_dist import launch_here
+    from tests.conftest import run_gloo_ranks
 
-    rc, err = launch_here([str(Path(__file__).resolve()), str(root), str(tmp_path)], tmp_path / "stderr.txt")
-    assert rc == 0, err[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_gloo_ranks(tmp_path, CHILD, [str(root)])  # asserts both ranks exit 0
     # each rank evaluated only its half, yet both report the whole set's metrics
     assert [r["local_images"] for r in ranks] == [NUM_VAL // 2, NUM_VAL - NUM_VAL // 2]
     for r in ranks:
@@ -88,14 +88,19 @@ def test_two_rank_coco_map_equals_single_process(tmp_path):
     assert not (tmp_path / "ddp.json.tmp").exists()
 
 
+CHILD = """import sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from tests.metrics.test_coco_dist import _worker
+_worker(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
+
+
 def _worker(root: Path, out: Path) -> None:
+    """One rank: its metrics to ``out`` (JSON), the main rank's results JSON to ``ddp.json`` beside it."""
     torch.set_num_threads(1)
     env, _ = distributed.init("cpu", timeout_s=60)
     assert env.world_size == 2
-    metrics = evaluate_shard(root, out / "ddp.json")
-    (out / f"rank{env.rank}.json").write_text(json.dumps(metrics))
+    metrics = evaluate_shard(root, out.parent / "ddp.json")
+    out.write_text(json.dumps(metrics))
     distributed.shutdown()
-
-
-if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), Path(sys.argv[2]))
