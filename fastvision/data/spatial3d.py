@@ -29,10 +29,13 @@ import torch.nn.functional as F
 
 from fastvision.errors import DataWarning
 
-try:  # nibabel is the optional "medical" extra
-    from nibabel import orientations as nio
-except ModuleNotFoundError:  # pragma: no cover - reported by preprocess3d when used
-    nio = None
+
+def _nio():
+    """``nibabel.orientations``, imported on first use: nibabel is the optional "medical" extra, and its
+    import (about 0.6 s of CPU) would otherwise be paid by every process that imports the tasks, 2-D too."""
+    from nibabel import orientations
+
+    return orientations
 
 # MONAI's AFFINE_TOL: a spacing within this of the target is kept, an affine this close is unchanged.
 AFFINE_TOL = 1e-3
@@ -42,6 +45,7 @@ LABEL_GRID_TOL = 1e-2
 
 def orientation_to_ras(affine: np.ndarray) -> np.ndarray:
     """nibabel orientation transform (3, 2) taking the voxel axes of ``affine`` to RAS."""
+    nio = _nio()
     return nio.ornt_transform(nio.io_orientation(affine), nio.axcodes2ornt("RAS"))
 
 
@@ -56,6 +60,7 @@ def reorient(array: np.ndarray, affine: np.ndarray, ornt: np.ndarray) -> tuple[n
     Returns:
         (array, affine) such that every voxel keeps its world position.
     """
+    nio = _nio()
     out = nio.apply_orientation(array, ornt)
     new_affine = affine @ nio.inv_ornt_aff(ornt, array.shape[:3])
     return np.ascontiguousarray(out), new_affine
@@ -232,6 +237,7 @@ def restore_to_input(x: torch.Tensor, meta: dict[str, Any], mode: str = "nearest
     res_affine = np.asarray(meta["affine"], dtype=np.float64) @ shift  # the affine before the crop
     in_affine = np.asarray(meta["input_affine"], dtype=np.float64)
     ornt = orientation_to_ras(in_affine)
+    nio = _nio()
     ras_affine = in_affine @ nio.inv_ornt_aff(ornt, meta["input_shape"])
     full = resample_to(full, res_affine, ras_affine, meta["ras_shape"], "nearest" if mode == "nearest" else "linear")
     arr = np.moveaxis(full.cpu().numpy(), 0, -1)
