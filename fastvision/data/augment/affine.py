@@ -219,7 +219,8 @@ def nearest_3d(x: Tensor, grid: Tensor) -> Tensor:
     tensor of any dtype, bit for bit, as one gather: each output voxel's source index is computed as the kernel
     computes it (``((g + 1) size - 1) / 2`` in float32, rounded half to even as its ``nearbyint``) and read from
     ``x`` padded with one voxel of zeros, where every outside coordinate is clamped. The 3-D kernel is a scalar
-    loop per voxel on the CPU; this is 2-2.6x cheaper on 64^3 labels, and the labels need no float copy.
+    loop per voxel on the CPU; this is 2.4x cheaper on 64^3 labels (benchmarks/aug_cpu_paths.py), and the labels
+    need no float copy.
     ``grid`` (B, *S_out, 3) is :func:`_linear_grid`'s view of coordinate-major planes (read back as planes)."""
     b, ch, d, h, w = x.shape
     padded = F.pad(x, (1, 1, 1, 1, 1, 1)).reshape(b, ch, -1)
