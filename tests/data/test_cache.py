@@ -2,6 +2,7 @@
 cache schedule of seed 003 (and MONAI's SmartCacheDataset), node-shared PSS, the device cache."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -236,7 +237,7 @@ def test_gpu_cache_on_cuda():
 
 
 CHILD = r"""
-import sys, time
+import json, sys, time
 from pathlib import Path
 import torch
 from torch.utils.data import Dataset
@@ -251,52 +252,64 @@ def pss():
         if line.startswith("Pss:"):
             return int(line.split()[1])
 
-rank, world, mode, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-before = pss()
-if mode == "shared":
-    ds = SharedCacheDataset(Big(), [], "pss", local_rank=rank, local_world_size=world, root=root, progress=False)
-else:
-    ds = CacheDataset(Big(), [], progress=False)
-total = sum(float(ds[i]["image"].sum()) for i in range(16))  # touch every page
-assert total == sum(i * 1024 * 1024 for i in range(16))
-Path(root, f"ready{rank}").touch()
-while not all(Path(root, f"ready{r}").exists() for r in range(world)):
-    time.sleep(0.05)
-time.sleep(0.3)
-print(pss() - before, flush=True)  # measured while every rank still maps the cache
-while not Path(root, "exit").exists():
-    time.sleep(0.05)
+def wait_for(*paths):
+    deadline = time.monotonic() + 300
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"waited 300 s for {paths}"
+        time.sleep(0.05)
+
+rank, sync, shm = int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+held, out = [], {}  # every phase's cache stays mapped to the end: later phases' deltas exclude it
+for phase, mode, ranks in (("one", "shared", (0,)), ("two", "shared", (0, 1)), ("private", "private", (0, 1))):
+    (sync / f"{phase}-start{rank}").touch()  # the phase before it has ended on both ranks
+    wait_for(*(sync / f"{phase}-start{r}" for r in (0, 1)))
+    if rank not in ranks:
+        continue
+    before = pss()
+    if mode == "shared":
+        ds = SharedCacheDataset(Big(), [], "pss", local_rank=rank, local_world_size=len(ranks), root=shm / phase,
+                                progress=False)
+    else:
+        ds = CacheDataset(Big(), [], progress=False)
+    held.append(ds)
+    total = sum(float(ds[i]["image"].sum()) for i in range(16))  # touch every page
+    assert total == sum(i * 1024 * 1024 for i in range(16))
+    (sync / f"{phase}-ready{rank}").touch()
+    wait_for(*(sync / f"{phase}-ready{r}" for r in ranks))
+    time.sleep(0.3)
+    out[phase] = pss() - before  # measured while every rank of the phase still maps its cache
+    (sync / f"{phase}-measured{rank}").touch()
+    wait_for(*(sync / f"{phase}-measured{r}" for r in ranks))
+print(json.dumps(out), flush=True)
 """
 
 
-def run_ranks(world: int, mode: str, root: Path) -> list[int]:
-    root.mkdir()
+def run_phases(shm: Path, sync: Path) -> list[dict[str, int]]:
+    """Two processes, three phases one after the other (each phase's caches stay mapped, so a later
+    phase's PSS growth is its own): rank 0 alone with a shared cache ("one"), both ranks sharing one
+    cache ("two"), both with a private RAM cache ("private"). One process per rank for all three
+    phases, not one per phase: each costs seconds of torch import."""
+    sync.mkdir()
     try:
-        return _run_ranks(world, mode, root)
+        # A fixed mmap threshold makes glibc return freed item buffers, so PSS measures the cache,
+        # not allocator retention from computing the items.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+        procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(sync), str(shm)], stdout=subprocess.PIPE,
+                                  text=True, env=env) for r in range(2)]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        return [json.loads(o.strip().splitlines()[-1]) for o in outs]
     finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _run_ranks(world: int, mode: str, root: Path) -> list[int]:
-    # A fixed mmap threshold makes glibc return freed item buffers, so PSS measures the cache,
-    # not allocator retention from computing the items.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(world), mode, str(root)],
-                              stdout=subprocess.PIPE, text=True, env=env) for r in range(world)]
-    out = [int(p.stdout.readline()) for p in procs]
-    (root / "exit").touch()
-    for p in procs:
-        assert p.wait(timeout=60) == 0
-    return out
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.mark.slow
 def test_shared_cache_pss_two_ranks(tmp_path):
     """Summed PSS growth of two ranks sharing the cache <= 1.2x one rank's; private copies ~2x."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    one = run_ranks(1, "shared", shm / f"fvtest-{os.getpid()}-a")
-    two = run_ranks(2, "shared", shm / f"fvtest-{os.getpid()}-b")
-    private = run_ranks(2, "private", tmp_path / "c")
+    ranks = run_phases(shm / f"fvtest-{os.getpid()}", tmp_path / "sync")
+    one, two, private = [ranks[0]["one"]], [r["two"] for r in ranks], [r["private"] for r in ranks]
+    assert "one" not in ranks[1]
     cache_kib = 16 * 4096
     assert one[0] >= 0.9 * cache_kib
     print(f"PSS growth KiB: one rank {one}, two shared ranks {two}, two private {private}")
