@@ -19,28 +19,7 @@ import pytest
 from fastvision.errors import ConfigError
 from fastvision.planning.configure import planner, rules
 
-_TRACES: dict = {}
-
-
-@pytest.fixture(autouse=True)
-def traced_once(monkeypatch):
-    """``estimate.trace`` is a pure function of the config and its arguments (a fake-tensor step, about a
-    second of CPU for a 3-D U-Net): a test here traces the plan's batch again to check it, and the
-    prostate cases configure the same recipe in several tests, so each distinct trace runs once in this
-    module and is shared. The real trace runs for every new (config, batch, switches); StepTrace is
-    never mutated."""
-    from fastvision import config
-    from fastvision.planning import estimate as est
-
-    real = est.trace
-
-    def trace(cfg, batch, **kw):
-        key = (repr(config.to_dict(cfg)), batch, repr(sorted(kw.items())))
-        if key not in _TRACES:
-            _TRACES[key] = real(cfg, batch, **kw)
-        return _TRACES[key]
-
-    monkeypatch.setattr(est, "trace", trace)
+pytestmark = pytest.mark.usefixtures("traced_once")  # tests/planning/conftest.py
 
 
 @pytest.mark.parametrize(

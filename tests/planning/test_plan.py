@@ -20,24 +20,7 @@ from fastvision.tasks.base import Task
 
 F32 = 4  # bytes
 
-_TRACES: dict = {}
-
-
-@pytest.fixture(autouse=True)
-def traced_once(monkeypatch):
-    """``estimate.trace`` is a pure function of the config and its arguments (a fake-tensor step, 1-4 s of
-    CPU for a recipe): the plans here trace the same recipe at the same batch many times (every
-    calibration case, both GPUs of one test), so each distinct trace runs once in this module and is
-    shared. The real trace runs for every new (config, batch, switches); StepTrace is never mutated."""
-    real = est.trace
-
-    def trace(cfg, batch, **kw):
-        key = (repr(config.to_dict(cfg)), batch, repr(sorted(kw.items())))
-        if key not in _TRACES:
-            _TRACES[key] = real(cfg, batch, **kw)
-        return _TRACES[key]
-
-    monkeypatch.setattr(est, "trace", trace)
+pytestmark = pytest.mark.usefixtures("traced_once")  # tests/planning/conftest.py
 
 
 class SquareTask(Task):
