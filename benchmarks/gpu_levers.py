@@ -8,9 +8,11 @@ precision unless the row says otherwise:
 * 3-D U-Net (``unet3d-brats``, 4 x 128^3): NCDHW with the stock InstanceNorm (the first H200 run's
   setting) against NDHWC with the stock norm, NCDHW with ``norm: instance_cl``, NDHWC with it,
   NDHWC with it and ``up: shuffle``, and that with a conv bias before each norm (``bias: true``,
-  what MLPerf drops), at fp16 and bf16; batch 4 and 7 for the baseline and the NDHWC lever set.
+  what MLPerf drops), at fp16 and bf16; at fp16 also with the 4 MR channels padded to 8 for the first
+  conv (``pad_in: 8``); batch 4 and 7 for the baseline and the NDHWC lever set.
 * seed-001 U-Net (``unet2d-seed001``, 768 x 1024 x 16): NCHW against NHWC, NHWC with the
-  transposed up-conv as 1x1 conv + pixel shuffle, and with ``drop_bias``, at bf16 and fp16.
+  transposed up-conv as 1x1 conv + pixel shuffle, with ``drop_bias``, and with the 1-channel image
+  padded to 8 for the first conv (``pad_in: 8``), at bf16 and fp16.
 * compiled pairs last (``train.compile: true``): no row starts once ``--budget`` is spent.
 
 Every row is built afresh by ``engine.build`` under the recipe's seed (the same initial weights),
@@ -47,6 +49,7 @@ U3, S1 = "unet3d-brats", "unet2d-seed001"
 CL_NORM = {"model.args.norm": "instance_cl"}
 LEVERS3 = {**CL_NORM, "model.args.up": "shuffle"}
 LEVERS2 = {"model.args.up": "shuffle", "model.args.drop_bias": True}
+PAD8 = {"model.args.pad_in": 8}
 
 
 def _row(group: str, name: str, recipe: str, batch: int, precision: str, cl: bool, sets: dict | None = None,
@@ -64,8 +67,11 @@ def _unet3d_rows(p: str) -> list[dict[str, Any]]:
             _row(g, f"unet3d NDHWC instance_cl {p} bs2", U3, 2, p, True, CL_NORM, base, quick=q),
             _row(g, f"unet3d NDHWC instance_cl+shuffle {p} bs2", U3, 2, p, True, LEVERS3, base)]
     if p == "fp16":
-        rows.append(_row(g, "unet3d NDHWC instance_cl+shuffle+bias fp16 bs2", U3, 2, p, True,
-                         {**LEVERS3, "model.args.bias": True}, f"unet3d NDHWC instance_cl+shuffle {p} bs2"))
+        lev = f"unet3d NDHWC instance_cl+shuffle {p} bs2"
+        rows += [_row(g, "unet3d NDHWC instance_cl+shuffle+bias fp16 bs2", U3, 2, p, True,
+                      {**LEVERS3, "model.args.bias": True}, lev),
+                 _row(g, "unet3d NDHWC instance_cl+shuffle+pad_in8 fp16 bs2", U3, 2, p, True, {**LEVERS3, **PAD8},
+                      lev)]
     return rows
 
 
@@ -82,12 +88,16 @@ def _seed001_rows(p: str) -> list[dict[str, Any]]:
     if p == "fp16":
         g, base = "seed001 fp16 bs16", "seed001 NHWC fp16"
         return [_row(g, base, S1, 16, p, True),
-                _row(g, "seed001 NHWC shuffle+drop_bias fp16", S1, 16, p, True, LEVERS2, base)]
+                _row(g, "seed001 NHWC shuffle+drop_bias fp16", S1, 16, p, True, LEVERS2, base),
+                _row(g, "seed001 NHWC shuffle+drop_bias+pad_in8 fp16", S1, 16, p, True, {**LEVERS2, **PAD8},
+                     "seed001 NHWC shuffle+drop_bias fp16")]
     g, base = "seed001 bf16 bs16", "seed001 NCHW bf16"
     return [_row(g, base, S1, 16, p, False, quick=True),
             _row(g, "seed001 NHWC bf16", S1, 16, p, True, base=base),
             _row(g, "seed001 NHWC shuffle bf16", S1, 16, p, True, {"model.args.up": "shuffle"}, base, quick=True),
-            _row(g, "seed001 NHWC shuffle+drop_bias bf16", S1, 16, p, True, LEVERS2, base)]
+            _row(g, "seed001 NHWC shuffle+drop_bias bf16", S1, 16, p, True, LEVERS2, base),
+            _row(g, "seed001 NHWC shuffle+drop_bias+pad_in8 bf16", S1, 16, p, True, {**LEVERS2, **PAD8},
+                 "seed001 NHWC shuffle+drop_bias bf16")]
 
 
 def _compiled_rows() -> list[dict[str, Any]]:

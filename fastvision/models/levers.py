@@ -10,7 +10,9 @@ ones still at their stock value. None is a recipe default until a GPU measuremen
 - ``model.args.up``: ``transpose`` -> ``shuffle`` (1x1 conv + pixel shuffle), where the up-conv's
   kernel equals its stride (2);
 - ``model.args.drop_bias``: ``false`` -> ``true`` (no conv bias before a batch / instance norm),
-  where the model has such biases.
+  where the model has such biases;
+- ``model.args.pad_in``: ``null`` -> ``4`` / ``8`` (the first conv reads the image zero-padded to a multiple
+  of that many channels), where the image's channels are not already one.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any
 
 from fastvision.registry import MODELS
 
-LEVER_KEYS = ("model.args.norm", "model.args.up", "model.args.drop_bias")
+LEVER_KEYS = ("model.args.norm", "model.args.up", "model.args.drop_bias", "model.args.pad_in")
 LAYOUT_COPYING_NORMS = ("instance",)  # stock norms that copy a channels-last input to contiguous
 
 
@@ -45,6 +47,10 @@ def levers(name: str, args: dict[str, Any]) -> dict[str, tuple]:
     if a.get("drop_bias") is False and a.get("bias", True) and a.get("norm", "batch") in ("batch", "instance",
                                                                                          "instance_cl"):
         out["model.args.drop_bias"] = (True,)
+    if "pad_in" in a and not a["pad_in"]:
+        pads = tuple(m for m in (4, 8) if int(a.get("in_channels", 3)) % m)
+        if pads:
+            out["model.args.pad_in"] = pads
     return out
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from fastvision.errors import DataError
+from fastvision.models.pad_in import check_pad_in, pad_input_convs
 from fastvision.registry import MODELS
 
 log = logging.getLogger(__name__)
@@ -313,11 +314,13 @@ _DEPTHS: dict[int, tuple[type[BasicBlock] | type[Bottleneck], tuple[int, int, in
 
 
 def build_resnet(depth: int, num_classes: int = 1000, in_channels: int = 3, zero_init_residual: bool = True,
-                 pretrained: str | None = None) -> ResNet:
+                 pretrained: str | None = None, pad_in: int | None = None) -> ResNet:
     """ResNet v1.5 of the given depth, optionally loaded from a torchvision-style state dict.
 
     ``pretrained``: a state dict file, or ``"imagenet"`` for torchvision's ImageNet weights through
-    torch.hub's cache (:func:`imagenet_state_dict`).
+    torch.hub's cache (:func:`imagenet_state_dict`). ``pad_in``: the stem reads the image zero-padded to a
+    multiple of ``pad_in`` channels (MLPerf's 4: a speed lever, same outputs up to rounding and the same
+    parameters; :mod:`~fastvision.models.pad_in`).
     """
     block, layers = _DEPTHS[depth]
     model = ResNet(block, layers, num_classes, in_channels, zero_init_residual)
@@ -325,34 +328,35 @@ def build_resnet(depth: int, num_classes: int = 1000, in_channels: int = 3, zero
         load_pretrained(model, imagenet_state_dict(depth))
     elif pretrained:
         load_pretrained(model, pretrained)
+    pad_input_convs(model, "conv1", check_pad_in(pad_in))
     return model
 
 
 @MODELS.register("resnet18")
 def resnet18(num_classes: int = 1000, in_channels: int = 3, zero_init_residual: bool = True,
-             pretrained: str | None = None) -> ResNet:
-    return build_resnet(18, num_classes, in_channels, zero_init_residual, pretrained)
+             pretrained: str | None = None, pad_in: int | None = None) -> ResNet:
+    return build_resnet(18, num_classes, in_channels, zero_init_residual, pretrained, pad_in)
 
 
 @MODELS.register("resnet34")
 def resnet34(num_classes: int = 1000, in_channels: int = 3, zero_init_residual: bool = True,
-             pretrained: str | None = None) -> ResNet:
-    return build_resnet(34, num_classes, in_channels, zero_init_residual, pretrained)
+             pretrained: str | None = None, pad_in: int | None = None) -> ResNet:
+    return build_resnet(34, num_classes, in_channels, zero_init_residual, pretrained, pad_in)
 
 
 @MODELS.register("resnet50")
 def resnet50(num_classes: int = 1000, in_channels: int = 3, zero_init_residual: bool = True,
-             pretrained: str | None = None) -> ResNet:
-    return build_resnet(50, num_classes, in_channels, zero_init_residual, pretrained)
+             pretrained: str | None = None, pad_in: int | None = None) -> ResNet:
+    return build_resnet(50, num_classes, in_channels, zero_init_residual, pretrained, pad_in)
 
 
 @MODELS.register("resnet101")
 def resnet101(num_classes: int = 1000, in_channels: int = 3, zero_init_residual: bool = True,
-              pretrained: str | None = None) -> ResNet:
-    return build_resnet(101, num_classes, in_channels, zero_init_residual, pretrained)
+              pretrained: str | None = None, pad_in: int | None = None) -> ResNet:
+    return build_resnet(101, num_classes, in_channels, zero_init_residual, pretrained, pad_in)
 
 
 @MODELS.register("resnet152")
 def resnet152(num_classes: int = 1000, in_channels: int = 3, zero_init_residual: bool = True,
-              pretrained: str | None = None) -> ResNet:
-    return build_resnet(152, num_classes, in_channels, zero_init_residual, pretrained)
+              pretrained: str | None = None, pad_in: int | None = None) -> ResNet:
+    return build_resnet(152, num_classes, in_channels, zero_init_residual, pretrained, pad_in)

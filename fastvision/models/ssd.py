@@ -302,10 +302,11 @@ def postprocess(outputs: dict[str, Tensor], image_size: tuple[int, int], score_t
 
 
 def build_ssd(depth_resnet: int, num_classes: int, depth: int, head_layers: int, frozen_bn: bool,
-              backbone_weights: str | None, anchor_scale: float = 4.0, bn_momentum: float = BN_MOMENTUM) -> SSD:
+              backbone_weights: str | None, anchor_scale: float = 4.0, bn_momentum: float = BN_MOMENTUM,
+              pad_in: int | None = None) -> SSD:
     """ResNet-``depth_resnet`` backbone (``backbone_weights``: ``"imagenet"``, a local state dict, or
-    None for random) + FPN + head."""
-    backbone = build_resnet(depth_resnet, num_classes=0, pretrained=backbone_weights)
+    None for random; ``pad_in``: its stem's input channel padding) + FPN + head."""
+    backbone = build_resnet(depth_resnet, num_classes=0, pretrained=backbone_weights, pad_in=pad_in)
     if frozen_bn:
         freeze_batchnorm(backbone)
     return SSD(backbone, num_classes, depth, head_layers, anchor_scale=anchor_scale, bn_momentum=bn_momentum)
@@ -321,15 +322,17 @@ def _backbone_weights(pretrained: str | None, backbone_weights: str | None) -> s
 
 @MODELS.register("ssd320")
 def ssd320(num_classes: int = 90, frozen_bn: bool = False, pretrained: str | None = None,
-           backbone_weights: str | None = None) -> SSD:
+           backbone_weights: str | None = None, pad_in: int | None = None) -> SSD:
     """SSD320 v1.2: ResNet-50, FPN depth 256, 4-layer towers (TF ``ssd320_full_8gpus.config``).
 
     ``pretrained`` (``--pretrained``): the backbone's initial weights, ``"imagenet"`` (torchvision's
     ResNet-50 through torch.hub's cache, as the seed starts from ImageNet) or a local
     torchvision-layout file; ``backbone_weights`` is the older name. ``frozen_bn`` freezes the
-    backbone's BN, as the seed does on top of ImageNet weights.
+    backbone's BN, as the seed does on top of ImageNet weights. ``pad_in: 4``: the stem reads 4 channels
+    (RGB + zeros), a speed lever (docs/gpu.md, "Model levers").
     """
-    return build_ssd(50, num_classes, 256, 4, frozen_bn, _backbone_weights(pretrained, backbone_weights))
+    return build_ssd(50, num_classes, 256, 4, frozen_bn, _backbone_weights(pretrained, backbone_weights),
+                     pad_in=pad_in)
 
 
 @MODELS.register("ssd320-small")

@@ -37,6 +37,7 @@ from fastvision.models.layers import (
     per_axis,
     pool,
 )
+from fastvision.models.pad_in import check_pad_in, pad_input_convs
 from fastvision.registry import MODELS
 
 
@@ -186,6 +187,9 @@ class UNet(nn.Module):
             "he_heads" (PyTorch's in the body, He on the logit heads only; classic layout).
         drop_bias: after initialisation, remove the bias of every conv that a batch or instance norm
             follows (the norm cancels it: same outputs up to rounding; MLPerf's convs have none).
+        pad_in: the first stage's convs read the image zero-padded to a multiple of ``pad_in`` channels
+            (1 -> 8: tensor-core kernels; same outputs up to rounding, same parameters;
+            :mod:`~fastvision.models.pad_in`). ``None``: off.
         deep_supervision: in training, also return logits of the lower decoder scales (nnU-Net): a
             list, full resolution first, one 1x1 head per lower decoder stage i > 0 (1/2^i of the input
             with the default strides; it reads ``filters[i]`` channels in the classic layout,
@@ -224,6 +228,7 @@ class UNet(nn.Module):
         init: str = "default",
         drop_bias: bool = False,
         deep_supervision: bool = False,
+        pad_in: int | None = None,
     ):
         super().__init__()
         self.strides, self.kernels = stage_geometry(spatial_dims, filters, strides, kernel_size, residual)
@@ -256,6 +261,7 @@ class UNet(nn.Module):
         _init_weights(self, init)
         if drop_bias:
             drop_bias_before_norm(self)
+        pad_input_convs(self, "encoders.0", check_pad_in(pad_in))
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits (B, out_channels, *S) for images (B, C_in, *S)."""
@@ -315,35 +321,37 @@ unet3d = MODELS.register("unet3d")(_with_dims(3))
 def unet2d_seed001(
     *, in_channels: int = 1, out_channels: int = 1, filters: tuple[int, ...] = (8, 16, 32, 64, 128),
     dropout: float = 0.0, up: Literal["transpose", "shuffle"] = "transpose", drop_bias: bool = False,
+    pad_in: int | None = None,
 ) -> UNet:
     """Seed 001's 2-D U-Net: (conv3x3 + bias + BN + ReLU) x2, 2x2 max-pool, 2x2 stride-2 up-conv, 1x1 head.
 
-    ``up: shuffle`` and ``drop_bias: true`` are speed levers with the same results up to rounding.
+    ``up: shuffle``, ``drop_bias: true`` and ``pad_in: 8`` are speed levers with the same results up to rounding.
     """
     return UNet(2, in_channels, out_channels, filters, norm="batch", act="relu", bias=True, down="maxpool",
-                up=up, up_kernel=2, head_kernel=1, dropout=dropout, drop_bias=drop_bias)
+                up=up, up_kernel=2, head_kernel=1, dropout=dropout, drop_bias=drop_bias, pad_in=pad_in)
 
 
 @MODELS.register("unet3d-nonewnet")
 def unet3d_nonewnet(
     *, in_channels: int = 4, out_channels: int = 4, filters: tuple[int, ...] = (32, 64, 128, 256, 320, 320),
     norm: NormName = "instance", dropout: float = 0.0, up: Literal["transpose", "shuffle"] = "transpose",
-    bias: bool | None = None,
+    bias: bool | None = None, pad_in: int | None = None,
 ) -> UNet:
     """Seed 000's 3D U-Net (No New-Net): stride-2 conv down, 2^3 up-conv, InstanceNorm, LeakyReLU 0.01, 3^3 head.
 
     Convs before a norm have no bias (``bias: true`` adds them, for comparison); group norm uses 16
-    groups as in the seed. ``norm: instance_cl`` and ``up: shuffle`` are speed levers (docs/gpu.md).
+    groups as in the seed. ``norm: instance_cl``, ``up: shuffle`` and ``pad_in: 8`` are speed levers (docs/gpu.md).
     """
     return UNet(3, in_channels, out_channels, filters, norm=norm, act="leakyrelu", act_slope=0.01, norm_groups=16,
-                bias=bias, down="stride", up=up, up_kernel=2, head_kernel=3, dropout=dropout, init="xavier")
+                bias=bias, down="stride", up=up, up_kernel=2, head_kernel=3, dropout=dropout, init="xavier",
+                pad_in=pad_in)
 
 
 @MODELS.register("unet3d-spleen")
 def unet3d_spleen(
     *, in_channels: int = 1, out_channels: int = 2, filters: tuple[int, ...] = (32, 64, 128, 256, 512),
     n_convs: int = 2, norm: NormName = "batch", act: ActName = "prelu", dropout: float = 0.2, drop_bias: bool = False,
-    deep_supervision: bool = False,
+    deep_supervision: bool = False, pad_in: int | None = None,
 ) -> UNet:
     """MONAI fast-training spleen net: ``UNet(3, 1, 2, (32..512), strides 2, num_res_units=2, BATCH, 0.2)``.
 
@@ -351,4 +359,4 @@ def unet3d_spleen(
     returns ``[full, 1/2, 1/4, ...]``; MONAI's net has none; the full-resolution logits are unchanged)."""
     return UNet(3, in_channels, out_channels, filters, n_convs=n_convs, norm=norm, act=act, bias=True,
                 down="stride", up="transpose", up_kernel=3, dropout=dropout, residual=True, drop_bias=drop_bias,
-                deep_supervision=deep_supervision)
+                deep_supervision=deep_supervision, pad_in=pad_in)

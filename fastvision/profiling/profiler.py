@@ -319,7 +319,8 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | 
                 if (precision or t.amp) != "fp16" else "")
         autotune = " or try train.compile: max-autotune" if t.compile != "max-autotune" else ""
         rest = [f"{k.removeprefix('model.args.')}: {str(v[0]).lower()}" for k, v in lever.items()]
-        model = (f"; measure model.args {' and '.join(rest)} (the same model up to rounding: `fastvision tune` "
+        listed = ", ".join(rest[:-1]) + " and " + rest[-1] if len(rest) > 1 else "".join(rest)
+        model = (f"; measure model.args {listed} (the same model up to rounding: `fastvision tune` "
                  "tries them)" if rest else "")
         return f"the model is the cost: raise train.batch_size{autotune}{fp16}{model}"
     return ("the model is the cost: set train.amp: bf16, train.compile: true, a smaller model or image size, "

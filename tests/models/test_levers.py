@@ -9,8 +9,10 @@
   outputs and gradients (atol 1e-5), the same initial draws, state dicts interchangeable, other
   kernels refused in one line naming the key.
 - ``drop_bias_before_norm``: bias-free conv + norm against conv with bias + norm.
+- ``pad_in``: the model whose first convs read the image zero-padded to 4 / 8 channels against the same
+  model without (same draws, same state-dict keys, outputs and every gradient), in either layout.
 - ``torch.compile`` (aot_eager_default_partitioner: dynamo + AOT autograd, no C++ compiler) traces all
-  three without a graph break and gives the eager gradients.
+  of them without a graph break and gives the eager gradients.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from torch import nn
 
 from fastvision import config, engine
 from fastvision.errors import ConfigError
-from fastvision.models import create_model, layers
+from fastvision.models import create_model, layers, levers
+from fastvision.models.pad_in import PadInConv2d, PadInConv3d, pad_input_convs
 from fastvision.registry import MODELS
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -235,14 +238,86 @@ def test_drop_bias_leaves_group_norm_and_bare_convs_and_keeps_the_other_weights(
     assert layers.drop_bias_before_norm(layers.ConvNormAct(2, 8, 8, norm="group", bias=True)) == 0
 
 
+# ---------------------------------------------------------------------------------- pad_in
+@pytest.mark.parametrize("name,kw,shape,multiple,n_padded", [
+    ("unet2d-seed001", dict(filters=(4, 8, 16)), (2, 1, 16, 16), 8, 1),      # 1 -> 8, the seed's first conv
+    ("unet3d-nonewnet", dict(filters=(4, 8, 16), out_channels=3), (2, 4, 8, 8, 8), 8, 1),  # BraTS' 4 -> 8
+    ("unet3d-spleen", dict(filters=(4, 8, 16), dropout=0.0), (2, 1, 8, 8, 8), 4, 2),  # main + skip conv
+    ("resnet18", dict(num_classes=5), (2, 3, 32, 32), 4, 1),                 # MLPerf's RGB -> 4
+])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_pad_in_is_the_same_model_up_to_rounding(name, kw, shape, multiple, n_padded, channels_last):
+    """Zero channels against zero weights add nothing: the same outputs, input gradients and parameter
+    gradients as the stock model, from the same draws and state-dict keys (checkpoints load either way).
+    A residual first stage has two convs reading the image (its main path and its 1x1 skip): both pad."""
+    torch.manual_seed(0)
+    ref = create_model(name, **kw)
+    torch.manual_seed(0)
+    ours = create_model(name, pad_in=multiple, **kw)
+    padded = [m for m in ours.modules() if isinstance(m, (PadInConv2d, PadInConv3d))]
+    assert len(padded) == n_padded and all(m.padded == -(-shape[1] // multiple) * multiple for m in padded)
+    assert all(m.weight.shape[1] == shape[1] for m in padded)  # the parameters keep their shapes
+    for (k0, v0), (k1, v1) in zip(ref.state_dict().items(), ours.state_dict().items(), strict=True):
+        assert k0 == k1 and torch.equal(v0, v1), k0
+    x = torch.randn(shape)
+    if channels_last:
+        fmt = CL[len(shape) - 2]
+        ref, ours, x = ref.to(memory_format=fmt), ours.to(memory_format=fmt), x.to(memory_format=fmt)
+    ref.train(), ours.train()
+    y = ref(x)
+    g = torch.randn(y.shape)
+    y0, gx0, gp0 = _grads(ref, x, g)
+    y1, gx1, gp1 = _grads(ours, x, g)
+    torch.testing.assert_close(y1, y0, **TOL)
+    torch.testing.assert_close(gx1, gx0, **TOL)
+    for n in gp0:
+        torch.testing.assert_close(gp1[n], gp0[n], atol=1e-4, rtol=1e-4)
+    if channels_last and len(shape) == 5:
+        assert y1.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def test_pad_in_pads_the_convolution_and_not_the_result(monkeypatch):
+    """The padded conv's kernel really reads the padded channel count, and its output is the stock
+    conv's on the real channels; a second call leaves an already padded conv alone."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 3, padding=1)
+    model = nn.Sequential(conv)
+    assert pad_input_convs(model, "0", 4) == 1 and pad_input_convs(model, "0", 4) == 0
+    seen, stock = [], torch.nn.functional.conv2d
+    monkeypatch.setattr(torch.nn.functional, "conv2d",
+                        lambda x, w, *a: (seen.append((x.shape[1], w.shape[1])), stock(x, w, *a))[1])
+    x = torch.randn(2, 3, 5, 5)
+    y = model(x)
+    assert seen == [(4, 4)]
+    torch.testing.assert_close(y, stock(x, conv.weight, conv.bias, 1, 1), **TOL)
+
+
+@pytest.mark.parametrize("bad", [-8, "8", True, 2.5])
+def test_pad_in_refuses_a_bad_value_in_one_line_naming_the_key(bad):
+    # the registry's type check (a str, bool or float) or pad_in's own (a negative int)
+    bad_value = r"^model\.args\.pad_in: expected (int \| None|null or a channel multiple)"
+    with pytest.raises(ConfigError, match=bad_value) as e:
+        MODELS.build("unet2d-seed001", {"filters": [4, 8], "pad_in": bad}, where="model.args")
+    assert "\n" not in str(e.value)
+
+
+def test_pad_in_is_offered_where_the_image_channels_are_not_a_multiple():
+    assert levers.levers("unet2d-seed001", {})["model.args.pad_in"] == (4, 8)
+    assert levers.levers("unet3d-nonewnet", {"in_channels": 4})["model.args.pad_in"] == (8,)
+    assert "model.args.pad_in" not in levers.levers("unet3d-nonewnet", {"in_channels": 8})
+    assert "model.args.pad_in" not in levers.levers("unet2d-seed001", {"pad_in": 8})  # set already
+    assert "model.args.pad_in" not in levers.levers("ssd320-small", {})  # its builder does not take it
+    assert levers.current("resnet50", {}) == {"model.args.pad_in": None}
+
+
 # ---------------------------------------------------------------------------------- compile
 @pytest.mark.slow
 def test_compile_traces_the_levers_without_a_graph_break():
     torch.manual_seed(0)
     eager = create_model("unet3d-nonewnet", filters=(4, 8), in_channels=1, out_channels=2, norm="instance_cl",
-                         up="shuffle").to(memory_format=torch.channels_last_3d)
+                         up="shuffle", pad_in=8).to(memory_format=torch.channels_last_3d)
     compiled_model = create_model("unet3d-nonewnet", filters=(4, 8), in_channels=1, out_channels=2,
-                                  norm="instance_cl", up="shuffle").to(memory_format=torch.channels_last_3d)
+                                  norm="instance_cl", up="shuffle", pad_in=8).to(memory_format=torch.channels_last_3d)
     compiled_model.load_state_dict(eager.state_dict())
     # dynamo + AOT autograd (the joint forward-backward graph), no C++ compiler; split by the default
     # partitioner rather than aot_eager's min-cut one, which imports Inductor's pattern matcher (2 s of

@@ -19,7 +19,7 @@ TINY = ["--set", "data.args.image_size=[32,32]", "--set", "model.args.filters=[4
         "--set", "train.batch_size=4", "--device", "cpu"]
 # pin every switch but the cache (and in a test the workers too): a few trials keep the CLI tests short
 PIN = ["--keep", "data.loader", "train.channels_last", "train.compile", "train.amp", "train.cpu_threads",
-       "model.args.up", "model.args.drop_bias"]
+       "model.args.up", "model.args.drop_bias", "model.args.pad_in"]
 
 
 # ------------------------------------------------------------------ the search on a stub cost model

@@ -17,15 +17,19 @@ CPU = torch.device("cpu")
 
 
 def _switches(recipe: str, *sets: str) -> dict[str, Switch]:
-    cfg = config.load(recipe, [config.parse_override(s) for s in sets])
+    recipe, *more = recipe.split(" --set ")
+    cfg = config.load(recipe, [config.parse_override(s) for s in (*more, *sets)])
     return {s.key: s for s in catalogue(cfg, CPU, 1, False)}
 
 
 @pytest.mark.parametrize("recipe,offered", [
-    ("unet3d-brats", {"model.args.norm": ("instance_cl",), "model.args.up": ("shuffle",)}),
-    ("unet2d-microscopy", {"model.args.up": ("shuffle",), "model.args.drop_bias": (True,)}),
-    ("unet3d-spleen-fast", {"model.args.drop_bias": (True,)}),  # its 3x3 up-convs: no shuffle
-    ("resnet18-imagefolder", {}),
+    ("unet3d-brats", {"model.args.norm": ("instance_cl",), "model.args.up": ("shuffle",),
+                      "model.args.pad_in": (8,)}),  # 4 MR channels: already a multiple of 4
+    ("unet2d-microscopy", {"model.args.up": ("shuffle",), "model.args.drop_bias": (True,),
+                           "model.args.pad_in": (4, 8)}),
+    ("unet3d-spleen-fast", {"model.args.drop_bias": (True,), "model.args.pad_in": (4, 8)}),  # 3x3 up-convs: no shuffle
+    ("resnet18-imagefolder", {"model.args.pad_in": (4, 8)}),
+    ("resnet18-imagefolder --set model.args.in_channels=8", {}),
 ])
 def test_each_recipe_offers_the_levers_its_model_takes(recipe, offered):
     switches = _switches(recipe)
@@ -38,6 +42,7 @@ def test_each_recipe_offers_the_levers_its_model_takes(recipe, offered):
 def test_a_lever_already_set_is_not_offered_and_the_start_reads_the_models_defaults():
     assert "model.args.norm" not in _switches("unet3d-brats", "model.args.norm=instance_cl")
     assert "model.args.up" not in _switches("unet3d-brats", "model.args.up=shuffle")
+    assert "model.args.pad_in" not in _switches("unet3d-brats", "model.args.pad_in=8")
     cfg = config.load("unet3d-brats")  # the recipe sets neither: the model's own defaults are the start
     assert current(cfg, ["model.args.norm", "model.args.up"]) == {"model.args.norm": "instance",
                                                                    "model.args.up": "transpose"}

@@ -153,9 +153,9 @@ def test_compute_bound_advice_names_only_the_switches_still_off():
     assert "fp16" in advice("compute", cfg, cuda, "bf16") and "fp16" not in advice("compute", cfg, cuda, "fp16")
     cfg.train.amp, cfg.train.compile = "fp16", "max-autotune"
     assert advice("compute", cfg, cuda) == ("the model is the cost: raise train.batch_size; measure model.args "
-                                            "up: shuffle and drop_bias: true (the same model up to rounding: "
-                                            "`fastvision tune` tries them)")
-    cfg.model.args.update(up="shuffle", drop_bias=True)  # the seed-001 model's levers, both set
+                                            "up: shuffle, drop_bias: true and pad_in: 4 (the same model up to "
+                                            "rounding: `fastvision tune` tries them)")
+    cfg.model.args.update(up="shuffle", drop_bias=True, pad_in=8)  # the seed-001 model's levers, all set
     assert advice("compute", cfg, cuda) == "the model is the cost: raise train.batch_size"
     assert "run on a GPU" in advice("compute", cfg, torch.device("cpu"))
 
@@ -173,8 +173,8 @@ def test_compute_bound_advice_pairs_channels_last_with_the_layout_keeping_norm()
     cfg.train.channels_last = True
     assert advice("compute", cfg, cuda) == "set model.args.norm: instance_cl"
     cfg.model.args["norm"] = "instance_cl"
-    assert advice("compute", cfg, cuda, "bf16").endswith("measure model.args up: shuffle (the same model up to "
-                                                         "rounding: `fastvision tune` tries them)")
+    assert advice("compute", cfg, cuda, "bf16").endswith("measure model.args up: shuffle and pad_in: 8 (the same "
+                                                         "model up to rounding: `fastvision tune` tries them)")
 
 
 def test_trace_names_the_ops_that_take_the_step(tmp_path):
