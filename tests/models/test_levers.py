@@ -357,3 +357,26 @@ def test_levers_on_cuda_match_the_stock_layers_under_autocast(dtype):
     torch.testing.assert_close(z1.float(), z0.float(), **tol)
     z1.float().square().mean().backward()
     assert torch.isfinite(ours.conv.weight.grad).all() and torch.isfinite(up.weight.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pad_in_on_cuda_matches_the_stock_first_conv_under_autocast(dtype):
+    """The seed-001 first conv (1 -> 8 channels, NHWC) and ResNet's stem (3 -> 4) under autocast: the padded
+    cuDNN kernel's output against the stock one's, and the real weights' gradient."""
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.float16 else dict(atol=6e-2, rtol=6e-2)
+    for cin, cout, k, stride, multiple in ((1, 8, 3, 1, 8), (3, 64, 7, 2, 4)):
+        torch.manual_seed(0)
+        stock = nn.Conv2d(cin, cout, k, stride, k // 2).cuda().to(memory_format=torch.channels_last)
+        ours = nn.Sequential(nn.Conv2d(cin, cout, k, stride, k // 2)).cuda().to(memory_format=torch.channels_last)
+        ours[0].load_state_dict(stock.state_dict())
+        assert pad_input_convs(ours, "0", multiple) == 1
+        x = torch.randn(4, cin, 96, 128, device="cuda").to(memory_format=torch.channels_last)
+        with torch.autocast("cuda", dtype=dtype):
+            y0, y1 = stock(x), ours(x)
+        assert y1.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(y1.float(), y0.float(), **tol)
+        y0.float().square().mean().backward()
+        y1.float().square().mean().backward()
+        torch.testing.assert_close(ours[0].weight.grad, stock.weight.grad, atol=1e-2, rtol=5e-2)
