@@ -84,6 +84,14 @@ if [ "$(left)" -gt 90 ]; then
   stage "profile spleen-gpu-cache" 80 python3 -m fastvision profile unet3d-spleen-fast --data /tmp/spleen \
     --device "$dev" --steps 30 --warmup 10 --set data.cache=gpu --out /tmp/extra/profile-spleen-gpu
 fi
+# 4b. issue 41 item 3 on the GPU: the recipe `configure --trainer nnunet` writes for this GPU (nnU-Net's
+#     augmentation as batched device ops, its batch), profiled: data wait and augmentation vs the step (< 5 %)
+if [ -d /tmp/spleen ]; then
+  stage "configure nnunet spleen" 60 python3 -m fastvision configure /tmp/spleen --trainer nnunet \
+    --out /tmp/extra/nnunet-spleen.yaml --force
+  [ -f /tmp/extra/nnunet-spleen.yaml ] && stage "profile nnunet-configured" 70 python3 -m fastvision profile \
+    /tmp/extra/nnunet-spleen.yaml --device "$dev" --steps 30 --warmup 10 --out /tmp/extra/profile-nnunet-spleen
+fi
 # 5. the tuner on the spleen recipe (its verdict, trials and tuned.yaml)
 if [ -d /tmp/spleen ]; then
   stage "tune spleen" 150 python3 -m fastvision tune unet3d-spleen-fast --data /tmp/spleen --device "$dev" \
