@@ -13,6 +13,8 @@ precision unless the row says otherwise:
 * seed-001 U-Net (``unet2d-seed001``, 768 x 1024 x 16): NCHW against NHWC, NHWC with the
   transposed up-conv as 1x1 conv + pixel shuffle, with ``drop_bias``, and with the 1-channel image
   padded to 8 for the first conv (``pad_in: 8``), at bf16 and fp16.
+* ResNet-50 (``resnet50-imagenet``, 256 x 224^2, NHWC fp16): the stem reading the RGB image padded to 4
+  channels (``pad_in: 4``, MLPerf's input) against 3.
 * compiled pairs last (``train.compile: true``): no row starts once ``--budget`` is spent.
 
 Every row is built afresh by ``engine.build`` under the recipe's seed (the same initial weights),
@@ -45,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-U3, S1 = "unet3d-brats", "unet2d-seed001"
+U3, S1, R50 = "unet3d-brats", "unet2d-seed001", "resnet50-imagenet"
 CL_NORM = {"model.args.norm": "instance_cl"}
 LEVERS3 = {**CL_NORM, "model.args.up": "shuffle"}
 LEVERS2 = {"model.args.up": "shuffle", "model.args.drop_bias": True}
@@ -100,6 +102,13 @@ def _seed001_rows(p: str) -> list[dict[str, Any]]:
                  "seed001 NHWC shuffle+drop_bias bf16")]
 
 
+def _resnet50_rows() -> list[dict[str, Any]]:
+    """The stem reading 4 channels (MLPerf's RGB + a zero channel) against 3, NHWC fp16 at batch 256."""
+    g, base = "resnet50 fp16 bs256", "resnet50 NHWC fp16 bs256"
+    return [_row(g, base, R50, 256, "fp16", True),
+            _row(g, "resnet50 NHWC pad_in4 fp16 bs256", R50, 256, "fp16", True, {"model.args.pad_in": 4}, base)]
+
+
 def _compiled_rows() -> list[dict[str, Any]]:
     g1, b1 = "seed001 compiled bf16 bs16", "seed001 NHWC compiled bf16"
     g2, b2 = "unet3d compiled fp16 bs2", "unet3d NCDHW stock compiled fp16 bs2"
@@ -110,12 +119,13 @@ def _compiled_rows() -> list[dict[str, Any]]:
 
 
 # most telling first: a session's time guard cuts from the end
-ROWS = (_unet3d_rows("fp16") + _seed001_rows("bf16") + _unet3d_batch_rows() + _unet3d_rows("bf16")
+ROWS = (_unet3d_rows("fp16") + _seed001_rows("bf16") + _resnet50_rows() + _unet3d_batch_rows() + _unet3d_rows("bf16")
         + _seed001_rows("fp16") + _compiled_rows())
 STEPS = dict(warmup=5, steps=15, profiled=3)
 # CI sizes on a CPU: a few steps at tiny shapes, fp32 (bf16 convolutions crawl on a CPU)
 CPU = {U3: dict(batch=1, set={"task.args.sample_shape": [4, 16, 16, 16], "model.args.filters": [4, 8, 16]}),
-       S1: dict(batch=2, set={"task.args.sample_shape": [1, 64, 64]})}
+       S1: dict(batch=2, set={"task.args.sample_shape": [1, 64, 64]}),
+       R50: dict(batch=2, set={"task.args.image_size": 64})}
 CPU_STEPS = dict(warmup=1, steps=2, profiled=1)
 FALLBACK = ("slow_conv3d", "vol2col", "col2vol", "slow_conv_dilated", "im2col")  # convolutions without cuDNN
 GPU_BUDGET_S, CPU_BUDGET_S = 330.0, 60.0
