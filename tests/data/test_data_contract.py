@@ -61,10 +61,23 @@ RECIPES = {  # recipe -> (synth kind, tiny --set overrides)
 }
 
 
+class _Generated(dict):
+    """synth kind -> its folder, generated (seed 0, ``KINDS``' options) when a test first asks for it: an
+    xdist worker that runs a few of this module's cells writes only their kinds (a pathology slide and
+    the 3-D volumes are most of the 0.5 s that writing every kind takes)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, kind):
+        self[kind] = load_all().get(kind)(self.root / kind, seed=0, **KINDS[kind])
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("contract")
-    return {k: load_all().get(k)(root / k, seed=0, **opts) for k, opts in KINDS.items()}
+    return _Generated(tmp_path_factory.mktemp("contract"))
 
 
 @pytest.fixture(autouse=True)

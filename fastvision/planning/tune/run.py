@@ -3,6 +3,7 @@ check the tuned setting against the start; every rank runs the same trials and r
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import Any
 
@@ -32,6 +33,9 @@ def run_tune(cfg: config.RunConfig, *, budget_s: float, keep: list[str], allow_b
     switches = [s for s in catalogue(cfg, device, env.world_size, allow_batch) if s.key not in keep]
     start = current(cfg, sorted({s.key for s in switches}))
     runner = runner or TrialRunner(cfg)
+    # the imports' objects live as long as the process: with them frozen, the gc.collect() after each
+    # trial scans only what the trials made (0.24 s a collection in a tune rank before, about 0 after)
+    gc.freeze()
     t0 = time.monotonic()
     report = runner.baseline(start)
     # every time-based decision is rank 0's: each rank's own clock would send the ranks down
