@@ -83,6 +83,10 @@ class TrainConfig:
     accum_steps: int = 1
     clip_grad: float | None = None  # max global grad norm
     amp: AmpMode = "off"  # auto: bf16 if native (GPU sm80+), else fp16 + scaling; CPU fp32
+    # fp16's loss scale: "dynamic" (torch's GradScaler: from 65536, x2 after 2000 clean steps) or a number: the
+    # static scale of DLE's --static-loss-scale (starts there, never grows; an overflowed step is still skipped
+    # and halves it). Unused by bf16 and fp32
+    loss_scale: float | Literal["dynamic"] = "dynamic"
     tf32: bool = True
     # true == default; auto: compiled, eager after a compile error or when the first steps are slower
     compile: bool | Literal["default", "reduce-overhead", "max-autotune", "auto"] = False

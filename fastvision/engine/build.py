@@ -106,7 +106,8 @@ def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False,
         splits = DatasetSplits(None, None, data_info)
     task, model = build_components(cfg, splits.info, device, train=train)
     model = runtime.prepare_model(model, device, tc.channels_last)
-    run = Run(cfg, env, device, task, model, splits.train, splits.val, splits.info, runtime.Precision(tc.amp, device))
+    precision = runtime.Precision(tc.amp, device, tc.loss_scale)
+    run = Run(cfg, env, device, task, model, splits.train, splits.val, splits.info, precision)
     if train:
         _build_training(run, loaders, wrap_train_set)
     return run

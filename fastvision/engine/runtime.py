@@ -67,11 +67,29 @@ def autocast_dtype(mode: str, device: torch.device) -> torch.dtype | None:
     return _DTYPES.get(resolve_amp(mode, device)[0])
 
 
+STATIC_GROWTH_INTERVAL = 1_000_000_000  # DLE's static scale: a growth interval no run reaches
+
+
+def loss_scaler(device_type: str, enabled: bool, loss_scale: float | str = "dynamic") -> torch.amp.GradScaler:
+    """fp16's loss scaler for ``train.loss_scale``: ``"dynamic"``, torch's defaults (from 2^16, doubled after
+    2000 finite steps, halved on an overflow), or a positive number, DLE PyTorch's ``--static-loss-scale``
+    (``GradScaler(init_scale=N, growth_interval=10^9)``: it starts at N and never grows; a step whose
+    gradients overflow is still skipped and halves it). Seed 004's AMP runs use 128, which keeps the
+    first steps from overflowing while the dynamic scale comes down from 2^16."""
+    if loss_scale == "dynamic":
+        return torch.amp.GradScaler(device_type, enabled=enabled)
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float) or not 0 < loss_scale < float("inf"):
+        raise ConfigError(f"train.loss_scale: expected dynamic or a positive number (e.g. 128), got {loss_scale!r}")
+    return torch.amp.GradScaler(device_type, init_scale=float(loss_scale), growth_interval=STATIC_GROWTH_INTERVAL,
+                                enabled=enabled)
+
+
 @dataclass
 class Precision:
     """Autocast context and loss scaler for one of ``off``, ``fp16``, ``bf16`` or ``auto``.
 
-    fp16 uses a dynamic GradScaler (skips steps whose gradients overflow); bf16 has the fp32
+    fp16 uses a GradScaler (skips steps whose gradients overflow; dynamic, or static with
+    ``train.loss_scale``: :func:`loss_scaler`); bf16 has the fp32
     exponent range and needs no scaler. bf16 autocast also works on CPU (fast on CPUs with AMX
     bf16 tiles; ``auto`` keeps fp32 there and says so). ``auto`` is resolved
     once here (:func:`resolve_amp`); ``mode`` is then the precision actually used (``requested``
@@ -80,6 +98,7 @@ class Precision:
 
     mode: str
     device: torch.device
+    loss_scale: float | str = "dynamic"
 
     def __post_init__(self) -> None:
         if self.mode not in AMP_MODES:
@@ -90,7 +109,7 @@ class Precision:
             log.info("precision: %s (train.amp=auto; %s)", self.mode, why)
         if self.mode == "fp16" and self.device.type != "cuda":
             raise ConfigError("train.amp=fp16 needs a CUDA device; use --amp bf16 on CPU")
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.mode == "fp16")
+        self.scaler = loss_scaler(self.device.type, self.mode == "fp16", self.loss_scale)
 
     @property
     def dtype(self) -> torch.dtype | None:

@@ -68,3 +68,17 @@ def test_gpu_recipes_default_to_amp_auto_and_ssd_starts_from_imagenet():
         assert config.load(name).train.amp == "auto", name
     ssd = config.load("ssd320-coco").model.args
     assert ssd["pretrained"] == "imagenet" and ssd["frozen_bn"] is True
+
+
+def test_resnet50_fp16_uses_seed004s_static_loss_scale():
+    """seeds.md: seed 004's AMP scripts use --static_loss_scale 128. Both ResNet-50 recipes build that scaler
+    (bf16 and fp32 build none); the other GPU recipes keep the dynamic scaler (seed 000 / 002: TF-AMP's
+    automatic loss scaling)."""
+    from fastvision.engine import runtime
+
+    for name in ("resnet50-imagenet", "resnet50-imagenet-250ep"):
+        scale = config.load(name).train.loss_scale
+        assert scale == 128, name
+        scaler = runtime.loss_scaler("cpu", True, scale)
+        assert scaler.get_scale() == 128.0 and scaler.get_growth_interval() == runtime.STATIC_GROWTH_INTERVAL
+    assert all(config.load(n).train.loss_scale == "dynamic" for n in ("ssd320-coco", "unet3d-brats"))

@@ -84,3 +84,50 @@ def test_auto_on_this_gpu_uses_a_scaler_only_for_fp16():
     with p.autocast():
         y = torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
     assert y.dtype == p.dtype
+
+
+def _scaled_steps(scaler: torch.amp.GradScaler, grads: list[float]) -> list[tuple[float, bool]]:
+    """Each step: scaled backward of ``g * w`` (an inf ``g`` overflows), scaler step and update; returns
+    (scale after the update, whether the weight moved) per step. torch's GradScaler runs on the CPU too."""
+    w = torch.nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD([w], lr=0.1)
+    out = []
+    for g in grads:
+        opt.zero_grad()
+        before = w.detach().clone()
+        scaler.scale(w * g).backward()
+        scaler.step(opt)
+        scaler.update()
+        out.append((scaler.get_scale(), not torch.equal(before, w.detach())))
+    return out
+
+
+def test_static_loss_scale_starts_at_the_number_never_grows_and_halves_on_an_overflow():
+    """``train.loss_scale: 128`` (seed 004's AMP runs, DLE's --static-loss-scale): the scale is 128 from the
+    first step, stays 128 over more clean steps than the dynamic scaler's growth interval would allow, and an
+    overflowed step is skipped and halves it (DLE PyTorch's GradScaler(growth_interval=10^9)). The dynamic
+    default starts at 2^16 and doubles after its 2000 clean steps."""
+    static = runtime.loss_scaler("cpu", True, 128)
+    steps = _scaled_steps(static, [1.0] * 2001 + [float("inf"), 1.0])
+    assert [s for s, _ in steps[:2001]] == [128.0] * 2001 and all(moved for _, moved in steps[:2001])
+    assert steps[2001] == (64.0, False)  # skipped, backed off
+    assert steps[2002] == (64.0, True)
+    dynamic = runtime.loss_scaler("cpu", True, "dynamic")
+    steps = _scaled_steps(dynamic, [1.0] * 2000)
+    assert steps[0][0] == 2.0**16 and steps[-1][0] == 2.0**17  # grown once, after 2000 finite steps
+    assert not runtime.loss_scaler("cpu", False, 128).is_enabled()  # bf16 / fp32: no scaler, whatever the value
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), True, "static"])
+def test_a_bad_loss_scale_is_one_line_naming_the_key(bad):
+    with pytest.raises(ConfigError, match=r"^train\.loss_scale: expected dynamic or a positive number") as e:
+        runtime.Precision("off", torch.device("cpu"), bad)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_on_cuda_builds_the_static_scaler():
+    p = runtime.Precision("fp16", torch.device("cuda", torch.cuda.current_device()), 128)
+    assert p.scaler.is_enabled() and p.scaler.get_scale() == 128.0
+    assert p.scaler.get_growth_interval() == runtime.STATIC_GROWTH_INTERVAL
