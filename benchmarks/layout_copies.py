@@ -2,6 +2,7 @@
 layout-keeping ``instance_cl``, in NCDHW and NDHWC (issue 40).
 
     python benchmarks/layout_copies.py [--size 32] [--filters 8,16,32] [--batch 2] [--rounds 5] [--steps 3]
+    python benchmarks/layout_copies.py --recipe RECIPE.yaml [--rounds 7] [--steps 3]
 
 Each setting is built by ``engine.build`` from ``unet3d-brats`` (fp32, ``up: shuffle``: the CPU's
 transposed 3-D conv copies its input, which would blur the norm's share) and stepped by
@@ -10,6 +11,10 @@ hidden activations (``aten::copy_`` / ``clone`` / ``contiguous`` / ``_to_copy`` 
 the batch and a hidden width), split by where they come from: a convolution op, or anything
 else (the norm). Then the settings take turns in ``--rounds`` interleaved rounds of ``--steps``
 steps; the table gives each setting's median step time and its ratio to NCDHW stock.
+
+``--recipe``: the same four settings on a recipe's own network, patch and batch (e.g. what ``configure
+--trainer nnunet`` writes: a 3-D U-Net with its transposed up-convs and deep supervision), fp32 on the CPU;
+only the norm and the layout change.
 """
 from __future__ import annotations
 
@@ -32,11 +37,13 @@ from fastvision import config, engine  # noqa: E402
 COPIES = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy")
 
 
-def build(norm: str, channels_last: bool, size: int, filters: list[int], batch: int):
-    sets = {"task.args.sample_shape": [4, size, size, size], "model.args.filters": filters, "model.args.norm": norm,
-            "model.args.up": "shuffle", "train.channels_last": channels_last, "train.device": "cpu",
-            "train.amp": "off", "train.batch_size": batch, "data.augment": {}}
-    run = engine.build(config.load("unet3d-brats", [config.nested(k, v) for k, v in sets.items()]), {},
+def build(norm: str, channels_last: bool, size: int, filters: list[int], batch: int, recipe: str | None = None):
+    sets = {"model.args.norm": norm, "train.channels_last": channels_last, "train.device": "cpu", "train.amp": "off",
+            "train.batch_size": batch, "data.augment": {}}
+    if recipe is None:
+        sets.update({"task.args.sample_shape": [4, size, size, size], "model.args.filters": filters,
+                     "model.args.up": "shuffle"})
+    run = engine.build(config.load(recipe or "unet3d-brats", [config.nested(k, v) for k, v in sets.items()]), {},
                        train=True, loaders=False)
     data = run.task.to_device(run.task.synthetic_batch(batch, run.device), run.device, channels_last)
     return run, itertools.repeat(data)
@@ -67,13 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--recipe", help="a recipe's own network, patch and batch (default: unet3d-brats at --size, "
+                                    "--filters, --batch)")
     a = p.parse_args(argv)
     filters = [int(v) for v in a.filters.split(",")]
+    name = "unet3d-brats"
+    if a.recipe:
+        cfg = config.load(a.recipe)
+        name, filters, a.batch = a.recipe, list(cfg.model.args["filters"]), cfg.train.batch_size
+        shape = cfg.task.args["sample_shape"]
     widths = set(filters) | {2 * f for f in filters}
     settings = [(n, cl) for cl in (False, True) for n in ("instance", "instance_cl")]
     runs, found, times = {}, {}, collections.defaultdict(list)
     for s in settings:
-        runs[s] = build(*s, a.size, filters, a.batch)
+        runs[s] = build(*s, a.size, filters, a.batch, a.recipe)
         engine.train_step(runs[s][0].step, runs[s][1])  # warm-up
         found[s] = copies(*runs[s], a.batch, widths)
     for r in range(a.rounds):
@@ -83,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 engine.train_step(runs[s][0].step, runs[s][1])
                 times[s].append(time.perf_counter() - t0)
     base = statistics.median(times[settings[0]])
-    print(f"unet3d-brats, filters {filters}, {a.size}^3 x 4, batch {a.batch}, fp32, {torch.get_num_threads()} "
+    where = f"patch {shape}" if a.recipe else f"{a.size}^3 x 4"
+    print(f"{name}, filters {filters}, {where}, batch {a.batch}, fp32, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}; {a.rounds} rounds x {a.steps} steps")
     print("| layout | norm | activation copies: norm / conv | step ms (median) | x NCDHW stock |")
     print("|---|---|---|---|---|")
