@@ -108,7 +108,7 @@ def _pad_one(model: nn.Module, name: str, multiple: int) -> bool:
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, attr)
     if isinstance(old, _PadIn):  # padded already: only the multiple may change
-        target = max(padded_channels(old.in_channels, multiple), old.in_channels)
+        target = padded_channels(old.in_channels, multiple)
         changed, old.padded = old.padded != target, target
         return changed
     cls = {nn.Conv2d: PadInConv2d, nn.Conv3d: PadInConv3d}.get(type(old))

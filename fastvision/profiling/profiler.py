@@ -281,6 +281,11 @@ def _report(cfg: RunConfig, clocks: list[_Clock], walls: list[float], no_sync_bw
                        **levers.current(cfg.model.name, cfg.model.args)}}
 
 
+def _and_list(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
+
+
 def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | None = None) -> str:
     """The recipe switch to try first for a verdict, given what the recipe already sets; ``precision``:
     what ``train.amp`` resolved to (``auto`` is fp16 on a GPU without bf16), else ``train.amp``."""
@@ -312,15 +317,14 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | 
                  ("train.compile: true", bool(t.compile)))
         off = [s for s, on in items if not on]
         if off:
-            return "set " + (", ".join(off[:-1]) + " and " + off[-1] if len(off) > 1 else off[0])
+            return "set " + _and_list(off)
         # every switch is on: the convolution kernels are the cost. On an H200 (torch 2.11, cuDNN 9)
         # fp16 ran ResNet-50 1.28-1.30x and the 3-D U-Net 1.13-1.21x faster than bf16 (RESULTS.md).
         fp16 = ("; try train.amp: fp16 (`fastvision benchmark --precision bf16,fp16`)"
                 if (precision or t.amp) != "fp16" else "")
         autotune = " or try train.compile: max-autotune" if t.compile != "max-autotune" else ""
         rest = [f"{k.removeprefix('model.args.')}: {str(v[0]).lower()}" for k, v in lever.items()]
-        listed = ", ".join(rest[:-1]) + " and " + rest[-1] if len(rest) > 1 else "".join(rest)
-        model = (f"; measure model.args {listed} (the same model up to rounding: `fastvision tune` "
+        model = (f"; measure model.args {_and_list(rest)} (the same model up to rounding: `fastvision tune` "
                  "tries them)" if rest else "")
         return f"the model is the cost: raise train.batch_size{autotune}{fp16}{model}"
     return ("the model is the cost: set train.amp: bf16, train.compile: true, a smaller model or image size, "

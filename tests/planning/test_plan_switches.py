@@ -82,7 +82,7 @@ def test_estimate_with_checkpointing_matches_the_measured_peak():
 
 
 @pytest.mark.slow
-def test_a_host_bound_jpeg_recipe_is_told_to_decode_on_the_gpu(monkeypatch):
+def test_a_host_bound_jpeg_recipe_is_told_to_decode_on_the_gpu(trace_memo):
     """resnet50-imagenet decodes JPEGs with Pillow on the host: on a DGX H100 (112 cores, 8 GPUs) at the
     published 130 img/s per core that caps a GPU at 14 x 130 = 1,820 img/s, below its GPU-side rate. The
     planner's first switch is then DALI's GPU decode: its `--set` loads, and its row is the same step
@@ -91,15 +91,7 @@ def test_a_host_bound_jpeg_recipe_is_told_to_decode_on_the_gpu(monkeypatch):
     The DALI plan traces the steps the Pillow plan traced (a trace reads the model, task, loss, optimizer
     and train settings, never ``data``: ``build_components`` without ``train``), so each distinct step is
     traced once, for real, and the second plan reuses it (~1-2 s of CPU a ResNet-50 trace)."""
-    real, traces = est.trace, {}
-
-    def trace(cfg, batch, **kw):
-        key = (repr({k: v for k, v in config.to_dict(cfg).items() if k != "data"}), batch, repr(sorted(kw.items())))
-        if key not in traces:
-            traces[key] = real(cfg, batch, **kw)
-        return traces[key]
-
-    monkeypatch.setattr(est, "trace", trace)
+    trace_memo({}, drop=("data",))
     recipe = "resnet50-imagenet"
     cfg = config.load(recipe)
     plan = make_plan(cfg, Cluster(gpus=64, hardware="dgx-h100"))
