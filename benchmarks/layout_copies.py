@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from fastvision import config, engine  # noqa: E402
+from fastvision.errors import FastvisionError  # noqa: E402
 
 COPIES = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy")
 
@@ -80,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     filters = [int(v) for v in a.filters.split(",")]
     name = "unet3d-brats"
     if a.recipe:
-        cfg = config.load(a.recipe)
+        try:
+            cfg = config.load(a.recipe)
+        except FastvisionError as e:
+            print(f"layout_copies: {e}", file=sys.stderr)
+            return 2
         name, filters, a.batch = a.recipe, list(cfg.model.args["filters"]), cfg.train.batch_size
         shape = cfg.task.args["sample_shape"]
     widths = set(filters) | {2 * f for f in filters}
