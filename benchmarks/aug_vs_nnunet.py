@@ -22,7 +22,8 @@ config's ``keep``: glibc keeps freed tensor memory instead of faulting in fresh 
 nnU-Net's under the C library's defaults, as it runs, unless ``--nnunet-heap keep`` gives it the same
 parameters through glibc's environment variables (the allocator's share of the ratio).
 
-Usage (about 3 minutes on 2 shared cores)::
+Usage (about 3 minutes on 2 shared cores; the figures in RESULTS.md use ``--n 512 --rounds 5``, about 7
+minutes a set: with 128 patches a round, single rounds of fastvision's side moved by up to 1.35x)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/aug_vs_nnunet.py --nnunet-python /work/nnunet-venv/bin/python
 """
@@ -96,13 +97,15 @@ print("NNUNET_JSON" + json.dumps(res))
 
 
 def fastvision_times(patch: list[int], channels: int, batch: int, n: int, compiled: bool = False,
-                     labels: int = 2, from_initial: bool = False, label_dtype: str = "uint8") -> dict:
+                     labels: int = 2, from_initial: bool = False, label_dtype: str = "uint8", seed: int = 0) -> dict:
     """Seconds per patch: the nnU-Net pipeline as ``configure --trainer nnunet`` writes it, and each op alone;
     ``compiled``: with ``affine.compiled`` (the fused kernel, compiled before the clock starts). More affine
     rows: labels resampled per class (``label_mode: linear``, nnU-Net's rule), the network's patch sampled
     from nnU-Net's enlarged initial patch (``size``), rotation only and scale only, all forced to fire.
     ``ops_inplace_s``: each op as it runs inside the pipeline, on a tensor an earlier op made (which it
-    updates in place; alone, an op leaves the caller's input as it was and writes a new tensor)."""
+    updates in place; alone, an op leaves the caller's input as it was and writes a new tensor). ``seed``: the
+    generator of the inputs and of every draw (each round passes its own, so the rounds' medians average over
+    draws, as nnU-Net's side, whose transforms draw from numpy's unseeded global generator)."""
     import torch
 
     from fastvision.data.augment.spatial import _Rng, affine, build_augment
@@ -112,7 +115,7 @@ def fastvision_times(patch: list[int], channels: int, batch: int, n: int, compil
     torch.set_num_threads(1)
     spec, _ = augmentation(patch, [1.0] * 3, None, "nnunet")
     big = initial_patch(patch, spec["affine"]["degrees"], False, 0)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     img = torch.randn(batch, channels, *patch, generator=g)
     seg = torch.randint(0, labels, (batch, *patch), generator=g).to(getattr(torch, label_dtype))
     if compiled:
@@ -179,6 +182,7 @@ def main() -> None:
     ap.add_argument("--nnunet-heap", choices=["keep", "system"], default="system",
                     help="keep: nnU-Net's process gets the same malloc parameters through glibc's environment "
                          "variables (MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_), to see the allocator's share")
+    ap.add_argument("--seed", type=int, default=0, help="fastvision's draws: round r uses seed + r")
     ap.add_argument("--json")
     args = ap.parse_args()
     from fastvision.engine import runtime
@@ -194,9 +198,9 @@ def main() -> None:
     if args.nnunet_heap == "keep":
         env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(runtime.HEAP_KEEP_TRIM))
     fv, nn = [], []
-    for _ in range(args.rounds):  # interleaved: a neighbour's load hits both sides alike
+    for rnd in range(args.rounds):  # interleaved: a neighbour's load hits both sides alike
         fv.append(fastvision_times(args.patch, args.channels, args.batch, args.n, args.compiled, args.labels,
-                                   args.initial, args.label_dtype))
+                                   args.initial, args.label_dtype, seed=args.seed + rnd))
         r = subprocess.run([args.nnunet_python, "-c", NNUNET, json.dumps(cfg)], env=env, capture_output=True,
                            text=True, check=False)
         line = next((x for x in r.stdout.splitlines() if x.startswith("NNUNET_JSON")), None)
@@ -210,6 +214,7 @@ def main() -> None:
     f_pipe, n_pipe = med(fv, "pipeline_s"), med(nn, "pipeline_s")
     f_wall, n_wall = med(fv, "pipeline_wall_s"), med(nn, "pipeline_wall_s")
     out = {"patch": args.patch, "channels": args.channels, "batch": args.batch, "rounds": args.rounds,
+           "seed": args.seed,
            "cpu_heap": args.cpu_heap, "nnunet_heap": args.nnunet_heap,
            "from_initial": args.initial, "label_dtype": args.label_dtype,
            "compiled": args.compiled,
