@@ -91,6 +91,11 @@ LEVERS.update({  # round 4: the optimizer, on top of round 3's best setting
     "best + Novograd 3e-2": ({**_BEST, "optim.name": "novograd", "optim.lr": 3e-2, "optim.betas": [0.9, 0.98],
                               "optim.weight_decay": 0.0}, {"batch": 2}),
     "best + SGD 0.3": ({**_BEST, "optim.lr": 0.3}, {"batch": 2}),
+    # round 5: the network's regularisation and norm, on top of round 3's best setting
+    "best + no dropout": ({**_BEST, "model.args.dropout": 0.0}, {"batch": 2}),
+    "best + instance norm": ({**_BEST, "model.args.norm": "instance"}, {"batch": 2}),
+    "best + instance norm, no dropout": ({**_BEST, "model.args.norm": "instance", "model.args.dropout": 0.0},
+                                         {"batch": 2}),
 })
 
 

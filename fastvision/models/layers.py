@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastvision.models.dropout import Dropout
+
 Size = int | Sequence[int]  # one value for every axis, or one per axis (3x3x1 kernels, 2x2x1 strides)
 NormName = Literal["batch", "instance", "instance_cl", "group", "none"]
 ActName = Literal["relu", "leakyrelu", "prelu", "relu6", "gelu", "none"]
@@ -74,7 +76,7 @@ def dropout(p: float, spatial_dims: int = 0) -> nn.Module:
     if p <= 0:
         return nn.Identity()
     if spatial_dims == 0:
-        return nn.Dropout(p)
+        return Dropout(p)
     return (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)[_check_dims(spatial_dims) - 1](p)
 
 
@@ -247,7 +249,7 @@ class ConvNormAct(nn.Sequential):
         elif has_norm:
             self.norm = _norm(norm, spatial_dims, out_channels, groups=norm_groups)
         if dropout > 0:
-            self.drop = nn.Dropout(dropout)
+            self.drop = Dropout(dropout)
         if act not in (None, "none") and not fuse:
             # in place is safe here: the act's input is a fresh conv/norm/dropout output
             self.act = _act(act, slope=act_slope, inplace=True)
