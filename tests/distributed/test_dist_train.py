@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -207,7 +208,10 @@ def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path, train_
     err = capfd.readouterr().err
     assert seen.get("checkpoint") and seen.get("victim") is not None, "no checkpoint / worker to kill\n" + err[-3000:]
     assert rc != 0
-    assert "rank: 1" in err and "exitcode: -9" in err, err[-3000:]
+    # torchrun names rank 1 killed by SIGKILL: in its agent's line when it sees rank 1 go first, or in its failure
+    # table when rank 0 dies of the broken all-reduce in the same instant and is reported as the root cause
+    assert re.search(r"exitcode: -9\) local_rank: 1\b|\brank\s*: 1 \(local_rank: 1\)\n\s*exitcode\s*: -9\b", err), \
+        err[-3000:]
     done = torch.load(last, map_location="cpu", weights_only=True)["epoch"]
     assert done < epochs - 1, "the run finished before the kill: nothing was interrupted"
 
