@@ -361,8 +361,18 @@ def entry() -> None:
     """The ``fastvision`` command: :func:`main`, then exit with its status. A command that left a
     process group after an error (its threads possibly inside a collective) exits without
     finalizing the interpreter (:func:`fastvision.distributed.exit_process`), so a peer leaving at the same
-    moment cannot turn its exit status into SIGABRT."""
-    code = main()
+    moment cannot turn its exit status into SIGABRT. That holds for an error :func:`main` does not catch too
+    (a collective whose peer died raises gloo's ``RuntimeError``): its traceback is printed as the interpreter
+    would print it, and the exit status is 1."""
+    try:
+        code = main()
+    except Exception:
+        if "fastvision.distributed.comm" not in sys.modules:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     comm = sys.modules.get("fastvision.distributed.comm")  # loaded only by commands that used torch.distributed
     if comm is not None:
         comm.exit_process(code)

@@ -2,6 +2,8 @@
 ``data synth KIND --help``, integer counts in ``evaluate``. Each is one line and exit 2, or works."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from fastvision.cli import _format_value, main
@@ -102,3 +104,28 @@ def test_evaluate_prints_counts_as_integers():
     assert _format_value("items", 7) == "7"
     assert _format_value("map", 0.25) == "0.2500"
     assert _format_value("iou", 1.0) == "1.0000"  # a ratio stays a ratio even when whole
+
+
+def test_an_uncaught_error_after_torch_distributed_exits_1_without_finalizing(monkeypatch, capsys):
+    """A collective whose peer died raises gloo's RuntimeError, which ``main`` does not catch. Once the
+    distributed layer is loaded, ``entry`` prints the traceback and ends through ``exit_process(1)`` (no
+    interpreter finalization, where a gloo thread left running aborts the process: SIGABRT, seen as -6 by
+    torchrun); without it the error propagates as Python's own."""
+    import types
+
+    from fastvision import cli
+
+    def boom():
+        raise RuntimeError("gloo: Read error: Connection reset by peer")
+
+    monkeypatch.setattr(cli, "main", boom)
+    monkeypatch.delitem(sys.modules, "fastvision.distributed.comm", raising=False)
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        cli.entry()
+    codes = []
+    monkeypatch.setitem(sys.modules, "fastvision.distributed.comm", types.SimpleNamespace(exit_process=codes.append))
+    with pytest.raises(SystemExit) as ended:  # the stand-in returns, so entry goes on to its sys.exit
+        cli.entry()
+    assert codes == [1] and ended.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: gloo: Read error: Connection reset by peer" in err
