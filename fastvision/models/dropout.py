@@ -25,12 +25,19 @@ BITS = 16
 _LEVELS = 1 << BITS
 
 
+def _levels(p: float) -> int | None:
+    """How many of the 2^16 values of an element's bits drop it: ``round(p * 2^16)``; None where that is 0 or
+    all of them (``p`` too close to 0 or 1 for 16 bits)."""
+    drop = round(p * _LEVELS)
+    return drop if 0 < drop < _LEVELS else None
+
+
 def cpu_mask(shape: torch.Size, p: float, dtype: torch.dtype, generator: torch.Generator | None = None) -> Tensor:
     """A ``shape`` tensor of ``dtype`` holding 0 with probability ``round(p * 2^16) / 2^16`` and
     ``1 / (1 - that)`` otherwise, from 16 bits of ``generator`` (torch's default CPU one) per element."""
-    drop = round(p * _LEVELS)
-    if not 0 < drop < _LEVELS:
-        raise ValueError(f"dropout p={p} rounds to {drop}/{_LEVELS}: outside (0, 1) at {BITS} bits")
+    drop = _levels(p)
+    if drop is None:
+        raise ValueError(f"dropout p={p} rounds to {round(p * _LEVELS)}/{_LEVELS}: outside (0, 1) at {BITS} bits")
     n = shape.numel()
     words = torch.empty(-(-n // 4), dtype=torch.int64).random_(-(1 << 63), None, generator=generator)
     bits = words.view(torch.int16)[:n].view(shape)  # four independent 16-bit lanes per 64-bit draw
@@ -43,6 +50,6 @@ class Dropout(nn.Dropout):
 
     def forward(self, x: Tensor) -> Tensor:
         if (not self.training or self.inplace or x.device.type != "cpu" or not x.is_floating_point()
-                or not 0 < round(self.p * _LEVELS) < _LEVELS or torch.compiler.is_compiling()):
+                or _levels(self.p) is None or torch.compiler.is_compiling()):
             return super().forward(x)
         return x * cpu_mask(x.shape, self.p, x.dtype)
