@@ -15,7 +15,7 @@ from fastvision.data import formats  # noqa: F401  (importing the package regist
 from fastvision.data.formats import DatasetSplits
 from fastvision.data.loader import DevicePrefetcher, build_loader
 from fastvision.engine import runtime
-from fastvision.engine.state import make_ema, parse_target
+from fastvision.engine.state import make_ema, parse_target, set_bn_momentum
 from fastvision.engine.step import StepState
 from fastvision.errors import ConfigError
 from fastvision.models.checkpointing import apply_activation_checkpointing
@@ -131,6 +131,8 @@ def _build_training(run: Run, loaders: bool, wrap_train_set: Callable[[Any], Any
         _build_loaders(run, micro_steps, wrap_train_set)
     generator = torch.Generator(device=device)
     generator.manual_seed(runtime.augment_seed(tc.seed, env.rank))
+    if tc.bn_momentum is not None:  # before the EMA's copy and SyncBatchNorm, which keep it
+        set_bn_momentum(run.model, tc.bn_momentum)
     ema = make_ema(run.model, tc.ema_decay)
     apply_activation_checkpointing(run.model, tc.activation_checkpointing)  # the bare model, before DDP / compile
     ddp = distributed.wrap_model(run.model, device, sync_bn=tc.sync_bn, bucket_cap_mb=tc.ddp_bucket_mb,

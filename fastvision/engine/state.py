@@ -100,6 +100,26 @@ def reached(task: Task, name: str, value: float, goal: float) -> bool:
     return value >= goal if higher else value <= goal
 
 
+def set_bn_momentum(model: nn.Module, momentum: float) -> int:
+    """Set the momentum of every batch norm's running statistics (``train.bn_momentum``).
+
+    A running statistic moves by ``momentum`` of the way to each batch's value (torch's default 0.1:
+    it averages about the last ten batches). At a high learning rate and a few steps per epoch the
+    weights move faster than that, so validation normalises with statistics of older weights; a larger
+    momentum follows them. Training outputs do not change, only what eval mode divides by. Returns the
+    number of norms set; raises :class:`ConfigError` for a momentum outside (0, 1] or a model without
+    batch norm (the key would do nothing).
+    """
+    if not 0.0 < momentum <= 1.0:
+        raise ConfigError(f"train.bn_momentum must be in (0, 1], got {momentum}")
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        raise ConfigError(f"train.bn_momentum: {type(model).__name__} has no batch norm to set")
+    for m in norms:
+        m.momentum = momentum
+    return len(norms)
+
+
 def make_ema(model: nn.Module, decay: float | None):
     """An exponential moving average of the weights (and buffers), or None."""
     if decay is None:

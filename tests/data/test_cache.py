@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastvision.data import transforms as T
-from fastvision.data.cache.datasets import CacheDataset, PersistentDataset
+from fastvision.data.cache.datasets import CacheDataset, PersistentDataset, ordered_map
 from fastvision.data.cache.device import DeviceCacheDataset, fill_order
 from fastvision.data.cache.smart import SmartCacheDataset
 
@@ -220,6 +220,58 @@ def test_device_cache_is_indexed_as_its_source_whatever_the_fill_order(n, world,
         for i in range(n):
             assert ds[i]["id"] == f"case{i}" and torch.equal(ds[i]["image"], Volumes(n, 2)[i]["image"])
     assert base.order == order  # served from the cache
+
+
+def test_ordered_map_keeps_order_bounds_look_ahead_and_stops_at_an_error():
+    """Results come in the order asked whatever thread finishes first; no more than 2 x workers are
+    computed ahead of the consumer; an error is raised at its item and unstarted items never run."""
+    import threading
+    import time
+
+    lock, started, consumed, ahead = threading.Lock(), [], [0], []
+
+    def slow(i):  # the early items take longest, so later ones finish first
+        with lock:
+            started.append(i)
+            ahead.append(len(started) - consumed[0])
+        time.sleep(0.002 * (12 - i))
+        return i * i
+
+    for r in ordered_map(slow, range(12), workers=3):
+        assert r == consumed[0] ** 2
+        consumed[0] += 1
+    assert consumed[0] == 12 and sorted(started) == list(range(12)) and max(ahead) <= 6
+
+    calls = []
+
+    def fails(i):
+        calls.append(i)
+        if i == 3:
+            raise ValueError("item 3")
+        time.sleep(0.01)
+        return i
+
+    got = []
+    with pytest.raises(ValueError, match="item 3"):
+        for r in ordered_map(fails, range(40), workers=2):
+            got.append(r)
+    assert got == [0, 1, 2] and len(calls) <= 3 + 1 + 2 * 2  # at most the window past item 3
+    assert list(ordered_map(lambda i: -i, [4, 1, 7], workers=1)) == [-4, -1, -7]
+
+
+@pytest.mark.parametrize("budget", [None, 2 * (6**3 * 4 + 6**3 * 8) + 10])
+def test_device_cache_filled_by_threads_equals_one_thread(budget):
+    """Threads only read the source: the items, what is held and what overflows are one thread's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        one = DeviceCacheDataset(Volumes(7, size=6), "cpu", order=fill_order(7, 1, 2), budget_bytes=budget)
+        base = Reads(7, size=6)
+        many = DeviceCacheDataset(base, "cpu", order=fill_order(7, 1, 2), budget_bytes=budget, threads=3)
+    held = 7 if budget is None else 2
+    assert sorted(base.order) == sorted(fill_order(7, 1, 2)[:held]) and many.num_cached == one.num_cached == held
+    assert [i for i in range(7) if many.host[i] is not None] == [i for i in range(7) if one.host[i] is not None]
+    for i in range(7):
+        assert same(many[i], one[i])
 
 
 def test_gpu_cache_memory_guard_falls_back():

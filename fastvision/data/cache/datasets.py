@@ -18,7 +18,8 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -74,19 +75,59 @@ def guard(wanted: int, bytes_per_item: int, budget: int, what: str) -> int:
 
 def fill(fn: Callable[[int], Any], indices: Sequence[int], workers: int, progress: bool, label: str) -> list[Any]:
     """``[fn(i) for i in indices]`` on a thread pool, with a rich progress bar when asked."""
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="fastvision-cache") as pool:
-        results = pool.map(fn, indices)
-        if not progress:
-            return list(results)
-        from rich.progress import Progress
+    return list(ordered_map(fn, indices, workers, progress, label))
 
-        out = []
-        with Progress(transient=True) as bar:
-            task = bar.add_task(label, total=len(indices))
-            for r in results:
-                out.append(r)
-                bar.advance(task)
-        return out
+
+def ordered_map(fn: Callable[[int], Any], indices: Sequence[int], workers: int, progress: bool = False,
+                label: str = "caching") -> Iterator[Any]:
+    """``fn(i)`` for ``i`` in ``indices``, yielded in that order, computed by ``workers`` threads.
+
+    At most ``2 * workers`` results wait for the consumer, so a cache moving each item onto a device
+    as it comes never holds the whole set twice. An error of ``fn`` is raised at its item; the items
+    not started by then are cancelled. ``workers`` <= 1 computes in the calling thread.
+    """
+    indices = list(indices)
+    bar = _Bar(progress, label, len(indices))
+    try:
+        if workers <= 1:
+            for i in indices:
+                yield fn(i)
+                bar.advance()
+            return
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="fastvision-cache")
+        try:
+            ahead = deque(pool.submit(fn, i) for i in indices[:2 * workers])
+            for i in indices[2 * workers:] + [None] * len(ahead):
+                result = ahead.popleft().result()
+                if i is not None:
+                    ahead.append(pool.submit(fn, i))
+                yield result
+                bar.advance()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    finally:
+        bar.close()
+
+
+class _Bar:
+    """A transient rich progress bar over ``total`` items, or nothing when ``show`` is false."""
+
+    def __init__(self, show: bool, label: str, total: int):
+        self.progress = None
+        if show and total:
+            from rich.progress import Progress
+
+            self.progress = Progress(transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task(label, total=total)
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            self.progress.advance(self.task)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
 
 
 def finish(suffix: Sequence[T.TransformFn], item: dict[str, Any], seed: int, epoch: int,

@@ -18,6 +18,7 @@ samples of every step (see ``docs/CONTRACTS.md``, "Caches are speed switches").
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastvision.data import transforms as T
-from fastvision.data.cache.datasets import BatchSlots, available_ram, finish, guard, item_nbytes
+from fastvision.data.cache.datasets import BatchSlots, available_ram, finish, guard, item_nbytes, ordered_map
 from fastvision.data.loader import _move
 from fastvision.utils.tree import map_tensors
 
@@ -65,12 +66,16 @@ class DeviceCacheDataset(BatchSlots, Dataset):
             :meth:`~fastvision.distributed.samplers.TrainSampler.indices`); None: every index, every epoch.
         source_holds: ``source`` already holds every item in host memory (the node-shared cache):
             the share is copied from it and nothing else is kept here.
+        threads: threads reading ``source`` while filling (items are placed in ``order`` whatever
+            thread computed them, so the fill's outcome does not depend on it).
+        progress: show a progress bar while filling.
     """
 
     def __init__(self, source: Dataset, device: torch.device | str, *, seed: int = 0,
                  order: Sequence[int] | None = None, budget_bytes: int | None = None,
                  memory_fraction: float = 0.8, suffix: Sequence[T.TransformFn] = (),
-                 share: Callable[[int], Sequence[int]] | None = None, source_holds: bool = False):
+                 share: Callable[[int], Sequence[int]] | None = None, source_holds: bool = False,
+                 threads: int = 1, progress: bool = False):
         self.source, self.device = source, torch.device(device)
         self.suffix, self.seed, self.epoch = list(suffix), seed, 0
         self.share_of, self.source_holds = share, source_holds
@@ -100,8 +105,8 @@ class DeviceCacheDataset(BatchSlots, Dataset):
             held = n if self.device.type != "cpu" else guard(n, item_nbytes(first), budget_bytes,
                                                             f"DeviceCacheDataset on {self.device}")
             wanted = set(self._indices(0))
-            for k, i in enumerate(order[:held]):
-                item = first if k == 0 else source[i]
+            rest = ordered_map(source.__getitem__, order[1:held], threads, progress, f"caching on {self.device}")
+            for i, item in zip(order[:held], itertools.chain([first], rest), strict=True):
                 if i in wanted and self._admit(i, item):
                     continue
                 self.host[i] = item

@@ -365,7 +365,8 @@ def _gpu(src: _Source, device: torch.device | str,
         host = _Cached(src.base, prefix)  # read once, straight onto the device
     out = DeviceCacheDataset(host, device, seed=src.seed, suffix=suffix, share=share,
                              source_holds=isinstance(host, SharedCacheDataset),
-                             order=fill_order(len(host), env.rank, env.world_size))
+                             order=fill_order(len(host), env.rank, env.world_size), threads=src.threads,
+                             progress=src.progress)
     out.main_process_only = "data.cache: gpu holds device tensors, which worker processes cannot share"
     log.info(out.report())
     return out
