@@ -103,6 +103,8 @@ LEVERS.update({  # round 4: the optimizer, on top of round 3's best setting
     **{f"best + BN momentum {m}": ({**_BEST, "train.bn_momentum": m}, {"batch": 2}) for m in (0.2, 0.3, 0.5)},
     **{f"batch 2, BN momentum {m} (the recipe's windows, every 5)": ({"train.bn_momentum": m}, {"batch": 2})
        for m in (0.3, 0.5)},
+    **{f"batch 2, BN momentum 0.5, the recipe's windows every {k} epoch(s)":
+       ({"train.bn_momentum": 0.5, "train.val_every": k}, {"batch": 2}) for k in (1, 2)},
 })
 
 
