@@ -111,7 +111,8 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "rollback", "rollback_lower_lr"] = "rollback_lower_lr"
     steps_per_epoch: int | None = None  # cap on steps per epoch (smoke tests, benchmarks)
     ema_decay: float | None = None  # exponential moving average of the weights, used for validation
-    bn_momentum: float | None = None  # every batch norm's running-statistics momentum (None: as built, torch's 0.1)
+    # every batch norm's running-statistics momentum, over what the model set (None: as built, torch's 0.1)
+    bn_momentum: float | None = None
     emulate_workers: int = 1  # one process trains as N data-parallel workers would (same global batch)
     backend: Literal["ddp", "horovod"] = "ddp"
     sync_bn: bool = False  # SyncBatchNorm across ranks

@@ -106,9 +106,11 @@ def set_bn_momentum(model: nn.Module, momentum: float) -> int:
     A running statistic moves by ``momentum`` of the way to each batch's value (torch's default 0.1:
     it averages about the last ten batches). At a high learning rate and a few steps per epoch the
     weights move faster than that, so validation normalises with statistics of older weights; a larger
-    momentum follows them. Training outputs do not change, only what eval mode divides by. Returns the
-    number of norms set; raises :class:`ConfigError` for a momentum outside (0, 1] or a model without
-    batch norm (the key would do nothing).
+    momentum follows them. Training outputs do not change, only what eval mode divides by. It overrides
+    a momentum the model set itself (``ssd320``'s ``model.args.bn_momentum``, which sets only its FPN and
+    head) on every batch norm, an unfrozen backbone's too; frozen ones (``FrozenBatchNorm2d``) keep no
+    statistics and are left alone. Returns the number of norms set; raises :class:`ConfigError` for a
+    momentum outside (0, 1] or a model without batch norm (the key would do nothing).
     """
     if not 0.0 < momentum <= 1.0:
         raise ConfigError(f"train.bn_momentum must be in (0, 1], got {momentum}")
