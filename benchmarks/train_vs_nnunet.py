@@ -49,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 DATASETS = [  # (MSD folder, synth kind, options, nnU-Net dataset id)
@@ -161,9 +162,43 @@ def cut_schedule(nn_epochs: int, per_epoch: int, steps: int) -> dict:
             "sched.factors": [(1 - e / nn_epochs) ** 0.9 for e in range(nn_epochs)]}
 
 
+def nnunet_dice(pred: np.ndarray, truth: np.ndarray, classes: list[int]) -> list[float]:
+    """nnU-Net's per-case Dice (``compute_metrics``): per class 2tp / (2tp + fp + fn), NaN where both are empty."""
+    out = []
+    for c in classes:
+        p, t = pred == c, truth == c
+        tp, fp, fn = int((p & t).sum()), int((p & ~t).sum()), int((~p & t).sum())
+        out.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else float("nan"))
+    return out
+
+
+def score_as_nnunet(run: Path, data: Path, val: list[str], curve: list[dict]) -> None:
+    """Each validation of ``curve`` scored where nnU-Net scores its own: the step checkpoint of that iteration
+    predicts the validation images with ``fastvision predict``'s path (:func:`fastvision.api.predict`: the labels
+    taken on each file's own grid) and the Dice is taken against the label files, as nnU-Net's
+    ``foreground_mean`` (per class the mean over cases, then over classes). The training's own figure, on the
+    preprocessed grid against the resampled labels, is kept as ``dice_preprocessed``. Outside the clocks."""
+    import nibabel as nib
+
+    from fastvision import api
+
+    classes = [int(k) for k in json.load(open(data / "dataset.json"))["labels"] if int(k) > 0]
+    images = [data / "imagesTr" / f"{c}.nii.gz" for c in val]
+    for point in curve:
+        ckpt = run / "checkpoints" / f"step-{point['iterations']:08d}.pt"
+        out = run / "scored" / str(point["iterations"])
+        api.predict(ckpt, [str(p) for p in images], out, device="cpu")
+        per_case = [nnunet_dice(np.asarray(nib.load(str(out / f"{c}.nii.gz")).dataobj),
+                                np.asarray(nib.load(str(data / "labelsTr" / f"{c}.nii.gz")).dataobj), classes)
+                    for c in val]
+        point["dice_preprocessed"] = point["dice"]
+        point["dice"] = float(np.mean(np.nanmean(np.array(per_case), axis=0)))
+
+
 def fastvision_side(data: Path, work: Path, trainer: str, nn: dict, args, extra: dict | None = None,
-                    tag: str = "") -> dict:
-    """configure --trainer, nnU-Net's patch and batch, the same iterations; the curve from metrics.jsonl.
+                    tag: str = "", val: list[str] | None = None) -> dict:
+    """configure --trainer, nnU-Net's patch and batch, the same iterations; the curve from metrics.jsonl,
+    each validation then scored as nnU-Net scores its own (:func:`score_as_nnunet`, the cases ``val``).
     ``extra``: further ``--set`` overrides (one difference at a time); ``tag`` names the run folder."""
     from fastvision.data.formats.decathlon import kfold_split
 
@@ -181,7 +216,9 @@ def fastvision_side(data: Path, work: Path, trainer: str, nn: dict, args, extra:
     sets = {"data.args.patch_size": patch, "task.args.sample_shape": None, "train.batch_size": nn["batch"],
             "task.args.sliding_window.roi_size": patch, "train.epochs": epochs, "train.val_every": val_every,
             "train.target": None, "data.num_workers": args.cores, "data.cache": "ram", "data.cache_dir": None,
-            "examples": 0, "train.device": "cpu"}
+            "examples": 0, "train.device": "cpu",
+            # a step checkpoint at every validation, each kept, for score_as_nnunet
+            "train.checkpoint_every": str(val_every * steps), "train.keep_checkpoints": 10 ** 6}
     affine = ((yaml.safe_load(recipe.read_text()).get("data") or {}).get("augment") or {}).get("affine") or {}
     if "size" in affine:  # nnU-Net's enlarged initial patch around nnU-Net's patch (configure's rule)
         from fastvision.planning.configure.trainer import initial_patch
@@ -211,6 +248,8 @@ def fastvision_side(data: Path, work: Path, trainer: str, nn: dict, args, extra:
             if "dice" in d:
                 ep = len([1 for _ in curve]) + 1
                 curve.append({"iterations": ep * val_every * steps, "train_s": clock, "dice": d["dice"]})
+    if val:
+        score_as_nnunet(out, data, val, curve)
     return {"curve": curve, "wall_s": wall, "steps_per_epoch": steps, "epochs": epochs}
 
 
@@ -372,7 +411,7 @@ def main() -> None:
         extra = dict(kv.split("=", 1) for kv in args.set)
         extra = {k: json.loads(v) for k, v in extra.items()}
         sides = {**{"nnunet" + (f"-{i}" if i else ""): r for i, r in enumerate(runs)},
-                 **{f"fastvision-{t}": fastvision_side(data, work, t, nn, args, extra, args.tag)
+                 **{f"fastvision-{t}": fastvision_side(data, work, t, nn, args, extra, args.tag, val)
                     for t in args.trainers}}
         report[kind] = {"plan": {k: nn[k] for k in ("patch", "batch", "features", "strides", "spacing")},
                         **summarise(sides)}

@@ -216,20 +216,21 @@ def label_onto_image(label: np.ndarray, label_affine: np.ndarray, affine: np.nda
     return resample_to(x, label_affine, affine, shape, "nearest", padding="zeros")[0].numpy()
 
 
-def restore_to_input(x: torch.Tensor, meta: dict[str, Any], mode: str = "nearest") -> np.ndarray:
+def restore_to_input(x: torch.Tensor, meta: dict[str, Any], mode: str = "nearest", fill: float = 0.0) -> np.ndarray:
     """Invert crop, resampling and reorientation: back to the input file's voxel grid.
 
     Args:
         x: (*S) labels or (C, *S) values on the preprocessed grid (shape of the cropped volume).
         meta: ``meta`` of :func:`~fastvision.data.preprocess3d.preprocess_case`.
         mode: "nearest" for labels, "linear" for probabilities.
+        fill: the value outside the crop (0: background for labels; a background probability: 1).
 
     Returns:
         numpy array (X, Y, Z) or (X, Y, Z, C) in the input file's voxel order.
     """
     squeeze = x.dim() == 3
     x = x[None] if squeeze else x
-    full = x.new_zeros((x.shape[0], *meta["resampled_shape"]))
+    full = x.new_full((x.shape[0], *meta["resampled_shape"]), fill)
     box = meta["crop_box"]
     full[(slice(None),) + tuple(slice(a, b) for a, b in box)] = x
     shift = np.eye(4)

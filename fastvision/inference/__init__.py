@@ -4,7 +4,8 @@
 windows and blends the outputs with a constant or Gaussian weight, the scheme of MONAI's
 ``sliding_window_inference`` (same window positions and weights, so results agree to float
 rounding). :func:`flip_tta` averages predictions over mirrored inputs. :func:`write_nifti` and
-:func:`save_segmentation` write predictions in the geometry (affine and header) of the input file;
+:func:`save_segmentation` write predictions in the geometry (affine and header) of the input file, the
+labels taken there from linearly resampled probabilities (:func:`~fastvision.inference.nifti.labels_on_input`);
 :func:`predict_nifti_files` runs all of it for ``fastvision predict`` on NIfTI files and BraTS folders.
 ``volumes`` (ensembles of folds, the pipelined and sharded predict), ``postprocess`` (largest
 component, decided by cross-validation) and ``folds`` (``train --folds``, ``predict DIR``; above the
