@@ -218,7 +218,7 @@ def fastvision_side(data: Path, work: Path, trainer: str, nn: dict, args, extra:
             "train.target": None, "data.num_workers": args.cores, "data.cache": "ram", "data.cache_dir": None,
             "examples": 0, "train.device": "cpu",
             # a step checkpoint at every validation, each kept, for score_as_nnunet
-            "train.checkpoint_every": str(val_every * steps), "train.keep_checkpoints": 10 ** 6}
+            "train.checkpoint_every": val_every * steps, "train.keep_checkpoints": 10 ** 6}
     affine = ((yaml.safe_load(recipe.read_text()).get("data") or {}).get("augment") or {}).get("affine") or {}
     if "size" in affine:  # nnU-Net's enlarged initial patch around nnU-Net's patch (configure's rule)
         from fastvision.planning.configure.trainer import initial_patch

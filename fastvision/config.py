@@ -225,7 +225,7 @@ def parse_override(text: str) -> dict[str, Any]:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+    if isinstance(value, str) and value == raw.strip():  # YAML 1.1 reads 1e-3 as a string; a quoted "500" stays one
         try:
             value = float(value)
         except ValueError:

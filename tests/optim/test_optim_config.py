@@ -106,9 +106,19 @@ def test_optimizer_by_name():
     ("optim.lr=1e-3", {"optim": {"lr": 1e-3}}),
     ("data.args.image_size=[64, 64]", {"data": {"args": {"image_size": [64, 64]}}}),
     ("train.target=iou=0.9", {"train": {"target": "iou=0.9"}}),
+    ('train.checkpoint_every="500"', {"train": {"checkpoint_every": "500"}}),  # quoted: the string stays
+    ("optim.lr='2e-4'", {"optim": {"lr": "2e-4"}}),  # ... and a float field reads it (below)
 ])
 def test_parse_override(text, expected):
     assert config.parse_override(text) == expected
+
+
+def test_a_quoted_number_is_a_string_where_the_key_takes_one():
+    """``train.checkpoint_every`` takes steps as an int or a string ("500", "20min"); a quoted number
+    was read as the float 500.0, which the key refused."""
+    sets = ['train.checkpoint_every="500"', "optim.lr='2e-4'", "train.epochs=3"]
+    cfg = config.load("unet2d-microscopy", [config.parse_override(s) for s in sets])
+    assert cfg.train.checkpoint_every == "500" and cfg.optim.lr == 2e-4 and cfg.train.epochs == 3
 
 
 def test_yaml_off_means_off_and_strings_become_floats():
