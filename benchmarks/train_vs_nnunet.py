@@ -14,7 +14,12 @@ sides score the same cases. Every ``--val-every`` iterations it predicts them wh
 fastvision plans the folder with ``configure --memory 8GiB --trainer T`` (T = nnunet and fast),
 takes nnU-Net's patch and batch (``--set``; the network is the same by configure's rules, checked
 by benchmarks/configure_vs_nnunet.py), and trains through the real CLI for the same iterations,
-validating the same cases (sliding window, per-case Dice) at the same iterations.
+validating the same cases (sliding window, per-case Dice) at the same iterations. Each of those
+validations is then scored as nnU-Net scores its own (:func:`score_as_nnunet`, outside the clocks): the
+step checkpoint of that iteration predicts the validation images through ``fastvision predict``'s path
+(labels on each file's own grid) and the Dice is taken against the label files. The training's own
+figure (the network's grid, labels resampled there) is kept as ``dice_preprocessed``; runs saved before
+2026-11-29 (night) hold only that one in ``dice``.
 
 nnU-Net steps its poly schedule once per (cut) epoch; fastvision's `--trainer nnunet` side gets the same
 steps (``--schedule epoch``, the default; :func:`cut_schedule`). ``--set KEY=JSON`` changes one key of
