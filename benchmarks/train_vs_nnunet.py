@@ -167,16 +167,6 @@ def cut_schedule(nn_epochs: int, per_epoch: int, steps: int) -> dict:
             "sched.factors": [(1 - e / nn_epochs) ** 0.9 for e in range(nn_epochs)]}
 
 
-def nnunet_dice(pred: np.ndarray, truth: np.ndarray, classes: list[int]) -> list[float]:
-    """nnU-Net's per-case Dice (``compute_metrics``): per class 2tp / (2tp + fp + fn), NaN where both are empty."""
-    out = []
-    for c in classes:
-        p, t = pred == c, truth == c
-        tp, fp, fn = int((p & t).sum()), int((p & ~t).sum()), int((~p & t).sum())
-        out.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else float("nan"))
-    return out
-
-
 def score_as_nnunet(run: Path, data: Path, val: list[str], curve: list[dict]) -> None:
     """Each validation of ``curve`` scored where nnU-Net scores its own: the step checkpoint of that iteration
     predicts the validation images with ``fastvision predict``'s path (:func:`fastvision.api.predict`: the labels
@@ -186,18 +176,19 @@ def score_as_nnunet(run: Path, data: Path, val: list[str], curve: list[dict]) ->
     import nibabel as nib
 
     from fastvision import api
+    from fastvision.inference.postprocess import case_dice, defined_means
 
-    classes = [int(k) for k in json.load(open(data / "dataset.json"))["labels"] if int(k) > 0]
+    classes = [[int(k)] for k in json.load(open(data / "dataset.json"))["labels"] if int(k) > 0]
     images = [data / "imagesTr" / f"{c}.nii.gz" for c in val]
     for point in curve:
         ckpt = run / "checkpoints" / f"step-{point['iterations']:08d}.pt"
         out = run / "scored" / str(point["iterations"])
         api.predict(ckpt, [str(p) for p in images], out, device="cpu")
-        per_case = [nnunet_dice(np.asarray(nib.load(str(out / f"{c}.nii.gz")).dataobj),
-                                np.asarray(nib.load(str(data / "labelsTr" / f"{c}.nii.gz")).dataobj), classes)
+        per_case = [case_dice(np.asarray(nib.load(str(out / f"{c}.nii.gz")).dataobj),
+                              np.asarray(nib.load(str(data / "labelsTr" / f"{c}.nii.gz")).dataobj), classes)
                     for c in val]
         point["dice_preprocessed"] = point["dice"]
-        point["dice"] = float(np.mean(np.nanmean(np.array(per_case), axis=0)))
+        point["dice"] = float(np.mean(defined_means(np.stack(per_case))))
 
 
 def fastvision_side(data: Path, work: Path, trainer: str, nn: dict, args, extra: dict | None = None,

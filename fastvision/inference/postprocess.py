@@ -80,8 +80,8 @@ def targets(task) -> list[tuple[str, list[int]]]:
     return [(str(c), [c]) for c in range(1, task.num_classes)]
 
 
-def _dice(pred: np.ndarray, truth: np.ndarray, sets: list[list[int]]) -> np.ndarray:
-    """(T,) nnU-Net Dice of one case per target; NaN where both masks are empty."""
+def case_dice(pred: np.ndarray, truth: np.ndarray, sets: list[list[int]]) -> np.ndarray:
+    """(T,) nnU-Net Dice of one case per target (a label set); NaN where both masks are empty."""
     out = np.empty(len(sets))
     for i, s in enumerate(sets):
         p, t = np.isin(pred, s), np.isin(truth, s)
@@ -91,7 +91,7 @@ def _dice(pred: np.ndarray, truth: np.ndarray, sets: list[list[int]]) -> np.ndar
     return out
 
 
-def _means(scores: np.ndarray) -> np.ndarray:
+def defined_means(scores: np.ndarray) -> np.ndarray:
     """(N, T) per-case scores -> (T,) means over the cases where each is defined (NaN if none)."""
     with np.errstate(invalid="ignore"):
         n = (~np.isnan(scores)).sum(0)
@@ -117,15 +117,15 @@ def decide(cases: Sequence[tuple[np.ndarray, np.ndarray]], task) -> dict[str, An
     names, sets = [n for n, _ in named], [s for _, s in named]
     foreground = sorted({c for s in sets for c in s})
     current = [p for p, _ in cases]
-    base = (np.stack([_dice(p, t, sets) for p, (_, t) in zip(current, cases, strict=True)]) if cases
+    base = (np.stack([case_dice(p, t, sets) for p, (_, t) in zip(current, cases, strict=True)]) if cases
             else np.zeros((0, len(sets))))
-    first = _means(base)
+    first = defined_means(base)
     steps, trials = [], []
     candidates = [("foreground", foreground)] + (list(named) if len(named) > 1 else [])
     for name, ids in candidates:
         trial = [keep_largest(p, ids) for p in current]
-        scores = np.stack([_dice(p, t, sets) for p, (_, t) in zip(trial, cases, strict=True)]) if cases else base
-        before, after = _means(base), _means(scores)
+        scores = np.stack([case_dice(p, t, sets) for p, (_, t) in zip(trial, cases, strict=True)]) if cases else base
+        before, after = defined_means(base), defined_means(scores)
         if name == "foreground":  # the mean over targets must rise and no target may fall
             ok = _better(float(np.nanmean(after)) if np.isfinite(after).any() else np.nan,
                          float(np.nanmean(before)) if np.isfinite(before).any() else np.nan)
@@ -141,7 +141,7 @@ def decide(cases: Sequence[tuple[np.ndarray, np.ndarray]], task) -> dict[str, An
             current, base = trial, scores
     return {"steps": steps, "targets": dict(named), "trials": trials, "cases": len(cases),
             "dice_before": dict(zip(names, _floats(first), strict=True)),
-            "dice_after": dict(zip(names, _floats(_means(base)), strict=True)),
+            "dice_after": dict(zip(names, _floats(defined_means(base)), strict=True)),
             "rule": "nnU-Net v2: largest foreground component, then per class or region; kept where the "
                     "cross-validated mean Dice rises"}
 
