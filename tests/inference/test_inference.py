@@ -139,18 +139,26 @@ def _resampled_case(tmp_path, affine, shape, target):
                            PreprocessParams(target_spacing=target, intensity="none", crop_foreground=True))
 
 
-def _input_grid_coords(meta, shape):
-    """For every input voxel (the file's own order), its continuous index on the preprocessed, cropped grid:
-    world = input affine @ v, index = inverse(preprocessed affine) @ world (independent of the restore's steps)."""
+def _scipy_restore(probs, meta, shape, background=None):
+    """(K, *shape) ``probs`` read back at every input voxel by scipy's linear interpolation: each voxel's
+    continuous index on the resampled grid is inverse(preprocessed affine) @ input affine @ v (independent of
+    the restore's steps), the crop's outside holds 0 (1 for class ``background``), the grid's border value
+    beyond its edge."""
+    from scipy.ndimage import map_coordinates
+
+    box = meta["crop_box"]
+    full = np.zeros((probs.shape[0], *meta["resampled_shape"]), np.float64)
+    if background is not None:
+        full[background] = 1.0
+    full[(slice(None),) + tuple(slice(a, b) for a, b in box)] = probs.double().numpy()
     v = np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), 0).reshape(3, -1)
     m = np.linalg.solve(np.asarray(meta["affine"], np.float64), np.asarray(meta["input_affine"], np.float64))
-    return m[:3, :3] @ v + m[:3, 3:4]
+    coords = m[:3, :3] @ v + m[:3, 3:4] + np.array([[a] for a, _ in box], np.float64)
+    return np.stack([map_coordinates(f, coords, order=1, mode="nearest") for f in full]).reshape(-1, *shape)
 
 
 @pytest.mark.parametrize("flipped", [False, True])
 def test_labels_on_input_are_the_argmax_of_linearly_resampled_probabilities(tmp_path, flipped):
-    from scipy.ndimage import map_coordinates
-
     shape = (13, 11, 7)
     affine = np.diag([1.2, 1.3, 2.5, 1.0])
     if flipped:  # an LPS-like file: the restore must undo the reorientation too
@@ -160,15 +168,8 @@ def test_labels_on_input_are_the_argmax_of_linearly_resampled_probabilities(tmp_
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(3 * torch.randn(3, *pre["image"].shape[1:], generator=g), 0)
     got = labels_on_input(probs, pre["meta"], lambda p: p.argmax(0), softmax=True)
-    # scipy's linear interpolation at each input voxel's position on the resampled grid, the crop's
-    # outside as background (probability 1), the grid's border value beyond its edge
-    box = pre["meta"]["crop_box"]
-    full = np.zeros((3, *pre["meta"]["resampled_shape"]), np.float64)
-    full[0] = 1.0
-    full[(slice(None),) + tuple(slice(a, b) for a, b in box)] = probs.double().numpy()
-    coords = _input_grid_coords(pre["meta"], shape) + np.array([[a] for a, _ in box], np.float64)
-    want = np.stack([map_coordinates(full[k], coords, order=1, mode="nearest") for k in range(3)]).argmax(0)
-    np.testing.assert_array_equal(got, want.reshape(shape))
+    want = _scipy_restore(probs, pre["meta"], shape, background=0).argmax(0)  # the crop's outside: background
+    np.testing.assert_array_equal(got, want)
     assert got.dtype == np.uint8 and len(np.unique(got)) == 3
 
 
@@ -203,8 +204,6 @@ def test_labels_on_input_beat_nearest_labels_on_a_ball(tmp_path):
 
 
 def test_labels_on_input_of_regions_threshold_the_resampled_probabilities(tmp_path):
-    from scipy.ndimage import map_coordinates
-
     from fastvision.ops.regions import regions_to_classes
 
     shape = (12, 10, 8)
@@ -217,12 +216,7 @@ def test_labels_on_input_of_regions_threshold_the_resampled_probabilities(tmp_pa
         return regions_to_classes((p > 0.5)[None], regions)[0]
 
     got = labels_on_input(probs, pre["meta"], to_labels, softmax=False)
-    box = pre["meta"]["crop_box"]
-    full = np.zeros((3, *pre["meta"]["resampled_shape"]), np.float64)
-    full[(slice(None),) + tuple(slice(a, b) for a, b in box)] = probs.double().numpy()
-    coords = _input_grid_coords(pre["meta"], shape) + np.array([[a] for a, _ in box], np.float64)
-    back = np.stack([map_coordinates(full[k], coords, order=1, mode="nearest") for k in range(3)])
-    want = to_labels(torch.from_numpy(back.reshape(3, *shape)))
+    want = to_labels(torch.from_numpy(_scipy_restore(probs, pre["meta"], shape)))
     np.testing.assert_array_equal(got, want.numpy())
     assert set(np.unique(got)) == {0, 1, 2, 3}
 
