@@ -24,8 +24,8 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, help="learning rate at the recipe's reference batch")
     g.add_argument("--amp", choices=AMP_MODES,
                    help="mixed precision: auto = bf16 where the GPU has it natively, else fp16 with dynamic loss "
-                        "scaling; fp32 on CPU (bf16 is faster on CPUs with AMX tiles; fp16 needs CUDA); the "
-                        "precision used is logged")
+                        "scaling; fp32 on CPU (bf16 is faster on CPUs with AMX tiles or AVX-512 BF16; fp16 needs "
+                        "CUDA); the precision used is logged")
     g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None, help="TF32 matmul/conv (Ampere+)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)

@@ -32,8 +32,9 @@ def resolve_amp(mode: str, device: torch.device) -> tuple[str, str]:
 
     ``auto``: on CUDA, bf16 where the GPU computes it natively (compute capability 8.0+: A100,
     H100, RTX 30xx and newer), else fp16 with dynamic loss scaling (V100, T4: seed 004's AMP);
-    on CPU and other devices fp32 ("off"). On a CPU with AMX bf16 tiles (Xeon Sapphire Rapids and
-    newer) the reason names ``train.amp: bf16`` as the faster opt-in (oneDNN runs bf16 on the tiles:
+    on CPU and other devices fp32 ("off"). On a CPU that computes bf16 natively (AMX bf16 tiles: Xeon
+    Sapphire Rapids and newer; AVX-512 BF16: AMD Zen 4 and newer, Xeon Cooper Lake) the reason names
+    ``train.amp: bf16`` as the faster opt-in (oneDNN runs bf16 convolutions on those units:
     benchmarks/RESULTS.md, "bf16 on the CPU"); not the default: it changes the numerics of every CPU
     run, and its speed-up is measured on the 3-D U-Net only.
     Other modes are returned unchanged.
@@ -41,8 +42,8 @@ def resolve_amp(mode: str, device: torch.device) -> tuple[str, str]:
     if mode != "auto":
         return mode, "as configured"
     if device.type != "cuda":
-        tiles = device.type == "cpu" and cpu_has_bf16_tiles()
-        hint = "; this CPU has AMX bf16 tiles: train.amp=bf16 is faster" if tiles else ""
+        unit = cpu_native_bf16() if device.type == "cpu" else None
+        hint = f"; this CPU has {unit}: train.amp=bf16 is faster" if unit else ""
         return "off", f"{device.type}: fp32{hint}"
     major, minor = torch.cuda.get_device_capability(device)
     name = torch.cuda.get_device_name(device)
@@ -51,11 +52,20 @@ def resolve_amp(mode: str, device: torch.device) -> tuple[str, str]:
     return "fp16", f"{name} (sm_{major}{minor}) has no native bf16: fp16 with dynamic loss scaling"
 
 
-def cpu_has_bf16_tiles() -> bool:
-    """Whether this CPU has AMX bf16 tiles and PyTorch's oneDNN can use them (torch's own CPU probe;
-    False where the probe is missing: torch builds before it, non-x86 CPUs)."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe and torch.backends.mkldnn.is_available() and probe())
+CPU_BF16_UNITS = (("_is_amx_tile_supported", "AMX bf16 tiles"), ("_is_avx512_bf16_supported", "AVX-512 BF16"))
+
+
+def cpu_native_bf16() -> str | None:
+    """The unit on which this CPU computes bf16 natively and PyTorch's oneDNN can use it (AMX tiles
+    first, then AVX-512 BF16), by torch's own CPU probes; None where it has neither, where oneDNN is
+    missing, or where a probe is missing (torch builds before it, non-x86 CPUs)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    for attr, unit in CPU_BF16_UNITS:
+        probe = getattr(torch.cpu, attr, None)
+        if probe is not None and probe():
+            return unit
+    return None
 
 
 def autocast_dtype(mode: str, device: torch.device) -> torch.dtype | None:
@@ -91,7 +101,7 @@ class Precision:
     fp16 uses a GradScaler (skips steps whose gradients overflow; dynamic, or static with
     ``train.loss_scale``: :func:`loss_scaler`); bf16 has the fp32
     exponent range and needs no scaler. bf16 autocast also works on CPU (fast on CPUs with AMX
-    bf16 tiles; ``auto`` keeps fp32 there and says so). ``auto`` is resolved
+    bf16 tiles or AVX-512 BF16; ``auto`` keeps fp32 there and says so). ``auto`` is resolved
     once here (:func:`resolve_amp`); ``mode`` is then the precision actually used (``requested``
     keeps what was asked) and is logged.
     """

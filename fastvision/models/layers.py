@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastvision.models.dropout import Dropout
+from fastvision.models.instance_norm import InstanceNormCL
 
 Size = int | Sequence[int]  # one value for every axis, or one per axis (3x3x1 kernels, 2x2x1 strides)
 NormName = Literal["batch", "instance", "instance_cl", "group", "none"]
@@ -106,58 +107,6 @@ def norm(name: NormName | None, spatial_dims: int, channels: int, *, groups: int
             raise ValueError(f"group norm: {groups} groups do not divide {channels} channels")
         return nn.GroupNorm(groups, channels, eps=eps)
     raise ValueError(f"unknown norm {name!r}; valid: batch, instance, instance_cl, group, none")
-
-
-class InstanceNormCL(nn.Module):
-    """Affine instance norm of (B, C, *S) that keeps the input's memory layout, forward and backward.
-
-    ``nn.InstanceNorm3d`` reshapes its input to run batch norm and so copies a channels_last_3d
-    tensor to contiguous and returns it contiguous (pytorch #67976, #72341); the next conv copies it
-    back. Here the statistics are a reduction over S (``var_mean``) and the output one
-    ``addcmul(shift, x, scale)`` per element, ops whose outputs follow the input's layout. The same
-    parameters (``weight``, ``bias``: C) and state-dict keys as ``nn.InstanceNorm{N}d(affine=True)``.
-
-    Args:
-        channels: C.
-        eps: added to the variance.
-        act: "relu" or "leakyrelu" to apply in place on the output inside this module (MLPerf's
-            InstanceNorm with the activation in it); None for none.
-        slope: leakyrelu's negative slope.
-
-    Numerics: fp32 / bf16 inputs reduce with ``var_mean`` in their dtype (fp32 accumulation);
-    fp16 ones take E[x^2] - E[x]^2 from fp32 reductions (an fp16 variance overflows above 65504).
-    """
-
-    def __init__(self, channels: int, eps: float = 1e-5, act: Literal["relu", "leakyrelu"] | None = None,
-                 slope: float = 0.01):
-        super().__init__()
-        if act not in (None, "relu", "leakyrelu"):
-            raise ValueError(f"InstanceNormCL fuses relu or leakyrelu only, got {act!r}")
-        self.eps, self.act, self.slope = eps, act, slope
-        self.weight = nn.Parameter(torch.ones(channels))
-        self.bias = nn.Parameter(torch.zeros(channels))
-
-    def forward(self, x: Tensor) -> Tensor:
-        dims = tuple(range(2, x.dim()))
-        if x.dtype == torch.float16:
-            n = math.prod(x.shape[2:])
-            mean = torch.mean(x, dims, keepdim=True, dtype=torch.float32)
-            sq = torch.linalg.vector_norm(x, 2, dims, keepdim=True, dtype=torch.float32) ** 2 / n
-            var = (sq - mean * mean).clamp_min(0)
-        else:
-            var, mean = torch.var_mean(x, dim=dims, keepdim=True, correction=0)
-        shape = (1, -1) + (1,) * len(dims)
-        scale = torch.rsqrt(var.float() + self.eps) * self.weight.view(shape)
-        shift = self.bias.view(shape) - mean.float() * scale
-        y = torch.addcmul(shift.to(x.dtype), x, scale.to(x.dtype))
-        if self.act == "relu":
-            y = F.relu_(y)  # in place: y is this module's fresh output, and addcmul's backward does not read it
-        elif self.act == "leakyrelu":
-            y = F.leaky_relu_(y, self.slope)
-        return y
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.numel()}, eps={self.eps}" + (f", act={self.act}" if self.act else "")
 
 
 def act(name: ActName | None, *, slope: float = 0.01, inplace: bool = False) -> nn.Module:

@@ -19,12 +19,15 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.mark.parametrize("tiles", [False, True])
-def test_auto_on_cpu_keeps_fp32_and_names_bf16_where_amx(monkeypatch, tiles):
-    """``auto`` on any CPU is fp32 (no autocast, no scaler); where the CPU has AMX bf16 tiles (Sapphire
-    Rapids+) the logged line names ``train.amp=bf16`` as the faster opt-in. torch's own CPU probe is
-    replaced, so both branches run on any machine."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: tiles)
+@pytest.mark.parametrize("amx,avx512,unit", [(False, False, None), (True, False, "AMX bf16 tiles"),
+                                             (False, True, "AVX-512 BF16"), (True, True, "AMX bf16 tiles")])
+def test_auto_on_cpu_keeps_fp32_and_names_native_bf16(monkeypatch, amx, avx512, unit):
+    """``auto`` on any CPU is fp32 (no autocast, no scaler); where the CPU computes bf16 natively (AMX
+    tiles: Sapphire Rapids+; AVX-512 BF16: Zen 4+, Cooper Lake) the logged line names the unit and
+    ``train.amp=bf16`` as the faster opt-in, AMX first. torch's own CPU probes are replaced, so every
+    branch runs on any machine."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512)
     # a handler on the module's logger itself: the CLI may have stopped propagation to the root
     logger, lines = logging.getLogger("fastvision.engine.runtime"), _Lines()
     level = logger.level
@@ -37,7 +40,12 @@ def test_auto_on_cpu_keeps_fp32_and_names_bf16_where_amx(monkeypatch, tiles):
         logger.setLevel(level)
     assert p.mode == "off" and p.requested == "auto" and p.dtype is None and not p.scaler.is_enabled()
     mine = [line for line in lines.lines if line.startswith("precision: off (train.amp=auto; cpu: fp32")]
-    assert len(mine) == 1 and ("train.amp=bf16 is faster" in mine[0]) == tiles
+    assert len(mine) == 1
+    if unit is None:
+        assert "bf16 is faster" not in mine[0]
+    else:
+        assert mine[0].endswith(f"this CPU has {unit}: train.amp=bf16 is faster)")
+    assert runtime.cpu_native_bf16() == unit
     with p.autocast():
         y = torch.nn.functional.conv3d(torch.randn(2, 1, 4, 4, 4), torch.randn(2, 1, 3, 3, 3))
     assert y.dtype == torch.float32
@@ -51,10 +59,21 @@ def test_bf16_on_cpu_autocasts_convolutions():
     assert p.mode == "bf16" and y.dtype == torch.bfloat16 and not p.scaler.is_enabled()
 
 
-def test_cpu_probe_missing_means_fp32(monkeypatch):
-    """A torch without the AMX probe (older builds, other CPUs) is taken as no tiles."""
-    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
-    assert not runtime.cpu_has_bf16_tiles()
+def test_cpu_probes_missing_mean_no_native_bf16(monkeypatch):
+    """A torch without the probes (older builds, other CPUs) is taken as no native bf16; one probe
+    missing leaves the other one's answer."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert runtime.cpu_native_bf16() == "AVX-512 BF16"
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    assert runtime.cpu_native_bf16() is None
+
+
+def test_no_onednn_means_no_native_bf16(monkeypatch):
+    """Without oneDNN the probes' units are not used by torch's CPU convolutions: no hint."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert runtime.cpu_native_bf16() is None
 
 
 @pytest.mark.parametrize("capability,bf16,want", [((7, 0), False, "fp16"), ((7, 5), False, "fp16"),

@@ -103,6 +103,61 @@ def test_instance_cl_fp16_statistics_do_not_overflow():
     torch.testing.assert_close(xh.grad.float() * 1000, xr.grad * 1000, atol=3e-2, rtol=2e-2)  # grads ~ 1e-3
 
 
+def test_instance_cl_backward_against_finite_differences():
+    """The norm's own backward (not autograd's) against torch's numerical Jacobian in float64, for the
+    input, the weight and the bias, in both layouts, 2-D and 3-D."""
+    from fastvision.models.instance_norm import _InstanceNorm
+
+    torch.manual_seed(0)
+    for shape, fmt in (((2, 3, 4, 5, 3), torch.channels_last_3d), ((2, 3, 4, 5, 3), torch.contiguous_format),
+                       ((2, 3, 5, 4), torch.channels_last)):
+        x = (torch.randn(*shape, dtype=torch.float64) * 2 + 1).to(memory_format=fmt).requires_grad_()
+        w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda x, w, b: _InstanceNorm.apply(x, w, b, 1e-5), (x, w, b))
+
+
+def test_instance_cl_statistics_hold_for_a_large_mean():
+    """Activations of mean 1,000 and std 1 (a one-pass E[x^2] - E[x]^2 in fp32 would lose the variance to
+    cancellation): output and gradients match the float64 stock norm on the same fp32 values to fp32
+    rounding, in NDHWC."""
+    torch.manual_seed(0)
+    x = (torch.randn(2, 4, 6, 7, 5) + 1000).to(memory_format=torch.channels_last_3d)
+    g = torch.randn_like(x)
+    ref = nn.InstanceNorm3d(4, affine=True).double()
+    with torch.no_grad():
+        ref.weight.normal_(), ref.bias.normal_()
+    ours = layers.InstanceNormCL(4)
+    ours.load_state_dict(ref.state_dict())
+    y0, gx0, gp0 = _grads(ref, x.double(), g.double())  # the same fp32 values, computed in float64
+    y1, gx1, gp1 = _grads(ours, x, g)
+    # fp32's own rounding of a mean of 1,000 is 3e-5 of the std; a cancelled variance is off by O(1)
+    torch.testing.assert_close(y1.double(), y0, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(gx1.double(), gx0, atol=1e-3, rtol=1e-3)
+    for name in gp0:
+        torch.testing.assert_close(gp1[name].double(), gp0[name].double(), atol=5e-3, rtol=1e-3)
+
+
+def test_instance_cl_bf16_against_the_float64_norm():
+    """A bf16 NDHWC input (as under ``train.amp: bf16``): output and input gradient in bf16, within
+    bf16's rounding of the float64 stock norm's (statistics and gradient sums accumulate in fp32)."""
+    torch.manual_seed(0)
+    x = (torch.randn(2, 8, 12, 16, 16, dtype=torch.float64) * 3 + 2).to(memory_format=torch.channels_last_3d)
+    g = torch.randn_like(x)
+    ref = nn.InstanceNorm3d(8, affine=True).double()
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5), ref.bias.normal_()
+    ours = layers.InstanceNormCL(8)
+    ours.load_state_dict(ref.state_dict())
+    y0, gx0, gp0 = _grads(ref, x, g)
+    y1, gx1, gp1 = _grads(ours, x.bfloat16(), g.bfloat16())
+    assert y1.dtype == gx1.dtype == torch.bfloat16 and gx1.is_contiguous(memory_format=torch.channels_last_3d)
+    torch.testing.assert_close(y1.double(), y0, atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(gx1.double(), gx0, atol=3e-2, rtol=2e-2)
+    for name in gp0:  # sums of 3,072 voxels x 2 samples: fp32 accumulation of bf16 products
+        torch.testing.assert_close(gp1[name].double(), gp0[name].double(), atol=1.0, rtol=1e-2)
+
+
 def _activation_copies(norm: str) -> collections.Counter:
     """Copies of hidden activations (batch 2; 6, 12, 24 or 48 channels) in one profiled engine step
     of an NDHWC 3-D U-Net (unet3d-brats, filters 6-12-24 so the 4-channel input and logits are told
