@@ -188,7 +188,8 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
     rows.append(("data.augment", ov["data"]["augment"],
                  augmentation(patch, geo["spacing"], thin, trainer)[1]))
     rows.append(("train.amp", "auto", "bf16 where the GPU has it, else fp16; fp32 on CPU (the batch was sized for "
-                                      "the target GPU's precision)"))
+                                      "the target GPU's precision; on a CPU with AMX or AVX-512 BF16, "
+                                      "train.amp=bf16 trains faster: the log names it)"))
     rows.append(("task.args.sliding_window", t["sliding_window"],
                  f"ROI = the training patch, overlap {OVERLAP:g}, Gaussian blending (nnU-Net's predictor)"))
     return rows + trainer_choices(trainer, ov, fp["n_cases"])

@@ -1,0 +1,94 @@
+"""The layout-keeping instance norm alone on a CPU, forward + backward: ``norm: instance_cl`` as built
+(:class:`fastvision.models.instance_norm.InstanceNormCL`, its own backward over two-pass staged sums)
+against the form it replaced (``var_mean`` + ``addcmul`` with autograd's backward, as fastvision computed
+it until 2026-12-01, kept here as the comparison row) and the stock ``nn.InstanceNorm3d`` on NCDHW.
+
+    python benchmarks/instance_norm_cpu.py [--rounds 7] [--reps 10] [--dtype fp32,bf16]
+
+Shapes: the CT recipe's (``configure --trainer nnunet`` on generated CT: batch 2, patch 24 x 32 x 32,
+32-64-128-256) maps at each stage. The three take turns in ``--rounds`` interleaved rounds of ``--reps``
+forward + backward passes each; the table gives the median per pass and the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from fastvision.models.instance_norm import InstanceNormCL  # noqa: E402
+
+SHAPES = [(2, 32, 24, 32, 32), (2, 64, 12, 16, 16), (2, 128, 6, 8, 8), (2, 256, 3, 4, 4)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class VarMeanNorm(nn.Module):
+    """The previous ``instance_cl`` (before 2026-12-01): ``var_mean`` statistics and one ``addcmul``,
+    autograd's backward. The comparison row only."""
+
+    def __init__(self, channels: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = tuple(range(2, x.dim()))
+        var, mean = torch.var_mean(x, dim=dims, keepdim=True, correction=0)
+        shape = (1, -1) + (1,) * len(dims)
+        scale = torch.rsqrt(var.float() + self.eps) * self.weight.view(shape)
+        shift = self.bias.view(shape) - mean.float() * scale
+        return torch.addcmul(shift.to(x.dtype), x, scale.to(x.dtype))
+
+
+def passes(norm: nn.Module, x: torch.Tensor, g: torch.Tensor, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        norm(x).backward(g)
+    return (time.perf_counter() - t0) / reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--dtype", default="fp32,bf16")
+    a = p.parse_args(argv)
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; {a.rounds} rounds x {a.reps} passes")
+    print("| map (B, C, D, H, W) | dtype | stock, NCDHW ms | var_mean form, NDHWC ms | instance_cl, NDHWC ms "
+          "| instance_cl's speed: x var_mean form | x stock |")
+    print("|---|---|---|---|---|---|---|")
+    for name in a.dtype.split(","):
+        dt = DTYPES[name]
+        for shape in SHAPES:
+            torch.manual_seed(0)
+            x = (torch.randn(*shape) * 2 + 1).to(dt)
+            g = torch.randn(*shape).to(dt)
+            cl = {"x": x.contiguous(memory_format=torch.channels_last_3d).requires_grad_(),
+                  "g": g.contiguous(memory_format=torch.channels_last_3d)}
+            rows = {"stock": (nn.InstanceNorm3d(shape[1], affine=True).to(dt), x.clone().requires_grad_(), g),
+                    "var_mean": (VarMeanNorm(shape[1]), cl["x"], cl["g"]),
+                    "instance_cl": (InstanceNormCL(shape[1]), cl["x"], cl["g"])}
+            times = {k: [] for k in rows}
+            for m, xi, gi in rows.values():
+                passes(m, xi, gi, 2)  # warm-up
+            for r in range(a.rounds):
+                for k in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
+                    times[k].append(passes(*rows[k], a.reps))
+            med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            print(f"| {' x '.join(map(str, shape))} | {name} | {med['stock']:.2f} | {med['var_mean']:.2f} | "
+                  f"{med['instance_cl']:.2f} | {med['var_mean'] / med['instance_cl']:.2f}x | "
+                  f"{med['stock'] / med['instance_cl']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
