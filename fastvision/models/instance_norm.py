@@ -57,7 +57,7 @@ class _InstanceNorm(torch.autograd.Function):
     """y = (x - mean) rstd w + b per sample and channel, statistics over the spatial axes."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:  # noqa: ANN001
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
         dims = tuple(range(2, x.dim()))
         m = math.prod(x.shape[2:])
         shape = (1, -1) + (1,) * len(dims)
@@ -70,7 +70,7 @@ class _InstanceNorm(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:  # noqa: ANN001
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
         xc, weight, rstd = ctx.saved_tensors
         dims = tuple(range(2, xc.dim()))
         m = math.prod(xc.shape[2:])
