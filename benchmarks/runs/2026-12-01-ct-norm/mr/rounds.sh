@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# After the instance_cl rewrite (ab4064e): MR (hippocampus) paired rounds at 64 iterations on a CPU with AVX-512 BF16: nnU-Net once, then fastvision's configured
+# recipe in NDHWC + instance_cl (train.seed=r) in fp32 and with train.amp=bf16, the two fastvision sides in
+# alternating order; every validation scored as nnU-Net scores its own (score_as_nnunet)
+cd /work/main
+B="env PYTHONPATH=$PWD .venv/bin/python benchmarks/train_vs_nnunet.py --work /tmp/s53/w --iterations 64 --per-epoch 8 --val-every 8"
+O=/tmp/s53/mr
+fv() {  # round, precision name, amp value
+  $B --datasets hippocampus --reuse-nnunet --trainers nnunet --tag=-n$2-r$1 --set train.seed=$1 \
+     --set train.channels_last=true --set 'model.args.norm="instance_cl"' --set "train.amp=\"$3\"" \
+     --json $O/fv$2-hippocampus-r$1.json > $O/fv$2-r$1.log 2>&1
+  tail -1 $O/fv$2-r$1.log
+}
+for r in "$@"; do
+  echo "round $r nnunet $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"
+  $B --datasets hippocampus --trainers --nnunet-runs 1 > $O/nn-r$r.log 2>&1
+  cp /tmp/s53/w/hippocampus/nnunet_side.json $O/nnunet-hippocampus-r$r.json
+  tail -1 $O/nn-r$r.log
+  if (( r % 2 == 0 )); then order="fp32:off bf16:bf16"; else order="bf16:bf16 fp32:off"; fi
+  for s in $order; do
+    echo "round $r fv ${s%%:*} $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"
+    fv $r ${s%%:*} ${s##*:}
+  done
+done
+echo "done $(date +%T)"
