@@ -38,19 +38,15 @@ def _acc(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _spatial_sum(x: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """Sum over the spatial ``dims`` (keepdim) in :func:`_acc`: over the last ones first, then the first."""
-    if len(dims) == 1:
-        return x.sum(dims, keepdim=True, dtype=_acc(x))
-    return x.sum(dims[1:], keepdim=True, dtype=_acc(x)).sum(dims[0], keepdim=True)
-
-
-def _spatial_sumsq(x: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """Sum of squares over ``dims`` (keepdim), staged and accumulated as :func:`_spatial_sum`."""
-    if len(dims) == 1:
-        return torch.linalg.vector_norm(x, 2, dims, keepdim=True, dtype=_acc(x)).square_()
-    return torch.linalg.vector_norm(x, 2, dims[1:], keepdim=True, dtype=_acc(x)).square_().sum(
-        dims[0], keepdim=True)
+def _spatial_sum(x: Tensor, dims: tuple[int, ...], square: bool = False) -> Tensor:
+    """Sum (of squares with ``square``) over the spatial ``dims`` (keepdim) in :func:`_acc`: over the last
+    ones first, then the first."""
+    inner = dims[1:] or dims
+    if square:
+        part = torch.linalg.vector_norm(x, 2, inner, keepdim=True, dtype=_acc(x)).square_()
+    else:
+        part = x.sum(inner, keepdim=True, dtype=_acc(x))
+    return part if inner == dims else part.sum(dims[0], keepdim=True)
 
 
 class _InstanceNorm(torch.autograd.Function):
@@ -63,7 +59,7 @@ class _InstanceNorm(torch.autograd.Function):
         shape = (1, -1) + (1,) * len(dims)
         mean = _spatial_sum(x, dims).div_(m)
         xc = (x - mean).to(x.dtype)  # centred in fp32 (mean is fp32), kept in x's dtype and layout
-        rstd = torch.rsqrt(_spatial_sumsq(xc, dims).div_(m).add_(eps))
+        rstd = torch.rsqrt(_spatial_sum(xc, dims, square=True).div_(m).add_(eps))
         scale = rstd * weight.view(shape).to(rstd.dtype)
         ctx.save_for_backward(xc, weight, rstd)
         return torch.addcmul(bias.view(shape).to(x.dtype), xc, scale.to(x.dtype))
