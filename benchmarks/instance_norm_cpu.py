@@ -6,10 +6,16 @@ then the first: ``instance_cl`` on the evening of 2026-12-01, run here by swappi
 backward (until 2026-12-01), and the stock ``nn.InstanceNorm3d`` on NCDHW.
 
     python benchmarks/instance_norm_cpu.py [--rounds 7] [--reps 10] [--dtype fp32,bf16]
+    python benchmarks/instance_norm_cpu.py --step [--rounds 7] [--reps 8]   # the CT network's step, staged vs one sum
 
 Shapes: the CT recipe's (``configure --trainer nnunet`` on generated CT: batch 2, patch 24 x 32 x 32,
 32-64-128-256) maps at each stage. The three take turns in ``--rounds`` interleaved rounds of ``--reps``
 forward + backward passes each; the table gives the median per pass and the ratios.
+
+``--step``: the CT plan's whole network (:data:`CT_NET`, NDHWC, deep supervision, batch 2 of 1 x 32 x 32 x 24),
+forward under the precision's autocast and backward of the mean square of its outputs, with ``instance_cl``'s
+staged sums against its one sum per statistic, in interleaved rounds (the network's step, not the loop: the
+paired rounds of ``train_vs_nnunet.py`` time that).
 """
 from __future__ import annotations
 
@@ -30,6 +36,10 @@ if str(ROOT) not in sys.path:
 from fastvision.models import instance_norm  # noqa: E402
 from fastvision.models.instance_norm import InstanceNormCL  # noqa: E402
 
+# the network `configure --trainer nnunet` plans for train_vs_nnunet.py's generated CT (model.args)
+CT_NET = dict(in_channels=1, out_channels=2, filters=[32, 64, 128, 256], strides=[[1, 1, 1], [2, 2, 2], [2, 2, 2],
+              [2, 2, 1]], kernel_size=[[3, 3, 3]] * 4, n_convs=2, norm="instance_cl", act="leakyrelu", down="stride",
+              up="transpose", deep_supervision=True, init="he_heads")
 SHAPES = [(2, 32, 24, 32, 32), (2, 64, 12, 16, 16), (2, 128, 6, 8, 8), (2, 256, 3, 4, 4)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -83,13 +93,49 @@ def passes(norm: nn.Module, x: torch.Tensor, g: torch.Tensor, reps: int, old_sum
         return (time.perf_counter() - t0) / reps
 
 
+def step_rounds(rounds: int, reps: int, dtypes: list[str]) -> None:
+    """--step: the CT network's forward + backward with the staged sums and with one sum, interleaved."""
+    import fastvision.models  # noqa: F401  (registers the models)
+    from fastvision.registry import MODELS
+
+    torch.manual_seed(0)
+    net = MODELS.get("unet3d")(**CT_NET).to(memory_format=torch.channels_last_3d)
+    x = torch.randn(2, 1, 32, 32, 24).to(memory_format=torch.channels_last_3d)
+
+    def timed(name: str, old: bool, n: int) -> float:
+        with staged() if old else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+                    out = net(x)
+                sum(o.float().square().mean() for o in out).backward()
+                net.zero_grad(set_to_none=True)
+            return (time.perf_counter() - t0) / n * 1e3
+
+    print("| precision | staged sums ms | one sum ms | one sum's speed (median of rounds' ratios, range) |")
+    print("|---|---|---|---|")
+    for name in dtypes:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        timed(name, True, 2), timed(name, False, 2)  # warm-up
+        for r in range(rounds):
+            for old in ((False, True) if r % 2 == 0 else (True, False)):
+                times[old].append(timed(name, old, reps))
+        ratios = [a / b for a, b in zip(times[True], times[False], strict=True)]
+        print(f"| {name} | {statistics.median(times[True]):.1f} | {statistics.median(times[False]):.1f} | "
+              f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--dtype", default="fp32,bf16")
+    p.add_argument("--step", action="store_true", help="the CT network's step, staged sums vs one sum")
     a = p.parse_args(argv)
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; {a.rounds} rounds x {a.reps} passes")
+    if a.step:
+        step_rounds(a.rounds, a.reps, a.dtype.split(","))
+        return 0
     print("| map (B, C, D, H, W) | dtype | stock, NCDHW ms | var_mean form, NDHWC ms | staged sums, NDHWC ms "
           "| instance_cl, NDHWC ms | instance_cl's speed: x staged | x var_mean form | x stock |")
     print("|---|---|---|---|---|---|---|---|---|")
