@@ -5,6 +5,7 @@
 # DS: spleen (CT, the default) or hippocampus (MR); O: the output folder; TAG: a prefix of the run folders' tags.
 # Runs of 2026-12-01: this folder `rounds.sh 0`, `rounds.sh 1 ... 11`; ../2026-12-01-ct-norm:
 # `O=/tmp/s53/r64n TAG=n rounds.sh 0 ... 7` and `... 8 9 10 11`; its mr/: `DS=hippocampus O=/tmp/s53/mr TAG=n rounds.sh 0 1 2 3`
+# and, on 2026-12-02, `DS=hippocampus O=/tmp/s54/mr TAG=n rounds.sh 4 ... 11`; ../2026-12-02-ct-sum: `O=/tmp/s54/ct TAG=s rounds.sh 0 ... 11`
 cd /work/main
 DS=${DS:-spleen} O=${O:-/tmp/s53/r64} TAG=${TAG:-}
 B="env PYTHONPATH=$PWD .venv/bin/python benchmarks/train_vs_nnunet.py --work /tmp/s53/w --iterations 64 --per-epoch 8 --val-every 8"
