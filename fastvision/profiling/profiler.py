@@ -327,5 +327,27 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | 
         model = (f"; measure model.args {_and_list(rest)} (the same model up to rounding: `fastvision tune` "
                  "tries them)" if rest else "")
         return f"the model is the cost: raise train.batch_size{autotune}{fp16}{model}"
-    return ("the model is the cost: set train.amp: bf16, train.compile: true, a smaller model or image size, "
-            "or run on a GPU (--device cuda)")
+    return _cpu_compute_advice(cfg, precision)
+
+
+def _cpu_compute_advice(cfg: RunConfig, precision: str | None) -> str:
+    """A compute-bound CPU step: ``train.amp: bf16`` only where the CPU computes bf16 natively (AMX or
+    AVX-512 BF16: 1.3-2.3x on the 3-D U-Net; emulated it is slower, RESULTS.md "bf16 on the CPU"), the
+    layout pair for a model with instance norm (NDHWC with ``instance_cl`` beat NCDHW with the stock norm
+    on a CPU, NDHWC with the stock norm lost), compile; then the model's size or a GPU."""
+    from fastvision.engine import runtime
+
+    t = cfg.train
+    unit = runtime.cpu_native_bf16()
+    items = [f"train.amp: bf16 (this CPU has {unit})"] if unit and (precision or t.amp) != "bf16" else []
+    stock_norm = "model.args.norm" in levers.levers(cfg.model.name, cfg.model.args)
+    if stock_norm:
+        items.append("train.channels_last: true with model.args.norm: instance_cl" if not t.channels_last
+                     else "model.args.norm: instance_cl")
+    elif levers.current(cfg.model.name, cfg.model.args).get("model.args.norm") == "instance_cl" \
+            and not t.channels_last:
+        items.append("train.channels_last: true")
+    if not t.compile:
+        items.append("train.compile: true")
+    first = f"set {_and_list(items)}; or " if items else ""
+    return f"the model is the cost: {first}a smaller model or image size, or run on a GPU (--device cuda)"

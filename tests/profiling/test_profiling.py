@@ -177,6 +177,38 @@ def test_compute_bound_advice_pairs_channels_last_with_the_layout_keeping_norm()
                                                          "model up to rounding: `fastvision tune` tries them)")
 
 
+def test_cpu_compute_bound_advice_names_bf16_only_where_the_cpu_computes_it(monkeypatch):
+    """On a CPU the advice names train.amp: bf16 only where the CPU has a native bf16 unit (emulated bf16
+    is slower), and not when the run is bf16 already; the layout pair for a model with stock instance norm;
+    compile when it is off; then the model's size or a GPU."""
+    from fastvision import config
+    from fastvision.engine import runtime
+    from fastvision.profiling import advice
+
+    cpu = torch.device("cpu")
+    cfg = config.load("unet3d-brats")
+    cfg.train.amp, cfg.train.channels_last, cfg.train.compile = "auto", False, False
+    monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: None)
+    assert advice("compute", cfg, cpu, "off") == (
+        "the model is the cost: set train.channels_last: true with model.args.norm: instance_cl and "
+        "train.compile: true; or a smaller model or image size, or run on a GPU (--device cuda)")
+    monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: "AVX-512 BF16")
+    assert advice("compute", cfg, cpu, "off").startswith(
+        "the model is the cost: set train.amp: bf16 (this CPU has AVX-512 BF16), train.channels_last: true")
+    cfg.train.amp, cfg.train.channels_last, cfg.train.compile = "bf16", True, True
+    assert advice("compute", cfg, cpu, "bf16") == (
+        "the model is the cost: set model.args.norm: instance_cl; or a smaller model or image size, or run on "
+        "a GPU (--device cuda)")
+    cfg.model.args["norm"], cfg.train.channels_last = "instance_cl", False
+    assert advice("compute", cfg, cpu, "bf16").startswith("the model is the cost: set train.channels_last: true;")
+    cfg.train.channels_last = True
+    assert advice("compute", cfg, cpu, "bf16") == \
+        "the model is the cost: a smaller model or image size, or run on a GPU (--device cuda)"
+    resnet = config.load("resnet50-imagenet")  # batch norm: no layout advice on a CPU (not measured there)
+    resnet.train.amp, resnet.train.compile = "off", True
+    assert "channels_last" not in advice("compute", resnet, cpu, "off")
+
+
 def test_trace_names_the_ops_that_take_the_step(tmp_path):
     """--trace adds the top operations by self time: on a CPU, a small U-Net's step is its convolutions
     (forward and backward), so a convolution op leads; shares are of the total self time, in order."""
