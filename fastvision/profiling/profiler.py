@@ -310,12 +310,9 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | 
                 "launches; needs static shapes)")
     if device.type == "cuda":
         lever = levers.levers(cfg.model.name, cfg.model.args)
-        # a stock instance norm copies channels-last activations: the layout pays with instance_cl alone
-        norm = " with model.args.norm: instance_cl" if "model.args.norm" in lever else ""
-        items = (("train.amp: bf16", t.amp != "off"), (f"train.channels_last: true{norm}", t.channels_last),
-                 ("model.args.norm: instance_cl", not (t.channels_last and norm)),
-                 ("train.compile: true", bool(t.compile)))
-        off = [s for s, on in items if not on]
+        layout = _layout_switch(cfg, every_model=True)
+        off = [s for s, on in (("train.amp: bf16", t.amp != "off"), (layout, layout is None),
+                               ("train.compile: true", bool(t.compile))) if not on]
         if off:
             return "set " + _and_list(off)
         # every switch is on: the convolution kernels are the cost. On an H200 (torch 2.11, cuDNN 9)
@@ -330,6 +327,20 @@ def advice(verdict: str, cfg: RunConfig, device: torch.device, precision: str | 
     return _cpu_compute_advice(cfg, precision)
 
 
+def _layout_switch(cfg: RunConfig, every_model: bool) -> str | None:
+    """The layout switch still off, or None: a stock instance norm copies channels-last activations, so
+    the layout pays with ``instance_cl`` only (named together, or the norm alone once channels-last is on).
+    ``every_model``: channels-last for any model (CUDA); else only for one with an instance norm (the CPU,
+    where only that pair was measured)."""
+    stock_norm = "model.args.norm" in levers.levers(cfg.model.name, cfg.model.args)
+    if cfg.train.channels_last:
+        return "model.args.norm: instance_cl" if stock_norm else None
+    if stock_norm:
+        return "train.channels_last: true with model.args.norm: instance_cl"
+    own_norm = levers.current(cfg.model.name, cfg.model.args).get("model.args.norm") == "instance_cl"
+    return "train.channels_last: true" if every_model or own_norm else None
+
+
 def _cpu_compute_advice(cfg: RunConfig, precision: str | None) -> str:
     """A compute-bound CPU step: ``train.amp: bf16`` only where the CPU computes bf16 natively (AMX or
     AVX-512 BF16: 1.3-2.3x on the 3-D U-Net; emulated it is slower, RESULTS.md "bf16 on the CPU"), the
@@ -340,13 +351,9 @@ def _cpu_compute_advice(cfg: RunConfig, precision: str | None) -> str:
     t = cfg.train
     unit = runtime.cpu_native_bf16()
     items = [f"train.amp: bf16 (this CPU has {unit})"] if unit and (precision or t.amp) != "bf16" else []
-    stock_norm = "model.args.norm" in levers.levers(cfg.model.name, cfg.model.args)
-    if stock_norm:
-        items.append("train.channels_last: true with model.args.norm: instance_cl" if not t.channels_last
-                     else "model.args.norm: instance_cl")
-    elif levers.current(cfg.model.name, cfg.model.args).get("model.args.norm") == "instance_cl" \
-            and not t.channels_last:
-        items.append("train.channels_last: true")
+    layout = _layout_switch(cfg, every_model=False)
+    if layout:
+        items.append(layout)
     if not t.compile:
         items.append("train.compile: true")
     first = f"set {_and_list(items)}; or " if items else ""
