@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32,bf16")
     p.add_argument("--step", action="store_true", help="the CT network's step, staged sums vs one sum")
     a = p.parse_args(argv)
+    unknown = [d for d in a.dtype.split(",") if d not in DTYPES]
+    if unknown:
+        p.error(f"--dtype {','.join(unknown)}: valid are {', '.join(DTYPES)}")
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; {a.rounds} rounds x {a.reps} passes")
     if a.step:
         step_rounds(a.rounds, a.reps, a.dtype.split(","))
