@@ -1,0 +1,230 @@
+"""fastvision's nnU-Net training parts against nnU-Net v2's own modules, on one configured plan.
+
+Runs in nnU-Net's venv with fastvision on the path (nnU-Net's packages are not fastvision's dependencies)::
+
+    PYTHONPATH=$PWD /work/nnunet-venv/bin/python benchmarks/nnunet_parity.py \\
+        --pre /tmp/s53/w/spleen/pre/Dataset981_Spleen --recipe /tmp/s53/w/spleen/nnunet.yaml
+
+``--pre`` is nnU-Net's preprocessed dataset folder (its ``nnUNetPlans.json``, and for ``--placement`` the
+``nnUNetPlans_3d_fullres`` cases and ``splits_final.json``); ``--recipe`` what ``configure --trainer nnunet``
+wrote for the same data (``train_vs_nnunet.py`` leaves both under its ``--work``). Three checks:
+
+- **loss**: nnU-Net's ``DeepSupervisionWrapper(DC_and_CE_loss)`` (its trainer's weights, targets by its
+  ``DownsampleSegForDSTransform``) against fastvision's ``DeepSupervisionLoss(DiceCELoss)`` with the recipe's
+  ``loss.args``, on random logits: nnU-Net's Dice term is ``-dc``, fastvision's (MONAI's) ``1 - dc``, so the
+  values differ by exactly 1 and the gradients must be equal.
+- **network**: nnU-Net's network from the plan (its He initialisation), its weights copied into the recipe's
+  model (axes reversed: nnU-Net's arrays are the transposed SimpleITK order; fastvision concatenates
+  (skip, up) where nnU-Net concatenates (up, skip)); the outputs at every deep-supervision scale compared.
+- **placement** (``--placement``): the share of padding and foreground in the final patch, forced-foreground
+  and random, by nnU-Net's ``get_bbox`` on its preprocessed cases and by fastvision's ``nnunet_patch`` on the
+  recipe's dataset (each with nnU-Net's initial patch). Not a pass/fail check: it shows where the two differ.
+Exit 1 when the loss or the network differs beyond float rounding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def loss_check(plans: dict, cfg, config: str) -> bool:
+    from batchgeneratorsv2.transforms.utils.deep_supervision_downsampling import DownsampleSegForDSTransform
+    from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
+    from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
+    from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
+
+    from fastvision.losses.compound import DeepSupervisionLoss
+    from fastvision.registry import LOSSES
+
+    cm = plans["configurations"][config]
+    pools = np.array(cm["architecture"]["arch_kwargs"]["strides"])
+    scales = [tuple(s) for s in (1 / np.cumprod(pools, axis=0))[:-1]]  # nnUNetTrainer._get_deep_supervision_scales
+    weights = np.array([1 / 2 ** i for i in range(len(scales))])
+    weights[-1] = 0
+    weights = weights / weights.sum()
+    nn_loss = DeepSupervisionWrapper(DC_and_CE_loss({"batch_dice": cm["batch_dice"], "smooth": 1e-5, "do_bg": False,
+                                                     "ddp": False}, {}, weight_ce=1, weight_dice=1, ignore_label=None,
+                                                    dice_class=MemoryEfficientSoftDiceLoss), weights)
+    fv_loss = DeepSupervisionLoss(LOSSES.build(cfg.loss.name, cfg.loss.args, where="loss.args"))
+    gen = torch.Generator().manual_seed(0)
+    patch, batch = cm["patch_size"], 2
+    shapes = [tuple(int(round(p * s)) for p, s in zip(patch, sc, strict=True)) for sc in scales]
+    logits = [(torch.randn(batch, 2, *sh, generator=gen) * 3).requires_grad_() for sh in shapes]
+    label = torch.zeros(batch, *patch, dtype=torch.long)  # one sample with a blob, one with a sliver
+    label[1, 2:patch[0] // 2, 4:patch[1] // 2, 4:patch[2] // 2] = 1
+    label[0, :3, :4, :4] = 1
+    ds = DownsampleSegForDSTransform(ds_scales=scales)
+    per = [ds.apply({"segmentation": label[b][None].float()})["segmentation"] for b in range(batch)]
+    targets = [torch.stack([p[i] for p in per]) for i in range(len(scales))]
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        loss.backward()
+        out = [torch.zeros_like(x) if x.grad is None else x.grad.clone() for x in logits]
+        for x in logits:
+            x.grad = None
+        return out
+
+    a = nn_loss(logits, targets)
+    ga = grads(a)
+    # fastvision's logits are (X, Y, Z): the same tensors with the spatial axes reversed
+    rev = [x.permute(0, 1, *range(x.dim() - 1, 1, -1)) for x in logits]
+    b = fv_loss(rev, label.permute(0, *range(label.dim() - 1, 0, -1))[:, None])
+    gb = grads(b)
+    diff = float(b.detach() - a.detach())
+    gmax = max(float((x - y).abs().max()) for x, y in zip(ga, gb, strict=True))
+    ok = abs(diff - 1.0) < 1e-5 and gmax < 1e-7
+    print(f"loss: nnU-Net {float(a.detach()):.6f}, fastvision {float(b.detach()):.6f} (difference {diff:.7f}, "
+          f"expected 1: -dc against "
+          f"1 - dc); gradients: largest difference {gmax:.2e} over {len(scales)} scales, weights "
+          f"{[round(float(w), 4) for w in weights]} -> {'equal' if ok else 'DIFFERENT'}")
+    return ok
+
+
+def network_check(plans: dict, cfg, config: str) -> bool:
+    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+    from fastvision.models import create_model
+
+    arch = plans["configurations"][config]["architecture"]
+    torch.manual_seed(0)
+    ref = get_network_from_plans(arch["network_class_name"], arch["arch_kwargs"], arch["_kw_requires_import"],
+                                 cfg.model.args["in_channels"], cfg.model.args["out_channels"], allow_init=True,
+                                 deep_supervision=True)
+    ours = create_model(cfg.model.name, **cfg.model.args)
+    src = ref.state_dict()
+    rev = lambda w: w.permute(0, 1, *range(w.dim() - 1, 1, -1)) if w.dim() > 2 else w  # noqa: E731
+    n = len(ours.encoders)
+    sd = {}
+    for s in range(n):
+        for c in range(len(ours.encoders[s])):
+            p = f"encoder.stages.{s}.0.convs.{c}"
+            sd[f"encoders.{s}.{c}.conv.weight"] = rev(src[p + ".conv.weight"])
+            sd[f"encoders.{s}.{c}.norm.weight"] = src[p + ".norm.weight"]
+            sd[f"encoders.{s}.{c}.norm.bias"] = src[p + ".norm.bias"]
+    for d in range(n - 1):  # nnU-Net's decoder stage d is fastvision's n - 2 - d (deepest first there)
+        f = n - 2 - d
+        for c in range(len(ours.decoders[f])):
+            p = f"decoder.stages.{d}.convs.{c}"
+            w = rev(src[p + ".conv.weight"])
+            if c == 0:  # (up, skip) -> (skip, up)
+                h = w.shape[1] // 2
+                w = torch.cat([w[:, h:], w[:, :h]], 1)
+            sd[f"decoders.{f}.{c}.conv.weight"] = w
+            sd[f"decoders.{f}.{c}.norm.weight"] = src[p + ".norm.weight"]
+            sd[f"decoders.{f}.{c}.norm.bias"] = src[p + ".norm.bias"]
+        sd[f"ups.{f}.conv.weight"] = rev(src[f"decoder.transpconvs.{d}.weight"])
+        sd[f"ups.{f}.conv.bias"] = src[f"decoder.transpconvs.{d}.bias"]
+        head = "head" if f == 0 else f"ds_heads.{f - 1}"
+        sd[head + ".weight"] = rev(src[f"decoder.seg_layers.{d}.weight"])
+        sd[head + ".bias"] = src[f"decoder.seg_layers.{d}.bias"]
+    ours.load_state_dict(sd, strict=True)
+    body_bias = max(float(v.abs().max()) for k, v in src.items() if k.endswith("conv.bias"))
+    x = torch.randn(2, cfg.model.args["in_channels"], *plans["configurations"][config]["patch_size"],
+                    generator=torch.Generator().manual_seed(1))
+    ref.train(), ours.train()
+    with torch.no_grad():
+        a = ref(x)
+        b = ours(x.permute(0, 1, *range(x.dim() - 1, 1, -1)))
+    # nnU-Net's outputs: full resolution first; fastvision's the same order
+    diffs = [float((u - rev(v)).abs().max()) for u, v in zip(a, b, strict=True)]
+    scale = max(float(u.abs().max()) for u in a)
+    ok = max(diffs) < 1e-4 * max(scale, 1.0)
+    print(f"network: {sum(p.numel() for p in ref.parameters())} parameters in nnU-Net's (its body conv biases "
+          f"{body_bias:.1e}: an instance norm follows each), {sum(p.numel() for p in ours.parameters())} in "
+          f"fastvision's; outputs at {len(a)} scales, largest difference {max(diffs):.2e} (outputs up to "
+          f"{scale:.2f}) -> {'equal' if ok else 'DIFFERENT'}")
+    return ok
+
+
+def placement(pre: Path, cfg, config: str, draws: int) -> None:
+    import os
+
+    os.environ.setdefault("nnUNet_preprocessed", str(pre.parent))
+    os.environ.setdefault("nnUNet_raw", str(pre.parent))
+    os.environ.setdefault("nnUNet_results", str(pre.parent))
+    from acvl_utils.cropping_and_padding.bounding_boxes import crop_and_pad_nd
+    from nnunetv2.training.dataloading.data_loader import nnUNetDataLoader
+    from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
+
+    import fastvision.data.formats.decathlon  # noqa: F401  (registers the dataset)
+    from fastvision.data.formats.patches import nnunet_patch
+    from fastvision.registry import DATASETS
+
+    plans = json.loads((pre / "nnUNetPlans.json").read_text())
+    plans["continue_training"] = False
+    dataset = json.loads((pre / "dataset.json").read_text())
+    trainer = nnUNetTrainer(plans, config, 0, dataset, device=torch.device("cpu"))
+    trainer.initialize()
+    tr, _ = trainer.get_tr_and_val_datasets()
+    final = trainer.configuration_manager.patch_size
+    rot, _, initial, _ = trainer.configure_rotation_dummyDA_mirroring_and_inital_patch_size()
+    loader = nnUNetDataLoader(tr, 2, initial, final, trainer.label_manager, 0.33)
+    cut = [slice((i - f) // 2, (i - f) // 2 + f) for i, f in zip(initial, final, strict=True)]
+    np.random.seed(0)
+    print(f"placement: nnU-Net's initial patch {[int(v) for v in initial]}, final {[int(v) for v in final]} "
+          f"(its axes); {draws} draws per case")
+    for force in (True, False):
+        pad, fg = [], []
+        for key in loader.indices:
+            data, seg, _, props = tr.load_case(key)
+            for _ in range(draws):
+                lo, hi = loader.get_bbox(data.shape[1:], force, props["class_locations"])
+                box = [[a, b] for a, b in zip(lo, hi, strict=True)]
+                inside = crop_and_pad_nd(np.ones_like(data[:1]), box, 0)[(0, *cut)]
+                s = crop_and_pad_nd(np.asarray(seg[:1]), box, -1)[(0, *cut)]
+                pad.append(1 - inside.mean())
+                fg.append((s > 0).mean())
+        print(f"  nnU-Net    {'forced foreground' if force else 'random           '}: padding {np.mean(pad):.3f}, "
+              f"foreground {np.mean(fg):.4f}")
+    splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
+    size, fin = list(reversed(list(initial))), list(reversed(list(final)))
+    gen = torch.Generator().manual_seed(0)
+    cut = [slice((i - f) // 2, (i - f) // 2 + f) for i, f in zip(size, fin, strict=True)]
+    for force in (True, False):
+        pad, fg = [], []
+        for i in range(len(splits.train)):
+            item = splits.train[i]
+            for _ in range(draws):
+                x, y = nnunet_patch(torch.ones_like(item["image"]), item["label"], size, force, gen, fin)
+                pad.append(1 - float(x[(0, *cut)].float().mean()))
+                fg.append(float((y[tuple(cut)] > 0).float().mean()))
+        print(f"  fastvision {'forced foreground' if force else 'random           '}: padding {np.mean(pad):.3f}, "
+              f"foreground {np.mean(fg):.4f} (its volumes reoriented to RAS; nnU-Net's in the files' voxel order)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pre", type=Path, required=True, help="nnU-Net's preprocessed dataset folder")
+    ap.add_argument("--recipe", type=Path, required=True, help="the recipe configure --trainer nnunet wrote")
+    ap.add_argument("--config", default="3d_fullres")
+    ap.add_argument("--placement", action="store_true",
+                    help="also compare the patch placement (slow: loads every case)")
+    ap.add_argument("--draws", type=int, default=50, help="placement draws per case and kind")
+    args = ap.parse_args()
+    plans_file = args.pre / "nnUNetPlans.json"
+    for f in (plans_file, args.recipe):
+        if not f.is_file():
+            ap.error(f"{f}: no such file")
+    try:
+        import nnunetv2  # noqa: F401
+    except ImportError:
+        ap.error("nnunetv2 is not importable: run this with nnU-Net's venv's python and fastvision on PYTHONPATH")
+    from fastvision import config
+
+    cfg = config.load(str(args.recipe))
+    plans = json.loads(plans_file.read_text())
+    if args.config not in plans["configurations"]:
+        ap.error(f"{plans_file}: no configuration {args.config!r}; has {', '.join(plans['configurations'])}")
+    ok = loss_check(plans, cfg, args.config) & network_check(plans, cfg, args.config)
+    if args.placement:
+        placement(args.pre, cfg, args.config, args.draws)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
