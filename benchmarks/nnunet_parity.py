@@ -32,6 +32,17 @@ import numpy as np
 import torch
 
 
+def reverse_axes(t: torch.Tensor, lead: int = 2) -> torch.Tensor:
+    """``t`` with the axes after the first ``lead`` in reverse order: nnU-Net's (Z, Y, X) arrays as fastvision's
+    (X, Y, Z) and back (``lead`` 2 for (N, C, ...) maps and conv weights, 1 for (N, ...) labels)."""
+    return t.permute(*range(lead), *range(t.dim() - 1, lead - 1, -1))
+
+
+def _report(side: str, force: bool, pad: list[float], fg: list[float], note: str = "") -> None:
+    kind = "forced foreground" if force else "random           "
+    print(f"  {side:<10} {kind}: padding {np.mean(pad):.3f}, foreground {np.mean(fg):.4f}{note}")
+
+
 def loss_check(plans: dict, cfg, config: str) -> bool:
     from batchgeneratorsv2.transforms.utils.deep_supervision_downsampling import DownsampleSegForDSTransform
     from nnunetv2.training.loss.compound_losses import DC_and_CE_loss
@@ -72,16 +83,14 @@ def loss_check(plans: dict, cfg, config: str) -> bool:
     a = nn_loss(logits, targets)
     ga = grads(a)
     # fastvision's logits are (X, Y, Z): the same tensors with the spatial axes reversed
-    rev = [x.permute(0, 1, *range(x.dim() - 1, 1, -1)) for x in logits]
-    b = fv_loss(rev, label.permute(0, *range(label.dim() - 1, 0, -1))[:, None])
+    b = fv_loss([reverse_axes(x) for x in logits], reverse_axes(label, 1)[:, None])
     gb = grads(b)
     diff = float(b.detach() - a.detach())
     gmax = max(float((x - y).abs().max()) for x, y in zip(ga, gb, strict=True))
     ok = abs(diff - 1.0) < 1e-5 and gmax < 1e-7
     print(f"loss: nnU-Net {float(a.detach()):.6f}, fastvision {float(b.detach()):.6f} (difference {diff:.7f}, "
-          f"expected 1: -dc against "
-          f"1 - dc); gradients: largest difference {gmax:.2e} over {len(scales)} scales, weights "
-          f"{[round(float(w), 4) for w in weights]} -> {'equal' if ok else 'DIFFERENT'}")
+          f"expected 1: -dc against 1 - dc); gradients: largest difference {gmax:.2e} over {len(scales)} scales, "
+          f"weights {[round(float(w), 4) for w in weights]} -> {'equal' if ok else 'DIFFERENT'}")
     return ok
 
 
@@ -97,30 +106,29 @@ def network_check(plans: dict, cfg, config: str) -> bool:
                                  deep_supervision=True)
     ours = create_model(cfg.model.name, **cfg.model.args)
     src = ref.state_dict()
-    rev = lambda w: w.permute(0, 1, *range(w.dim() - 1, 1, -1)) if w.dim() > 2 else w  # noqa: E731
     n = len(ours.encoders)
     sd = {}
     for s in range(n):
         for c in range(len(ours.encoders[s])):
             p = f"encoder.stages.{s}.0.convs.{c}"
-            sd[f"encoders.{s}.{c}.conv.weight"] = rev(src[p + ".conv.weight"])
+            sd[f"encoders.{s}.{c}.conv.weight"] = reverse_axes(src[p + ".conv.weight"])
             sd[f"encoders.{s}.{c}.norm.weight"] = src[p + ".norm.weight"]
             sd[f"encoders.{s}.{c}.norm.bias"] = src[p + ".norm.bias"]
     for d in range(n - 1):  # nnU-Net's decoder stage d is fastvision's n - 2 - d (deepest first there)
         f = n - 2 - d
         for c in range(len(ours.decoders[f])):
             p = f"decoder.stages.{d}.convs.{c}"
-            w = rev(src[p + ".conv.weight"])
+            w = reverse_axes(src[p + ".conv.weight"])
             if c == 0:  # (up, skip) -> (skip, up)
                 h = w.shape[1] // 2
                 w = torch.cat([w[:, h:], w[:, :h]], 1)
             sd[f"decoders.{f}.{c}.conv.weight"] = w
             sd[f"decoders.{f}.{c}.norm.weight"] = src[p + ".norm.weight"]
             sd[f"decoders.{f}.{c}.norm.bias"] = src[p + ".norm.bias"]
-        sd[f"ups.{f}.conv.weight"] = rev(src[f"decoder.transpconvs.{d}.weight"])
+        sd[f"ups.{f}.conv.weight"] = reverse_axes(src[f"decoder.transpconvs.{d}.weight"])
         sd[f"ups.{f}.conv.bias"] = src[f"decoder.transpconvs.{d}.bias"]
         head = "head" if f == 0 else f"ds_heads.{f - 1}"
-        sd[head + ".weight"] = rev(src[f"decoder.seg_layers.{d}.weight"])
+        sd[head + ".weight"] = reverse_axes(src[f"decoder.seg_layers.{d}.weight"])
         sd[head + ".bias"] = src[f"decoder.seg_layers.{d}.bias"]
     ours.load_state_dict(sd, strict=True)
     body_bias = max(float(v.abs().max()) for k, v in src.items() if k.endswith("conv.bias"))
@@ -129,9 +137,9 @@ def network_check(plans: dict, cfg, config: str) -> bool:
     ref.train(), ours.train()
     with torch.no_grad():
         a = ref(x)
-        b = ours(x.permute(0, 1, *range(x.dim() - 1, 1, -1)))
+        b = ours(reverse_axes(x))
     # nnU-Net's outputs: full resolution first; fastvision's the same order
-    diffs = [float((u - rev(v)).abs().max()) for u, v in zip(a, b, strict=True)]
+    diffs = [float((u - reverse_axes(v)).abs().max()) for u, v in zip(a, b, strict=True)]
     scale = max(float(u.abs().max()) for u in a)
     ok = max(diffs) < 1e-4 * max(scale, 1.0)
     print(f"network: {sum(p.numel() for p in ref.parameters())} parameters in nnU-Net's (its body conv biases "
@@ -162,7 +170,7 @@ def placement(pre: Path, cfg, config: str, draws: int) -> None:
     trainer.initialize()
     tr, _ = trainer.get_tr_and_val_datasets()
     final = trainer.configuration_manager.patch_size
-    rot, _, initial, _ = trainer.configure_rotation_dummyDA_mirroring_and_inital_patch_size()
+    _, _, initial, _ = trainer.configure_rotation_dummyDA_mirroring_and_inital_patch_size()
     loader = nnUNetDataLoader(tr, 2, initial, final, trainer.label_manager, 0.33)
     cut = [slice((i - f) // 2, (i - f) // 2 + f) for i, f in zip(initial, final, strict=True)]
     np.random.seed(0)
@@ -179,8 +187,7 @@ def placement(pre: Path, cfg, config: str, draws: int) -> None:
                 s = crop_and_pad_nd(np.asarray(seg[:1]), box, -1)[(0, *cut)]
                 pad.append(1 - inside.mean())
                 fg.append((s > 0).mean())
-        print(f"  nnU-Net    {'forced foreground' if force else 'random           '}: padding {np.mean(pad):.3f}, "
-              f"foreground {np.mean(fg):.4f}")
+        _report("nnU-Net", force, pad, fg)
     splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
     size, fin = list(reversed(list(initial))), list(reversed(list(final)))
     gen = torch.Generator().manual_seed(0)
@@ -193,8 +200,7 @@ def placement(pre: Path, cfg, config: str, draws: int) -> None:
                 x, y = nnunet_patch(torch.ones_like(item["image"]), item["label"], size, force, gen, fin)
                 pad.append(1 - float(x[(0, *cut)].float().mean()))
                 fg.append(float((y[tuple(cut)] > 0).float().mean()))
-        print(f"  fastvision {'forced foreground' if force else 'random           '}: padding {np.mean(pad):.3f}, "
-              f"foreground {np.mean(fg):.4f} (its volumes reoriented to RAS; nnU-Net's in the files' voxel order)")
+        _report("fastvision", force, pad, fg, " (its volumes reoriented to RAS; nnU-Net's in the files' voxel order)")
 
 
 def main() -> None:
@@ -215,8 +221,12 @@ def main() -> None:
     except ImportError:
         ap.error("nnunetv2 is not importable: run this with nnU-Net's venv's python and fastvision on PYTHONPATH")
     from fastvision import config
+    from fastvision.errors import ConfigError
 
-    cfg = config.load(str(args.recipe))
+    try:
+        cfg = config.load(str(args.recipe))
+    except ConfigError as e:
+        ap.error(str(e))
     plans = json.loads(plans_file.read_text())
     if args.config not in plans["configurations"]:
         ap.error(f"{plans_file}: no configuration {args.config!r}; has {', '.join(plans['configurations'])}")
