@@ -94,18 +94,10 @@ def loss_check(plans: dict, cfg, config: str) -> bool:
     return ok
 
 
-def network_check(plans: dict, cfg, config: str) -> bool:
-    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
-
-    from fastvision.models import create_model
-
-    arch = plans["configurations"][config]["architecture"]
-    torch.manual_seed(0)
-    ref = get_network_from_plans(arch["network_class_name"], arch["arch_kwargs"], arch["_kw_requires_import"],
-                                 cfg.model.args["in_channels"], cfg.model.args["out_channels"], allow_init=True,
-                                 deep_supervision=True)
-    ours = create_model(cfg.model.name, **cfg.model.args)
-    src = ref.state_dict()
+def to_fastvision(src: dict, ours: torch.nn.Module) -> dict:
+    """nnU-Net's ``PlainConvUNet`` state dict ``src`` as a state dict of fastvision's U-Net ``ours`` (the same plan):
+    the axes reversed, decoder stages deepest first, the first decoder conv's input halves swapped ((up, skip) ->
+    (skip, up)), nnU-Net's body conv biases dropped (an instance norm follows each)."""
     n = len(ours.encoders)
     sd = {}
     for s in range(n):
@@ -130,6 +122,22 @@ def network_check(plans: dict, cfg, config: str) -> bool:
         head = "head" if f == 0 else f"ds_heads.{f - 1}"
         sd[head + ".weight"] = reverse_axes(src[f"decoder.seg_layers.{d}.weight"])
         sd[head + ".bias"] = src[f"decoder.seg_layers.{d}.bias"]
+    return sd
+
+
+def network_check(plans: dict, cfg, config: str) -> bool:
+    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+    from fastvision.models import create_model
+
+    arch = plans["configurations"][config]["architecture"]
+    torch.manual_seed(0)
+    ref = get_network_from_plans(arch["network_class_name"], arch["arch_kwargs"], arch["_kw_requires_import"],
+                                 cfg.model.args["in_channels"], cfg.model.args["out_channels"], allow_init=True,
+                                 deep_supervision=True)
+    ours = create_model(cfg.model.name, **cfg.model.args)
+    src = ref.state_dict()
+    sd = to_fastvision(src, ours)
     ours.load_state_dict(sd, strict=True)
     body_bias = max(float(v.abs().max()) for k, v in src.items() if k.endswith("conv.bias"))
     x = torch.randn(2, cfg.model.args["in_channels"], *plans["configurations"][config]["patch_size"],
@@ -203,6 +211,127 @@ def placement(pre: Path, cfg, config: str, draws: int) -> None:
         _report("fastvision", force, pad, fg, " (its volumes reoriented to RAS; nnU-Net's in the files' voxel order)")
 
 
+def preprocess_check(pre: Path, cfg, config: str, data: Path) -> bool:
+    """fastvision's ``preprocess_case`` with ``data.args.resample: nnunet`` against nnU-Net's preprocessed arrays,
+    every case: the image (CT window from nnU-Net's own intensity properties, so that the fingerprint's sampled
+    statistics are not what is compared) and the label (nnU-Net's -1, outside the non-zero mask, read as the 0
+    its training makes of it). fastvision's arrays are RAS; nnU-Net's the files' order transposed."""
+    import blosc2
+    import nibabel as nib
+
+    from fastvision.data.preprocess3d import PreprocessParams, orientation_to_ras, preprocess_case
+
+    plans = json.loads((pre / "nnUNetPlans.json").read_text())
+    cm = plans["configurations"][config]
+    args = dict(cfg.data.args)
+    window = nnunet_window(plans, args.get("intensity")) or tuple(map(float, args.get("window", (0.0, 1.0, 0.0, 1.0))))
+    params = PreprocessParams(target_spacing=tuple(map(float, args["target_spacing"])), intensity=args["intensity"],
+                              window=window, crop_foreground=args.get("crop_foreground", True), resample="nnunet")
+    folder = pre / cm["data_identifier"]
+    worst_image, labels_off, voxels, n = 0.0, 0, 0, 0
+    for f in sorted(folder.glob("*_seg.b2nd")):
+        case = f.name[: -len("_seg.b2nd")]
+        ref = blosc2.open(str(folder / f"{case}.b2nd"), mode="r")[:]
+        ref_seg = blosc2.open(str(f), mode="r")[:][0]
+        image, label = data / "imagesTr" / f"{case}.nii.gz", data / "labelsTr" / f"{case}.nii.gz"
+        ours = preprocess_case({"image": [image], "label": label}, params)
+        # nnU-Net's axes: the files' (i, j, k) reversed, then permuted by transpose_forward; ours: (i, j, k) in RAS
+        back = [int(x) for x in np.argsort(plans["transpose_forward"])]
+        a = reverse_axes(torch.from_numpy(ref.transpose(0, *[1 + x for x in back])), 1).numpy()
+        s = reverse_axes(torch.from_numpy(ref_seg.transpose(*back)), 0).numpy()
+        flips = [int(ax) for ax, d in orientation_to_ras(nib.load(str(image)).affine) if d < 0]
+        a, s = np.flip(a, [1 + x for x in flips]), np.flip(s, flips)
+        b, t = ours["image"].numpy(), ours["label"].numpy()
+        if a.shape != b.shape:
+            print(f"  {case}: shape nnU-Net {a.shape[1:]} (as RAS), fastvision {b.shape[1:]}")
+            return False
+        worst_image = max(worst_image, float(np.abs(a - b).max()))
+        labels_off += int((np.where(s < 0, 0, s) != t).sum())
+        voxels += t.size
+        n += 1
+    ok = worst_image < 1e-4 and labels_off == 0
+    print(f"preprocess: {n} cases, image largest difference {worst_image:.2e}, labels differing {labels_off} of "
+          f"{voxels} voxels -> {'equal' if ok else 'DIFFERENT'}")
+    return ok
+
+
+def nnunet_window(plans: dict, intensity: str | None) -> tuple[float, float, float, float] | None:
+    """nnU-Net's CT normalisation as fastvision's window, from the plan's own intensity properties (None: not CT)."""
+    if intensity != "ct":
+        return None
+    p = plans["foreground_intensity_properties_per_channel"]["0"]
+    lo, hi, mean, std = p["percentile_00_5"], p["percentile_99_5"], p["mean"], p["std"]
+    return (lo, hi, (lo - mean) / std, (hi - mean) / std)
+
+
+def score_check(nn_ckpt: Path, like: Path, data: Path, validation: Path, work: Path,
+                window: tuple[float, float, float, float] | None) -> None:
+    """nnU-Net's trained network scored by fastvision's prediction path: its weights (``nn_ckpt``, an nnU-Net
+    ``checkpoint_*.pth``) in the model of a fastvision checkpoint of the same plan (``like``), fp32 as nnU-Net
+    predicts on a CPU, on nnU-Net's preprocessing (``resample: nnunet``, the plan's CT window), predicting
+    nnU-Net's validation cases (the ``.nii.gz`` in ``validation``, nnU-Net's own predictions, and its
+    ``summary.json``) through ``fastvision predict``'s path; per case Dice against the label files beside
+    nnU-Net's, and the voxels where the two predictions differ."""
+    import nibabel as nib
+
+    from fastvision import api, config
+    from fastvision.data.preprocess3d import orientation_to_ras
+    from fastvision.engine import checkpoint
+    from fastvision.inference.postprocess import case_dice, defined_means
+    from fastvision.models import create_model
+
+    # nnU-Net's checkpoint holds numpy scalars (its logged losses): allowed by name, no pickled code run
+    allowed = [np._core.multiarray.scalar, np.dtype, *{type(np.dtype(t)) for t in ("float64", "float32", "int64")}]
+    with torch.serialization.safe_globals(allowed):
+        src = torch.load(nn_ckpt, map_location="cpu", weights_only=True)["network_weights"]
+    ckpt = checkpoint.load(like)
+    cfg = config.from_dict(ckpt["config"])
+    ckpt["model"] = to_fastvision({k.removeprefix("_orig_mod."): v for k, v in src.items()},
+                                  create_model(cfg.model.name, **cfg.model.args))
+    ckpt.pop("eval_model", None)
+    ckpt["config"]["train"]["amp"] = "off"  # nnU-Net predicts in fp32 on a CPU
+    data_args = ckpt["config"]["data"]["args"]
+    data_args["resample"] = "nnunet"  # the arrays the network trained on (preprocess_check)
+    if window is not None:
+        data_args["window"] = list(window)
+    work.mkdir(parents=True, exist_ok=True)
+    swapped = work / "nnunet-in-fastvision.pt"
+    torch.save(ckpt, swapped)
+    cases = sorted(p.name[:-len(".nii.gz")] for p in validation.glob("*.nii.gz"))
+    files = [data / "imagesTr" / f"{c}.nii.gz" for c in cases]
+    # fastvision's arrays are RAS, nnU-Net's in the files' voxel order, and an 8-iteration network is far from
+    # mirror-invariant: it sees the arrays it trained on, the RAS-mirrored axes flipped back around it
+    flips = {tuple(int(a) for a, d in orientation_to_ras(nib.load(str(f)).affine) if d < 0) for f in files}
+    if len(flips) != 1:
+        raise SystemExit(f"--score: the validation images differ in orientation ({sorted(flips)}): not supported")
+    dims = [2 + a for a in flips.pop()]
+    run, _ = api.load_run(swapped, "cpu", with_data=False)
+
+    class InFileOrder(torch.nn.Module):
+        def __init__(self, net: torch.nn.Module):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.flip(self.net(torch.flip(x, dims)), dims) if dims else self.net(x)
+
+    run.task.predict_files(InFileOrder(run.model).eval(), files, work / "pred", run.cfg, run.device)
+    classes = [[int(k)] for k in json.loads((data / "dataset.json").read_text())["labels"] if int(k) > 0]
+    ours, theirs = [], []
+    for c in cases:
+        label = np.asarray(nib.load(str(data / "labelsTr" / f"{c}.nii.gz")).dataobj)
+        a = np.asarray(nib.load(str(validation / f"{c}.nii.gz")).dataobj)
+        b = np.asarray(nib.load(str(work / "pred" / f"{c}.nii.gz")).dataobj)
+        theirs.append(case_dice(a, label, classes))
+        ours.append(case_dice(b, label, classes))
+        print(f"  {c}: Dice nnU-Net's prediction {float(np.nanmean(theirs[-1])):.3f}, fastvision's path "
+              f"{float(np.nanmean(ours[-1])):.3f}; voxels differing {float((a != b).mean()):.4f}")
+    summary = json.loads((validation / "summary.json").read_text())["foreground_mean"]["Dice"]
+    print(f"score: nnU-Net's network ({nn_ckpt.name}) on {len(cases)} cases: nnU-Net's validation {summary:.4f} "
+          f"(recomputed {float(np.mean(defined_means(np.stack(theirs)))):.4f}), fastvision's prediction path "
+          f"{float(np.mean(defined_means(np.stack(ours)))):.4f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pre", type=Path, required=True, help="nnU-Net's preprocessed dataset folder")
@@ -211,9 +340,21 @@ def main() -> None:
     ap.add_argument("--placement", action="store_true",
                     help="also compare the patch placement (slow: loads every case)")
     ap.add_argument("--draws", type=int, default=50, help="placement draws per case and kind")
+    ap.add_argument("--preprocess", action="store_true",
+                    help="also compare data.args.resample: nnunet's preprocessing with nnU-Net's arrays (needs --data)")
+    ap.add_argument("--score", type=Path, metavar="NNUNET_CKPT",
+                    help="also score this nnU-Net checkpoint through fastvision's prediction path (needs --like, "
+                         "--data; its validation folder beside it)")
+    ap.add_argument("--like", type=Path, help="a fastvision checkpoint of the same plan (its config and model)")
+    ap.add_argument("--data", type=Path, help="the Decathlon folder both sides trained on (imagesTr, labelsTr)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/nnunet_parity"), help="where --score writes")
     args = ap.parse_args()
     plans_file = args.pre / "nnUNetPlans.json"
-    for f in (plans_file, args.recipe):
+    if args.preprocess and not args.data:
+        ap.error("--preprocess needs --data (the Decathlon folder nnU-Net converted)")
+    if args.score and not (args.like and args.data):
+        ap.error("--score needs --like (a fastvision checkpoint) and --data (the Decathlon folder)")
+    for f in (plans_file, args.recipe, *(p for p in (args.score, args.like) if p)):
         if not f.is_file():
             ap.error(f"{f}: no such file")
     try:
@@ -233,6 +374,11 @@ def main() -> None:
     ok = loss_check(plans, cfg, args.config) & network_check(plans, cfg, args.config)
     if args.placement:
         placement(args.pre, cfg, args.config, args.draws)
+    if args.preprocess:
+        ok &= preprocess_check(args.pre, cfg, args.config, args.data)
+    if args.score:
+        score_check(args.score, args.like, args.data, args.score.parent / "validation", args.work,
+                    nnunet_window(plans, cfg.data.args.get("intensity")))
     sys.exit(0 if ok else 1)
 
 

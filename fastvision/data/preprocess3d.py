@@ -50,6 +50,9 @@ def _nibabel():
     return nibabel
 
 
+RESAMPLE = ("monai", "nnunet")  # data.args.resample: whose preprocessing order and interpolation
+
+
 @dataclass(frozen=True)
 class PreprocessParams:
     """Everything that changes the cached result; part of the cache key.
@@ -67,6 +70,11 @@ class PreprocessParams:
         crop_margin: margin in voxels around the foreground box.
         label_map: ``((from, to), ...)`` applied to label values on load (BraTS: ``((4, 3),)``).
         nonfinite: a file holding NaN / Inf: ``error`` (DataError naming it) or ``zero`` (read as 0).
+        resample: ``monai`` - resample, then intensity, then crop, on MONAI ``Spacing``'s grid with a
+            trilinear image and a nearest label (the module's steps); ``nnunet`` - nnU-Net v2's
+            ``DefaultPreprocessor``: crop, intensity, then resample on its grid, third-order spline
+            image, per-label linear label, the coarse axis of an anisotropic case apart
+            (:mod:`fastvision.data.nnunet_resampling`).
     """
 
     target_spacing: tuple[float, float, float] | None = None
@@ -76,10 +84,13 @@ class PreprocessParams:
     crop_margin: int = 0
     label_map: tuple[tuple[int, int], ...] = ()
     nonfinite: str = "error"
+    resample: str = "monai"
 
     def __post_init__(self):
         if self.crop_foreground not in (True, False, "nonzero"):
             raise ConfigError(f"data.args.crop_foreground: true, false or nonzero, got {self.crop_foreground!r}")
+        if self.resample not in RESAMPLE:
+            raise ConfigError(f"data.args.resample: {' or '.join(RESAMPLE)}, got {self.resample!r}")
 
     def key(self) -> dict[str, Any]:
         """Plain-data form for hashing into a cache key."""
@@ -229,10 +240,14 @@ def _intensity(image: torch.Tensor, params: PreprocessParams) -> tuple[torch.Ten
         out = image
     else:
         raise DataError(f"preprocess intensity must be ct, mri, zscore or none, got {params.intensity!r}")
-    # the crop's mask: CT above the window's low end (MONAI, crop_foreground true), else any
-    # channel != 0 (nnU-Net's crop_to_nonzero, every modality with crop_foreground nonzero)
+    return out, _crop_mask(image, params)
+
+
+def _crop_mask(image: torch.Tensor, params: PreprocessParams) -> torch.Tensor:
+    """(X, Y, Z) mask of the crop on the raw image: CT above the window's low end (MONAI, crop_foreground
+    true), else any channel != 0 (nnU-Net's crop_to_nonzero, every modality with crop_foreground nonzero)."""
     ct_body = params.intensity == "ct" and params.crop_foreground is True
-    return out, ((image > params.window[0]) if ct_body else (image != 0)).any(0)
+    return ((image > params.window[0]) if ct_body else (image != 0)).any(0)
 
 
 def preprocess_case(paths: dict[str, Any], params: PreprocessParams,
@@ -253,6 +268,8 @@ def preprocess_case(paths: dict[str, Any], params: PreprocessParams,
         ``resampled_shape``, ``crop_box`` and the final ``affine`` and ``spacing``.
     """
     case = _load_case(paths, params, finite or NonFinite(params.nonfinite))
+    if params.resample == "nnunet":
+        return _preprocess_nnunet(case, params)
     _resample_case(case, params.target_spacing)
     res_shape = tuple(case["image"].shape[1:])
     image, fg = _intensity(case["image"].float(), params)
@@ -266,4 +283,47 @@ def preprocess_case(paths: dict[str, Any], params: PreprocessParams,
     out: dict[str, Any] = {"image": image[(slice(None),) + sl].contiguous().float(), "meta": meta}
     if case["label"] is not None:
         out["label"] = case["label"][0][sl].to(torch.uint8).contiguous()
+    return out
+
+
+def _preprocess_nnunet(case: dict[str, Any], params: PreprocessParams) -> dict[str, Any]:
+    """``resample: nnunet``: crop, intensity, then nnU-Net's resampling (on the RAS volume: its resize is
+    symmetric, so the axis flips of the reorientation commute with it). ``meta["crop_first"]`` tells
+    :func:`restore_to_input` the order."""
+    from fastvision.data import nnunet_resampling as nr
+
+    raw = case["image"].float()
+    ras_shape = tuple(raw.shape[1:])
+    box = foreground_box(_crop_mask(raw, params), params.crop_margin) if params.crop_foreground \
+        else [(0, n) for n in ras_shape]
+    sl = tuple(slice(a, b) for a, b in box)
+    shift = np.eye(4)
+    shift[:3, 3] = [a for a, _ in box]
+    crop_affine = case["affine"] @ shift
+    image, _ = _intensity(raw[(slice(None),) + sl], params)
+    label = case["label"][0][sl] if case["label"] is not None else None
+    cropped = tuple(image.shape[1:])
+    affine = crop_affine
+    if params.target_spacing is not None:
+        spacing = spacing_of(crop_affine)
+        shape = nr.new_shape(cropped, spacing, params.target_spacing)
+        axis = nr.coarse_axis(spacing, params.target_spacing)
+        if shape != cropped:
+            # in the file's axis directions (a label's exact 0.5 ties round as nnU-Net's do on its arrays)
+            ornt = orientation_to_ras(np.asarray(case["meta"]["input_affine"], np.float64))
+            flips = tuple(int(a) for a, d in ornt if d < 0)
+
+            def filed(x: np.ndarray, lead: int) -> np.ndarray:
+                return np.flip(x, [lead + a for a in flips]) if flips else x
+
+            image = torch.from_numpy(filed(nr.resize_image(filed(image.numpy(), 1), shape, axis), 1).copy())
+            if label is not None:
+                label = torch.from_numpy(filed(nr.resize_label(filed(label.numpy(), 0), shape, axis), 0).copy())
+            affine = nr.resize_affine(crop_affine, cropped, shape)
+    meta = {**case["meta"], "crop_first": True, "crop_box": [list(b) for b in box], "cropped_shape": list(cropped),
+            "resampled_shape": list(image.shape[1:]), "affine": torch.from_numpy(affine),
+            "spacing": spacing_of(affine).tolist()}
+    out: dict[str, Any] = {"image": image.contiguous().float(), "meta": meta}
+    if label is not None:
+        out["label"] = label.to(torch.uint8).contiguous()
     return out

@@ -230,17 +230,26 @@ def restore_to_input(x: torch.Tensor, meta: dict[str, Any], mode: str = "nearest
     """
     squeeze = x.dim() == 3
     x = x[None] if squeeze else x
-    full = x.new_full((x.shape[0], *meta["resampled_shape"]), fill)
     box = meta["crop_box"]
-    full[(slice(None),) + tuple(slice(a, b) for a, b in box)] = x
-    shift = np.eye(4)
-    shift[:3, 3] = [-a for a, _ in box]
-    res_affine = np.asarray(meta["affine"], dtype=np.float64) @ shift  # the affine before the crop
+    crop = (slice(None),) + tuple(slice(a, b) for a, b in box)
     in_affine = np.asarray(meta["input_affine"], dtype=np.float64)
     ornt = orientation_to_ras(in_affine)
     nio = _nio()
     ras_affine = in_affine @ nio.inv_ornt_aff(ornt, meta["input_shape"])
-    full = resample_to(full, res_affine, ras_affine, meta["ras_shape"], "nearest" if mode == "nearest" else "linear")
+    interp = "nearest" if mode == "nearest" else "linear"
+    if meta.get("crop_first"):  # resample: nnunet cropped before resampling: back onto the crop, then pad it
+        shift = np.eye(4)
+        shift[:3, 3] = [a for a, _ in box]
+        full = x.new_full((x.shape[0], *meta["ras_shape"]), fill)
+        full[crop] = resample_to(x, np.asarray(meta["affine"], dtype=np.float64), ras_affine @ shift,
+                                 meta["cropped_shape"], interp)
+    else:
+        full = x.new_full((x.shape[0], *meta["resampled_shape"]), fill)
+        full[crop] = x
+        shift = np.eye(4)
+        shift[:3, 3] = [-a for a, _ in box]
+        res_affine = np.asarray(meta["affine"], dtype=np.float64) @ shift  # the affine before the crop
+        full = resample_to(full, res_affine, ras_affine, meta["ras_shape"], interp)
     arr = np.moveaxis(full.cpu().numpy(), 0, -1)
     back = nio.ornt_transform(nio.axcodes2ornt("RAS"), nio.io_orientation(in_affine))
     arr = np.ascontiguousarray(nio.apply_orientation(arr, back))

@@ -186,7 +186,8 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
     common = {"target_spacing": tuple(map(float, spacing)) if spacing else None,
               "crop_foreground": _crop_mode(data_args.get("crop_foreground", True)),
               "crop_margin": int(data_args.get("crop_margin", 0)),
-              "nonfinite": str(data_args.get("nonfinite", "error"))}  # a NaN input: the run's policy
+              "nonfinite": str(data_args.get("nonfinite", "error")),  # a NaN input: the run's policy
+              "resample": str(data_args.get("resample", "monai"))}
     if data_name == "brats":
         return PreprocessParams(intensity="mri", **common), _brats_release_uses_4(data_args)
     meta_file = Path(str(data_args.get("path", ""))) / "dataset.json"

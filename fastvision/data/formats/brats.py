@@ -54,12 +54,13 @@ def find_cases(root: str | Path) -> list[dict]:
 def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int = 0,
                 target_spacing: tuple[float, float, float] | None = None, crop_foreground: bool | str = True,
                 crop_margin: int = 0, patch_size: tuple[int, int, int] | None = None,
-                pos_fraction: float = 0.5, skip_unreadable: bool = False, nonfinite: str = "error") -> DatasetSplits:
+                pos_fraction: float = 0.5, skip_unreadable: bool = False, nonfinite: str = "error",
+                resample: str = "monai") -> DatasetSplits:
     """Raw BraTS folder (any release 2017-2024) -> train/val of fold ``fold``; MRI z-score on the
     foreground per channel. The release's label convention is recorded in ``info``.
 
-    Args: as :func:`fastvision.data.formats.decathlon.build_decathlon` (no CT options; ``nonfinite``
-    included).
+    Args: as :func:`fastvision.data.formats.decathlon.build_decathlon` (no CT options; ``nonfinite`` and
+    ``resample`` included).
     """
     layout = detect(dataset_folder(path, "BraTS"))
     cases = layout.cases
@@ -71,7 +72,7 @@ def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int
     params = PreprocessParams(
         target_spacing=tuple(map(float, target_spacing)) if target_spacing else None, intensity="mri",
         crop_foreground=crop_foreground, crop_margin=crop_margin, label_map=layout.label_map,
-        nonfinite=NonFinite(nonfinite).policy)
+        nonfinite=NonFinite(nonfinite).policy, resample=resample)
     info = {"num_classes": 4, "class_names": BRATS_CLASS_NAMES, "in_channels": 4, "channels": list(MODALITIES),
             "regions": list(REGION_NAMES), "preprocess": params.key(), "label_convention": layout.convention()}
     return build_splits(cases, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from fastvision.data import spatial3d
+from fastvision.data import nnunet_resampling, spatial3d
 from fastvision.data.formats.anomalies import drop_unreadable, first_few, nifti_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.patches import RandPatch, random_patch  # noqa: F401 (re-exported)
@@ -209,9 +209,9 @@ class _Preprocess(Transform):
 
     def signature(self) -> str:
         module = inspect.getmodule(self.compute)
-        try:  # the geometry module's source too: a change in resampling changes every cached array
+        try:  # the geometry modules' source too: a change in resampling changes every cached array
             code = inspect.getsource(module) if module else ""
-            code += inspect.getsource(spatial3d)
+            code += inspect.getsource(spatial3d) + inspect.getsource(nnunet_resampling)
         except (OSError, TypeError):  # no source file: fall back to the function's bytecode
             code = self.compute.__code__.co_code.hex()
         return json.dumps({"params": self.params.key(), "compute": getattr(self.compute, "__qualname__", ""),
@@ -306,7 +306,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
                     crop_foreground: bool | str = True, crop_margin: int = 0,
                     patch_size: tuple[int, int, int] | None = None, pos_fraction: float = 0.5,
                     oversample: str = "random", placement: str = "monai", num_samples: int = 1,
-                    skip_unreadable: bool = False, nonfinite: str = "error") -> DatasetSplits:
+                    skip_unreadable: bool = False, nonfinite: str = "error", resample: str = "monai") -> DatasetSplits:
     """Decathlon task folder -> train/val of fold ``fold`` (of ``num_folds``); the preprocessed volumes
     are cached by ``data.cache`` (ram, disk, shared, smart, gpu), not here.
 
@@ -325,10 +325,10 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         placement: ``monai`` (patch kept inside the volume) or ``nnunet`` (``get_bbox``: a random
             present class's voxel exactly at the centre, the box may leave the volume).
         num_samples: patches cut from each cached volume per step (MONAI's; :class:`MultiPatch`).
-        skip_unreadable: drop (with one warning) cases whose NIfTI headers do not read, instead of
-            stopping with an error naming the file.
+        skip_unreadable: drop (one warning) cases whose NIfTI headers do not read, not stop naming the file.
         nonfinite: NaN or Inf in a volume: ``error`` stops with one line naming the file when it
             is read (the cache fill, or the item); ``zero`` reads them as 0, one warning per file.
+        resample: ``monai`` or ``nnunet`` (nnU-Net's order and interpolation): :class:`PreprocessParams`.
     """
     check_num_samples(num_samples)  # before any file is read
     found = read_dataset_json(dataset_folder(path, "Decathlon dataset"))
@@ -352,7 +352,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     params = PreprocessParams(
         target_spacing=tuple(map(float, target_spacing)) if target_spacing else None, intensity=intensity,
         window=tuple(map(float, window)), crop_foreground=crop_foreground, crop_margin=crop_margin,
-        label_map=label_map, nonfinite=NonFinite(nonfinite).policy)
+        label_map=label_map, nonfinite=NonFinite(nonfinite).policy, resample=resample)
     info = {"num_classes": len(class_names), "class_names": class_names, "in_channels": max(1, len(modalities)),
             "channels": modalities, "regions": ["wt", "tc", "et"] if label_map else None,
             "test_images": [str(p) for p in found["test"]], "preprocess": params.key(),

@@ -38,6 +38,11 @@ HE_INIT = False  # model.args.init: he
 HEAD_INIT = True
 ENLARGED_PATCH = False  # data.args.patch_size: the initial patch, data.augment.affine.size: the network's
 LINEAR_LABELS = False  # data.augment.affine.label_mode: linear
+# data.args.resample: nnunet (crop, normalise, then nnU-Net's spline / per-label resampling), RESAMPLE_NOTE's screen
+NNUNET_RESAMPLE = True
+RESAMPLE_NOTE = ("nnU-Net's DefaultPreprocessor: crop, clip and z-score, then resample (3rd-order spline image, "
+                 "per-label linear labels, its grid); MONAI's order (trilinear, then the window) saturates CT: "
+                 "first validation 0.445 against 0.311 over 12 seeds (RESULTS.md, issue 41)")
 
 
 def check_trainer(trainer: str, base: str) -> None:
@@ -104,7 +109,8 @@ def nnunet_overrides(n_cases: int, batch: int, regions: bool, thin: bool, stages
     steps = steps_per_epoch(n_cases, batch)
     return {
         "model": {"args": {"deep_supervision": stages >= 3, **_init()}},
-        "data": {"args": {"oversample": "batch_tail", "placement": "nnunet"}},
+        "data": {"args": {"oversample": "batch_tail", "placement": "nnunet",
+                          **({"resample": "nnunet"} if NNUNET_RESAMPLE else {})}},
         "loss": {"name": "dice_ce", "args": {
             "include_background": regions, "softmax": not regions, "sigmoid": regions, "squared_pred": False,
             "batch": thin, "smooth_nr": 1e-5, "smooth_dr": 1e-5, "lambda_dice": 1.0, "lambda_ce": 1.0}},
@@ -136,6 +142,7 @@ def trainer_choices(trainer: str, ov: dict[str, Any], n_cases: int) -> list[tupl
         ("data.args.placement", "nnunet",
          "nnUNetDataLoader.get_bbox: a random present class, one of its voxels exactly at the patch centre (the "
          "patch may reach past the volume, zeros there); other patches uniform over the volume"),
+        *([("data.args.resample", "nnunet", RESAMPLE_NOTE)] if NNUNET_RESAMPLE else []),
         ("model.args.deep_supervision", ov["model"]["args"]["deep_supervision"],
          "logits at every decoder scale in training, weights 1/2^i, the lowest 0, normalised; targets by "
          "nearest-exact down-sampling (off with a single decoder scale)"),
