@@ -95,7 +95,9 @@ def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
     return run_dir, None
 
 
-_RUN_FILES = {"config.yaml", "metrics.jsonl", "metrics.previous.jsonl", "checkpoints", "tensorboard"}
+# what a run writes before its first checkpoint; "hang": the watchdog's stack dumps, written when a rank stopped
+# arriving (a killed worker: torchrun's restart then finds them beside no checkpoint)
+_RUN_FILES = {"config.yaml", "metrics.jsonl", "metrics.previous.jsonl", "checkpoints", "tensorboard", "hang"}
 
 
 def _only_run_files(run_dir: Path) -> bool:

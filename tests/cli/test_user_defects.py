@@ -156,6 +156,25 @@ def test_a_setting_the_model_cannot_take_is_one_line_and_the_folder_can_be_reuse
     assert not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").read_text().count('"parameters"') <= 1
 
 
+def test_an_attempt_killed_before_its_first_checkpoint_restarts_in_place(tmp_path):
+    """A worker killed at its first step: the watchdog of the rank left waiting dumps stacks into run/hang before
+    torchrun restarts the job, whose --resume auto then starts afresh (it found the dumps beside no checkpoint and
+    refused, once, in CI on a loaded 2-core machine); a folder with anything else in it is still refused."""
+    from fastvision.api import prepare_run_dir
+    from fastvision.errors import DataError
+
+    run = tmp_path / "run"
+    (run / "hang").mkdir(parents=True)
+    (run / "hang" / "rank0.txt").write_text("stacks")
+    (run / "config.yaml").write_text("{}")
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert prepare_run_dir("r", str(run), "auto") == (run, None)
+    assert (run / "metrics.previous.jsonl").is_file() and (run / "hang" / "rank0.txt").is_file()  # kept
+    (run / "notes.txt").write_text("a user's file")
+    with pytest.raises(DataError, match="no checkpoints/last.pt"):
+        prepare_run_dir("r", str(run), "auto")
+
+
 def test_a_run_folder_with_a_checkpoint_is_still_refused(tiny_microscopy, tmp_path, capsys):
     run = tmp_path / "run"
     argv = ["train", "unet2d-microscopy", "--data", tiny_microscopy, "--out", run, *TINY]
