@@ -7,7 +7,7 @@ Runs in nnU-Net's venv with fastvision on the path (nnU-Net's packages are not f
 
 ``--pre`` is nnU-Net's preprocessed dataset folder (its ``nnUNetPlans.json``, and for ``--placement`` the
 ``nnUNetPlans_3d_fullres`` cases and ``splits_final.json``); ``--recipe`` what ``configure --trainer nnunet``
-wrote for the same data (``train_vs_nnunet.py`` leaves both under its ``--work``). Three checks:
+wrote for the same data (``train_vs_nnunet.py`` leaves both under its ``--work``). The checks:
 
 - **loss**: nnU-Net's ``DeepSupervisionWrapper(DC_and_CE_loss)`` (its trainer's weights, targets by its
   ``DownsampleSegForDSTransform``) against fastvision's ``DeepSupervisionLoss(DiceCELoss)`` with the recipe's
@@ -19,7 +19,12 @@ wrote for the same data (``train_vs_nnunet.py`` leaves both under its ``--work``
 - **placement** (``--placement``): the share of padding and foreground in the final patch, forced-foreground
   and random, by nnU-Net's ``get_bbox`` on its preprocessed cases and by fastvision's ``nnunet_patch`` on the
   recipe's dataset (each with nnU-Net's initial patch). Not a pass/fail check: it shows where the two differ.
-Exit 1 when the loss or the network differs beyond float rounding.
+- **preprocess** (``--preprocess --data D``): ``data.args.resample: nnunet``'s ``preprocess_case`` against nnU-Net's
+  preprocessed arrays, every case (the CT window from nnU-Net's plan: the fingerprints sample other voxels).
+- **score** (``--score CKPT --like FV_CKPT --data D``): an nnU-Net checkpoint's network, in the recipe's model,
+  predicting nnU-Net's validation cases through fastvision's prediction path (on nnU-Net's preprocessing, the
+  RAS-mirrored axes flipped back around the network), its Dice beside nnU-Net's own validation.
+Exit 1 when the loss, the network or the preprocessing differs beyond float rounding.
 """
 from __future__ import annotations
 
