@@ -132,7 +132,7 @@ def _interrupt(data: Path, out: Path) -> dict:
     err = log.read_text()
     parts = [err[a:b] for a, b in zip(cuts, [*cuts[1:], len(err)], strict=True)]
     return {"rc": proc.returncode, "out": str(out), "err": err, "parts": parts, "had_checkpoint": had,
-            "frozen": frozen}
+            "frozen": frozen, "victims": victims[:-1]}  # the workers killed (the last one was frozen)
 
 
 @pytest.mark.parametrize("when", ["before the first checkpoint", "after a step checkpoint"])

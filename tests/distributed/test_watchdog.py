@@ -121,12 +121,15 @@ def test_a_frozen_rank_is_named_and_the_job_exits_or_restarts(restarts, data, re
             proc.wait(timeout=240)
         finally:
             proc.kill()
-        rc, full_err = proc.returncode, log.read_text()
+        rc, full_err, killed = proc.returncode, log.read_text(), []
     else:  # test_elastic's job, frozen after three interruptions
         job = request.getfixturevalue("interrupted")
-        out, seen, rc, full_err = Path(job["out"]), job["frozen"], job["rc"], job["err"]
+        out, seen, rc, full_err, killed = Path(job["out"]), job["frozen"], job["rc"], job["err"], job["victims"]
     err, before = full_err[seen["cut"]:], full_err[:seen["cut"]]  # the job's stderr from the freeze on, before it
-    assert "did not arrive" not in before, before[-3000:]  # the one report is the frozen rank's
+    # no live rank reported: before the freeze a report may only name a worker the job killed (a SIGKILLed rank
+    # did not arrive either; on a loaded machine the watchdog can say so before torchrun restarts the job)
+    early = [x for x in before.splitlines() if "did not arrive" in x]
+    assert all(any(f", {pid}) did not arrive" in x for pid in killed) for x in early), before[-3000:]
     last, hang = out / "checkpoints" / "last.pt", out / "hang"
     victim, reported, seconds, live_stacks, report = (seen[k] for k in ("victim", "reported", "seconds",
                                                                          "live_stacks", "report"))
