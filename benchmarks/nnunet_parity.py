@@ -216,7 +216,7 @@ def placement(pre: Path, cfg, config: str, draws: int) -> None:
         _report("fastvision", force, pad, fg, " (its volumes reoriented to RAS; nnU-Net's in the files' voxel order)")
 
 
-def preprocess_check(pre: Path, cfg, config: str, data: Path) -> bool:
+def preprocess_check(pre: Path, plans: dict, cfg, config: str, data: Path) -> bool:
     """fastvision's ``preprocess_case`` with ``data.args.resample: nnunet`` against nnU-Net's preprocessed arrays,
     every case: the image (CT window from nnU-Net's own intensity properties, so that the fingerprint's sampled
     statistics are not what is compared) and the label (nnU-Net's -1, outside the non-zero mask, read as the 0
@@ -224,15 +224,16 @@ def preprocess_check(pre: Path, cfg, config: str, data: Path) -> bool:
     import blosc2
     import nibabel as nib
 
-    from fastvision.data.preprocess3d import PreprocessParams, orientation_to_ras, preprocess_case
+    from fastvision.data.preprocess3d import PreprocessParams, mirrored_axes, preprocess_case
 
-    plans = json.loads((pre / "nnUNetPlans.json").read_text())
     cm = plans["configurations"][config]
     args = dict(cfg.data.args)
     window = nnunet_window(plans, args.get("intensity")) or tuple(map(float, args.get("window", (0.0, 1.0, 0.0, 1.0))))
     params = PreprocessParams(target_spacing=tuple(map(float, args["target_spacing"])), intensity=args["intensity"],
                               window=window, crop_foreground=args.get("crop_foreground", True), resample="nnunet")
     folder = pre / cm["data_identifier"]
+    # nnU-Net's axes: the files' (i, j, k) reversed, then permuted by transpose_forward; ours: (i, j, k) in RAS
+    back = [int(x) for x in np.argsort(plans["transpose_forward"])]
     worst_image, labels_off, voxels, n = 0.0, 0, 0, 0
     for f in sorted(folder.glob("*_seg.b2nd")):
         case = f.name[: -len("_seg.b2nd")]
@@ -240,11 +241,9 @@ def preprocess_check(pre: Path, cfg, config: str, data: Path) -> bool:
         ref_seg = blosc2.open(str(f), mode="r")[:][0]
         image, label = data / "imagesTr" / f"{case}.nii.gz", data / "labelsTr" / f"{case}.nii.gz"
         ours = preprocess_case({"image": [image], "label": label}, params)
-        # nnU-Net's axes: the files' (i, j, k) reversed, then permuted by transpose_forward; ours: (i, j, k) in RAS
-        back = [int(x) for x in np.argsort(plans["transpose_forward"])]
         a = reverse_axes(torch.from_numpy(ref.transpose(0, *[1 + x for x in back])), 1).numpy()
         s = reverse_axes(torch.from_numpy(ref_seg.transpose(*back)), 0).numpy()
-        flips = [int(ax) for ax, d in orientation_to_ras(nib.load(str(image)).affine) if d < 0]
+        flips = mirrored_axes(nib.load(str(image)).affine)
         a, s = np.flip(a, [1 + x for x in flips]), np.flip(s, flips)
         b, t = ours["image"].numpy(), ours["label"].numpy()
         if a.shape != b.shape:
@@ -280,7 +279,7 @@ def score_check(nn_ckpt: Path, like: Path, data: Path, validation: Path, work: P
     import nibabel as nib
 
     from fastvision import api, config
-    from fastvision.data.preprocess3d import orientation_to_ras
+    from fastvision.data.preprocess3d import mirrored_axes
     from fastvision.engine import checkpoint
     from fastvision.inference.postprocess import case_dice, defined_means
     from fastvision.models import create_model
@@ -306,7 +305,7 @@ def score_check(nn_ckpt: Path, like: Path, data: Path, validation: Path, work: P
     files = [data / "imagesTr" / f"{c}.nii.gz" for c in cases]
     # fastvision's arrays are RAS, nnU-Net's in the files' voxel order, and an 8-iteration network is far from
     # mirror-invariant: it sees the arrays it trained on, the RAS-mirrored axes flipped back around it
-    flips = {tuple(int(a) for a, d in orientation_to_ras(nib.load(str(f)).affine) if d < 0) for f in files}
+    flips = {mirrored_axes(nib.load(str(f)).affine) for f in files}
     if len(flips) != 1:
         raise SystemExit(f"--score: the validation images differ in orientation ({sorted(flips)}): not supported")
     dims = [2 + a for a in flips.pop()]
@@ -380,7 +379,7 @@ def main() -> None:
     if args.placement:
         placement(args.pre, cfg, args.config, args.draws)
     if args.preprocess:
-        ok &= preprocess_check(args.pre, cfg, args.config, args.data)
+        ok &= preprocess_check(args.pre, plans, cfg, args.config, args.data)
     if args.score:
         score_check(args.score, args.like, args.data, args.score.parent / "validation", args.work,
                     nnunet_window(plans, cfg.data.args.get("intensity")))

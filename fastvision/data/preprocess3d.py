@@ -29,7 +29,9 @@ import torch
 
 from fastvision.data.nonfinite import NonFinite
 from fastvision.data.spatial3d import (  # noqa: F401  (re-exported: the geometry of this module's output)
+    crop_offset,
     label_onto_image,
+    mirrored_axes,
     orientation_to_ras,
     reorient,
     resample_to,
@@ -275,9 +277,7 @@ def preprocess_case(paths: dict[str, Any], params: PreprocessParams,
     image, fg = _intensity(case["image"].float(), params)
     box = foreground_box(fg, params.crop_margin) if params.crop_foreground else [(0, n) for n in res_shape]
     sl = tuple(slice(a, b) for a, b in box)
-    shift = np.eye(4)
-    shift[:3, 3] = [a for a, _ in box]
-    affine = case["affine"] @ shift
+    affine = case["affine"] @ crop_offset(box)
     meta = {**case["meta"], "resampled_shape": list(res_shape), "crop_box": [list(b) for b in box],
             "affine": torch.from_numpy(affine), "spacing": spacing_of(affine).tolist()}
     out: dict[str, Any] = {"image": image[(slice(None),) + sl].contiguous().float(), "meta": meta}
@@ -287,9 +287,9 @@ def preprocess_case(paths: dict[str, Any], params: PreprocessParams,
 
 
 def _preprocess_nnunet(case: dict[str, Any], params: PreprocessParams) -> dict[str, Any]:
-    """``resample: nnunet``: crop, intensity, then nnU-Net's resampling (on the RAS volume: its resize is
-    symmetric, so the axis flips of the reorientation commute with it). ``meta["crop_first"]`` tells
-    :func:`restore_to_input` the order."""
+    """``resample: nnunet``: crop, intensity, then nnU-Net's resampling, run with the axes the RAS reorientation
+    mirrored flipped back (its resize is symmetric up to float rounding; in the files' directions a label's exact
+    0.5 ties round as nnU-Net's do on its arrays). ``meta["crop_first"]`` tells :func:`restore_to_input` the order."""
     from fastvision.data import nnunet_resampling as nr
 
     raw = case["image"].float()
@@ -297,9 +297,7 @@ def _preprocess_nnunet(case: dict[str, Any], params: PreprocessParams) -> dict[s
     box = foreground_box(_crop_mask(raw, params), params.crop_margin) if params.crop_foreground \
         else [(0, n) for n in ras_shape]
     sl = tuple(slice(a, b) for a, b in box)
-    shift = np.eye(4)
-    shift[:3, 3] = [a for a, _ in box]
-    crop_affine = case["affine"] @ shift
+    crop_affine = case["affine"] @ crop_offset(box)
     image, _ = _intensity(raw[(slice(None),) + sl], params)
     label = case["label"][0][sl] if case["label"] is not None else None
     cropped = tuple(image.shape[1:])
@@ -309,9 +307,7 @@ def _preprocess_nnunet(case: dict[str, Any], params: PreprocessParams) -> dict[s
         shape = nr.new_shape(cropped, spacing, params.target_spacing)
         axis = nr.coarse_axis(spacing, params.target_spacing)
         if shape != cropped:
-            # in the file's axis directions (a label's exact 0.5 ties round as nnU-Net's do on its arrays)
-            ornt = orientation_to_ras(np.asarray(case["meta"]["input_affine"], np.float64))
-            flips = tuple(int(a) for a, d in ornt if d < 0)
+            flips = mirrored_axes(case["meta"]["input_affine"])
 
             def filed(x: np.ndarray, lead: int) -> np.ndarray:
                 return np.flip(x, [lead + a for a in flips]) if flips else x

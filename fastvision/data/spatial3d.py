@@ -49,6 +49,18 @@ def orientation_to_ras(affine: np.ndarray) -> np.ndarray:
     return nio.ornt_transform(nio.io_orientation(affine), nio.axcodes2ornt("RAS"))
 
 
+def mirrored_axes(affine: np.ndarray) -> tuple[int, ...]:
+    """The RAS axes that reorienting a volume of ``affine`` mirrors (nnU-Net keeps them in the files' direction)."""
+    return tuple(int(a) for a, d in orientation_to_ras(np.asarray(affine, np.float64)) if d < 0)
+
+
+def crop_offset(box: Sequence[Sequence[int]], sign: int = 1) -> np.ndarray:
+    """4x4 translation by a crop box's start (``sign`` -1: back): ``affine @ crop_offset(box)`` is the crop's."""
+    shift = np.eye(4)
+    shift[:3, 3] = [sign * a for a, _ in box]
+    return shift
+
+
 def reorient(array: np.ndarray, affine: np.ndarray, ornt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Permute/flip the first three axes of ``array`` by ``ornt`` and update the affine.
 
@@ -237,19 +249,15 @@ def restore_to_input(x: torch.Tensor, meta: dict[str, Any], mode: str = "nearest
     nio = _nio()
     ras_affine = in_affine @ nio.inv_ornt_aff(ornt, meta["input_shape"])
     interp = "nearest" if mode == "nearest" else "linear"
+    affine = np.asarray(meta["affine"], dtype=np.float64)
     if meta.get("crop_first"):  # resample: nnunet cropped before resampling: back onto the crop, then pad it
-        shift = np.eye(4)
-        shift[:3, 3] = [a for a, _ in box]
         full = x.new_full((x.shape[0], *meta["ras_shape"]), fill)
-        full[crop] = resample_to(x, np.asarray(meta["affine"], dtype=np.float64), ras_affine @ shift,
-                                 meta["cropped_shape"], interp)
+        full[crop] = resample_to(x, affine, ras_affine @ crop_offset(box), meta["cropped_shape"], interp)
     else:
         full = x.new_full((x.shape[0], *meta["resampled_shape"]), fill)
         full[crop] = x
-        shift = np.eye(4)
-        shift[:3, 3] = [-a for a, _ in box]
-        res_affine = np.asarray(meta["affine"], dtype=np.float64) @ shift  # the affine before the crop
-        full = resample_to(full, res_affine, ras_affine, meta["ras_shape"], interp)
+        # from the affine before the crop
+        full = resample_to(full, affine @ crop_offset(box, -1), ras_affine, meta["ras_shape"], interp)
     arr = np.moveaxis(full.cpu().numpy(), 0, -1)
     back = nio.ornt_transform(nio.axcodes2ornt("RAS"), nio.io_orientation(in_affine))
     arr = np.ascontiguousarray(nio.apply_orientation(arr, back))
