@@ -22,8 +22,10 @@ wrote for the same data (``train_vs_nnunet.py`` leaves both under its ``--work``
 - **preprocess** (``--preprocess --data D``): ``data.args.resample: nnunet``'s ``preprocess_case`` against nnU-Net's
   preprocessed arrays, every case (the CT window from nnU-Net's plan: the fingerprints sample other voxels).
 - **score** (``--score CKPT --like FV_CKPT --data D``): an nnU-Net checkpoint's network, in the recipe's model,
-  predicting nnU-Net's validation cases through fastvision's prediction path (on nnU-Net's preprocessing, the
-  RAS-mirrored axes flipped back around the network), its Dice beside nnU-Net's own validation.
+  predicting nnU-Net's validation cases through fastvision's prediction path (on nnU-Net's preprocessing, with
+  ``task.args.sliding_window.style`` ``--style``: ``nnunet``, what ``configure --trainer nnunet`` writes, runs the
+  windows in the files' voxel directions; ``monai`` flips the RAS-mirrored axes back around the network), its
+  Dice beside nnU-Net's own validation and the share of voxels where the two label maps differ.
 Exit 1 when the loss, the network or the preprocessing differs beyond float rounding.
 """
 from __future__ import annotations
@@ -269,7 +271,7 @@ def nnunet_window(plans: dict, intensity: str | None) -> tuple[float, float, flo
 
 
 def score_check(nn_ckpt: Path, like: Path, data: Path, validation: Path, work: Path,
-                window: tuple[float, float, float, float] | None) -> None:
+                window: tuple[float, float, float, float] | None, style: str = "nnunet") -> None:
     """nnU-Net's trained network scored by fastvision's prediction path: its weights (``nn_ckpt``, an nnU-Net
     ``checkpoint_*.pth``) in the model of a fastvision checkpoint of the same plan (``like``), fp32 as nnU-Net
     predicts on a CPU, on nnU-Net's preprocessing (``resample: nnunet``, the plan's CT window), predicting
@@ -296,6 +298,7 @@ def score_check(nn_ckpt: Path, like: Path, data: Path, validation: Path, work: P
     ckpt["config"]["train"]["amp"] = "off"  # nnU-Net predicts in fp32 on a CPU
     data_args = ckpt["config"]["data"]["args"]
     data_args["resample"] = "nnunet"  # the arrays the network trained on (preprocess_check)
+    ckpt["config"]["task"]["args"]["sliding_window"]["style"] = style
     if window is not None:
         data_args["window"] = list(window)
     work.mkdir(parents=True, exist_ok=True)
@@ -304,8 +307,8 @@ def score_check(nn_ckpt: Path, like: Path, data: Path, validation: Path, work: P
     cases = sorted(p.name[:-len(".nii.gz")] for p in validation.glob("*.nii.gz"))
     files = [data / "imagesTr" / f"{c}.nii.gz" for c in cases]
     # fastvision's arrays are RAS, nnU-Net's in the files' voxel order, and an 8-iteration network is far from
-    # mirror-invariant: it sees the arrays it trained on, the RAS-mirrored axes flipped back around it
-    flips = {mirrored_axes(nib.load(str(f)).affine) for f in files}
+    # mirror-invariant: it sees the arrays it trained on (style nnunet: predict flips them; monai: flipped here)
+    flips = {mirrored_axes(nib.load(str(f)).affine) for f in files} if style == "monai" else {()}
     if len(flips) != 1:
         raise SystemExit(f"--score: the validation images differ in orientation ({sorted(flips)}): not supported")
     dims = [2 + a for a in flips.pop()]
@@ -321,19 +324,20 @@ def score_check(nn_ckpt: Path, like: Path, data: Path, validation: Path, work: P
 
     run.task.predict_files(InFileOrder(run.model).eval(), files, work / "pred", run.cfg, run.device)
     classes = [[int(k)] for k in json.loads((data / "dataset.json").read_text())["labels"] if int(k) > 0]
-    ours, theirs = [], []
+    ours, theirs, differ = [], [], []
     for c in cases:
         label = np.asarray(nib.load(str(data / "labelsTr" / f"{c}.nii.gz")).dataobj)
         a = np.asarray(nib.load(str(validation / f"{c}.nii.gz")).dataobj)
         b = np.asarray(nib.load(str(work / "pred" / f"{c}.nii.gz")).dataobj)
         theirs.append(case_dice(a, label, classes))
         ours.append(case_dice(b, label, classes))
+        differ.append(float((a != b).mean()))
         print(f"  {c}: Dice nnU-Net's prediction {float(np.nanmean(theirs[-1])):.3f}, fastvision's path "
               f"{float(np.nanmean(ours[-1])):.3f}; voxels differing {float((a != b).mean()):.4f}")
     summary = json.loads((validation / "summary.json").read_text())["foreground_mean"]["Dice"]
     print(f"score: nnU-Net's network ({nn_ckpt.name}) on {len(cases)} cases: nnU-Net's validation {summary:.4f} "
           f"(recomputed {float(np.mean(defined_means(np.stack(theirs)))):.4f}), fastvision's prediction path "
-          f"{float(np.mean(defined_means(np.stack(ours)))):.4f}")
+          f"{float(np.mean(defined_means(np.stack(ours)))):.4f} (style {style}; voxels differing {np.mean(differ):.5f})")
 
 
 def main() -> None:
@@ -352,6 +356,8 @@ def main() -> None:
     ap.add_argument("--like", type=Path, help="a fastvision checkpoint of the same plan (its config and model)")
     ap.add_argument("--data", type=Path, help="the Decathlon folder both sides trained on (imagesTr, labelsTr)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/nnunet_parity"), help="where --score writes")
+    ap.add_argument("--style", choices=("nnunet", "monai"), default="nnunet",
+                    help="--score's task.args.sliding_window.style (default nnunet, what configure writes)")
     args = ap.parse_args()
     plans_file = args.pre / "nnUNetPlans.json"
     if args.preprocess and not args.data:
@@ -382,7 +388,7 @@ def main() -> None:
         ok &= preprocess_check(args.pre, plans, cfg, args.config, args.data)
     if args.score:
         score_check(args.score, args.like, args.data, args.score.parent / "validation", args.work,
-                    nnunet_window(plans, cfg.data.args.get("intensity")))
+                    nnunet_window(plans, cfg.data.args.get("intensity")), args.style)
     sys.exit(0 if ok else 1)
 
 

@@ -64,7 +64,8 @@ def write_nifti(array: np.ndarray | Tensor, reference_nifti_path: str | Path, ou
     return out_path
 
 
-def labels_on_input(probs: Tensor, meta: dict, to_labels: Callable[[Tensor], Tensor], softmax: bool) -> np.ndarray:
+def labels_on_input(probs: Tensor, meta: dict, to_labels: Callable[[Tensor], Tensor], softmax: bool,
+                    logits: bool = False) -> np.ndarray:
     """Class indices on the input file's grid from (K, *S) probabilities on the preprocessed grid.
 
     The probabilities are resampled, linearly, and the labels are taken on the input grid, as nnU-Net's
@@ -80,6 +81,9 @@ def labels_on_input(probs: Tensor, meta: dict, to_labels: Callable[[Tensor], Ten
         meta: the case's preprocessing ``meta``.
         to_labels: (K, *S) probabilities -> (*S) class indices (sigmoid and region tasks).
         softmax: the task's mode is softmax.
+        logits: resample logits, not probabilities (nnU-Net's export; ``sliding_window.style: nnunet``):
+            ``log p`` for softmax (a logit up to a per-voxel constant, which the argmax ignores, so this
+            equals resampling the blended logits), ``log(p / (1 - p))`` for sigmoid, mapped back after.
 
     Returns:
         (X, Y, Z) uint8 class indices in the input file's voxel order.
@@ -87,12 +91,21 @@ def labels_on_input(probs: Tensor, meta: dict, to_labels: Callable[[Tensor], Ten
     from fastvision.data.preprocess3d import restore_to_input
 
     probs = probs.float().cpu()
+    tiny = torch.finfo(torch.float32).tiny
+    floor = float(np.log(tiny))  # the logit of the smallest probability: finite, so a linear blend stays a number
     if not softmax:
-        back = torch.from_numpy(np.moveaxis(restore_to_input(probs, meta, mode="linear"), -1, 0))
+        if logits:  # outside the crop: probability 0
+            z = torch.logit(probs.clamp(tiny, 1 - 2 ** -24))
+            back = torch.sigmoid(torch.from_numpy(np.moveaxis(restore_to_input(z, meta, "linear", floor), -1, 0)))
+        else:
+            back = torch.from_numpy(np.moveaxis(restore_to_input(probs, meta, mode="linear"), -1, 0))
         return to_labels(back).numpy().astype(np.uint8)
+    fills = (1.0, 0.0)  # outside the crop the background's probability is 1
+    if logits:
+        probs, fills = probs.clamp_min(tiny).log(), (0.0, floor)
     best = label = None
     for k in range(probs.shape[0]):
-        p = restore_to_input(probs[k], meta, mode="linear", fill=1.0 if k == 0 else 0.0)
+        p = restore_to_input(probs[k], meta, mode="linear", fill=fills[0] if k == 0 else fills[1])
         if best is None:
             best, label = p, np.zeros(p.shape, np.uint8)
             continue
@@ -225,7 +238,7 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
     Returns:
         (written paths, count of this rank's cases skipped because written already).
     """
-    from fastvision.data.preprocess3d import preprocess_case
+    from fastvision.data.preprocess3d import mirrored_axes, preprocess_case
 
     params, brats_ids = prediction_preprocessing(ensemble.task, cfg.data.name, cfg.data.args)
     mine = shard(cases, rank, world)
@@ -236,12 +249,21 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
         return preprocess_case({"image": case["image"], "label": None}, params)
 
     softmax = ensemble.task.mode == "softmax"
+    nnunet = (ensemble.task.sliding_window or {}).get("style") == "nnunet"
 
     def infer(pre: dict) -> Tensor:
-        return ensemble.probabilities(pre["image"]).float().cpu()
+        if not nnunet:
+            return ensemble.probabilities(pre["image"]).float().cpu()
+        # nnU-Net's predictor pads and places its windows in the files' voxel directions: the axes the RAS
+        # reorientation mirrored are flipped back around the prediction
+        dims = [1 + a for a in mirrored_axes(np.asarray(pre["meta"]["input_affine"], np.float64))]
+        image = pre["image"].flip(dims) if dims else pre["image"]
+        probs = ensemble.probabilities(image).float().cpu()
+        return probs.flip(dims) if dims else probs
 
     def export(case: dict, pre: dict, probs: Tensor) -> None:
-        label = postprocess.apply(labels_on_input(probs, pre["meta"], ensemble.labels, softmax), steps)
+        label = postprocess.apply(labels_on_input(probs, pre["meta"], ensemble.labels, softmax, logits=nnunet),
+                                  steps)
         written.append(save_segmentation(label, case["image"][0], out / f"{case['id']}.nii.gz", brats_ids=brats_ids))
 
     run_pipeline(todo, prepare, infer, export, overlap=overlap)

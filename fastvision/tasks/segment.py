@@ -40,7 +40,10 @@ class SegmentationTask(Task):
             labels (BraTS WT/TC/ET of a per-label model, seed 000); then ``region_names`` is required.
         region_names: names used in the metric keys (``dice/WT``); default: the region's index.
         sample_shape: (C, *S) of one input, for benchmark mode's synthetic batches.
-        sliding_window: validation by sliding window: ``{roi_size, overlap, mode, sw_batch_size}``.
+        sliding_window: validation by sliding window: ``{roi_size, overlap, mode, sw_batch_size, style}``;
+            ``style``: ``monai`` (MONAI's window placement and Gaussian) or ``nnunet`` (nnU-Net v2's predictor:
+            its evenly spread windows and Gaussian; ``predict`` also runs the windows in the files' voxel
+            directions and resamples logits, not probabilities, back to each file's grid).
         val_window: the window of validation (with ``sliding_window``; ``predict`` keeps the recipe's):
             ``roi`` its ``roi_size``; ``whole`` one forward per volume, the volume padded up to the
             model's divisor; ``halves`` two windows in one batch, each half the longest axis (the
@@ -102,6 +105,9 @@ class SegmentationTask(Task):
             self.consts = DeviceConstants(region_lut=region_lut(self.regions))
         self.sample_shape = tuple(sample_shape)
         self.sliding_window = dict(sliding_window) if sliding_window else None
+        style = (self.sliding_window or {}).get("style", "monai")
+        if style not in ("monai", "nnunet"):
+            raise ConfigError(f"task.args.sliding_window.style: monai or nnunet, got {style!r}")
         spacing = ((info or {}).get("preprocess") or {}).get("target_spacing") or (info or {}).get("spacing")
         self.spacing = tuple(float(s) for s in spacing) if spacing else None  # the voxel size the overlays draw
 

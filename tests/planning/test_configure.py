@@ -358,6 +358,7 @@ def test_nnunet_trainer_writes_nnunet_training(tmp_path):
     assert cfg.train.clip_grad == 12.0 and aug["noise"]["std"] == 0.1 and aug["affine"]["sampling_scale"] is True
     assert (cfg.data.args["oversample"], cfg.data.args["placement"]) == ("batch_tail", "nnunet")
     assert cfg.data.args["resample"] == "nnunet"  # DefaultPreprocessor's crop -> normalise -> spline resample
+    assert cfg.task.args["sliding_window"]["style"] == "nnunet"  # nnUNetPredictor's steps, Gaussian, export
     run_training(str(tmp_path / "recipe.yaml"), out=str(tmp_path / "run"), overrides={"epochs": 1},
                  extra=[{"model": {"args": {"filters": [4, 8, 16, 32][:len(cfg.model.args["filters"])]}},
                          "data": {"cache": "ram", "cache_dir": None, "args": {"num_folds": 2}}}], progress=False)

@@ -99,7 +99,8 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
             "regions": list(regions.values()) if regions else None,
             "region_names": list(regions) if regions else None,
             "sample_shape": [len(fp["channels"]), *patch],
-            "sliding_window": {"roi_size": patch, "overlap": OVERLAP, "mode": "gaussian", "sw_batch_size": batch}}},
+            "sliding_window": {"roi_size": patch, "overlap": OVERLAP, "mode": "gaussian", "sw_batch_size": batch,
+                               **({"style": "nnunet"} if trainer == "nnunet" else {})}}},
         "model": _model(fp, topo, base, geo["thin_axis"] is not None),
         "data": {"name": "decathlon", "args": {
             "path": data, "target_spacing": [round(s, 4) for s in geo["spacing"]], **norm,
@@ -191,7 +192,11 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
                                       "the target GPU's precision; on a CPU with AMX or AVX-512 BF16, "
                                       "train.amp=bf16 trains faster: the log names it)"))
     rows.append(("task.args.sliding_window", t["sliding_window"],
-                 f"ROI = the training patch, overlap {OVERLAP:g}, Gaussian blending (nnU-Net's predictor)"))
+                 f"ROI = the training patch, overlap {OVERLAP:g}, Gaussian blending (nnU-Net's predictor)"
+                 + ("; style nnunet: its evenly spread windows and Gaussian, the windows in the files' voxel "
+                    "directions, logits resampled to each file's grid (predict gives nnU-Net's labels for "
+                    "nnU-Net's network: RESULTS.md, issue 41)" if t["sliding_window"].get("style") == "nnunet"
+                    else "")))
     return rows + trainer_choices(trainer, ov, fp["n_cases"])
 
 

@@ -1,0 +1,135 @@
+"""``task.args.sliding_window.style: nnunet``: nnU-Net v2's window steps and Gaussian (hand cases, and nnU-Net's
+own functions where nnunetv2 is installed), logits resampled for the export, and the windows run in the files'
+voxel directions by ``predict``'s path."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
+from fastvision.errors import ConfigError
+from fastvision.inference.nifti import labels_on_input, predict_nifti_files
+from fastvision.inference.window import importance_map, sliding_window, window_starts
+
+
+@pytest.mark.parametrize("size,roi,overlap,want", [
+    (110, 64, 0.5, [0, 23, 46]),  # the example in nnU-Net's compute_steps_for_sliding_window
+    (100, 32, 0.5, [0, 14, 27, 41, 54, 68]),  # 6 windows, 68 / 5 = 13.6 apart
+    (10, 5, 0.5, [0, 2, 5]),  # 2.5 rounds half to even, as np.round
+    (33, 32, 0.5, [0, 1]),
+    (32, 32, 0.5, [0]),
+    (20, 32, 0.5, [0]),
+])
+def test_nnunet_window_starts_hand_cases(size, roi, overlap, want):
+    assert window_starts(size, roi, overlap, "nnunet") == want
+
+
+def test_monai_window_starts_unchanged():
+    assert window_starts(100, 32, 0.5) == window_starts(100, 32, 0.5, "monai") == [0, 16, 32, 48, 64, 68]
+
+
+def test_nnunet_gaussian_hand_values():
+    roi = (5, 4, 6)
+    w = importance_map(roi, style="nnunet").double()
+    c = (2, 2, 3)  # edge // 2, not the window's centre (1.5 on the even axes)
+    assert w[c] == w.max() and w.argmax() == np.ravel_multi_index(c, roi)
+    sig = [n / 8 for n in roi]
+    for v in [(0, 0, 0), (4, 1, 5), (3, 3, 1)]:
+        want = math.prod(math.exp(-((a - b) ** 2) / (2 * s * s)) for a, b, s in zip(v, c, sig))
+        assert float(w[v] / w[c]) == pytest.approx(want, rel=1e-6)
+
+
+def test_nnunet_gaussian_cut_at_scipys_radius():
+    # sigma 2 on a 40-voxel edge: scipy's gaussian_filter reaches int(4 * 2 + 0.5) = 8 voxels from the centre 20
+    w = importance_map((40, 3, 3), sigma_scale=0.05, style="nnunet")
+    inside = w[12:29]
+    assert (inside > 0).all() and torch.equal(w[:12], torch.full_like(w[:12], inside.min().item()))
+    assert torch.equal(w[29:], torch.full_like(w[29:], inside.min().item()))
+
+
+def test_against_nnunets_own_functions():
+    sw = pytest.importorskip("nnunetv2.inference.sliding_window_prediction")
+    for roi in ([32, 32, 24], [25, 33, 7], [5, 6, 9]):
+        g = sw.compute_gaussian(tuple(roi), 1 / 8, 10, dtype=torch.float32, device=torch.device("cpu"))
+        torch.testing.assert_close(importance_map(roi, style="nnunet"), g / g.max(), atol=1e-7, rtol=0)
+    for size in range(24, 140, 7):
+        for roi, step in ((24, 0.5), (25, 0.5), (32, 0.75), (7, 0.9)):
+            if size >= roi:
+                assert window_starts(size, roi, 1 - step, "nnunet") == sw.compute_steps_for_sliding_window(
+                    (size,), (roi,), step)[0]
+
+
+def test_unknown_style_is_refused():
+    with pytest.raises(ValueError, match="style"):
+        sliding_window(lambda x: x, torch.zeros(1, 1, 8, 8), (4, 4), style="grid")
+    from fastvision.tasks.segment import SegmentationTask
+
+    with pytest.raises(ConfigError, match=r"task.args.sliding_window.style: monai or nnunet, got 'grid'"):
+        SegmentationTask(sliding_window={"roi_size": [4, 4, 4], "style": "grid"}, loss=nn.Identity())
+
+
+def _case(tmp_path, affine, shape):
+    data = np.zeros(shape, np.float32)
+    data[1:-1, 2:-1, 1:] = 1.0
+    nib.save(nib.Nifti1Image(data, affine), str(tmp_path / "img.nii.gz"))
+    return preprocess_case({"image": [tmp_path / "img.nii.gz"], "label": None},
+                           PreprocessParams(target_spacing=(1.5, 1.5, 2.0), intensity="none", crop_foreground=True))
+
+
+def test_exported_logits_are_the_resampled_log_probabilities(tmp_path):
+    """logits=True: each class's log-probability resampled linearly (the crop's outside: log 1 for the background,
+    the floor for the others), then the argmax; scipy's interpolation as the reference. Not the probabilities'."""
+    from scipy.ndimage import map_coordinates
+
+    shape = (13, 11, 7)
+    affine = np.array([[-1.2, 0, 0, 14.0], [0, -1.3, 0, 9.0], [0, 0, 2.5, -3.0], [0, 0, 0, 1]])
+    pre = _case(tmp_path, affine, shape)
+    meta = pre["meta"]
+    probs = torch.softmax(3 * torch.randn(3, *pre["image"].shape[1:], generator=torch.Generator().manual_seed(0)), 0)
+    got = labels_on_input(probs, meta, lambda p: p.argmax(0), softmax=True, logits=True)
+    floor = np.log(np.finfo(np.float32).tiny)
+    full = np.full((3, *meta["resampled_shape"]), floor)
+    full[0] = 0.0
+    box = meta["crop_box"]
+    full[(slice(None),) + tuple(slice(a, b) for a, b in box)] = probs.double().log().numpy()
+    v = np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), 0).reshape(3, -1)
+    m = np.linalg.solve(np.asarray(meta["affine"], np.float64), np.asarray(meta["input_affine"], np.float64))
+    coords = m[:3, :3] @ v + m[:3, 3:4] + np.array([[a] for a, _ in box], np.float64)
+    want = np.stack([map_coordinates(f, coords, order=1, mode="nearest") for f in full]).reshape(3, *shape)
+    np.testing.assert_array_equal(got, want.argmax(0))
+    assert (got != labels_on_input(probs, meta, lambda p: p.argmax(0), softmax=True)).any()
+
+
+class _Ramp(nn.Module):
+    """Logits that depend on where a voxel sits in its window: class 1 wins past the window's middle on axis 0."""
+
+    def forward(self, x):
+        r = torch.arange(x.shape[2], dtype=x.dtype) - (x.shape[2] - 1) / 2
+        one = r.view(1, 1, -1, 1, 1).expand(x.shape[0], 1, *x.shape[2:])
+        return torch.cat([torch.zeros_like(one), one], 1)
+
+
+@pytest.mark.parametrize("style", ["nnunet", "monai"])
+def test_predict_runs_the_windows_in_the_files_directions(tmp_path, style):
+    """A file whose first axis RAS mirrors, 7 voxels under an 8-voxel window: nnU-Net pads the odd voxel after
+    the volume in the file's order, so file voxel i sits at window position i (class 1 from i = 4 on); MONAI's
+    style pads after it in RAS order, which is before it in the file's (class 1 up to i = 2)."""
+    from fastvision.tasks.segment import SegmentationTask
+
+    affine = np.diag([-1.5, 1.5, 1.5, 1.0])
+    nib.save(nib.Nifti1Image(np.ones((7, 4, 4), np.float32), affine), str(tmp_path / "img.nii.gz"))
+    task = SegmentationTask(num_classes=2, sample_shape=[1, 8, 4, 4], loss=nn.Identity(),
+                            sliding_window={"roi_size": [8, 4, 4], "overlap": 0.5, "mode": "gaussian",
+                                            "style": style})
+    cfg = SimpleNamespace(data=SimpleNamespace(name="decathlon", args={
+        "intensity": "none", "crop_foreground": False, "target_spacing": None}))
+    predict_nifti_files(task, _Ramp(), [tmp_path / "img.nii.gz"], tmp_path / "out", cfg, torch.device("cpu"))
+    got = np.asarray(nib.load(str(tmp_path / "out" / "img.nii.gz")).dataobj)[:, 0, 0]
+    want = np.arange(7) >= 4 if style == "nnunet" else np.arange(7) <= 2
+    np.testing.assert_array_equal(got, want.astype(np.uint8))
