@@ -337,7 +337,8 @@ def score_check(nn_ckpt: Path, like: Path, data: Path, validation: Path, work: P
     summary = json.loads((validation / "summary.json").read_text())["foreground_mean"]["Dice"]
     print(f"score: nnU-Net's network ({nn_ckpt.name}) on {len(cases)} cases: nnU-Net's validation {summary:.4f} "
           f"(recomputed {float(np.mean(defined_means(np.stack(theirs)))):.4f}), fastvision's prediction path "
-          f"{float(np.mean(defined_means(np.stack(ours)))):.4f} (style {style}; voxels differing {np.mean(differ):.5f})")
+          f"{float(np.mean(defined_means(np.stack(ours)))):.4f} (style {style}; voxels differing "
+          f"{np.mean(differ):.5f})")
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ def test_nnunet_gaussian_hand_values():
     assert w[c] == w.max() and w.argmax() == np.ravel_multi_index(c, roi)
     sig = [n / 8 for n in roi]
     for v in [(0, 0, 0), (4, 1, 5), (3, 3, 1)]:
-        want = math.prod(math.exp(-((a - b) ** 2) / (2 * s * s)) for a, b, s in zip(v, c, sig))
+        want = math.prod(math.exp(-((a - b) ** 2) / (2 * s * s)) for a, b, s in zip(v, c, sig, strict=True))
         assert float(w[v] / w[c]) == pytest.approx(want, rel=1e-6)
 
 
