@@ -23,9 +23,10 @@ wrote for the same data (``train_vs_nnunet.py`` leaves both under its ``--work``
   preprocessed arrays, every case (the CT window from nnU-Net's plan: the fingerprints sample other voxels).
 - **score** (``--score CKPT --like FV_CKPT --data D``): an nnU-Net checkpoint's network, in the recipe's model,
   predicting nnU-Net's validation cases through fastvision's prediction path (on nnU-Net's preprocessing, with
-  ``task.args.sliding_window.style`` ``--style``: ``nnunet``, what ``configure --trainer nnunet`` writes, runs the
-  windows in the files' voxel directions; ``monai`` flips the RAS-mirrored axes back around the network), its
-  Dice beside nnU-Net's own validation and the share of voxels where the two label maps differ.
+  ``task.args.sliding_window.style`` ``--style``: ``nnunet``, what ``configure --trainer nnunet`` writes, with the
+  RAS-mirrored axes flipped back around the whole prediction, as nnU-Net's network saw its arrays and its
+  predictor places windows on them; ``monai`` flips them around the network only), its Dice beside nnU-Net's own
+  validation and the share of voxels where the two label maps differ.
 Exit 1 when the loss, the network or the preprocessing differs beyond float rounding.
 """
 from __future__ import annotations
@@ -307,22 +308,37 @@ def score_check(nn_ckpt: Path, like: Path, data: Path, validation: Path, work: P
     cases = sorted(p.name[:-len(".nii.gz")] for p in validation.glob("*.nii.gz"))
     files = [data / "imagesTr" / f"{c}.nii.gz" for c in cases]
     # fastvision's arrays are RAS, nnU-Net's in the files' voxel order, and an 8-iteration network is far from
-    # mirror-invariant: it sees the arrays it trained on (style nnunet: predict flips them; monai: flipped here)
-    flips = {mirrored_axes(nib.load(str(f)).affine) for f in files} if style == "monai" else {()}
+    # mirror-invariant: it sees the arrays it trained on, the RAS-mirrored axes flipped back. Style nnunet: around
+    # the whole prediction, so the windows are padded and placed in the files' order as nnU-Net's predictor places
+    # them; monai: around the network, the windows placed in RAS order as fastvision places them for its own nets
+    flips = {mirrored_axes(nib.load(str(f)).affine) for f in files}
     if len(flips) != 1:
         raise SystemExit(f"--score: the validation images differ in orientation ({sorted(flips)}): not supported")
     dims = [2 + a for a in flips.pop()]
     run, _ = api.load_run(swapped, "cpu", with_data=False)
+    (work / "pred").mkdir(exist_ok=True)
+    if style == "nnunet":
+        from fastvision.inference.nifti import predict_cases, prediction_cases
+        from fastvision.inference.volumes import Ensemble
 
-    class InFileOrder(torch.nn.Module):
-        def __init__(self, net: torch.nn.Module):
-            super().__init__()
-            self.net = net
+        class InFileOrderPrediction(Ensemble):
+            def probabilities(self, image: torch.Tensor) -> torch.Tensor:
+                d = [a - 1 for a in dims]  # (C, *S)
+                return super().probabilities(torch.flip(image, d)).flip(d) if d else super().probabilities(image)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.flip(self.net(torch.flip(x, dims)), dims) if dims else self.net(x)
+        with torch.no_grad():
+            predict_cases(InFileOrderPrediction(run.task, run.model, [], run.device), run.cfg,
+                          prediction_cases(files), work / "pred", force=True)
+    else:
+        class InFileOrder(torch.nn.Module):
+            def __init__(self, net: torch.nn.Module):
+                super().__init__()
+                self.net = net
 
-    run.task.predict_files(InFileOrder(run.model).eval(), files, work / "pred", run.cfg, run.device)
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return torch.flip(self.net(torch.flip(x, dims)), dims) if dims else self.net(x)
+
+        run.task.predict_files(InFileOrder(run.model).eval(), files, work / "pred", run.cfg, run.device)
     classes = [[int(k)] for k in json.loads((data / "dataset.json").read_text())["labels"] if int(k) > 0]
     ours, theirs, differ = [], [], []
     for c in cases:

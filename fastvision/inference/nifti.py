@@ -238,7 +238,7 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
     Returns:
         (written paths, count of this rank's cases skipped because written already).
     """
-    from fastvision.data.preprocess3d import mirrored_axes, preprocess_case
+    from fastvision.data.preprocess3d import preprocess_case
 
     params, brats_ids = prediction_preprocessing(ensemble.task, cfg.data.name, cfg.data.args)
     mine = shard(cases, rank, world)
@@ -252,14 +252,7 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
     nnunet = (ensemble.task.sliding_window or {}).get("style") == "nnunet"
 
     def infer(pre: dict) -> Tensor:
-        if not nnunet:
-            return ensemble.probabilities(pre["image"]).float().cpu()
-        # nnU-Net's predictor pads and places its windows in the files' voxel directions: the axes the RAS
-        # reorientation mirrored are flipped back around the prediction
-        dims = [1 + a for a in mirrored_axes(np.asarray(pre["meta"]["input_affine"], np.float64))]
-        image = pre["image"].flip(dims) if dims else pre["image"]
-        probs = ensemble.probabilities(image).float().cpu()
-        return probs.flip(dims) if dims else probs
+        return ensemble.probabilities(pre["image"]).float().cpu()
 
     def export(case: dict, pre: dict, probs: Tensor) -> None:
         label = postprocess.apply(labels_on_input(probs, pre["meta"], ensemble.labels, softmax, logits=nnunet),

@@ -42,8 +42,8 @@ class SegmentationTask(Task):
         sample_shape: (C, *S) of one input, for benchmark mode's synthetic batches.
         sliding_window: validation by sliding window: ``{roi_size, overlap, mode, sw_batch_size, style}``;
             ``style``: ``monai`` (MONAI's window placement and Gaussian) or ``nnunet`` (nnU-Net v2's predictor:
-            its evenly spread windows and Gaussian; ``predict`` also runs the windows in the files' voxel
-            directions and resamples logits, not probabilities, back to each file's grid).
+            its evenly spread windows and Gaussian; ``predict`` also resamples logits, not probabilities, back
+            to each file's grid). The windows see the arrays as training did (RAS) in both.
         val_window: the window of validation (with ``sliding_window``; ``predict`` keeps the recipe's):
             ``roi`` its ``roi_size``; ``whole`` one forward per volume, the volume padded up to the
             model's divisor; ``halves`` two windows in one batch, each half the longest axis (the

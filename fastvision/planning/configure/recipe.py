@@ -193,9 +193,9 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
                                       "train.amp=bf16 trains faster: the log names it)"))
     rows.append(("task.args.sliding_window", t["sliding_window"],
                  f"ROI = the training patch, overlap {OVERLAP:g}, Gaussian blending (nnU-Net's predictor)"
-                 + ("; style nnunet: its evenly spread windows and Gaussian, the windows in the files' voxel "
-                    "directions, logits resampled to each file's grid (predict gives nnU-Net's labels for "
-                    "nnU-Net's network: RESULTS.md, issue 41)" if t["sliding_window"].get("style") == "nnunet"
+                 + ("; style nnunet: its evenly spread windows and Gaussian, logits resampled to each file's "
+                    "grid (nnU-Net's network predicts nnU-Net's labels through it: RESULTS.md, issue 41)"
+                    if t["sliding_window"].get("style") == "nnunet"
                     else "")))
     return rows + trainer_choices(trainer, ov, fp["n_cases"])
 
