@@ -3,8 +3,8 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/runs/2026-12-02-predict-parity/rescore.py \
         --work /tmp/s53/w --style nnunet --out OUT IN.json ...
 
-Each IN.json is a ``train_vs_nnunet.py --json`` report; its run folder (``run-nnunet<tag>`` under ``--work``/spleen,
-the tag taken from the file name: ``fv<prec>-spleen-r<r>.json`` -> ``-p<prec>-r<r>``) still holds the step
+Each IN.json is a ``train_vs_nnunet.py --json`` report; its run folder (``run-nnunet<tag>`` under ``--work``/<set>,
+the set and tag taken from the file name: ``fv<prec>-<set>-r<r>.json`` -> ``-p<prec>-r<r>``) still holds the step
 checkpoints. Every checkpoint is copied with the style set, scored by ``score_as_nnunet`` (the same function,
 cases and Dice as the run), and the report is written to OUT with the curve's Dice replaced (``dice_before``
 keeps the old one). Training is not repeated: the style changes the prediction, not the weights."""
@@ -35,14 +35,16 @@ p.add_argument("--out", type=Path, required=True)
 p.add_argument("reports", nargs="+", type=Path)
 a = p.parse_args()
 a.out.mkdir(parents=True, exist_ok=True)
-data = a.work / "spleen" / "Task09_Spleen"
-ids = sorted(Path(c["image"]).name.replace(".nii.gz", "") for c in json.load(open(data / "dataset.json"))["training"])
-_, val = kfold_split(ids, 0, 5)
 for f in a.reports:
-    m = re.match(r"fv(\w+?)-spleen-r(\d+)\.json", f.name)
-    run = a.work / "spleen" / f"run-nnunet-p{m[1]}-r{m[2]}"
+    m = re.match(r"fv(\w+?)-(\w+)-r(\d+)\.json", f.name)
+    kind = m[2]
+    data = next((a.work / kind).glob("Task*"))
+    ids = sorted(Path(c["image"]).name.replace(".nii.gz", "")
+                 for c in json.load(open(data / "dataset.json"))["training"])
+    _, val = kfold_split(ids, 0, 5)
+    run = a.work / kind / f"run-nnunet-p{m[1]}-r{m[3]}"
     rep = json.load(open(f))
-    side = rep["spleen"]["fastvision-nnunet"]
+    side = rep[kind]["fastvision-nnunet"]
     dst = a.out / "runs" / run.name
     (dst / "checkpoints").mkdir(parents=True, exist_ok=True)
     for point in side["curve"]:
