@@ -6,7 +6,9 @@ one case, so at most four cases are in host memory at once (one read ahead, one 
 one waiting for export, one being written), whatever the number of cases.
 
 Probabilities: each weight set's softmax (sigmoid for sigmoid / region models) of the task's
-sliding window, averaged over mirrored inputs (``tta_axes``) and over the weight sets. On CUDA
+sliding window, averaged over mirrored inputs (``tta_axes``) and over the weight sets. With
+``sliding_window.style: nnunet`` nnU-Net's predictor instead: each window's logits averaged over its
+mirrored copies, the weight sets' blended logits averaged, then the softmax / sigmoid. On CUDA
 they accumulate in fp16 on the device when the volume's probabilities fit in free device memory
 (with room for the window's fp32 blend), else in fp32 in host memory while the windows still
 run on the device; on a CPU in fp32.
@@ -48,6 +50,24 @@ def input_channels(model: nn.Module) -> int | None:
     return conv.in_channels if conv is not None else None
 
 
+class Mirrored(nn.Module):
+    """nnU-Net's mirroring inside each window (``_internal_maybe_mirror_and_predict``): the logits of the
+    window and of its copies mirrored along every non-empty subset of ``dims``, each flipped back, averaged."""
+
+    def __init__(self, net: nn.Module, dims: Sequence[int]):
+        super().__init__()
+        self.net, self.dims = net, [int(d) for d in dims]
+
+    def forward(self, x: Tensor) -> Tensor:
+        import itertools
+
+        out = self.net(x).float()
+        subsets = [c for k in range(1, len(self.dims) + 1) for c in itertools.combinations(self.dims, k)]
+        for c in subsets:
+            out = out + torch.flip(self.net(torch.flip(x, c)), c).float()
+        return out / (len(subsets) + 1)
+
+
 class Ensemble:
     """One architecture, several weight sets (folds): mean probabilities, then labels.
 
@@ -69,6 +89,11 @@ class Ensemble:
         if window is not None and self.tta_axes:
             window.pop("tta_flips", None)  # --tta decides the mirroring
         self.window = window
+        self.nnunet = (window or {}).get("style") == "nnunet"
+        if self.nnunet and not self.tta_axes and window and window.get("tta_flips"):
+            self.tta_axes = tuple(int(a) for a in window["tta_flips"])  # the recipe's mirroring, inside the windows
+        if self.nnunet and window is not None:
+            window.pop("tta_flips", None)
         if self.states:  # a mismatched member fails here, before any case is read
             self.model.load_state_dict(self.states[0])
 
@@ -82,17 +107,22 @@ class Ensemble:
         free, _ = torch.cuda.mem_get_info(self.device)
         return (self.device, torch.float16) if need < 0.8 * free else (torch.device("cpu"), torch.float32)
 
-    def _probabilities(self, x: Tensor, out_device: torch.device) -> Tensor:
+    def _logits(self, x: Tensor, out_device: torch.device, model: nn.Module) -> Tensor:
         t = self.task
         with self.autocast():
             if self.window is None or t.eval_mode == "crop":
-                logits = t.eval_forward(self.model, {"image": x})
+                logits = t.eval_forward(model, {"image": x})
             else:
                 from fastvision.inference.window import sliding_window_inference
 
-                logits = sliding_window_inference(x, self.model, **{**self.window, "device": out_device})
-        logits = logits.float().to(out_device)
-        return torch.softmax(logits, 1) if t.mode == "softmax" else torch.sigmoid(logits)
+                logits = sliding_window_inference(x, model, **{**self.window, "device": out_device})
+        return logits.float().to(out_device)
+
+    def _nonlin(self, logits: Tensor) -> Tensor:
+        return torch.softmax(logits, 1) if self.task.mode == "softmax" else torch.sigmoid(logits)
+
+    def _probabilities(self, x: Tensor, out_device: torch.device) -> Tensor:
+        return self._nonlin(self._logits(x, out_device, self.model))
 
     @torch.no_grad()
     def probabilities(self, image: Tensor) -> Tensor:
@@ -107,10 +137,15 @@ class Ensemble:
                 self.model.load_state_dict(state)
             if acc is None:
                 out_device, dtype = self._accumulator(x, getattr(self.task, "num_classes", 2))
-            run = functools.partial(self._probabilities, out_device=out_device)
-            p = flip_tta(run, x, dims=[2 + a for a in self.tta_axes]) if self.tta_axes else run(x)
+            if self.nnunet:  # nnU-Net's predictor: logits, mirrored inside each window, averaged
+                model = Mirrored(self.model, [2 + a for a in self.tta_axes]) if self.tta_axes else self.model
+                p = self._logits(x, out_device, model)
+            else:
+                run = functools.partial(self._probabilities, out_device=out_device)
+                p = flip_tta(run, x, dims=[2 + a for a in self.tta_axes]) if self.tta_axes else run(x)
             acc = p.to(dtype) if acc is None else acc.add_(p.to(dtype))
-        return (acc / len(members))[0]
+        acc = acc / len(members)
+        return (self._nonlin(acc.float()).to(acc.dtype) if self.nnunet else acc)[0]
 
     def labels(self, probs: Tensor) -> Tensor:
         """(K, *S) probabilities -> (*S) uint8 class indices on the host (regions painted inside out)."""

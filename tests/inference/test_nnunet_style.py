@@ -133,3 +133,43 @@ def test_predict_windows_the_arrays_as_training_saw_them(tmp_path, style):
     predict_nifti_files(task, _Ramp(), [tmp_path / "img.nii.gz"], tmp_path / "out", cfg, torch.device("cpu"))
     got = np.asarray(nib.load(str(tmp_path / "out" / "img.nii.gz")).dataobj)[:, 0, 0]
     np.testing.assert_array_equal(got, (np.arange(7) <= 2).astype(np.uint8))
+
+
+def _conv(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.LeakyReLU(0.01), nn.Conv3d(4, 2, 3, padding=1)).eval()
+
+
+def test_mirrored_is_mirror_equivariant_and_the_net_where_the_net_is():
+    from fastvision.inference.volumes import Mirrored
+
+    x = torch.randn(2, 1, 6, 5, 4, generator=torch.Generator().manual_seed(0))
+    m = Mirrored(_conv(), [2, 3, 4])
+    with torch.no_grad():
+        y = m(x)
+        assert not torch.allclose(_conv()(x), y, atol=1e-3)  # a 3x3x3 net is not mirror-invariant
+        for d in ([2], [3], [4], [2, 4]):
+            torch.testing.assert_close(m(torch.flip(x, d)), torch.flip(y, d), atol=1e-5, rtol=0)
+        pointwise = nn.Conv3d(1, 2, 1).eval()  # mirror-equivariant already: its mirrored mean is itself
+        torch.testing.assert_close(Mirrored(pointwise, [2, 3])(x), pointwise(x), atol=1e-6, rtol=0)
+
+
+def test_nnunet_style_ensemble_averages_logits_not_probabilities():
+    """Two weight sets: softmax of the mean of the blended logits (nnU-Net's predictor), which differs from the mean
+    of the two softmaxes that ``style: monai`` keeps."""
+    from fastvision.inference.volumes import Ensemble
+    from fastvision.tasks.segment import SegmentationTask
+
+    x = torch.randn(1, 9, 8, 7, generator=torch.Generator().manual_seed(1))
+    states = [_conv(s).state_dict() for s in (0, 1)]
+    window = {"roi_size": [6, 6, 6], "overlap": 0.5, "mode": "gaussian"}
+    got = {}
+    for style in ("nnunet", "monai"):
+        task = SegmentationTask(num_classes=2, sample_shape=[1, 6, 6, 6], loss=nn.Identity(),
+                                sliding_window={**window, "style": style})
+        got[style] = Ensemble(task, _conv(), states, torch.device("cpu")).probabilities(x)
+    z = []
+    for s in (0, 1):
+        z.append(sliding_window(_conv(s), x[None], [6, 6, 6], overlap=0.5, style="nnunet")[0])
+    torch.testing.assert_close(got["nnunet"], torch.softmax((z[0] + z[1]) / 2, 0), atol=1e-5, rtol=0)
+    assert (got["nnunet"] - got["monai"]).abs().max() > 1e-3
