@@ -228,7 +228,26 @@ def label_onto_image(label: np.ndarray, label_affine: np.ndarray, affine: np.nda
     return resample_to(x, label_affine, affine, shape, "nearest", padding="zeros")[0].numpy()
 
 
-def restore_to_input(x: torch.Tensor, meta: dict[str, Any], mode: str = "nearest", fill: float = 0.0) -> np.ndarray:
+def _nnunet_resize_back(x: torch.Tensor, meta: dict[str, Any], shape: Sequence[int], order: int,
+                        crop_spacing: np.ndarray) -> torch.Tensor:
+    """(C, *S) on the preprocessed grid -> (C, *shape) on the crop, as nnU-Net's export resamples its logits
+    (``resampling_fn_probabilities``: order 1, and for an anisotropic plan or case in-plane with that order and
+    nearest along the coarse axis; the plan's spacing decides first), in the files' axis directions."""
+    from fastvision.data import nnunet_resampling as nr
+
+    if tuple(x.shape[1:]) == tuple(shape):
+        return x
+    axis = nr.coarse_axis(meta["spacing"], crop_spacing)
+    flips = [1 + a for a in mirrored_axes(meta["input_affine"])]
+    a = x.double().numpy()
+    a = np.flip(a, flips) if flips else a
+    out = np.stack([nr._resize_channel(c, shape, order, axis) for c in a])
+    out = np.flip(out, flips) if flips else out
+    return torch.from_numpy(out.copy()).to(x.dtype)
+
+
+def restore_to_input(x: torch.Tensor, meta: dict[str, Any], mode: str = "nearest", fill: float = 0.0,
+                     nnunet: bool = False) -> np.ndarray:
     """Invert crop, resampling and reorientation: back to the input file's voxel grid.
 
     Args:
@@ -236,6 +255,8 @@ def restore_to_input(x: torch.Tensor, meta: dict[str, Any], mode: str = "nearest
         meta: ``meta`` of :func:`~fastvision.data.preprocess3d.preprocess_case`.
         mode: "nearest" for labels, "linear" for probabilities.
         fill: the value outside the crop (0: background for labels; a background probability: 1).
+        nnunet: with ``resample: nnunet`` (``meta["crop_first"]``), back onto the crop by nnU-Net's own
+            resampling of logits (:func:`_nnunet_resize_back`: its separate-z rule), not by ``resample_to``.
 
     Returns:
         numpy array (X, Y, Z) or (X, Y, Z, C) in the input file's voxel order.
@@ -252,7 +273,11 @@ def restore_to_input(x: torch.Tensor, meta: dict[str, Any], mode: str = "nearest
     affine = np.asarray(meta["affine"], dtype=np.float64)
     if meta.get("crop_first"):  # resample: nnunet cropped before resampling: back onto the crop, then pad it
         full = x.new_full((x.shape[0], *meta["ras_shape"]), fill)
-        full[crop] = resample_to(x, affine, ras_affine @ crop_offset(box), meta["cropped_shape"], interp)
+        if nnunet:
+            full[crop] = _nnunet_resize_back(x, meta, meta["cropped_shape"], 1 if interp == "linear" else 0,
+                                             spacing_of(ras_affine @ crop_offset(box)))
+        else:
+            full[crop] = resample_to(x, affine, ras_affine @ crop_offset(box), meta["cropped_shape"], interp)
     else:
         full = x.new_full((x.shape[0], *meta["resampled_shape"]), fill)
         full[crop] = x

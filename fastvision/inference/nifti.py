@@ -83,7 +83,8 @@ def labels_on_input(probs: Tensor, meta: dict, to_labels: Callable[[Tensor], Ten
         softmax: the task's mode is softmax.
         logits: resample logits, not probabilities (nnU-Net's export; ``sliding_window.style: nnunet``):
             ``log p`` for softmax (a logit up to a per-voxel constant, which the argmax ignores, so this
-            equals resampling the blended logits), ``log(p / (1 - p))`` for sigmoid, mapped back after.
+            equals resampling the blended logits), ``log(p / (1 - p))`` for sigmoid, mapped back after;
+            with ``resample: nnunet`` by nnU-Net's resampling (nearest along an anisotropic case's coarse axis).
 
     Returns:
         (X, Y, Z) uint8 class indices in the input file's voxel order.
@@ -96,7 +97,8 @@ def labels_on_input(probs: Tensor, meta: dict, to_labels: Callable[[Tensor], Ten
     if not softmax:
         if logits:  # outside the crop: probability 0
             z = torch.logit(probs.clamp(tiny, 1 - 2 ** -24))
-            back = torch.sigmoid(torch.from_numpy(np.moveaxis(restore_to_input(z, meta, "linear", floor), -1, 0)))
+            back = torch.sigmoid(torch.from_numpy(np.moveaxis(restore_to_input(z, meta, "linear", floor, nnunet=True),
+                                                              -1, 0)))
         else:
             back = torch.from_numpy(np.moveaxis(restore_to_input(probs, meta, mode="linear"), -1, 0))
         return to_labels(back).numpy().astype(np.uint8)
@@ -105,7 +107,7 @@ def labels_on_input(probs: Tensor, meta: dict, to_labels: Callable[[Tensor], Ten
         probs, fills = probs.clamp_min(tiny).log(), (0.0, floor)
     best = label = None
     for k in range(probs.shape[0]):
-        p = restore_to_input(probs[k], meta, mode="linear", fill=fills[0] if k == 0 else fills[1])
+        p = restore_to_input(probs[k], meta, mode="linear", fill=fills[0] if k == 0 else fills[1], nnunet=logits)
         if best is None:
             best, label = p, np.zeros(p.shape, np.uint8)
             continue

@@ -173,3 +173,57 @@ def test_nnunet_style_ensemble_averages_logits_not_probabilities():
         z.append(sliding_window(_conv(s), x[None], [6, 6, 6], overlap=0.5, style="nnunet")[0])
     torch.testing.assert_close(got["nnunet"], torch.softmax((z[0] + z[1]) / 2, 0), atol=1e-5, rtol=0)
     assert (got["nnunet"] - got["monai"]).abs().max() > 1e-3
+
+
+def _anisotropic_case(tmp_path, flipped: bool):
+    """0.8 x 0.8 x 4 mm (5x coarser along z: nnU-Net resamples it apart) to 1.0 x 1.0 x 2.5 mm, nnU-Net's order."""
+    shape = (15, 13, 6)
+    affine = np.diag([0.8, 0.8, 4.0, 1.0])
+    if flipped:
+        affine = np.array([[-0.8, 0, 0, 14.0], [0, -0.8, 0, 9.0], [0, 0, 4.0, -3.0], [0, 0, 0, 1]])
+    data = np.zeros(shape, np.float32)
+    data[1:-1, 2:-1, :] = 1.0
+    nib.save(nib.Nifti1Image(data, affine), str(tmp_path / "img.nii.gz"))
+    pre = preprocess_case({"image": [tmp_path / "img.nii.gz"], "label": None},
+                          PreprocessParams(target_spacing=(1.0, 1.0, 2.5), intensity="none", crop_foreground=True,
+                                           resample="nnunet"))
+    return pre, shape
+
+
+def test_nnunet_export_takes_the_coarse_axis_by_nearest(tmp_path):
+    """Slices of constant value v_k on the preprocessed grid: back on the file's grid every slice of the crop holds
+    one of the v_k (nearest along z, nnU-Net's order_z 0); the trilinear restore blends neighbours."""
+    from fastvision.data.spatial3d import restore_to_input
+
+    pre, _ = _anisotropic_case(tmp_path, flipped=False)
+    n = pre["image"].shape[-1]
+    v = torch.arange(1, n + 1, dtype=torch.float32) * 10
+    x = v.view(1, 1, 1, n).expand(1, *pre["image"].shape[1:]).contiguous()
+    (a0, a1), (b0, b1), (c0, c1) = pre["meta"]["crop_box"]
+    ours = restore_to_input(x, pre["meta"], "linear", nnunet=True)[a0:a1, b0:b1, c0:c1, 0]
+    assert np.isin(ours, v.numpy()).all() and len(np.unique(ours)) > 1
+    linear = restore_to_input(x, pre["meta"], "linear")[a0:a1, b0:b1, c0:c1, 0]
+    assert not np.isin(linear, v.numpy()).all()
+
+
+@pytest.mark.parametrize("flipped", [False, True])
+def test_nnunet_export_against_nnunets_resampling(tmp_path, flipped):
+    """restore_to_input(nnunet=True) on the crop equals nnU-Net's ``resample_data_or_seg_to_shape(is_seg=False,
+    order=1, order_z=0)`` from the plan's spacing to the file's, on the files' axis order."""
+    rs = pytest.importorskip("nnunetv2.preprocessing.resampling.default_resampling")
+    from fastvision.data.spatial3d import mirrored_axes, restore_to_input
+
+    pre, _ = _anisotropic_case(tmp_path, flipped)
+    meta = pre["meta"]
+    x = torch.randn(2, *pre["image"].shape[1:], generator=torch.Generator().manual_seed(0))
+    box = meta["crop_box"]
+    crop = tuple(slice(a, b) for a, b in box)
+    ours = np.moveaxis(restore_to_input(x, meta, "linear", nnunet=True), -1, 0)
+    flips = [1 + a for a in mirrored_axes(np.asarray(meta["input_affine"], np.float64))]
+    filed = np.flip(x.double().numpy(), flips) if flips else x.double().numpy()
+    want = rs.resample_data_or_seg_to_shape(filed, meta["cropped_shape"], meta["spacing"], [0.8, 0.8, 4.0],
+                                            is_seg=False, order=1, order_z=0, force_separate_z=None)
+    want = np.flip(want, flips) if flips else want
+    # the file's grid in RAS order is the crop padded: compare the crop, mirrored back where the file was
+    ras = ours if not flips else np.flip(ours, [1 + a for a in (0, 1)])
+    np.testing.assert_allclose(ras[(slice(None),) + crop], want, atol=1e-5)
