@@ -349,7 +349,7 @@ def score_check(nn_ckpt: Path, like: Path, data: Path, validation: Path, work: P
         ours.append(case_dice(b, label, classes))
         differ.append(float((a != b).mean()))
         print(f"  {c}: Dice nnU-Net's prediction {float(np.nanmean(theirs[-1])):.3f}, fastvision's path "
-              f"{float(np.nanmean(ours[-1])):.3f}; voxels differing {float((a != b).mean()):.4f}")
+              f"{float(np.nanmean(ours[-1])):.3f}; voxels differing {differ[-1]:.4f}")
     summary = json.loads((validation / "summary.json").read_text())["foreground_mean"]["Dice"]
     print(f"score: nnU-Net's network ({nn_ckpt.name}) on {len(cases)} cases: nnU-Net's validation {summary:.4f} "
           f"(recomputed {float(np.mean(defined_means(np.stack(theirs)))):.4f}), fastvision's prediction path "

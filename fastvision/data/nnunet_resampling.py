@@ -90,10 +90,16 @@ def _resize_channel(x: np.ndarray, shape: Sequence[int], order: int, axis: int |
     return _along(np.stack(slices, axis=axis), axis, shape[axis], COARSE_ORDER)
 
 
+def resize(x: np.ndarray, shape: Sequence[int], order: int, axis: int | None = None) -> np.ndarray:
+    """(C, *S) values -> (C, *shape) float64 by nnU-Net's ``resample_data_or_seg`` for data: spline ``order``, or
+    in-plane with it and nearest along ``axis`` (nnU-Net's export resamples its logits so, with order 1)."""
+    x = np.asarray(x, np.float64)
+    return np.stack([_resize_channel(c, shape, order, axis) for c in x])
+
+
 def resize_image(x: np.ndarray, shape: Sequence[int], axis: int | None = None) -> np.ndarray:
     """(C, *S) float image -> (C, *shape) float32 by nnU-Net's data resampling (order 3, or apart along ``axis``)."""
-    x = np.asarray(x, np.float64)
-    return np.stack([_resize_channel(c, shape, IMAGE_ORDER, axis) for c in x]).astype(np.float32)
+    return resize(x, shape, IMAGE_ORDER, axis).astype(np.float32)
 
 
 def resize_label(y: np.ndarray, shape: Sequence[int], axis: int | None = None) -> np.ndarray:

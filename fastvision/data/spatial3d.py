@@ -239,10 +239,7 @@ def _nnunet_resize_back(x: torch.Tensor, meta: dict[str, Any], shape: Sequence[i
         return x
     axis = nr.coarse_axis(meta["spacing"], crop_spacing)
     flips = [1 + a for a in mirrored_axes(meta["input_affine"])]
-    a = x.double().numpy()
-    a = np.flip(a, flips) if flips else a
-    out = np.stack([nr._resize_channel(c, shape, order, axis) for c in a])
-    out = np.flip(out, flips) if flips else out
+    out = np.flip(nr.resize(np.flip(x.double().numpy(), flips), shape, order, axis), flips)
     return torch.from_numpy(out.copy()).to(x.dtype)
 
 

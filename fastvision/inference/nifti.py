@@ -251,14 +251,13 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
         return preprocess_case({"image": case["image"], "label": None}, params)
 
     softmax = ensemble.task.mode == "softmax"
-    nnunet = (ensemble.task.sliding_window or {}).get("style") == "nnunet"
 
     def infer(pre: dict) -> Tensor:
         return ensemble.probabilities(pre["image"]).float().cpu()
 
     def export(case: dict, pre: dict, probs: Tensor) -> None:
-        label = postprocess.apply(labels_on_input(probs, pre["meta"], ensemble.labels, softmax, logits=nnunet),
-                                  steps)
+        label = postprocess.apply(labels_on_input(probs, pre["meta"], ensemble.labels, softmax,
+                                                  logits=ensemble.nnunet), steps)
         written.append(save_segmentation(label, case["image"][0], out / f"{case['id']}.nii.gz", brats_ids=brats_ids))
 
     run_pipeline(todo, prepare, infer, export, overlap=overlap)

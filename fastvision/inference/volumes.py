@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import queue
@@ -56,16 +57,15 @@ class Mirrored(nn.Module):
 
     def __init__(self, net: nn.Module, dims: Sequence[int]):
         super().__init__()
-        self.net, self.dims = net, [int(d) for d in dims]
+        dims = [int(d) for d in dims]
+        self.net = net
+        self.subsets = [c for k in range(1, len(dims) + 1) for c in itertools.combinations(dims, k)]
 
     def forward(self, x: Tensor) -> Tensor:
-        import itertools
-
         out = self.net(x).float()
-        subsets = [c for k in range(1, len(self.dims) + 1) for c in itertools.combinations(self.dims, k)]
-        for c in subsets:
+        for c in self.subsets:
             out = out + torch.flip(self.net(torch.flip(x, c)), c).float()
-        return out / (len(subsets) + 1)
+        return out / (len(self.subsets) + 1)
 
 
 class Ensemble:
@@ -90,10 +90,8 @@ class Ensemble:
             window.pop("tta_flips", None)  # --tta decides the mirroring
         self.window = window
         self.nnunet = (window or {}).get("style") == "nnunet"
-        if self.nnunet and not self.tta_axes and window and window.get("tta_flips"):
-            self.tta_axes = tuple(int(a) for a in window["tta_flips"])  # the recipe's mirroring, inside the windows
-        if self.nnunet and window is not None:
-            window.pop("tta_flips", None)
+        if self.nnunet:  # the recipe's mirroring (where --tta did not set it) runs inside the windows
+            self.tta_axes = self.tta_axes or tuple(int(a) for a in window.pop("tta_flips", None) or ())
         if self.states:  # a mismatched member fails here, before any case is read
             self.model.load_state_dict(self.states[0])
 

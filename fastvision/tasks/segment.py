@@ -105,9 +105,11 @@ class SegmentationTask(Task):
             self.consts = DeviceConstants(region_lut=region_lut(self.regions))
         self.sample_shape = tuple(sample_shape)
         self.sliding_window = dict(sliding_window) if sliding_window else None
+        from fastvision.inference.window import STYLES
+
         style = (self.sliding_window or {}).get("style", "monai")
-        if style not in ("monai", "nnunet"):
-            raise ConfigError(f"task.args.sliding_window.style: monai or nnunet, got {style!r}")
+        if style not in STYLES:
+            raise ConfigError(f"task.args.sliding_window.style: {' or '.join(STYLES)}, got {style!r}")
         spacing = ((info or {}).get("preprocess") or {}).get("target_spacing") or (info or {}).get("spacing")
         self.spacing = tuple(float(s) for s in spacing) if spacing else None  # the voxel size the overlays draw
 

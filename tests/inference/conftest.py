@@ -41,3 +41,36 @@ def spleen_folds(tmp_path_factory) -> tuple[Path, Path, str]:
             os.environ["FASTVISION_CACHE"] = before
     assert rc == 0, buf.getvalue()
     return data, out, buf.getvalue()
+
+
+def resampled_case(tmp_path, affine, shape, target):
+    """A case whose image is non-zero in an inner box (so the crop cuts), preprocessed to ``target`` spacing."""
+    import nibabel as nib
+    import numpy as np
+
+    from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
+
+    data = np.zeros(shape, np.float32)
+    data[1:-1, 2:-1, 1:] = 1.0
+    nib.save(nib.Nifti1Image(data, affine), str(tmp_path / "img.nii.gz"))
+    return preprocess_case({"image": [tmp_path / "img.nii.gz"], "label": None},
+                           PreprocessParams(target_spacing=target, intensity="none", crop_foreground=True))
+
+
+def scipy_restore(values, meta, shape, background=None, fill=0.0, background_fill=1.0):
+    """(K, *shape) ``values`` read back at every input voxel by scipy's linear interpolation: each voxel's
+    continuous index on the resampled grid is inverse(preprocessed affine) @ input affine @ v (independent of
+    the restore's steps), the crop's outside holds ``fill`` (``background_fill`` for class ``background``), the
+    grid's border value beyond its edge."""
+    import numpy as np
+    from scipy.ndimage import map_coordinates
+
+    box = meta["crop_box"]
+    full = np.full((values.shape[0], *meta["resampled_shape"]), fill, np.float64)
+    if background is not None:
+        full[background] = background_fill
+    full[(slice(None),) + tuple(slice(a, b) for a, b in box)] = values.double().numpy()
+    v = np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), 0).reshape(3, -1)
+    m = np.linalg.solve(np.asarray(meta["affine"], np.float64), np.asarray(meta["input_affine"], np.float64))
+    coords = m[:3, :3] @ v + m[:3, 3:4] + np.array([[a] for a, _ in box], np.float64)
+    return np.stack([map_coordinates(f, coords, order=1, mode="nearest") for f in full]).reshape(-1, *shape)

@@ -10,6 +10,7 @@ from torch import nn
 from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
 from fastvision.inference.nifti import labels_on_input, save_segmentation, write_nifti
 from fastvision.inference.window import flip_tta, sliding_window, sliding_window_inference, window_starts
+from tests.inference.conftest import resampled_case, scipy_restore
 
 monai_inferers = pytest.importorskip("monai.inferers")
 
@@ -130,45 +131,18 @@ def test_save_segmentation_returns_to_input_space(tmp_path):
     np.testing.assert_allclose(back.affine, affine, atol=1e-6)
 
 
-def _resampled_case(tmp_path, affine, shape, target):
-    """A case whose image is non-zero in an inner box (so the crop cuts), preprocessed to ``target`` spacing."""
-    data = np.zeros(shape, np.float32)
-    data[1:-1, 2:-1, 1:] = 1.0
-    nib.save(nib.Nifti1Image(data, affine), str(tmp_path / "img.nii.gz"))
-    return preprocess_case({"image": [tmp_path / "img.nii.gz"], "label": None},
-                           PreprocessParams(target_spacing=target, intensity="none", crop_foreground=True))
-
-
-def _scipy_restore(probs, meta, shape, background=None):
-    """(K, *shape) ``probs`` read back at every input voxel by scipy's linear interpolation: each voxel's
-    continuous index on the resampled grid is inverse(preprocessed affine) @ input affine @ v (independent of
-    the restore's steps), the crop's outside holds 0 (1 for class ``background``), the grid's border value
-    beyond its edge."""
-    from scipy.ndimage import map_coordinates
-
-    box = meta["crop_box"]
-    full = np.zeros((probs.shape[0], *meta["resampled_shape"]), np.float64)
-    if background is not None:
-        full[background] = 1.0
-    full[(slice(None),) + tuple(slice(a, b) for a, b in box)] = probs.double().numpy()
-    v = np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), 0).reshape(3, -1)
-    m = np.linalg.solve(np.asarray(meta["affine"], np.float64), np.asarray(meta["input_affine"], np.float64))
-    coords = m[:3, :3] @ v + m[:3, 3:4] + np.array([[a] for a, _ in box], np.float64)
-    return np.stack([map_coordinates(f, coords, order=1, mode="nearest") for f in full]).reshape(-1, *shape)
-
-
 @pytest.mark.parametrize("flipped", [False, True])
 def test_labels_on_input_are_the_argmax_of_linearly_resampled_probabilities(tmp_path, flipped):
     shape = (13, 11, 7)
     affine = np.diag([1.2, 1.3, 2.5, 1.0])
     if flipped:  # an LPS-like file: the restore must undo the reorientation too
         affine = np.array([[-1.2, 0, 0, 14.0], [0, -1.3, 0, 9.0], [0, 0, 2.5, -3.0], [0, 0, 0, 1]])
-    pre = _resampled_case(tmp_path, affine, shape, (1.5, 1.5, 2.0))
+    pre = resampled_case(tmp_path, affine, shape, (1.5, 1.5, 2.0))
     assert pre["image"].shape[1:] != shape  # resampled and cropped
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(3 * torch.randn(3, *pre["image"].shape[1:], generator=g), 0)
     got = labels_on_input(probs, pre["meta"], lambda p: p.argmax(0), softmax=True)
-    want = _scipy_restore(probs, pre["meta"], shape, background=0).argmax(0)  # the crop's outside: background
+    want = scipy_restore(probs, pre["meta"], shape, background=0).argmax(0)  # the crop's outside: background
     np.testing.assert_array_equal(got, want)
     assert got.dtype == np.uint8 and len(np.unique(got)) == 3
 
@@ -207,7 +181,7 @@ def test_labels_on_input_of_regions_threshold_the_resampled_probabilities(tmp_pa
     from fastvision.ops.regions import regions_to_classes
 
     shape = (12, 10, 8)
-    pre = _resampled_case(tmp_path, np.diag([1.1, 1.4, 2.2, 1.0]), shape, (1.5, 1.5, 2.0))
+    pre = resampled_case(tmp_path, np.diag([1.1, 1.4, 2.2, 1.0]), shape, (1.5, 1.5, 2.0))
     regions = [[1, 2, 3], [2, 3], [3]]
     g = torch.Generator().manual_seed(1)
     probs = torch.sigmoid(2 * torch.randn(3, *pre["image"].shape[1:], generator=g))
@@ -216,7 +190,7 @@ def test_labels_on_input_of_regions_threshold_the_resampled_probabilities(tmp_pa
         return regions_to_classes((p > 0.5)[None], regions)[0]
 
     got = labels_on_input(probs, pre["meta"], to_labels, softmax=False)
-    want = to_labels(torch.from_numpy(_scipy_restore(probs, pre["meta"], shape)))
+    want = to_labels(torch.from_numpy(scipy_restore(probs, pre["meta"], shape)))
     np.testing.assert_array_equal(got, want.numpy())
     assert set(np.unique(got)) == {0, 1, 2, 3}
 

@@ -16,6 +16,7 @@ from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
 from fastvision.errors import ConfigError
 from fastvision.inference.nifti import labels_on_input, predict_nifti_files
 from fastvision.inference.window import importance_map, sliding_window, window_starts
+from tests.inference.conftest import resampled_case, scipy_restore
 
 
 @pytest.mark.parametrize("size,roi,overlap,want", [
@@ -74,34 +75,17 @@ def test_unknown_style_is_refused():
         SegmentationTask(sliding_window={"roi_size": [4, 4, 4], "style": "grid"}, loss=nn.Identity())
 
 
-def _case(tmp_path, affine, shape):
-    data = np.zeros(shape, np.float32)
-    data[1:-1, 2:-1, 1:] = 1.0
-    nib.save(nib.Nifti1Image(data, affine), str(tmp_path / "img.nii.gz"))
-    return preprocess_case({"image": [tmp_path / "img.nii.gz"], "label": None},
-                           PreprocessParams(target_spacing=(1.5, 1.5, 2.0), intensity="none", crop_foreground=True))
-
-
 def test_exported_logits_are_the_resampled_log_probabilities(tmp_path):
     """logits=True: each class's log-probability resampled linearly (the crop's outside: log 1 for the background,
     the floor for the others), then the argmax; scipy's interpolation as the reference. Not the probabilities'."""
-    from scipy.ndimage import map_coordinates
-
     shape = (13, 11, 7)
     affine = np.array([[-1.2, 0, 0, 14.0], [0, -1.3, 0, 9.0], [0, 0, 2.5, -3.0], [0, 0, 0, 1]])
-    pre = _case(tmp_path, affine, shape)
+    pre = resampled_case(tmp_path, affine, shape, (1.5, 1.5, 2.0))
     meta = pre["meta"]
     probs = torch.softmax(3 * torch.randn(3, *pre["image"].shape[1:], generator=torch.Generator().manual_seed(0)), 0)
     got = labels_on_input(probs, meta, lambda p: p.argmax(0), softmax=True, logits=True)
-    floor = np.log(np.finfo(np.float32).tiny)
-    full = np.full((3, *meta["resampled_shape"]), floor)
-    full[0] = 0.0
-    box = meta["crop_box"]
-    full[(slice(None),) + tuple(slice(a, b) for a, b in box)] = probs.double().log().numpy()
-    v = np.stack(np.meshgrid(*[np.arange(n, dtype=np.float64) for n in shape], indexing="ij"), 0).reshape(3, -1)
-    m = np.linalg.solve(np.asarray(meta["affine"], np.float64), np.asarray(meta["input_affine"], np.float64))
-    coords = m[:3, :3] @ v + m[:3, 3:4] + np.array([[a] for a, _ in box], np.float64)
-    want = np.stack([map_coordinates(f, coords, order=1, mode="nearest") for f in full]).reshape(3, *shape)
+    want = scipy_restore(probs.double().log(), meta, shape, background=0,
+                         fill=np.log(np.finfo(np.float32).tiny), background_fill=0.0)
     np.testing.assert_array_equal(got, want.argmax(0))
     assert (got != labels_on_input(probs, meta, lambda p: p.argmax(0), softmax=True)).any()
 

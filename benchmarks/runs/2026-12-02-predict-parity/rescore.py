@@ -30,13 +30,17 @@ from fastvision.engine import checkpoint  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--work", type=Path, required=True)
-p.add_argument("--style", default="nnunet")
+p.add_argument("--style", default="nnunet", choices=("nnunet", "monai"))
 p.add_argument("--out", type=Path, required=True)
 p.add_argument("reports", nargs="+", type=Path)
 a = p.parse_args()
 a.out.mkdir(parents=True, exist_ok=True)
 for f in a.reports:
     m = re.match(r"fv(\w+?)-(\w+)-r(\d+)\.json", f.name)
+    if not f.is_file() or m is None:
+        p.error(f"{f}: not a train_vs_nnunet.py report named fv<prec>-<set>-r<round>.json")
+    if not (a.work / m[2]).is_dir():
+        p.error(f"{a.work / m[2]}: no such folder (--work: train_vs_nnunet.py's --work)")
     kind = m[2]
     data = next((a.work / kind).glob("Task*"))
     ids = sorted(Path(c["image"]).name.replace(".nii.gz", "")
