@@ -1,8 +1,8 @@
 """3-D training side by side: nnU-Net v2's ``nnUNetTrainer`` against fastvision on the configured
 recipe of the same plan, on the same generated data, on the CPU, cut to the same iterations.
 
-Per dataset (a CT one, ``data synth spleen``, and an MR one, ``data synth hippocampus``; >= 20
-cases each): nnU-Net v2, in its OWN virtual environment, converts, fingerprints, plans (8 GB target)
+Per dataset (a CT one, ``data synth spleen``, an MR one, ``data synth hippocampus``, and an anisotropic
+two-channel MR one, ``data synth prostate`` at 0.6 x 0.6 x 3.6 mm; >= 20 cases each): nnU-Net v2, in its OWN virtual environment, converts, fingerprints, plans (8 GB target)
 and preprocesses the folder (3d_fullres), then trains fold 0 on the CPU with its own trainer, cut
 by a subclass defined in its script (``nnUNetTrainer`` with ``num_epochs`` x
 ``num_iterations_per_epoch`` = the run's iterations, the nnU-Net trainer ``nnUNetv2_train -device
@@ -39,7 +39,7 @@ Reported per side: iterations/s of the training loop (augmentation and data wait
 validation and preprocessing excluded), validation Dice after the same iterations, and the
 training time to the highest Dice every side reaches (the first validation at or above it).
 
-Usage (about 15 minutes on 2 shared cores at the defaults)::
+Usage (about 20 minutes on 2 shared cores at the defaults)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/train_vs_nnunet.py --nnunet-python /work/nnunet-venv/bin/python \\
         --work /tmp/tvn --json /tmp/tvn/out.json
@@ -60,6 +60,9 @@ import yaml
 DATASETS = [  # (MSD folder, synth kind, options, nnU-Net dataset id)
     ("Task09_Spleen", "spleen", {"cases": 20, "test_cases": 1, "size": 32}, 981),
     ("Task04_Hippocampus", "hippocampus", {"cases": 20, "test_cases": 1}, 982),
+    # anisotropic two-channel MR (0.6 x 0.6 x 3.6 mm, 6x): nnU-Net's 3x rules (separate-z resampling, 3 x 3 x 1
+    # kernels, rotation about the coarse axis only) on both sides
+    ("Task05_Prostate", "prostate", {"cases": 20, "test_cases": 1, "size": 48, "slices": 18}, 983),
 ]
 
 NNUNET = r"""
