@@ -60,8 +60,8 @@ import yaml
 DATASETS = [  # (MSD folder, synth kind, options, nnU-Net dataset id)
     ("Task09_Spleen", "spleen", {"cases": 20, "test_cases": 1, "size": 32}, 981),
     ("Task04_Hippocampus", "hippocampus", {"cases": 20, "test_cases": 1}, 982),
-    # anisotropic two-channel MR (0.6 x 0.6 x 3.6 mm, 6x): nnU-Net's 3x rules (separate-z resampling, 3 x 3 x 1
-    # kernels, rotation about the coarse axis only) on both sides
+    # anisotropic two-channel MR (0.6 x 0.6 x 3.6 mm, 6x): nnU-Net's 3x rules on both sides (separate-z resampling,
+    # 3 x 3 x 1 kernels in the first stages); its patch 48 / 16 = 3 is not above 3, so rotation about every axis
     ("Task05_Prostate", "prostate", {"cases": 20, "test_cases": 1, "size": 48, "slices": 18}, 983),
 ]
 
@@ -276,13 +276,33 @@ def load_curves(pattern: str) -> list[list[dict]]:
 
     curves = []
     for f in sorted(glob.glob(pattern)):
-        d = json.load(open(f))
+        try:
+            d = json.load(open(f))
+        except ValueError as e:
+            raise ValueError(f"{f}: not JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{f}: neither an nnU-Net side nor a --json report")
         if "curve" in d:
             curves.append(d["curve"])
             continue
         for kind in (v for k, v in d.items() if k != "args"):
             curves += [v["curve"] for k, v in kind.items() if k.startswith("fastvision-")]
     return curves
+
+
+def named_groups(groups: list[str]) -> list[tuple[str, list[list[dict]]]]:
+    """``NAME=GLOB`` arguments of ``--compare`` / ``--goal`` as (name, curves); an argument without ``=`` or a
+    glob that matches no curve is a ValueError naming it (``main`` prints it on one line and exits 2)."""
+    out = []
+    for g in groups:
+        name, sep, pattern = g.partition("=")
+        if not sep or not name or not pattern:
+            raise ValueError(f"{g!r}: expected NAME=GLOB (e.g. 'nnU-Net=/tmp/w/nnunet-*.json')")
+        curves = load_curves(pattern)
+        if not curves:
+            raise ValueError(f"{name}={pattern}: no saved curve matches (nnU-Net sides or --json reports)")
+        out.append((name, curves))
+    return out
 
 
 def diff_stats(a, b, n: int = 20000, seed: int = 0) -> dict:
@@ -308,7 +328,7 @@ def compare(groups: list[str], low: float = 0.5, high: float = 0.8) -> None:
     and each group against the first (:func:`diff_stats`)."""
     import numpy as np
 
-    named = [(g.split("=", 1)[0], load_curves(g.split("=", 1)[1])) for g in groups]
+    named = named_groups(groups)
     its = [p["iterations"] for p in named[0][1][0]]
     table = {}
     for name, curves in named:
@@ -333,9 +353,11 @@ def goal(groups: list[str], tolerance: float = 0.02) -> dict:
     Beside it, without the tolerance: each side's time to the highest Dice both runs reach."""
     import numpy as np
 
-    named = [(g.split("=", 1)[0], load_curves(g.split("=", 1)[1])) for g in groups]
+    named = named_groups(groups)
     (ref, nn_curves), out = named[0], {}
     for name, curves in named[1:]:
+        if len(curves) != len(nn_curves):
+            raise ValueError(f"{name}: {len(curves)} runs against {ref}'s {len(nn_curves)} (runs pair by sorted file order)")
         rows = []
         for nn, fv in zip(nn_curves, curves, strict=True):
             target = nn[-1]["dice"]
@@ -388,11 +410,12 @@ def main() -> None:
     ap.add_argument("--goal", nargs="+", metavar="NAME=GLOB",
                     help="no training: issue 41's goal per paired run, nnU-Net's group first (see goal)")
     args = ap.parse_args()
-    if args.compare:
-        return compare(args.compare)
-    if args.goal:
-        goal(args.goal)
-        return None
+    if args.compare or args.goal:
+        try:
+            return compare(args.compare) if args.compare else (goal(args.goal) and None)
+        except ValueError as e:  # a bad NAME=GLOB, a file that is not a saved run, unequal run counts
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     from fastvision.data.formats.decathlon import kfold_split
     from fastvision.data.synth import load_all
 

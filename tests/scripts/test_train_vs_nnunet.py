@@ -65,3 +65,24 @@ def test_permutation_p_matches_exact_enumeration(tvn):
     assert out["diff"] == pytest.approx(d)
     assert out["p"] == pytest.approx(exact, abs=0.01)
     assert out["ci95"][0] < d < out["ci95"][1]
+
+
+def test_compare_and_goal_bad_groups_are_one_line_errors(tmp_path):
+    """A group without NAME=, a glob matching nothing, a file that is not JSON, unequal run counts: one line
+    naming the argument or file, exit 2, no traceback (the real script, as a user runs it)."""
+    import subprocess
+    import sys
+
+    json.dump({"curve": _curve([(10, 0.5)])}, open(tmp_path / "nn-0.json", "w"))
+    json.dump({"curve": _curve([(10, 0.5)])}, open(tmp_path / "nn-1.json", "w"))
+    (tmp_path / "broken.json").write_text("{")
+    script = str(ROOT / "benchmarks" / "train_vs_nnunet.py")
+    cases = [(["--compare", str(tmp_path / "nn-*.json")], "expected NAME=GLOB"),
+             (["--compare", f"nn={tmp_path}/nn-*.json", f"fv={tmp_path}/none-*.json"], "no saved curve matches"),
+             (["--goal", f"nn={tmp_path}/nn-*.json", f"fv={tmp_path}/broken.json"], "broken.json: not JSON"),
+             (["--goal", f"nn={tmp_path}/nn-*.json", f"fv={tmp_path}/nn-0.json"], "1 runs against nn's 2")]
+    for argv, message in cases:
+        r = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 2, (argv, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (argv, r.stderr)
