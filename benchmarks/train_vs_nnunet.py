@@ -4,7 +4,8 @@ recipe of the same plan, on the same generated data, on the CPU, cut to the same
 Per dataset (a CT one, ``data synth spleen``, an MR one, ``data synth hippocampus``, and an anisotropic
 two-channel MR one, ``data synth prostate`` at 0.6 x 0.6 x 3.6 mm; >= 20 cases each): nnU-Net v2, in its
 OWN virtual environment, converts, fingerprints, plans (8 GB target) and preprocesses the folder
-(3d_fullres), then trains fold 0 on the CPU with its own trainer, cut by a subclass defined in its script (``nnUNetTrainer`` with ``num_epochs`` x
+(3d_fullres), then trains fold 0 on the CPU with its own trainer, cut by a subclass
+defined in its script (``nnUNetTrainer`` with ``num_epochs`` x
 ``num_iterations_per_epoch`` = the run's iterations, the nnU-Net trainer ``nnUNetv2_train -device
 cpu`` runs), its augmentation processes (``nnUNet_n_proc_DA``) = the cores given. Its validation
 cases are fastvision's fold 0 (``splits_final.json`` is written from fastvision's split), so both
