@@ -323,27 +323,40 @@ def diff_stats(a, b, n: int = 20000, seed: int = 0) -> dict:
     return {"diff": float(d), "ci95": [float(lo), float(hi)], "p": float(p)}
 
 
-def compare(groups: list[str], low: float = 0.5, high: float = 0.8) -> None:
+def compare(groups: list[str], low: float = 0.5, high: float = 0.8) -> dict:
     """Print each group's mean Dice per checkpoint, its runs below ``low`` / between / at or above ``high``
-    at the first checkpoint (MR's modes: about 0.44, the second class not yet predicted, and about 0.87),
-    and each group against the first (:func:`diff_stats`)."""
+    at the first and the last checkpoint (two-class MR's modes: about 0.44-0.48, one class not yet predicted,
+    and above 0.8; a run still below ``low`` at the end has stalled), and each group against the first
+    (:func:`diff_stats`). Returns, per group, the mean curve, those counts and the differences."""
     import numpy as np
+
+    def bands(col):
+        return (int((col < low).sum()), int(((col >= low) & (col < high)).sum()), int((col >= high).sum()))
 
     named = named_groups(groups)
     its = [p["iterations"] for p in named[0][1][0]]
-    table = {}
+    table, out = {}, {}
     for name, curves in named:
-        table[name] = np.array([[next(p["dice"] for p in c if p["iterations"] == i) for i in its] for c in curves])
-        m, first = table[name].mean(0), table[name][:, 0]
+        try:
+            table[name] = np.array([[next(p["dice"] for p in c if p["iterations"] == i) for i in its]
+                                    for c in curves])
+        except StopIteration:
+            raise ValueError(f"{name}: a run has no validation at one of {its} iterations") from None
+        m = table[name].mean(0)
+        first, last = bands(table[name][:, 0]), bands(table[name][:, -1])
+        out[name] = {"mean": [float(x) for x in m], "first": first, "last": last}
         print(f"{name:<12} n={len(curves)}  mean " + " / ".join(f"{x:.3f}" for x in m) +
-              f"  at {its[0]}: {int((first < low).sum())} < {low}, {int(((first >= low) & (first < high)).sum())} "
-              f"between, {int((first >= high).sum())} >= {high}")
+              "".join(f"  at {i}: {b[0]} < {low}, {b[1]} between, {b[2]} >= {high}"
+                      for i, b in ((its[0], first), (its[-1], last))))
     ref = named[0][0]
     for name, _ in named[1:]:
+        out[name]["diff"] = []
         for j, i in enumerate(its):
             r = diff_stats(table[name][:, j], table[ref][:, j])
+            out[name]["diff"].append(r)
             print(f"  {name} - {ref} at {i:>3}: {r['diff']:+.3f}  95% CI [{r['ci95'][0]:+.3f}, "
                   f"{r['ci95'][1]:+.3f}]  p={r['p']:.3f}")
+    return out
 
 
 def goal(groups: list[str], tolerance: float = 0.02) -> dict:
@@ -414,7 +427,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.compare or args.goal:
         try:
-            return compare(args.compare) if args.compare else (goal(args.goal) and None)
+            compare(args.compare) if args.compare else goal(args.goal)
+            return None
         except ValueError as e:  # a bad NAME=GLOB, a file that is not a saved run, unequal run counts
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)

@@ -86,3 +86,25 @@ def test_compare_and_goal_bad_groups_are_one_line_errors(tmp_path):
         assert r.returncode == 2, (argv, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (argv, r.stderr)
+
+
+def test_compare_counts_runs_by_band_at_the_first_and_last_validation(tvn, tmp_path, capsys):
+    """Stalled runs show at the last validation: hand-made curves, counts and means worked out by hand."""
+    for i, (a, b) in enumerate([(0.40, 0.46), (0.45, 0.95), (0.70, 0.96)]):
+        json.dump({"curve": _curve([(10, a), (20, b)])}, open(tmp_path / f"nn-{i}.json", "w"))
+    for i, (a, b) in enumerate([(0.60, 0.97), (0.85, 0.96), (0.30, 0.90)]):
+        report = {"x": {"fastvision-nnunet": {"curve": _curve([(5, a), (10, b)])}}}
+        json.dump(report, open(tmp_path / f"fv-{i}.json", "w"))
+    out = tvn.compare([f"nn={tmp_path}/nn-*.json", f"fv={tmp_path}/fv-*.json"])
+    assert out["nn"]["first"] == (2, 1, 0) and out["nn"]["last"] == (1, 0, 2)
+    assert out["fv"]["first"] == (1, 1, 1) and out["fv"]["last"] == (0, 0, 3)
+    assert out["fv"]["mean"] == pytest.approx([0.5833333, 0.9433333])
+    assert out["fv"]["diff"][1]["diff"] == pytest.approx(0.9433333 - 0.79)
+    assert "at 16: 1 < 0.5, 0 between, 2 >= 0.8" in capsys.readouterr().out
+
+
+def test_compare_refuses_a_run_missing_a_validation(tvn, tmp_path):
+    json.dump({"curve": _curve([(10, 0.5), (20, 0.6)])}, open(tmp_path / "nn-0.json", "w"))
+    json.dump({"curve": _curve([(10, 0.5)])}, open(tmp_path / "fv-0.json", "w"))
+    with pytest.raises(ValueError, match="no validation at one of"):
+        tvn.compare([f"nn={tmp_path}/nn-*.json", f"fv={tmp_path}/fv-*.json"])
