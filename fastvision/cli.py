@@ -339,6 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fastvision: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a full disk outside atomic_write (a log line, a library's writer): one line too
+        from fastvision.utils.files import disk_full
+
+        full = disk_full(e)
+        if full is None or debug:
+            raise
+        print(f"fastvision: error: {full.filename or 'a write'}: {full.strerror}", file=sys.stderr)
+        return 2
     finally:
         _leave_process_group(clean)
         warnings.showwarning = shown

@@ -4,6 +4,8 @@ Raise a subclass of :class:`FastvisionError` for anything the user can fix (a ba
 config key, a corrupt file). Its message must name the file or key. Programming errors stay
 ordinary exceptions and keep their traceback.
 """
+import errno as _errno
+import os as _os
 
 
 class FastvisionError(Exception):
@@ -16,6 +18,21 @@ class ConfigError(FastvisionError):
 
 class DataError(FastvisionError):
     """A data path is missing, unreadable, corrupt or inconsistent."""
+
+
+class DiskFullError(FastvisionError, OSError):
+    """A file not written because its file system is full or over quota (``ENOSPC`` / ``EDQUOT``), raised by
+    :func:`fastvision.utils.files.atomic_write` after removing its partial temp file: the file there before is
+    kept. An ``OSError`` too, so callers that turn a failed write into their own message still catch it."""
+
+    def __init__(self, path, code: int = _errno.ENOSPC, free_bytes: int | None = None, kept: bool = False):
+        super().__init__(code, _os.strerror(code), str(path))
+        self.free_bytes, self.kept = free_bytes, kept
+
+    def __str__(self) -> str:
+        free = "" if self.free_bytes is None else f", {self.free_bytes / 2**20:.1f} MiB free there now"
+        before = "the file there before is kept" if self.kept else "no partial file left"
+        return f"{self.filename}: not written: {self.strerror}{free}; {before}"
 
 
 class DataWarning(RuntimeWarning):

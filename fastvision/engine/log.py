@@ -82,8 +82,12 @@ class RunLogger:
         now = time.time()
         rec = {"timestamp": now, "elapsedtime": now - self.start, "type": "LOG",
                "step": step, "data": _jsonable(data)}
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+        except OSError as e:  # a full disk: the CLI's one line names this file
+            e.filename = e.filename or str(self.run_dir / "metrics.jsonl")
+            raise
 
     def rewind(self, epochs_done: int, position: tuple[int, int] | None) -> int:
         """After a resume: drop the events that the resumed run writes again, so ``metrics.jsonl``

@@ -1,6 +1,7 @@
 """Files written atomically (temp file, fsync, rename) and checkpoints loaded without pickle."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -11,7 +12,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from fastvision.errors import DataError
+from fastvision.errors import DataError, DiskFullError
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,9 @@ log = logging.getLogger(__name__)
 def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> Any:
     """Call ``write(file)`` on a unique temp file beside ``path``, fsync, rename over ``path``, fsync
     the directory. Readers see the old file or the new one, never a partial one; concurrent writers
-    (threads or processes) never share a temp file. Returns what ``write`` returned."""
+    (threads or processes) never share a temp file. Returns what ``write`` returned. A full file system
+    (``ENOSPC`` / ``EDQUOT`` anywhere in the failure's chain: torch's zip writer reports it as a
+    ``RuntimeError`` whose context is the ``OSError``) raises :class:`DiskFullError` naming ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -29,11 +32,33 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> Any:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        full = disk_full(e)
+        if full is not None and not isinstance(full, DiskFullError):
+            raise DiskFullError(path, full.errno, _free_bytes(path.parent), path.exists()) from e
         raise
     _fsync_dir(path.parent)
     return result
+
+
+def disk_full(e: BaseException) -> OSError | None:
+    """The ``OSError`` with ``ENOSPC`` or ``EDQUOT`` that is ``e`` or in its cause / context chain, if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _free_bytes(folder: Path) -> int | None:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -1,0 +1,107 @@
+"""A full disk: one line naming the file, exit 2, the last good checkpoint kept.
+
+Real ENOSPC from the kernel, no mock: ``/dev/full`` under the real ``torch.save`` (its zip writer reports
+the failure as a ``RuntimeError`` whose context is the ``OSError``), and, where this process may mount one
+(root with CAP_SYS_ADMIN), a small tmpfs under a real ``fastvision train``.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastvision.engine import checkpoint
+from fastvision.errors import DiskFullError
+from fastvision.utils.files import atomic_write, disk_full
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_atomic_write_on_enospc_names_the_file_and_keeps_the_old_one(tmp_path):
+    path = tmp_path / "last.pt"
+    atomic_write(path, lambda f: torch.save({"w": torch.ones(3)}, f))
+    before = path.read_bytes()
+    full = open("/dev/full", "wb")  # buffered, as a file of atomic_write's is: torch sees a short write
+    try:
+        with pytest.raises(DiskFullError) as info:
+            atomic_write(path, lambda f: torch.save({"w": torch.zeros(100_000)}, full))
+    finally:
+        try:
+            full.close()  # its buffer cannot be flushed either
+        except OSError:
+            pass
+    e = info.value
+    assert isinstance(e, OSError) and e.errno == errno.ENOSPC and e.filename == str(path)
+    assert str(e).startswith(f"{path}: not written: {os.strerror(errno.ENOSPC)}")
+    assert str(e).endswith("the file there before is kept") and "\n" not in str(e)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
+    # torch's own error is what atomic_write saw; the ENOSPC was in its context
+    assert isinstance(e.__cause__, RuntimeError) and disk_full(e.__cause__).errno == errno.ENOSPC
+
+
+def test_other_write_errors_are_not_called_a_full_disk(tmp_path):
+    def fails(f):
+        raise OSError(errno.EIO, "I/O error")
+
+    with pytest.raises(OSError) as info:
+        atomic_write(tmp_path / "x.bin", fails)
+    assert not isinstance(info.value, DiskFullError) and info.value.errno == errno.EIO
+    assert disk_full(ValueError("no")) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A mounted tmpfs of ``size`` bytes (rounded to pages by the kernel); skipped where mounting is refused."""
+    mounted = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"tmpfs-{len(mounted)}"
+        where.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()[:100]}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+TRAIN = ["--epochs", "2", "--device", "cpu", "--batch-size", "4", "--set", "data.args.image_size=[32,32]",
+         "--set", "model.args.filters=[4,8,16]", "--set", "data.num_workers=0", "--set", "examples=0"]
+
+
+def _train(data: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastvision", "train", "unet2d-microscopy", "--data", str(data),
+                           "--out", str(out), *TRAIN], capture_output=True, text=True, timeout=300)
+
+
+def test_train_on_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tiny_microscopy, small_tmpfs):
+    """256 KiB holds the run's config, log and one checkpoint (about 190 KB, last/best/rollback hard links):
+    epoch 1's checkpoint does not fit. The command says so in one line naming last.pt, exits 2, and epoch 0's
+    checkpoint still loads without pickle."""
+    out = small_tmpfs("256k") / "run"
+    r = _train(tiny_microscopy, out)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = out / "checkpoints" / "last.pt"
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"fastvision: error: {last}: not written: {os.strerror(errno.ENOSPC)}"), r.stderr
+    assert "Traceback" not in r.stderr
+    assert checkpoint.load(last)["epoch"] == 0
+    assert not [p for p in out.rglob("*.tmp")]
+
+
+def test_train_whose_log_cannot_be_written_names_the_log(tiny_microscopy, small_tmpfs):
+    """One page: the config is written, the first metrics.jsonl line is not (a plain append, not atomic_write)."""
+    out = small_tmpfs("4k") / "run"
+    r = _train(tiny_microscopy, out)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"fastvision: error: {out / 'metrics.jsonl'}: "
+                                                 f"{os.strerror(errno.ENOSPC)}"), r.stderr
+    assert "Traceback" not in r.stderr
