@@ -339,13 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fastvision: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # a full disk outside atomic_write (a log line, a library's writer): one line too
-        from fastvision.utils.files import disk_full
+    except Exception as e:  # a full, read-only or forbidden place, a path under a file: one line naming it
+        from fastvision.utils.files import os_error_in
 
-        full = disk_full(e)
-        if full is None or debug:
+        cause = os_error_in(e)
+        if cause is None or debug:
             raise
-        print(f"fastvision: error: {full.filename or 'a write'}: {full.strerror}", file=sys.stderr)
+        print(f"fastvision: error: {cause.filename or 'a file'}: {cause.strerror}", file=sys.stderr)
         return 2
     finally:
         _leave_process_group(clean)

@@ -42,15 +42,26 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> Any:
     return result
 
 
-def disk_full(e: BaseException) -> OSError | None:
-    """The ``OSError`` with ``ENOSPC`` or ``EDQUOT`` that is ``e`` or in its cause / context chain, if any."""
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# what a user fixes, not a bug: a full, read-only or forbidden place, a path under a file (the CLI prints
+# these as one line naming the path)
+USER_FIXABLE = (*DISK_FULL, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
+
+
+def os_error_in(e: BaseException, codes: tuple[int, ...] = USER_FIXABLE) -> OSError | None:
+    """The ``OSError`` with one of ``codes`` that is ``e`` or in its cause / context chain, if any."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(e, OSError) and e.errno in codes:
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def disk_full(e: BaseException) -> OSError | None:
+    """The ``OSError`` with ``ENOSPC`` or ``EDQUOT`` that is ``e`` or in its cause / context chain, if any."""
+    return os_error_in(e, DISK_FULL)
 
 
 def _free_bytes(folder: Path) -> int | None:

@@ -1,4 +1,5 @@
-"""A full disk: one line naming the file, exit 2, the last good checkpoint kept.
+"""A full disk: one line naming the file, exit 2, the last good checkpoint kept; a read-only place or a path
+under a file: one line naming it.
 
 Real ENOSPC from the kernel, no mock: ``/dev/full`` under the real ``torch.save`` (its zip writer reports
 the failure as a ``RuntimeError`` whose context is the ``OSError``), and, where this process may mount one
@@ -104,4 +105,18 @@ def test_train_whose_log_cannot_be_written_names_the_log(tiny_microscopy, small_
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == (f"fastvision: error: {out / 'metrics.jsonl'}: "
                                                  f"{os.strerror(errno.ENOSPC)}"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_train_into_a_read_only_place_or_under_a_file_is_one_line(tiny_microscopy, small_tmpfs, tmp_path):
+    """--out under a file (ENOTDIR, portable) and on a read-only mount (EROFS, where mountable)."""
+    r = _train(tiny_microscopy, Path("/dev/null") / "run")
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("fastvision: error: /dev/null/run"), r.stderr
+    assert last.endswith(f": {os.strerror(errno.ENOTDIR)}") and "Traceback" not in r.stderr, r.stderr
+    ro = small_tmpfs("64k")
+    subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+    r = _train(tiny_microscopy, ro / "run")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"fastvision: error: {ro / 'run'}: {os.strerror(errno.EROFS)}"), r.stderr
     assert "Traceback" not in r.stderr
