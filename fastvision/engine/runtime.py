@@ -131,6 +131,17 @@ class Precision:
         return torch.autocast(self.device.type, dtype=_DTYPES[self.mode])
 
 
+def _error_line(e: BaseException) -> str:
+    """``Type: first line`` of ``e``; where that line only introduces its cause (torch < 2.5's
+    ``BackendCompilerFailed: backend='inductor' raised:``), the cause's line after it."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    line = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    inner = getattr(e, "inner_exception", None)
+    if isinstance(inner, BaseException) and (not lines or lines[0].endswith(":")):
+        return f"{line}: {_error_line(inner)}"
+    return line
+
+
 def set_tf32(enabled: bool) -> None:
     """TF32 tensor-core math for fp32 matmuls and convolutions (Ampere and newer)."""
     torch.backends.cuda.matmul.allow_tf32 = enabled
@@ -216,6 +227,15 @@ def maybe_compile(model: nn.Module, mode: bool | str) -> nn.Module:
                           f"got {mode!r}")
     if not hasattr(torch, "compile"):
         raise ConfigError("train.compile needs torch >= 2.0")
+    from fastvision.models.checkpointing import compile_conflict
+    from fastvision.optim.torch_private import torch_version
+
+    conflict = compile_conflict(model, torch_version())
+    if conflict and mode == "auto":
+        log.warning("train.compile auto: eager (%s)", conflict)
+        return model
+    if conflict:
+        raise ConfigError(conflict)
     return AutoCompile(model) if mode == "auto" else torch.compile(model, mode=mode)
 
 
@@ -258,8 +278,7 @@ class AutoCompile(nn.Module):
         try:
             return self.compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001  (any compile failure: the run goes on eagerly)
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            self._fall_back(f"compile failed: {type(e).__name__}: {first}")
+            self._fall_back(f"compile failed: {_error_line(e)[:200]}")
             return self._orig_mod(*args, **kwargs)
 
     def _stamp(self, args: tuple) -> None:

@@ -13,6 +13,7 @@ still the format many C++ deployments load).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from pathlib import Path
@@ -102,11 +103,27 @@ def export_model(model: nn.Module, example: Tensor, path: Path, fmt: str, opset:
         torch.jit.save(traced, str(path))
         return path
     _require_onnx()
+    if "dynamic_shapes" not in inspect.signature(torch.onnx.export).parameters:  # torch < 2.5
+        _export_onnx_torchscript(model, example, path, opset)
+        return path
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["input"], opset_version=opset,
                       dynamic_shapes=({0: torch.export.Dim("batch", min=1)},), verbose=False,
                       external_data=weight_bytes > _ONNX_SINGLE_FILE_LIMIT)
     return path
+
+
+def _export_onnx_torchscript(model: nn.Module, example: Tensor, path: Path, opset: int | None) -> None:
+    """torch < 2.5, whose ``torch.onnx.export`` has no ``dynamic_shapes``: its TorchScript exporter, the batch
+    axis of the input and of every output dynamic (outputs named ``output0`` ... in their flattened order)."""
+    with torch.no_grad():
+        leaves = torch.utils._pytree.tree_leaves(model(example))
+    outputs = [f"output{i}" for i in range(len(leaves))]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        torch.onnx.export(model, (example,), str(path), input_names=["input"], output_names=outputs,
+                          dynamic_axes={n: {0: "batch"} for n in ["input", *outputs]},
+                          opset_version=opset or 17, verbose=False)
 
 
 def _require_onnx() -> None:

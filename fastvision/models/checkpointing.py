@@ -18,8 +18,9 @@ listing the valid ones.
 BatchNorm inside a block: the recompute would update its running statistics a second time, so
 the recompute restores the block's buffers as they were; running statistics move once per step,
 as without checkpointing. (Under ``torch.compile`` the recompute is the partitioner's and mutates
-nothing: the forward's single update is the only one.) The block's state dict is unchanged:
-checkpoints written with and without the switch are interchangeable.
+nothing: the forward's single update is the only one. Not before torch 2.5, whose compiled recompute
+updates them again: :func:`compile_conflict` names the case, and ``train.compile`` refuses it there.)
+The block's state dict is unchanged: checkpoints written with and without the switch are interchangeable.
 """
 from __future__ import annotations
 
@@ -108,6 +109,20 @@ def apply_activation_checkpointing(model: nn.Module, spec: Spec) -> list[str]:
 
 def is_checkpointed(module: nn.Module) -> bool:
     return getattr(module.__dict__.get("forward"), "__func__", None) is _checkpointed_forward
+
+
+def compile_conflict(model: nn.Module, version: tuple[int, int]) -> str | None:
+    """Why ``torch.compile`` of ``model`` on torch ``version`` would train it otherwise than eagerly, or None:
+    before 2.5 a checkpointed block's BatchNorm running statistics move twice a step when compiled."""
+    if version >= (2, 5):
+        return None
+    blocks = [n for n, m in model.named_modules() if is_checkpointed(m)
+              and any(isinstance(c, nn.modules.batchnorm._BatchNorm) for c in m.modules())]
+    if not blocks:
+        return None
+    return (f"train.compile with train.activation_checkpointing on torch {version[0]}.{version[1]}: before 2.5 "
+            f"the compiled recompute of {blocks[0]}{' ...' if len(blocks) > 1 else ''} updates BatchNorm's "
+            "running statistics a second time each step; turn one of them off or use torch >= 2.5")
 
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))  # also run as a worker script
 
 from fastvision import distributed  # noqa: E402
 from fastvision.errors import ConfigError  # noqa: E402
+from fastvision.optim.torch_private import torch_version  # noqa: E402
 from tests.conftest import clean_env, communicate_all, free_port  # noqa: E402
 
 # --------------------------------------------------------------------------- environment table
@@ -493,7 +494,8 @@ def test_fp16_comm_hook_all_reduces_half_precision_gradients(two_rank_job):
         res = json.loads((out / f"hook{r}.json").read_text())
         assert res["none"] < 1e-5 and not res["none_fp16_exact"]  # fp32 all-reduce
         assert 1e-6 < res["fp16"] < 2e-3 and res["fp16_fp16_exact"]  # gradients went through fp16
-        assert res["bf16_error"].startswith("train.ddp_comm_hook: bf16 is not available here")  # gloo
+        if "bf16_error" in res or torch_version() >= (2, 5):  # torch 2.4 registers the bf16 hook on gloo
+            assert res["bf16_error"].startswith("train.ddp_comm_hook: bf16 is not available here")  # gloo
 
 
 @pytest.mark.dist
@@ -508,6 +510,8 @@ def test_gloo_threads_are_joined_before_the_interpreter_exits(two_rank_job):
         seen = json.loads((out / f"teardown{r}.json").read_text())
         if seen["at_exit"] is None:
             pytest.skip("no /proc/self/task to count threads in")
+        if "old_torch" in seen:
+            pytest.skip(f"torch {seen['old_torch']}: the forced late callback would hang shutdown (before 2.5)")
         assert seen["before_shutdown"] > 0  # torch still names them pt_gloo_runloop: the count means something
         assert seen["at_exit"] == 0, seen
         if r == 0:  # its callback ran on a gloo thread: the case the join is for was exercised
@@ -612,6 +616,14 @@ def _teardown(out: Path, env: distributed.DistEnv, device: torch.device, seen: d
         time.sleep(0.2)  # wakes while the interpreter finalizes, unless the thread is joined first
         return fut.value()
 
+    from fastvision.optim.torch_private import torch_version
+
+    if torch_version() < (2, 5):
+        # torch < 2.5 frees the group in shutdown() with the GIL held: a gloo thread that needs the GIL
+        # then (this callback) waits for ever (docs/distributed.md, "torch before 2.5")
+        seen["old_torch"] = torch.__version__
+        distributed.shutdown()
+        return
     # rank 0 attaches its callback before rank 1 joins the all-reduce, so rank 0's cannot be done
     # yet: its callback runs on a gloo thread however loaded the machine is
     attached = out / "attached"

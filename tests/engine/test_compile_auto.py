@@ -42,3 +42,19 @@ def test_auto_compile_sees_through_to_the_model_and_falls_back_when_compiled_ste
     assert auto.choice == "eager" and "slower (300.0 ms vs eager 100.0 ms)" in auto.reason
     x = torch.randn(4, 3)
     assert torch.equal(auto(x), model(x))  # eager from now on: the model itself
+
+
+def test_the_fallback_line_reaches_past_an_error_that_only_introduces_its_cause():
+    """torch < 2.5's BackendCompilerFailed says ``backend='inductor' raised:`` and keeps the reason in
+    ``inner_exception``: the line names both; an ordinary error gives its own first line."""
+    from fastvision.engine.runtime import _error_line
+
+    class BackendCompilerFailed(Exception):
+        def __init__(self, inner):
+            super().__init__("backend='inductor' raised:\nInvalidCxxCompiler: No working C++ compiler found")
+            self.inner_exception = inner
+
+    wrapped = BackendCompilerFailed(RuntimeError("No working C++ compiler found in torch._inductor.config.cpp.cxx"))
+    assert _error_line(wrapped) == ("BackendCompilerFailed: backend='inductor' raised: RuntimeError: "
+                                    "No working C++ compiler found in torch._inductor.config.cpp.cxx")
+    assert _error_line(ValueError("bad shape\nmore")) == "ValueError: bad shape"

@@ -7,6 +7,7 @@ storage once) must drop.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -22,6 +23,7 @@ from fastvision.models.checkpointing import (
 )
 from fastvision.models.resnet import BasicBlock, ResNet
 from fastvision.models.ssd import SSD
+from tests.conftest import free_port
 
 # builder, kwargs, input shape: tiny members of each family (BN, dropout, PReLU, instance and
 # group norm, residual and classic U-Net layouts, SSD holding a ResNet backbone)
@@ -69,12 +71,14 @@ class SavedBytes:
         return sum(self.storages.values())
 
 
-def _step(model: nn.Module, x: torch.Tensor, seed: int = 7):
-    """Forward (under the counting hook) and backward from a fixed RNG state (dropout)."""
+def _step(model: nn.Module, x: torch.Tensor, seed: int = 7, count: bool = True):
+    """Forward (under the counting hook, unless ``count`` is False) and backward from a fixed RNG state
+    (dropout). A compiled model runs without the hook: torch < 2.5 traces into it (``data_ptr`` of a fake
+    tensor)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     saved = SavedBytes(model)
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+    with (torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t) if count else contextlib.nullcontext()):
         loss = _loss(model(x))
     loss.backward()
     return loss.detach(), saved.total
@@ -159,7 +163,7 @@ def test_under_ddp_gradients_match():
     x = torch.randn(2, 1, 16, 16)
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         _step(plain, x)
         _step(DDP(ckpt), x)
@@ -172,13 +176,34 @@ def test_under_ddp_gradients_match():
 
 @pytest.mark.slow
 def test_under_torch_compile_gradients_match():
-    """torch.compile traces the checkpoint (aot_eager: dynamo + AOT autograd, no C++ compiler)."""
+    """torch.compile traces the checkpoint (aot_eager: dynamo + AOT autograd, no C++ compiler). Before torch 2.5
+    the compiled recompute moves BatchNorm's statistics twice (checked on 2.4.1): train.compile refuses it there."""
+    from fastvision.optim.torch_private import torch_version
+
+    if torch_version() < (2, 5):
+        pytest.skip(f"torch {torch.__version__}: refused by train.compile (test_compile_refuses_..._before_2_5)")
     plain, ckpt = _pair("unet2d-seed001", dict(filters=(4, 8, 16)))
     x = torch.randn(2, 1, 16, 16)
     _step(plain, x)
     compiled = torch.compile(ckpt, backend="aot_eager", fullgraph=True)
-    _step(compiled, x)
+    _step(compiled, x, count=False)
     for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5)
     for a, b in zip(plain.buffers(), ckpt.buffers(), strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+
+
+def test_compile_refuses_checkpointed_batchnorm_before_2_5():
+    """What maybe_compile checks (compile_conflict), by version: the U-Net's checkpointed blocks hold BatchNorm."""
+    from fastvision.engine.runtime import maybe_compile
+    from fastvision.models.checkpointing import compile_conflict
+    from fastvision.optim.torch_private import torch_version
+
+    plain, ckpt = _pair("unet2d-seed001", dict(filters=(4, 8, 16)))
+    why = compile_conflict(ckpt, (2, 4))
+    assert why.startswith("train.compile with train.activation_checkpointing on torch 2.4: before 2.5")
+    assert compile_conflict(ckpt, (2, 5)) is None and compile_conflict(plain, (2, 4)) is None
+    if torch_version() < (2, 5):  # the running torch: true refuses with that line, auto stays eager
+        with pytest.raises(ConfigError, match="before 2.5"):
+            maybe_compile(ckpt, True)
+        assert maybe_compile(ckpt, "auto") is ckpt
