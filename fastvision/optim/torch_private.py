@@ -27,7 +27,7 @@ from fastvision.errors import FastvisionError
 
 log = logging.getLogger(__name__)
 
-VERIFIED = ((2, 4), (2, 13))  # oldest and newest torch (major, minor) these internals were checked on
+VERIFIED = ((2, 4), (2, 14))  # oldest and newest torch (major, minor) these internals were checked on
 _warned: list[bool] = []
 
 

@@ -12,7 +12,8 @@ from fastvision.optim import torch_private
 
 
 @pytest.mark.parametrize("version, ok", [("2.4.0", True), ("2.13.0+cpu", True), ("2.11.0+cu130", True),
-                                         ("2.3.1", False), ("2.14.0", False), ("3.0.0a0", False)])
+                                         ("2.14.1+cu130", True),
+                                         ("2.3.1", False), ("2.15.0", False), ("3.0.0a0", False)])
 def test_version_window(version, ok):
     assert torch_private.check(version) is ok
 
