@@ -37,6 +37,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def monai_version() -> tuple[int, int]:
+    """(major, minor) of the installed MONAI, the reference some tests compare with (its behaviour moved)."""
+    import monai
+
+    return tuple(int(x) for x in monai.__version__.split(".")[:2])
+
+
 def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
     """Each process's (stdout, stderr) once it ends; one that runs past ``timeout`` seconds is killed
     (its returncode then says so) and what it wrote is still returned."""

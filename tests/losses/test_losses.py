@@ -66,6 +66,7 @@ from fastvision.losses import (  # noqa: E402
     label_smoothing_ce,
 )
 from fastvision.registry import LOSSES  # noqa: E402
+from tests.conftest import monai_version  # noqa: E402
 
 
 def _case(kind: str, shape: tuple[int, ...], seed: int = 0):
@@ -152,12 +153,6 @@ def test_dice_ce_multilabel_sigmoid_is_dice_plus_bce():
     _close(DiceCELoss(sigmoid=True, batch=True, lambda_ce=0.5)(logits, target), dice + 0.5 * bce)
 
 
-def _monai_version() -> tuple[int, int]:
-    import monai
-
-    return tuple(int(x) for x in monai.__version__.split(".")[:2])
-
-
 FOCAL_CASES = [
     ("index", SHAPE2, dict()),
     ("index", SHAPE2, dict(gamma=0.0, alpha=0.25)),
@@ -174,7 +169,7 @@ FOCAL_CASES = [
 
 @pytest.mark.parametrize("kind,shape,opts", FOCAL_CASES)
 def test_focal_matches_monai(kind, shape, opts):
-    if isinstance(opts.get("alpha"), list) and _monai_version() < (1, 5):
+    if isinstance(opts.get("alpha"), list) and monai_version() < (1, 5):
         pytest.skip("a per-class alpha: MONAI's FocalLoss takes a sequence from 1.5 on (1.4 raises inside it)")
     logits, target, ref_target, onehot = _case(kind, shape, seed=4)
     ref = monai_losses.FocalLoss(to_onehot_y=onehot, **opts)(logits, ref_target)

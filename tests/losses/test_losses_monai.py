@@ -15,6 +15,7 @@ from fastvision.losses import (
     TverskyLoss,
 )
 from fastvision.registry import LOSSES
+from tests.conftest import monai_version
 
 monai_losses = pytest.importorskip("monai.losses")
 
@@ -78,10 +79,8 @@ def test_dice_focal_none_when_channels_equal_last_axis():
 def test_masked_dice_equals_monai(reduction, mask_batch):
     """MaskedDiceLoss with the activation before the mask (MONAI PR #8704, in 1.6.1; earlier releases softmax
     the zeroed logits, so masked voxels still count)."""
-    import monai
-
-    if tuple(int(x) for x in monai.__version__.split(".")[:2]) < (1, 6):
-        pytest.skip(f"MONAI {monai.__version__} masks before its softmax (MONAI PR #8704)")
+    if monai_version() < (1, 6):
+        pytest.skip("MONAI before 1.6 masks before its softmax (MONAI PR #8704)")
     logits, target, ref_target, _ = _data(S2, seed=4)
     g = torch.Generator().manual_seed(5)
     mask = torch.bernoulli(torch.full((mask_batch, 1, *S2[2:]), 0.6), generator=g)
