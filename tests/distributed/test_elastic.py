@@ -24,7 +24,7 @@ from fastvision.distributed.env import DistEnv
 from fastvision.distributed.samplers import TrainSampler
 from fastvision.engine.state import keep_global_batch
 from tests.conftest import ROOT, clean_env
-from tests.distributed.conftest import last_model, torchrun_train
+from tests.distributed.conftest import EPOCHS, last_model, torchrun_train
 from tests.distributed.test_dist import run_once
 from tests.distributed.test_dist_train import _worker_pid
 
@@ -48,7 +48,7 @@ def shared_uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
 
     def make(folder: Path) -> str:
         data = synth(folder / "data", seed=3, count=21, size=32)
-        res = subprocess.run(torchrun_train(data, folder / "run", 3, "--set", "train.checkpoint_every=5"), cwd=ROOT,
+        res = subprocess.run(torchrun_train(data, folder / "run", EPOCHS, "--set", "train.checkpoint_every=5"), cwd=ROOT,
                              env=clean_env(), capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         return str(folder / "run")
@@ -124,7 +124,7 @@ def _interrupt(data: Path, out: Path) -> dict:
         # resumed from the step checkpoint (its records after the checkpoint rewound), then 12 steps in
         os.kill(next_victim(resumed(12)), signal.SIGTERM)
         # resumed from the SIGTERM's checkpoint (12 to 14 records), then a step or more: the watchdog is
-        # armed (by the first step), 11 records (9 steps) before the job's end
+        # armed (by the first step), 39 records (34 steps) before the job's end
         frozen = freeze(proc, next_victim(resumed(16)), log, out / "hang")
         proc.wait(timeout=240)
     finally:

@@ -32,7 +32,7 @@ import torch
 from fastvision.distributed.watchdog import HANG_EXIT, Watchdog, check_timeouts
 from fastvision.errors import ConfigError
 from tests.conftest import ROOT, clean_env
-from tests.distributed.conftest import TINY, last_model
+from tests.distributed.conftest import EPOCHS, TINY, last_model
 from tests.distributed.test_dist_train import _worker_pid
 from tests.distributed.test_elastic import shared_interrupted, shared_uninterrupted
 
@@ -70,7 +70,7 @@ def job_command(data: Path, out: Path, wrapper: Path, restarts: int) -> list[str
     wrapper.write_text(WRAPPER)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", str(restarts), str(wrapper), "train", "unet2d-microscopy", "--data", str(data),
-            "--out", str(out), "--epochs", "3", "--resume", "auto", *TINY, "--set", "train.checkpoint_every=5",
+            "--out", str(out), "--epochs", str(EPOCHS), "--resume", "auto", *TINY, "--set", "train.checkpoint_every=5",
             "--set", f"train.hang_timeout_s={HANG_S}"]
 
 
