@@ -1,11 +1,15 @@
 """Shared fixtures: tiny real datasets written to disk once per session, and GPU skipping."""
 from __future__ import annotations
 
+import atexit
 import gc
+import getpass
 import logging
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# the child processes' temporary folder, removed when this (pytest or xdist worker) process exits: torchrun leaves
+# a torchelastic_* log folder in it per job (about 110 a suite run, in /tmp before). Inductor's cache stays where
+# it was, shared with the tests run in this process
+_CHILD_TMP = tempfile.mkdtemp(prefix="fastvision-tests-")
+atexit.register(shutil.rmtree, _CHILD_TMP, ignore_errors=True)
+_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -27,7 +38,8 @@ def clean_env(**more: str) -> dict[str, str]:
     """This process's environment without launcher variables (torchrun, SLURM), one thread per
     worker and the repo importable: the start of every multi-process test's child environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _LAUNCH_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **more)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TMPDIR=_CHILD_TMP, TORCHINDUCTOR_CACHE_DIR=_INDUCTOR_CACHE,
+               **more)
     return env
 
 
