@@ -8,6 +8,18 @@ import errno as _errno
 import os as _os
 
 
+def error_line(e: BaseException) -> str:
+    """``Type: first line`` of ``e``, for a one-line report of an error that was caught and survived (a
+    compile fallback, a tuner trial); where that line only introduces its cause (torch < 2.5's
+    ``BackendCompilerFailed: backend='inductor' raised:``), the cause's line after it."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    line = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    inner = getattr(e, "inner_exception", None)
+    if isinstance(inner, BaseException) and (not lines or lines[0].endswith(":")):
+        return f"{line}: {error_line(inner)}"
+    return line
+
+
 class FastvisionError(Exception):
     """Base class for errors caused by user input; message is shown without a traceback."""
 

@@ -38,8 +38,8 @@ def clean_env(**more: str) -> dict[str, str]:
     """This process's environment without launcher variables (torchrun, SLURM), one thread per
     worker and the repo importable: the start of every multi-process test's child environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _LAUNCH_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TMPDIR=_CHILD_TMP, TORCHINDUCTOR_CACHE_DIR=_INDUCTOR_CACHE,
-               **more)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TMPDIR=_CHILD_TMP, TORCHINDUCTOR_CACHE_DIR=_INDUCTOR_CACHE)
+    env.update(more)
     return env
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fastvision.config import AMP_MODES
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, error_line
 
 log = logging.getLogger(__name__)
 
@@ -129,17 +129,6 @@ class Precision:
         if self.mode == "off":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=_DTYPES[self.mode])
-
-
-def _error_line(e: BaseException) -> str:
-    """``Type: first line`` of ``e``; where that line only introduces its cause (torch < 2.5's
-    ``BackendCompilerFailed: backend='inductor' raised:``), the cause's line after it."""
-    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    line = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-    inner = getattr(e, "inner_exception", None)
-    if isinstance(inner, BaseException) and (not lines or lines[0].endswith(":")):
-        return f"{line}: {_error_line(inner)}"
-    return line
 
 
 def set_tf32(enabled: bool) -> None:
@@ -278,7 +267,7 @@ class AutoCompile(nn.Module):
         try:
             return self.compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001  (any compile failure: the run goes on eagerly)
-            self._fall_back(f"compile failed: {_error_line(e)[:200]}")
+            self._fall_back(f"compile failed: {error_line(e)[:200]}")
             return self._orig_mod(*args, **kwargs)
 
     def _stamp(self, args: tuple) -> None:

@@ -43,7 +43,7 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("whole") / "run"
-    res = subprocess.run(torchrun_train(data, out, EPOCHS, "--set", "train.checkpoint_every=5"), cwd=ROOT, env=clean_env(),
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(torchrun_train(data, out, EPOCHS, "--set", "train.checkpoint_every=5"), cwd=ROOT,
+                         env=clean_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return last_model(out)

@@ -48,8 +48,8 @@ def shared_uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
 
     def make(folder: Path) -> str:
         data = synth(folder / "data", seed=3, count=21, size=32)
-        res = subprocess.run(torchrun_train(data, folder / "run", EPOCHS, "--set", "train.checkpoint_every=5"), cwd=ROOT,
-                             env=clean_env(), capture_output=True, text=True, timeout=300)
+        res = subprocess.run(torchrun_train(data, folder / "run", EPOCHS, "--set", "train.checkpoint_every=5"),
+                             cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         return str(folder / "run")
 

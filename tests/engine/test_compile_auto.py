@@ -47,7 +47,7 @@ def test_auto_compile_sees_through_to_the_model_and_falls_back_when_compiled_ste
 def test_the_fallback_line_reaches_past_an_error_that_only_introduces_its_cause():
     """torch < 2.5's BackendCompilerFailed says ``backend='inductor' raised:`` and keeps the reason in
     ``inner_exception``: the line names both; an ordinary error gives its own first line."""
-    from fastvision.engine.runtime import _error_line
+    from fastvision.errors import error_line
 
     class BackendCompilerFailed(Exception):
         def __init__(self, inner):
@@ -55,6 +55,6 @@ def test_the_fallback_line_reaches_past_an_error_that_only_introduces_its_cause(
             self.inner_exception = inner
 
     wrapped = BackendCompilerFailed(RuntimeError("No working C++ compiler found in torch._inductor.config.cpp.cxx"))
-    assert _error_line(wrapped) == ("BackendCompilerFailed: backend='inductor' raised: RuntimeError: "
+    assert error_line(wrapped) == ("BackendCompilerFailed: backend='inductor' raised: RuntimeError: "
                                     "No working C++ compiler found in torch._inductor.config.cpp.cxx")
-    assert _error_line(ValueError("bad shape\nmore")) == "ValueError: bad shape"
+    assert error_line(ValueError("bad shape\nmore")) == "ValueError: bad shape"

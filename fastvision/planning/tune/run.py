@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from fastvision import config, distributed
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, error_line
 from fastvision.planning.tune.search import Comparison, Switch, Trial, judge, order, search
 from fastvision.planning.tune.switches import catalogue, current, implied, lr_line
 from fastvision.planning.tune.trial import TrialRunner
@@ -82,7 +82,7 @@ def final_check(runner: TrialRunner, start: dict[str, Any], best: dict[str, Any]
     try:
         comp = runner.measure(start, best, switch)
     except Exception as e:  # noqa: BLE001  (the start stays)
-        comp = Comparison(error=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
+        comp = Comparison(error=error_line(e)[:240])
     final = judge(switch, "tuned vs start", comp)
     final.seconds = time.monotonic() - t0
     final = _agree(final)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
+from fastvision.errors import error_line
+
 GROUPS = ("input", "compute", "host", "communication")  # the order when the verdict names none
 MIN_GAIN = 0.03  # a candidate must also beat the incumbent by 3 %: a few rounds can agree by chance
 EXACT_RTOL = 1e-5  # "exact" switches: the same losses up to float32 rounding of a reordered sum
@@ -151,7 +153,7 @@ def search(start: dict[str, Any], switches: list[Switch], measure: Callable[[dic
             try:
                 comp = measure(incumbent, cand, sw)
             except Exception as e:  # noqa: BLE001  (a switch that errors is dropped; the search goes on)
-                comp = Comparison(error=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
+                comp = Comparison(error=error_line(e)[:240])
             trial = judge(sw, value, comp)
             trial.seconds = clock() - t
             trial.implies = {k: v for k, v in cand.items() if k != sw.key and incumbent.get(k) != v}
