@@ -132,6 +132,31 @@ def test_time_lapse_tiff_is_frames_not_channels(axes, kw, tmp_path):
     assert read_array(tmp_path / "rgb.tif").shape == (16, 16, 3)
 
 
+def test_a_first_step_failure_is_blamed_on_the_augmentation_or_the_loss_where_it_was_raised():
+    """The first step's one line names ``data.augment`` (or the loss) where the error came from there, not the
+    model (a thin stack's blur once failed there and the line said "Check model 'unet3d'"): the real
+    augmentation, the real loss and the real model each raising on a batch they cannot take."""
+    from fastvision.data.augment.spatial import build_augment
+    from fastvision.engine.loop import _failed_in
+    from fastvision.losses.dice import DiceLoss
+    from fastvision.registry import MODELS
+
+    def raised(fn):
+        try:
+            fn()
+        except (RuntimeError, ValueError, IndexError) as e:
+            return _failed_in(e)
+        raise AssertionError("no error")
+
+    aug = build_augment(3, affine={"prob": 1.0})
+    where = raised(lambda: aug(torch.rand(2, 1, 8, 8), None, torch.Generator().manual_seed(0)))
+    assert where is not None and where[1] == "data.augment" and where[0].startswith("fastvision.data.augment.")
+    where = raised(lambda: DiceLoss(softmax=True)(torch.rand(2, 3, 8, 8), torch.zeros(2, 1, 4, 4)))
+    assert where is not None and where[1].startswith("loss")
+    model = MODELS.build("unet2d", {"in_channels": 1, "out_channels": 2, "filters": [4, 8]})
+    assert raised(lambda: model(torch.rand(1, 3, 16, 16))) is None  # the model's own: the old line
+
+
 # --------------------------------------------------- settings the model cannot take (README audit)
 @pytest.mark.parametrize("setting, needles", [
     # the network's strides do not divide the size: the model's own ValueError, at the first step

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from scipy import ndimage
 
-from fastvision.data.augment.degrade import lowres_gathered, odd_kernel_size
+from fastvision.data.augment.degrade import lowres_gathered, odd_kernel_size, reflect_pad
 from fastvision.data.augment.spatial import build_augment
 from fastvision.errors import ConfigError
 
@@ -34,6 +34,32 @@ def test_blur_matches_scipy(nd, sigma):
     for a in range(nd):  # torch's reflect padding is scipy's "mirror"; radius = int(truncate * sigma + 0.5)
         ref = ndimage.gaussian_filter1d(ref, sigma, axis=2 + a, mode="mirror", truncate=(half + 0.2) / sigma)
     assert torch.allclose(out.double(), torch.from_numpy(ref), atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(7, 6, 1), (5, 2, 3), (1, 8, 6)])
+def test_blur_of_a_thin_axis_mirrors_it_as_scipy(shape):
+    """A patch axis shorter than the kernel's reach (a thin stack's one-slice patch: 112 x 96 x 1 from
+    ``configure``, where torch's reflect padding refuses): mirrored as often as it takes, scipy's "mirror"
+    of any length; a one-voxel axis is left as it is."""
+    x = torch.rand(2, 1, *shape, generator=gen(30))
+    out, _ = build_augment(3, blur={"prob": 1.0, "sigma": [1.0, 1.0], "channel_prob": 1.0})(x.clone(), None, gen(31))
+    ref = x.numpy().astype(np.float64)
+    for a in range(3):
+        ref = ndimage.gaussian_filter1d(ref, 1.0, axis=2 + a, mode="mirror", truncate=3.2)
+    assert torch.allclose(out.double(), torch.from_numpy(ref), atol=1e-5)
+    if shape[2] == 1:  # blurring along the slice axis changed nothing: the in-plane blur alone
+        plane = ndimage.gaussian_filter1d(ndimage.gaussian_filter1d(x.numpy().astype(np.float64), 1.0, axis=2,
+                                                                    mode="mirror", truncate=3.2),
+                                          1.0, axis=3, mode="mirror", truncate=3.2)
+        assert torch.allclose(out.double(), torch.from_numpy(plane), atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6])
+def test_reflect_pad_is_numpys_reflect_at_any_width(n):
+    x = torch.rand(2, n, 3, generator=gen(32))
+    for r in range(0, 8):
+        want = np.pad(x.numpy(), [(0, 0), (r, r), (0, 0)], mode="reflect")
+        assert torch.equal(reflect_pad(x, 1, r), torch.from_numpy(want)), r
 
 
 def test_blur_only_touches_firing_channels():

@@ -3,7 +3,9 @@
 
 * :class:`Blur`: a separable Gaussian blur with its own sigma per sample, channel and axis
   (batchgeneratorsv2 ``GaussianBlurTransform``: kernel of ``6 sigma + 0.5`` rounded to an odd size,
-  reflect padding), run as one grouped convolution per axis for the whole batch;
+  reflect padding), run as one grouped convolution per axis for the whole batch; an axis shorter than the
+  kernel's reach (a thin stack's one-slice patch axis) is mirrored as often as it takes (:func:`reflect_pad`),
+  so a one-voxel axis is left as it is;
 * :class:`LowResolution`: nearest-exact down-sampling by a per-(sample, channel) factor, then linear
   up-sampling back (``SimulateLowResolutionTransform``); each sample's size differs, so instead of
   two resizes it is the composed per-axis map, two gathers and a lerp per axis, exact to the resizes.
@@ -82,9 +84,7 @@ class Blur:
             for a in range(nd):
                 shape = [1] * nd
                 shape[a] = 2 * half + 1
-                pad = [0, 0] * nd
-                pad[2 * (nd - 1 - a)] = pad[2 * (nd - 1 - a) + 1] = half
-                y = F.pad(y, pad, mode="reflect")
+                y = reflect_pad(y, a + 2, half)
                 conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
                 y = conv(y, w[:, a].reshape(-1, 1, *shape), groups=y.shape[1])
             return y.reshape(x.shape)
@@ -100,15 +100,32 @@ def _shift_blur(x: Tensor, w: Tensor, reach: list[float], half: int) -> Tensor:
     wl = w.tolist()
     for a in range(nd):
         r, n = int(reach[a]), x.shape[a]
-        pad = [0, 0] * nd
-        pad[2 * (nd - 1 - a)] = pad[2 * (nd - 1 - a) + 1] = r
-        y = F.pad(x[None, None], pad, mode="reflect")[0, 0] if r else x
+        y = reflect_pad(x, a, r) if r else x
         taps = wl[a][half - r:half + r + 1]
         out = y.narrow(a, 0, n) * taps[0]
         for k in range(1, 2 * r + 1):
             out.add_(y.narrow(a, k, n), alpha=taps[k])
         x = out
     return x
+
+
+def reflect_pad(x: Tensor, axis: int, r: int) -> Tensor:
+    """``x`` padded by ``r`` on both sides of ``axis``, mirrored about the edge voxels (torch's ``reflect``,
+    batchgeneratorsv2's padding): ``F.pad`` where it is defined (``r`` below the axis' length), else the same
+    mirror repeated with period ``2 (n - 1)`` (a one-voxel axis: that voxel everywhere), by one gather."""
+    n = x.shape[axis]
+    if r < n and x.dim() - axis <= 3:  # F.pad's reflect: the axes from ``axis`` on, after one leading axis
+        pad = [0, 0] * (x.dim() - axis)
+        pad[-2] = pad[-1] = r
+        y = F.pad(x.reshape(-1, *x.shape[axis:]), pad, mode="reflect")
+        return y.reshape(*x.shape[:axis], *y.shape[1:])
+    i = torch.arange(-r, n + r, device=x.device)
+    if n > 1:
+        i = i.remainder(2 * (n - 1))
+        i = torch.where(i >= n, 2 * (n - 1) - i, i)
+    else:
+        i = torch.zeros_like(i)
+    return x.index_select(axis, i)
 
 
 def _lowres_axis(n: int, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
