@@ -234,6 +234,17 @@ def cmd_benchmark(args) -> int:
     from fastvision.config import load, parse_override
 
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
+    # the flags' values before the output's: a bad value is named, not hidden behind "file exists"
+    given = _int_list(args.batch_sizes) if args.batch_sizes and args.batch_sizes != "auto" else None
+    unknown = [p for p in (args.precision or "").split(",") if p and p not in PRECISIONS]
+    if unknown:
+        raise ConfigError(f"--precision: unknown {unknown[0]!r}; valid: {', '.join(PRECISIONS)}")
+    if given is not None and (not given or min(given) < 1):
+        raise ConfigError(f"--batch-sizes: every batch size must be >= 1, got {args.batch_sizes!r}")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if (args.warmup or 0) < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
     out_dir = args.out or Path("runs/benchmark")
     for suffix in (".json", ".md"):  # checked before the run: a refusal costs no benchmark time
         refuse_overwrite(out_dir / f"{cfg.recipe}-{args.mode}{suffix}", args.force)
@@ -247,7 +258,7 @@ def cmd_benchmark(args) -> int:
 
         batch_sizes = [resolve_auto_batch(cfg, device)]
     else:
-        batch_sizes = _int_list(args.batch_sizes) if args.batch_sizes else [cfg.train.batch_size]
+        batch_sizes = given or [cfg.train.batch_size]
     amp = runtime.resolve_amp(cfg.train.amp, device)[0]  # train.amp auto -> this device's precision
     precisions = args.precision.split(",") if args.precision else ["fp32"] + ([amp] if amp != "off" else [])
     channels_last = cfg.train.channels_last if args.channels_last is None else args.channels_last

@@ -84,7 +84,12 @@ def test_cli_writes_json_and_markdown(mode, tmp_path, capsys):
     assert "items/s" in capsys.readouterr().out
 
 
-def test_cli_bad_batch_sizes_is_a_one_line_error(capsys):
-    rc = main(["benchmark", "unet2d-microscopy", "--batch-sizes", "1,x", "--device", "cpu"])
-    assert rc == 2
-    assert "--batch-sizes" in capsys.readouterr().err
+@pytest.mark.parametrize("flag, value", [("--batch-sizes", "1,x"), ("--batch-sizes", "0"), ("--precision", "fp8"),
+                                         ("--steps", "0")])
+def test_cli_bad_flag_values_are_one_line_errors_before_the_outputs_check(flag, value, tmp_path, capsys):
+    """A bad value is named even where the outputs of an earlier run are there (it said "file exists")."""
+    (tmp_path / "unet2d-microscopy-train.json").write_text("{}")
+    rc = main(["benchmark", "unet2d-microscopy", flag, value, "--device", "cpu", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and flag in err and "file exists" not in err, err
+    assert (tmp_path / "unet2d-microscopy-train.json").read_text() == "{}"
