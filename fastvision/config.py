@@ -150,6 +150,44 @@ class RunConfig:
 
 
 # ---------------------------------------------------------------------------- building
+# numeric keys with a range, checked with their type (a bad value is one line naming the key, before any build):
+# (lowest, highest, lowest allowed, highest allowed); None where open; null values pass (their own meaning)
+RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    **{f"train.{k}": (1, None, True, True) for k in ("epochs", "batch_size", "accum_steps", "val_every", "log_every",
+                                                     "max_nonfinite", "steps_per_epoch", "cpu_threads",
+                                                     "emulate_workers")},
+    "train.keep_checkpoints": (0, None, True, True), "train.clip_grad": (0, None, False, True),
+    "train.ema_decay": (0, 1, False, False),
+    "train.ddp_bucket_mb": (0, None, False, True), "train.dist_timeout_s": (0, None, False, True),
+    "train.hang_timeout_s": (0, None, True, True),
+    "optim.lr": (0, None, False, True), "optim.ref_batch": (1, None, True, True),
+    "optim.weight_decay": (0, None, True, True), "optim.momentum": (0, 1, True, False),
+    "optim.eps": (0, None, False, True),
+    "sched.warmup_epochs": (0, None, True, True), "sched.warmup_start_factor": (0, 1, True, True),
+    "sched.min_lr_factor": (0, 1, True, True), "sched.gamma": (0, None, False, True),
+    "sched.power": (0, None, False, True),
+    "data.num_workers": (0, None, True, True), "data.val_batch_size": (1, None, True, True),
+    "data.repeats": (1, None, True, True), "data.cache_rate": (0, 1, False, True),
+    "data.cache_num": (1, None, True, True), "data.replace_rate": (0, 1, True, True),
+    "examples": (0, None, True, True),
+}
+
+
+def check_range(path: str, value: Any) -> None:
+    """``value`` of key ``path`` inside :data:`RANGES`' bounds (a number; other values are the type check's)."""
+    bounds = RANGES.get(path)
+    if bounds is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    lo, hi, lo_in, hi_in = bounds
+    if (lo is not None and (value < lo or (value == lo and not lo_in))) or (
+            hi is not None and (value > hi or (value == hi and not hi_in))):
+        left = "" if lo is None else ("[" if lo_in else "(") + f"{lo:g}"
+        right = "" if hi is None else f"{hi:g}" + ("]" if hi_in else ")")
+        want = (f"in {left}, {right}" if lo is not None and hi is not None
+                else f">= {lo:g}" if lo_in else f"> {lo:g}")
+        raise ConfigError(f"{path} must be {want}, got {value!r}")
+
+
 def from_dict(data: dict[str, Any], cls: type = RunConfig, where: str = "") -> Any:
     """Build dataclass ``cls`` from a nested mapping, strictly."""
     if not isinstance(data, dict):
@@ -173,6 +211,7 @@ def from_dict(data: dict[str, Any], cls: type = RunConfig, where: str = "") -> A
             value = _coerce(value, hint)
             if not type_ok(value, hint):
                 raise ConfigError(f"{path}: expected {type_name(hint)}, got {value!r}")
+            check_range(path, value)
             kwargs[key] = value
     return cls(**kwargs)
 

@@ -129,3 +129,29 @@ def test_an_uncaught_error_after_torch_distributed_exits_1_without_finalizing(mo
     assert codes == [1] and ended.value.code == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "RuntimeError: gloo: Read error: Connection reset by peer" in err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--epochs", "0"], "train.epochs must be >= 1, got 0"),
+    (["--epochs", "-1"], "train.epochs must be >= 1, got -1"),
+    (["--set", "train.val_every=0"], "train.val_every must be >= 1, got 0"),  # a ZeroDivisionError before
+    (["--lr", "-1"], "optim.lr must be > 0, got -1.0"),  # torch's ValueError traceback before
+    (["--set", "optim.momentum=1"], "optim.momentum must be in [0, 1), got 1"),
+    (["--set", "sched.min_lr_factor=1.5"], "sched.min_lr_factor must be in [0, 1], got 1.5"),
+    (["--set", "data.num_workers=-2"], "data.num_workers must be >= 0, got -2"),
+])
+def test_a_number_out_of_its_range_is_one_line_before_anything_is_written(args, needle, tiny_microscopy, tmp_path,
+                                                                          capsys):
+    """``--epochs 0`` trained nothing and exited 0, ``--epochs -1`` wrote ``epochs: -1`` into config.yaml;
+    val_every 0 and a negative LR were tracebacks. Each is now the key's one line, and no run folder."""
+    code = main(["train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(tmp_path / "run"),
+                 *TINY, *args])
+    _one_line(code, capsys.readouterr().err, needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_recipe_file_with_a_number_out_of_range_names_the_file(tmp_path, capsys):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("extends: unet2d-microscopy\ntrain:\n  log_every: 0\n")
+    code = main(["train", str(recipe), "--out", str(tmp_path / "run"), "--device", "cpu"])
+    _one_line(code, capsys.readouterr().err, str(recipe), "train.log_every must be >= 1, got 0")
