@@ -24,15 +24,19 @@ class Registry:
     def __init__(self, kind: str):
         self.kind = kind
         self._entries: dict[str, Callable[..., Any]] = {}
+        self._hidden: set[str] = set()
 
-    def register(self, name: str | None = None) -> Callable[[Callable], Callable]:
-        """Decorator storing a builder under ``name`` (default: the function name, ``_`` -> ``-``)."""
+    def register(self, name: str | None = None, hidden: bool = False) -> Callable[[Callable], Callable]:
+        """Decorator storing a builder under ``name`` (default: the function name, ``_`` -> ``-``);
+        ``hidden``: built by name but not listed (a test model such as ``probe``)."""
 
         def deco(fn: Callable) -> Callable:
             key = name or fn.__name__.replace("_", "-")
             if key in self._entries and self._entries[key] is not fn:
                 raise ValueError(f"{self.kind} {key!r} registered twice")
             self._entries[key] = fn
+            if hidden:
+                self._hidden.add(key)
             return fn
 
         return deco
@@ -50,7 +54,8 @@ class Registry:
         return self._entries[name]
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        """The listed names (the hidden ones still build)."""
+        return sorted(set(self._entries) - self._hidden)
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries

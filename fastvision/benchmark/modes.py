@@ -222,7 +222,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--out", type=Path, help="folder for <recipe>-<mode>.json and .md (default runs/benchmark)")
     p.add_argument("--force", action="store_true", help="replace an existing <recipe>-<mode>.json / .md in --out")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="recipe override, e.g. --set task.args.image_size=128 (repeatable)")
+                   help="recipe override, e.g. --set task.args.sample_shape=[1,256,256] for unet2d-microscopy or "
+                        "--set task.args.image_size=128 for resnet50-imagenet (repeatable)")
     p.set_defaults(func=cmd_benchmark)
 
 

@@ -262,5 +262,6 @@ def _tensorboard_writer(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise ConfigError("--tensorboard needs the tensorboard package (pip install tensorboard)") from e
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'fastvision[tensorboard]' "
+                          "(or pip install tensorboard)") from e
     return SummaryWriter(log_dir=str(run_dir / "tensorboard"))

@@ -40,6 +40,7 @@ from fastvision.engine.state import (
 from fastvision.engine.step import StepResult, train_step
 from fastvision.errors import ConfigError
 from fastvision.tasks.base import Task
+from fastvision.utils.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +125,39 @@ def _open_logs(run: Run, state: dict, run_dir: Path, progress: bool | None,
     logger.history = list(state["history"])
     resolved = resolved_config(cfg)
     if run.env.is_main:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        path = run_dir / "config.yaml"
+        if resumed and path.is_file():
+            _note_changes(path, resolved)
+        text = yaml.safe_dump(resolved, sort_keys=False).encode()
+        atomic_write(path, lambda f: f.write(text))
     logger.parameters(resolved, {**environment(run.env, run.device), "global_batch": run.global_batch,
                                  "base_lr": cfg.optim.lr, "effective_lr": run.lr, "data": run.info})
     return logger, resolved
+
+
+def _note_changes(path: Path, resolved: dict, shown: int = 8) -> None:
+    """Log the settings of a resumed run that differ from the ``config.yaml`` it was written with (a resume
+    continues with what it is given now: a changed size or epoch count is the user's to know of)."""
+    try:
+        before = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return
+
+    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, val in d.items():
+            if isinstance(val, dict) and val:
+                out.update(flat(val, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = val
+        return out
+
+    old, new = flat(before), flat(resolved)
+    changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if changed:
+        text = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:shown])
+        log.info("resumed with %d setting(s) changed from %s: %s%s", len(changed), path, text,
+                 f" and {len(changed) - shown} more" if len(changed) > shown else "")
 
 
 def _epochs(run: Run, state: dict, logger: RunLogger, saver: Checkpoints, summary: dict, doctor: Watchdog) -> None:
@@ -179,8 +209,9 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: Checkpoints, summar
         if target and target[0] in row and reached(task, target[0], row[target[0]], target[1]):
             summary.update(target_reached=True, time_to_target_s=state["train_time"],
                            time_to_target_wall_s=state["wall_time"], target_epoch=epoch + 1)
-            log.info("target %s=%g reached at epoch %d after %.1f s of training (%.1f s wall)", *target,
-                     epoch + 1, state["train_time"], state["wall_time"])
+            # the epoch as its log line numbers it (from 0), and how many epochs that is
+            log.info("target %s=%g reached at epoch %d (%d epochs) after %.1f s of training (%.1f s wall)",
+                     *target, epoch, epoch + 1, state["train_time"], state["wall_time"])
             return None
     if target:
         summary["target_reached"] = False

@@ -118,7 +118,7 @@ class Precision:
         if self.requested == "auto":
             log.info("precision: %s (train.amp=auto; %s)", self.mode, why)
         if self.mode == "fp16" and self.device.type != "cuda":
-            raise ConfigError("train.amp=fp16 needs a CUDA device; use --amp bf16 on CPU")
+            raise ConfigError("train.amp=fp16 needs a CUDA device; on a CPU pass --amp off (fp32) or --amp bf16")
         self.scaler = loss_scaler(self.device.type, self.mode == "fp16", self.loss_scale)
 
     @property

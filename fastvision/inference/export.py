@@ -99,6 +99,9 @@ def export_model(model: nn.Module, example: Tensor, path: Path, fmt: str, opset:
     if fmt == "torchscript":
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*torch\.jit\.trace.* is deprecated")
+            # the models' input-size checks read the traced sizes as Python values: the trace keeps them
+            # as constants, which the round trip below checks at another batch size
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
             traced = torch.jit.trace(model, example, strict=False)  # strict=False: dict outputs
         torch.jit.save(traced, str(path))
         return path
@@ -107,9 +110,19 @@ def export_model(model: nn.Module, example: Tensor, path: Path, fmt: str, opset:
         _export_onnx_torchscript(model, example, path, opset)
         return path
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["input"], opset_version=opset,
-                      dynamic_shapes=({0: torch.export.Dim("batch", min=1)},), verbose=False,
-                      external_data=weight_bytes > _ONNX_SINGLE_FILE_LIMIT)
+    # torch's exporter warns that torchvision's detection ops are not registered where torchvision is not
+    # installed (none of ours uses them), and torch's own pytree deprecation: neither is the user's to act on
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, message=r".*LeafSpec.*")
+            torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["input"],
+                              opset_version=opset, dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
+                              verbose=False, external_data=weight_bytes > _ONNX_SINGLE_FILE_LIMIT)
+    finally:
+        registration.setLevel(level)
     return path
 
 

@@ -32,7 +32,7 @@ class Probe(nn.Module):
         return self.head(self.norm(x))
 
 
-@MODELS.register("probe")
+@MODELS.register("probe", hidden=True)  # not in list_models(): a test model
 def probe(spatial_dims: int = 2, in_channels: int = 1, out_channels: int = 2,
           nonfinite_steps: list[int] = ()) -> Probe:
     """A test model (see the module doc): ``nonfinite_steps``: training forward calls, from 1, made NaN."""

@@ -287,8 +287,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--gpus", type=int, default=1, help="total GPUs (default 1)")
     p.add_argument("--nodes", type=int, help="nodes the GPUs are spread over (default: 8 GPUs per node)")
     p.add_argument("--link", default="infiniband", help="inter-node link preset: nvlink, infiniband, ethernet")
-    p.add_argument("--hardware", help="node profile for the scaling simulator instead of --link: dgx-a100, "
-                                      "dgx-h100, dgx1-v100, pcie-node or a YAML file (sets GPUs per node)")
+    from fastvision.scaling.presets import hardware_presets
+
+    p.add_argument("--hardware", help="node profile for the scaling simulator instead of --link: a preset "
+                                      f"({', '.join(hardware_presets())}) or a YAML file (sets GPUs per node)")
     p.add_argument("--price-per-gpu-hour", type=float, help="price of one GPU-hour, for the cost")
     p.add_argument("--data", help="dataset folder: its training split sets the epoch size")
     p.add_argument("--dataset-size", type=int, help="training items per epoch (instead of --data)")

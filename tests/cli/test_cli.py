@@ -158,6 +158,8 @@ def test_python_api_train_returns_summary(tiny_microscopy, tmp_path):
     summary = fastvision.train("unet2d-microscopy", out=str(tmp_path / "api"), **tiny_overrides(tiny_microscopy))
     assert summary["epochs"] == 2 and (tmp_path / "api" / "config.yaml").is_file()
     assert "unet2d-seed001" in fastvision.list_models()
+    assert "probe" not in fastvision.list_models()  # the NaN-making test model builds by name, unlisted
+    assert sum(p.numel() for p in fastvision.create_model("probe", in_channels=1, out_channels=2).parameters()) == 6
     assert sum(p.numel() for p in fastvision.create_model("unet2d-seed001").parameters()) == 487_145
 
 

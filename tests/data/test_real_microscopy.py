@@ -80,6 +80,22 @@ def test_every_encoding_reads_as_image_and_binary_label(tmp_path):
     assert len(splits.train) == 3 and len(splits.val) == 1
 
 
+def test_class_index_masks_beyond_num_classes_name_the_count_that_reads_them(tmp_path):
+    """Masks of classes 0..3 read as the binary default: the line offers num_classes=4 (the README's
+    multi-class settings) before binarize, and with it they read as they are."""
+    root = tmp_path / "mc"
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    Image.fromarray(np.full((H, W), 9, np.uint8)).save(root / "images/a.png")
+    mask = (np.arange(H * W).reshape(H, W) % 4).astype(np.uint8)
+    Image.fromarray(mask).save(root / "masks/a.png")
+    with pytest.raises(DataError, match=r"a.png: mask values \[0, 1, 2, 3\] outside 0..1 \(class indices 0..3\? "
+                                        r"set data.args.num_classes=4.*binarize=true"):
+        MicroscopyDataset(pair_files(root), (H, W), "resize", channels=1, num_classes=2)[0]
+    got = MicroscopyDataset(pair_files(root), (H, W), "resize", channels=1, num_classes=4)[0]["label"]
+    assert torch.equal(got, torch.from_numpy(mask.astype(np.int64)))
+
+
 def test_instance_masks_need_binarize_and_stacks_are_refused(tmp_path, capsys):
     root = tmp_path / "inst"
     (root / "images").mkdir(parents=True)

@@ -59,6 +59,22 @@ def test_run_dir_contents_and_events(tiny_microscopy, tmp_path):
     assert ckpt["epoch"] == 1 and ckpt["step"] == 2 * 3  # 13 train images // batch 4 = 3 steps
 
 
+def test_tensorboard_event_files_hold_the_runs_metrics(tiny_microscopy, tmp_path):
+    """``--tensorboard``: TensorBoard's own reader finds every step's loss and every epoch's validation
+    metrics in the event file, equal to what metrics.jsonl logged."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    run = tmp_path / "run"
+    fastvision.train("unet2d-microscopy", out=str(run), tensorboard=True, **tiny_overrides(tiny_microscopy))
+    events = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    acc = accumulator.EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    steps = [e["data"]["loss"] for e in events if isinstance(e["step"], list) and len(e["step"]) == 2]
+    assert [round(x.value, 5) for x in acc.Scalars("train/loss")] == [round(v, 5) for v in steps]
+    epochs = [e["data"] for e in events if isinstance(e["step"], list) and len(e["step"]) == 1]
+    for name in ("iou", "dice", "train_loss"):
+        assert [round(x.value, 5) for x in acc.Scalars(f"epoch/{name}")] == [round(d[name], 5) for d in epochs]
+
+
 def test_bf16_autocast_on_cpu_trains(tiny_microscopy, tmp_path):
     summary = fastvision.train("unet2d-microscopy", out=str(tmp_path / "bf16"),
                                **tiny_overrides(tiny_microscopy, amp="bf16"))

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
 
 from fastvision import config, distributed
 from fastvision.data.loader import ThreadLoader
@@ -102,3 +103,21 @@ def test_resume_from_an_older_step_checkpoint_keeps_what_it_writes_and_logs_each
     steps = [tuple(s) for s in events if isinstance(s, list) and len(s) == 2]
     assert sorted(steps) == [(e, i) for e in range(3) for i in range(1, 7)]  # each once
     assert [s for s in events if isinstance(s, list) and len(s) == 1] == [[0], [1], [2]]
+
+
+def test_a_resume_with_other_settings_names_them_and_saves_the_new_config(tiny_microscopy, tmp_path, capsys):
+    """A resume continues with the settings it is given; the ones that differ from the run's config.yaml
+    are logged (key, old -> new), and config.yaml then holds the new ones."""
+    out = tmp_path / "run"
+    argv = ["train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(out), *TINY]
+    assert cli_here([*argv, "--epochs", "1"]) == 0
+    capsys.readouterr()
+    assert cli_here([*argv, "--epochs", "2", "--resume", "auto", "--set", "train.log_every=3"]) == 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "setting(s) changed" in x)
+    assert "resumed with 2 setting(s) changed from" in line and str(out / "config.yaml") in line, line
+    assert "train.epochs: 1 -> 2" in line and "train.log_every: 1 -> 3" in line, line
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["train"]["epochs"] == 2 and saved["train"]["log_every"] == 3
+    assert cli_here([*argv, "--epochs", "2", "--resume", "auto", "--set", "train.log_every=3"]) == 0
+    assert "setting(s) changed" not in capsys.readouterr().err  # the same settings again: nothing to say

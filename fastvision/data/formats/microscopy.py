@@ -120,8 +120,10 @@ def mask_to_index(arr: np.ndarray, path: Path, num_classes: int, binarize: bool 
     if num_classes == 2 and set(values.tolist()) <= {0} | on and len(values) <= 2:
         return (arr > 0).astype(np.int64)
     if values.max(initial=0) >= num_classes or values.min(initial=0) < 0:
-        hint = ("it looks instance-labelled: set data.args.binarize=true for foreground/background"
-                if num_classes == 2 and len(values) > 2 else "set data.args.num_classes")
+        k = int(values.max()) + 1
+        classes = f"class indices 0..{k - 1}? set data.args.num_classes={k} (README: multi-class masks)"
+        hint = (f"{classes}; instance ids? set data.args.binarize=true for foreground/background"
+                if num_classes == 2 and len(values) > 2 else classes)
         raise DataError(f"{path}: mask values {values[:8].tolist()} outside 0..{num_classes - 1} ({hint})")
     return arr.astype(np.int64)
 
