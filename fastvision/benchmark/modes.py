@@ -54,12 +54,24 @@ def setting_config(cfg: RunConfig, batch_size: int, precision: str, *, compile: 
     return out
 
 
-def runnable_precisions(precisions: list[str], device: torch.device) -> tuple[list[str], list[str]]:
-    """Precisions that run on ``device`` and notes for the ones skipped."""
-    run, notes = [], []
+def check_settings(precisions: list[str], steps: int, warmup: int, batch_sizes: list[int] | None) -> None:
+    """The benchmark's own arguments, before anything runs (``batch_sizes`` None: chosen later, ``auto``)."""
     for p in precisions:
         if p not in PRECISIONS:
             raise ConfigError(f"--precision: unknown {p!r}; valid: {', '.join(PRECISIONS)}")
+    if batch_sizes is not None and (not batch_sizes or min(batch_sizes) < 1):
+        raise ConfigError(f"--batch-sizes: every batch size must be >= 1, got {batch_sizes}")
+    if steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    if warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {warmup}")
+
+
+def runnable_precisions(precisions: list[str], device: torch.device) -> tuple[list[str], list[str]]:
+    """Precisions that run on ``device`` and notes for the ones skipped."""
+    check_settings(precisions, 1, 0, None)
+    run, notes = [], []
+    for p in precisions:
         if device.type != "cuda" and p in ("fp16", "tf32"):
             notes.append(f"{p} skipped: needs a CUDA device" + (" (tf32 equals fp32 elsewhere)" if p == "tf32" else ""))
         elif device.type == "cuda" and p == "bf16" and not torch.cuda.is_bf16_supported():
@@ -96,8 +108,7 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
     """
     if mode not in ("train", "inference"):
         raise ConfigError(f"--mode: expected train or inference, got {mode!r}")
-    if steps < 1 or warmup < 0 or not batch_sizes or min(batch_sizes) < 1:
-        raise ConfigError("--steps must be >= 1, --warmup >= 0 and every batch size >= 1")
+    check_settings(precisions, steps, warmup, batch_sizes)
     device = torch.device(device)
     todo, notes = runnable_precisions(precisions, device)
     tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
@@ -237,15 +248,7 @@ def cmd_benchmark(args) -> int:
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
     # the flags' values before the output's: a bad value is named, not hidden behind "file exists"
     given = _int_list(args.batch_sizes) if args.batch_sizes and args.batch_sizes != "auto" else None
-    unknown = [p for p in (args.precision or "").split(",") if p and p not in PRECISIONS]
-    if unknown:
-        raise ConfigError(f"--precision: unknown {unknown[0]!r}; valid: {', '.join(PRECISIONS)}")
-    if given is not None and (not given or min(given) < 1):
-        raise ConfigError(f"--batch-sizes: every batch size must be >= 1, got {args.batch_sizes!r}")
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    if (args.warmup or 0) < 0:
-        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
+    check_settings(args.precision.split(",") if args.precision else [], args.steps, args.warmup or 0, given)
     out_dir = args.out or Path("runs/benchmark")
     for suffix in (".json", ".md"):  # checked before the run: a refusal costs no benchmark time
         refuse_overwrite(out_dir / f"{cfg.recipe}-{args.mode}{suffix}", args.force)
