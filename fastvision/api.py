@@ -117,11 +117,10 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
     env, device = distributed.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
     clean = False  # every rank ended together: gloo's threads can be joined (distributed.shutdown)
     try:
-        if cfg.train.batch_size == "auto":  # rank 0 searches; every rank trains with its answer
-            from fastvision.planning.autobatch import resolve_auto_batch
+        if cfg.train.batch_size == "auto":  # every rank searches its device; all train at the smallest
+            from fastvision.planning.autobatch import agree_auto_batch
 
-            auto = resolve_auto_batch(cfg, device) if env.is_main else None
-            cfg.train.batch_size = distributed.broadcast_object(auto)
+            agree_auto_batch(cfg, device)
         # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
         run_dir, ckpt = distributed.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
         summary = fit(cfg, run_dir, resume=ckpt, progress=progress)

@@ -32,7 +32,7 @@ from fastvision.distributed.comm import (
                                   shutdown,
 )
 from fastvision.distributed.env import DistEnv, detect_env, expand_nodelist, job_key
-from fastvision.distributed.group import rank, world_size
+from fastvision.distributed.group import alone, rank, world_size
 from fastvision.distributed.launch import horovodrun_command, launch_local, strip_option
 from fastvision.distributed.samplers import EvalSampler, TrainSampler
 from fastvision.distributed.wrap import (
@@ -44,7 +44,8 @@ from fastvision.distributed.wrap import (
                                   wrap_optimizer,
 )
 
-__all__ = ["DistEnv", "EvalSampler", "TrainSampler", "all_reduce_sum", "barrier", "broadcast_object", "broadcast_state",
+__all__ = ["DistEnv", "EvalSampler", "TrainSampler", "all_reduce_sum", "alone", "barrier", "broadcast_object",
+           "broadcast_state",
            "detect_env", "exit_process", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init",
            "is_main", "job_key", "joined", "launch_local", "no_sync", "rank", "shutdown", "strip_option",
            "synchronized", "unwrap", "world_size", "wrap_model", "wrap_optimizer"]

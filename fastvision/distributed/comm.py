@@ -108,8 +108,8 @@ _active = group.active
 
 
 def _hvd() -> Any:
-    """``horovod.torch`` when this job runs under horovod, else None."""
-    return group.HOROVOD.module
+    """``horovod.torch`` when this job runs under horovod, else None (also inside ``group.alone``)."""
+    return None if group.ALONE.depth else group.HOROVOD.module
 
 
 def is_main() -> bool:

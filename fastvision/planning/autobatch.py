@@ -150,7 +150,7 @@ def step_fits(state, make_optimizer: Callable, steps: int = 2, cap: int | None =
             model.zero_grad(set_to_none=True)
             state.optimizer = state.scheduler = batch = None
             release_memory()
-        log.info("batch-size auto: batch %d %s", b, "fits" if ok else "out of memory")
+        log.info("batch-size auto: %sbatch %d %s", _who(), b, "fits" if ok else "out of memory")
         return ok
 
     return fits
@@ -163,23 +163,80 @@ def resolve_auto_batch(cfg: RunConfig, device: torch.device, cap: int | None = N
     Off CUDA there is no out-of-memory error to catch before the host swaps, so a cap is needed:
     ``cap`` bytes or the environment variable ``FASTVISION_MEMORY_CAP_MB``. Returns the batch; the
     LR scaled by the recipe's rule is logged (``fit`` applies it).
+
+    In a job of several processes each calls it for its own device: the tries run unwrapped
+    (``distributed.alone``: no DDP, no collective, so ranks may try different batches), and
+    :func:`agree_auto_batch` then takes the smallest answer.
     """
     import os
-
-    from fastvision.optim import effective_lr
 
     if cap is None and os.environ.get("FASTVISION_MEMORY_CAP_MB"):
         cap = int(float(os.environ["FASTVISION_MEMORY_CAP_MB"]) * 2**20)
     if cap is None and device.type != "cuda":
         raise ConfigError(f"train.batch_size=auto on {device}: needs a CUDA device, or a memory cap in "
                           "FASTVISION_MEMORY_CAP_MB (see `fastvision plan` for an estimate without a device)")
-    run, make_optimizer = recipe_run(cfg, device)
-    fits = step_fits(run.step, make_optimizer, cap=cap)
-    b = search(fits, start=2, limit=limit)
+    from fastvision import distributed
+
+    with distributed.alone():  # this device's own search: its tries make no collective call
+        run, make_optimizer = recipe_run(cfg, device)
+        fits = step_fits(run.step, make_optimizer, cap=cap)
+        b = search(fits, start=2, limit=limit)
+        del run, make_optimizer, fits
+        release_memory()
     if b == 0:
         raise ConfigError(f"train.batch_size=auto: not even batch 1 of {cfg.recipe} fits on {device}")
     cfg.train.batch_size = b
-    lr = effective_lr(cfg.optim, b)
-    log.info("batch-size auto: %d per device on %s; lr %.4g (optim.lr %.4g %s)", b, device, lr, cfg.optim.lr,
-             f"x {b}/{cfg.optim.ref_batch} per device" if cfg.optim.ref_batch else "unscaled: no optim.ref_batch")
+    if distributed.world_size() == 1:
+        _log_choice(cfg, b, device)
+    return b
+
+
+def _who() -> str:
+    """``"rank R: "`` in a job of several processes (each searches), else nothing."""
+    from fastvision import distributed
+
+    return f"rank {distributed.rank()}: " if distributed.world_size() > 1 else ""
+
+
+def _log_choice(cfg: RunConfig, b: int, device: torch.device) -> None:
+    """The batch chosen and the LR the recipe's rule gives for the global batch it makes."""
+    from fastvision import distributed
+    from fastvision.optim import effective_lr
+
+    tc = cfg.train
+    world, micro = distributed.world_size(), tc.accum_steps * tc.emulate_workers
+    glob = b * micro * world
+    lr = effective_lr(cfg.optim, glob)
+    how = (f"x {glob}/{cfg.optim.ref_batch}" if cfg.optim.ref_batch else "unscaled: no optim.ref_batch")
+    parts = [f"{world} ranks"] * (world > 1) + [f"{micro} micro-batches"] * (micro > 1)
+    where = f"; global batch {glob} ({' x '.join(parts)})" if parts else ""
+    log.info("batch-size auto: %d per device on %s%s; lr %.4g (optim.lr %.4g %s)", b, device.type, where, lr,
+             cfg.optim.lr, how)
+
+
+def agree_auto_batch(cfg: RunConfig, device: torch.device) -> int:
+    """``train.batch_size: auto`` in a job: every rank searches its own device
+    (:func:`resolve_auto_batch`), and all train at the smallest batch any rank found (devices may
+    differ in memory, or hold other tensors). A rank whose search failed fails every rank with its
+    message. One process: :func:`resolve_auto_batch` itself.
+    """
+    from fastvision import distributed
+
+    if distributed.world_size() == 1:
+        return resolve_auto_batch(cfg, device)
+    try:
+        mine: int | str = resolve_auto_batch(cfg, device)
+    except ConfigError as e:
+        mine = str(e)
+    found = distributed.gather_objects(mine)
+    failed = [(r, m) for r, m in enumerate(found) if isinstance(m, str)]
+    if failed:
+        r, m = failed[0]
+        raise ConfigError(f"rank {r}: {m}")
+    b = min(found)
+    cfg.train.batch_size = b
+    if distributed.is_main():
+        if len(set(found)) > 1:
+            log.info("batch-size auto: the ranks found %s; every rank trains at the smallest", found)
+        _log_choice(cfg, b, device)
     return b

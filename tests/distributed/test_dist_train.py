@@ -163,6 +163,46 @@ def test_batchnorm_two_srun_tasks_equal_emulated_workers(data, tmp_path, train_h
     assert _max_rel(_weights(big, params_only=True), srun_w) > 1e-3
 
 
+def test_batch_size_auto_two_ranks_train_at_the_smallest_batch_any_rank_found(data, tmp_path):
+    """``--batch-size auto`` under srun's variables, each task's device given its own memory (a cap of
+    16 and of 32 MiB, as two GPUs of different size): each searches alone (before, rank 0 searched
+    inside the job's DDP build while rank 1 waited in a broadcast: gloo's timeout, the job failed),
+    and both train at the smaller of the two batches the one-process search finds for each cap."""
+    from fastvision import config
+    from fastvision.planning.autobatch import resolve_auto_batch
+
+    caps = (16, 32)
+
+    def recipe():  # what TINY sets that can change a step's memory
+        return config.load("unet2d-microscopy", [{
+            "data": {"args": {"image_size": [32, 32]}, "augment": {"flip": None, "rot90": None}},
+            "model": {"args": {"filters": [4, 8, 16]}}, "train": {"batch_size": "auto", "device": "cpu"}}])
+
+    alone = [resolve_auto_batch(recipe(), torch.device("cpu"), cap=mb * 2**20) for mb in caps]
+    assert alone[0] < alone[1] and 2 * alone[0] <= 16, alone  # distinct answers, a batch the 16 items allow
+    port, out = free_port(), tmp_path / "auto"
+    procs = []
+    for r, mb in enumerate(caps):
+        env = clean_env(SLURM_JOB_ID="4343", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
+                        SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
+                        MASTER_PORT=str(port), FASTVISION_MEMORY_CAP_MB=str(mb))
+        procs.append(subprocess.Popen(_cmd(data, out, "--epochs", "1", "--batch-size", "auto"), cwd=ROOT, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errs = []
+    try:
+        errs = [p.communicate(timeout=150)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    params, epochs = _events(out)
+    assert (params["world_size"], params["global_batch"]) == (2, 2 * alone[0]) and len(epochs) == 1
+    import yaml
+
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["batch_size"] == alone[0]
+    assert f"the ranks found [{alone[0]}, {alone[1]}]" in errs[0]
+
+
 def _worker_pid(tag: str, rank: int) -> int | None:
     """PID of the worker process with ``RANK=rank`` whose environment carries ``tag``."""
     want = {f"FV_TEST_TAG={tag}".encode(), f"RANK={rank}".encode()}
