@@ -56,7 +56,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     no_decay_norm_bias: bool = True  # no weight decay on norm weights and biases
-    # sgd/adam/adamw kernel: auto (fused on CUDA, foreach elsewhere), fused, foreach, loop
+    # sgd/adam/adamw kernel: auto (fused on CUDA and CPU, foreach elsewhere), fused, foreach, loop
     impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
 
 

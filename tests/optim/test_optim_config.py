@@ -1,6 +1,7 @@
 """Schedules, parameter groups and Novograd against hand-computed values and MONAI; strict config."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -99,6 +100,51 @@ def test_optimizer_by_name():
     model = nn.Linear(2, 2)
     assert isinstance(build_optimizer(model, OptimConfig(name="sgd", momentum=0.875), 0.1), torch.optim.SGD)
     assert isinstance(build_optimizer(model, OptimConfig(name="novograd"), 0.1), Novograd)
+
+
+@pytest.mark.parametrize("name, extra", [("sgd", dict(momentum=0.99, nesterov=True, weight_decay=3e-5)),
+                                         ("sgd", dict(momentum=0.875, weight_decay=3e-5)),
+                                         ("adam", {}), ("adamw", dict(weight_decay=0.05))])
+def test_auto_is_torchs_fused_kernel_on_the_cpu_and_steps_as_foreach(name, extra):
+    """``optim.impl: auto`` on the CPU takes torch's fused kernel; ten steps on a conv net move the
+    weights as torch's foreach implementation does (SGD to the bit here, Adam to an ulp)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv3d(2, 8, 3), nn.InstanceNorm3d(8, affine=True), nn.Conv3d(8, 4, 1))
+    a, b, start = net, copy.deepcopy(net), copy.deepcopy(net)
+    auto = build_optimizer(a, OptimConfig(name=name, impl="auto", **extra), 0.01)
+    ref = build_optimizer(b, OptimConfig(name=name, impl="foreach", **extra), 0.01)
+    assert auto.defaults["fused"] and not ref.defaults.get("fused")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        auto.step()
+        ref.step()
+    for p, q, p0 in zip(a.parameters(), b.parameters(), start.parameters(), strict=True):
+        assert not torch.equal(p, p0)  # the steps moved every weight
+        if name == "sgd":
+            assert torch.equal(p, q) or (p - q).abs().max() <= 2 * torch.finfo(p.dtype).eps * q.abs().max()
+        else:
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_auto_falls_back_to_foreach_where_torch_has_no_fused_kernel(monkeypatch):
+    """A torch whose fused SGD refuses the device (as torch's own check words it) gets foreach under
+    ``auto``; an explicit ``optim.impl: fused`` keeps torch's error."""
+    real = torch.optim.SGD
+
+    def sgd(*args, fused=None, **kw):
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of "
+                               "supported devices: ['cuda']")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch.optim, "SGD", sgd)
+    opt = build_optimizer(nn.Linear(2, 2), OptimConfig(name="sgd", momentum=0.9, impl="auto"), 0.1)
+    assert opt.defaults["foreach"] is True
+    with pytest.raises(RuntimeError, match="supported devices"):
+        build_optimizer(nn.Linear(2, 2), OptimConfig(name="sgd", momentum=0.9, impl="fused"), 0.1)
 
 
 @pytest.mark.parametrize("text,expected", [
