@@ -235,27 +235,44 @@ class AutoCompile(nn.Module):
     memory while compiling) logs one line with the reason and the step goes on eagerly. Then
     ``trial`` calls run compiled and ``trial`` eagerly, each timed from its start to the next
     call's start (a whole step with one micro-batch per step); when the compiled median is slower,
-    it falls back to eager for good. ``choice`` is ``"trying"``, ``"compiled"`` or ``"eager"``,
-    ``reason`` says why. A compile error raised only in the backward is not caught here.
+    it falls back to eager for good. A compiled forward that raises later (a recompile for a new
+    input shape) falls back too, with its line. ``choice`` is ``"trying"``, ``"compiled"`` or
+    ``"eager"``, ``reason`` says why. A compile error raised only in the backward is not caught here.
+
+    In a job of several ranks the decision is the job's: at the decision call every rank sums its
+    failure flag and its two medians with the others' (a rank whose compile failed goes on eagerly
+    and still counts its calls to that one), so all ranks compile or none do, by the mean timings.
 
     Args:
         model: the (DDP-wrapped) model, registered as ``_orig_mod`` (torch.compile's name), so
             ``parameters()``, ``distributed.unwrap`` and ``no_sync`` see it; the compiled view shares it.
         trial: timed calls of each kind.
+        backend: ``torch.compile``'s backend (default Inductor).
     """
 
-    def __init__(self, model: nn.Module, trial: int = 3):
+    def __init__(self, model: nn.Module, trial: int = 3, backend: Any = "inductor"):
+        from fastvision import distributed
+
         super().__init__()
         self._orig_mod = model  # torch.compile's name: distributed.unwrap / no_sync and checkpoint keys see through it
-        self.__dict__["compiled"] = torch.compile(model)  # not a submodule: no second parameter set
+        self.__dict__["compiled"] = torch.compile(model, backend=backend)  # not a submodule: no second parameter set
         self.trial, self.choice, self.reason = trial, "trying", ""
         self._calls, self._starts = 0, []
+        self._pending = distributed.world_size() > 1  # the job's decision call is still to come
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.choice == "eager":
-            return self._orig_mod(*args, **kwargs)
         if self.choice == "compiled":
-            return self.compiled(*args, **kwargs)
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001  (a later compile: the run goes on eagerly)
+                self._fall_back(f"a later compile failed: {error_line(e)[:200]}")
+                return self._orig_mod(*args, **kwargs)
+        if self.choice == "eager":
+            if self._pending:  # this rank's compile failed: it still joins the job's decision
+                self._calls += 1
+                if self._calls == 2 + 2 * self.trial:
+                    self._decide()
+            return self._orig_mod(*args, **kwargs)
         self._calls += 1
         if self._calls > 1:  # call 1 compiles: its time is not a step's
             self._stamp(args)
@@ -277,9 +294,24 @@ class AutoCompile(nn.Module):
         self._starts.append(time.perf_counter())
 
     def _decide(self) -> None:
-        steps = np.diff(self._starts)
-        compiled = float(np.median(steps[: self.trial]))
-        eager = float(np.median(steps[self.trial: 2 * self.trial]))
+        failed = self.choice == "eager"
+        compiled = eager = 0.0
+        if not failed:
+            steps = np.diff(self._starts)
+            compiled, eager = float(np.median(steps[: self.trial])), float(np.median(steps[self.trial: 2 * self.trial]))
+        if self._pending:  # every rank reaches this call: one sum decides for the job
+            from fastvision import distributed
+
+            self._pending = False
+            device = next((p.device for p in self._orig_mod.parameters()), torch.device("cpu"))
+            t = distributed.all_reduce_sum(torch.tensor([float(failed), compiled, eager, float(not failed)],
+                                                        dtype=torch.float64, device=device)).tolist()
+            if failed:
+                return  # this rank said why when its compile failed
+            if t[0] > 0:
+                self._fall_back(f"the compile failed on {int(t[0])} of {distributed.world_size()} ranks")
+                return
+            compiled, eager = t[1] / t[3], t[2] / t[3]
         if compiled > eager:
             self._fall_back(f"compiled steps were slower ({compiled * 1e3:.1f} ms vs eager {eager * 1e3:.1f} ms)")
         else:

@@ -660,9 +660,46 @@ def _stuck_worker(out: Path) -> None:
         os._exit(0)
 
 
+def _compile_worker(out: Path) -> None:
+    """``train.compile: auto`` in a 2-rank job: rank 0 compiles (dynamo with its eager backend: a real
+    trace), rank 1's backend raises (a real compile error); then ``AutoCompile``'s calls up to and past its
+    decision, which is a collective. Writes each rank's choice and reason (``compile{r}.json``)."""
+    from fastvision.engine.runtime import AutoCompile
+
+    torch.set_num_threads(1)
+    env, device = distributed.init("cpu", timeout_s=60)
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("this backend cannot compile")
+
+    torch.manual_seed(0)
+    # the bare model, as under horovod: dynamo does not trace a gloo DDP wrapper's forward (torch 2.13
+    # runs it eagerly, no backend called), so a DDP model would show no compile to fail
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    auto = AutoCompile(model, trial=2, backend="eager" if env.rank == 0 else broken)
+    x = torch.randn(4, 3)
+    for _ in range(2 + 2 * auto.trial + 2):  # the decision is call 2 + 2 x trial; two calls after it
+        auto(x).sum().backward()
+    (out / f"compile{env.rank}.json").write_text(json.dumps({"choice": auto.choice, "reason": auto.reason}))
+    distributed.shutdown()
+
+
+@pytest.mark.dist
+def test_compile_auto_is_the_jobs_choice_when_one_ranks_compile_fails(tmp_path):
+    """Rank 1's compile fails and it goes on eagerly at once; rank 0's works, and at the decision call it
+    learns of rank 1's failure and falls back too: no job runs compiled on one rank and eager on another."""
+    procs = _srun_workers(tmp_path, "4646", "compile", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2")
+    errs = [err for _, err in communicate_all(procs, timeout=180)]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    got = [json.loads((tmp_path / f"compile{r}.json").read_text()) for r in range(2)]
+    assert got[1]["choice"] == "eager" and "cannot compile" in got[1]["reason"]
+    assert got[0] == {"choice": "eager", "reason": "the compile failed on 1 of 2 ranks"}
+
+
 if __name__ == "__main__":
     mode = sys.argv[2] if len(sys.argv) > 2 else "basic"
-    {"basic": _worker, "job": _job_worker, "die": _dying_worker, "stuck": _stuck_worker}[mode](Path(sys.argv[1]))
+    {"basic": _worker, "job": _job_worker, "die": _dying_worker, "stuck": _stuck_worker,
+     "compile": _compile_worker}[mode](Path(sys.argv[1]))
 
 
 @pytest.mark.parametrize("environ,expected", [  # {ppid} / {pid}: this process's, filled in by the test

@@ -58,3 +58,28 @@ def test_the_fallback_line_reaches_past_an_error_that_only_introduces_its_cause(
     assert error_line(wrapped) == ("BackendCompilerFailed: backend='inductor' raised: RuntimeError: "
                                     "No working C++ compiler found in torch._inductor.config.cpp.cxx")
     assert error_line(ValueError("bad shape\nmore")) == "ValueError: bad shape"
+
+
+def test_a_later_compile_that_fails_falls_back_to_eager_and_the_step_goes_on(caplog):
+    """Once compiled, a recompile (here for a new batch size) whose backend raises: that call and the ones
+    after it run eagerly, with one line naming the failure; before it, the compiled graph ran."""
+    graphs = []
+
+    def first_only(gm, example_inputs):  # a real dynamo backend: the first graph runs, the second fails
+        graphs.append(gm)
+        if len(graphs) > 1:
+            raise RuntimeError("cannot compile this shape")
+        return gm.forward
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    auto = AutoCompile(model, trial=1, backend=first_only)
+    auto.choice = "compiled"  # as after a decision for it
+    x4, x5 = torch.randn(4, 3), torch.randn(5, 3)
+    assert torch.allclose(auto(x4), model(x4)) and len(graphs) == 1 and auto.choice == "compiled"
+    with caplog.at_level("WARNING", logger="fastvision.engine.runtime"):
+        assert torch.allclose(auto(x5), model(x5))
+    assert len(graphs) == 2 and auto.choice == "eager" and "cannot compile this shape" in auto.reason
+    assert [r.getMessage() for r in caplog.records if "train.compile auto" in r.getMessage()] == [
+        f"train.compile auto: eager ({auto.reason})"]
+    auto(x5)
+    assert len(graphs) == 2  # eager from now on: no further compile
