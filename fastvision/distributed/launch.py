@@ -14,7 +14,8 @@ log = logging.getLogger(__name__)
 
 def launch_local(nproc: int, cmd: Sequence[str], environ: Mapping[str, str] | None = None,
                  backend: str = "ddp") -> int:
-    """Run ``cmd`` as ``nproc`` workers on this node; return the launcher's exit code.
+    """Run ``cmd`` as ``nproc`` workers on this node; return the launcher's exit code (for ``ddp`` the
+    first failed worker's).
 
     ``ddp``: ``torch.distributed.run --standalone`` picks a free rendezvous port, sets ``RANK``/
     ``LOCAL_RANK``/``WORLD_SIZE`` for each worker and, if one worker dies, stops the others and names
@@ -33,7 +34,9 @@ def launch_local(nproc: int, cmd: Sequence[str], environ: Mapping[str, str] | No
     if backend == "horovod":
         args = [*horovodrun_command(nproc), sys.executable, *cmd]
     else:
-        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd]
+        # torchrun itself, its failure as the first failed worker's exit code in one line (distributed/torchrun.py)
+        args = [sys.executable, "-m", "fastvision.distributed.torchrun", "--standalone", "--nproc-per-node", str(nproc),
+                *cmd]
     log.info("launching %d local workers: %s", nproc, " ".join(args))
     return subprocess.run(args, env=env).returncode
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -247,11 +246,11 @@ def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path, train_
     killer.join(timeout=5)
     err = capfd.readouterr().err
     assert seen.get("checkpoint") and seen.get("victim") is not None, "no checkpoint / worker to kill\n" + err[-3000:]
-    assert rc != 0
-    # torchrun names rank 1 killed by SIGKILL: in its agent's line when it sees rank 1 go first, or in its failure
-    # table when rank 0 dies of the broken all-reduce in the same instant and is reported as the root cause
-    assert re.search(r"exitcode: -9\) local_rank: 1\b|\brank\s*: 1 \(local_rank: 1\)\n\s*exitcode\s*: -9\b", err), \
-        err[-3000:]
+    # one line names rank 1 killed by SIGKILL: first (the exit status 128 + 9), or after rank 0 when rank 0
+    # died of the broken all-reduce in the same instant and torch recorded it first (its status then)
+    line = [x for x in err.splitlines() if x.startswith("fastvision: rank ")]
+    assert len(line) == 1 and "rank 1 was stopped by SIGKILL" in line[0], err[-3000:]
+    assert rc == (137 if line[0].startswith("fastvision: rank 1 ") else 1)
     done = torch.load(last, map_location="cpu", weights_only=True)["epoch"]
     assert done < epochs - 1, "the run finished before the kill: nothing was interrupted"
 
