@@ -6,6 +6,8 @@ import logging
 import os
 import secrets
 import tempfile
+import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -107,16 +109,38 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]
     if not path.is_file():
         raise DataError(f"checkpoint not found: {path}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # torch's note on a pickle protocol it was not written with
+            warnings.simplefilter("ignore", UserWarning)
+            ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # corrupt, truncated, empty, or contains non-tensor pickled objects
-        # Some loaders raise with an empty message (an empty file gives EOFError("")): say what it was.
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        if path.stat().st_size == 0:
-            reason = "the file is empty"
-        raise DataError(f"{path}: not a loadable fastvision checkpoint ({reason})") from e
+        raise DataError(f"{path}: not a loadable fastvision checkpoint ({_load_failure(path, e)})") from e
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise DataError(f"{path}: not a fastvision checkpoint (no 'model' entry)")
     return ckpt
+
+
+def _load_failure(path: Path, e: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused ``path``, in a few words (not torch's advice to
+    load it unsafely: fastvision never unpickles code)."""
+    text = str(e).strip()
+    if path.stat().st_size == 0:
+        return "the file is empty"
+    with open(path, "rb") as f:
+        head = f.read(2)
+    pickled = head[:1] == b"\x80"  # a pickle's protocol opcode: torch's legacy format, or plain pickle
+    if head == b"PK" and not zipfile.is_zipfile(path):
+        return f"a damaged or truncated torch.save archive: {text.splitlines()[0].split('. This is')[0][:160]}"
+    if not zipfile.is_zipfile(path) and not pickled:
+        return "not a file torch.save wrote"  # torch's readers on other bytes: KeyError(101), "operand 123", ...
+    if text.startswith("Weights only load failed"):
+        why = next((ln.split("WeightsUnpickler error:", 1)[1].strip() for ln in text.splitlines()
+                    if "WeightsUnpickler error:" in ln), "")
+        why = why.split(" was not an allowed global")[0] or next(
+            (ln.strip() for ln in text.splitlines() if ln.strip().startswith("Unsupported")), "")
+        return ("it holds pickled Python objects" + (f" ({why[:120]})" if why else "")
+                + ", which fastvision does not unpickle: not a file fastvision wrote")
+    # some loaders raise with an empty message: say what it was
+    return (text.splitlines() or [type(e).__name__])[0][:200]
 
 
 def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

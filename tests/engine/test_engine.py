@@ -168,7 +168,25 @@ class _Payload:
 def test_checkpoint_with_pickled_code_is_refused(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"model": {}, "x": _Payload()}, path)
-    with pytest.raises(DataError, match="evil.pt"):
+    with pytest.raises(DataError, match="evil.pt") as e:
+        checkpoint.load(path)
+    # the reason names the object, not torch's advice to load the file unsafely
+    assert "pickled Python objects (Unsupported global: GLOBAL print)" in str(e.value)
+    assert "weights_only" not in str(e.value)
+
+
+def test_a_truncated_checkpoint_is_named_so(tmp_path):
+    path = tmp_path / "last.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}}, path)
+    path.write_bytes(path.read_bytes()[:1500])  # a copy cut short
+    with pytest.raises(DataError, match=r"last.pt: not a loadable fastvision checkpoint \(a damaged or truncated"):
+        checkpoint.load(path)
+
+
+def test_a_file_that_is_no_torch_save_file_says_so(tmp_path):
+    path = tmp_path / "notes.json"
+    path.write_text('{"hello": 1}\n')
+    with pytest.raises(DataError, match=r"notes.json: not a loadable fastvision checkpoint \(not a file torch.save"):
         checkpoint.load(path)
 
 
