@@ -208,16 +208,26 @@ def add_cli(subparsers) -> None:
                                           "recipe's training step or validation forward on synthetic batches on the "
                                           "device, per batch size and precision. data: items/s and ms/item of the "
                                           "recipe's own input path (dataset, cache, loader, to device, batched "
-                                          "augmentation) with the model removed, per --cache mode, interleaved.")
+                                          "augmentation) with the model removed, per --cache mode, interleaved. "
+                                          "target: time to a quality target over several seeds, real training runs "
+                                          "(MLPerf's olympic mean, median, spread).")
     p.add_argument("recipe", help="shipped recipe name or YAML file")
-    p.add_argument("--mode", choices=["train", "inference", "data"], default="train")
+    p.add_argument("--mode", choices=["train", "inference", "data", "target"], default="train",
+                   help="target: real training runs to the recipe's train.target (or --target) over --seeds seeds, "
+                        "scored as MLPerf scores time to train (olympic mean)")
+    p.add_argument("--seeds", type=int, default=5, help="target mode: runs, seeds --seed .. --seed+N-1 (default 5, "
+                                                        "MLPerf's count for ResNet-50)")
+    p.add_argument("--seed", type=int, default=0, help="target mode: the first seed (default 0)")
+    p.add_argument("--nproc", type=int, default=1, help="target mode: each seed's run on N local workers "
+                                                        "(train --nproc)")
+    p.add_argument("--target", help="target mode: METRIC=VALUE, e.g. iou=0.9 (default: the recipe's train.target)")
     p.add_argument("--cache", help="data mode: comma-separated data.cache modes to compare, e.g. none,ram,gpu "
                                    "(default: the recipe's)")
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="data mode: a setting to compare (repeatable), timed in the same interleaved rounds, e.g. "
                         "--variant data.args.backend=dali --variant data.args.backend=pillow,data.loader=processes")
     p.add_argument("--rounds", type=int, default=4, help="data mode: interleaved turns per cache mode (default 4)")
-    p.add_argument("--data", help="data mode: dataset folder (data.args.path; default: the recipe's)")
+    p.add_argument("--data", help="data and target modes: dataset folder (data.args.path; default: the recipe's)")
     p.add_argument("--batch-sizes", help="comma-separated, e.g. 1,8,64,256, or auto: the largest that fits "
                                          "(default: the recipe's batch size)")
     p.add_argument("--precision", help="comma-separated subset of fp32,tf32,fp16,bf16 "
@@ -230,8 +240,10 @@ def add_cli(subparsers) -> None:
                    help="NHWC memory format (default: the recipe's train.channels_last)")
     p.add_argument("--augment", action="store_true", help="include the batched augmentation in training steps")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--out", type=Path, help="folder for <recipe>-<mode>.json and .md (default runs/benchmark)")
-    p.add_argument("--force", action="store_true", help="replace an existing <recipe>-<mode>.json / .md in --out")
+    p.add_argument("--out", type=Path, help="folder for <recipe>-<mode>.json and .md (default runs/benchmark; target "
+                                            "mode: the seeds' runs too, default runs/benchmark/<recipe>-target)")
+    p.add_argument("--force", action="store_true", help="replace an existing <recipe>-<mode>.json / .md in --out "
+                                                        "(target mode: start the seeds' runs over)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="recipe override, e.g. --set task.args.sample_shape=[1,256,256] for unet2d-microscopy or "
                         "--set task.args.image_size=128 for resnet50-imagenet (repeatable)")
@@ -245,6 +257,10 @@ def cmd_benchmark(args) -> int:
     from fastvision.api import refuse_overwrite
     from fastvision.config import load, parse_override
 
+    if args.mode == "target":  # real training runs (under torchrun too), not synthetic batches on one device
+        from fastvision.benchmark.target import cmd_target
+
+        return cmd_target(args, [parse_override(s) for s in args.set])
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
     # the flags' values before the output's: a bad value is named, not hidden behind "file exists"
     given = _int_list(args.batch_sizes) if args.batch_sizes and args.batch_sizes != "auto" else None

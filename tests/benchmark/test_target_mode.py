@@ -1,0 +1,61 @@
+"""``benchmark --mode target``: real seeded training runs to a target, scored as MLPerf scores time to
+train (the olympic mean), read back from each run's own ``summary.json``; a rerun reuses finished seeds."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastvision.benchmark.target import olympic, score
+from fastvision.cli import main
+
+TINY = ["--device", "cpu", "--set", "data.args.image_size=[32,32]", "--set", "model.args.filters=[4,8,16]",
+        "--set", "data.num_workers=0", "--set", "examples=0", "--set", "train.batch_size=4", "--set", "train.epochs=3"]
+
+
+def test_olympic_mean_drops_one_run_at_each_end_and_four_from_forty():
+    assert olympic([]) is None
+    assert olympic([5.0, 7.0]) == (6.0, 0)  # under 3 runs: the plain mean
+    assert olympic([10.0, 1.0, 4.0, 3.0, 100.0]) == ((3.0 + 4.0 + 10.0) / 3, 1)
+    forty = [float(i) for i in range(1, 41)]  # MLPerf's 3D U-Net: 40 runs, the 4 fastest and 4 slowest out
+    assert olympic(forty) == (sum(range(5, 37)) / 32, 4)
+
+
+def test_score_leaves_out_the_seeds_that_did_not_reach_the_target():
+    rows = [{"reached": True, "wall_s": w, "train_s": w - 1, "epochs": e} for w, e in ((12.0, 4), (9.0, 3), (30.0, 9))]
+    rows.append({"reached": False, "wall_s": None, "train_s": None, "epochs": None})
+    s = score(rows)
+    assert (s["reached"], s["runs"]) == (3, 4)
+    assert s["wall_s"]["olympic_mean"] == 12.0 and s["wall_s"]["spread"] == pytest.approx(30 / 9)
+    assert s["train_s"]["median"] == 11.0 and s["epochs_median"] == 4
+
+
+def test_target_mode_scores_the_seeds_runs_and_a_rerun_reuses_them(tiny_microscopy, tmp_path, capsys):
+    out = tmp_path / "bt"
+    argv = ["benchmark", "unet2d-microscopy", "--mode", "target", "--data", str(tiny_microscopy), "--seeds", "3",
+            "--target", "iou=0.01", "--out", str(out), *TINY]
+    code = main(argv)
+    report = json.loads((out / "unet2d-microscopy-target.json").read_text())
+    assert code == (0 if report["reached"] else 1)
+    assert [r["seed"] for r in report["rows"]] == [0, 1, 2]
+    for r in report["rows"]:  # each row is what the seed's own run recorded
+        s = json.loads((out / f"seed-{r['seed']}" / "summary.json").read_text())
+        assert r["reached"] == s["target_reached"] and r["wall_s"] == s.get("time_to_target_wall_s")
+    walls = sorted(r["wall_s"] for r in report["rows"] if r["reached"])
+    if len(walls) == 3:
+        assert report["wall_s"]["olympic_mean"] == walls[1]  # 3 runs: the fastest and the slowest dropped
+    assert (out / "unet2d-microscopy-target.png").stat().st_size > 0
+    assert "score:" in (out / "unet2d-microscopy-target.md").read_text() or not report["reached"]
+
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("seed-*/summary.json")}
+    assert main(argv) == code  # the finished seeds are read back, not trained again
+    assert {p: p.stat().st_mtime_ns for p in out.glob("seed-*/summary.json")} == stamps
+    capsys.readouterr()
+    assert main([*argv[:9], "iou=0.02", *argv[10:]]) == 2  # another target on the same seeds' runs
+    assert "another target or seed" in capsys.readouterr().err
+
+
+def test_target_mode_without_a_target_names_the_way(tiny_microscopy, tmp_path, capsys):
+    assert main(["benchmark", "unet2d-microscopy", "--mode", "target", "--data", str(tiny_microscopy),
+                 "--out", str(tmp_path / "x"), *TINY]) == 2
+    assert "has no train.target" in capsys.readouterr().err
