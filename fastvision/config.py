@@ -38,7 +38,8 @@ class DataConfig:
     augment: dict = field(default_factory=dict)  # batched on-device augmentation spec
     val_batch_size: int | None = None
     repeats: int = 1  # yield each training batch this many times (data echoing)
-    cache: Literal["none", "ram", "disk", "shared", "smart", "gpu"] = "none"  # training-set cache
+    # training-set cache; auto: the fastest memory tier it fits in (data/cache/auto.py)
+    cache: Literal["none", "ram", "disk", "shared", "smart", "gpu", "auto"] = "none"
     cache_rate: float = 1.0  # share of items cached (ram, smart)
     cache_dir: str | None = None  # disk cache folder (default: under FASTVISION_CACHE)
     cache_num: int | None = None  # smart cache: items resident per epoch; None: cache_rate of them (MONAI)

@@ -147,6 +147,10 @@ def _build_loaders(run: Run, micro_steps: int, wrap_train_set: Callable[[Any], A
     """The cached training set, both loaders (a device prefetcher on CUDA) and the steps per epoch."""
     cfg, tc, device = run.cfg, run.cfg.train, run.device
     raw = run.train_set
+    if cfg.data.cache == "auto":  # one tier for the training and the validation set, chosen here
+        from fastvision.data.cache.auto import resolve
+
+        cfg.data.cache = resolve(raw, run.env, device)
     # the sampler first: the gpu cache holds on the device the share it reads each epoch
     sampler = train_sampler(len(raw), cfg, tc.batch_size, order=getattr(raw, "epoch_order", None))
     run.train_set = cached_train_set(raw, cfg, run.env, device, share=sampler.indices)

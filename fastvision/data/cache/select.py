@@ -188,7 +188,8 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
 
     Args:
         dataset: the registered training set (items are dicts).
-        cache: none, ram, disk, shared, smart or gpu.
+        cache: none, ram, disk, shared, smart or gpu; auto: the fastest memory tier the items fit in
+            (:func:`fastvision.data.cache.auto.resolve`, logged).
         cache_rate: share of items kept in RAM (ram, one process; smart).
         cache_dir: folder of the disk cache (None or "auto": :func:`default_cache_dir`). Given with
             a memory cache (ram, shared, smart, gpu), that cache is filled through the disk cache,
@@ -205,8 +206,12 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
         A dataset of the same items, indexed as ``dataset`` (``smart``: its window);
         ``set_epoch`` moves the random draws to the next epoch.
     """
+    if cache == "auto":  # the fastest memory tier the items fit in here (data/cache/auto.py)
+        from fastvision.data.cache.auto import resolve
+
+        cache = resolve(dataset, env if env is not None else DistEnv(), device)
     if cache not in CACHES:
-        raise ConfigError(f"data.cache must be one of {', '.join(CACHES)}, got {cache!r}")
+        raise ConfigError(f"data.cache must be one of {', '.join(CACHES)} or auto, got {cache!r}")
     if cache == "none":
         return _uncached(dataset, seed)
     src, identity = _source(dataset, cache, cache_dir, env, seed)
