@@ -31,14 +31,17 @@ def overrides_to_dicts(overrides: dict[str, Any]) -> list[dict[str, Any]]:
     return [config.nested(FLAT_KEYS.get(key, key), value) for key, value in overrides.items()]
 
 
-def refuse_overwrite(path: str | Path, force: bool, flag: str = "--out") -> None:
+def refuse_overwrite(path: str | Path, force: bool, flag: str = "--out", *, file: bool = False) -> None:
     """Stop before writing to ``path`` if it holds something (a file, or a non-empty folder) and
     ``force`` is not set, so predict / export / profile / benchmark never silently replace results.
+    ``file``: ``path`` is to be a file, so an existing folder there is refused even with ``force``.
 
     Raises:
         DataError: naming the path and the way out (``--force`` or another ``flag``).
     """
     p = Path(path)
+    if file and p.is_dir():
+        raise DataError(f"{flag} {p}: is a folder; give a file path")
     if force or not p.exists() or (p.is_dir() and not any(p.iterdir())):
         return
     kind = "folder is not empty" if p.is_dir() else "file exists"

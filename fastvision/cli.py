@@ -81,8 +81,10 @@ def _print_result(summary: dict[str, Any]) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from fastvision.api import evaluate_path
+    from fastvision.api import evaluate_path, refuse_overwrite
 
+    if args.json:  # checked before evaluating: a refusal costs nothing
+        refuse_overwrite(args.json, args.force, "--json", file=True)
     result = evaluate_path(args.run, device=args.device, data=args.data)
     for k, v in result.items():
         print(f"{k}: {_format_value(k, v)}")
@@ -182,6 +184,7 @@ def synth_help(kind: str) -> str:
     synth = load_all().get(kind)
     lines = [f"usage: fastvision data synth {kind} OUT [--seed N] [--OPTION VALUE ...]", ""]
     lines.append(f"options of {kind} (defaults from the generator):")
+    lines.append(f"  --{'seed':<22} default 0")
     for name, param in inspect.signature(synth).parameters.items():
         if name in ("out", "seed") or param.kind is not inspect.Parameter.KEYWORD_ONLY:
             continue
@@ -209,6 +212,8 @@ def _parse_options(extra: list[str]) -> dict[str, Any]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from fastvision.data.inspect import inspect_path, print_report
 
+    if args.json and not args.fingerprint:
+        raise ConfigError("data inspect --json: needs --fingerprint (the JSON it writes is the fingerprint)")
     if args.fingerprint:
         from fastvision.data.fingerprint import cmd_fingerprint
         return cmd_fingerprint(Path(args.path), args.json)
@@ -229,7 +234,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_shard(args: argparse.Namespace) -> int:
     from fastvision.data.shards.writer import write_shards
 
-    index = write_shards(args.src, args.out, args.shard_size, args.format)
+    index = write_shards(args.src, args.out, args.shard_size, args.format, force=args.force)
     for split, shards in index.splits.items():
         print(f"{split}: {sum(s.nsamples for s in shards)} samples in {len(shards)} shard(s), "
               f"{sum(s.filesize for s in shards) / 1e6:.1f} MB")

@@ -59,7 +59,8 @@ def evaluate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run directory (uses best.pt, else last.pt) or checkpoint file")
     p.add_argument("--device", default="auto")
     p.add_argument("--data", help="evaluate on another dataset folder of the same format")
-    p.add_argument("--json", help="also write the metrics to this JSON file")
+    p.add_argument("--json", help="also write the metrics to this JSON file (a new file unless --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file")
 
 
 def predict_args(p: argparse.ArgumentParser) -> None:
@@ -112,3 +113,5 @@ def shard_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="the shard set folder (an unfinished one is completed; finished shards are kept)")
     p.add_argument("--shard-size", default="256MB", help="target bytes per shard, e.g. 256MB, 1GB (default 256MB)")
     p.add_argument("--format", choices=("imagefolder", "coco"), help="the source layout (default: detected)")
+    p.add_argument("--force", action="store_true", help="write into an existing folder that is not a shard set "
+                                                        "(shards already there must still be this source's)")

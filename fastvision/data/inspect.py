@@ -146,6 +146,56 @@ def inspect_microscopy(path: Path, **settings: Any) -> dict[str, Any]:
             "unusable": {k: len(v) for k, v in unusable.items()}}
 
 
+def _pathology_splits(path: Path) -> list[Path]:
+    from fastvision.data.formats.camelyon import is_slide_split
+
+    return [d for d in sorted(path.iterdir()) if d.is_dir() and not d.name.startswith(".")
+            and (is_slide_split(d) or ((d / "normal").is_dir() and (d / "tumor").is_dir()))] if path.is_dir() else []
+
+
+def _looks_pathology(path: Path) -> bool:
+    """A split of slides (``images/`` + ``masks/`` or ``annotations/``, Camelyon16's ``lesion_annotations/``),
+    or of patch folders (``normal/`` + ``tumor/``) unless ``train/`` makes it an ImageFolder as well.
+    Checked before ImageFolder, which would take ``train/images`` and ``train/masks`` for classes."""
+    from fastvision.data.formats.camelyon import is_slide_split
+
+    splits = _pathology_splits(path)
+    return any(map(is_slide_split, splits)) or (bool(splits) and not (path / "train").is_dir())
+
+
+@inspector("pathology", _looks_pathology)
+def inspect_pathology(path: Path) -> dict[str, Any]:
+    from fastvision.data.formats.asap import is_exclusion, read_polygons
+    from fastvision.data.formats.camelyon import find_slides, is_slide_split
+    from fastvision.data.formats.pathology import TiledTiff
+
+    report: dict[str, Any] = {}
+    anomalies: dict[str, list[str]] = {}
+    kinds = set()
+    for d in _pathology_splits(path):
+        split = d.name
+        if not is_slide_split(d):
+            kinds.add("patch folders (normal/, tumor/)")
+            for name in ("normal", "tumor"):
+                report[f"{split} {name} patches"] = sum(1 for p in (d / name).iterdir() if not p.name.startswith("."))
+            continue
+        kinds.add("Camelyon16 (tumor/, normal/, lesion_annotations/*.xml)" if (d / "lesion_annotations").is_dir()
+                  else "slides (images/ + masks/ or annotations/*.xml)")
+        slides, found = find_slides(d)
+        for kind, names in found.items():
+            anomalies[f"{split}: {kind}"] = names
+        report[f"{split} slides (with lesions)"] = f"{len(slides)} ({sum(s is not None for _, s in slides)})"
+        if slides:
+            t = TiledTiff(slides[0][0])
+            report[f"{split} levels (first slide)"] = ", ".join(f"{h}x{w}" for h, w in t.level_shapes)
+            t.close()
+        polys = [g for _, s in slides if s is not None and s.suffix.lower() == ".xml" for g, _ in read_polygons(s)]
+        if polys:
+            report[f"{split} lesion polygons (exclusions)"] = f"{len(polys)} ({sum(map(is_exclusion, polys))})"
+    report = {"detected": "pathology: " + "; ".join(sorted(kinds)), **report, "anomalies": anomaly_rows(anomalies)}
+    return report
+
+
 @inspector("imagefolder", lambda p: (p / "train").is_dir() and any(d.is_dir() for d in (p / "train").iterdir()))
 def inspect_imagefolder(path: Path, header_limit: int = 5000) -> dict[str, Any]:
     from fastvision.data.formats.imagefolder import (
@@ -337,43 +387,3 @@ def inspect_brats(path: Path) -> dict[str, Any]:
             "shapes (first 10)": dict(shapes), "label values (first 10)": sorted(int(v) for v in values),
             "anomalies": anomaly_rows({**unusable, **layout.anomalies}),
             "unusable": {k: len(v) for k, v in unusable.items() if v}}
-
-
-def _pathology_splits(path: Path) -> list[Path]:
-    from fastvision.data.formats.camelyon import is_slide_split
-
-    return [d for d in sorted(path.iterdir()) if d.is_dir() and not d.name.startswith(".")
-            and (is_slide_split(d) or ((d / "normal").is_dir() and (d / "tumor").is_dir()))] if path.is_dir() else []
-
-
-@inspector("pathology", lambda p: bool(_pathology_splits(p)))
-def inspect_pathology(path: Path) -> dict[str, Any]:
-    from fastvision.data.formats.asap import is_exclusion, read_polygons
-    from fastvision.data.formats.camelyon import find_slides, is_slide_split
-    from fastvision.data.formats.pathology import TiledTiff
-
-    report: dict[str, Any] = {}
-    anomalies: dict[str, list[str]] = {}
-    kinds = set()
-    for d in _pathology_splits(path):
-        split = d.name
-        if not is_slide_split(d):
-            kinds.add("patch folders (normal/, tumor/)")
-            for name in ("normal", "tumor"):
-                report[f"{split} {name} patches"] = sum(1 for p in (d / name).iterdir() if not p.name.startswith("."))
-            continue
-        kinds.add("Camelyon16 (tumor/, normal/, lesion_annotations/*.xml)" if (d / "lesion_annotations").is_dir()
-                  else "slides (images/ + masks/ or annotations/*.xml)")
-        slides, found = find_slides(d)
-        for kind, names in found.items():
-            anomalies[f"{split}: {kind}"] = names
-        report[f"{split} slides (with lesions)"] = f"{len(slides)} ({sum(s is not None for _, s in slides)})"
-        if slides:
-            t = TiledTiff(slides[0][0])
-            report[f"{split} levels (first slide)"] = ", ".join(f"{h}x{w}" for h, w in t.level_shapes)
-            t.close()
-        polys = [g for _, s in slides if s is not None and s.suffix.lower() == ".xml" for g, _ in read_polygons(s)]
-        if polys:
-            report[f"{split} lesion polygons (exclusions)"] = f"{len(polys)} ({sum(map(is_exclusion, polys))})"
-    report = {"detected": "pathology: " + "; ".join(sorted(kinds)), **report, "anomalies": anomaly_rows(anomalies)}
-    return report

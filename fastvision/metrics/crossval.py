@@ -33,11 +33,18 @@ def read_final_metrics(run: str | Path) -> tuple[dict[str, float], int | None]:
     Returns:
         (metrics, fold or None).
     """
+    metrics, fold, _ = read_run(run)
+    return metrics, fold
+
+
+def read_run(run: str | Path) -> tuple[dict[str, float], int | None, dict[str, Any]]:
+    """:func:`read_final_metrics` and what the run trained (``recipe``, ``data``: its dataset and folder
+    name; empty where its ``metrics.jsonl`` has no config event)."""
     path = Path(run)
     path = path / "metrics.jsonl" if path.is_dir() else path
     if not path.is_file():
         raise DataError(f"{path}: not a run directory with metrics.jsonl")
-    summary, last_epoch, fold = None, None, None
+    summary, last_epoch, cfg = None, None, None
     for n, line in enumerate(path.read_text().splitlines(), 1):
         line = line.strip().removeprefix("DLLL ")
         if not line:
@@ -48,8 +55,7 @@ def read_final_metrics(run: str | Path) -> tuple[dict[str, float], int | None]:
             raise DataError(f"{path}:{n}: not JSON ({e})") from e
         step, data = rec.get("step"), rec.get("data", {})
         if step == "PARAMETER":
-            args = data.get("config", {}).get("data", {}).get("args", {})
-            fold = args.get("fold", fold)
+            cfg = data.get("config", {})
         elif step == []:
             summary = data
         elif isinstance(step, list) and len(step) == 1:
@@ -59,27 +65,48 @@ def read_final_metrics(run: str | Path) -> tuple[dict[str, float], int | None]:
         raise DataError(f"{path}: no epoch or summary events (did the run finish an epoch?)")
     metrics = {k: float(v) for k, v in final.items()
                if k not in _SKIP and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return metrics, fold
+    data_cfg = (cfg or {}).get("data") or {}
+    args = data_cfg.get("args") or {}
+    trained = {} if cfg is None else {"recipe": cfg.get("recipe"), "data": f"{data_cfg.get('name')} "
+                                      f"{Path(str(args.get('path'))).name}"}
+    return metrics, args.get("fold"), trained
+
+
+def _check_same_training(runs: Sequence[str | Path], trained: Sequence[dict[str, Any]]) -> None:
+    """Refuse to average runs that trained different recipes or data (not folds of one cross-validation)."""
+    known = [(r, t) for r, t in zip(runs, trained, strict=True) if t]
+    for key in ("recipe", "data"):
+        for run, t in known[1:]:
+            if t[key] != known[0][1][key]:
+                raise DataError(f"cv: {known[0][0]} and {run} are not folds of one cross-validation: {key} "
+                                f"{known[0][1][key]!r} vs {t[key]!r}")
 
 
 def cross_validate(runs: Sequence[str | Path], metrics: Sequence[str] | None = None) -> dict[str, Any]:
     """Average fold metrics.
 
     Args:
-        runs: run directories (or metrics.jsonl files), one per fold.
+        runs: run directories (or metrics.jsonl files), one per fold, of one recipe on one data set.
         metrics: names to report; default all numeric metrics common to every run.
 
     Returns:
         ``{"folds": [fold or None per run], "runs": [...], "mean": {name: v}, "std": {name: v},
-        "per_run": {name: [v, ...]}}``.
+        "per_run": {name: [v, ...]}}``; std is None for one run (undefined).
+
+    Raises:
+        DataError: no runs, a run unreadable, runs of different recipes or data, a metric not in every run.
     """
     if not runs:
         raise DataError("cv needs at least one run directory")
-    results = [read_final_metrics(r) for r in runs]
+    read = [read_run(r) for r in runs]
+    _check_same_training(runs, [t for _, _, t in read])
+    results = [(m, f) for m, f, _ in read]
     folds = [f for _, f in results]
     known = [f for f in folds if f is not None]
     if len(set(known)) != len(known):
         log.warning("runs repeat a fold (%s): the average is not a cross-validation", folds)
+    if len(runs) < 2:
+        log.warning("cv: one run only: no spread across folds (std left out)")
     common = set.intersection(*(set(m) for m, _ in results))
     names = list(metrics) if metrics else sorted(common)
     missing = [m for m in names if m not in common]
@@ -87,7 +114,8 @@ def cross_validate(runs: Sequence[str | Path], metrics: Sequence[str] | None = N
         raise DataError(f"metric(s) {', '.join(missing)} not in every run; common: {', '.join(sorted(common))}")
     per_run = {k: [m[k] for m, _ in results] for k in names}
     mean = {k: sum(v) / len(v) for k, v in per_run.items()}
-    std = {k: math.sqrt(sum((x - mean[k]) ** 2 for x in v) / len(v)) for k, v in per_run.items()}
+    std = {k: math.sqrt(sum((x - mean[k]) ** 2 for x in v) / len(v)) if len(v) > 1 else None
+           for k, v in per_run.items()}
     return {"runs": [str(r) for r in runs], "folds": folds, "mean": mean, "std": std, "per_run": per_run}
 
 
@@ -169,6 +197,10 @@ def _main(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from fastvision.api import refuse_overwrite
+
+    if args.json:  # checked before reading: nothing is lost
+        refuse_overwrite(args.json, args.force, "--json", file=True)
     if len(args.runs) == 1 and (Path(args.runs[0]) / "crossval.json").is_file():  # a train --folds folder
         f = Path(args.runs[0]) / "crossval.json"
         try:
@@ -189,7 +221,7 @@ def _main(args) -> int:
     table.add_column("std", justify="right")
     table.add_column("per run", justify="left")
     for k in res["mean"]:
-        table.add_row(k, f"{res['mean'][k]:.4f}", f"{res['std'][k]:.4f}",
+        table.add_row(k, f"{res['mean'][k]:.4f}", _fmt(res["std"][k]),
                       " ".join(f"{v:.4f}" for v in res["per_run"][k]))
     Console().print(table)
     if args.json:
@@ -204,5 +236,6 @@ def add_cli(subparsers) -> None:
     p.add_argument("runs", nargs="+",
                    help="run directories, one per fold; or one train --folds folder (its crossval.json)")
     p.add_argument("--metrics", nargs="+", help="metrics to report (default: all common numeric metrics)")
-    p.add_argument("--json", help="also write the result as JSON to this file")
+    p.add_argument("--json", help="also write the result as JSON to this file (a new file unless --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file")
     p.set_defaults(func=_main)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastvision.errors import DataError
+from fastvision.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +328,9 @@ def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None
             scales.append(None)
         heats.append(heat)
         masks.append(mask)
+    if not any(m is not None for m in masks):  # every slide normal: no sensitivity to measure
+        what = "no lesion in any mask" if any(Path(mask_dir).iterdir()) else "no masks (.tif, .tiff, .png)"
+        raise DataError(f"{mask_dir}: {what}; the FROC needs slides with lesions")
     out = froc(heats, masks, threshold, nms_radius, dilation_px / mask_downsample, itc_max_px / mask_downsample, scales)
     return {**out, "tumour_slides": float(sum(m is not None for m in masks))}
 
@@ -341,7 +344,23 @@ def camelyon16_distances(um_per_px: float) -> tuple[float, float]:
     return 75.0 / (um_per_px * 2), 275.0 / um_per_px
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse a setting out of its range, naming the option, and a --json that would replace a file."""
+    from fastvision.api import refuse_overwrite
+
+    for flag, low, inclusive in (("stride", 1, 1), ("mask_downsample", 1, 1), ("nms_radius", 0, 1),
+                                 ("dilation_px", 0, 1), ("itc_max_px", 0, 1), ("um_per_px", 0, 0)):
+        value = getattr(args, flag)
+        if value is not None and not (value >= low if inclusive else value > low):
+            raise ConfigError(f"--{flag.replace('_', '-')} {value:g}: must be {'>=' if inclusive else '>'} {low}")
+    if not 0 <= args.threshold <= 1:
+        raise ConfigError(f"--threshold {args.threshold:g}: must be a probability in [0, 1]")
+    if args.json:
+        refuse_overwrite(args.json, args.force, "--json", file=True)
+
+
 def cmd_froc(args: argparse.Namespace) -> int:
+    _check_args(args)
     dilation, itc = args.dilation_px, args.itc_max_px
     if args.um_per_px is not None:
         d, i = camelyon16_distances(args.um_per_px)
@@ -376,5 +395,6 @@ def add_cli(subparsers) -> None:
     p.add_argument("--itc-max-px", type=float, help="lesions shorter than this (mask px) are ignored ITCs")
     p.add_argument("--um-per-px", type=float,
                    help="mask pixel size: sets Camelyon16's 75 um dilation and 275 um ITC limit")
-    p.add_argument("--json", help="also write the result to this JSON file")
+    p.add_argument("--json", help="also write the result to this JSON file (a new file unless --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file")
     p.set_defaults(func=cmd_froc)

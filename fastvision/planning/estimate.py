@@ -299,7 +299,7 @@ def train_time(step_s: float, batch: int, gpus: int, efficiency: float, items: i
 # ------------------------------------------------------------------------------ recipe facts
 def dataset_items(cfg: RunConfig, data: str | None = None, size: int | None = None) -> tuple[int | None, str]:
     """Training items per epoch: ``size``, else the dataset at ``data``, else the recipe's fact."""
-    if size:
+    if size is not None:
         return size, "--dataset-size"
     if data:
         from fastvision import engine  # noqa: F401  (importing the engine registers every component)

@@ -140,6 +140,16 @@ def _achieved(work: Workload, cfg: RunConfig, t, spec: GPU,
     return est.DEFAULT_ACHIEVED, False, "default range", fixed_ms, fixed_source
 
 
+def _check_numbers(cluster: Cluster, work: Workload, min_efficiency: float | None) -> None:
+    """Refuse a batch, data set size, price or efficiency out of range, naming its option."""
+    if min_efficiency is not None and not 0 < min_efficiency <= 1:
+        raise ConfigError(f"--min-efficiency {min_efficiency}: must be in (0, 1], e.g. 0.8")
+    for flag, value, low in (("--batch-size", work.batch, 1), ("--dataset-size", work.dataset_size, 1),
+                             ("--price-per-gpu-hour", cluster.price, 0)):
+        if value is not None and value < low:
+            raise ConfigError(f"{flag} {value:g}: must be >= {low}")
+
+
 def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Workload(),
               switches: bool = True, min_efficiency: float | None = None) -> dict[str, Any]:
     """The plan of ``cfg`` on ``cluster`` as a JSON-able dict (see the module docstring).
@@ -151,14 +161,13 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
         switches: also trace the what-if switches.
         min_efficiency: also report the largest GPU count whose efficiency stays at or above it.
     """
-    if min_efficiency is not None and not 0 < min_efficiency <= 1:
-        raise ConfigError(f"--min-efficiency {min_efficiency}: must be in (0, 1], e.g. 0.8")
+    _check_numbers(cluster, work, min_efficiency)
     spec, per_node, link = _place(cluster)
     gpus, price = cluster.gpus, cluster.price
     if cfg.train.amp == "auto":
         cfg = copy.deepcopy(cfg)
         cfg.train.amp = est.amp_for("auto", spec)
-    b = work.batch or cfg.train.batch_size
+    b = cfg.train.batch_size if work.batch is None else work.batch
     precision = est.precision_of(cfg)
     notes = []
     if spec.peak_tflops(precision)[1] != precision:
@@ -347,7 +356,7 @@ def cmd_plan(args) -> int:
                     input_rate=args.input_rate, fixed_ms=args.fixed_ms)
     for path, flag in ((args.json, "--json"), (args.png, "--png")):  # refused before the trace, not after it
         if path:
-            refuse_overwrite(path, args.force, flag)
+            refuse_overwrite(path, args.force, flag, file=True)
     plan = make_plan(cfg, cluster, work, switches=not args.no_switches, min_efficiency=args.min_efficiency)
     print(text_report(plan))  # the CLI's output, not library logging
     if args.json:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fastvision.config import AMP_MODES
-from fastvision.errors import DataError
+from fastvision.errors import ConfigError, DataError
 from fastvision.profiling.monitor import plot_csv, read_csv, record
 from fastvision.profiling.profiler import (
     PHASES,
@@ -67,6 +67,9 @@ def _cmd_profile(args) -> int:
     from fastvision import config, distributed
     from fastvision.api import overrides_to_dicts, refuse_overwrite
 
+    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
+        if value < low:
+            raise ConfigError(f"{flag} {value}: must be >= {low}")
     if args.out:  # checked before profiling: a refusal costs nothing
         refuse_overwrite(args.out, args.force)
     if args.trace:  # a trace folder holds the rank files of one run: another run's are not replaced unasked
@@ -88,16 +91,37 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+def _plot_path(plot: str | Path, force: bool) -> Path:
+    """The monitor's plot file, checked before anything is recorded or read: an image format matplotlib
+    writes, and no folder there nor (without ``--force``) an existing file.
+
+    Raises:
+        DataError: naming ``--plot`` and the path.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from fastvision.api import refuse_overwrite
+
+    plot = Path(plot)
+    refuse_overwrite(plot, force, "--plot", file=True)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if plot.suffix.lower().lstrip(".") not in formats:
+        raise DataError(f"--plot {plot}: not an image file name matplotlib writes; end it with .png (or .svg, .pdf)")
+    return plot
+
+
 def _cmd_monitor(args) -> int:
     if args.replot:
         if not Path(args.replot).is_file():
             raise DataError(f"--replot: monitor CSV not found: {args.replot}")
-        print(plot_csv(args.replot, args.plot or Path(args.replot).with_suffix(".png")))
+        plot = _plot_path(args.plot or Path(args.replot).with_suffix(".png"), args.force)
+        print(plot_csv(args.replot, plot))
         return 0
+    plot = _plot_path(args.plot, args.force) if args.plot else None  # refused before recording, not after it
     csv_path = record(args.out, interval=args.interval, duration=args.duration, index=args.gpu)
     print(f"readings: {csv_path}")
-    if args.plot:
-        print(f"plot: {plot_csv(csv_path, args.plot)}")
+    if plot:
+        print(f"plot: {plot_csv(csv_path, plot)}")
     return 0
 
 
@@ -128,9 +152,11 @@ def add_monitor_cli(subparsers) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between readings (default 1)")
     p.add_argument("--out", default="gpu.csv", help="CSV to append to (default gpu.csv)")
     p.add_argument("--duration", type=float, help="seconds to record (default: until Ctrl-C)")
-    p.add_argument("--plot", help="also write this PNG")
+    p.add_argument("--plot", help="also write this PNG (a new file unless --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --plot file")
     p.add_argument("--gpu", type=int, default=0,
                    help="CUDA device index as the job numbers it (CUDA_VISIBLE_DEVICES honoured; matched to NVML "
                         "by UUID)")
-    p.add_argument("--replot", metavar="CSV", help="only plot an existing CSV (to --plot or CSV.png)")
+    p.add_argument("--replot", metavar="CSV",
+                   help="only plot an existing CSV, to --plot (default: the CSV's name with .png, gpu.csv -> gpu.png)")
     p.set_defaults(func=_cmd_monitor)

@@ -123,8 +123,13 @@ def read_csv(path: str | Path) -> dict[str, list[float]]:
         parts = line.split(sep)
         if len(parts) != len(header):
             raise FastvisionError(f"{path}:{n}: {len(parts)} fields, header has {len(header)}")
-        for h, v in zip(header, parts, strict=True):
-            cols[h].append(float(v))
+        try:
+            for h, v in zip(header, parts, strict=True):
+                cols[h].append(float(v))
+        except ValueError:
+            raise FastvisionError(f"{path}:{n}: not a number in {line.strip()!r}") from None
+    if len(text) < 2:
+        raise FastvisionError(f"{path}: no readings, only a header line")
     for need in ("time_s", "gpu_util", "mem_used_mib"):
         if need not in cols:
             raise FastvisionError(f"{path}: no column {need!r} (have {', '.join(header)})")

@@ -79,8 +79,12 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
                               "or a YAML file")
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read hardware profile: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read hardware profile: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a hardware profile is a mapping (see fastvision/hardware/dgx-a100.yaml)")
     try:

@@ -73,8 +73,33 @@ def summarize(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: r.get(k) for k in FIELDS} for r in rows]
 
 
+# A measured efficiency above this is not a scaling result but timing noise (a loaded machine, one timed epoch).
+IMPLAUSIBLE_EFFICIENCY = 1.10
+
+
+def implausible(rows: list[dict[str, Any]]) -> str:
+    """One line naming the rows whose efficiency is above :data:`IMPLAUSIBLE_EFFICIENCY`, or ``""``."""
+    bad = [f"{r['backend']} x{r['workers']} ({r['efficiency']:.0%})" for r in rows
+           if r.get("efficiency") is not None and r["efficiency"] > IMPLAUSIBLE_EFFICIENCY]
+    if not bad:
+        return ""
+    return (f"implausible efficiency above {IMPLAUSIBLE_EFFICIENCY:.0%}: {', '.join(bad)}; the timing is noisy: "
+            "rerun with more --epochs or --repeats (on an otherwise idle machine)")
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of :func:`summarize` rows (``mean ± std`` where there are repeats)."""
+    """Markdown table of :func:`summarize` rows (``mean ± std`` where there are repeats); an efficiency above
+    :data:`IMPLAUSIBLE_EFFICIENCY` is marked ``(noisy)`` and explained below the table."""
+    note = implausible(rows)
+    return _table(rows) + (f"\n**{note}**\n" if note else "")
+
+
+def _eff(r: dict[str, Any]) -> str:
+    noisy = r["efficiency"] is not None and r["efficiency"] > IMPLAUSIBLE_EFFICIENCY
+    return _fmt(r["efficiency"], "{:.1%}") + (" (noisy)" if noisy else "")
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
     metric = next((r["metric_name"] for r in rows if r.get("metric_name")), "metric")
     columns = ["backend", "workers:", "runs (seeds)", "global batch:", "epoch (s):", "images/s:", "speed-up:",
                "efficiency:", f"{metric}:", "predicted:"]
@@ -82,7 +107,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                                f"{r['repeats']}" + (f" ({r['seeds']})" if r.get("seeds") else ""),
                                _fmt(r["global_batch"], "{:.0f}"), _fmt(r["time_per_epoch_s"], "{:.2f}"),
                                _pm(r["images_per_s"], r["images_per_s_std"], "{:.1f}"),
-                               _pm(r["speedup"], r["speedup_std"], "{:.2f}"), _fmt(r["efficiency"], "{:.1%}"),
+                               _pm(r["speedup"], r["speedup_std"], "{:.2f}"), _eff(r),
                                _pm(r["metric"], r["metric_std"], "{:.4f}"), _fmt(r["predicted_speedup"], "{:.2f}")]
                               for r in rows))
 

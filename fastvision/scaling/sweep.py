@@ -18,6 +18,7 @@ from typing import Any
 
 from fastvision.scaling.report import (
     FIELDS,
+    implausible,
     markdown_table,
     plot_simulation,
     plot_sweep,
@@ -93,19 +94,17 @@ def read_run(run_dir: Path, metric: str | None = None) -> dict[str, Any]:
 
 def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "weak", epochs: int = 2,
           repeats: int = 1, backends: Sequence[str] = ("ddp",), extra: Sequence[str] = (),
-          seed: int = 0) -> list[dict[str, Any]]:
+          seed: int = 0, force: bool = False) -> list[dict[str, Any]]:
     """Train ``recipe`` at every worker count (``fastvision train --nproc N``) and collect results.
 
     Strong mode keeps the 1-worker global batch: the per-worker batch is divided by ``N``.
     ``extra`` holds ``fastvision train`` options as ``--flag value`` pairs (``--set``, ``--data``).
     Repeat ``r`` trains with seed ``seed + r`` at every world size (as seed 001 repeats with
     different seeds), so the spread over repeats includes the seed's effect on the metric.
+    A run finished in ``out_dir`` with the same settings is reused; ``force``: train every run again
+    (:mod:`fastvision.scaling.rerun`).
     """
-    import subprocess
-    import sys
-
     from fastvision.config import load, parse_override
-    from fastvision.errors import FastvisionError
 
     # The per-worker batch comes from the recipe with the caller's --set overrides; a --set of
     # train.batch_size is consumed here, else it would override the --batch-size given to each run.
@@ -121,18 +120,27 @@ def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "we
             per_worker = batch if mode == "weak" else batch // n
             for rep in range(repeats):
                 run_dir = Path(out_dir) / f"{backend}-{n}-r{rep}"
-                cmd = [sys.executable, "-m", "fastvision.cli", "train", recipe, "--nproc", str(n),
-                       "--out", str(run_dir), "--epochs", str(epochs), "--batch-size", str(per_worker),
-                       "--seed", str(seed + rep), *extra]
-                if backend != "ddp":
-                    cmd += ["--backend", backend]
-                log.info("scale: %s", " ".join(cmd))
-                if subprocess.run(cmd).returncode != 0:  # the run printed its own error above
-                    raise FastvisionError(f"scale: the {backend} run with {n} worker(s) failed: {' '.join(cmd)}")
+                cmd = ["train", recipe, "--nproc", str(n), "--out", str(run_dir), "--epochs", str(epochs),
+                       "--batch-size", str(per_worker), "--seed", str(seed + rep), *extra]
+                _train(cmd + (["--backend", backend] if backend != "ddp" else []), out_dir, run_dir, force)
                 results.append({"backend": backend, "mode": mode, "workers": n, "seed": seed + rep,
                                 "global_batch": per_worker * n, **read_run(run_dir)})
     return results
 
+
+def _train(cmd: list[str], out_dir: Path, run_dir: Path, force: bool) -> None:
+    """Run ``fastvision CMD`` (a ``train`` command) unless ``run_dir`` holds its finished run."""
+    import subprocess
+    import sys
+
+    from fastvision.errors import FastvisionError
+    from fastvision.scaling import rerun
+
+    if rerun.prepare(out_dir, run_dir, cmd, force):
+        return
+    log.info("scale: fastvision %s", " ".join(cmd))
+    if subprocess.run([sys.executable, "-m", "fastvision.cli", *cmd]).returncode != 0:  # it printed its error
+        raise FastvisionError(f"scale: the run {run_dir.name} failed: fastvision {' '.join(cmd)}")
 
 
 def add_cli(subparsers) -> None:
@@ -147,7 +155,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs per world size, with seeds --seed, --seed+1, ...")
     p.add_argument("--seed", type=int, default=0, help="seed of the first repeat (default 0)")
     p.add_argument("--backends", default="ddp", help="comma-separated: ddp,horovod")
-    p.add_argument("--out", type=Path, default=Path("runs/scaling"))
+    p.add_argument("--out", type=Path, default=Path("runs/scaling"),
+                   help="report folder, one run folder per world size and repeat (default runs/scaling). Run again "
+                        "with the same settings (after Ctrl-C, say), it reuses the runs that finished and trains "
+                        "the rest; a run folder of other settings needs --force")
+    p.add_argument("--force", action="store_true", help="train every run again, replacing its folder in --out")
     p.add_argument("--data", help="dataset folder for every run (data.args.path)")
     p.add_argument("--device", help="device for every run: auto, cpu, cuda")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -275,7 +287,7 @@ def _step_profile(args, results: list[dict[str, Any]]) -> StepProfile:
     """The single-GPU step to simulate: ``--compute-ms`` and ``--grad-mb``, else the sweep's 1-worker runs."""
     from fastvision.errors import ConfigError
 
-    if args.compute_ms and args.grad_mb:
+    if args.compute_ms is not None and args.grad_mb is not None:
         step, batch, grad = args.compute_ms / 1e3, args.batch, args.grad_mb * 1e6
     else:
         one = [r for r in results if r["workers"] == 1 and r.get("grad_bytes")]
@@ -319,18 +331,28 @@ def _simulate_cli(args, results: list[dict[str, Any]], targets: list[Hardware | 
 
 
 def _cli(args) -> int:
+    from fastvision.scaling.checks import check_args
+
+    check_args(args)
     out = Path(args.out)
     workers = _workers(args)
     targets = _targets(args)
     results = []
     if args.recipe and not (args.simulate and args.compute_ms):
+        if args.epochs < 3:  # read_run drops the first epoch (warm-up) when there are more
+            log.warning("scale: --epochs %d times %s per run: one noisy epoch decides the speed-up; use --epochs 3 "
+                        "or more (or --repeats)", args.epochs, "the warm-up epoch" if args.epochs == 1 else
+                        "1 epoch after the warm-up")
         results = sweep(args.recipe, workers, out, mode=args.mode, epochs=args.epochs, repeats=args.repeats,
-                        backends=args.backends.split(","), extra=train_args(args), seed=args.seed)
+                        backends=args.backends.split(","), extra=train_args(args), seed=args.seed,
+                        force=args.force)
     if args.simulate:
         _simulate_cli(args, results, targets, out)
     if results:
         paths = write_report(results, out, title=f"{args.recipe} {args.mode} scaling")
         print(paths["md"].read_text())  # the CLI's output, not library logging
+        if implausible(summarize(results)):
+            log.warning("scale: %s", implausible(summarize(results)))
     return 0
 
 

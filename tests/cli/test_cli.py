@@ -210,3 +210,13 @@ def test_every_subcommand_is_named_in_cli_py():
     features = {name for name, _ in cli.FEATURES}
     assert set(sub.choices) == (builtins - {"synth", "inspect", "shard"}) | features  # data ACTIONs
     assert {"train", "evaluate", "predict", "benchmark", "profile", "monitor", "export"} <= set(sub.choices)
+
+
+def test_inspect_json_without_fingerprint_is_refused_and_synth_help_lists_seed(tiny_microscopy, tmp_path, capsys):
+    """`data inspect --json` writes the fingerprint: without --fingerprint it wrote nothing and exited 0."""
+    code, _, err = run_cli(capsys, "data", "inspect", str(tiny_microscopy), "--json", str(tmp_path / "x.json"))
+    _assert_one_line_error(code, err, "--json", "--fingerprint")
+    assert not (tmp_path / "x.json").exists()
+    from fastvision.cli import synth_help
+
+    assert "--seed" in synth_help("microscopy").split("options of microscopy")[1]

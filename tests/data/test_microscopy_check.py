@@ -82,3 +82,19 @@ def test_one_binary_encoding_is_no_anomaly():
         tally.add(np.zeros((2, 2)), np.array([[0, 255], [0, 0]], np.uint8), Path("i.png"), Path("m.png"))
     tally.flag_mixed_binary_encodings()
     assert tally.anomalies == {}
+
+
+@pytest.mark.parametrize("setting, line", [
+    ("channels=abc", "data inspect --set channels=abc: expected int (data.args.channels)"),
+    ("num_classes=2.5", "data inspect --set num_classes=2.5: expected int (data.args.num_classes)"),
+    ("binarize=maybe", "data inspect --set binarize=maybe: expected bool (data.args.binarize)"),
+])
+def test_a_setting_of_the_wrong_type_is_one_line_naming_it(setting, line, tmp_path, capsys):
+    """Not every file reported as one training stops on: the value is wrong, whatever the files."""
+    from fastvision.cli import main
+
+    assert main(["data", "synth", "microscopy", str(tmp_path / "mic"), "--count", "3", "--size", "32"]) == 0
+    capsys.readouterr()
+    assert main(["data", "inspect", str(tmp_path / "mic"), "--set", setting]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"fastvision: error: {line}"] and "would stop training" not in out + err

@@ -277,7 +277,7 @@ def test_froc_cli_itc_in_mask_pixels(tmp_path, monkeypatch):
     hd, md = _write_hand_case(tmp_path, "tif")
     for limit, want in ((7.0, 5 / 6), (6.5, 8 / 9)):
         assert _froc_cli(["froc", str(hd), str(md), "--threshold", "0.05", "--itc-max-px", str(limit),
-                          "--json", str(tmp_path / "f.json")], monkeypatch) == 0
+                          "--json", str(tmp_path / "f.json"), "--force"], monkeypatch) == 0
         assert json.loads((tmp_path / "f.json").read_text())["froc"] == pytest.approx(want)
 
 

@@ -137,3 +137,30 @@ def test_inspect_camelyon16(tmp_path):
     assert report["training levels (first slide)"] == "256x256, 128x128, 64x64"
     assert report["training lesion polygons (exclusions)"] == "2 (1)"
     assert report["anomalies"]["training: tumour slides without lesion annotations (skipped)"] == "1 (tumor_002.tif)"
+
+
+def test_inspect_detects_the_synthesized_slides_and_masks_layout(tmp_path, capsys):
+    """``data synth pathology`` writes ``<split>/images/`` + ``<split>/masks/``: pathology, not an
+    ImageFolder whose classes are "images" and "masks" with every mask an anomaly."""
+    from PIL import Image
+
+    from fastvision.cli import main
+
+    out = tmp_path / "p"
+    assert main(["data", "synth", "pathology", str(out), "--slides", "2", "--val-slides", "1", "--size", "256",
+                 "--tile", "64"]) == 0
+    capsys.readouterr()
+    assert main(["data", "inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pathology dataset" in text and "slides (images/ + masks/" in text, text
+    assert "ImageFolder" not in text and "anomaly" not in text
+    report = inspect_path(out)
+    assert report["layout"] == "pathology" and report["train levels (first slide)"] == "256x256"
+    assert report["train slides (with lesions)"].startswith("2 ")
+    assert report["val slides (with lesions)"].startswith("1 ")
+    patches = tmp_path / "patches"  # train/normal + train/tumor patch folders are an ImageFolder too: kept as one
+    for split in ("train", "val"):
+        for c in ("normal", "tumor"):
+            (patches / split / c).mkdir(parents=True)
+            Image.new("RGB", (8, 8)).save(patches / split / c / "a.png")
+    assert inspect_path(patches)["layout"] == "imagefolder"

@@ -221,3 +221,33 @@ def test_the_cli_exits_2_with_the_shard_named(shards, tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "val-000000.tar" in res.stderr.strip().splitlines()[-1]
     assert "imagefolder" in res.stdout and "train" in res.stdout
+
+
+def test_a_folder_that_is_not_this_sources_shard_set_is_refused(inet, shards, tmp_path, capsys):
+    """`data shard SRC OUT` writes into OUT only when it is new, empty or a shard set of SRC (rerun:
+    checked, completed); a dataset folder, a file or another dataset's shard set is one line naming it."""
+    from fastvision.cli import main
+
+    mic = load_all().get("microscopy")(tmp_path / "mic", count=2, size=32)
+    before = sorted(p.relative_to(mic) for p in mic.rglob("*"))
+    (tmp_path / "a-file").write_text("mine")
+    other = load_all().get("imagenet")(tmp_path / "other", classes=2, per_class=2, val_per_class=1, size=32)
+    for out, why in ((mic, "exists and is not a shard set (holds images, masks); choose a new output folder, or "
+                           "pass --force to write the shards beside them"),
+                     (tmp_path / "a-file", "exists and is not a folder; choose a new output folder"),
+                     (shards, f"a shard set of another dataset than {other} (imagefolder, 3 classes); choose a new "
+                              "output folder")):
+        assert main(["data", "shard", str(other if out == shards else inet), str(out), "--shard-size", SIZE]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines() == [f"fastvision: error: {out}: {why}"], err
+    assert sorted(p.relative_to(mic) for p in mic.rglob("*")) == before and (tmp_path / "a-file").read_text() == "mine"
+    again = _copy(shards, tmp_path / "again")  # a rerun into its own (finished, then unfinished) set still works
+    assert main(["data", "shard", str(inet), str(again), "--shard-size", SIZE]) == 0
+    (again / "shards.json").unlink()
+    (again / "val-000000.tar").unlink()
+    assert main(["data", "shard", str(inet), str(again), "--shard-size", SIZE]) == 0
+    assert all((again / p.name).read_bytes() == p.read_bytes() for p in shards.iterdir() if p.is_file())
+    (tmp_path / "empty").mkdir()
+    assert main(["data", "shard", str(inet), str(tmp_path / "empty"), "--shard-size", SIZE]) == 0
+    assert main(["data", "shard", str(inet), str(mic), "--shard-size", SIZE, "--force"]) == 0  # beside the files
+    assert (mic / "shards.json").is_file() and all((mic / p).exists() for p in before)

@@ -169,7 +169,7 @@ def test_killed_sharded_predict_resumes(spleen_folds, tmp_path, sharded_here):
     # larger cases than the fixture's (about a second each here), so the kill lands mid-way: 3 cases, 2 for
     # rank 0 and 1 for rank 1, and the first file written ends the job before rank 0 can finish its second
     # (the margin of 4 cases, 2 a rank: either rank's second case)
-    data = load_all().get("spleen")(tmp_path / "big", seed=5, cases=0, test_cases=3, size=48)
+    data = load_all().get("spleen")(tmp_path / "big", seed=5, cases=1, test_cases=3, size=48)  # imagesTs read
     want = _one_thread_predict(out, data / "imagesTs", tmp_path / "one")
     dest = tmp_path / "pred"
     cmd = _predict_cmd(out, [data / "imagesTs"], dest, "--nproc", "2")

@@ -65,7 +65,7 @@ def test_synth_object_size_and_count_options(tmp_path):
         for a in anns:  # every shape spans 1.6 (square) to 2 (disk, cross) half-sizes, a little more rotated
             assert 1.6 * 30 - 1 <= max(a["bbox"][2:]) <= 2.3 * 40
     for bad in ({"min_size": 0}, {"min_size": 50, "max_size": 40}, {"max_objects": 0}):
-        with pytest.raises(ConfigError, match="min_size|max_objects"):
+        with pytest.raises(ConfigError, match="--min-size|--max-size|--max-objects"):
             synth(tmp_path / "bad", **bad)
 
 

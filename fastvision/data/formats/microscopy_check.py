@@ -9,6 +9,7 @@ training run would stop on. Nothing here decides anything training does.
 from __future__ import annotations
 
 import inspect
+import typing
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ import numpy as np
 from fastvision.data.formats.microscopy import microscopy, read_array
 from fastvision.data.nonfinite import NONFINITE_FILES, count_nonfinite
 from fastvision.errors import ConfigError, DataError
+from fastvision.registry import type_name, type_ok
 
 
 def microscopy_rule(settings: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -29,6 +31,11 @@ def microscopy_rule(settings: dict[str, Any]) -> tuple[dict[str, Any], str]:
     unknown = set(settings) - set(defaults)
     if unknown:
         raise ConfigError(f"data inspect --set {sorted(unknown)[0]}: valid for microscopy: {', '.join(defaults)}")
+    hints = typing.get_type_hints(microscopy)
+    for key, value in settings.items():  # a wrong type is the setting's fault, not every file's
+        if not type_ok(value, hints[key]):
+            raise ConfigError(f"data inspect --set {key}={value}: expected {type_name(hints[key])} "
+                              f"(data.args.{key})")
     rule = {**defaults, **settings}
     stops = ("files training stops on (as data.args "
              + ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in rule.items()) + ")")

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +33,13 @@ from typing import Any
 import torch
 
 from fastvision.data.shards import tario
-from fastvision.data.shards.store import INDEX, Shard, ShardIndex, index_doc
+from fastvision.data.shards.store import INDEX, Shard, ShardIndex, index_doc, parse_index
 from fastvision.errors import ConfigError, DataError
 from fastvision.utils.files import atomic_write
 
 log = logging.getLogger(__name__)
 WRITER_SEED = 0
+SHARD_NAME = re.compile(r"[a-z]+-\d{6}\.tar")  # write_split's names: <split>-NNNNNN.tar
 
 
 @dataclass
@@ -197,15 +199,49 @@ def write_split(out: Path, split: str, samples: list[list[Member]], shard_size: 
     return done
 
 
+def _is_writers(p: Path) -> bool:
+    """A file ``data shard`` writes into OUT: the index, a shard, a killed writer's temporary file, or the
+    ``annotations/`` folder of copied annotation files (COCO's)."""
+    temp = lambda q: q.name.startswith(".") and ".tmp" in q.name  # noqa: E731  (atomic_write's partial file)
+    if p.is_dir():
+        return p.name == "annotations" and all(q.is_file() and (q.suffix == ".json" or temp(q)) for q in p.iterdir())
+    return p.name == INDEX or SHARD_NAME.fullmatch(p.name) is not None or temp(p)
+
+
+def check_out(out: Path, src: Path, source: str, info: dict[str, Any]) -> None:
+    """Refuse ``out`` unless it is absent, empty, or a shard set of this source: only the writer's files
+    (an unfinished set, completed by this run) and, once finished, an index of the same format and
+    dataset facts. A user's folder is never written into (nor its files taken for stale shards)."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out}: exists and is not a folder; choose a new output folder")
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not _is_writers(p))
+    if foreign:
+        more = f", ... ({len(foreign)} entries)" if len(foreign) > 3 else ""
+        raise DataError(f"{out}: exists and is not a shard set (holds {', '.join(foreign[:3])}{more}); "
+                        f"choose a new output folder, or pass --force to write the shards beside them")
+    if (out / INDEX).is_file():
+        try:
+            index = parse_index(json.loads((out / INDEX).read_bytes()), str(out), str(out / INDEX))
+        except (OSError, ValueError) as e:
+            raise DataError(f"{out / INDEX}: not a readable shard index ({e})") from e
+        if index.source != source or index.info != json.loads(json.dumps(info)):
+            raise DataError(f"{out}: a shard set of another dataset than {src} ({index.source}, "
+                            f"{index.info.get('num_classes', '?')} classes); choose a new output folder")
+
+
 def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256MB",
-                 source: str | None = None) -> ShardIndex:
+                 source: str | None = None, force: bool = False) -> ShardIndex:
     """Shard dataset ``src`` into ``out`` (see the module docstring); returns the written index.
 
     Args:
         src: an ImageFolder/ImageNet or COCO dataset folder.
-        out: the shard set folder (made if absent; an unfinished one is completed).
+        out: the shard set folder: absent or empty, or a shard set of ``src`` (an unfinished one is
+            completed, a finished one checked); any other folder is refused (:func:`check_out`).
         shard_size: target bytes per shard (``"256MB"``); a sample larger than it gets a shard alone.
         source: ``imagefolder`` or ``coco`` (default: detected from ``src``'s layout).
+        force: write into any existing folder (shards already there must still be this input's).
     """
     src, out = Path(src), Path(out)
     size = parse_size(shard_size)
@@ -213,6 +249,8 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256M
     if source not in SOURCES:
         raise ConfigError(f"data shard --format {source!r}: one of {', '.join(SOURCES)}")
     info, splits, files = SOURCES[source](src)
+    if not force or not out.is_dir():
+        check_out(out, src, source, info)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".*.tmp*"):  # a killed writer's partial shard: never one a reader sees
         stale.unlink()

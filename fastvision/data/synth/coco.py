@@ -20,8 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from fastvision.data.synth import SYNTH
-from fastvision.errors import ConfigError
+from fastvision.data.synth import SYNTH, require
 from fastvision.utils.files import atomic_write
 
 CATEGORIES = [(1, "disk", 0.0), (3, "square", 0.33), (5, "triangle", 0.62), (8, "cross", 0.8)]
@@ -160,9 +159,8 @@ def synth(out: Path, *, seed: int = 0, train: int = 240, val: int = 60, min_size
     Returns:
         ``out``.
     """
-    if not 0 < min_size <= max_size or max_objects < 1:
-        raise ConfigError(f"data synth coco: need 0 < min_size <= max_size and max_objects >= 1, got "
-                          f"{min_size}, {max_size}, {max_objects}")
+    require("coco", train=(train, 1), val=(val, 1), min_size=(min_size, ">0"), max_size=(max_size, min_size),
+            max_objects=(max_objects, 1))
     out = Path(out)
     rng = np.random.default_rng(seed)
     _write_split(out, "train2017", train, 1, rng, (min_size, max_size), max_objects)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastvision.data.synth import SYNTH
+from fastvision.data.synth import SYNTH, require
 from fastvision.data.synth.medical import _smooth_noise, write_decathlon_case
 
 
@@ -87,6 +87,8 @@ def synth_prostate(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int 
         slices: slices per case (+-2).
         spacing: voxel size in mm (X, Y, Z); in-plane +-5 % per case, slice thickness +-10 %.
     """
+    require("prostate", cases=(cases, 1), test_cases=(test_cases, 0), size=(size, 8), slices=(slices, 1),
+            spacing=(spacing, ">0"))
     rng = np.random.default_rng(seed)
     means = np.array([[0.0, 0.0], [350.0, 1200.0], [600.0, 1600.0], [250.0, 900.0]])  # out, body, PZ, TZ
     data = []
@@ -110,6 +112,7 @@ def synth_hippocampus(out: Path, *, seed: int = 0, cases: int = 12, test_cases: 
         cases: labelled cases; test_cases: unlabelled ones.
         shape: median volume in voxels; each case varies by +-3 voxels per axis.
     """
+    require("hippocampus", cases=(cases, 1), test_cases=(test_cases, 0), shape=(shape, 8))
     rng = np.random.default_rng(seed)
     means = np.array([[0.0], [60.0], [110.0], [85.0]])
     data = []
@@ -134,6 +137,8 @@ def synth_thinstack(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int
         spacing: voxel size in mm (X, Y, Z), +-5 % per case.
         modality: dataset.json modality ("CT": intensities in HU, else MR-like).
     """
+    require("thinstack", cases=(cases, 1), test_cases=(test_cases, 0), size=(size, 8), slices=(slices, 1),
+            spacing=(spacing, ">0"))
     rng = np.random.default_rng(seed)
     ct = modality.upper() == "CT"
     means = np.array([[-1000.0], [40.0], [150.0]]) if ct else np.array([[0.0], [300.0], [700.0]])

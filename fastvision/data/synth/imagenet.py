@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fastvision.data.synth import SYNTH
+from fastvision.data.synth import SYNTH, require
+from fastvision.errors import ConfigError
 
 SHAPES = ("disk", "square", "triangle", "ring")
 
@@ -85,10 +86,10 @@ def synth(out: Path, *, seed: int = 0, classes: int = 10, per_class: int = 100, 
     Returns:
         ``out``.
     """
-    if classes < 2 or per_class < 1 or val_per_class < 1 or min(size, height or size) < 16:
-        raise ValueError("need classes >= 2, per_class >= 1, val_per_class >= 1, size and height >= 16")
-    if not 1 <= quality <= 95:
-        raise ValueError(f"quality must be in 1..95, got {quality}")
+    require("imagenet", classes=(classes, 2), per_class=(per_class, 1), val_per_class=(val_per_class, 1),
+            size=(size, 16), height=(height or size, 16), quality=(quality, 1))
+    if quality > 95:
+        raise ConfigError(f"data synth imagenet --quality {quality}: must be at most 95")
     out = Path(out)
     for split, n, stream in (("train", per_class, 0), ("val", val_per_class, 1)):
         rng = np.random.default_rng([seed, stream])

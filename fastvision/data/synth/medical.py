@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fastvision.data.synth import SYNTH
+from fastvision.data.synth import SYNTH, require
+from fastvision.errors import ConfigError
 
 # Internal BraTS label ids (after 4 -> 3): 1 necrotic/non-enhancing core, 2 edema, 3 enhancing.
 _INTERNAL_TO_MSD = np.array([0, 2, 1, 3], dtype=np.uint8)  # MSD Task01: 1 edema, 2 non-enh., 3 enh.
@@ -112,8 +113,9 @@ def synth_brats(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 2
     Returns:
         ``out``.
     """
+    require("brats", cases=(cases, 1), test_cases=(test_cases, 0), size=(size, 8))
     if layout not in ("decathlon", "brats"):
-        raise ValueError(f"layout must be decathlon or brats, got {layout!r}")
+        raise ConfigError(f"data synth brats --layout {layout!r}: must be decathlon or brats")
     out = Path(out)
     rng = np.random.default_rng(seed)
     ras = np.diag([1.0, 1.0, 1.0, 1.0])
@@ -192,6 +194,7 @@ def synth_spleen(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 
     Returns:
         ``out``.
     """
+    require("spleen", cases=(cases, 1), test_cases=(test_cases, 0), size=(size, 8), zoom=(zoom, ">0"))
     out = Path(out)
     rng = np.random.default_rng(seed)
     training, test = [], []

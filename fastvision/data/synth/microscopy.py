@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fastvision.data.synth import SYNTH
+from fastvision.data.synth import SYNTH, require
 
 
 def _blur(img: np.ndarray, sigma: float) -> np.ndarray:
@@ -90,6 +90,7 @@ def synth(out: Path, *, seed: int = 0, count: int = 200, size: int = 256) -> Pat
 
     The folder appears complete or not at all (written to a temporary sibling, then renamed).
     """
+    require("microscopy", count=(count, 1), size=(size, 16))
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         from fastvision.errors import DataError

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import tifffile
 
-from fastvision.data.synth import SYNTH
+from fastvision.data.synth import SYNTH, require
+from fastvision.errors import ConfigError
 
 
 def _box_blur(a: np.ndarray, k: int) -> np.ndarray:
@@ -83,8 +84,10 @@ def synth(out: Path, *, seed: int = 0, slides: int = 4, val_slides: int = 2, siz
     Returns:
         ``out``.
     """
-    if tile % 16 or size < tile or slides < 1 or val_slides < 1 or lesions < 1:
-        raise ValueError("need tile % 16 == 0, size >= tile, slides, val_slides, lesions >= 1")
+    require("pathology", slides=(slides, 1), val_slides=(val_slides, 1), lesions=(lesions, 1), tile=(tile, 16),
+            size=(size, tile))
+    if tile % 16:
+        raise ConfigError(f"data synth pathology --tile {tile}: must be a multiple of 16")
     out = Path(out)
     for split, n, stream in (("train", slides, 0), ("val", val_slides, 1)):
         rng = np.random.default_rng([seed, stream])

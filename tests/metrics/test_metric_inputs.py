@@ -1,0 +1,107 @@
+"""``fastvision froc`` and ``fastvision cv``: settings out of range, an empty mask folder, runs of different
+training, and a --json that is a folder or an existing file are one line (exit 2); one run's std is left out."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tifffile
+
+from tests.cli.input_checks import one_line_error, run_cli
+
+
+def _slides(tmp_path, lesion=True):
+    """Two 16x16 heat maps (as predict names them: a hit on slide a, false positives on b) and a mask 2x larger."""
+    hd, md = tmp_path / "heat", tmp_path / "masks"
+    hd.mkdir()
+    md.mkdir()
+    for name, peaks in (("a", [(3, 3, 0.9)]), ("b", [(10, 10, 0.6), (2, 12, 0.55)])):
+        heat = np.zeros((16, 16), np.float32)
+        for y, x, prob in peaks:
+            heat[y, x] = prob
+        tifffile.imwrite(hd / f"{name}_heatmap.tif", heat)
+    mask = np.zeros((32, 32), np.uint8)
+    if lesion:
+        mask[4:10, 4:10] = 1
+    tifffile.imwrite(md / "a.tif", mask)
+    return hd, md
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--mask-downsample", "0"), ("--um-per-px", "0"), ("--stride", "0"), ("--nms-radius", "-1"),
+    ("--threshold", "2"), ("--threshold", "-0.1"), ("--dilation-px", "-1"), ("--itc-max-px", "-1"),
+])
+def test_froc_refuses_settings_out_of_range(flag, value, tmp_path, capsys):
+    hd, md = _slides(tmp_path)
+    code, _, err = run_cli(capsys, "froc", hd, md, flag, value)
+    one_line_error(code, err, f"{flag} {value}")
+
+
+@pytest.mark.parametrize("lesion", [None, False])
+def test_froc_without_any_lesion_names_the_mask_folder(lesion, tmp_path, capsys):
+    hd, md = _slides(tmp_path, lesion=bool(lesion))
+    if lesion is None:  # an empty mask folder
+        (md / "a.tif").unlink()
+    code, out, err = run_cli(capsys, "froc", hd, md)
+    one_line_error(code, err, str(md), "no masks" if lesion is None else "no lesion")
+    assert "FROC" not in out
+
+
+def test_froc_json_is_not_replaced_without_force_nor_a_folder(tmp_path, capsys):
+    hd, md = _slides(tmp_path)
+    keep = tmp_path / "keep.json"
+    keep.write_text("mine")
+    code, _, err = run_cli(capsys, "froc", hd, md, "--json", keep)
+    one_line_error(code, err, str(keep), "--force")
+    assert keep.read_text() == "mine"
+    assert run_cli(capsys, "froc", hd, md, "--json", keep, "--force")[0] == 0
+    assert json.loads(keep.read_text())["froc"] == 1.0
+    code, _, err = run_cli(capsys, "froc", hd, md, "--json", tmp_path, "--force")
+    one_line_error(code, err, "--json", "folder")
+
+
+def _run(path, recipe="spleen", data=("decathlon", "sp"), fold=0, dice=0.8):
+    path.mkdir(parents=True)
+    cfg = {"recipe": recipe, "data": {"name": data[0], "args": {"path": data[1], "fold": fold}}}
+    lines = [{"type": "LOG", "step": "PARAMETER", "data": {"config": cfg}},
+             {"type": "LOG", "step": [0], "data": {"dice": dice}}, {"type": "LOG", "step": [], "data": {"dice": dice}}]
+    (path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("other,needle", [
+    ({"recipe": "unet2d-microscopy", "data": ("microscopy", "mic")}, "recipe"),
+    ({"data": ("decathlon", "liver")}, "data"),
+])
+def test_cv_refuses_runs_of_different_training(other, needle, tmp_path, capsys):
+    a = _run(tmp_path / "fold-0-of-spleen")
+    b = _run(tmp_path / "other-run", fold=1, **other)
+    code, out, err = run_cli(capsys, "cv", a, b)
+    one_line_error(code, err, str(a), str(b), needle)
+    assert "cross-validation over" not in out
+    c = _run(tmp_path / "f1", data=("decathlon", "/elsewhere/sp"), fold=1, dice=0.6)  # the same folder's name
+    code, out, _ = run_cli(capsys, "cv", a, c)
+    assert code == 0 and "0.7000" in out and "0.1000" in out  # folds of one training still average
+
+
+def test_cv_one_run_leaves_std_out_and_warns(tmp_path, capsys):
+    a = _run(tmp_path / "f0", dice=0.6)
+    code, out, err = run_cli(capsys, "cv", a, "--json", tmp_path / "cv.json")
+    assert code == 0 and "0.6000" in out and "0.0000" not in out
+    assert "one run" in err and "std" in err
+    assert json.loads((tmp_path / "cv.json").read_text())["std"] == {"dice": None}
+
+
+def test_cv_json_is_not_replaced_without_force_nor_a_folder(tmp_path, capsys):
+    a, b = _run(tmp_path / "f0"), _run(tmp_path / "f1", fold=1)
+    keep = tmp_path / "keep.json"
+    keep.write_text("mine")
+    code, _, err = run_cli(capsys, "cv", a, b, "--json", keep)
+    one_line_error(code, err, str(keep), "--force")
+    assert keep.read_text() == "mine"
+    assert run_cli(capsys, "cv", a, b, "--json", keep, "--force")[0] == 0
+    assert json.loads(keep.read_text())["mean"]["dice"] == pytest.approx(0.8)
+    (tmp_path / "dir").mkdir()
+    code, _, err = run_cli(capsys, "cv", a, b, "--json", tmp_path / "dir", "--force")
+    one_line_error(code, err, "--json", "folder")

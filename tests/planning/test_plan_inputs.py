@@ -1,0 +1,28 @@
+"""``fastvision plan``: a batch, data set size or price out of range, and a folder given as --json / --png, are
+one line naming the option (exit 2) before any trace, through the real CLI."""
+from __future__ import annotations
+
+import pytest
+
+from tests.cli.input_checks import one_line_error, run_cli
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--batch-size", "-4"], "--batch-size -4"),
+    (["--batch-size", "0", "--no-switches"], "--batch-size 0"),
+    (["--dataset-size", "0"], "--dataset-size 0"),
+    (["--price-per-gpu-hour", "-1"], "--price-per-gpu-hour -1"),
+])
+def test_plan_refuses_numbers_out_of_range(argv, needle, capsys, monkeypatch):
+    from fastvision.planning import estimate
+
+    monkeypatch.setattr(estimate, "trace", lambda *a, **k: pytest.fail("traced before the options were checked"))
+    code, out, err = run_cli(capsys, "plan", "resnet50-imagenet", *argv)
+    one_line_error(code, err, needle)
+    assert out == ""
+
+
+@pytest.mark.parametrize("flag", ["--json", "--png"])
+def test_plan_refuses_a_folder_as_output_file_even_with_force(flag, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "plan", "unet2d-microscopy", "--no-switches", flag, tmp_path, "--force")
+    one_line_error(code, err, flag, str(tmp_path), "folder")
