@@ -147,10 +147,6 @@ def _build_loaders(run: Run, micro_steps: int, wrap_train_set: Callable[[Any], A
     """The cached training set, both loaders (a device prefetcher on CUDA) and the steps per epoch."""
     cfg, tc, device = run.cfg, run.cfg.train, run.device
     raw = run.train_set
-    if cfg.data.cache == "auto":  # one tier for the training and the validation set, chosen here
-        from fastvision.data.cache.auto import resolve
-
-        cfg.data.cache = resolve(raw, run.env, device)
     # the sampler first: the gpu cache holds on the device the share it reads each epoch
     sampler = train_sampler(len(raw), cfg, tc.batch_size, order=getattr(raw, "epoch_order", None))
     run.train_set = cached_train_set(raw, cfg, run.env, device, share=sampler.indices)
@@ -213,6 +209,10 @@ def cached_train_set(dataset, cfg: RunConfig, env: distributed.DistEnv, device: 
     from fastvision.data.cache.select import wrap_train_set
 
     d = cfg.data
+    if d.cache == "auto":  # the tier for this set here, kept in cfg: the validation set's cache follows it
+        from fastvision.data.cache.auto import resolve
+
+        d.cache = resolve(dataset, env, device)
     return wrap_train_set(dataset, cache=d.cache, cache_rate=d.cache_rate, cache_dir=d.cache_dir,
                           cache_num=d.cache_num, replace_rate=d.replace_rate, env=env, device=device,
                           seed=cfg.train.seed, share=share)

@@ -188,8 +188,8 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
 
     Args:
         dataset: the registered training set (items are dicts).
-        cache: none, ram, disk, shared, smart or gpu; auto: the fastest memory tier the items fit in
-            (:func:`fastvision.data.cache.auto.resolve`, logged).
+        cache: none, ram, disk, shared, smart or gpu (``auto`` is resolved to one of them by the build:
+            :func:`fastvision.data.cache.auto.resolve`).
         cache_rate: share of items kept in RAM (ram, one process; smart).
         cache_dir: folder of the disk cache (None or "auto": :func:`default_cache_dir`). Given with
             a memory cache (ram, shared, smart, gpu), that cache is filled through the disk cache,
@@ -206,11 +206,7 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
         A dataset of the same items, indexed as ``dataset`` (``smart``: its window);
         ``set_epoch`` moves the random draws to the next epoch.
     """
-    if cache == "auto":  # the fastest memory tier the items fit in here (data/cache/auto.py)
-        from fastvision.data.cache.auto import resolve
-
-        cache = resolve(dataset, env if env is not None else DistEnv(), device)
-    if cache not in CACHES:
+    if cache not in CACHES:  # auto is resolved to one of them before (data/cache/auto.py, the build)
         raise ConfigError(f"data.cache must be one of {', '.join(CACHES)} or auto, got {cache!r}")
     if cache == "none":
         return _uncached(dataset, seed)
