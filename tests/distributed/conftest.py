@@ -14,11 +14,11 @@ from tests.conftest import ROOT, clean_env
 TINY = ["--device", "cpu", "--batch-size", "1", "--set", "data.args.image_size=[32,32]",
         "--set", "model.args.filters=[4,8,16]", "--set", "data.args.val_fraction=0.24", "--set", "data.num_workers=0",
         "--set", "examples=0", "--set", "train.log_every=1"]
-# the shared job's length: 8 steps an epoch (16 training items, 2 ranks of batch 1, 20-40 ms a step here), 55
-# metrics records. The restarting job's freeze (test_elastic) comes at 16 records, which leaves the poller about 34
-# steps, a second, to stop the frozen worker before the job ends (9 steps with 3 epochs, a race one loaded run on
-# torch 2.14 lost: the job finished before its SIGSTOP)
-EPOCHS = 6
+# the shared job's length: 8 steps an epoch (16 training items, 2 ranks of batch 1, 15-40 ms a step here), 91
+# metrics records. The restarting job's freeze (test_elastic) comes at 16 records, which leaves the poller about 66
+# steps, one to two seconds, to stop the frozen worker before the job ends (9 steps with 3 epochs, a race one loaded
+# run on torch 2.14 lost; 34 with 6, which a CI run lost once the CPU's fused optimizer had made the steps faster)
+EPOCHS = 10
 
 
 def torchrun_train(data: Path, out: Path, epochs: int, *more: str) -> list[str]:

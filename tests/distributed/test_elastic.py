@@ -124,7 +124,7 @@ def _interrupt(data: Path, out: Path) -> dict:
         # resumed from the step checkpoint (its records after the checkpoint rewound), then 12 steps in
         os.kill(next_victim(resumed(12)), signal.SIGTERM)
         # resumed from the SIGTERM's checkpoint (12 to 14 records), then a step or more: the watchdog is
-        # armed (by the first step), 39 records (34 steps) before the job's end
+        # armed (by the first step), 75 records (about 66 steps) before the job's end
         frozen = freeze(proc, next_victim(resumed(16)), log, out / "hang")
         proc.wait(timeout=240)
     finally:
