@@ -299,6 +299,8 @@ def text_report(fp: dict[str, Any]) -> str:
 
 def cmd_fingerprint(path: Path, json_path: str | None = None) -> int:
     """``fastvision data inspect PATH --fingerprint [--json F]``."""
+    if json_path and Path(json_path).is_dir():  # before the fingerprint's reading: a refusal costs nothing
+        raise DataError(f"--json {json_path}: is a folder; give a file path")
     fp = fingerprint(path)
     print("fingerprint:\n" + text_report(fp))  # the CLI's output
     if json_path:

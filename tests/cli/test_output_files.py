@@ -23,3 +23,15 @@ def test_evaluate_json_is_not_replaced_without_force_nor_a_folder(tiny_microscop
     (tmp_path / "dir").mkdir()
     code, _, err = run_cli(capsys, "evaluate", run, "--device", "cpu", "--json", tmp_path / "dir", "--force")
     one_line_error(code, err, "--json", "folder")
+
+
+def test_a_folder_as_tune_out_or_fingerprint_json_is_refused_before_any_work(tiny_microscopy, tmp_path, capsys):
+    """Both write files: a folder there was an IsADirectoryError after the work (tune's trials, the
+    fingerprint's reading); now one line, even with --force, before it."""
+    (tmp_path / "dir").mkdir()
+    code, out, err = run_cli(capsys, "tune", "unet2d-microscopy", "--data", tiny_microscopy, "--out", tmp_path / "dir",
+                             "--force")
+    one_line_error(code, err, "--out", "is a folder")
+    code, out, err = run_cli(capsys, "data", "inspect", tiny_microscopy, "--fingerprint", "--json", tmp_path / "dir")
+    one_line_error(code, err, "--json", "is a folder")
+    assert out == "" and not any((tmp_path / "dir").iterdir())

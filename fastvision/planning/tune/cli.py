@@ -101,7 +101,7 @@ def cmd_tune(args) -> int:
     json_path = Path(args.json) if args.json else None
     for p, flag in ((out, "--out"), (out.with_suffix(".png"), "--out"), (json_path, "--json")):
         if p is not None:
-            refuse_overwrite(p, args.force, flag)
+            refuse_overwrite(p, args.force, flag, file=True)  # files: a folder there is refused even with --force
     if args.nproc > 1 and distributed.detect_env().launcher == "single":
         return distributed.launch_local(args.nproc, ["-m", "fastvision.cli",
                                                      *distributed.strip_option(args.argv, "--nproc")])
