@@ -1,6 +1,8 @@
 """Shared helpers of the CLI input-check tests: run ``fastvision.cli.main`` and check a one-line error."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastvision.cli import main
 
 
@@ -20,3 +22,19 @@ def one_line_error(code, err, *needles) -> str:
     for n in needles:
         assert str(n) in lines[0], (n, lines[0])
     return lines[0]
+
+
+def guarded_json(capsys, argv, tmp_path) -> Path:
+    """``ARGV --json F`` keeps an existing F without --force (refused before any work: nothing on stdout),
+    replaces it with --force, and refuses a folder even with --force; returns F, as written with --force."""
+    keep = tmp_path / "keep.json"
+    keep.write_text("mine")
+    code, out, err = run_cli(capsys, *argv, "--json", keep)
+    one_line_error(code, err, str(keep), "--force")
+    assert keep.read_text() == "mine" and out == ""
+    assert run_cli(capsys, *argv, "--json", keep, "--force")[0] == 0
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    code, _, err = run_cli(capsys, *argv, "--json", folder, "--force")
+    one_line_error(code, err, "--json", "folder")
+    return keep

@@ -8,16 +8,11 @@ import pytest
 from PIL import Image
 
 from fastvision.cli import main
+from tests.cli.input_checks import one_line_error, run_cli
 from tests.conftest import tiny_overrides
 
 TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.args.image_size=[32,32]",
         "--set", "model.args.filters=[4,8,16]"]
-
-
-def run_cli(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _copy(src, dst):
@@ -30,13 +25,6 @@ def data(tiny_microscopy, tmp_path):
     return _copy(tiny_microscopy, tmp_path / "data")
 
 
-def _assert_one_line_error(code, err, *needles):
-    assert code == 2
-    lines = [line for line in err.strip().splitlines() if line.startswith("fastvision: error:")]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    for n in needles:
-        assert str(n) in lines[0], (n, lines[0])
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "no_mask", "shape_mismatch", "corrupt", "empty", "bad_mask_values"])
@@ -61,7 +49,7 @@ def test_bad_data_exits_2_naming_the_file(case, data, tmp_path, capsys):
         target, named = data, data / "masks" / "img_0006.png"
     code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", str(target), "--out",
                            str(tmp_path / "run"), *TINY)
-    _assert_one_line_error(code, err, named)
+    one_line_error(code, err, named)
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -82,14 +70,14 @@ def test_bad_arguments_exit_2(argv, needle, tiny_microscopy, tmp_path, capsys):
     if argv[0] == "train":
         argv = [*argv, "--data", str(tiny_microscopy), "--out", str(tmp_path / "r"), *TINY]
     code, _, err = run_cli(capsys, *argv)
-    _assert_one_line_error(code, err, needle)
+    one_line_error(code, err, needle)
 
 
 def test_corrupt_checkpoint_exits_2(tmp_path, capsys):
     bad = tmp_path / "last.pt"
     bad.write_bytes(b"truncated")
     code, _, err = run_cli(capsys, "evaluate", str(bad))
-    _assert_one_line_error(code, err, bad)
+    one_line_error(code, err, bad)
 
 
 def test_debug_shows_the_traceback(capsys):
@@ -112,7 +100,7 @@ def test_train_evaluate_predict_roundtrip(tiny_microscopy, tmp_path, capsys):
     # a second train into the same directory must not overwrite it
     code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(run),
                            *TINY)
-    _assert_one_line_error(code, err, run, "--resume auto")
+    one_line_error(code, err, run, "--resume auto")
 
 
 def test_recipes_list_and_show(capsys):
@@ -149,7 +137,7 @@ def test_data_synth_and_inspect(tmp_path, capsys):
     code, text, _ = run_cli(capsys, "data", "inspect", str(out))
     assert code == 0 and "pairs" in text and "(24, 24)" in text and "uint8" in text
     code, _, err = run_cli(capsys, "data", "synth", "microscopy", str(tmp_path / "n"), "--colour", "red")
-    _assert_one_line_error(code, err, "colour")
+    one_line_error(code, err, "colour")
 
 
 def test_python_api_train_returns_summary(tiny_microscopy, tmp_path):
@@ -166,7 +154,7 @@ def test_python_api_train_returns_summary(tiny_microscopy, tmp_path):
 def test_unknown_target_metric_is_an_error(tiny_microscopy, tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out",
                            str(tmp_path / "r"), "--target", "accuracy=0.9", *TINY)
-    _assert_one_line_error(code, err, "--target accuracy", "iou")
+    one_line_error(code, err, "--target accuracy", "iou")
 
 
 def test_synth_refuses_a_non_empty_folder(tmp_path, capsys):
@@ -175,7 +163,7 @@ def test_synth_refuses_a_non_empty_folder(tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     for kind in ("microscopy", "imagenet", "coco"):
         code, _, err = run_cli(capsys, "data", "synth", kind, str(out))
-        _assert_one_line_error(code, err, out)
+        one_line_error(code, err, out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
@@ -215,7 +203,7 @@ def test_every_subcommand_is_named_in_cli_py():
 def test_inspect_json_without_fingerprint_is_refused_and_synth_help_lists_seed(tiny_microscopy, tmp_path, capsys):
     """`data inspect --json` writes the fingerprint: without --fingerprint it wrote nothing and exited 0."""
     code, _, err = run_cli(capsys, "data", "inspect", str(tiny_microscopy), "--json", str(tmp_path / "x.json"))
-    _assert_one_line_error(code, err, "--json", "--fingerprint")
+    one_line_error(code, err, "--json", "--fingerprint")
     assert not (tmp_path / "x.json").exists()
     from fastvision.cli import synth_help
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.cli.input_checks import one_line_error, run_cli
+from tests.cli.input_checks import guarded_json, one_line_error, run_cli
 
 TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.args.image_size=[32,32]",
         "--set", "model.args.filters=[4,8,16]"]
@@ -13,16 +13,7 @@ TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.
 def test_evaluate_json_is_not_replaced_without_force_nor_a_folder(tiny_microscopy, tmp_path, capsys):
     run = tmp_path / "run"
     assert run_cli(capsys, "train", "unet2d-microscopy", "--data", tiny_microscopy, "--out", run, *TINY)[0] == 0
-    keep = tmp_path / "keep.json"
-    keep.write_text("mine")
-    code, out, err = run_cli(capsys, "evaluate", run, "--device", "cpu", "--json", keep)
-    one_line_error(code, err, str(keep), "--force")
-    assert keep.read_text() == "mine" and out == ""  # refused before evaluating
-    code, out, _ = run_cli(capsys, "evaluate", run, "--device", "cpu", "--json", keep, "--force")
-    assert code == 0 and "iou" in json.loads(keep.read_text())
-    (tmp_path / "dir").mkdir()
-    code, _, err = run_cli(capsys, "evaluate", run, "--device", "cpu", "--json", tmp_path / "dir", "--force")
-    one_line_error(code, err, "--json", "folder")
+    assert "iou" in json.loads(guarded_json(capsys, ["evaluate", run, "--device", "cpu"], tmp_path).read_text())
 
 
 def test_a_folder_as_tune_out_or_fingerprint_json_is_refused_before_any_work(tiny_microscopy, tmp_path, capsys):

@@ -6,25 +6,10 @@ import pytest
 import torch
 
 from fastvision.cli import main
+from tests.cli.input_checks import one_line_error, run_cli
 
 TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.args.image_size=[32,32]",
         "--set", "model.args.filters=[4,8,16]"]
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line_error(code, err, *needles):
-    assert code == 2, err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.strip().splitlines() if line.startswith("fastvision: error:")]
-    assert len(lines) == 1, err
-    for n in needles:
-        assert str(n) in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def test_fp16_run_evaluates_and_predicts_on_cpu(tiny_microscopy, tmp_path, capsys):

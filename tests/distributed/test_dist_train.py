@@ -113,6 +113,27 @@ def _events(run: Path) -> tuple[dict, list[dict]]:
 
 
 
+def _srun_train(data: Path, out: Path, job_id: str, *args: str, timeout: float,
+                rank_env=lambda r: {}) -> list[str]:
+    """Two tasks of :func:`_cmd` under srun's variables (job ``job_id``, one node, no launcher), ``rank_env(r)``
+    added to task r's environment; both must exit 0. Returns their stderr."""
+    port, procs = free_port(), []
+    for r in range(2):
+        env = clean_env(SLURM_JOB_ID=job_id, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
+                        SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
+                        MASTER_PORT=str(port), **rank_env(r))
+        procs.append(subprocess.Popen(_cmd(data, out, *args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    errs = []
+    try:
+        errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    return errs
+
+
 def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path, train_here):
     one = train_here(data, tmp_path / "one", "--epochs", "3", "--batch-size", "4", *NO_NORM)
     two = train_here(data, tmp_path / "two", "--epochs", "3", "--batch-size", "2", "--nproc", "2", *NO_NORM)
@@ -135,21 +156,8 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path, train_her
 
 def test_batchnorm_two_srun_tasks_equal_emulated_workers(data, tmp_path, train_here):
     """Two tasks with srun's variables (no launcher) == ``--emulate-workers 2``; != batch 4 in one BN."""
-    port, out = free_port(), tmp_path / "srun"
-    procs = []
-    for r in range(2):
-        env = clean_env(SLURM_JOB_ID="31337", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
-                   SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
-                   MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(_cmd(data, out, "--epochs", "2", "--batch-size", "2"), cwd=ROOT, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    errs = []
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    out = tmp_path / "srun"
+    _srun_train(data, out, "31337", "--epochs", "2", "--batch-size", "2", timeout=120)
     params, _ = _events(out)
     assert (params["launcher"], params["world_size"], params["global_batch"]) == ("slurm", 2, 4)
 
@@ -179,21 +187,9 @@ def test_batch_size_auto_two_ranks_train_at_the_smallest_batch_any_rank_found(da
 
     alone = [resolve_auto_batch(recipe(), torch.device("cpu"), cap=mb * 2**20) for mb in caps]
     assert alone[0] < alone[1] and 2 * alone[0] <= 16, alone  # distinct answers, a batch the 16 items allow
-    port, out = free_port(), tmp_path / "auto"
-    procs = []
-    for r, mb in enumerate(caps):
-        env = clean_env(SLURM_JOB_ID="4343", SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
-                        SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
-                        MASTER_PORT=str(port), FASTVISION_MEMORY_CAP_MB=str(mb))
-        procs.append(subprocess.Popen(_cmd(data, out, "--epochs", "1", "--batch-size", "auto"), cwd=ROOT, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    errs = []
-    try:
-        errs = [p.communicate(timeout=150)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    out = tmp_path / "auto"
+    errs = _srun_train(data, out, "4343", "--epochs", "1", "--batch-size", "auto", timeout=150,
+                       rank_env=lambda r: {"FASTVISION_MEMORY_CAP_MB": str(caps[r])})
     params, epochs = _events(out)
     assert (params["world_size"], params["global_batch"]) == (2, 2 * alone[0]) and len(epochs) == 1
     import yaml

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tifffile
 
-from tests.cli.input_checks import one_line_error, run_cli
+from tests.cli.input_checks import guarded_json, one_line_error, run_cli
 
 
 def _slides(tmp_path, lesion=True):
@@ -50,15 +50,7 @@ def test_froc_without_any_lesion_names_the_mask_folder(lesion, tmp_path, capsys)
 
 def test_froc_json_is_not_replaced_without_force_nor_a_folder(tmp_path, capsys):
     hd, md = _slides(tmp_path)
-    keep = tmp_path / "keep.json"
-    keep.write_text("mine")
-    code, _, err = run_cli(capsys, "froc", hd, md, "--json", keep)
-    one_line_error(code, err, str(keep), "--force")
-    assert keep.read_text() == "mine"
-    assert run_cli(capsys, "froc", hd, md, "--json", keep, "--force")[0] == 0
-    assert json.loads(keep.read_text())["froc"] == 1.0
-    code, _, err = run_cli(capsys, "froc", hd, md, "--json", tmp_path, "--force")
-    one_line_error(code, err, "--json", "folder")
+    assert json.loads(guarded_json(capsys, ["froc", hd, md], tmp_path).read_text())["froc"] == 1.0
 
 
 def _run(path, recipe="spleen", data=("decathlon", "sp"), fold=0, dice=0.8):
@@ -95,13 +87,4 @@ def test_cv_one_run_leaves_std_out_and_warns(tmp_path, capsys):
 
 def test_cv_json_is_not_replaced_without_force_nor_a_folder(tmp_path, capsys):
     a, b = _run(tmp_path / "f0"), _run(tmp_path / "f1", fold=1)
-    keep = tmp_path / "keep.json"
-    keep.write_text("mine")
-    code, _, err = run_cli(capsys, "cv", a, b, "--json", keep)
-    one_line_error(code, err, str(keep), "--force")
-    assert keep.read_text() == "mine"
-    assert run_cli(capsys, "cv", a, b, "--json", keep, "--force")[0] == 0
-    assert json.loads(keep.read_text())["mean"]["dice"] == pytest.approx(0.8)
-    (tmp_path / "dir").mkdir()
-    code, _, err = run_cli(capsys, "cv", a, b, "--json", tmp_path / "dir", "--force")
-    one_line_error(code, err, "--json", "folder")
+    assert json.loads(guarded_json(capsys, ["cv", a, b], tmp_path).read_text())["mean"]["dice"] == pytest.approx(0.8)
