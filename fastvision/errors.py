@@ -20,6 +20,13 @@ def error_line(e: BaseException) -> str:
     return line
 
 
+def check_low(flag: str, value: float | None, low: float, inclusive: bool = True) -> None:
+    """A command-line number at or above ``low`` (above it with ``inclusive`` False), else one line naming
+    the option: ``--batch 0: must be >= 1``. None (not given) passes."""
+    if value is not None and not (value >= low if inclusive else value > low):
+        raise ConfigError(f"{flag} {value:g}: must be {'>=' if inclusive else '>'} {low}")
+
+
 class FastvisionError(Exception):
     """Base class for errors caused by user input; message is shown without a traceback."""
 

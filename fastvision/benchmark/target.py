@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import ConfigError, DataError, check_low
 
 
 def olympic(values: list[float]) -> tuple[float, int] | None:
@@ -156,8 +156,8 @@ def cmd_target(args, sets: list[dict]) -> int:
     """``benchmark --mode target``: the seeds' runs, the report (JSON, Markdown, PNG) in ``--out``."""
     from fastvision.distributed import detect_env
 
-    if args.seeds < 1 or args.nproc < 1:
-        raise ConfigError(f"--seeds and --nproc must be >= 1, got {args.seeds} and {args.nproc}")
+    check_low("--seeds", args.seeds, 1)
+    check_low("--nproc", args.nproc, 1)
     if detect_env().world_size > 1:
         raise ConfigError("benchmark --mode target starts each seed's training itself: run it without "
                           "torchrun/srun, with --nproc N for N workers per run")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import ConfigError, DataError, check_low
 
 log = logging.getLogger(__name__)
 
@@ -350,9 +350,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
     for flag, low, inclusive in (("stride", 1, 1), ("mask_downsample", 1, 1), ("nms_radius", 0, 1),
                                  ("dilation_px", 0, 1), ("itc_max_px", 0, 1), ("um_per_px", 0, 0)):
-        value = getattr(args, flag)
-        if value is not None and not (value >= low if inclusive else value > low):
-            raise ConfigError(f"--{flag.replace('_', '-')} {value:g}: must be {'>=' if inclusive else '>'} {low}")
+        check_low(f"--{flag.replace('_', '-')}", getattr(args, flag), low, inclusive)
     if not 0 <= args.threshold <= 1:
         raise ConfigError(f"--threshold {args.threshold:g}: must be a probability in [0, 1]")
     if args.json:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fastvision.config import RunConfig
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, check_low
 from fastvision.planning import estimate as est
 from fastvision.planning import scale as sc
 from fastvision.planning.devices import GPU, GPUS, get_gpu
@@ -146,8 +146,7 @@ def _check_numbers(cluster: Cluster, work: Workload, min_efficiency: float | Non
         raise ConfigError(f"--min-efficiency {min_efficiency}: must be in (0, 1], e.g. 0.8")
     for flag, value, low in (("--batch-size", work.batch, 1), ("--dataset-size", work.dataset_size, 1),
                              ("--price-per-gpu-hour", cluster.price, 0)):
-        if value is not None and value < low:
-            raise ConfigError(f"{flag} {value:g}: must be >= {low}")
+        check_low(flag, value, low)
 
 
 def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Workload(),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fastvision.config import AMP_MODES
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import DataError, check_low
 from fastvision.profiling.monitor import plot_csv, read_csv, record
 from fastvision.profiling.profiler import (
     PHASES,
@@ -68,8 +68,7 @@ def _cmd_profile(args) -> int:
     from fastvision.api import overrides_to_dicts, refuse_overwrite
 
     for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
-        if value < low:
-            raise ConfigError(f"{flag} {value}: must be >= {low}")
+        check_low(flag, value, low)
     if args.out:  # checked before profiling: a refusal costs nothing
         refuse_overwrite(args.out, args.force)
     if args.trace:  # a trace folder holds the rank files of one run: another run's are not replaced unasked

@@ -1,7 +1,7 @@
 """Checks of the ``fastvision scale`` options, before any run or simulation: one line naming the option."""
 from __future__ import annotations
 
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, check_low
 
 # option -> (attribute, lowest value, whether the lowest value itself is allowed)
 _LIMITS = {
@@ -22,7 +22,4 @@ def check_args(args) -> None:
     if not args.recipe and not args.simulate:
         raise ConfigError("scale: give a recipe to sweep, or --simulate (with --compute-ms and --grad-mb)")
     for flag, (attr, low, inclusive) in _LIMITS.items():
-        value = getattr(args, attr, None)
-        if value is None or (value >= low if inclusive else value > low):
-            continue
-        raise ConfigError(f"{flag} {value:g}: must be {'>=' if inclusive else '>'} {low}")
+        check_low(flag, getattr(args, attr, None), low, inclusive)
