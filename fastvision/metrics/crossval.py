@@ -24,22 +24,17 @@ log = logging.getLogger(__name__)
 _SKIP = {"epoch", "epochs", "target_reached", "target_epoch"}
 
 
-def read_final_metrics(run: str | Path) -> tuple[dict[str, float], int | None]:
-    """Final numeric metrics of one run and its fold (from the saved config), if recorded.
+def read_run(run: str | Path) -> tuple[dict[str, float], int | None, dict[str, Any]]:
+    """Final numeric metrics of one run, its fold (from the saved config) if recorded, and what it
+    trained.
 
     Args:
         run: a run directory or its ``metrics.jsonl``.
 
     Returns:
-        (metrics, fold or None).
+        (metrics, fold or None, ``{"recipe", "data"}``: the recipe and its dataset and folder name; empty
+        where ``metrics.jsonl`` has no config event).
     """
-    metrics, fold, _ = read_run(run)
-    return metrics, fold
-
-
-def read_run(run: str | Path) -> tuple[dict[str, float], int | None, dict[str, Any]]:
-    """:func:`read_final_metrics` and what the run trained (``recipe``, ``data``: its dataset and folder
-    name; empty where its ``metrics.jsonl`` has no config event)."""
     path = Path(run)
     path = path / "metrics.jsonl" if path.is_dir() else path
     if not path.is_file():

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fastvision.errors import DataError
-from fastvision.metrics.crossval import add_cli, cross_validate, read_final_metrics
+from fastvision.metrics.crossval import add_cli, cross_validate, read_run
 
 
 def _run(path, fold, epochs, summary=None):
@@ -31,7 +31,7 @@ def test_average_of_folds(tmp_path):
     assert res["mean"]["dice/1"] == pytest.approx(0.8)
     assert res["std"]["dice"] == pytest.approx((0.02 / 3) ** 0.5)
     assert res["per_run"]["dice/1"] == [0.7, 0.9, 0.8]
-    assert read_final_metrics(c / "metrics.jsonl")[0] == {"dice": 0.7, "dice/1": 0.8}
+    assert read_run(c / "metrics.jsonl")[0] == {"dice": 0.7, "dice/1": 0.8}
 
 
 def test_errors(tmp_path):
@@ -42,7 +42,7 @@ def test_errors(tmp_path):
         cross_validate([tmp_path / "missing"])
     empty = _run(tmp_path / "empty", 0, [])
     with pytest.raises(DataError, match="no epoch"):
-        read_final_metrics(empty)
+        read_run(empty)
 
 
 def test_cli(tmp_path, capsys):
