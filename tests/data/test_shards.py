@@ -250,4 +250,6 @@ def test_a_folder_that_is_not_this_sources_shard_set_is_refused(inet, shards, tm
     (tmp_path / "empty").mkdir()
     assert main(["data", "shard", str(inet), str(tmp_path / "empty"), "--shard-size", SIZE]) == 0
     assert main(["data", "shard", str(inet), str(mic), "--shard-size", SIZE, "--force"]) == 0  # beside the files
+    assert main(["data", "shard", str(other), str(mic), "--shard-size", SIZE, "--force"]) == 2  # not into another's
+    assert "a shard set of another dataset" in capsys.readouterr().err
     assert (mic / "shards.json").is_file() and all((mic / p).exists() for p in before)

@@ -208,15 +208,16 @@ def _is_writers(p: Path) -> bool:
     return p.name == INDEX or SHARD_NAME.fullmatch(p.name) is not None or temp(p)
 
 
-def check_out(out: Path, src: Path, source: str, info: dict[str, Any]) -> None:
+def check_out(out: Path, src: Path, source: str, info: dict[str, Any], force: bool = False) -> None:
     """Refuse ``out`` unless it is absent, empty, or a shard set of this source: only the writer's files
     (an unfinished set, completed by this run) and, once finished, an index of the same format and
-    dataset facts. A user's folder is never written into (nor its files taken for stale shards)."""
+    dataset facts. A user's folder is never written into (nor its files taken for stale shards).
+    ``force``: other files may be there; a finished index must still be this source's."""
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a folder; choose a new output folder")
     if not out.is_dir():
         return
-    foreign = sorted(p.name for p in out.iterdir() if not _is_writers(p))
+    foreign = [] if force else sorted(p.name for p in out.iterdir() if not _is_writers(p))
     if foreign:
         more = f", ... ({len(foreign)} entries)" if len(foreign) > 3 else ""
         raise DataError(f"{out}: exists and is not a shard set (holds {', '.join(foreign[:3])}{more}); "
@@ -249,8 +250,7 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256M
     if source not in SOURCES:
         raise ConfigError(f"data shard --format {source!r}: one of {', '.join(SOURCES)}")
     info, splits, files = SOURCES[source](src)
-    if not force or not out.is_dir():
-        check_out(out, src, source, info)
+    check_out(out, src, source, info, force)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".*.tmp*"):  # a killed writer's partial shard: never one a reader sees
         stale.unlink()
