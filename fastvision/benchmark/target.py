@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,6 @@ def seed_run(train_argv: list[str], run_dir: Path, seed: int, target: str, force
     run: every one pays the same start-up, none inherits another's warm caches); its ``summary.json``
     (read back when the run finished earlier; an interrupted one is resumed)."""
     import subprocess
-    import sys
 
     done = run_dir / "summary.json"
     if run_dir.exists() and force:
@@ -58,9 +58,17 @@ def seed_run(train_argv: list[str], run_dir: Path, seed: int, target: str, force
            "--target", target, *resume]
     rc = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode  # its log on stderr, as train's
     if rc != 0 or not done.is_file():
-        raise DataError(f"seed {seed}: `fastvision train` exited with code {rc} (its error is above); "
-                        f"{run_dir} keeps what it wrote: rerun to resume it")
+        raise SeedFailed(rc or 1)
     return json.loads(done.read_text())
+
+
+class SeedFailed(Exception):
+    """A seed's ``fastvision train`` ended without its summary: its exit status (``code``); its own
+    error is what it printed."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 def run_target_benchmark(train_argv: list[str], recipe: str, target: str | None, seeds: list[int], out: Path,
@@ -69,7 +77,8 @@ def run_target_benchmark(train_argv: list[str], recipe: str, target: str | None,
     ``train.target``) under ``out/seed-S``, and the score."""
     from fastvision import config
 
-    target = target or config.load(recipe, sets).train.target
+    cfg = config.load(recipe, sets)  # the recipe and --set checked here: one line before any run
+    target = target or cfg.train.target
     if not target:
         raise ConfigError(f"--mode target: {recipe} has no train.target; give one, e.g. --target "
                           f"{'iou=0.9' if 'unet2d' in recipe else 'METRIC=VALUE'}")
@@ -173,8 +182,14 @@ def cmd_target(args, sets: list[dict]) -> int:
                   *[a for s in args.set for a in ("--set", s)]]
     if args.data:
         sets = [{"data": {"args": {"path": args.data}}}, *sets]
-    report = run_target_benchmark(train_argv, args.recipe, args.target, list(range(args.seed, args.seed + args.seeds)),
-                                  out, sets, force=args.force)
+    try:
+        report = run_target_benchmark(train_argv, args.recipe, args.target,
+                                      list(range(args.seed, args.seed + args.seeds)), out, sets, force=args.force)
+    except SeedFailed as e:  # a bad setting (2) was the run's own one line; anything else is named here
+        if e.code != 2:
+            print(f"fastvision: error: a seed's `fastvision train` exited with code {e.code} (its error is above); "
+                  f"{out} keeps what it wrote: rerun to resume it", file=sys.stderr)
+        return e.code
     report["nproc"] = args.nproc
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(report))
