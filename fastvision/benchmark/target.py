@@ -87,11 +87,19 @@ def run_target_benchmark(train_argv: list[str], recipe: str, target: str | None,
         s = seed_run(train_argv, out / f"seed-{seed}", seed, target, force)
         rows.append({"seed": seed, "reached": bool(s.get("target_reached")), "epochs": s.get("target_epoch"),
                      "train_s": s.get("time_to_target_s"), "wall_s": s.get("time_to_target_wall_s"),
-                     "epochs_run": s.get("epochs"), "run": str(out / f"seed-{seed}")})
+                     "epochs_run": s.get("epochs"), "global_batch": s.get("global_batch"),
+                     "items_per_epoch": _items(s), "run": str(out / f"seed-{seed}")})
         how = (f"reached at epoch {rows[-1]['epochs']}, {rows[-1]['wall_s']:.1f} s wall" if rows[-1]["reached"]
                else f"not reached in {rows[-1]['epochs_run']} epochs")
         print(f"seed {seed}: {target} {how}", flush=True)
     return {"recipe": recipe, "target": target, "seeds": seeds, "rows": rows, **score(rows)}
+
+
+def _items(summary: dict) -> int | None:
+    """Items one epoch of the run trained (steps x global batch), None for a run from before its
+    summary recorded them."""
+    steps, batch = summary.get("steps_per_epoch"), summary.get("global_batch")
+    return steps * batch if steps and batch else None
 
 
 def score(rows: list[dict]) -> dict[str, Any]:
@@ -107,6 +115,9 @@ def score(rows: list[dict]) -> dict[str, Any]:
                           "min": min(times), "max": max(times), "spread": max(times) / min(times)}
     if reached:
         out["epochs_median"] = statistics.median(r["epochs"] for r in reached)
+    for key in ("global_batch", "items_per_epoch"):  # what the epochs are in, for `plan --epochs-from`
+        seen = {r.get(key) for r in rows}
+        out[key] = seen.pop() if len(seen) == 1 else None
     return out
 
 

@@ -221,7 +221,9 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: Checkpoints, summar
 def _summarise(run: Run, state: dict, logger: RunLogger, saver: Checkpoints, summary: dict, run_dir: Path,
                wall: Callable[[], float]) -> None:
     last = logger.history[-1] if logger.history else {}
+    # global_batch and steps_per_epoch: what an epoch is, for `plan --epochs-from` (a forecast in epochs)
     summary.update({"epochs": state["epoch"] + 1, "train_time_s": state["train_time"],
+                    "global_batch": run.global_batch, "steps_per_epoch": run.steps_per_epoch,
                     f"best_{run.task.primary_metric}": state["best"], **saver.report(),
                     **{k: v for k, v in last.items() if k != "epoch"}})
     if run.env.is_main:

@@ -22,6 +22,7 @@ from typing import Any
 from fastvision.config import RunConfig
 from fastvision.errors import ConfigError, check_low
 from fastvision.planning import estimate as est
+from fastvision.planning import forecast as fc
 from fastvision.planning import scale as sc
 from fastvision.planning.devices import GPU, GPUS, get_gpu
 
@@ -92,6 +93,9 @@ class Workload:
         fixed_ms: per-step time that does not shrink with the batch (launches, optimizer, host);
             ``None``: with ``calibrate``, the intercept of the benchmark's batch sizes, else the value
             fitted on the MLPerf anchors (small batches are slower per item). Given, it wins over both.
+        epochs_from: a ``benchmark --mode target`` JSON: the seeds' epochs to the target, for the
+            time-to-target forecast (:mod:`fastvision.planning.forecast`); its runs' epoch size is the
+            dataset unless ``data`` / ``dataset_size`` is given.
     """
 
     data: str | None = None
@@ -101,6 +105,7 @@ class Workload:
     calibrate: str | None = None
     input_rate: float | str | None = None
     fixed_ms: float | None = None
+    epochs_from: str | None = None
 
 
 def _place(cluster: Cluster) -> tuple[GPU, int, str]:
@@ -140,6 +145,15 @@ def _achieved(work: Workload, cfg: RunConfig, t, spec: GPU,
     return est.DEFAULT_ACHIEVED, False, "default range", fixed_ms, fixed_source
 
 
+def _dataset(cfg: RunConfig, work: Workload, target_runs: dict | None) -> tuple[int | None, str]:
+    """Training items per epoch: ``--data`` / ``--dataset-size``, else the ``--epochs-from`` runs' epoch
+    (the data their epochs were measured on), else the recipe's known size."""
+    measured = fc.measured_items(target_runs) if target_runs else None
+    if measured and work.data is None and work.dataset_size is None:
+        return measured, f"the --epochs-from runs' epoch ({work.epochs_from})"
+    return est.dataset_items(cfg, work.data, work.dataset_size)
+
+
 def _check_numbers(cluster: Cluster, work: Workload, min_efficiency: float | None) -> None:
     """Refuse a batch, data set size, price or efficiency out of range, naming its option."""
     if min_efficiency is not None and not 0 < min_efficiency <= 1:
@@ -171,9 +185,10 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
     notes = []
     if spec.peak_tflops(precision)[1] != precision:
         notes.append(f"{spec.name} has no {precision} tensor cores: timed at fp32 peak")
+    target_runs = fc.load_report(work.epochs_from) if work.epochs_from else None  # checked before the trace
     t = est.trace(cfg, b)
     achieved, calibrated, source, fixed_ms, fixed_source = _achieved(work, cfg, t, spec, precision)
-    items, items_source = est.dataset_items(cfg, work.data, work.dataset_size)
+    items, items_source = _dataset(cfg, work, target_runs)
     if items is None:
         notes.append(f"dataset size {items_source}; epoch and train time left out")
     input_rate, input_source = sc.input_rate_of(cfg, work.input_rate)
@@ -190,18 +205,21 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
             "achieved_source": source, "price_per_gpu_hour": price, "params": t.param_count,
             "grad_bytes": t.grad_bytes, "channels_last": cfg.train.channels_last, "estimate": base, "notes": notes,
             "input_rate_per_core": input_rate, "input_source": input_source, "min_efficiency": min_efficiency,
-            "host_source": host_source,
-            "fixed_ms": fixed_ms, "fixed_source": fixed_source}
+            "host_source": host_source, "fixed_ms": fixed_ms, "fixed_source": fixed_source}
     if min_efficiency is not None:
         plan["largest_gpus"] = [sc.largest_gpus(s, b, t.grad_bytes, per_node, link, cluster.hardware, input_rate,
                                                  min_efficiency, fixed_s=args["fixed_s"], host_cores=host_cores)
                               for s in base["step_s"]]
     if price is not None and "gpu_hours" in base:
         base["cost"] = [h * price for h in base["gpu_hours"]]
+    if target_runs:  # without an epoch size (no --data, an older report) the note says so
+        plan["forecast"], more = fc.forecast(target_runs, str(work.epochs_from), base.get("epoch_s"), gpus, price,
+                                             cfg.recipe, b * gpus * cfg.train.accum_steps, items)
+        notes += more
     if switches:
         plan["switches"] = _switches(cfg, t, base, spec, b, precision, price, args)
     plan["curve"] = _curve(base, t, b, per_node, link, cluster.hardware, items, cfg.train.epochs, price, gpus,
-                           input_rate, args["fixed_s"], host_cores)
+                           input_rate, args["fixed_s"], host_cores, plan.get("forecast"))
     return plan
 
 
@@ -266,8 +284,9 @@ def _gpu_input_switch(cfg: RunConfig) -> tuple[str, list[str], RunConfig] | None
 
 
 def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus, input_rate,
-           fixed_s, host_cores) -> list[dict[str, Any]]:
-    """Time to train and cost (middle of the range) against GPU count, for the PNG."""
+           fixed_s, host_cores, forecast: dict | None = None) -> list[dict[str, Any]]:
+    """Time to train and cost (middle of the range) against GPU count, for the PNG; with a forecast
+    also the time to its target at the seeds' median epochs and at their fewest and most."""
     counts = [2**i for i in range(0, 11) if 2**i <= max(64, 4 * gpus)]
     step = _gm(base["step_s"])
     rows = []
@@ -279,6 +298,9 @@ def _curve(base, t, b, per_node, link, hardware, items, epochs, price, gpus, inp
             row["train_h"] = est.train_time(step, b, n, e, items, epochs) / 3600
             if price is not None:
                 row["cost"] = row["train_h"] * n * price
+            if forecast:
+                row["target_h"] = [est.train_time(step, b, n, e, items, k) / 3600 for k in
+                                   (forecast["epochs"][0], forecast["epochs_median"], forecast["epochs"][-1])]
         rows.append(row)
     return rows
 
@@ -319,6 +341,10 @@ def add_cli(subparsers) -> None:
                                                   "optimizer, host); default: the --calibrate JSON's intercept, "
                                                   "else fitted on MLPerf RetinaNet (PyTorch DDP, CUDA graphs), a "
                                                   "floor for an eager step. Given, it wins over both")
+    p.add_argument("--epochs-from", metavar="JSON",
+                   help="a `fastvision benchmark RECIPE --mode target` report: forecast the time to its target "
+                        "as a distribution (its seeds' epochs x this plan's epoch time); its runs' epoch size is "
+                        "the dataset unless --data / --dataset-size says otherwise")
     p.add_argument("--no-switches", action="store_true", help="skip the what-if switches (fewer traces)")
     p.add_argument("--json", type=Path, help="write the plan as JSON")
     p.add_argument("--png", type=Path, help="write time and cost against GPU count")
@@ -352,7 +378,7 @@ def cmd_plan(args) -> int:
                       price=args.price_per_gpu_hour)
     work = Workload(data=args.data, dataset_size=args.dataset_size, batch=args.batch_size,
                     achieved=_pair(args.achieved) if args.achieved else None, calibrate=args.calibrate,
-                    input_rate=args.input_rate, fixed_ms=args.fixed_ms)
+                    input_rate=args.input_rate, fixed_ms=args.fixed_ms, epochs_from=args.epochs_from)
     for path, flag in ((args.json, "--json"), (args.png, "--png")):  # refused before the trace, not after it
         if path:
             refuse_overwrite(path, args.force, flag, file=True)

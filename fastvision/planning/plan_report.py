@@ -1,6 +1,6 @@
 """What ``fastvision plan`` shows: the plan (:func:`fastvision.planning.plan.make_plan`'s dict) as
 an aligned text table with the switches below it, and the PNG of time to train and cost against
-GPU count."""
+GPU count (with ``--epochs-from``, the time to the target: the median seed and the seeds' band)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,6 +47,7 @@ def text_report(plan: dict[str, Any]) -> str:
                  ("GPU-hours", _range(e["gpu_hours"], 1, "{:.3g}"))]
         if "cost" in e:
             rows.append(("cost", _range(e["cost"], 1, "{:,.0f}") + f" at {plan['price_per_gpu_hour']:g} per GPU-hour"))
+    rows += _forecast_rows(plan)
     width = max(len(k) for k, _ in rows)
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]
     if plan.get("switches"):
@@ -58,6 +59,24 @@ def text_report(plan: dict[str, Any]) -> str:
                          f"largest batch {s['largest_batch']}, {when}  [{flags}]")
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
+
+
+def _forecast_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """The time-to-target forecast: median, olympic mean and the seeds' range, each a low-high range."""
+    f = plan.get("forecast")
+    if not f:
+        return []
+    ep = ", ".join(f"{k:g}" for k in f["epochs"])
+    t, h = f["train_s"], f["gpu_hours"]
+    rows = [(f"time to {f['target']} (forecast)",
+             f"median {_duration(t['median'])}, olympic mean {_duration(t['olympic_mean'])}; fastest to slowest "
+             f"seed {_duration(t['range'])} ({f['reached']} of {f['seeds']} seeds reached it, epochs {ep})"),
+            ("GPU-hours to the target", f"median {_range(h['median'], 1, '{:.3g}')}, seeds "
+                                         f"{_range(h['range'], 1, '{:.3g}')}")]
+    if "cost" in f:
+        rows.append(("cost to the target", f"median {_range(f['cost']['median'], 1, '{:,.0f}')}, seeds "
+                                            f"{_range(f['cost']['range'], 1, '{:,.0f}')}"))
+    return rows
 
 
 def _scale_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
@@ -90,7 +109,13 @@ def plot(plan: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     if curve:
         x = [r["gpus"] for r in curve]
-        ax.plot(x, [r["train_h"] for r in curve], "o-", color="C0", label="time to train")
+        ax.plot(x, [r["train_h"] for r in curve], "o-", color="C0", label=f"time to train {plan['epochs']} epochs")
+        if "target_h" in curve[0]:  # the forecast: the seeds' median epochs, the band from fastest to slowest
+            target = plan["forecast"]["target"]
+            ax.plot(x, [r["target_h"][1] for r in curve], "^-", color="C2", label=f"time to {target} (median seed)")
+            ax.fill_between(x, [r["target_h"][0] for r in curve], [r["target_h"][2] for r in curve], color="C2",
+                            alpha=0.2, label="fastest to slowest seed")
+            ax.legend(loc="upper right", fontsize=7)
         ax.set_ylabel("time to train (h)", color="C0")
         if "cost" in curve[0]:
             ax2 = ax.twinx()

@@ -41,6 +41,13 @@ def test_target_mode_scores_the_seeds_runs_and_a_rerun_reuses_them(tiny_microsco
     for r in report["rows"]:  # each row is what the seed's own run recorded
         s = json.loads((out / f"seed-{r['seed']}" / "summary.json").read_text())
         assert r["reached"] == s["target_reached"] and r["wall_s"] == s.get("time_to_target_wall_s")
+    # what an epoch is, for `plan --epochs-from`: the train split in whole batches of 4 (one process)
+    from fastvision import config
+    from fastvision.planning.estimate import dataset_items
+
+    train_items = dataset_items(config.load("unet2d-microscopy"), str(tiny_microscopy))[0]
+    assert report["global_batch"] == 4 and report["items_per_epoch"] == train_items // 4 * 4
+    assert all(r["items_per_epoch"] == report["items_per_epoch"] for r in report["rows"])
     walls = sorted(r["wall_s"] for r in report["rows"] if r["reached"])
     if len(walls) == 3:
         assert report["wall_s"]["olympic_mean"] == walls[1]  # 3 runs: the fastest and the slowest dropped
