@@ -41,7 +41,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.nproc > 1 and distributed.detect_env().launcher == "single":
         # Re-run this very command under torch's launcher, one process per worker.
-        return distributed.launch_local(args.nproc, _relaunch_argv(args.argv), backend=args.backend or "ddp")
+        return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv), backend=args.backend or "ddp")
     if args.pretrained:
         args.set.append(f"model.args.pretrained={args.pretrained}")
     flat = {k: getattr(args, k) for k in ("data", "epochs", "batch_size", "lr", "amp", "tf32", "compile",
@@ -64,13 +64,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = run_training(args.recipe, out=args.out, resume=args.resume, overrides=flat, extra=extra)
     _print_result(summary)
     return 0
-
-
-def _relaunch_argv(argv: list[str]) -> list[str]:
-    """This very command for each of ``--nproc`` processes: ``python -m fastvision.cli ...`` without ``--nproc``."""
-    from fastvision import distributed
-
-    return ["-m", "fastvision.cli", *distributed.strip_option(argv, "--nproc")]
 
 
 def _print_result(summary: dict[str, Any]) -> None:
@@ -119,13 +112,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if not volumes:  # 2-D images (or a missing input)
         if volume_flags:
             raise ConfigError("--folds, --tta, --tta-axes, --nproc and --postprocess apply to NIfTI volumes")
-        refuse_overwrite(args.out, args.force)
+        refuse_overwrite(args.out, args.force, folder=True)
         written = predict(args.checkpoint, args.inputs, args.out, device=args.device)
         print(f"wrote {len(written)} files to {args.out}")
         return 0
     if args.nproc > 1 and distributed.detect_env().launcher == "single":
         # one process per shard of the cases, under torch's launcher (as train --nproc)
-        return distributed.launch_local(args.nproc, _relaunch_argv(args.argv))
+        return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv))
     tta = args.tta_axes if args.tta_axes else args.tta
     res = predict_volumes(args.checkpoint, args.inputs, args.out, folds=args.folds, tta=tta,
                           postprocess_mode=args.postprocess, device=args.device, force=args.force)

@@ -61,3 +61,9 @@ def strip_option(argv: Sequence[str], option: str, takes_value: bool = True) -> 
         elif not a.startswith(option + "="):
             out.append(a)
     return out
+
+
+def relaunch_argv(argv: Sequence[str]) -> list[str]:
+    """This very command for each of ``--nproc`` workers: ``-m fastvision.cli ARGV`` without ``--nproc``
+    (what :func:`launch_local` runs after ``python``)."""
+    return ["-m", "fastvision.cli", *strip_option(argv, "--nproc")]

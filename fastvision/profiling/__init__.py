@@ -1,6 +1,7 @@
-"""Profiling: ``fastvision profile`` (time per training phase and a verdict) and ``fastvision
-monitor`` (NVML utilisation and memory to CSV and PNG). Library API: :func:`profile`,
-:func:`render`, :func:`~fastvision.profiling.monitor.record`, :func:`~fastvision.profiling.monitor.plot_csv`.
+"""Profiling: ``fastvision profile`` (time per training phase and a verdict; ``--nproc N`` or under
+torchrun / srun also a table per rank naming the slow rank) and ``fastvision monitor`` (NVML
+utilisation and memory to CSV and PNG). Library API: :func:`profile`, :func:`render`,
+:func:`~fastvision.profiling.monitor.record`, :func:`~fastvision.profiling.monitor.plot_csv`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from fastvision.profiling.profiler import (
     profile,
     profile_run,
 )
+from fastvision.profiling.ranks import table as rank_table
 
 __all__ = ["profile", "profile_run", "render", "record", "plot_csv", "read_csv", "advice", "percentiles_ms",
            "add_profile_cli", "add_monitor_cli"]
@@ -48,17 +50,23 @@ def render(report: dict[str, Any]) -> Any:
     mem = f"peak {gpu['torch_peak_allocated_mib']:.0f} MiB allocated; " if "torch_peak_allocated_mib" in gpu else ""
     t.caption = (f"{report['images_per_s']:.1f} images/s; {util}{mem}pipeline: {report['pipeline']}\n"
                  f"verdict: [bold]{report['verdict']}[/bold] -> {report['advice']}")
-    if not report.get("top_ops"):
+    parts = [t]
+    if report.get("top_ops"):
+        kind = "kernels (self GPU time)" if report["device"].startswith("cuda") else "ops (self CPU time)"
+        ops = Table(title=f"top {kind}, from --trace")
+        for c, j in (("op", "left"), ("calls / step", "right"), ("ms / step", "right"), ("share", "right")):
+            ops.add_column(c, justify=j, overflow="fold")
+        for o in report["top_ops"]:
+            ops.add_row(o["name"][:90], f"{o['calls_per_step']:g}", f"{o['ms_per_step']:.2f}",
+                        f"{100 * o['share']:.1f}%")
+        parts.append(ops)
+    if len(report.get("ranks") or ()) > 1:
+        parts.append(rank_table(report))
+    if len(parts) == 1:
         return t
     from rich.console import Group
 
-    kind = "kernels (self GPU time)" if report["device"].startswith("cuda") else "ops (self CPU time)"
-    ops = Table(title=f"top {kind}, from --trace")
-    for c, j in (("op", "left"), ("calls / step", "right"), ("ms / step", "right"), ("share", "right")):
-        ops.add_column(c, justify=j, overflow="fold")
-    for o in report["top_ops"]:
-        ops.add_row(o["name"][:90], f"{o['calls_per_step']:g}", f"{o['ms_per_step']:.2f}", f"{100 * o['share']:.1f}%")
-    return Group(t, ops)
+    return Group(*parts)
 
 
 def _cmd_profile(args) -> int:
@@ -67,7 +75,7 @@ def _cmd_profile(args) -> int:
     from fastvision import config, distributed
     from fastvision.api import overrides_to_dicts, refuse_overwrite
 
-    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
+    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--nproc", args.nproc, 1)):
         check_low(flag, value, low)
     if args.out:  # checked before profiling: a refusal costs nothing
         refuse_overwrite(args.out, args.force)
@@ -76,6 +84,10 @@ def _cmd_profile(args) -> int:
     flat = {k: v for k, v in {"data": args.data, "device": args.device, "batch_size": args.batch_size,
                               "amp": args.amp}.items() if v is not None}
     cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])
+    if args.nproc > 1 and distributed.detect_env().launcher == "single":
+        # this very command under torch's launcher, one process per worker (as train --nproc): every rank
+        # profiles the same steps and rank 0 writes the report
+        return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv), backend=cfg.train.backend)
     report = profile(cfg, steps=args.steps, warmup=args.warmup, nvtx=args.nvtx, trace=args.trace,
                      synthetic=args.synthetic)
     if not distributed.detect_env().is_main:
@@ -128,13 +140,19 @@ def add_profile_cli(subparsers) -> None:
     """``fastvision profile RECIPE``."""
     p = subparsers.add_parser("profile", help="time every training phase and name the bottleneck",
                               description="Run --warmup then --steps training steps of RECIPE and report "
-                                          "time per phase (p50/p90/p99), images/s, GPU use and a verdict.")
+                                          "time per phase (p50/p90/p99), images/s, GPU use and a verdict. "
+                                          "With --nproc N (or under torchrun / srun) every rank profiles the same "
+                                          "steps, and a table per rank names the slow rank and the phase that "
+                                          "makes it slow.")
     p.add_argument("recipe")
     p.add_argument("--steps", type=int, default=20, help="profiled steps (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="steps run first and not counted (default 5)")
     p.add_argument("--nvtx", action="store_true", help="NVTX ranges per phase, transform and augment op (nsys)")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler Chrome trace into DIR")
     p.add_argument("--synthetic", action="store_true", help="device-resident synthetic batches (no data pipeline)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="profile N local data-parallel workers through torch.distributed.run (as train --nproc); "
+                        "adds a table per rank")
     p.add_argument("--out", help="report folder (default runs/profile-<recipe>-<time>); new or empty unless --force")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out or --trace, replacing its files")
     p.add_argument("--data", help="dataset folder (data.args.path)")

@@ -5,9 +5,11 @@ The run is the engine's (:func:`fastvision.engine.build`) and so is the step: th
 data wait, host-to-device, augment, forward, backward (each summed over the accumulation
 micro-batches), optimizer (non-finite check, clip, step, schedule, EMA), and communication. Host
 phases use the wall clock; on CUDA the device phases use CUDA events read once after the last step,
-so profiling adds no host sync per step. Communication is the exposed all-reduce time: backward
-with gradient sync minus backward under ``no_sync`` (measured on extra steps after the profiled
-ones; 0 in one process).
+so profiling adds no host sync per step. Communication is the exposed time of DDP's collectives:
+forward (its buffer broadcast) and backward (its gradient all-reduce) beyond their medians under
+``no_sync`` (measured on extra steps after the profiled ones; 0 in one process), which includes any
+wait for a slower rank. With more than one rank, every rank's medians are gathered in one collective
+and :mod:`fastvision.profiling.ranks` names the slow rank and its phase.
 
 The verdict is the largest share of the median step: ``input-bound`` (data wait),
 ``communication-bound``, ``host-sync-bound`` (CUDA only: the GPU waits for the host, seen as low
@@ -32,6 +34,7 @@ from fastvision.config import RunConfig
 from fastvision.data.loader import endless_batches
 from fastvision.models import levers
 from fastvision.profiling.monitor import NvmlSampler
+from fastvision.profiling.ranks import delayed, rank_row, slowest, waiting_advice
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +151,9 @@ def profile(cfg: RunConfig, *, steps: int = 20, warmup: int = 5, nvtx: bool = Fa
 
     Returns:
         ``{"phases": {name: {p50, p90, p99, mean} ms}, "step_ms", "images_per_s", "shares",
-        "verdict", "advice", "gpu", "config"}``.
+        "verdict", "advice", "gpu", "config", "world_size", "launcher", "ranks", "slowest"}``: ``ranks``
+        holds every rank's medians in rank order (:func:`~fastvision.profiling.ranks.rank_row`), ``slowest``
+        the slow rank and its phase (:func:`~fastvision.profiling.ranks.slowest`; None in one process).
     """
     run = engine.build(cfg, {} if synthetic else None, train=True, loaders=not synthetic,
                        wrap_train_set=_nvtx_items if nvtx else None)
@@ -160,8 +165,9 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
     """:func:`profile` of a run already built by ``engine.build(cfg, train=True)``: its training
     loader, or synthetic batches on the device when it has none (built with ``loaders=False``).
     The run trains on: its weights afterwards are those of ``warmup + steps`` training steps; with
-    more than one rank, up to 5 further steps follow without the gradient all-reduce (to time the
-    backward alone), so each rank then also holds a few steps of its own local gradients."""
+    more than one rank, up to 5 further steps follow without the gradient all-reduce (to time forward
+    and backward without the collectives), so each rank then also holds a few steps of its own local
+    gradients. Every rank must call it: the ranks' medians are gathered at the end (one collective)."""
     cfg, env, device, task = run.cfg, run.env, run.device, run.task
     if nvtx and device.type == "cuda":
         add_nvtx_ranges(None, task)  # every batched augmentation op
@@ -174,6 +180,7 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
 
         cache_line = describe(run.train_set)
         batches = endless_batches(run.train_loader)
+    batches = delayed(batches, env.rank)  # FASTVISION_PROFILE_SLOW_RANK: a check of the per-rank table
     run.step.model.train()
     for _ in range(warmup):
         engine.train_step(run.step, batches, _Clock(device, False))
@@ -191,17 +198,22 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # once: read every event recorded above
         starts.append(time.perf_counter())
-    no_sync_bwd = []
-    if env.world_size > 1:  # backward without the all-reduce, to isolate its exposed time
+    no_sync = []
+    if env.world_size > 1:  # forward and backward without the collectives, to isolate their exposed time
         extra = [_Clock(device, False) for _ in range(min(steps, 5))]
         for c in extra:
             with distributed.no_sync(run.step.model):  # the step's own no_sync calls nest inside this one
                 engine.train_step(run.step, batches, c)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        no_sync_bwd = [c.durations()[1]["backward"] for c in extra]
-    report = _report(cfg, clocks, np.diff(starts).tolist(), no_sync_bwd, run.global_batch, device, sampler,
-                     cache_line, run.precision.mode)
+        no_sync = [c.durations()[1] for c in extra]
+    walls = np.diff(starts).tolist()
+    per, launch = _phase_times(clocks, no_sync)
+    report = _report(cfg, per, launch, walls, run.global_batch, device, sampler, cache_line, run.precision.mode)
+    report.update(world_size=env.world_size, launcher=env.launcher,
+                  ranks=distributed.gather_objects(rank_row(env.rank, per, walls)))  # the one collective
+    report["slowest"] = slowest(report["ranks"])
+    report["advice"] = waiting_advice(report["slowest"], report["verdict"], env.rank, report["advice"])
     if trace:
         Path(trace).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(trace) / f"trace_rank{env.rank}.json"))
@@ -240,20 +252,28 @@ def _trace_context(trace: str | Path | None, device: torch.device) -> Any:
     return torch_profile(activities=acts, record_shapes=False)
 
 
-def _report(cfg: RunConfig, clocks: list[_Clock], walls: list[float], no_sync_bwd: list[float], global_batch: int,
-            device: torch.device, sampler: Any, cache_line: str, precision: str) -> dict[str, Any]:
+def _phase_times(clocks: list[_Clock], no_sync: list[dict[str, float]]) -> tuple[dict[str, list[float]], list[float]]:
+    """Seconds per step of each phase (data on the host, the rest on the device), forward's and
+    backward's time beyond their ``no_sync`` medians moved to ``comm``; and each step's launch time
+    (host seconds spent issuing device work; CUDA: excludes waiting at the sync)."""
     per: dict[str, list[float]] = {p: [] for p in PHASES}
-    launch = []  # host seconds spent issuing device work (CUDA: excludes waiting at the sync)
-    base_bwd = float(np.median(no_sync_bwd)) if no_sync_bwd else None
+    launch = []
+    base = {p: float(np.median([d[p] for d in no_sync])) for p in ("forward", "backward")} if no_sync else {}
     for c in clocks:
         host, dev = c.durations()
         per["data"].append(host["data"])
         for p in DEVICE_PHASES:
             per[p].append(dev[p])
-        comm = max(0.0, dev["backward"] - base_bwd) if base_bwd is not None else 0.0
-        per["comm"].append(comm)
-        per["backward"][-1] -= comm
+        waits = {p: max(0.0, dev[p] - b) for p, b in base.items()}
+        for p, wait in waits.items():
+            per[p][-1] -= wait
+        per["comm"].append(sum(waits.values()))
         launch.append(sum(host[p] for p in ("h2d", "augment", "forward", "backward")))
+    return per, launch
+
+
+def _report(cfg: RunConfig, per: dict[str, list[float]], launch: list[float], walls: list[float], global_batch: int,
+            device: torch.device, sampler: Any, cache_line: str, precision: str) -> dict[str, Any]:
     phases = {p: percentiles_ms(v) for p, v in per.items()}
     step_s = float(np.median(walls))
     shares = {"input": float(np.median(per["data"])) / step_s, "communication": float(np.median(per["comm"])) / step_s}

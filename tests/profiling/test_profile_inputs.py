@@ -1,5 +1,6 @@
-"""``fastvision profile`` and ``fastvision monitor``: bad counts, a header-only CSV, a plot name matplotlib cannot
-write, a folder or an existing plot are one line naming the option or file (exit 2), through the real CLI."""
+"""``fastvision profile`` and ``fastvision monitor``: bad counts (``--nproc 0`` too, refused before any worker
+starts), a header-only CSV, a plot name matplotlib cannot write, a folder or an existing plot are one line naming
+the option or file (exit 2), through the real CLI."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,8 @@ from tests.cli.input_checks import one_line_error, run_cli
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "images" / "monitor_example.csv"
 
 
-@pytest.mark.parametrize("flag,value", [("--steps", "0"), ("--steps", "-2"), ("--warmup", "-1")])
+@pytest.mark.parametrize("flag,value", [("--steps", "0"), ("--steps", "-2"), ("--warmup", "-1"), ("--nproc", "0"),
+                                        ("--nproc", "-3")])
 def test_profile_refuses_step_counts_out_of_range(flag, value, tiny_microscopy, tmp_path, capsys):
     code, _, err = run_cli(capsys, "profile", "unet2d-microscopy", "--data", tiny_microscopy, "--device", "cpu",
                            flag, value, "--out", tmp_path / "p0")
