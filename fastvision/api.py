@@ -31,17 +31,24 @@ def overrides_to_dicts(overrides: dict[str, Any]) -> list[dict[str, Any]]:
     return [config.nested(FLAT_KEYS.get(key, key), value) for key, value in overrides.items()]
 
 
-def refuse_overwrite(path: str | Path, force: bool, flag: str = "--out", *, file: bool = False) -> None:
+def refuse_overwrite(path: str | Path, force: bool, flag: str = "--out", *, file: bool = False,
+                     folder: bool = False) -> None:
     """Stop before writing to ``path`` if it holds something (a file, or a non-empty folder) and
     ``force`` is not set, so predict / export / profile / benchmark never silently replace results.
-    ``file``: ``path`` is to be a file, so an existing folder there is refused even with ``force``.
+    ``file``: ``path`` is to be a file, so an existing folder there is refused even with ``force``;
+    ``folder``: the other way round. A file where a folder above ``path`` is to be is refused too.
 
     Raises:
         DataError: naming the path and the way out (``--force`` or another ``flag``).
     """
     p = Path(path)
+    above = next((a for a in p.parents if a.exists()), None)
+    if above is not None and not above.is_dir():
+        raise DataError(f"{flag} {p}: {above} is a file, not a folder")
     if file and p.is_dir():
         raise DataError(f"{flag} {p}: is a folder; give a file path")
+    if folder and p.exists() and not p.is_dir():
+        raise DataError(f"{flag} {p}: is a file; {flag} must be a folder")
     if force or not p.exists() or (p.is_dir() and not any(p.iterdir())):
         return
     kind = "folder is not empty" if p.is_dir() else "file exists"
@@ -60,6 +67,9 @@ def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
     """
     if resume and resume != "auto":
         ckpt = Path(resume)
+        if ckpt.is_dir():  # a run folder: the two ways that say what to continue
+            raise DataError(f"--resume {ckpt}: a folder, not a checkpoint file; continue that run with --out {ckpt} "
+                            f"--resume auto, or pass --resume {ckpt / 'checkpoints' / 'last.pt'}")
         if not ckpt.is_file():
             raise DataError(f"--resume: checkpoint not found: {ckpt}")
         run_dir = Path(out) if out else ckpt.resolve().parent.parent
@@ -127,8 +137,9 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
         # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
         run_dir, ckpt = distributed.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
         summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
-        if env.is_main:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        if env.is_main:  # atomic: a reader (cv, benchmark --mode target, a rerun) never sees half of it
+            text = json.dumps(summary, indent=2, default=str).encode()
+            checkpoint.atomic_write(run_dir / "summary.json", lambda f: f.write(text))
         clean = True
     except Preempted:  # every rank stopped at the agreed step, after a barrier
         clean = True
@@ -155,8 +166,7 @@ def load_run(path: str | Path, device: str = "auto", with_data: bool = True):
             raise DataError(f"{path}: no checkpoints/best.pt or checkpoints/last.pt")
     else:
         ckpt_path = path
-    ckpt = checkpoint.load(ckpt_path)
-    cfg = config.from_dict(ckpt["config"])
+    ckpt, cfg = checkpoint.load_run_checkpoint(ckpt_path)  # one line naming the file where it is not one
     cfg.train.device = device
     cfg.train.compile = False
     cfg.train.backend = "ddp"  # evaluation is one process: no horovod needed for a horovod-trained run
@@ -166,7 +176,8 @@ def load_run(path: str | Path, device: str = "auto", with_data: bool = True):
         log.info("precision: off (the run trained with train.amp=fp16 on CUDA; %s device: fp32)", device)
         cfg.train.amp = "off"
     run = build(cfg, data_info=None if with_data else ckpt.get("data_info", {}))
-    run.model.load_state_dict(ckpt.get("eval_model", ckpt["model"]))  # EMA weights when trained with EMA
+    # EMA weights when trained with EMA
+    checkpoint.load_model_weights(run.model, ckpt.get("eval_model", ckpt["model"]), ckpt_path, cfg.model.name)
     run.model.eval()
     return run, ckpt_path
 
@@ -230,6 +241,9 @@ def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: st
     if not hasattr(run.task, "predict_files"):
         raise ConfigError(f"task {run.cfg.task.name!r} has no file prediction")
     expanded = expand_inputs(inputs)
+    from fastvision.inference.inputs import check_input_kind
+
+    check_input_kind(expanded, run.cfg.data.name, f"{ckpt} ({run.cfg.recipe})")  # volumes to a 2-D run, or back
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with run.precision.autocast():  # the run's precision, as evaluate: train.amp=auto is bf16 / fp16 on a GPU

@@ -81,8 +81,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     result = evaluate_path(args.run, device=args.device, data=args.data)
     for k, v in result.items():
         print(f"{k}: {_format_value(k, v)}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.json:  # atomic (its folder made): a stopped evaluate leaves no half-written file
+        from fastvision.utils.files import atomic_write
+
+        text = json.dumps(result, indent=2).encode()
+        atomic_write(Path(args.json), lambda f: f.write(text))
     return 0
 
 

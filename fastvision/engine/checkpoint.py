@@ -144,3 +144,54 @@ def _copy_file(src: Path, f) -> None:
 def find_resume(run_dir: Path) -> Path | None:
     last = Path(run_dir) / "checkpoints" / "last.pt"
     return last if last.is_file() else None
+
+
+def load_run_checkpoint(path: Path, map_location: str | torch.device = "cpu"):
+    """A checkpoint fastvision wrote and its saved config, for evaluate / predict / export / resume.
+
+    Returns:
+        ``(checkpoint dict, RunConfig)``.
+
+    Raises:
+        DataError / ConfigError: one line naming ``path`` where it is no fastvision checkpoint (unreadable,
+            no saved ``config``: a bare state dict) or its saved config no longer loads.
+    """
+    from fastvision import config
+    from fastvision.errors import ConfigError, DataError
+
+    ckpt = load(path, map_location)
+    if not isinstance(ckpt.get("config"), dict):
+        raise DataError(f"{path}: not a fastvision run checkpoint (no saved 'config': a bare state dict?)")
+    try:
+        cfg = config.from_dict(ckpt["config"])
+    except ConfigError as e:
+        raise ConfigError(f"{path}: its saved config does not load: {e}") from e
+    return ckpt, cfg
+
+
+def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: Path, what: str = "") -> None:
+    """``model.load_state_dict(state)``; where the weights do not fit the model, one line naming ``path``
+    and the first key of each kind of mismatch (missing, unexpected, another shape) instead of torch's
+    list of every key.
+
+    Raises:
+        DataError: the weights of ``path`` do not fit ``model`` (``what`` names it, e.g. its model name).
+    """
+    from fastvision.errors import DataError
+
+    try:
+        model.load_state_dict(state)
+        return
+    except RuntimeError as e:  # torch lists every key: name the first of each kind
+        mine = model.state_dict()
+        missing = [k for k in mine if k not in state]
+        unexpected = [k for k in state if k not in mine]
+        shapes = [k for k in mine if k in state and isinstance(state[k], torch.Tensor)
+                  and state[k].shape != mine[k].shape]
+        first = lambda keys: keys[0] + (", ..." if len(keys) > 1 else "")  # noqa: E731
+        parts = [f"{len(missing)} weight(s) missing ({first(missing)})" if missing else "",
+                 f"{len(unexpected)} the model does not have ({first(unexpected)})" if unexpected else "",
+                 (f"{len(shapes)} of another shape ({shapes[0]}: {tuple(state[shapes[0]].shape)} in the file, "
+                  f"{tuple(mine[shapes[0]].shape)} in the model)") if shapes else ""]
+        why = "; ".join(p for p in parts if p) or str(e).strip().splitlines()[-1].strip()[:200]
+        raise DataError(f"{path}: its weights do not fit the model{f' ({what})' if what else ''}: {why}") from e

@@ -27,6 +27,7 @@ from fastvision.engine.policy import CheckpointPolicy
 from fastvision.engine.saver import Checkpoints
 from fastvision.engine.state import (
     Position,
+    check_resumable,
     environment,
     eval_model,
     improved,
@@ -62,6 +63,8 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     check_timeouts(tc.hang_timeout_s, tc.dist_timeout_s)
     NonFiniteGuard.validate(tc.max_nonfinite, tc.on_nonfinite)
     ckpt = checkpoint.load(resume, "cpu") if resume is not None else None  # RNG states stay CPU tensors
+    if ckpt is not None:
+        check_resumable(ckpt, cfg, resume)  # another recipe's run, or weights alone: one line, before any build
     run = build(_joined_config(cfg, ckpt), train=True)
     check_target_metric(run.task, tc.target)
     state = _start_state(run, ckpt, resume)
@@ -104,7 +107,7 @@ def _start_state(run: Run, ckpt: dict | None, resume: Path | None) -> dict:
     every rank holds rank 0's weights (horovod: broadcast, resumed state included; DDP: no-op)."""
     state = initial_state(run.info)
     if ckpt is not None:
-        state = restore(ckpt, run)
+        state = restore(ckpt, run, resume)
         at = state["position"] or Position(state["epoch"] + 1, 0, 0)
         log.info("resumed from %s at epoch %d step %d", resume, at.epoch, at.step)  # 0-based, as logged
     distributed.broadcast_state(run.model, run.step.optimizer)

@@ -206,7 +206,30 @@ def checkpoint_state(run, state: dict, resolved: dict, rng_ranks: list[dict]) ->
             "global_batch": run.global_batch, "lr": run.lr, "config": resolved, "fastvision": __version__}
 
 
-def restore(ckpt: dict[str, Any], run) -> dict[str, Any]:
+def check_resumable(ckpt: dict[str, Any], cfg: RunConfig, path) -> None:
+    """Before any build: ``ckpt`` (read from ``path``) is a training checkpoint of this recipe's model and task.
+
+    Raises:
+        DataError: no optimizer / schedule / step state (weights only, or not fastvision's);
+        ConfigError: the checkpoint trained another model or task (another recipe's run folder), naming both.
+    """
+    from fastvision.errors import DataError
+
+    missing = [k for k in ("optimizer", "scheduler", "scaler", "epoch", "step", "config") if k not in ckpt]
+    if missing:
+        raise DataError(f"{path}: not a training checkpoint to resume (no {', '.join(missing)} in it)")
+    saved = ckpt["config"] if isinstance(ckpt["config"], dict) else {}
+    theirs = {k: (saved.get(k) or {}).get("name") for k in ("model", "task")}
+    ours = {"model": cfg.model.name, "task": cfg.task.name}
+    differ = [k for k in ours if theirs[k] is not None and theirs[k] != ours[k]]
+    if differ:
+        what = ", ".join(f"{k} {theirs[k]!r}" for k in differ)
+        mine = ", ".join(f"{k} {ours[k]!r}" for k in differ)
+        raise ConfigError(f"{path}: a checkpoint of recipe {saved.get('recipe')!r} ({what}); this run is "
+                          f"{cfg.recipe!r} ({mine}): resume it with its own recipe, or choose another --out")
+
+
+def restore(ckpt: dict[str, Any], run, path=None) -> dict[str, Any]:
     """Load a checkpoint into ``run``'s parts; returns the loop state it was saved with.
 
     Each rank continues its own random streams when the world size is the one saved; on another
@@ -214,7 +237,7 @@ def restore(ckpt: dict[str, Any], run) -> dict[str, Any]:
     one line), and a changed global batch rescales the learning rate by the recipe's rule.
     """
     step = run.step
-    run.model.load_state_dict(ckpt["model"])
+    checkpoint.load_model_weights(run.model, ckpt["model"], path or "the checkpoint", run.cfg.model.name)
     if step.ema is not None:
         if "ema" not in ckpt:
             raise ConfigError("train.ema_decay is set but the checkpoint has no EMA weights to resume")

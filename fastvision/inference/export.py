@@ -186,18 +186,16 @@ def checkpoint_path(path: Path) -> Path:
 
 def load_model(path: Path) -> tuple[nn.Module, Task, Path]:
     """The checkpoint's model (weights loaded, eval, CPU) and task, built without its dataset."""
-    from fastvision import config, engine
+    from fastvision import engine
     from fastvision.engine import checkpoint
 
     ckpt_path = checkpoint_path(path)
-    ckpt = checkpoint.load(ckpt_path)
-    if "config" not in ckpt or "model" not in ckpt:
-        raise DataError(f"{ckpt_path}: not a fastvision checkpoint (needs 'config' and 'model')")
-    cfg = config.from_dict(ckpt["config"])
+    ckpt, cfg = checkpoint.load_run_checkpoint(ckpt_path)
     cfg.train.device, cfg.train.compile, cfg.train.backend = "cpu", False, "ddp"  # one process, eager, on CPU
     run = engine.build(cfg, data_info=ckpt.get("data_info", {}))  # the engine's build, without the dataset
     model, task = run.model, run.task
-    model.load_state_dict(ckpt.get("eval_model", ckpt["model"]))  # EMA weights when trained with EMA
+    # EMA weights when trained with EMA
+    checkpoint.load_model_weights(model, ckpt.get("eval_model", ckpt["model"]), ckpt_path, cfg.model.name)
     return model.eval(), task, ckpt_path
 
 

@@ -284,6 +284,7 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
     """
     from fastvision.api import expand_inputs, load_run
     from fastvision.engine.checkpoint import load
+    from fastvision.inference.inputs import check_input_kind
     from fastvision.inference.nifti import predict_cases, prediction_cases
     from fastvision.inference.volumes import Ensemble, check_cases, input_channels, prepare_output, shard
 
@@ -303,7 +304,9 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
     if tta and not axes:
         log.warning("--tta: %s trains without flips (data.augment.flip), so nothing is mirrored", run.cfg.recipe)
     steps = _postprocess_steps(postprocess_mode, run.task, pp_file)
-    cases = prediction_cases(expand_inputs(list(inputs)))
+    files = expand_inputs(list(inputs))
+    check_input_kind(files, run.cfg.data.name, f"{path} ({run.cfg.recipe})")  # not BraTS advice for a 2-D run
+    cases = prediction_cases(files)
     check_cases(cases, input_channels(run.model))
     manifest = {"model": str(path.resolve()), "tta_axes": axes, "postprocess": steps,
                 "checkpoints": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}

@@ -24,3 +24,44 @@ def folder_inputs(folder: Path) -> list[Path]:
         raise DataError(f"{folder}: no images to predict (looked for {looked} files or case folders; "
                         f"found {len(entries)} other entries)")
     return entries
+
+
+# the data formats whose runs predict NIfTI volumes and case folders (inference.nifti's preprocessing); every
+# other run predicts image files
+VOLUME_DATA = ("decathlon", "brats")
+
+
+def check_input_kind(files: list[Path], data_name: str, run: str) -> None:
+    """Before anything is written: each input is what the run predicts (NIfTI volumes or case folders for a
+    3-D run, image files for a 2-D one), so a classifier given volumes is not told about BraTS cases, and a
+    3-D run given a PNG is no traceback of the sliding window.
+
+    Raises:
+        DataError: naming the first input of the other kind and the run.
+    """
+    three_d = data_name in VOLUME_DATA
+    for f in files:
+        volume = f.is_dir() or f.name.endswith((".nii", ".nii.gz"))
+        if volume and not three_d:
+            what = "a folder inside an input folder" if f.is_dir() else "a NIfTI volume"
+            raise DataError(f"{f}: {what}; {run} is a 2-D run (data.name={data_name}): it predicts image files "
+                            f"({', '.join(EXTENSIONS)}) or folders of them")
+        if three_d and not volume:
+            raise DataError(f"{f}: not a NIfTI volume or case folder; {run} is a 3-D run (data.name={data_name}): "
+                            "it predicts .nii / .nii.gz files or folders of them")
+
+
+def check_unique_names(files: list[Path], written: str) -> None:
+    """Before anything is written: no two inputs whose outputs share a name (``written`` names them, with
+    ``{0}`` for an input's stem): ``a/img.png`` and ``b/img.png`` would both write ``img_mask.png``.
+
+    Raises:
+        DataError: naming both inputs and the output.
+    """
+    seen: dict[str, Path] = {}
+    for f in files:
+        stem = f.name[: -len(".nii.gz")] if f.name.endswith(".nii.gz") else f.stem
+        if stem in seen:
+            raise DataError(f"{f}: same name {stem!r} as {seen[stem]}: both would write {written.format(stem)} "
+                            "(predict them into separate --out folders)")
+        seen[stem] = f

@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fastvision.utils.files import atomic_write
+
 
 def _outline(mask: np.ndarray) -> np.ndarray:
     """Boundary pixels of a boolean mask (4-neighbourhood)."""
@@ -42,5 +44,6 @@ def overlay_png(image: torch.Tensor, label: torch.Tensor | None, pred: torch.Ten
     rows, cols = rgb.shape[0] * pixel[0] / fine, rgb.shape[1] * pixel[1] / fine  # in units of the finer side
     zoom = max(1.0, 256 // max(rows, cols))  # small images are enlarged (nearest) to be legible
     size = (max(1, round(cols * zoom)), max(1, round(rows * zoom)))
-    Image.fromarray(rgb.astype(np.uint8)).resize(size, Image.NEAREST).save(path)
+    picture = Image.fromarray(rgb.astype(np.uint8)).resize(size, Image.NEAREST)
+    atomic_write(Path(path), lambda f: picture.save(f, format="PNG"))  # never a half-written picture
     return path

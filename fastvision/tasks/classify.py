@@ -12,6 +12,7 @@ one all-reduce gives exact whole-set values across ranks.
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,8 @@ class ClassificationTask(Task):
         """
         from fastvision.data.formats.imagefolder import load_crop
         from fastvision.data.formats.pathology import slide_heatmap, write_heatmap
+        from fastvision.inference.inputs import check_unique_names
+        from fastvision.utils.files import atomic_write
 
         model.eval()
         args = cfg.data.args
@@ -151,6 +154,8 @@ class ClassificationTask(Task):
             logits = self.forward(model, self.to_device({"image": x}, device))
             return logits.float().softmax(1)
 
+        check_unique_names([f for f in files if self.heatmap_patch and f.suffix.lower() in (".tif", ".tiff")],
+                           "{0}_heatmap.tif")  # the slides' heat maps, before any is written
         written, rows = [], []
         for f in files:
             if self.heatmap_patch and f.suffix.lower() in (".tif", ".tiff"):
@@ -164,8 +169,9 @@ class ClassificationTask(Task):
             rows.append([str(f), top, name, f"{float(p[top]):.6f}"])
         if rows:
             path = out_dir / "predictions.csv"
-            with open(path, "w", newline="") as fh:
-                csv.writer(fh).writerows([["file", "class", "class_name", "probability"], *rows])
+            text = io.StringIO(newline="")
+            csv.writer(text).writerows([["file", "class", "class_name", "probability"], *rows])
+            atomic_write(path, lambda fh: fh.write(text.getvalue().encode()))  # never a half-written table
             written.append(path)
         return written
 

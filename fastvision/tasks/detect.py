@@ -160,7 +160,10 @@ class DetectionTask(Task):
         """
         from PIL import Image
 
+        from fastvision.inference.inputs import check_unique_names
+
         out_dir = Path(out_dir)
+        check_unique_names([Path(f) for f in files], "{0}_boxes.png")  # before any file is written
         out_dir.mkdir(parents=True, exist_ok=True)
         S = self.image_size
         model.eval()
@@ -201,6 +204,8 @@ def draw_detections(image: Tensor, boxes: Tensor, scores: Tensor, labels: Tensor
     """
     from PIL import Image, ImageDraw
 
+    from fastvision.utils.files import atomic_write
+
     pil = Image.fromarray(image.detach().cpu().permute(1, 2, 0).contiguous().numpy())
     draw = ImageDraw.Draw(pil)
     if gt_boxes is not None:
@@ -215,5 +220,5 @@ def draw_detections(image: Tensor, boxes: Tensor, scores: Tensor, labels: Tensor
         name = names[c] if c < len(names) else str(c)
         draw.text((b[0] + 2, max(0.0, b[1] - 11)), f"{name} {s:.2f}", fill=colour)
     path = Path(path)
-    pil.save(path)
+    atomic_write(path, lambda f: pil.save(f, format="PNG"))  # a stopped predict leaves no half-written picture
     return path

@@ -254,8 +254,11 @@ class SegmentationTask(Task):
             to_unit_float,
         )
         from fastvision.errors import DataError
+        from fastvision.inference.inputs import check_unique_names
         from fastvision.inference.overlays import overlay_png
+        from fastvision.utils.files import atomic_write
 
+        check_unique_names(files, "{0}_mask.* and {0}_overlay.png")  # before any file is written
         args = {"image_size": [256, 256], "fit": "resize", "channels": 1, **cfg.data.args}
         size = tuple(args["image_size"])
         written = []
@@ -281,14 +284,18 @@ class SegmentationTask(Task):
             if self.num_classes == 2:
                 mask = mask * 255  # binary masks saved as 0/255, like the input masks
             out = out_dir / f"{f.stem}_mask{f.suffix.lower()}"
-            if f.suffix.lower() == ".png":
+            if f.suffix.lower() == ".png":  # atomic: a stopped predict leaves no half-written mask
                 from PIL import Image
 
-                Image.fromarray(mask).save(out)
+                atomic_write(out, lambda fh, m=mask: Image.fromarray(m).save(fh, format="PNG"))
             else:
+                import io
+
                 import tifffile
 
-                tifffile.imwrite(out, mask)
+                buf = io.BytesIO()  # tifffile reads a file's name: an open temp file's is its descriptor
+                tifffile.imwrite(buf, mask)
+                atomic_write(out, lambda fh, b=buf: fh.write(b.getvalue()))
             written += [out, overlay_png(image, None, pred, out_dir / f"{f.stem}_overlay.png")]
         return written
 

@@ -17,6 +17,7 @@ runs batched on the device in the task (seed 003: CPU colour jitter was the bott
 """
 from __future__ import annotations
 
+import io
 import os
 import threading
 from pathlib import Path
@@ -342,7 +343,12 @@ def write_heatmap(heat: np.ndarray, out_stem: str | Path) -> tuple[Path, Path]:
     """Write ``OUT.tif`` (float32 probabilities) and ``OUT.png`` (8-bit, 255 = probability 1)."""
     out_stem = Path(out_stem)
     out_stem.parent.mkdir(parents=True, exist_ok=True)
-    tif, png = out_stem.with_suffix(".tif"), out_stem.with_suffix(".png")
-    tifffile.imwrite(tif, heat.astype(np.float32), photometric="minisblack")
-    Image.fromarray(np.clip(np.rint(heat * 255), 0, 255).astype(np.uint8)).save(png)
+    from fastvision.utils.files import atomic_write
+
+    tif, png = out_stem.with_suffix(".tif"), out_stem.with_suffix(".png")  # atomic: never half-written
+    buf = io.BytesIO()  # tifffile reads the name of a file it is given: an open temp file's is its descriptor
+    tifffile.imwrite(buf, heat.astype(np.float32), photometric="minisblack")
+    atomic_write(tif, lambda f: f.write(buf.getvalue()))
+    picture = Image.fromarray(np.clip(np.rint(heat * 255), 0, 255).astype(np.uint8))
+    atomic_write(png, lambda f: picture.save(f, format="PNG"))
     return tif, png

@@ -1,0 +1,162 @@
+"""evaluate / predict / export / train --resume given checkpoints, run folders, inputs and outputs of the wrong
+kind: one line naming the file, exit 2, and nothing written or replaced (the CLI walk of 2026-12-04)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.cli.input_checks import one_line_error, run_cli
+from tests.conftest import cli_here
+
+SEG = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.args.image_size=[32,32]",
+       "--set", "model.args.filters=[4,8,16]", "--set", "data.num_workers=0", "--set", "examples=0"]
+CLS = ["--set", "data.args.image_size=32", "--set", "data.args.resize_size=36", "--set", "task.args.num_classes=3",
+       "--set", "model.args.num_classes=3", "--set", "train.batch_size=2", "--set", "train.target=null",
+       "--set", "examples=0", "--set", "train.device=cpu", "--set", "train.epochs=1",
+       "--set", "train.steps_per_epoch=2", "--set", "data.num_workers=0"]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_microscopy, tmp_path_factory):
+    """A tiny 2-D segmentation run and a tiny classification run (one epoch each), and their data."""
+    root = tmp_path_factory.mktemp("runs")
+    assert cli_here(["data", "synth", "imagenet", str(root / "imnet"), "--classes", "3", "--per-class", "2",
+                     "--val-per-class", "1", "--size", "32"]) == 0
+    assert cli_here(["train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(root / "seg"),
+                     *SEG]) == 0
+    assert cli_here(["train", "resnet18-imagefolder", "--data", str(root / "imnet"), "--out", str(root / "cls"),
+                     *CLS]) == 0
+    return {"seg": root / "seg", "cls": root / "cls", "imnet": root / "imnet", "micro": tiny_microscopy}
+
+
+def _bad_checkpoint(runs, kind, tmp_path):
+    """A torch.save file that is no usable run checkpoint, and the words its error line holds."""
+    ckpt = torch.load(runs["seg"] / "checkpoints" / "best.pt", weights_only=True)
+    path = tmp_path / f"{kind}.pt"
+    if kind == "bare":  # a state dict alone (what another tool saves)
+        torch.save({"model": ckpt["model"]}, path)
+        return path, "no saved 'config'"
+    if kind == "shapes":  # the recipe's model with other widths than the weights
+        ckpt["config"]["model"]["args"]["filters"] = [4, 8, 8]
+        ckpt.pop("eval_model", None)
+        torch.save(ckpt, path)
+        return path, "weights do not fit the model (unet2d-seed001): 13 of another shape"
+    ckpt["config"]["train"]["epoks"] = 3  # a key this fastvision does not know
+    torch.save(ckpt, path)
+    return path, "its saved config does not load: unknown key train.epoks"
+
+
+@pytest.mark.parametrize("kind", ["bare", "shapes", "config"])
+@pytest.mark.parametrize("command", ["evaluate", "predict", "export"])
+def test_a_checkpoint_that_is_no_run_of_its_own_is_one_line_naming_it(runs, kind, command, tmp_path, capsys):
+    """A bare state dict was a KeyError traceback, weights of another shape torch's list of every key, and a saved
+    config that no longer loads named a key without the file."""
+    path, words = _bad_checkpoint(runs, kind, tmp_path)
+    argv = {"evaluate": ["evaluate", path],
+            "predict": ["predict", path, runs["micro"] / "images" / "img_0000.png", "--out", tmp_path / "p"],
+            "export": ["export", path, "--format", "torchscript", "--out", tmp_path / "m.pt"]}[command]
+    code, _, err = run_cli(capsys, *argv)
+    one_line_error(code, err, path, words)
+    assert not (tmp_path / "m.pt").exists() and not any((tmp_path / "p").glob("*"))
+
+
+def _files(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_resuming_another_recipes_run_is_one_line_and_leaves_it_as_it_was(runs, tmp_path, capsys):
+    """``train unet2d-microscopy --out CLS_RUN --resume auto`` was torch's load_state_dict traceback listing every
+    key of both models."""
+    before = _files(runs["cls"])
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", runs["micro"], "--out", runs["cls"],
+                           "--resume", "auto", *SEG)
+    one_line_error(code, err, runs["cls"] / "checkpoints" / "last.pt", "recipe 'resnet18-imagefolder'",
+                   "model 'resnet18'", "this run is 'unet2d-microscopy'", "its own recipe")
+    assert _files(runs["cls"]) == before
+
+
+@pytest.mark.parametrize("kind", ["weights", "folder"])
+def test_resume_from_weights_alone_or_a_run_folder_is_one_line(runs, kind, tmp_path, capsys):
+    """A checkpoint without optimizer state was a KeyError traceback; a run folder was "checkpoint not found"."""
+    if kind == "weights":
+        resume, words = tmp_path / "weights.pt", ["not a training checkpoint to resume", "no optimizer"]
+        saved = torch.load(runs["seg"] / "checkpoints" / "best.pt", weights_only=True)
+        torch.save({"model": saved["model"], "config": saved["config"]}, resume)
+    else:
+        resume, words = runs["seg"], [f"--out {runs['seg']} --resume auto", runs["seg"] / "checkpoints" / "last.pt"]
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", runs["micro"], "--out", tmp_path / "r",
+                           "--resume", resume, *SEG)
+    one_line_error(code, err, resume, *words)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_2d_run_given_volumes_or_a_folder_of_folders_is_one_line(runs, tmp_path, capsys):
+    """A classifier given NIfTI volumes was told its 1 channel was not 3, and given an ImageFolder's val folder
+    (class folders) that there were no BraTS cases in it."""
+    import nibabel as nib
+    import numpy as np
+
+    volume = tmp_path / "case.nii.gz"
+    nib.save(nib.Nifti1Image(np.zeros((8, 8, 4), np.float32), np.eye(4)), str(volume))
+    for inputs, named in [([volume], volume), ([runs["imnet"] / "val"], runs["imnet"] / "val" / "class000")]:
+        code, _, err = run_cli(capsys, "predict", runs["cls"], *inputs, "--out", tmp_path / "p", "--device", "cpu")
+        one_line_error(code, err, named, "resnet18-imagefolder", "is a 2-D run", "predicts image files")
+        assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("run", ["seg", "cls"])
+def test_predict_refuses_two_inputs_that_would_write_the_same_file(runs, run, tmp_path, capsys):
+    """``predict RUN a/ b/`` with an img_0000.png in each wrote the second's mask over the first's. A classifier
+    lists both in predictions.csv by their paths: nothing collides there."""
+    for sub, src in (("a", "img_0000.png"), ("b", "img_0001.png")):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "img_0000.png").write_bytes((runs["micro"] / "images" / src).read_bytes())
+    code, out, err = run_cli(capsys, "predict", runs[run], tmp_path / "a", tmp_path / "b", "--out", tmp_path / "p",
+                             "--device", "cpu")
+    if run == "seg":
+        one_line_error(code, err, tmp_path / "a" / "img_0000.png", tmp_path / "b" / "img_0000.png",
+                       "img_0000_mask")
+        assert not any((tmp_path / "p").glob("*"))
+    else:
+        assert code == 0, err
+        rows = (tmp_path / "p" / "predictions.csv").read_text().splitlines()
+        assert [r.split(",")[0] for r in rows[1:]] == [str(tmp_path / s / "img_0000.png") for s in "ab"]
+
+
+def test_outputs_under_a_file_or_a_file_as_the_out_folder_are_refused_before_any_work(runs, tmp_path, capsys):
+    """``predict --out FILE --force`` was a FileExistsError traceback; ``evaluate --json FILE/m.json`` evaluated
+    first and then failed; ``--json NEW_FOLDER/m.json`` evaluated and then was a FileNotFoundError traceback."""
+    image = runs["micro"] / "images" / "img_0000.png"
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    code, _, err = run_cli(capsys, "predict", runs["seg"], image, "--out", a_file, "--force")
+    one_line_error(code, err, a_file, "must be a folder")
+    code, _, err = run_cli(capsys, "predict", runs["seg"], image, "--out", a_file / "p")
+    one_line_error(code, err, a_file, "is a file, not a folder")
+    code, out, err = run_cli(capsys, "evaluate", runs["seg"], "--json", a_file / "m.json")
+    one_line_error(code, err, a_file / "m.json", "is a file, not a folder")
+    assert out == "" and a_file.read_text() == "mine"
+    code, out, err = run_cli(capsys, "evaluate", runs["seg"], "--json", tmp_path / "new" / "m.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "new" / "m.json").read_text())["items"] > 0
+
+
+def test_predicted_masks_are_whole_files_in_the_inputs_format(runs, tmp_path, capsys):
+    """Masks and overlays are written atomically (a temp file renamed): a PNG and a TIFF input each give a
+    readable mask of its size and no temp file is left."""
+    import numpy as np
+    import tifffile
+    from PIL import Image
+
+    png = runs["micro"] / "images" / "img_0000.png"
+    tif = tmp_path / "in" / "other.tif"
+    tif.parent.mkdir()
+    tifffile.imwrite(tif, np.asarray(Image.open(png)))
+    code, _, err = run_cli(capsys, "predict", runs["seg"], png, tif, "--out", tmp_path / "p", "--device", "cpu")
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
+        "img_0000_mask.png", "img_0000_overlay.png", "other_mask.tif", "other_overlay.png"]
+    assert np.asarray(Image.open(tmp_path / "p" / "img_0000_mask.png")).shape == (32, 32)
+    assert tifffile.imread(tmp_path / "p" / "other_mask.tif").shape == (32, 32)
