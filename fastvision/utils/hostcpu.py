@@ -7,14 +7,16 @@ the time of live children from ``/proc/PID/stat`` (multiprocessing children: a `
 worker processes). A child reaped between two readings is counted once: its live value leaves the
 sum as its total enters the reaped one.
 
-:func:`wait_idle` waits until that sum stops growing, i.e. every background producer (loader
-threads and processes that run ahead of their consumer) has filled its queue and blocked.
+:func:`wait_idle` waits until that sum stops growing and no thread or child of the tree is runnable,
+i.e. every background producer (loader threads and processes that run ahead of their consumer) has
+filled its queue and blocked (not merely waiting for a core on a loaded machine).
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
 import platform
+import threading
 import time
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") and "SC_CLK_TCK" in os.sysconf_names else 100
@@ -48,8 +50,33 @@ def tree_cpu_seconds() -> tuple[float, bool]:
     return time.process_time() + t.children_user + t.children_system + live, complete
 
 
+def _state(path: str) -> str | None:
+    """The scheduler state letter of a ``/proc/.../stat`` file (``R``: running or waiting for a core)."""
+    try:
+        with open(path) as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split(maxsplit=1)[0]
+
+
+def _runnable() -> bool:
+    """Whether a live child process or another thread of this process is running or waiting for a core
+    (Linux ``/proc``; False elsewhere). On a loaded machine a producer waiting for a core uses no CPU
+    time, so the CPU clock alone would read it as idle."""
+    me = threading.get_native_id()
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task") if int(t) != me]
+    except OSError:
+        return False
+    paths = [f"/proc/self/task/{t}/stat" for t in threads]
+    paths += [f"/proc/{c.pid}/stat" for c in multiprocessing.active_children() if c.pid]
+    return any(_state(p) == "R" for p in paths)
+
+
 def wait_idle(*, interval: float = 0.05, busy_share: float = 0.1, calm: int = 2, timeout: float = 30.0) -> bool:
-    """Wait until this process tree uses under ``busy_share`` of one core for ``calm`` intervals in a row.
+    """Wait until this process tree uses under ``busy_share`` of one core for ``calm`` intervals in a row,
+    with no child process or other thread of it running or runnable (Linux) at their ends.
 
     Returns False when ``timeout`` seconds pass first (something keeps a core busy: the caller says so).
     """
@@ -58,7 +85,7 @@ def wait_idle(*, interval: float = 0.05, busy_share: float = 0.1, calm: int = 2,
     while time.monotonic() < end:
         time.sleep(interval)
         now, _ = tree_cpu_seconds()
-        quiet = quiet + 1 if now - last < busy_share * interval else 0
+        quiet = quiet + 1 if now - last < busy_share * interval and not _runnable() else 0
         last = now
         if quiet >= calm:
             return True
