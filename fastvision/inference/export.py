@@ -13,16 +13,21 @@ still the format many C++ deployments load).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import os
+import shutil
+import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import ConfigError, DataError, check_low
 from fastvision.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -111,10 +116,14 @@ def export_model(model: nn.Module, example: Tensor, path: Path, fmt: str, opset:
         return path
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     # torch's exporter warns that torchvision's detection ops are not registered where torchvision is not
-    # installed (none of ours uses them), and torch's own pytree deprecation: neither is the user's to act on
-    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = registration.level
-    registration.setLevel(logging.ERROR)
+    # installed (none of ours uses them), and torch's own pytree deprecation: neither is the user's to act on;
+    # onnxscript's version converter logs a traceback where it cannot reach the opset asked for (the file then
+    # keeps torch's opset: export_checkpoint says so in one line)
+    quiet = [logging.getLogger(n) for n in ("torch.onnx._internal.exporter._registration",
+                                            "torch.onnx._internal.exporter._compat", "onnxscript.version_converter")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning, message=r".*LeafSpec.*")
@@ -122,7 +131,8 @@ def export_model(model: nn.Module, example: Tensor, path: Path, fmt: str, opset:
                               opset_version=opset, dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
                               verbose=False, external_data=weight_bytes > _ONNX_SINGLE_FILE_LIMIT)
     finally:
-        registration.setLevel(level)
+        for q, level in zip(quiet, levels, strict=True):
+            q.setLevel(level)
     return path
 
 
@@ -199,6 +209,55 @@ def load_model(path: Path) -> tuple[nn.Module, Task, Path]:
     return model.eval(), task, ckpt_path
 
 
+def check_opset(fmt: str, opset: int | None) -> None:
+    """``--opset`` is ONNX's and a version the installed ``onnx`` knows (checked before any work).
+
+    Raises:
+        ConfigError: naming ``--opset``.
+    """
+    if opset is None:
+        return
+    if fmt != "onnx":
+        raise ConfigError(f"--opset {opset}: an ONNX setting; --format {fmt} has no opset")
+    check_low("--opset", opset, 1)
+    try:
+        import onnx
+    except ImportError:  # export_model names the missing packages
+        return
+    newest = onnx.defs.onnx_opset_version()
+    if opset > newest:
+        raise ConfigError(f"--opset {opset}: the installed onnx {onnx.__version__} knows opsets up to {newest}")
+
+
+def _written_opset_is(path: Path, opset: int) -> None:
+    """The ONNX file at ``path`` is of ``opset``: torch's exporter keeps its own opset, with a logged
+    traceback, where it cannot convert the model to the one asked for."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    got = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    if got != opset:
+        raise ConfigError(f"--opset {opset}: the exporter could not convert this model to opset {opset} "
+                          f"(it stays at opset {got}); choose a later --opset, or leave it out")
+
+
+@contextlib.contextmanager
+def staged(path: Path) -> Iterator[Path]:
+    """A path in a temp folder beside ``path``, for an exporter that writes files of its own (ONNX's external
+    weights beside the model): when the block ends without an error, what it wrote there is fsynced and
+    renamed into ``path``'s folder; after an error nothing is (``path`` keeps what it held)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp / path.name
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == path.name):  # the model last: its data first
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(f, path.parent / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def export_checkpoint(ckpt: str | Path, fmt: str, out: str | Path | None = None, opset: int | None = None,
                       check: bool = True, tolerance: float = 1e-4, seed: int = 0) -> dict[str, Any]:
     """Export a run's model and check it on a random input of batch size 3.
@@ -216,17 +275,21 @@ def export_checkpoint(ckpt: str | Path, fmt: str, out: str | Path | None = None,
         ``{"path", "format", "input_shape", "max_abs_diff", "checked", "ok"}``; ``max_abs_diff``
         is None when the check could not run (onnxruntime missing) or was switched off.
     """
+    check_opset(fmt, opset)
     model, task, ckpt_path = load_model(Path(ckpt))
     path = Path(out) if out else ckpt_path.with_suffix(SUFFIX[fmt])
     example = model_input(model, task)
-    export_model(model, example, path, fmt, opset)
     diff = None
-    if check:
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(3, *example.shape[1:], generator=g, dtype=example.dtype)  # another batch size
-        diff = max_abs_diff(path, fmt, model, x)
-        if diff is None:
-            log.warning("onnxruntime is not installed: %s was not checked (pip install onnxruntime)", path)
+    with staged(path) as tmp:  # ``path`` is replaced only by a finished export: never a half-written file
+        export_model(model, example, tmp, fmt, opset)
+        if fmt == "onnx" and opset is not None:
+            _written_opset_is(tmp, opset)
+        if check:
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(3, *example.shape[1:], generator=g, dtype=example.dtype)  # another batch size
+            diff = max_abs_diff(tmp, fmt, model, x)
+            if diff is None:
+                log.warning("onnxruntime is not installed: %s was not checked (pip install onnxruntime)", path)
     ok = diff is None or diff <= tolerance
     if not ok:
         log.error("%s differs from the PyTorch model by %.3g (> %.1g)", path, diff, tolerance)
@@ -261,7 +324,7 @@ def cmd_export(args) -> int:
                          if c.is_file()), None)
         out = ckpt.with_suffix(SUFFIX[args.format]) if ckpt is not None else None
     if out is not None:
-        refuse_overwrite(out, args.force)
+        refuse_overwrite(out, args.force, file=True)
     result = export_checkpoint(args.checkpoint, args.format, args.out, args.opset, check=not args.no_check,
                                tolerance=args.tolerance)
     shape = "x".join(str(s) for s in result["input_shape"])

@@ -13,6 +13,7 @@ from fastvision.engine import checkpoint
 from fastvision.errors import ConfigError, DataError
 from fastvision.inference import export
 from fastvision.models import create_model
+from tests.cli.input_checks import one_line_error
 from tests.conftest import tiny_overrides
 
 HAS_ORT = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
@@ -96,3 +97,34 @@ def test_cli_exports_a_trained_run(trained_run, fmt, tmp_path, capsys):
         ckpt = checkpoint.load(trained_run / "checkpoints" / "best.pt")["model"]
         loaded = torch.jit.load(str(out)).state_dict()
         assert all(torch.equal(loaded[k], v) for k, v in ckpt.items())
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--format", "torchscript", "--out", "{file}/m.pt"], "is a file, not a folder"),  # a FileExistsError traceback
+    (["--format", "torchscript", "--out", "{folder}", "--force"], "is a folder; give a file path"),
+    (["--opset", "0"], "--opset 0: must be >= 1"),  # torch wrote opset 18 and exited 0
+    (["--opset", "17", "--format", "torchscript"], "--opset 17: an ONNX setting"),  # silently ignored
+    pytest.param(["--opset", "999"], "knows opsets up to", marks=pytest.mark.skipif(not HAS_ORT, reason="needs onnx")),
+])
+def test_bad_outputs_and_opsets_are_one_line_before_any_work(trained_run, args, needle, tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "x").write_text("mine")
+    args = [a.format(file=tmp_path / "file", folder=tmp_path / "folder") for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "m.onnx")]
+    code = main(["export", str(trained_run), *args, *out])
+    one_line_error(code, capsys.readouterr().err, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
+
+
+@pytest.mark.skipif(not HAS_ORT, reason="needs onnx, onnxscript and onnxruntime")
+def test_an_opset_the_exporter_cannot_reach_keeps_the_old_file(trained_run, tmp_path, capsys):
+    """``--opset 9``: torch exports opset 18 and converts down; where the conversion fails it logged a traceback,
+    kept 18 and exited 0. Now one line, and the file --force would have replaced is as it was (the export is
+    written beside it and renamed only when finished)."""
+    keep = tmp_path / "m.onnx"
+    keep.write_text("mine")
+    code = main(["export", str(trained_run), "--opset", "9", "--out", str(keep), "--force", "--no-check"])
+    err = capsys.readouterr().err
+    one_line_error(code, err, "--opset 9", "could not convert", "opset 18")
+    assert keep.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
