@@ -9,6 +9,8 @@ every run directory.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -180,6 +182,8 @@ def check_range(path: str, value: Any) -> None:
     if bounds is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
     lo, hi, lo_in, hi_in = bounds
+    if not math.isfinite(value):  # NaN passes every comparison; an infinite rate or size is no setting either
+        raise ConfigError(f"{path} must be a finite number, got {value!r}")
     if (lo is not None and (value < lo or (value == lo and not lo_in))) or (
             hi is not None and (value > hi or (value == hi and not hi_in))):
         left = "" if lo is None else ("[" if lo_in else "(") + f"{lo:g}"
@@ -338,7 +342,10 @@ def recipe_path(name_or_path: str) -> Path:
         return p
     shipped = recipe_dir() / f"{name_or_path}.yaml"
     if not shipped.is_file():
-        raise ConfigError(f"unknown recipe {name_or_path!r}; valid: {', '.join(list_recipes())}")
+        names = list_recipes()
+        close = [n for n in names if name_or_path in n] or difflib.get_close_matches(name_or_path, names, 3, 0.6)
+        hint = f"; did you mean {' or '.join(close[:3])}?" if close else ""
+        raise ConfigError(f"unknown recipe {name_or_path!r}{hint} (valid: {', '.join(names)})")
     return shipped
 
 

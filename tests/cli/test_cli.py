@@ -53,7 +53,10 @@ def test_bad_data_exits_2_naming_the_file(case, data, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["train", "no-such-recipe"], "unknown recipe 'no-such-recipe'"),
+    (["train", "no-such-recipe"], "unknown recipe 'no-such-recipe' (valid: resnet18-imagefolder"),
+    (["recipes", "unet2d-microscop"], "unknown recipe 'unet2d-microscop'; did you mean unet2d-microscopy?"),
+    (["recipes", "spleen-fast"], "did you mean unet3d-spleen-fast?"),
+    (["recipes", "resnet50"], "did you mean resnet50-imagenet or resnet50-imagenet-250ep?"),
     (["train", "unet2d-microscopy", "--set", "train.epoks=3"],
      "unknown key train.epoks: section train has no 'epoks'; valid keys there:"),
     (["train", "unet2d-microscopy", "--set", "train.epochs=three"], "train.epochs: expected int"),

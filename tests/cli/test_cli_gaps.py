@@ -139,6 +139,8 @@ def test_an_uncaught_error_after_torch_distributed_exits_1_without_finalizing(mo
     (["--set", "optim.momentum=1"], "optim.momentum must be in [0, 1), got 1"),
     (["--set", "sched.min_lr_factor=1.5"], "sched.min_lr_factor must be in [0, 1], got 1.5"),
     (["--set", "data.num_workers=-2"], "data.num_workers must be >= 0, got -2"),
+    (["--set", "optim.lr=nan"], "optim.lr must be a finite number, got nan"),  # NaN passed every comparison
+    (["--lr", "inf"], "optim.lr must be a finite number, got inf"),  # trained to a non-finite stop
 ])
 def test_a_number_out_of_its_range_is_one_line_before_anything_is_written(args, needle, tiny_microscopy, tmp_path,
                                                                           capsys):
