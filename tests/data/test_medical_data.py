@@ -29,7 +29,7 @@ from fastvision.data.preprocess3d import (
     zscore_nonzero,
 )
 from fastvision.data.synth import load_all
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, DataError
 from fastvision.ops.regions import region_lut, region_masks, regions_to_classes
 from fastvision.registry import DATASETS
 
@@ -197,6 +197,9 @@ def test_kfold_deterministic_disjoint_covering(n, k):
     assert kfold_split(ids, 0, k, seed=1) != kfold_split(ids, 0, k, seed=0)
     with pytest.raises(ConfigError):
         kfold_split(ids, k, k)
+    # fewer cases than folds names the key and the most folds there can be (the key was not named)
+    with pytest.raises(DataError, match=rf"\(data\.args\.num_folds\): set data\.args\.num_folds to at most {n}$"):
+        kfold_split(ids, 0, n + 1)
 
 
 def test_spleen_resampling_and_restore(tmp_path):

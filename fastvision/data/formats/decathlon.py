@@ -58,7 +58,8 @@ def kfold_split(ids: Sequence[str], fold: int, num_folds: int, seed: int = 0) ->
     if not 0 <= fold < num_folds:
         raise ConfigError(f"data.args.fold must be in [0, {num_folds}), got {fold}")
     if len(ids) < num_folds:
-        raise DataError(f"{len(ids)} cases cannot be split into {num_folds} folds")
+        fix = f"set data.args.num_folds to at most {len(ids)}" if len(ids) >= 2 else "it needs 2 cases or more"
+        raise DataError(f"{len(ids)} cases cannot be split into {num_folds} folds (data.args.num_folds): {fix}")
     order = sorted(ids)
     perm = np.random.default_rng(seed).permutation(len(order))
     parts = np.array_split(perm, num_folds)
