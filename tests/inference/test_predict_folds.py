@@ -254,3 +254,16 @@ def test_postprocessing_steps_reach_the_written_case(tmp_path):
         predict_cases(Ensemble(task, _Threshold(), [], torch.device("cpu")), cfg, prediction_cases([image]), out,
                       steps=steps)
         np.testing.assert_array_equal(np.asarray(nib.load(str(out / image.name)).dataobj), want)
+
+
+def test_a_3d_run_given_a_2d_image_is_one_line(spleen_folds, tiny_microscopy, tmp_path, capsys):
+    """A fold's run (or the folds folder) given a PNG was the sliding window's ValueError traceback."""
+    from tests.cli.input_checks import one_line_error
+
+    _, out, _ = spleen_folds
+    png = tiny_microscopy / "images" / "img_0000.png"
+    for model in (out / "fold-0", out):
+        code = cli.main(["predict", str(model), str(png), "--out", str(tmp_path / "p"), "--device", "cpu"])
+        one_line_error(code, capsys.readouterr().err, png, "unet3d-spleen-baseline", "is a 3-D run",
+                       ".nii / .nii.gz files")
+        assert not (tmp_path / "p").exists()
