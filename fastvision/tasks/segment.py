@@ -256,7 +256,6 @@ class SegmentationTask(Task):
         from fastvision.errors import DataError
         from fastvision.inference.inputs import check_unique_names
         from fastvision.inference.overlays import overlay_png
-        from fastvision.utils.files import atomic_write
 
         check_unique_names(files, "{0}_mask.* and {0}_overlay.png")  # before any file is written
         args = {"image_size": [256, 256], "fit": "resize", "channels": 1, **cfg.data.args}
@@ -283,21 +282,30 @@ class SegmentationTask(Task):
             mask = pred.cpu().numpy().astype(np.uint8)
             if self.num_classes == 2:
                 mask = mask * 255  # binary masks saved as 0/255, like the input masks
-            out = out_dir / f"{f.stem}_mask{f.suffix.lower()}"
-            if f.suffix.lower() == ".png":  # atomic: a stopped predict leaves no half-written mask
-                from PIL import Image
-
-                atomic_write(out, lambda fh, m=mask: Image.fromarray(m).save(fh, format="PNG"))
-            else:
-                import io
-
-                import tifffile
-
-                buf = io.BytesIO()  # tifffile reads a file's name: an open temp file's is its descriptor
-                tifffile.imwrite(buf, mask)
-                atomic_write(out, lambda fh, b=buf: fh.write(b.getvalue()))
+            out = _write_mask(mask, out_dir / f"{f.stem}_mask{f.suffix.lower()}")
             written += [out, overlay_png(image, None, pred, out_dir / f"{f.stem}_overlay.png")]
         return written
+
+
+def _write_mask(mask: np.ndarray, out: Path) -> Path:
+    """A (H, W) uint8 mask as PNG or TIFF (``out``'s suffix), atomically: a stopped predict leaves no half-written
+    mask. TIFF goes through memory: tifffile reads the name of a file it is given, an open temp file's is a number."""
+    import io
+
+    from fastvision.utils.files import atomic_write
+
+    buf = io.BytesIO()
+    if out.suffix == ".png":
+        from PIL import Image
+
+        Image.fromarray(mask).save(buf, format="PNG")
+    else:
+        import tifffile
+
+        tifffile.imwrite(buf, mask)
+    atomic_write(out, lambda fh: fh.write(buf.getvalue()))
+    return out
+
 
 def finest_plane(image: Tensor, label: Tensor, pred: Tensor, spacing: tuple[float, ...] | None):
     """The slice of a RAS (X, Y, Z) case in the plane of its two finest axes (axial for CT and
