@@ -121,6 +121,15 @@ def _reset_logging() -> None:
     logger.handlers[:], logger.propagate = [], True
 
 
+@pytest.fixture(autouse=True)
+def _logging_as_found():
+    """After every test the "fastvision" logger propagates again, with no handler: a test that ran the CLI
+    in this process (``run_cli``, ``main``) otherwise left it writing to that test's closed stderr, and a
+    later test on the same pytest-xdist worker saw no records in caplog (an order-dependent failure)."""
+    yield
+    _reset_logging()
+
+
 @pytest.fixture
 def fresh_logging():
     """Reset the "fastvision" logger before and after the test, so warnings reach caplog and nothing

@@ -29,8 +29,13 @@ def _blur(img: np.ndarray, sigma: float) -> np.ndarray:
 
 
 def _texture(rng: np.random.Generator, shape: tuple[int, int], sigma: float) -> np.ndarray:
-    t = _blur(rng.standard_normal(shape), sigma)
-    return t / (t.std() + 1e-8)
+    """White noise blurred by ``sigma``, scaled to unit variance in expectation: by the blur's own gain
+    (Parseval: the mean of the squared kernel over all frequencies), not by the field's spread, which a
+    blur wider than the image makes nearly zero (dividing by it saturated images under ~100 px)."""
+    h, w = shape
+    fy, fx = np.fft.fftfreq(h)[:, None], np.fft.fftfreq(w)[None, :]
+    gain = np.sqrt(np.mean(np.exp(-4 * (np.pi * sigma) ** 2 * (fx**2 + fy**2))))
+    return _blur(rng.standard_normal(shape), sigma) / gain
 
 
 def _cell(rng, yy, xx, size):
