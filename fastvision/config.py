@@ -103,6 +103,10 @@ class TrainConfig:
     activation_checkpointing: bool | list[str] = False
     device: str = "auto"
     seed: int = 0
+    # the batched augmentation's draws: "rank", one generator per rank (a sample's draws depend on its place in
+    # its rank's batch), or "sample", each sample's from (seed, epoch, dataset index): the same at any batch and
+    # world size, so a resume on another world size continues them exactly (fastvision.data.augment.keyed)
+    augment_rng: Literal["rank", "sample"] = "rank"
     deterministic: bool = False
     val_every: int = 1
     log_every: int = 10

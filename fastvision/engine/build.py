@@ -151,6 +151,11 @@ def _build_loaders(run: Run, micro_steps: int, wrap_train_set: Callable[[Any], A
     sampler = train_sampler(len(raw), cfg, tc.batch_size, order=getattr(raw, "epoch_order", None))
     run.train_set = cached_train_set(raw, cfg, run.env, device, share=sampler.indices)
     data = wrap_train_set(run.train_set) if wrap_train_set else run.train_set
+    if tc.augment_rng == "sample":  # each item keyed by (seed, epoch, index): the draws follow the sample
+        from fastvision.data.augment.keyed import KeyedItems
+
+        check_keyed_augment(run, data)
+        data = KeyedItems(data, tc.seed)
     run.train_loader = make_loader(data, run.task, cfg, tc.batch_size, True, device,
                                    sampler=sampler if len(data) == len(raw) else None)  # smart: its window
     if device.type == "cuda" and not hasattr(data, "make_loader"):
@@ -164,6 +169,22 @@ def _build_loaders(run: Run, micro_steps: int, wrap_train_set: Callable[[Any], A
     if run.steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size {tc.batch_size} x {micro_steps} micro-steps is larger than "
                           f"the {len(raw)} training items")
+
+
+def check_keyed_augment(run: Run, data) -> None:
+    """``train.augment_rng: sample`` where every draw can follow its sample; else a one-line error."""
+    cfg, task = run.cfg, run.task
+    why = None
+    if hasattr(data, "make_loader"):
+        why = "this dataset's own loader (data.args.backend: dali) draws its augmentation itself"
+    elif cfg.data.cache == "smart":
+        why = "data.cache: smart trains each epoch on a window indexed apart from the dataset"
+    elif getattr(task, "mixup", 0):
+        why = f"MixUp (task.args.mixup {task.mixup}) pairs the samples of a rank's batch"
+    elif cfg.task.name not in ("segmentation", "classification"):
+        why = f"the {cfg.task.name} task's augmentation is not per-sample keyed"
+    if why:
+        raise ConfigError(f"train.augment_rng: sample: {why}; use train.augment_rng: rank")
 
 
 def train_sampler(n: int, cfg: RunConfig, batch_size: int, order=None) -> distributed.TrainSampler:

@@ -252,7 +252,10 @@ def restore(ckpt: dict[str, Any], run, path=None) -> dict[str, Any]:
     state["position"] = Position.from_dict(state["position"], ckpt.get("global_batch", run.global_batch))
     if not same_world and "rng_ranks" in ckpt:
         step.generator.manual_seed(runtime.augment_seed(run.cfg.train.seed, run.env.rank, state["step"]))
-        if run.env.is_main:
+        if run.env.is_main and run.cfg.train.augment_rng == "sample":
+            log.info("resuming a %d-rank checkpoint on %d rank(s): the sample order and each sample's augmentation "
+                     "(train.augment_rng: sample) continue as they were", len(ranks), run.env.world_size)
+        elif run.env.is_main:
             log.warning("resuming a %d-rank checkpoint on %d rank(s): each rank's augmentation stream "
                         "restarts from (seed, rank, step); the sample order is kept", len(ranks), run.env.world_size)
     old_lr = ckpt.get("lr", run.lr)

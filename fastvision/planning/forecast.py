@@ -78,7 +78,7 @@ def forecast(report: dict[str, Any], source: str, epoch_s: list[float] | None, g
 
     out: dict[str, Any] = {
         "target": report["target"], "source": source, "seeds": runs, "reached": len(reached), "epochs": reached,
-        "epochs_median": med, "epochs_olympic_mean": oly,
+        "epochs_median": med, "epochs_olympic_mean": oly, "global_batch": report.get("global_batch"),
         "train_s": {"median": span(med, med), "olympic_mean": span(oly, oly), "range": span(reached[0], reached[-1])}}
     out["gpu_hours"] = {k: [v / 3600 * gpus for v in pair] for k, pair in out["train_s"].items()}
     if price is not None:

@@ -12,6 +12,11 @@ def _range(pair, scale=1.0, spec="{:.3g}") -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
+def _money(pair) -> str:
+    """A cost range: whole units from 100 on, else three significant digits (a small run is not "0")."""
+    return _range(pair, 1, "{:,.0f}" if pair[0] >= 100 else "{:.3g}")
+
+
 def _duration(pair) -> str:
     unit, scale = ("h", 1 / 3600) if pair[1] >= 3600 else ("min", 1 / 60) if pair[1] >= 60 else ("s", 1)
     return _range(pair, scale) + " " + unit
@@ -46,7 +51,7 @@ def text_report(plan: dict[str, Any]) -> str:
                  (f"time to train {plan['epochs']} epochs", _duration(e["train_s"])),
                  ("GPU-hours", _range(e["gpu_hours"], 1, "{:.3g}"))]
         if "cost" in e:
-            rows.append(("cost", _range(e["cost"], 1, "{:,.0f}") + f" at {plan['price_per_gpu_hour']:g} per GPU-hour"))
+            rows.append(("cost", _money(e["cost"]) + f" at {plan['price_per_gpu_hour']:g} per GPU-hour"))
     rows += _forecast_rows(plan)
     width = max(len(k) for k, _ in rows)
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]
@@ -74,8 +79,7 @@ def _forecast_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
             ("GPU-hours to the target", f"median {_range(h['median'], 1, '{:.3g}')}, seeds "
                                          f"{_range(h['range'], 1, '{:.3g}')}")]
     if "cost" in f:
-        rows.append(("cost to the target", f"median {_range(f['cost']['median'], 1, '{:,.0f}')}, seeds "
-                                            f"{_range(f['cost']['range'], 1, '{:,.0f}')}"))
+        rows.append(("cost to the target", f"median {_money(f['cost']['median'])}, seeds {_money(f['cost']['range'])}"))
     return rows
 
 
@@ -112,7 +116,9 @@ def plot(plan: dict[str, Any], path: Path) -> Path:
         ax.plot(x, [r["train_h"] for r in curve], "o-", color="C0", label=f"time to train {plan['epochs']} epochs")
         if "target_h" in curve[0]:  # the forecast: the seeds' median epochs, the band from fastest to slowest
             target = plan["forecast"]["target"]
-            ax.plot(x, [r["target_h"][1] for r in curve], "^-", color="C2", label=f"time to {target} (median seed)")
+            batch = plan["forecast"].get("global_batch")
+            at = f"; epochs as at global batch {batch}" if batch else ""
+            ax.plot(x, [r["target_h"][1] for r in curve], "^-", color="C2", label=f"time to {target} (median seed{at})")
             ax.fill_between(x, [r["target_h"][0] for r in curve], [r["target_h"][2] for r in curve], color="C2",
                             alpha=0.2, label="fastest to slowest seed")
             ax.legend(loc="upper right", fontsize=7)

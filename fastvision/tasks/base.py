@@ -59,10 +59,13 @@ class Task:
         return default_collate(items)
 
     def to_device(self, batch: dict[str, Any], device: torch.device, channels_last: bool = False) -> dict[str, Any]:
-        """Non-blocking copy of every tensor in the batch; the input gets the memory format."""
+        """Non-blocking copy of every tensor in the batch; the input gets the memory format. The
+        per-sample augmentation keys stay on the host (the draws are hashed there)."""
+        from fastvision.data.augment.keyed import SAMPLE_KEY
+
         out = {}
         for k, v in batch.items():
-            if isinstance(v, Tensor):
+            if isinstance(v, Tensor) and k != SAMPLE_KEY:
                 v = v.to(device, non_blocking=True)
                 if channels_last and k == self.input_key and v.dim() in (4, 5):
                     v = v.contiguous(memory_format=torch.channels_last if v.dim() == 4 else torch.channels_last_3d)

@@ -103,7 +103,10 @@ class ClassificationTask(Task):
     def augment(self, batch: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
         image = batch["image"]
         if self.augment_fn is not None:
-            image, _ = self.augment_fn(image, None, generator)
+            from fastvision.data.augment.keyed import SAMPLE_KEY
+
+            keyed = {} if SAMPLE_KEY not in batch else {"keys": batch[SAMPLE_KEY]}  # train.augment_rng: sample
+            image, _ = self.augment_fn(image, None, generator, **keyed)
         out = {**batch, "image": image}
         if self.mixup > 0:
             lam = beta_symmetric(image.shape[0], self.mixup, generator, image.device)

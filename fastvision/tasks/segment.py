@@ -126,7 +126,10 @@ class SegmentationTask(Task):
     def augment(self, batch: dict[str, Any], generator: torch.Generator | None) -> dict[str, Any]:
         if self.augment_fn is None:
             return batch
-        image, label = self.augment_fn(batch["image"], batch["label"], generator)
+        from fastvision.data.augment.keyed import SAMPLE_KEY
+
+        keyed = {} if SAMPLE_KEY not in batch else {"keys": batch[SAMPLE_KEY]}  # train.augment_rng: sample
+        image, label = self.augment_fn(batch["image"], batch["label"], generator, **keyed)
         return {**batch, "image": image, "label": label}
 
     def target(self, label: Tensor) -> Tensor:

@@ -154,6 +154,29 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path, train_her
     assert (whole["iou"], whole["dice"]) == (e2[-1]["iou"], e2[-1]["dice"])
 
 
+def test_keyed_augmentation_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path, train_here):
+    """With the recipe's flips and rotations on and ``train.augment_rng: sample`` each sample is augmented
+    by its own (seed, epoch, index) draws, so 2 ranks x batch 2 train the weights of 1 rank x batch 4, and
+    the 2-rank job's step-6 checkpoint resumed on 1 rank (2 micro-batches a step) ends as the 2-rank job;
+    with the per-rank generator (the control) the weights differ."""
+    aug = ["--set", "data.augment.flip={axes: [0, 1]}", "--set", "data.augment.rot90={}"]
+    keyed = ["--set", "train.augment_rng=sample"]
+    one = train_here(data, tmp_path / "one", "--epochs", "2", "--batch-size", "4", *NO_NORM, *aug, *keyed)
+    two = train_here(data, tmp_path / "two", "--epochs", "2", "--batch-size", "2", "--nproc", "2", *NO_NORM, *aug,
+                     *keyed, "--set", "train.checkpoint_every=6", "--set", "train.keep_checkpoints=4")
+    assert _max_rel(_weights(two), _weights(one)) <= 1e-5
+    step = two / "checkpoints" / "step-00000006.pt"  # mid-epoch 2 (4 steps an epoch)
+    moved = train_here(data, tmp_path / "moved", "--epochs", "2", "--batch-size", "2", "--resume", str(step),
+                       *NO_NORM, *aug, *keyed)
+    params = _events(moved)[0]  # resumed on 1 rank at the checkpoint's global batch: 2 micro-batches of 2
+    assert (params["world_size"], params["global_batch"]) == (1, 4)
+    steps = [json.loads(x)["step"] for x in (moved / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps if isinstance(s, list) and len(s) == 2][0][0] == 1  # it began in epoch 2 (0-based 1)
+    assert _max_rel(_weights(moved), _weights(two)) <= 1e-5
+    rank = train_here(data, tmp_path / "rank", "--epochs", "2", "--batch-size", "4", *NO_NORM, *aug)
+    assert _max_rel(_weights(rank), _weights(one)) > 1e-3  # the augmentation did change the weights
+
+
 def test_batchnorm_two_srun_tasks_equal_emulated_workers(data, tmp_path, train_here):
     """Two tasks with srun's variables (no launcher) == ``--emulate-workers 2``; != batch 4 in one BN."""
     out = tmp_path / "srun"

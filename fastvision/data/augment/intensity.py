@@ -114,11 +114,11 @@ class Noise:
     def __call__(self, image: Tensor, label: Label, rng: Any) -> tuple[Tensor, Label]:
         m = rng.mask(self.prob)
         sd = rng.uniform(0.0, self.std)
-        gen = rng.device_generator()
+        call = rng.reserve()
         if owned(rng, image):  # the firing rows' noise drawn at once, as below, then added in place
             fires = [i for i, f in enumerate(m.tolist()) if f]
             if fires:
-                n = torch.randn((len(fires), *image.shape[1:]), generator=gen, device=image.device, dtype=image.dtype)
+                n = rng.normal_rows(fires, tuple(image.shape[1:]), image.dtype, call)
                 n.mul_(_bshape(n, sd[fires]))
                 for j, i in enumerate(fires):
                     image[i].add_(n[j])
@@ -126,7 +126,8 @@ class Noise:
 
         def noise(x: Tensor, idx: Tensor | None) -> Tensor:  # on the CPU: drawn for the firing samples only
             s = _bshape(x, sd if idx is None else sd[idx])
-            return torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype).mul_(s).add_(x)
+            rows = list(range(x.shape[0])) if idx is None else idx.tolist()
+            return rng.normal_rows(rows, tuple(x.shape[1:]), x.dtype, call).mul_(s).add_(x)
 
         return _on_rows(m, image, noise), label
 

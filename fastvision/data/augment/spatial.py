@@ -7,6 +7,8 @@ mask, one ``grid_sample``), so there is no Python loop over samples and no host 
 Randomness: small per-sample parameters are drawn from the caller's ``torch.Generator`` on its own
 device, in a fixed order whether or not an op fires, so a seed gives the same augmentation on CPU
 and GPU. Full-size noise is drawn from a device generator seeded from the caller's generator.
+Given per-sample keys instead (``train.augment_rng: sample``, :mod:`fastvision.data.augment.keyed`),
+every draw of sample ``i`` is a hash of its key and the draw's number: the same whatever batch it is in.
 
 Recipe form (``data.augment``), one dict per op, applied in this order (an affine with ``size``, which cuts
 the network's patch from a larger one, right after the crop)::
@@ -29,9 +31,11 @@ the network's patch from a larger one, right after the crop)::
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -58,11 +62,17 @@ from fastvision.registry import check_kwargs
 class _Rng:
     """Per-call random source: per-sample parameters on the generator's device, moved to ``device``."""
 
-    def __init__(self, generator: torch.Generator | None, batch: int, device: torch.device):
+    def __init__(self, generator: torch.Generator | None, batch: int, device: torch.device,
+                 keys: Tensor | None = None):
         self.gen = generator
         self.batch = batch
         self.device = device
         self._dev_gen: torch.Generator | None = None
+        # per-sample keys (host int64): each draw a hash of (key, call number), not the generator's
+        self.keys = None if keys is None else keys.detach().cpu().numpy().astype(np.uint64)
+        if self.keys is not None and len(self.keys) != batch:
+            raise ValueError(f"{len(self.keys)} sample keys for a batch of {batch}")
+        self.calls = 0
         # the storages of the caller's tensors, never updated in place (None: unknown, nothing is)
         self.caller: set[int] | None = None
 
@@ -73,14 +83,44 @@ class _Rng:
 
     def uniform(self, lo: float, hi: float, *shape: int) -> Tensor:
         """(B, *shape) float32 uniform in [lo, hi) on the data device."""
-        gdev = self.gen.device if self.gen is not None else torch.device("cpu")
-        u = torch.rand((self.batch, *shape), generator=self.gen, device=gdev)
+        if self.keys is not None:
+            from fastvision.data.augment.keyed import uniform
+
+            self.calls += 1
+            u = torch.from_numpy(uniform(self.keys, self.calls, math.prod(shape))).view(self.batch, *shape)
+            gdev = torch.device("cpu")
+        else:
+            gdev = self.gen.device if self.gen is not None else torch.device("cpu")
+            u = torch.rand((self.batch, *shape), generator=self.gen, device=gdev)
         u = u.mul_(hi - lo).add_(lo)  # lo + (hi - lo) u, the same float32 operations, no new tensors
         return u if gdev == self.device else u.to(self.device, non_blocking=True)
 
     def mask(self, prob: float) -> Tensor:
         """(B,) bool: which samples this op is applied to."""
         return self.uniform(0.0, 1.0) < prob
+
+    def reserve(self) -> int:
+        """A draw number for a later :meth:`normal_rows`, taken whether or not any row fires (so the
+        draws after it keep their numbers). Without keys: the device generator made now, where its seed
+        is drawn from the caller's generator whether or not a row fires."""
+        if self.keys is None:
+            self.device_generator()
+        self.calls += 1
+        return self.calls
+
+    def normal_rows(self, rows: list[int], shape: tuple[int, ...], dtype: torch.dtype, call: int) -> Tensor:
+        """(len(rows), *shape) standard normal noise on the data device for the batch rows ``rows``:
+        one draw from :meth:`device_generator`, or with keys one generator per row seeded from its key
+        and ``call`` (:meth:`reserve`)."""
+        if self.keys is None:
+            return torch.randn((len(rows), *shape), generator=self.device_generator(), device=self.device, dtype=dtype)
+        from fastvision.data.augment.keyed import seed_of
+
+        out = torch.empty((len(rows), *shape), device=self.device, dtype=dtype)
+        for j, i in enumerate(rows):
+            g = torch.Generator(device=self.device).manual_seed(seed_of(int(self.keys[i]), call))
+            out[j].normal_(generator=g)
+        return out
 
     def device_generator(self) -> torch.Generator | None:
         """A generator on the data device, seeded from the caller's (drawn on its device, no sync)."""
@@ -272,14 +312,17 @@ class BatchAugment:
         # labels are narrowed for the ops that move them (an intensity-only chain leaves them alone)
         self.moves_label = any(isinstance(op, (Crop, Flip, Rot90, Affine)) for _, op in ops)
 
-    def __call__(self, image: Tensor, label: Label = None,
-                 generator: torch.Generator | None = None) -> tuple[Tensor, Label]:
+    def __call__(self, image: Tensor, label: Label = None, generator: torch.Generator | None = None,
+                 keys: Tensor | None = None) -> tuple[Tensor, Label]:
         """Augment a batch on its device.
 
         Args:
             image: (B, C, *S) float, S of length ``spatial_dims``.
             label: (B, *S) int64 class indices, (B, L, *S) float masks, or None.
             generator: source of all randomness; same seed and inputs give the same output.
+            keys: (B,) int64 per-sample keys (:func:`fastvision.data.augment.keyed.sample_key`): the
+                source of all randomness instead of ``generator``; a sample's output then depends only
+                on its own key and values, not on the rest of the batch.
 
         Returns:
             (image, label) with the crop's spatial size if a crop is configured.
@@ -288,7 +331,7 @@ class BatchAugment:
             raise ValueError(f"expected (B, C, *S) with {self.spatial_dims} spatial dims, got {tuple(image.shape)}")
         if label is not None and label.shape[-self.spatial_dims:] != image.shape[2:]:
             raise ValueError(f"label {tuple(label.shape)} does not match image {tuple(image.shape)}")
-        rng = _Rng(generator, image.shape[0], image.device)
+        rng = _Rng(generator, image.shape[0], image.device, keys)
         rng.caller = {t.untyped_storage().data_ptr() for t in (image, label) if t is not None}
         dtype = label.dtype if label is not None else None
         label = _narrow(label, self.spatial_dims) if self.moves_label else label

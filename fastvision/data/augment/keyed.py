@@ -1,0 +1,107 @@
+"""Per-sample random draws of the batched augmentation from ``(seed, epoch, sample index)``:
+``train.augment_rng: sample``.
+
+With ``train.augment_rng: rank`` (the default) the batched ops draw their per-sample parameters from
+one generator per rank, ``B`` values a call: which values sample ``i`` gets depends on its place in
+its rank's batch, so the same global batch split over another number of ranks is augmented
+otherwise. With ``sample`` every sample carries a key, a 64-bit mix of ``(train.seed, epoch,
+dataset index, patch)`` made where the item is read (:class:`KeyedItems`), and each draw is a
+counter-based hash of (key, the op's call number, element): a sample is augmented the same way
+whatever batch, rank or world size it lands in. With the sampler's world-size-independent order
+(:class:`~fastvision.distributed.samplers.TrainSampler`) the global batches of 1 process x batch 8
+and 4 ranks x batch 2 then hold the same augmented samples, and a resume on another world size
+continues the augmentation exactly (with ``rank`` each rank's stream restarts from (seed, rank, step)).
+
+The hash is splitmix64's finaliser over unsigned 64-bit numpy integers (wrapping multiplication and
+logical shifts are defined there), on the host: the draws are a few numbers a sample, the same on a
+CPU and a GPU, and they reach the device as the per-rank draws do (one non-blocking copy). Full-size
+noise is drawn per sample from a device generator seeded from the sample's key.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+SAMPLE_KEY = "sample_key"  # the batch's (B,) int64 keys, kept on the host by Task.to_device
+
+_M64 = (1 << 64) - 1
+
+
+def splitmix64(z: int) -> int:
+    """splitmix64's finaliser of a Python integer (mod 2**64): the reference the array version matches."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def sample_key(seed: int, epoch: int, index: int, patch: int = 0) -> int:
+    """The key of dataset item ``index``'s ``patch``-th patch in ``epoch`` of a run seeded ``seed``:
+    a non-negative int64 (so a torch tensor holds it)."""
+    z = splitmix64((seed & 0xFFFFFFFF) << 32 | (epoch & 0xFFFFFFFF))
+    z = splitmix64(z ^ (index & _M64))
+    return splitmix64(z ^ patch) >> 1
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """:func:`splitmix64` over a uint64 array (numpy's unsigned arithmetic wraps; its shifts are logical)."""
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def uniform(keys: np.ndarray, call: int, n: int) -> np.ndarray:
+    """(B, n) float32 in [0, 1): element ``e`` of draw number ``call`` of each sample's key, the top 24
+    bits of splitmix64(key ^ mix(call, e)), exact in float32."""
+    counter = _mix((np.uint64(call) << np.uint64(24)) + np.arange(n, dtype=np.uint64))
+    z = _mix(keys.astype(np.uint64)[:, None] ^ counter[None, :])
+    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+
+
+def seed_of(key: int, call: int) -> int:
+    """A generator seed for sample ``key``'s full-size draw at call number ``call``."""
+    return splitmix64(splitmix64(key) ^ (call + 1)) >> 1
+
+
+class KeyedItems:
+    """The training set with each item's key (:func:`sample_key`) under :data:`SAMPLE_KEY`; an item of
+    several patches (``SAMPLES_KEY``) gets one per patch. Indexed, sized and epoch-set as ``dataset``
+    (``set_epoch`` also moves the keys to the epoch); batched reads (``__getitems__``) pass through."""
+
+    def __init__(self, dataset: Any, seed: int):
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped set's other attributes (info, epoch_order, ...)
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def _keyed(self, i: int, item: dict[str, Any]) -> dict[str, Any]:
+        from fastvision.data.transforms import SAMPLES_KEY
+
+        if SAMPLES_KEY in item:
+            patches = [{**p, SAMPLE_KEY: sample_key(self.seed, self.epoch, i, j)}
+                       for j, p in enumerate(item[SAMPLES_KEY])]
+            return {**item, SAMPLES_KEY: patches}
+        return {**item, SAMPLE_KEY: sample_key(self.seed, self.epoch, i)}
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self._keyed(int(i), self.dataset[i])
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        if hasattr(self.dataset, "__getitems__"):
+            items = self.dataset.__getitems__(indices)
+        else:
+            items = [self.dataset[i] for i in indices]
+        return [self._keyed(int(i), item) for i, item in zip(indices, items, strict=True)]
