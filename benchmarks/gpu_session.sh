@@ -87,6 +87,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   say "gpu_suite exit ${PIPESTATUS[0]}"
 fi
 
+# 4. train.augment_rng: sample beside rank on the device (host-hashed draws, per-sample noise generators; ~20 s)
+stage "augment_rng" 40 python3 benchmarks/augment_rng.py --device "$dev" --rounds 5 --calls 10 \
+  --json /tmp/extra/augment_rng.json
 # 4. ResNet-50 from JPEG files: Pillow on the host vs nvJPEG on the GPU (issue 40 item 7; about 3 minutes)
 if [ -f benchmarks/jpeg_gpu_decode.py ]; then
   stage "jpeg gpu decode" 200 python3 benchmarks/jpeg_gpu_decode.py --out /tmp/extra/jpeg_gpu_decode.json
