@@ -290,7 +290,7 @@ def default_data_dir() -> Path:
 
     cache = Path(os.environ.get("FASTVISION_CACHE",
                                 Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fastvision"))
-    target = cache / "microscopy-sample-v1"
+    target = cache / "microscopy-sample-v2"  # v2: the generator since 2026-12-04 (textures by the blur's gain)
     if not (target / "images").is_dir():
         log.info("generating the built-in microscopy sample (200 images) in %s", target)
         try:
