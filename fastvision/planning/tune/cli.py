@@ -103,8 +103,7 @@ def cmd_tune(args) -> int:
         if p is not None:
             refuse_overwrite(p, args.force, flag, file=True)  # files: a folder there is refused even with --force
     if args.nproc > 1 and distributed.detect_env().launcher == "single":
-        return distributed.launch_local(args.nproc, ["-m", "fastvision.cli",
-                                                     *distributed.strip_option(args.argv, "--nproc")])
+        return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv))
     flat = {k: v for k, v in {"data": args.data, "device": args.device}.items() if v is not None}
     cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])
     data = data_fingerprint(cfg)  # a missing folder stops here, before any work
