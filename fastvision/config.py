@@ -36,7 +36,7 @@ class DataConfig:
     name: str = "microscopy"
     args: dict = field(default_factory=dict)  # dataset builder arguments (path, image_size, ...)
     loader: Literal["threads", "processes"] = "threads"
-    num_workers: int = 2
+    num_workers: int | Literal["auto"] = 2  # per rank; auto: from its share of the cores (data/workers.py)
     augment: dict = field(default_factory=dict)  # batched on-device augmentation spec
     val_batch_size: int | None = None
     repeats: int = 1  # yield each training batch this many times (data echoing)

@@ -178,7 +178,7 @@ def run_data_benchmark(cfg: RunConfig, caches: list[str], *, batches: int = 40, 
     for r in rows:
         r["speedup_vs_first"] = r["items_per_s"] / base
     return {"recipe": cfg.recipe, "mode": "data", "device": str(run.device), "batch_size": cfg.train.batch_size,
-            "loader": "per setting" if variants else cfg.data.loader, "num_workers": cfg.data.num_workers,
+            "loader": "per setting" if variants else cfg.data.loader, "num_workers": run.cfg.data.num_workers,
             "rounds": rounds, "host_cpu": host_cpu_name(), "host_cores": os.cpu_count(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows}
 

@@ -101,6 +101,10 @@ def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False,
     runtime.set_heap(tc.cpu_heap)
     runtime.seed_everything(tc.seed, tc.deterministic)
     if data_info is None:
+        if cfg.data.num_workers == "auto":  # once, after the threads are set; the number is kept in cfg (config.yaml)
+            from fastvision.data.workers import resolve
+
+            cfg.data.num_workers = resolve(env, device, tc.cpu_threads)
         splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
     else:
         splits = DatasetSplits(None, None, data_info)

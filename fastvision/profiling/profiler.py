@@ -171,15 +171,7 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
     cfg, env, device, task = run.cfg, run.env, run.device, run.task
     if nvtx and device.type == "cuda":
         add_nvtx_ranges(None, task)  # every batched augmentation op
-    if run.train_loader is None:
-        fixed = task.synthetic_batch(cfg.train.batch_size, device)
-        batches: Iterator[Any] = iter(lambda: fixed, None)
-        cache_line = "synthetic batches on the device (no data pipeline)"
-    else:
-        from fastvision.data.cache.select import describe
-
-        cache_line = describe(run.train_set)
-        batches = endless_batches(run.train_loader)
+    batches, cache_line = _batches(run)
     batches = delayed(batches, env.rank)  # FASTVISION_PROFILE_SLOW_RANK: a check of the per-rank table
     run.step.model.train()
     for _ in range(warmup):
@@ -219,6 +211,19 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
         prof.export_chrome_trace(str(Path(trace) / f"trace_rank{env.rank}.json"))
         report["top_ops"] = top_ops(prof, device, steps)
     return report
+
+
+def _batches(run: engine.Run) -> tuple[Iterator[Any], str]:
+    """The run's endless training batches (synthetic on the device without a loader) and their pipeline line."""
+    if run.train_loader is None:
+        fixed = run.task.synthetic_batch(run.cfg.train.batch_size, run.device)
+        return iter(lambda: fixed, None), "synthetic batches on the device (no data pipeline)"
+    from fastvision.data.cache.select import describe
+
+    line = describe(run.train_set)
+    if not hasattr(run.train_set, "make_loader"):  # a torch loader (data.num_workers: auto resolved by now)
+        line += f"; loader {run.cfg.data.loader} x {run.cfg.data.num_workers}"
+    return endless_batches(run.train_loader), line
 
 
 def top_ops(prof: Any, device: torch.device, steps: int, n: int = 12) -> list[dict[str, Any]]:

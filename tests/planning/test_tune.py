@@ -285,3 +285,34 @@ def test_cuda_catalogue_tries_fp16_after_bf16(monkeypatch, bf16):
     assert amp[0].values == (("bf16", "fp16") if bf16 else ("fp16",))
     assert ("train.tf32", (True,)) in [(s.key, s.values) for s in switches]
     assert "train.cpu_threads" not in {s.key for s in switches}
+
+
+def test_an_auto_start_offers_the_counts_around_its_resolved_number():
+    """``data.num_workers: auto`` stays the start; the number it resolves to here is not tried again."""
+    import os
+
+    import torch
+
+    from fastvision.planning.tune.switches import catalogue
+
+    cfg = config.load("unet2d-microscopy", [{"data": {"num_workers": "auto"}}])
+    workers = lambda auto: {s.key: s for s in catalogue(cfg, torch.device("cpu"), 1, False, auto)}[  # noqa: E731
+        "data.num_workers"].values
+    every = tuple(n for n in (0, 2, 4, 8) if n <= max(2, 2 * len(os.sched_getaffinity(0))))
+    assert workers(2) == tuple(n for n in every if n != 2) and workers(None) == every
+
+
+@pytest.mark.slow
+def test_tune_from_auto_workers_keeps_auto_as_the_start(tiny_microscopy, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "t"
+    assert _tune(tiny_microscopy, out, "--set", "data.num_workers=auto", "--set", "train.cpu_threads=1",
+                 "--keep", "data.cache") == 0
+    report = json.loads((out / "trials.json").read_text())
+    resolved = [x for x in capsys.readouterr().err.splitlines() if "data.num_workers auto:" in x]
+    auto = int(resolved[0].split("auto: ")[1].split(" ")[0])  # the first: tune's own, before any trial
+    tried = [t["value"] for t in report["trials"] if t["key"] == "data.num_workers"]
+    assert report["start"]["data.num_workers"] == "auto" and tried and auto not in tried
+    assert all(isinstance(v, int) for v in tried)
+    chosen = report["chosen"].get("data.num_workers", "auto")
+    assert yaml.safe_load((out / "tuned.yaml").read_text()).get("data", {}).get("num_workers", "auto") == chosen

@@ -229,3 +229,9 @@ def test_trace_names_the_ops_that_take_the_step(tmp_path):
     assert cli.main(["profile", "unet2d-microscopy", "--synthetic", "--device", "cpu", "--out", str(tmp_path / "again"),
                      "--trace", str(tmp_path / "trace")]) == 2
     assert (tmp_path / "trace" / "trace_rank0.json").stat().st_mtime_ns == before and not (tmp_path / "again").exists()
+
+
+def test_profile_reports_the_number_workers_auto_resolved_to(tmp_path):
+    report = _profile(tmp_path, "auto", "--set", "data.num_workers=auto")
+    n = report["config"]["data.num_workers"]
+    assert isinstance(n, int) and report["pipeline"].endswith(f"; loader threads x {n}")

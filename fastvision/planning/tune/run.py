@@ -30,7 +30,12 @@ def run_tune(cfg: config.RunConfig, *, budget_s: float, keep: list[str], allow_b
              runner: TrialRunner | None = None) -> dict[str, Any]:
     """Profile the start, search the switches, return the JSON-able result (every rank; rank 0's decisions)."""
     env, device = distributed.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
-    switches = [s for s in catalogue(cfg, device, env.world_size, allow_batch) if s.key not in keep]
+    auto = None
+    if cfg.data.num_workers == "auto":  # the start stays auto (each trial's build resolves it): not a candidate
+        from fastvision.data.workers import resolve
+
+        auto = resolve(env, device, cfg.train.cpu_threads)
+    switches = [s for s in catalogue(cfg, device, env.world_size, allow_batch, auto) if s.key not in keep]
     start = current(cfg, sorted({s.key for s in switches}))
     runner = runner or TrialRunner(cfg)
     # the imports' objects live as long as the process: with them frozen, the gc.collect() after each

@@ -20,21 +20,27 @@ from typing import Any
 import torch
 
 from fastvision.config import RunConfig
+from fastvision.data.workers import process_cores
 from fastvision.errors import ConfigError
 from fastvision.models import levers
 from fastvision.planning.tune.search import Switch
 from fastvision.registry import DATASETS
 
 
-def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch: bool) -> list[Switch]:
-    """Every switch that can run here, in catalogue order (see :func:`fastvision.planning.tune.search.order`)."""
+def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch: bool,
+              auto_workers: int | None = None) -> list[Switch]:
+    """Every switch that can run here, in catalogue order (see :func:`fastvision.planning.tune.search.order`).
+
+    ``auto_workers``: what ``data.num_workers: auto`` resolves to here (``data.workers.resolve``), where the
+    start says auto: the start stays ``auto`` and the counts around it are the candidates, not that one again."""
     cuda, cores = device.type == "cuda", os.cpu_count() or 1
     bs = cfg.train.batch_size if isinstance(cfg.train.batch_size, int) else None
     # Every cache tier serves the sampler's items (docs/CONTRACTS.md), so a tier is an exact switch;
     # ``smart`` is never a candidate: with a window smaller than the set it trains on other samples.
     # From such a start (a cache_num or cache_rate that may cut the window) no tier is a speed switch.
     caches = ("ram", "disk") + (("gpu",) if cuda else ()) + (("shared",) if world_size > 1 else ())
-    workers = tuple(n for n in (0, 2, 4, 8) if n <= max(2, 2 * cores))
+    own = len(process_cores())  # this process's affinity: more workers than twice that only wait for a core
+    workers = tuple(n for n in (0, 2, 4, 8) if n <= max(2, 2 * own) and n != auto_workers)
     out = [] if smart_window(cfg) else [Switch("data.cache", caches, "exact", "input")]
     out += [Switch("data.loader", ("threads", "processes"), "exact", "input"),
            Switch("data.num_workers", workers, "exact", "input")]
