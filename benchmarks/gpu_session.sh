@@ -90,6 +90,16 @@ fi
 # 4. train.augment_rng: sample beside rank on the device (host-hashed draws, per-sample noise generators; ~20 s)
 stage "augment_rng" 40 python3 benchmarks/augment_rng.py --device "$dev" --rounds 5 --calls 10 \
   --json /tmp/extra/augment_rng.json
+# 4'. data.num_workers: auto on this 16-core host against the recipe's 2 and DLE's 8, ResNet-50's JPEG input path
+#     alone (benchmark --mode data: the question helper-measured defaults wait on; ~1 minute)
+if python3 -m fastvision data synth imagenet /tmp/inet-w --classes 4 --per-class 64 --val-per-class 4 --size 224 \
+    >/dev/null 2>&1; then
+  for w in 2 auto 8; do
+    stage "data workers $w" 30 python3 -m fastvision benchmark resnet50-imagenet --mode data --data /tmp/inet-w \
+      --device "$dev" --steps 16 --rounds 2 --batch-sizes 64 --set data.num_workers=$w --set data.loader=processes \
+      --out "/tmp/extra/data-workers-$w"
+  done
+fi
 # 4. ResNet-50 from JPEG files: Pillow on the host vs nvJPEG on the GPU (issue 40 item 7; about 3 minutes)
 if [ -f benchmarks/jpeg_gpu_decode.py ]; then
   stage "jpeg gpu decode" 200 python3 benchmarks/jpeg_gpu_decode.py --out /tmp/extra/jpeg_gpu_decode.json
