@@ -34,13 +34,33 @@ def test_splitmix64_is_the_published_generator():
         0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
 
 
-def test_uniform_is_the_hash_of_key_draw_and_element():
+class SplitMix64:
+    """Vigna's generator as published, run step by step: state += golden, output the mix of the state."""
+
+    def __init__(self, seed: int):
+        self.state = seed
+
+    def next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) % 2**64
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        return z ^ (z >> 31)
+
+
+def test_uniform_is_output_n_of_the_samples_own_splitmix64_stream():
+    """Draw ``call`` element ``e`` of a sample is output ``call * 2**24 + e + 1`` of SplitMix64 seeded with its
+    key, checked against the generator run step by step (draw 0: the stream's first outputs)."""
     keys = np.array([keyed.sample_key(7, 2, i) for i in (0, 5, 2**40)], dtype=np.uint64)
-    u = keyed.uniform(keys, call=3, n=4)
+    u = keyed.uniform(keys, call=0, n=4)
     for b, k in enumerate(keys.tolist()):
-        for e in range(4):
-            z = keyed.splitmix64(k ^ keyed.splitmix64((3 << 24) + e))
-            assert u[b, e] == (z >> 40) / 2**24  # exact: 24 bits in a float32
+        g = SplitMix64(k)
+        assert u[b].tolist() == [(g.next() >> 40) / 2**24 for _ in range(4)]  # exact: 24 bits in a float32
+    later = keyed.uniform(keys[:1], call=1, n=2)[0].tolist()
+    g = SplitMix64(int(keys[0]))
+    g.state = (g.state + 2**24 * 0x9E3779B97F4A7C15) % 2**64  # skip outputs 1 .. 2**24 (draw 0)
+    assert later == [(g.next() >> 40) / 2**24, (g.next() >> 40) / 2**24]
+    u = keyed.uniform(keys, call=3, n=4)
     assert u.dtype == np.float32 and keyed.uniform(keys[1:2], 3, 4)[0].tolist() == u[1].tolist()
     many = keyed.uniform(np.arange(1000, dtype=np.uint64), 1, 50)
     assert 0.0 <= many.min() and many.max() < 1.0 and abs(many.mean() - 0.5) < 0.005

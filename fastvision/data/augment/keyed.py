@@ -5,8 +5,9 @@ With ``train.augment_rng: rank`` (the default) the batched ops draw their per-sa
 one generator per rank, ``B`` values a call: which values sample ``i`` gets depends on its place in
 its rank's batch, so the same global batch split over another number of ranks is augmented
 otherwise. With ``sample`` every sample carries a key, a 64-bit mix of ``(train.seed, epoch,
-dataset index, patch)`` made where the item is read (:class:`KeyedItems`), and each draw is a
-counter-based hash of (key, the op's call number, element): a sample is augmented the same way
+dataset index, patch)`` made where the item is read (:class:`KeyedItems`), and seeds a SplitMix64
+stream of its own; each draw is the stream's output at (the op's call number, element), one hash
+that any output can be computed with directly: a sample is augmented the same way
 whatever batch, rank or world size it lands in. With the sampler's world-size-independent order
 (:class:`~fastvision.distributed.samplers.TrainSampler`) the global batches of 1 process x batch 8
 and 4 ranks x batch 2 then hold the same augmented samples, and a resume on another world size
@@ -26,11 +27,12 @@ import numpy as np
 SAMPLE_KEY = "sample_key"  # the batch's (B,) int64 keys, kept on the host by Task.to_device
 
 _M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment
 
 
 def splitmix64(z: int) -> int:
     """splitmix64's finaliser of a Python integer (mod 2**64): the reference the array version matches."""
-    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = (z + _GOLDEN) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
     return z ^ (z >> 31)
@@ -47,17 +49,20 @@ def sample_key(seed: int, epoch: int, index: int, patch: int = 0) -> int:
 def _mix(z: np.ndarray) -> np.ndarray:
     """:func:`splitmix64` over a uint64 array (numpy's unsigned arithmetic wraps; its shifts are logical)."""
     with np.errstate(over="ignore"):
-        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = z + np.uint64(_GOLDEN)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
 
 
 def uniform(keys: np.ndarray, call: int, n: int) -> np.ndarray:
-    """(B, n) float32 in [0, 1): element ``e`` of draw number ``call`` of each sample's key, the top 24
-    bits of splitmix64(key ^ mix(call, e)), exact in float32."""
-    counter = _mix((np.uint64(call) << np.uint64(24)) + np.arange(n, dtype=np.uint64))
-    z = _mix(keys.astype(np.uint64)[:, None] ^ counter[None, :])
+    """(B, n) float32 in [0, 1): element ``e`` of draw number ``call`` for each sample, the top 24 bits
+    of output ``call * 2**24 + e + 1`` of SplitMix64 seeded with the sample's key (its ``k``-th output
+    is the finaliser of ``key + (k - 1) * golden``, so any output is one hash, in any order), exact in
+    float32. Each sample has a stream of its own; a draw of up to 2**24 numbers never reaches the next."""
+    with np.errstate(over="ignore"):
+        steps = ((np.uint64(call) << np.uint64(24)) + np.arange(n, dtype=np.uint64)) * np.uint64(_GOLDEN)
+        z = _mix(keys.astype(np.uint64)[:, None] + steps[None, :])
     return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
 
 
