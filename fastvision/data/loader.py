@@ -111,8 +111,7 @@ class ThreadLoader:
                     pending.append(pool.submit(self._make, batches[nxt]))
                     nxt += 1
                 batch = pending.popleft().result()
-                for _ in range(self._first_repeats if done == 0 else self.repeats):
-                    yield batch
+                yield from echoes(batch, self._first_repeats if done == 0 else self.repeats, self.repeats)
                 done += 1
         finally:
             for f in pending:
@@ -147,8 +146,20 @@ class ProcessLoader:
 
     def __iter__(self) -> Iterator[Any]:
         for k, batch in enumerate(self.loader):
-            for _ in range(self._first_repeats if k == 0 else self.repeats):
-                yield batch
+            yield from echoes(batch, self._first_repeats if k == 0 else self.repeats, self.repeats)
+
+
+def echoes(batch: Any, count: int, repeats: int) -> Iterator[Any]:
+    """The last ``count`` of a batch's ``repeats`` yields (data echoing; fewer than ``repeats`` for the first
+    batch after a mid-epoch resume). Keyed samples (``train.augment_rng: sample``) get each echo's own keys,
+    so an echo is augmented anew, as with the per-rank generator."""
+    from fastvision.data.augment.keyed import SAMPLE_KEY, echo_keys
+
+    for r in range(repeats - count, repeats):
+        if r and isinstance(batch, dict) and SAMPLE_KEY in batch:
+            yield {**batch, SAMPLE_KEY: echo_keys(batch[SAMPLE_KEY], r)}
+        else:
+            yield batch
 
 
 def _set_epoch(sampler, dataset, epoch: int, start_sample: int, batch_size: int, repeats: int) -> int:

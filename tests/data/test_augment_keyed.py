@@ -181,3 +181,28 @@ def test_where_draws_cannot_follow_the_sample_it_is_one_line(recipe, sets, needl
     code, _, err = run_cli(capsys, "train", recipe, "--data", data, "--out", tmp_path / "run", "--device", "cpu",
                            "--epochs", "1", *flags)
     one_line_error(code, err, "train.augment_rng: sample", needle)
+
+
+def test_data_echoing_gives_each_echo_its_own_keys():
+    """``data.repeats: 2`` yields each batch twice: with keyed samples the second yield's keys are new (so it is
+    augmented anew) and the same for a sample whatever batch it is in; a mid-epoch resume's first batch keeps the
+    echo numbers it has left."""
+    from fastvision.data.augment.keyed import SAMPLE_KEY, KeyedItems, echo_keys
+    from fastvision.data.loader import build_loader, echoes
+
+    class Items:
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"image": torch.full((1, 2, 2), float(i))}
+
+    loader = build_loader(KeyedItems(Items(), seed=0), batch_size=4, repeats=2, num_workers=0, drop_last=True)
+    loader.set_epoch(0)
+    got = [b[SAMPLE_KEY] for b in loader]
+    assert len(got) == 4 and not torch.equal(got[0], got[1]) and torch.equal(got[1], echo_keys(got[0], 1))
+    assert torch.equal(echo_keys(got[0][2:], 1), got[1][2:])  # per sample: any split of the batch
+    assert torch.equal(echo_keys(got[0], 1), echo_keys(got[0], 1)) and not torch.equal(
+        echo_keys(got[0], 1), echo_keys(got[0], 2))
+    first = {SAMPLE_KEY: got[0]}
+    assert [torch.equal(b[SAMPLE_KEY], got[1]) for b in echoes(first, 1, 2)] == [True]  # resumed after echo 0

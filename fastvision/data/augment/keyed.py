@@ -66,6 +66,15 @@ def uniform(keys: np.ndarray, call: int, n: int) -> np.ndarray:
     return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
 
 
+def echo_keys(keys, echo: int):
+    """The keys of the ``echo``-th yield of a batch under data echoing (``data.repeats``; echo 0 keeps
+    its keys): each sample's key mixed with the echo number, an int64 tensor as ``keys``."""
+    import torch
+
+    z = _mix(keys.numpy().astype(np.uint64) ^ np.uint64(splitmix64(echo)))
+    return torch.from_numpy((z >> np.uint64(1)).astype(np.int64))
+
+
 def seed_of(key: int, call: int) -> int:
     """A generator seed for sample ``key``'s full-size draw at call number ``call``."""
     return splitmix64(splitmix64(key) ^ (call + 1)) >> 1
