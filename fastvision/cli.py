@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fastvision import cli_args
-from fastvision.errors import ConfigError, DataError, DataWarning, FastvisionError, Preempted
+from fastvision.errors import ConfigError, DataError, DataWarning, FastvisionError, Preempted, missing_extra
 
 # Every subcommand is one hop from here. ``train``, ``evaluate``, ``predict``, ``recipes`` and ``data``
 # are defined in build_parser below (their arguments in fastvision.cli_args); each feature subcommand
@@ -340,13 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fastvision: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # a full, read-only or forbidden place, a path under a file: one line naming it
-        from fastvision.utils.files import os_error_in
+    except Exception as e:  # one line for: an optional extra not installed, a full, read-only or forbidden
+        from fastvision.utils.files import os_error_in  # place, a path under a file
 
-        cause = os_error_in(e)
-        if cause is None or debug:
+        cause, extra = os_error_in(e), missing_extra(e)
+        if (cause is None and extra is None) or debug:
             raise
-        print(f"fastvision: error: {cause.filename or 'a file'}: {cause.strerror}", file=sys.stderr)
+        line = extra or f"{cause.filename or 'a file'}: {cause.strerror}"
+        print(f"fastvision: error: {line}", file=sys.stderr)
         return 2
     finally:
         _leave_process_group(clean)

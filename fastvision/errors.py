@@ -27,6 +27,26 @@ def check_low(flag: str, value: float | None, low: float, inclusive: bool = True
         raise ConfigError(f"{flag} {value:g}: must be {'>=' if inclusive else '>'} {low}")
 
 
+# the optional extras of pyproject.toml, by the top-level module each provides
+EXTRAS = {"nibabel": "medical", "scipy": "medical", "pycocotools": "detection", "pynvml": "gpu",
+          "onnx": "export", "onnxscript": "export", "onnxruntime": "export", "webdataset": "shards",
+          "crc32c": "shards", "tensorboard": "tensorboard", "fsspec": "s3", "s3fs": "s3"}
+
+
+def missing_extra(e: BaseException) -> str | None:
+    """The one line for an optional extra's module that did not import, where ``e`` or its cause /
+    context chain is that ``ModuleNotFoundError`` (a base install, as `make demo` makes, has none of
+    them); None for any other error."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        name = (getattr(e, "name", None) or "").split(".")[0] if isinstance(e, ModuleNotFoundError) else ""
+        if name in EXTRAS:
+            return f"this needs {name} (No module named {name!r}): pip install 'fastvision[{EXTRAS[name]}]'"
+        e = e.__cause__ or e.__context__
+    return None
+
+
 class FastvisionError(Exception):
     """Base class for errors caused by user input; message is shown without a traceback."""
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gzip
-import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,8 +16,6 @@ from fastvision.inference.volumes import Ensemble, check_cases, input_channels, 
 from fastvision.utils.files import atomic_write
 
 Predictor = Callable[[Tensor], Tensor]
-_UMASK = os.umask(0o022)  # read once at import (os.umask can only be read by setting it) ...
-os.umask(_UMASK)  # ... and put back at once
 
 
 def write_nifti(array: np.ndarray | Tensor, reference_nifti_path: str | Path, out_path: str | Path) -> Path:
@@ -54,13 +51,7 @@ def write_nifti(array: np.ndarray | Tensor, reference_nifti_path: str | Path, ou
         # no time stamp or file name in the gzip header: the same prediction is the same bytes,
         # whichever process wrote it and under whichever temp name
         raw = gzip.compress(raw, compresslevel=1, mtime=0)
-
-
-    def write(f) -> None:
-        os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # what a plain open() would give, not mkstemp's 0600
-        f.write(raw)
-
-    atomic_write(out_path, write)  # a killed writer never leaves a partial case
+    atomic_write(out_path, lambda f: f.write(raw))  # a killed writer never leaves a partial case
     return out_path
 
 

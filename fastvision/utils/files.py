@@ -17,19 +17,23 @@ import torch
 from fastvision.errors import DataError, DiskFullError
 
 log = logging.getLogger(__name__)
+_UMASK = os.umask(0o022)  # read once at import (os.umask can only be read by setting it) ...
+os.umask(_UMASK)  # ... and put back at once
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> Any:
     """Call ``write(file)`` on a unique temp file beside ``path``, fsync, rename over ``path``, fsync
     the directory. Readers see the old file or the new one, never a partial one; concurrent writers
-    (threads or processes) never share a temp file. Returns what ``write`` returned. A full file system
-    (``ENOSPC`` / ``EDQUOT`` anywhere in the failure's chain: torch's zip writer reports it as a
-    ``RuntimeError`` whose context is the ``OSError``) raises :class:`DiskFullError` naming ``path``."""
+    (threads or processes) never share a temp file; the file gets the mode open() would give it (the
+    umask's, not mkstemp's 0600). Returns what ``write`` returned. A full file system (``ENOSPC`` /
+    ``EDQUOT`` anywhere in the failure's chain: torch's zip writer reports it as a ``RuntimeError``
+    whose context is the ``OSError``) raises :class:`DiskFullError` naming ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # the mode a plain open() gives (the umask's), not 0600
             result = write(f)
             f.flush()
             os.fsync(f.fileno())
