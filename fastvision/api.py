@@ -246,5 +246,13 @@ def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: st
     check_input_kind(expanded, run.cfg.data.name, f"{ckpt} ({run.cfg.recipe})")  # volumes to a 2-D run, or back
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with run.precision.autocast():  # the run's precision, as evaluate: train.amp=auto is bf16 / fp16 on a GPU
-        return run.task.predict_files(run.model, expanded, out, run.cfg, run.device)
+    before = set(out.iterdir())
+    try:
+        with run.precision.autocast():  # the run's precision, as evaluate: train.amp=auto is bf16 / fp16 on a GPU
+            return run.task.predict_files(run.model, expanded, out, run.cfg, run.device)
+    except DataError as e:  # a bad input part-way: say what is already written and how to go on
+        written = [f for f in out.iterdir() if f not in before]
+        if not written:
+            raise
+        raise DataError(f"{e}; {len(written)} file(s) of the inputs before it are in {out}: fix or remove that "
+                        "input, then rerun with --force") from e

@@ -160,3 +160,18 @@ def test_predicted_masks_are_whole_files_in_the_inputs_format(runs, tmp_path, ca
         "img_0000_mask.png", "img_0000_overlay.png", "other_mask.tif", "other_overlay.png"]
     assert np.asarray(Image.open(tmp_path / "p" / "img_0000_mask.png")).shape == (32, 32)
     assert tifffile.imread(tmp_path / "p" / "other_mask.tif").shape == (32, 32)
+
+
+def test_a_bad_image_part_way_says_what_is_written_and_how_to_go_on(runs, tmp_path, capsys):
+    """A 2-D predict that meets an unreadable file after writing the masks of the inputs before it names the
+    file, what is in --out and the way on (--out is no longer empty, so a plain rerun is refused)."""
+    import shutil
+
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    shutil.copy(runs["micro"] / "images" / "img_0000.png", inputs / "a.png")
+    (inputs / "b.png").write_text("not an image")
+    code, _, err = run_cli(capsys, "predict", runs["seg"] / "checkpoints" / "best.pt", inputs, "--out", tmp_path / "o",
+                           "--device", "cpu")
+    one_line_error(code, err, str(inputs / "b.png"), "cannot read image", f"are in {tmp_path / 'o'}", "--force")
+    assert (tmp_path / "o" / "a_mask.png").is_file()
