@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from fastvision.data.cache.select import default_cache_dir, files_identity
-from fastvision.data.formats.decathlon import read_dataset_json
+from fastvision.data.formats.anomalies import check_channels
+from fastvision.data.formats.decathlon import modality_names, read_dataset_json
 from fastvision.data.preprocess3d import (
     foreground_box,
     load_nifti,
@@ -182,6 +183,7 @@ def fingerprint(path: str | Path, *, workers: int | None = None, cache: Path | N
     meta, cases = found["meta"], found["training"]
     if not cases:
         raise DataError(f"{Path(path) / 'dataset.json'}: lists no training cases")
+    check_channels(cases, modality_names(meta), Path(path) / "dataset.json")  # headers, before any case is read
     folder = default_cache_dir().parent / "fingerprint" if cache is True else (Path(cache) if cache else None)
     workers = workers or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:  # decompression and numpy release the GIL

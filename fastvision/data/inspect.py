@@ -307,11 +307,15 @@ def inspect_coco(path: Path) -> dict[str, Any]:
 def inspect_decathlon(path: Path) -> dict[str, Any]:
     import nibabel as nib
 
-    from fastvision.data.formats.decathlon import read_dataset_json
+    from fastvision.data.formats.anomalies import channel_mismatches
+    from fastvision.data.formats.decathlon import modality_names, read_dataset_json
+    from fastvision.data.spatial3d import label_off_grid
 
     unusable: dict[str, list[str]] = {"files dataset.json lists that do not exist": []}
     ds = read_dataset_json(path, missing=unusable["files dataset.json lists that do not exist"])
-    meta = ds["meta"]
+    meta, grids = ds["meta"], []
+    unusable[f"images whose channel count is not dataset.json's modality count ({len(modality_names(meta))})"] = [
+        f"{p.relative_to(path)} ({n})" for p, n in channel_mismatches(ds["training"], modality_names(meta))]
     shapes, spacings, classes = Counter(), Counter(), Counter()
     read = 0
     for case in ds["training"]:  # every case's headers; label voxels of the first 10 readable ones
@@ -325,6 +329,8 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
         bad = _nifti_nonfinite([*case["image"], case["label"]], path)
         if bad:
             unusable.setdefault(NONFINITE_FILES, []).extend(bad)
+        if label_off_grid(img.shape, img.affine, label.shape, label.affine):
+            grids.append(str(Path(case["label"]).relative_to(path)))
         if read < 10:
             shapes[str(img.shape)] += 1
             spacings[str(tuple(round(float(z), 2) for z in img.header.get_zooms()[:3]))] += 1
@@ -341,8 +347,11 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
             "shapes (first 10)": dict(shapes), "spacing mm (first 10)": dict(spacings),
             "label values (first 10)": sorted(classes),
             "label voxels (first 10)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())},
-            "anomalies": anomaly_rows({**unusable, **ds["anomalies"]}),
+            "anomalies": anomaly_rows({**unusable, **ds["anomalies"],
+                                       "labels on another grid than their image (resampled onto it by world "
+                                       "position when read)": grids}),
             "unusable": {k: len(v) for k, v in unusable.items() if v}}
+
 
 
 def _nifti_nonfinite(files: Sequence[Path], root: Path) -> list[str]:

@@ -201,6 +201,36 @@ def resample_to(x: torch.Tensor, src_affine: np.ndarray, dst_affine: np.ndarray,
     return x.contiguous()
 
 
+def ras_grid(shape: Sequence[int], affine: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
+    """The spatial shape and affine a volume of ``(shape, affine)`` has after :func:`reorient` to RAS,
+    from its header alone (no voxels read)."""
+    ornt = orientation_to_ras(np.asarray(affine, np.float64))
+    ras_shape = [0, 0, 0]
+    for axis, (to, _) in enumerate(ornt):
+        ras_shape[int(to)] = int(shape[axis])
+    return tuple(ras_shape), np.asarray(affine, np.float64) @ _nio().inv_ornt_aff(ornt, tuple(shape[:3]))
+
+
+def label_grid_offset(label_shape: Sequence[int], label_affine: np.ndarray, affine: np.ndarray,
+                      shape: Sequence[int]) -> float | None:
+    """None when a label's grid is its image's (same shape, every image corner within ``LABEL_GRID_TOL``
+    voxels in the label's voxel coordinates), else that largest corner distance in voxels (0 for a
+    label of another shape on the same origin and axes). Both grids as stored or both in RAS."""
+    corners = _corners(shape)
+    moved = np.linalg.solve(label_affine, affine) @ corners - corners
+    off = float(np.abs(moved[:3]).max())
+    return None if tuple(label_shape[:3]) == tuple(shape[:3]) and off <= LABEL_GRID_TOL else off
+
+
+def label_off_grid(shape: Sequence[int], affine: np.ndarray, label_shape: Sequence[int],
+                   label_affine: np.ndarray) -> bool:
+    """Whether a label file's grid is another than its image's (:func:`label_onto_image`'s rule), from
+    the two headers as stored (each reoriented to RAS first, so another storage order is the same grid)."""
+    shape, affine = ras_grid(shape[:3], affine)
+    label_shape, label_affine = ras_grid(label_shape[:3], label_affine)
+    return label_grid_offset(label_shape, label_affine, affine, shape) is not None
+
+
 def label_onto_image(label: np.ndarray, label_affine: np.ndarray, affine: np.ndarray, shape: Sequence[int],
                      name: str) -> np.ndarray:
     """A label (RAS) on its image's RAS grid; resampled by world position, with a warning, when apart.
@@ -214,13 +244,12 @@ def label_onto_image(label: np.ndarray, label_affine: np.ndarray, affine: np.nda
     Returns:
         (X, Y, Z) label on the image grid (nearest; outside the label's extent: 0).
     """
-    corners = _corners(shape)
-    moved = np.linalg.solve(label_affine, affine) @ corners - corners
-    off = float(np.abs(moved[:3]).max())
-    if tuple(label.shape) == tuple(shape) and off <= LABEL_GRID_TOL:
+    off = label_grid_offset(label.shape, label_affine, affine, shape)
+    if off is None:
         return label
-    msg = (f"{name}: label grid {tuple(label.shape)} differs from its image's {tuple(shape)} (up to {off:.3g} "
-           f"voxels apart); resampled onto the image grid by world position (nearest)")
+    apart = f"up to {off:.3g} voxels apart" if off > LABEL_GRID_TOL else "same origin and axes"
+    msg = (f"{name}: label grid {tuple(label.shape)} differs from its image's {tuple(shape)} ({apart}); "
+           "resampled onto the image grid by world position (nearest)")
     # warnings, not the log: an uncached run preprocesses every epoch, and the warnings registry
     # prints one message once per process
     warnings.warn(msg, DataWarning, stacklevel=3)

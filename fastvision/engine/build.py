@@ -80,6 +80,19 @@ def build_components(cfg: RunConfig, info: dict, device: torch.device | str, *, 
     return task, model
 
 
+def check_volume_channels(info: dict, model: nn.Module, cfg: RunConfig) -> None:
+    """A volume dataset's channels (its ``in_channels``: dataset.json's modalities, checked against the
+    images) against the model's first convolution, before any step or file: one line naming both keys."""
+    conv = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    have = info.get("in_channels")
+    if info.get("spatial_dims") != 3 or conv is None or have is None or conv.in_channels == have:
+        return
+    names = f" ({', '.join(map(str, info['channels']))})" if info.get("channels") else ""
+    raise ConfigError(f"data.args.path {cfg.data.args.get('path')}: the dataset has {have} channel(s){names}, "
+                      f"the model takes {conv.in_channels} (model.args.in_channels); a recipe planned for another "
+                      "dataset? (fastvision configure DATA plans one for this one)")
+
+
 def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False, loaders: bool = True,
           wrap_train_set: Callable[[Any], Any] | None = None) -> Run:
     """Build a run from its config: the one place model, task, loss, optimizer and data are made.
@@ -109,6 +122,8 @@ def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False,
     else:
         splits = DatasetSplits(None, None, data_info)
     task, model = build_components(cfg, splits.info, device, train=train)
+    if data_info is None:
+        check_volume_channels(splits.info, model, cfg)
     model = runtime.prepare_model(model, device, tc.channels_last)
     precision = runtime.Precision(tc.amp, device, tc.loss_scale)
     run = Run(cfg, env, device, task, model, splits.train, splits.val, splits.info, precision)

@@ -325,6 +325,38 @@ def test_configure_gpus_writes_the_per_gpu_batch(tmp_path, capsys):
     assert cfg.data.num_workers == one["cluster"].workers
 
 
+def test_configure_writes_the_data_folder_absolute(tmp_path, monkeypatch):
+    """``configure sp --out r.yaml`` run in one folder, ``train r.yaml`` in another: the recipe's
+    data.args.path is the folder itself, not a path relative to where configure ran."""
+    from fastvision.cli import main
+    from fastvision.config import load
+    from fastvision.data.synth import load_all
+
+    load_all().get("prostate")(tmp_path / "Task05", seed=0, cases=4, size=24, slices=14)
+    monkeypatch.chdir(tmp_path)
+    assert main(["configure", "Task05", "--memory", "8GiB", "--out", "r.yaml"]) == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert load(str(tmp_path / "r.yaml")).data.args["path"] == str((tmp_path / "Task05").resolve())
+
+
+def test_configure_gpus_counts_nnunets_iterations_in_global_steps(tmp_path):
+    """``--trainer nnunet --gpus 2``: 1000 x 250 iterations are steps of the global batch. 4 cases, 5 folds:
+    fold 0 trains on 3; one GPU at batch 2 steps 3 // 2 = 1 per pass (250,000 epochs); two GPUs at batch 1
+    each step through ceil(3 / 2) = 2 cases (the sampler pads): 2 steps, 125,000 epochs (not 3 steps'
+    83,334, which counts every case on every GPU)."""
+    from fastvision.data.synth import load_all
+
+    data = load_all().get("prostate")(tmp_path / "Task05", seed=0, cases=4, size=24, slices=14)
+    one = planner.configure(data, memory="8GiB", trainer="nnunet")
+    two = planner.configure(data, memory="8GiB", trainer="nnunet", gpus=2)
+    assert (one["overrides"]["train"]["batch_size"], two["overrides"]["train"]["batch_size"]) == (2, 1)
+    assert (one["overrides"]["train"]["epochs"], two["overrides"]["train"]["epochs"]) == (250_000, 125_000)
+    assert two["overrides"]["train"]["val_every"] == 1250
+    why = dict((k, w) for k, _, w in two["choices"])["train.epochs"]
+    assert "2 steps per pass" in why and "on each of 2 GPUs" in why
+
+
 def test_nnunet_trainer_writes_nnunet_training(tmp_path):
     """``--trainer nnunet``: nnUNetTrainer's values (read from nnU-Net v2.8's source) in the recipe, each
     commented; the recipe loads, builds a deep-supervised U-Net and trains one epoch on CPU."""

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+
 from fastvision.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,39 @@ def nifti_header(path: Path) -> None:
     img = nib.load(str(path))
     if not all(int(n) > 0 for n in img.shape):
         raise ValueError(f"empty image {img.shape}")
+
+
+def image_channels(path: str | Path) -> int | None:
+    """Channels of a NIfTI image from its header (a 4-D file's last axis; 3-D: 1); None where the
+    header does not read (the full read then stops naming the file)."""
+    import nibabel as nib
+
+    try:
+        shape = nib.load(str(path)).shape
+    except Exception:  # noqa: BLE001  (any nibabel failure: reported by the reader that needs the data)
+        return None
+    return int(np.prod(shape[3:])) if len(shape) > 3 else 1
+
+
+def channel_mismatches(cases: Sequence[dict[str, Any]], names: Sequence[str]) -> list[tuple[Path, int]]:
+    """``[(image, channels)]``: training images whose channel count is not the number of modalities
+    ``names`` (dataset.json's; nnU-Net's ``verify_dataset_integrity`` refuses them: a model would be
+    built for the wrong number of input channels). Header reads only; no names, no check."""
+    out = []
+    for case in cases if names else []:
+        counts = [image_channels(p) for p in case["image"]]
+        if None not in counts and sum(counts) != len(names):
+            out.append((Path(case["image"][0]), sum(counts)))
+    return out
+
+
+def check_channels(cases: Sequence[dict[str, Any]], names: Sequence[str], source: str | Path) -> None:
+    """One line naming the first training image whose channels are not the modalities ``names`` of ``source``."""
+    bad = channel_mismatches(cases, names)
+    if bad:
+        raise DataError(f"{bad[0][0]}: {bad[0][1]} channel(s), but {source} names {len(names)} "
+                        f"modalit{'y' if len(names) == 1 else 'ies'} ({', '.join(names)})"
+                        + (f"; {len(bad) - 1} more image(s) alike" if len(bad) > 1 else ""))
 
 
 def image_header(path: Path) -> None:

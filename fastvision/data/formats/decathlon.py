@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from fastvision.data import nnunet_resampling, spatial3d
-from fastvision.data.formats.anomalies import drop_unreadable, first_few, nifti_header
+from fastvision.data.formats.anomalies import check_channels, drop_unreadable, first_few, nifti_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.patches import RandPatch, random_patch  # noqa: F401 (re-exported)
 from fastvision.data.nonfinite import NonFinite
@@ -278,6 +278,16 @@ def _folder_anomalies(root: Path, training: list[dict[str, Any]], test: list[Pat
     return {k: v for k, v in out.items() if v}
 
 
+def modality_names(meta: dict[str, Any]) -> list[str]:
+    """dataset.json's channel names in channel order: MSD's ``modality`` or nnU-Net v2's ``channel_names``."""
+    names = meta.get("modality") or meta.get("channel_names") or {}
+    return [str(v) for _, v in sorted(names.items(), key=lambda kv: int(kv[0]))]
+
+
+def _case_files(case: dict[str, Any]) -> list[Path]:
+    return [*case["image"], case["label"]]
+
+
 def _case_id(path: str) -> str:
     name = Path(path).name
     return name[: -len(".nii.gz")] if name.endswith(".nii.gz") else Path(name).stem
@@ -335,8 +345,8 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     found = read_dataset_json(dataset_folder(path, "Decathlon dataset"))
     for kind, names in found["anomalies"].items():
         log.info("%s: %d %s, e.g. %s", path, len(names), kind, first_few(names))
-    meta = found["meta"]
-    modalities = [str(m) for _, m in sorted(meta.get("modality", {}).items(), key=lambda kv: int(kv[0]))]
+    meta, source = found["meta"], Path(path) / "dataset.json"
+    modalities = modality_names(meta)
     if intensity == "auto":
         intensity = "ct" if [m.upper() for m in modalities] == ["CT"] else "mri"
     names = {int(k): str(v).lower() for k, v in meta.get("labels", {}).items()}
@@ -348,8 +358,8 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         label_map = tuple((k, _MSD_BRAIN_LABELS[v]) for k, v in names.items() if v in _MSD_BRAIN_LABELS)
         class_names = BRATS_CLASS_NAMES
         convention = {**convention, "layout": "msd-task01", "label_map": {str(a): b for a, b in label_map}}
-    training = drop_unreadable(found["training"], lambda c: [*c["image"], c["label"]], nifti_header,
-                               skip_unreadable, Path(path) / "dataset.json")
+    training = drop_unreadable(found["training"], _case_files, nifti_header, skip_unreadable, source)
+    check_channels(training, modalities, source)  # headers: a model for the wrong channel count stops here
     params = PreprocessParams(
         target_spacing=tuple(map(float, target_spacing)) if target_spacing else None, intensity=intensity,
         window=tuple(map(float, window)), crop_foreground=crop_foreground, crop_margin=crop_margin,

@@ -228,7 +228,10 @@ def configure(data: str | Path, *, gpu: str | None = None, memory: str | None = 
     plan = {"fingerprint": fp, "geometry": geo, "fit": fit, "gpu": spec.name, "gpu_memory_gib": spec.memory_gib,
             "base": base, "trainer": trainer, "normalisation": norm, "normalisation_why": norm_why, "data": str(data),
             "cluster": split}
-    plan["overrides"] = recipe_overrides(fp, geo, fit["topology"], norm, base, split.per_gpu, str(data), trainer)
+    # the folder as an absolute path: the recipe trains from any working directory (a relative one would
+    # be read against the directory `train` runs in, not the one `configure` ran in)
+    plan["overrides"] = recipe_overrides(fp, geo, fit["topology"], norm, base, split.per_gpu,
+                                         str(Path(data).resolve()), trainer, split.gpus)
     plan["overrides"]["data"]["num_workers"] = split.workers
     plan["choices"] = choices(plan)
     return plan

@@ -83,8 +83,9 @@ def augmentation(patch: list[int], spacing: list[float], thin: int | None,
 
 
 def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, norm: dict[str, Any], base: str,
-                     batch: int, data: str, trainer: str = "fast") -> dict[str, Any]:
-    """The mapping layered on the base recipe (``extends``); ``trainer``: ``fast`` or ``nnunet``."""
+                     batch: int, data: str, trainer: str = "fast", gpus: int = 1) -> dict[str, Any]:
+    """The mapping layered on the base recipe (``extends``); ``trainer``: ``fast`` or ``nnunet``;
+    ``batch`` per GPU of ``gpus``."""
     patch = list(topo.patch)
     regions = fp.get("regions")
     augment, _ = augmentation(patch, geo["spacing"], geo["thin_axis"], trainer)
@@ -122,7 +123,7 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
         from fastvision.config import merge
 
         out = merge(out, nnunet_overrides(fp["n_cases"], batch, bool(regions), geo["thin_axis"] is not None,
-                                          len(topo.strides)))
+                                          len(topo.strides), gpus))
     return out
 
 
@@ -197,7 +198,7 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
                     "grid (nnU-Net's network predicts nnU-Net's labels through it: RESULTS.md, issue 41)"
                     if t["sliding_window"].get("style") == "nnunet"
                     else "")))
-    return rows + trainer_choices(trainer, ov, fp["n_cases"])
+    return rows + trainer_choices(trainer, ov, fp["n_cases"], split.gpus)
 
 
 def _flow(v: Any) -> str:

@@ -54,10 +54,11 @@ def check_trainer(trainer: str, base: str) -> None:
                           "(use --base unet3d, or --trainer fast)")
 
 
-def steps_per_epoch(n_cases: int, batch: int, num_folds: int = 5) -> int:
+def steps_per_epoch(n_cases: int, batch: int, num_folds: int = 5, gpus: int = 1) -> int:
     """Optimizer steps in one pass over fold 0's training cases (``kfold_split``: fold 0 holds
-    ``ceil(n / folds)`` cases)."""
-    return max(1, (n_cases - math.ceil(n_cases / num_folds)) // batch)
+    ``ceil(n / folds)`` cases) at ``batch`` per GPU on ``gpus`` GPUs: each rank steps through its
+    ``ceil(cases / gpus)`` share (the training sampler pads it), so N GPUs take about 1/N the steps."""
+    return max(1, math.ceil((n_cases - math.ceil(n_cases / num_folds)) / gpus) // batch)
 
 
 def initial_patch(patch: list[int], degrees: float, dummy_2d: bool, coarse: int) -> list[int]:
@@ -103,10 +104,12 @@ def _init() -> dict[str, str]:
     return {"init": "he"} if HE_INIT else {"init": "he_heads"} if HEAD_INIT else {}
 
 
-def nnunet_overrides(n_cases: int, batch: int, regions: bool, thin: bool, stages: int) -> dict[str, Any]:
+def nnunet_overrides(n_cases: int, batch: int, regions: bool, thin: bool, stages: int,
+                     gpus: int = 1) -> dict[str, Any]:
     """``optim``, ``sched``, ``loss``, ``train`` and the model's deep supervision of nnU-Net's trainer
-    (a U-Net of ``stages`` stages; with 2 there is one decoder scale and nothing to supervise deeply)."""
-    steps = steps_per_epoch(n_cases, batch)
+    (a U-Net of ``stages`` stages; with 2 there is one decoder scale and nothing to supervise deeply);
+    ``batch`` per GPU of ``gpus``: nnU-Net's iterations count steps of the global batch."""
+    steps = steps_per_epoch(n_cases, batch, gpus=gpus)
     return {
         "model": {"args": {"deep_supervision": stages >= 3, **_init()}},
         "data": {"args": {"oversample": "batch_tail", "placement": "nnunet",
@@ -122,12 +125,12 @@ def nnunet_overrides(n_cases: int, batch: int, regions: bool, thin: bool, stages
     }
 
 
-def trainer_choices(trainer: str, ov: dict[str, Any], n_cases: int) -> list[tuple[str, Any, str]]:
+def trainer_choices(trainer: str, ov: dict[str, Any], n_cases: int, gpus: int = 1) -> list[tuple[str, Any, str]]:
     """``(key, value, why)`` rows of the trainer's keys, for the table and the YAML comments."""
     if trainer != "nnunet":
         return [("trainer", "fast", "the base recipe's optimizer, schedule and loss, no deep supervision "
                                     "(unet3d-spleen-fast: seed 003's SGD 0.2, constant LR, DiceCE 0.5/0.5)")]
-    batch, steps = ov["train"]["batch_size"], steps_per_epoch(n_cases, ov["train"]["batch_size"])
+    batch, steps = ov["train"]["batch_size"], steps_per_epoch(n_cases, ov["train"]["batch_size"], gpus=gpus)
     total = NNUNET_EPOCHS * NNUNET_ITERATIONS
     return [
         ("optim", ov["optim"], "nnUNetTrainer: SGD lr 0.01, Nesterov momentum 0.99, weight decay 3e-5 on every "
@@ -155,7 +158,7 @@ def trainer_choices(trainer: str, ov: dict[str, Any], n_cases: int) -> list[tupl
         ("train.clip_grad", ov["train"]["clip_grad"], "nnUNetTrainer.train_step: clip_grad_norm_(parameters, 12)"),
         ("train.epochs", ov["train"]["epochs"],
          f"nnU-Net's {NNUNET_EPOCHS} epochs x {NNUNET_ITERATIONS} iterations = {total} iterations, at {steps} "
-         f"steps per pass over fold 0's cases (batch {batch})"),
+         f"steps per pass over fold 0's cases (batch {batch}" + (f" on each of {gpus} GPUs)" if gpus > 1 else ")")),
         ("train.val_every", ov["train"]["val_every"],
          f"sliding-window validation about every {VAL_EVERY_ITERATIONS} iterations (nnU-Net: 50 patches per "
          "epoch, whole cases only at the end)"),

@@ -1,0 +1,118 @@
+"""A Decathlon folder whose files disagree with dataset.json, or with the recipe, is named in one line
+before anything trains (nnU-Net's ``verify_dataset_integrity`` refuses the same folders), and
+``data inspect`` lists it: generated spleen CT (1 channel) and prostate MR (2 channels) at a few
+voxels, each edited the way a user's folder goes wrong."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from fastvision.cli import main
+from fastvision.data.inspect import inspect_path
+from fastvision.data.synth import load_all
+
+pytestmark = pytest.mark.usefixtures("fresh_logging")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sets")
+    synth = load_all()
+    return {"spleen": synth.get("spleen")(root / "spleen", seed=0, cases=4, test_cases=1, size=16),
+            "prostate": synth.get("prostate")(root / "prostate", seed=0, cases=4, size=16, slices=8)}
+
+
+def _copy(src, dst, modality=None):
+    shutil.copytree(src, dst)
+    if modality is not None:
+        meta = json.loads((dst / "dataset.json").read_text())
+        meta["modality"] = modality
+        (dst / "dataset.json").write_text(json.dumps(meta))
+    return dst
+
+
+def _one_line(capsys) -> str:
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.startswith("fastvision: error")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("kind, modality, have, names", [
+    ("spleen", {"0": "CT", "1": "PET"}, 1, "2 modalities (CT, PET)"),  # dataset.json names a channel too many
+    ("prostate", {"0": "T2"}, 2, "1 modality (T2)"),                     # one too few
+])
+@pytest.mark.parametrize("argv", [["data", "inspect", "{d}", "--fingerprint"], ["configure", "{d}", "--memory", "8GiB"],
+                                  ["train", "unet3d-spleen-fast", "--data", "{d}", "--epochs", "1", "--device", "cpu",
+                                   "--out", "{d}-run"]])
+def test_modality_count_other_than_the_images_is_one_line(sets, tmp_path, capsys, kind, modality, have, names, argv):
+    d = _copy(sets[kind], tmp_path / "bad", modality)
+    assert main([a.format(d=d) for a in argv]) == 2
+    line = _one_line(capsys)
+    assert f"imagesTr/{kind}" in line and f"{have} channel(s)" in line and f"bad/dataset.json names {names}" in line
+    assert not (tmp_path / "bad-run").exists()  # nothing written
+
+
+def test_inspect_lists_images_of_another_channel_count_and_exits_2(sets, tmp_path, capsys):
+    d = _copy(sets["spleen"], tmp_path / "bad", {"0": "CT", "1": "PET"})
+    rows = inspect_path(d)["anomalies"]
+    assert rows["images whose channel count is not dataset.json's modality count (2)"].startswith(
+        "4 (imagesTr/spleen_1.nii.gz (1), ")
+    assert main(["data", "inspect", str(d)]) == 2
+    assert "would stop training (images whose channel count" in _one_line(capsys)
+
+
+def test_inspect_lists_labels_on_another_grid(sets, tmp_path, capsys):
+    """A label two slices short (same origin) and one shifted 5 mm: listed, exit 0 (training resamples
+    them onto the image grid, with a warning); the same grid stored in another orientation is not listed."""
+    d = _copy(sets["spleen"], tmp_path / "grid")
+    f = d / "labelsTr" / "spleen_2.nii.gz"
+    img = nib.load(f)
+    nib.save(nib.Nifti1Image(np.asarray(img.dataobj)[:, :, :-2], img.affine, img.header), f)
+    f = d / "labelsTr" / "spleen_3.nii.gz"
+    img = nib.load(f)
+    shifted = img.affine.copy()
+    shifted[0, 3] += 5
+    nib.save(nib.Nifti1Image(np.asarray(img.dataobj), shifted, img.header), f)
+    f = d / "labelsTr" / "spleen_4.nii.gz"  # flipped voxel order, flipped affine: the same world grid
+    img = nib.load(f)
+    n = img.shape[0]
+    flip = np.diag([-1.0, 1, 1, 1])
+    flip[0, 3] = n - 1
+    nib.save(nib.Nifti1Image(np.asarray(img.dataobj)[::-1].copy(), img.affine @ flip), f)
+    rows = inspect_path(d)["anomalies"]
+    assert rows == {"labels on another grid than their image (resampled onto it by world position when read)":
+                    "2 (labelsTr/spleen_2.nii.gz, labelsTr/spleen_3.nii.gz)"}
+    assert main(["data", "inspect", str(d)]) == 0
+    assert "labels on another grid" in capsys.readouterr().out
+    assert main(["data", "inspect", str(d), "--fingerprint"]) == 0
+    err = capsys.readouterr().err
+    assert "spleen_2.nii.gz: label grid (16, 16, " in err and "(same origin and axes)" in err
+    assert "spleen_3.nii.gz" in err and "voxels apart" in err and "spleen_4" not in err
+
+
+def test_recipe_for_another_channel_count_is_one_line(sets, tmp_path, capsys):
+    """A recipe planned for 1-channel CT trained or evaluated on 2-channel MR: one line naming both counts
+    before any step (not the convolution's error after the run folder is written)."""
+    assert main(["configure", str(sets["spleen"]), "--memory", "8GiB", "--trainer", "fast",
+                 "--out", str(tmp_path / "ct.yaml")]) == 0
+    capsys.readouterr()
+    small = ["--set", "data.args.num_folds=2", "--set", "model.args.filters=[4,8,16]", "--device", "cpu"]
+    assert main(["train", str(tmp_path / "ct.yaml"), "--data", str(sets["prostate"]), "--epochs", "1",
+                 "--out", str(tmp_path / "mr-run"), *small]) == 2
+    line = _one_line(capsys)
+    assert "2 channel(s) (T2, ADC), the model takes 1 (model.args.in_channels)" in line
+    assert not (tmp_path / "mr-run").exists()
+    assert main(["train", str(tmp_path / "ct.yaml"), "--epochs", "1", "--out", str(tmp_path / "ct-run"),
+                 "--set", "data.cache=ram", *small]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "ct-run"), "--data", str(sets["prostate"]), "--device", "cpu"]) == 2
+    assert "the model takes 1 (model.args.in_channels)" in _one_line(capsys)
