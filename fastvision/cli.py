@@ -309,6 +309,7 @@ def _log_data_warning(message, category, filename, lineno, file=None, line=None,
 
 def main(argv: list[str] | None = None) -> int:
     import functools
+    import os
     import warnings
 
     from fastvision.engine.log import setup_logging
@@ -340,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fastvision: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (`| head`): stop quietly, as a SIGPIPE'd tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+        return 128 + 13
     except Exception as e:  # one line for: an optional extra not installed, a full, read-only or forbidden
         from fastvision.utils.files import os_error_in  # place, a path under a file
 

@@ -41,13 +41,16 @@ def cmd_configure(args) -> int:
             refuse_overwrite(path, args.force, flag)  # before the fingerprint: nothing is lost or redone
     plan = configure(args.data, gpu=args.gpu, memory=args.memory, base=args.base, gpus=args.gpus,
                      trainer=args.trainer)
-    print(table(plan))  # the CLI's output
+    # the files first: a reader that stops early (`| head`) must not cost the recipe
     if args.out:
         write_recipe(plan, args.out)
-        print(f"wrote {args.out}; train it with: fastvision train {args.out}")
     if args.json:
         from fastvision.utils.files import atomic_write
 
         atomic_write(args.json, lambda f: f.write(plan_json(plan).encode()))
+    print(table(plan))  # the CLI's output
+    if args.out:
+        print(f"wrote {args.out}; train it with: fastvision train {args.out}")
+    if args.json:
         print(f"wrote {args.json}")
     return 0
