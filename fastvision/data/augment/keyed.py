@@ -46,13 +46,17 @@ def sample_key(seed: int, epoch: int, index: int, patch: int = 0) -> int:
     return splitmix64(z ^ patch) >> 1
 
 
+_U_GOLDEN, _U_M1, _U_M2 = np.uint64(_GOLDEN), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_U27, _U30, _U31, _U40 = (np.uint64(s) for s in (27, 30, 31, 40))
+
+
 def _mix(z: np.ndarray) -> np.ndarray:
     """:func:`splitmix64` over a uint64 array (numpy's unsigned arithmetic wraps; its shifts are logical)."""
     with np.errstate(over="ignore"):
-        z = z + np.uint64(_GOLDEN)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+        z = z + _U_GOLDEN
+        z = (z ^ (z >> _U30)) * _U_M1
+        z = (z ^ (z >> _U27)) * _U_M2
+    return z ^ (z >> _U31)
 
 
 def uniform(keys: np.ndarray, call: int, n: int) -> np.ndarray:
@@ -61,9 +65,9 @@ def uniform(keys: np.ndarray, call: int, n: int) -> np.ndarray:
     is the finaliser of ``key + (k - 1) * golden``, so any output is one hash, in any order), exact in
     float32. Each sample has a stream of its own; a draw of up to 2**24 numbers never reaches the next."""
     with np.errstate(over="ignore"):
-        steps = ((np.uint64(call) << np.uint64(24)) + np.arange(n, dtype=np.uint64)) * np.uint64(_GOLDEN)
-        z = _mix(keys.astype(np.uint64)[:, None] + steps[None, :])
-    return (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+        steps = (np.arange(call << 24, (call << 24) + n, dtype=np.uint64)) * _U_GOLDEN
+        z = _mix(keys[:, None] + steps if keys.dtype == np.uint64 else keys.astype(np.uint64)[:, None] + steps)
+    return (z >> _U40).astype(np.float32) * np.float32(2.0 ** -24)
 
 
 def echo_keys(keys, echo: int):

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fastvision.data.augment import keyed
 from fastvision.data.augment.affine import Affine, _const, affine  # noqa: F401 (affine: re-exported)
 from fastvision.data.augment.checks import _validate
 from fastvision.data.augment.degrade import Blur, LowResolution
@@ -84,10 +85,8 @@ class _Rng:
     def uniform(self, lo: float, hi: float, *shape: int) -> Tensor:
         """(B, *shape) float32 uniform in [lo, hi) on the data device."""
         if self.keys is not None:
-            from fastvision.data.augment.keyed import uniform
-
             self.calls += 1
-            u = torch.from_numpy(uniform(self.keys, self.calls, math.prod(shape))).view(self.batch, *shape)
+            u = torch.from_numpy(keyed.uniform(self.keys, self.calls, math.prod(shape))).view(self.batch, *shape)
             gdev = torch.device("cpu")
         else:
             gdev = self.gen.device if self.gen is not None else torch.device("cpu")
@@ -114,11 +113,9 @@ class _Rng:
         and ``call`` (:meth:`reserve`)."""
         if self.keys is None:
             return torch.randn((len(rows), *shape), generator=self.device_generator(), device=self.device, dtype=dtype)
-        from fastvision.data.augment.keyed import seed_of
-
         out = torch.empty((len(rows), *shape), device=self.device, dtype=dtype)
         for j, i in enumerate(rows):
-            g = torch.Generator(device=self.device).manual_seed(seed_of(int(self.keys[i]), call))
+            g = torch.Generator(device=self.device).manual_seed(keyed.seed_of(int(self.keys[i]), call))
             out[j].normal_(generator=g)
         return out
 
