@@ -27,8 +27,17 @@ FLAT_KEYS = {
 
 
 def overrides_to_dicts(overrides: dict[str, Any]) -> list[dict[str, Any]]:
-    """``{"epochs": 3, "optim.lr": 0.1}`` -> nested override mappings, flat names translated."""
-    return [config.nested(FLAT_KEYS.get(key, key), value) for key, value in overrides.items()]
+    """``{"epochs": 3, "optim.lr": 0.1}`` -> nested override mappings, flat names translated. A local
+    ``data`` folder (``--data``) is made absolute, so the run's saved config names it from anywhere (a
+    later ``predict`` or ``evaluate`` run from another directory); a URL stays as given."""
+    import os
+
+    def value_of(key: str, value: Any) -> Any:
+        if key == "data" and isinstance(value, (str, Path)) and "://" not in str(value):
+            return os.path.abspath(os.path.expanduser(str(value)))
+        return value
+
+    return [config.nested(FLAT_KEYS.get(key, key), value_of(key, value)) for key, value in overrides.items()]
 
 
 def refuse_overwrite(path: str | Path, force: bool, flag: str = "--out", *, file: bool = False,
