@@ -11,7 +11,7 @@
 #
 #   bash benchmarks/gpu_session.sh            # on the GPU machine, in the repo root; writes to $OUT
 #
-# Carry .whl (monai, nibabel, pycocotools wheels for cp312, see the device README): the spleen stages
+# Carry .whl (monai, nibabel, pycocotools wheels for cp312: `bash scripts/gpu_wheels.sh` here first): the spleen stages
 # write NIfTI. GPU_SESSION_S (default 540) is the wall-clock the script plans for. The levers get
 # LEVERS_S (default 200: no row starts after it) and are stopped when less than DATA_RESERVE_S (default 160)
 # + TESTS_RESERVE_S (default 140) is left; the data-wait stages then run, the tests get what is left, the
