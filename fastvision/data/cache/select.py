@@ -244,7 +244,7 @@ def _source(dataset: Dataset, cache: str, cache_dir: str | None, env: Any,
     # A disk cache whose first entry exists was checked when it was written: reading nothing is its point.
     base, pipeline, identity = cache_source(dataset, check=cache != "disk")
     if cache != "disk" and cache_dir:  # a memory cache filled from the persistent one: fast second runs
-        base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
+        base, pipeline = _through_disk(base, pipeline, identity, cache_dir, "training")
     env = env if env is not None else DistEnv()
     src = _Source(base, pipeline, env, seed, threads=min(8, os.cpu_count() or 1),
                   progress=env.rank == 0 and sys.stderr.isatty())
@@ -328,7 +328,7 @@ def wrap_val_set(dataset: Dataset, *, cache: str, cache_dir: str | None = None) 
     if cache == "disk" and identity is not None:
         return PersistentDataset(base, pipeline, disk_dir(cache_dir), identity=identity)
     if cache_dir:
-        base, pipeline = _through_disk(base, pipeline, identity, cache_dir)
+        base, pipeline = _through_disk(base, pipeline, identity, cache_dir, "validation")
     return LazyCache(base, pipeline)
 
 
@@ -338,14 +338,14 @@ def disk_dir(cache_dir: str | None) -> Path:
 
 
 def _through_disk(base: Dataset, pipeline: list, identity: Callable[[int], str] | None,
-                  cache_dir: str) -> tuple[Dataset, list]:
+                  cache_dir: str, which: str = "training") -> tuple[Dataset, list]:
     """``(persistent prefix, suffix)``: the deterministic prefix read from (or written to) the disk
     cache, so a memory cache's fill reads entries instead of preprocessing again."""
     prefix, suffix = T.split(pipeline)
     if identity is None or not prefix:
         return base, pipeline
     disk = PersistentDataset(base, prefix, disk_dir(cache_dir), identity=identity)
-    log.info("data.cache_dir: the cached prefix is read through the disk cache in %s", disk.dir)
+    log.info("data.cache_dir: the %s set's cached prefix is read through the disk cache in %s", which, disk.dir)
     return disk, suffix
 
 
