@@ -21,6 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from fastvision.benchmark.target import olympic
 from fastvision.errors import ConfigError
 
 
@@ -53,12 +54,6 @@ def measured_items(report: dict[str, Any]) -> int | None:
     return items if isinstance(items, int) and items > 0 else None
 
 
-def _olympic(values: list[float]) -> float:
-    from fastvision.benchmark.target import olympic
-
-    return olympic(values)[0]
-
-
 def forecast(report: dict[str, Any], source: str, epoch_s: list[float] | None, gpus: int, price: float | None,
              recipe: str, global_batch: int, items: int | None) -> tuple[dict[str, Any] | None, list[str]]:
     """The distribution of training time to ``report``'s target: each converged seed's epochs x
@@ -70,7 +65,7 @@ def forecast(report: dict[str, Any], source: str, epoch_s: list[float] | None, g
                       "from before fastvision recorded it); pass --data DIR or --dataset-size N"]
     reached = sorted(r["epochs"] for r in report["rows"] if r["reached"])
     runs = len(report["rows"])
-    med, oly = statistics.median(reached), _olympic(reached)
+    med, oly = statistics.median(reached), olympic(reached)[0]
     fast, slow = epoch_s
 
     def span(lo_epochs: float, hi_epochs: float) -> list[float]:

@@ -66,7 +66,7 @@ def uniform(keys: np.ndarray, call: int, n: int) -> np.ndarray:
     float32. Each sample has a stream of its own; a draw of up to 2**24 numbers never reaches the next."""
     with np.errstate(over="ignore"):
         steps = (np.arange(call << 24, (call << 24) + n, dtype=np.uint64)) * _U_GOLDEN
-        z = _mix(keys[:, None] + steps if keys.dtype == np.uint64 else keys.astype(np.uint64)[:, None] + steps)
+        z = _mix(keys.astype(np.uint64, copy=False)[:, None] + steps)
     return (z >> _U40).astype(np.float32) * np.float32(2.0 ** -24)
 
 
