@@ -3,10 +3,10 @@ per-rank generator, the same ops on the same batches, interleaved in one process
 
     python benchmarks/augment_rng.py [--device cpu|cuda] [--rounds 7] [--json OUT]
 
-Two pipelines: nnU-Net's augmentation as ``configure --trainer nnunet`` writes it (3-D, 2 x 1 x 24 x 32 x 32
-patches cut from 40 x 48 x 48, the generated CT plan) and the microscopy recipe's flips and rotations (2-D,
-16 x 1 x 128 x 128). Each round times ``--calls`` calls of each mode, alternating; the report is the median
-time per call and the ratio keyed / rank.
+Two pipelines: nnU-Net's augmentation as ``configure --trainer nnunet`` writes it (3-D, configure's own
+``augmentation`` function, on 2 x 1 x 24 x 32 x 32 patches, the generated CT plan) and the microscopy
+recipe's flips and rotations (2-D, 16 x 1 x 128 x 128). Each round times ``--calls`` calls of each mode,
+alternating; the report is the median time per call and the ratio keyed / rank.
 """
 from __future__ import annotations
 
@@ -19,22 +19,13 @@ import torch
 
 from fastvision.data.augment.keyed import sample_key
 from fastvision.data.augment.spatial import build_augment
+from fastvision.planning.configure.recipe import augmentation
 
-NNUNET = {
-    "crop": {"size": [40, 48, 48], "pos": 1, "neg": 2},
-    "flip": {"prob": 0.5, "axes": [0, 1, 2]},
-    "affine": {"prob": 1.0, "degrees": 30, "scale": [0.7, 1.4], "rotate_prob": 0.2, "zoom_prob": 0.2,
-               "sampling_scale": True, "size": [24, 32, 32]},
-    "noise": {"prob": 0.1, "std": 0.1},
-    "blur": {"prob": 0.2, "sigma": [0.5, 1.0], "channel_prob": 0.5},
-    "brightness": {"prob": 0.15},
-    "contrast": {"prob": 0.15},
-    "lowres": {"prob": 0.25, "range": [0.5, 1.0], "channel_prob": 0.5},
-    "gamma_inverted": {"prob": 0.1, "range": [0.7, 1.5], "per_channel": True, "retain_stats": True},
-    "gamma": {"prob": 0.3, "range": [0.7, 1.5], "per_channel": True, "retain_stats": True},
-}
+PATCH = [24, 32, 32]  # the generated CT plan's patch, batch 2
+# nnU-Net's augmentation exactly as `configure --trainer nnunet` writes it for that patch (its own function, not a copy)
+NNUNET = augmentation(PATCH, [1.5, 1.5, 1.5], None, "nnunet")[0]
 CASES = {  # name: (spatial dims, ops, image shape, label shape)
-    "nnunet-3d": (3, NNUNET, (2, 1, 56, 64, 64), (2, 56, 64, 64)),
+    "nnunet-3d": (3, NNUNET, (2, 1, *PATCH), (2, *PATCH)),
     "microscopy-2d": (2, {"flip": {"axes": [0, 1]}, "rot90": {}}, (16, 1, 128, 128), (16, 128, 128)),
 }
 
