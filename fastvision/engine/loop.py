@@ -190,7 +190,7 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: Checkpoints, summar
         stats = train_one_epoch(run, epoch, state, logger, meter, start, saver, doctor)
         if stats is None or saver.agree_stop(state, epoch, run.steps_per_epoch, meter):
             raise preempted()  # resume continues at this step
-        row = {"train_loss": stats["loss"], "lr": run.step.optimizer.param_groups[0]["lr"],
+        row = {"train_loss": stats["loss"], "lr": stats["lr"],
                "images_per_s": stats["images_per_s"], "epoch_time_s": stats["time_s"]}
         if (epoch + 1) % tc.val_every == 0 or epoch + 1 == tc.epochs:
             row.update(evaluate(eval_model(run.model, run.step.ema), task, run.val_loader, run.device,
@@ -331,6 +331,7 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
     meter.start()
     t_log, last_log = meter.t_start, start
     batches = iter(run.train_loader)
+    out = None
     for i in range(start + 1, steps + 1):
         out = first_step(run, batches, wait) if state["step"] == 0 else train_step(step, batches, wait)
         meter.add(out.loss, out.skipped, out.images)
@@ -346,7 +347,7 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
             now = time.perf_counter()
             micro = (i - start) * step.micro_steps
             logger.step(epoch, i, state["step"], {
-                "loss": float(out.loss), "lr": step.optimizer.param_groups[0]["lr"],
+                "loss": float(out.loss), "lr": out.lr,
                 "images_per_s": meter.images * distributed.world_size() / max(meter.elapsed(now), 1e-9),
                 "step_time_s": (now - t_log) / (i - last_log),
                 "data_time_s": wait.seconds / micro, "compute_time_s": (now - meter.t_start - wait.seconds) / micro})
@@ -358,7 +359,8 @@ def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter:
     totals = distributed.all_reduce_sum(meter.counts[:2].double())
     mean_loss = float(totals[0] / totals[1]) if float(totals[1]) else math.nan
     return {"loss": mean_loss, "images_per_s": meter.images * distributed.world_size() / max(elapsed, 1e-9),
-            "time_s": elapsed}
+            "time_s": elapsed,  # and the rate the epoch's last step applied
+            "lr": out.lr if out is not None else step.optimizer.param_groups[0]["lr"]}
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ make their own.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -35,12 +36,15 @@ class StepResult(NamedTuple):
             log intervals: reading it is a host sync.
         ids: each micro-batch's item names as the task gives them (``Task.item_ids``), unread (a
             device tensor is read only when a message names a skipped batch's items).
+        lr: the first parameter group's learning rate this step applied (read before the schedule
+            advances: the optimizer's own value afterwards is the next step's).
     """
 
     loss: torch.Tensor
     images: int
     skipped: torch.Tensor
     ids: tuple = ()
+    lr: float = math.nan
 
 
 @dataclass
@@ -116,6 +120,7 @@ def train_step(state: StepState, batches: Iterator[Any], clock: Callable[[str], 
         images += task.batch_size(batch)
     mark("optimizer")
     loss = torch.stack(micro_losses).mean()
+    lr = optimizer.param_groups[0]["lr"]
     with distributed.synchronized(optimizer):  # horovod: all-reduce done before the checks, clip and step
         found_inf = _found_inf(state)
         if state.clip_grad:
@@ -133,7 +138,7 @@ def train_step(state: StepState, batches: Iterator[Any], clock: Callable[[str], 
     if state.ema is not None:
         state.ema.update_parameters(state.bare if state.bare is not None else model, found_inf)
     mark("end")
-    return StepResult(loss, images, found_inf, tuple(ids))
+    return StepResult(loss, images, found_inf, tuple(ids), float(lr))
 
 
 def _checks(state: StepState) -> bool:

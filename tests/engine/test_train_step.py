@@ -174,3 +174,19 @@ def test_data_mode_runs_a_3d_recipe(tmp_path, capsys, monkeypatch):
                                    "--set", "data.args.patch_size=[16,16,16]", "--set", "data.num_workers=0")
     assert [r["cache"] for r in report["results"]] == ["none", "ram"]
     assert all(r["items"] == 2 * 2 and r["ms_per_item"] > 0 for r in report["results"])
+
+
+def test_logged_lr_is_the_rate_each_step_applied(tiny_microscopy, tmp_path):
+    """metrics.jsonl's lr at global step k is the rate step k trained with: a linear warm-up over the
+    first 4 steps from 0.1 x the peak gives 0.1, 0.325, 0.55, 0.775, then the peak (constant), by hand.
+    (Read after the schedule advanced, the first step logged the second step's 0.325.)"""
+    peak = 0.01
+    fastvision.train("unet2d-microscopy", out=str(tmp_path / "run"), **tiny_overrides(
+        tiny_microscopy, epochs=2, **{"train.steps_per_epoch": 3, "optim.lr": peak, "optim.ref_batch": None, "sched.name": "constant",
+                                      "sched.warmup_epochs": 4 / 3, "sched.warmup_start_factor": 0.1}))
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [e["data"]["lr"] for e in events if isinstance(e["step"], list) and len(e["step"]) == 2]
+    epochs = [e["data"]["lr"] for e in events if isinstance(e["step"], list) and len(e["step"]) == 1]
+    want = [peak * (0.1 + 0.9 * s / 4) if s < 4 else peak for s in range(6)]
+    assert steps == pytest.approx(want, rel=1e-9)
+    assert epochs == pytest.approx([want[2], want[5]], rel=1e-9)  # each epoch's last step
