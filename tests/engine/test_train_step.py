@@ -182,8 +182,9 @@ def test_logged_lr_is_the_rate_each_step_applied(tiny_microscopy, tmp_path):
     (Read after the schedule advanced, the first step logged the second step's 0.325.)"""
     peak = 0.01
     fastvision.train("unet2d-microscopy", out=str(tmp_path / "run"), **tiny_overrides(
-        tiny_microscopy, epochs=2, **{"train.steps_per_epoch": 3, "optim.lr": peak, "optim.ref_batch": None, "sched.name": "constant",
-                                      "sched.warmup_epochs": 4 / 3, "sched.warmup_start_factor": 0.1}))
+        tiny_microscopy, epochs=2, **{"train.steps_per_epoch": 3, "optim.lr": peak, "optim.ref_batch": None,
+                                      "sched.name": "constant", "sched.warmup_epochs": 4 / 3,
+                                      "sched.warmup_start_factor": 0.1}))
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [e["data"]["lr"] for e in events if isinstance(e["step"], list) and len(e["step"]) == 2]
     epochs = [e["data"]["lr"] for e in events if isinstance(e["step"], list) and len(e["step"]) == 1]

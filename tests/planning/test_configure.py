@@ -444,3 +444,32 @@ def test_nnunet_trainer_options_of_issue_41_third_pass(tmp_path, monkeypatch):
     run_training(str(tmp_path / "recipe.yaml"), out=str(tmp_path / "run"), overrides={"epochs": 1},
                  extra=[{"model": {"args": {"filters": [4, 8, 16, 32, 64][:len(cfg.model.args["filters"])]}},
                          "data": {"cache": "ram", "cache_dir": None, "args": {"num_folds": 2}}}], progress=False)
+
+
+def test_fewer_cases_than_five_folds_get_one_case_a_fold(tmp_path, capsys):
+    """3 cases cannot be cut into nnU-Net's 5 folds (train stopped on the configured recipe with "3 cases
+    cannot be split into 5 folds"): configure writes data.args.num_folds 3, commented, and every fold
+    trains; a single case is one line naming the folder, exit 2, nothing written."""
+    pytest.importorskip("nibabel")
+    from fastvision.api import run_training
+    from fastvision.cli import main
+    from fastvision.config import load
+    from fastvision.data.synth import load_all
+
+    data = load_all().get("prostate")(tmp_path / "three", seed=0, cases=3, size=24, slices=14)
+    assert main(["configure", str(data), "--memory", "8GiB", "--out", str(tmp_path / "r.yaml")]) == 0
+    text = (tmp_path / "r.yaml").read_text()
+    assert "num_folds: 3  # one case a fold: 3 cases cannot be cut into nnU-Net's 5 folds" in text
+    cfg = load(str(tmp_path / "r.yaml"))
+    assert cfg.data.args["num_folds"] == 3
+    run_training(str(tmp_path / "r.yaml"), out=str(tmp_path / "run"), overrides={"epochs": 1},
+                 extra=[{"model": {"args": {"filters": [4, 8, 16, 32][:len(cfg.model.args["filters"])]}},
+                         "data": {"cache": "none", "cache_dir": None, "args": {"fold": 2}}}], progress=False)
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
+
+    one = load_all().get("prostate")(tmp_path / "one", seed=0, cases=1, size=24, slices=14)
+    capsys.readouterr()
+    assert main(["configure", str(one), "--memory", "8GiB", "--out", str(tmp_path / "one.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(one) in err[0] and "1 training case" in err[0], err
+    assert not (tmp_path / "one.yaml").exists()

@@ -22,7 +22,14 @@ from fastvision.planning.configure.rules import (
     Topology,
     features,
 )
-from fastvision.planning.configure.trainer import initial_patch, nnunet_augment, nnunet_overrides, trainer_choices
+from fastvision.planning.configure.trainer import (
+    NUM_FOLDS,
+    initial_patch,
+    nnunet_augment,
+    nnunet_overrides,
+    num_folds,
+    trainer_choices,
+)
 
 
 def _model(fp: dict[str, Any], topo: Topology, base: str, thin: bool) -> dict[str, Any]:
@@ -109,6 +116,9 @@ def recipe_overrides(fp: dict[str, Any], geo: dict[str, Any], topo: Topology, no
             "patch_size": patch, "pos_fraction": 0.33}, "augment": augment},
         "train": {"batch_size": batch, "amp": "auto"},
     }
+    folds = num_folds(fp["n_cases"], data)
+    if folds < NUM_FOLDS:  # one case a fold: 5 folds of fewer cases cannot be cut
+        out["data"]["args"]["num_folds"] = folds
     if regions:  # nnU-Net's region training: a sigmoid per region, every channel a foreground region
         out["loss"] = {"args": {"sigmoid": True, "softmax": False, "include_background": True}}
     elif base == "segresnet":
@@ -165,6 +175,9 @@ def choices(plan: dict[str, Any]) -> list[tuple[str, Any, str]]:
                   + (f"; axis {thin} has < {2 * MIN_EDGE} voxels: a thin stack, trained slice-wise (2-D)"
                      if thin is not None else ""))
     patch = list(topo.patch)
+    if "num_folds" in d:
+        rows.append(("data.args.num_folds", d["num_folds"],
+                     f"one case a fold: {fp['n_cases']} cases cannot be cut into nnU-Net's {NUM_FOLDS} folds"))
     rows.append(("data.args.patch_size", d["patch_size"],
                  (f"nnU-Net's enlarged initial patch for the network's {_vec(patch)} (its get_patch_size over the "
                   "rotation, margins rounded to even: the affine samples the network's patch from it); the network's: "

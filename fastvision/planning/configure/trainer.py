@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, DataError
 
 TRAINERS = ("fast", "nnunet")
 # docs/configure.md "Which trainer": in benchmarks/train_vs_nnunet.py nnunet reached the common Dice as soon or
@@ -54,11 +54,25 @@ def check_trainer(trainer: str, base: str) -> None:
                           "(use --base unet3d, or --trainer fast)")
 
 
-def steps_per_epoch(n_cases: int, batch: int, num_folds: int = 5, gpus: int = 1) -> int:
+NUM_FOLDS = 5  # nnU-Net's cross-validation (and data.args.num_folds' default)
+
+
+def num_folds(n_cases: int, where: str = "the dataset") -> int:
+    """nnU-Net's 5 folds, or one case a fold for fewer cases (nnU-Net's KFold(5) stops there); 2 at least:
+    a fold must leave a case to validate on and one to train on."""
+    if n_cases < 2:
+        raise DataError(f"{where}: {n_cases} training case(s); a planned recipe validates on a held-out fold, "
+                        "which needs 2 cases or more")
+    return min(NUM_FOLDS, n_cases)
+
+
+def steps_per_epoch(n_cases: int, batch: int, folds: int | None = None, gpus: int = 1) -> int:
     """Optimizer steps in one pass over fold 0's training cases (``kfold_split``: fold 0 holds
-    ``ceil(n / folds)`` cases) at ``batch`` per GPU on ``gpus`` GPUs: each rank steps through its
-    ``ceil(cases / gpus)`` share (the training sampler pads it), so N GPUs take about 1/N the steps."""
-    return max(1, math.ceil((n_cases - math.ceil(n_cases / num_folds)) / gpus) // batch)
+    ``ceil(n / folds)`` cases; ``folds`` None: :func:`num_folds`) at ``batch`` per GPU on ``gpus`` GPUs:
+    each rank steps through its ``ceil(cases / gpus)`` share (the training sampler pads it), so N GPUs
+    take about 1/N the steps."""
+    folds = folds or num_folds(n_cases)
+    return max(1, math.ceil((n_cases - math.ceil(n_cases / folds)) / gpus) // batch)
 
 
 def initial_patch(patch: list[int], degrees: float, dummy_2d: bool, coarse: int) -> list[int]:
