@@ -24,7 +24,8 @@ training gives (:func:`fastvision.data.spatial3d.label_onto_image`: one rule for
 Bad inputs: channels of one case on different grids, or label values that dataset.json does not
 name, stop with one line naming the case (training would fail or learn wrong classes); a case with
 no foreground, or far off the others' spacing (more than ``FAR_SPACING`` x the median on an axis),
-is listed under ``anomalies`` and logged as one warning line naming the cases.
+is listed under ``anomalies`` and logged as one warning line naming the cases, as is a case whose label was
+resampled onto its image grid (from the record: a cached fingerprint names them too).
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 
 SAMPLES_PER_CASE = 10_000  # foreground voxels per case for the intensity statistics
 FAR_SPACING = 2.0  # a case whose spacing is this far (either way) from the median on an axis is named
-_VERSION = 2  # bump when the per-case record changes: it is part of the cache key
+_VERSION = 3  # bump when the per-case record changes: it is part of the cache key
 
 
 def _read_ras(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -97,7 +98,7 @@ def case_fingerprint(case: dict[str, Any], samples_per_case: int = SAMPLES_PER_C
         seed: sampling seed (with the case id, so a case's sample does not depend on the others).
 
     Returns:
-        ``{"id", "shape", "spacing", "shape_after_crop", "label_counts": {value: voxels},
+        ``{"id", "shape", "spacing", "shape_after_crop", "label_counts": {value: voxels}, "label_resampled",
         "samples": [[floats] per channel]}``.
     """
     channels, affine = [], None
@@ -121,7 +122,8 @@ def case_fingerprint(case: dict[str, Any], samples_per_case: int = SAMPLES_PER_C
         label = label.astype(np.int16)  # training's label dtype (preprocess3d._load_case)
     # training's rule: a label on another grid is resampled onto the image grid, with a warning
     moved = label_onto_image(label, label_affine, affine, image.shape[:3], str(case["label"]))
-    if moved is not label:
+    resampled = moved is not label
+    if resampled:
         counts = label_counts(moved, str(case["label"]))
     label = moved
     box = foreground_box(torch.from_numpy((image != 0).any(-1)))
@@ -134,7 +136,8 @@ def case_fingerprint(case: dict[str, Any], samples_per_case: int = SAMPLES_PER_C
         v = image[..., c][fg]
         samples.append((v if pick is None else v[np.sort(pick)]).astype(float).tolist())
     return {"id": case["id"], "shape": list(image.shape[:3]), "spacing": [float(s) for s in spacing],
-            "shape_after_crop": [b - a for a, b in box], "label_counts": counts, "samples": samples}
+            "shape_after_crop": [b - a for a, b in box], "label_counts": counts, "label_resampled": resampled,
+            "samples": samples}
 
 
 def _cached(case: dict[str, Any], cache: Path | None, samples_per_case: int) -> dict[str, Any]:
@@ -254,7 +257,10 @@ def summarize(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -
                                                          median_spacing / np.asarray(r["spacing"])) > FAR_SPACING)]
     anomalies = {k: v for k, v in {
         "cases with an empty label (no foreground)": empty,
-        f"cases more than {FAR_SPACING:g}x off the median spacing on an axis": far}.items() if v}
+        f"cases more than {FAR_SPACING:g}x off the median spacing on an axis": far,
+        # listed from the record, so a cached fingerprint names them too (the reader's warning fires once, uncached)
+        "cases whose label is on another grid than its image (resampled onto it, nearest)":
+            [r["id"] for r in records if r.get("label_resampled")]}.items() if v}
     for kind, ids in anomalies.items():
         log.warning("%s: %d %s: %s", path, len(ids), kind, ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else ""))
     return {

@@ -97,6 +97,15 @@ def test_inspect_lists_labels_on_another_grid(sets, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "spleen_2.nii.gz: label grid (16, 16, " in err and "(same origin and axes)" in err
     assert "spleen_3.nii.gz" in err and "voxels apart" in err and "spleen_4" not in err
+    # the fingerprint lists them as an anomaly from its records: again when every case comes from its cache
+    # (the reader's per-file warning does not fire then; the cached run named nothing before)
+    for run in ("read", "cached"):
+        assert main(["data", "inspect", str(d), "--fingerprint", "--json", str(tmp_path / f"{run}.json")]) == 0, run
+        err = capsys.readouterr().err
+        assert "2 cases whose label is on another grid than its image" in err and "spleen_2, spleen_3" in err, run
+        listed = json.loads((tmp_path / f"{run}.json").read_text())["anomalies"]
+        assert listed["cases whose label is on another grid than its image (resampled onto it, nearest)"] == [
+            "spleen_2", "spleen_3"], run
 
 
 def test_recipe_for_another_channel_count_is_one_line(sets, tmp_path, capsys):

@@ -212,8 +212,8 @@ def test_label_on_another_grid_is_resampled_as_training_does(tmp_path):
 
 def test_a_resampled_label_reaches_the_cli_user_as_one_log_line(tmp_path):
     """``fastvision data inspect DIR --fingerprint`` in a real process, on a case whose label is one
-    voxel off its image: stderr has one ``fastvision: warning:`` line naming the label file, and no
-    Python warning format (category, fastvision source line)."""
+    voxel off its image: stderr has one ``fastvision: warning:`` line naming the label file (and the
+    fingerprint's anomaly line naming the case), and no Python warning format (category, source line)."""
     import subprocess
     import sys
 
@@ -230,6 +230,9 @@ def test_a_resampled_label_reaches_the_cli_user_as_one_log_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fastvision", "data", "inspect", str(root), "--fingerprint"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if "resampled" in line]
+    lines = [line for line in proc.stderr.splitlines() if "label grid" in line]
     assert len(lines) == 1 and lines[0].startswith(f"fastvision: warning: {moved}: label grid")
+    # and the fingerprint's anomaly line, which a cached run prints too
+    assert f"{root}: 1 cases whose label is on another grid than its image (resampled onto it, nearest): c0" in (
+        proc.stderr)
     assert "Warning:" not in proc.stderr and "warnings.warn" not in proc.stderr and ".py:" not in proc.stderr
