@@ -109,18 +109,22 @@ def labels_on_input(probs: Tensor, meta: dict, to_labels: Callable[[Tensor], Ten
 
 
 def save_segmentation(label: np.ndarray, reference_nifti_path: str | Path, out_path: str | Path,
-                      brats_ids: bool = False) -> Path:
+                      ids: dict[int, int] | None = None) -> Path:
     """Write a label map on the input file's grid (:func:`labels_on_input`) as uint8 NIfTI.
 
     Args:
         label: (X, Y, Z) integer class indices in the input file's voxel order.
         reference_nifti_path: the case's (first) input image.
         out_path: output path.
-        brats_ids: map class 3 back to BraTS label 4.
+        ids: class index -> the value written, all at once (the training files' label ids:
+            :func:`prediction_preprocessing`); None writes the class indices.
     """
     label = np.asarray(label).astype(np.uint8)
-    if brats_ids:
-        label = np.where(label == 3, np.uint8(4), label)
+    if ids:
+        out = label.copy()
+        for cls, value in ids.items():
+            out[label == cls] = value
+        label = out
     return write_nifti(label, reference_nifti_path, out_path)
 
 
@@ -171,18 +175,23 @@ def _brats_release_uses_4(data_args: dict) -> bool:
         return True
 
 
-def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any, bool]:
-    """The run's preprocessing (from ``cfg.data.args``) and whether outputs use BraTS ids (3 -> 4).
+def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any, dict[int, int] | None]:
+    """The run's preprocessing (from ``cfg.data.args``) and the label ids its outputs are written in:
+    the training files' own. Raw BraTS: the release's (enhancing tumour 4 in 2017-2021, 3 in 2023-2024
+    GLI); Decathlon Task01: its MSD ids (1 edema, 2 non-enhancing, 3 enhancing, as its dataset.json names
+    them), which loading renumbered to fastvision's BraTS classes (1 core, 2 edema, 3 enhancing).
 
     Decathlon runs read the run's ``dataset.json`` (if still at ``data.args.path``) to resolve
-    ``intensity: auto`` and to recognise Task01 (BraTS ids); without it, ``intensity`` must be set
-    and a 4-channel, 4-class task counts as BraTS.
+    ``intensity: auto`` and to recognise Task01; without it, ``intensity`` must be set and a
+    4-channel, 4-class task counts as Task01 with MSD's standard ids.
 
     Returns:
-        (:class:`~fastvision.data.preprocess3d.PreprocessParams`, brats_ids).
+        (:class:`~fastvision.data.preprocess3d.PreprocessParams`, ``{class: value written}`` or None
+        for the class indices themselves).
     """
     import json
 
+    from fastvision.data.formats.decathlon import MSD_BRAIN_LABELS
     from fastvision.data.preprocess3d import PreprocessParams
     from fastvision.errors import ConfigError
 
@@ -195,7 +204,7 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
               "nonfinite": str(data_args.get("nonfinite", "error")),  # a NaN input: the run's policy
               "resample": str(data_args.get("resample", "monai"))}
     if data_name == "brats":
-        return PreprocessParams(intensity="mri", **common), _brats_release_uses_4(data_args)
+        return PreprocessParams(intensity="mri", **common), ({3: 4} if _brats_release_uses_4(data_args) else None)
     meta_file = Path(str(data_args.get("path", ""))) / "dataset.json"
     meta = json.loads(meta_file.read_text()) if data_args.get("path") and meta_file.is_file() else None
     intensity = data_args.get("intensity", "auto")
@@ -204,12 +213,16 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
             raise ConfigError(f"data.args.intensity=auto needs {meta_file} to tell CT from MRI; it is gone")
         intensity = "ct" if [str(m).upper() for m in meta.get("modality", {}).values()] == ["CT"] else "mri"
     if meta is not None:
-        names = {str(v).lower() for v in meta.get("labels", {}).values()}
-        brats = {"edema", "non-enhancing tumor", "enhancing tumour"} <= names
+        names = {str(v).lower(): int(k) for k, v in meta.get("labels", {}).items()
+                 if str(k).lstrip("-").isdigit()}
+    elif getattr(task, "num_classes", 0) == 4 and tuple(getattr(task, "sample_shape", ()))[:1] == (4,):
+        names = {"edema": 1, "non-enhancing tumor": 2, "enhancing tumour": 3}  # MSD Task01's
     else:
-        brats = getattr(task, "num_classes", 0) == 4 and tuple(getattr(task, "sample_shape", ()))[:1] == (4,)
+        names = {}
+    ids = {cls: names[name] for name, cls in MSD_BRAIN_LABELS.items()} if set(MSD_BRAIN_LABELS) <= set(
+        names) else None  # Task01: loading renumbered its ids to BraTS classes; written back in its own
     window = tuple(map(float, data_args.get("window", (-57.0, 164.0, 0.0, 1.0))))
-    return PreprocessParams(intensity=intensity, window=window, **common), brats
+    return PreprocessParams(intensity=intensity, window=window, **common), ids
 
 
 def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Sequence[Sequence[int]] = (),
@@ -233,7 +246,7 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
     """
     from fastvision.data.preprocess3d import preprocess_case
 
-    params, brats_ids = prediction_preprocessing(ensemble.task, cfg.data.name, cfg.data.args)
+    params, ids = prediction_preprocessing(ensemble.task, cfg.data.name, cfg.data.args)
     mine = shard(cases, rank, world)
     todo = [c for c in mine if force or not (out / f"{c['id']}.nii.gz").is_file()]
     written: list[Path] = []
@@ -249,7 +262,7 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
     def export(case: dict, pre: dict, probs: Tensor) -> None:
         label = postprocess.apply(labels_on_input(probs, pre["meta"], ensemble.labels, softmax,
                                                   logits=ensemble.nnunet), steps)
-        written.append(save_segmentation(label, case["image"][0], out / f"{case['id']}.nii.gz", brats_ids=brats_ids))
+        written.append(save_segmentation(label, case["image"][0], out / f"{case['id']}.nii.gz", ids=ids))
 
     run_pipeline(todo, prepare, infer, export, overlap=overlap)
     for c in mine:  # temp files that a killed earlier writer of this rank's cases left behind
@@ -267,9 +280,10 @@ def predict_nifti_files(task, model: torch.nn.Module, files: Sequence[Path], out
     task's ``sliding_window`` settings (softmax / sigmoid of the blended logits; the recipe's
     ``tta_flips`` if it sets them), turned into class indices (argmax, or regions -> labels for
     sigmoid regions), returned to the input's voxel grid and written with the input's affine and
-    header; BraTS / Task01 runs write BraTS ids (3 -> 4). The model runs under the caller's
-    autocast: :func:`fastvision.api.predict` enters the run's ``runtime.Precision``, the one
-    amp -> dtype rule that training and ``evaluate`` use. Existing outputs are replaced.
+    header; labels in the training files' ids (raw BraTS: its release's, 3 -> 4 for 2017-2021; Task01:
+    MSD's). The model runs under the caller's autocast: :func:`fastvision.api.predict` enters the run's
+    ``runtime.Precision``, the one amp -> dtype rule that training and ``evaluate`` use. Existing outputs
+    are replaced.
     ``fastvision predict`` runs the same :func:`predict_cases` with folds, mirroring,
     postprocessing and shards.
 

@@ -69,4 +69,4 @@ def test_cli_predict_writes_nifti_with_input_affine(tmp_path):
     ref, got = nib.load(str(image)), nib.load(str(tmp_path / "pred" / "BRATS_006.nii.gz"))
     assert got.shape == ref.shape[:3]
     np.testing.assert_allclose(got.affine, ref.affine, atol=1e-6)
-    assert set(np.unique(np.asarray(got.dataobj)).tolist()) <= {0, 1, 2, 4}  # BraTS ids on output
+    assert set(np.unique(np.asarray(got.dataobj)).tolist()) <= {0, 1, 2, 3}  # Task01's MSD ids on output

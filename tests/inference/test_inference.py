@@ -124,7 +124,7 @@ def test_save_segmentation_returns_to_input_space(tmp_path):
     # The preprocessed label, one-hot, is the prediction; written back it must equal the input label file.
     probs = torch.nn.functional.one_hot(item["label"].long(), 4).movedim(-1, 0).float()
     on_input = labels_on_input(probs, item["meta"], lambda p: p.argmax(0), softmax=True)
-    save_segmentation(on_input, tmp_path / "img.nii.gz", tmp_path / "pred.nii.gz", brats_ids=True)
+    save_segmentation(on_input, tmp_path / "img.nii.gz", tmp_path / "pred.nii.gz", ids={3: 4})  # a BraTS release
     back = nib.load(str(tmp_path / "pred.nii.gz"))
     want = np.where(label == 3, 4, label)
     np.testing.assert_array_equal(np.asarray(back.dataobj), want)
@@ -308,15 +308,38 @@ def test_predict_raw_brats_folder_regions_to_brats_ids(tmp_path):
 def test_prediction_preprocessing_from_run_args(tmp_path):
     task = SegmentationTask(num_classes=4, sample_shape=[4, 8, 8, 8], loss=nn.MSELoss())
     dec = load_all().get("brats")(tmp_path / "Task01", seed=0, cases=1, test_cases=1, size=12)
-    params, brats = prediction_preprocessing(task, "decathlon",
-                                             {"path": str(dec), "intensity": "auto", "crop_margin": 2})
-    assert (params.intensity, params.crop_margin, brats) == ("mri", 2, True)
+    params, ids = prediction_preprocessing(task, "decathlon",
+                                           {"path": str(dec), "intensity": "auto", "crop_margin": 2})
+    assert (params.intensity, params.crop_margin) == ("mri", 2)
+    assert ids == {1: 2, 2: 1, 3: 3}  # BraTS classes back to Task01's MSD ids (1 edema, 2 non-enhancing)
     spl = load_all().get("spleen")(tmp_path / "Task09", seed=0, cases=1, test_cases=0, size=12)
-    params, brats = prediction_preprocessing(task, "decathlon", {"path": str(spl), "target_spacing": [1.5, 1.5, 2]})
-    assert (params.intensity, params.target_spacing, brats) == ("ct", (1.5, 1.5, 2.0), False)
+    params, ids = prediction_preprocessing(task, "decathlon", {"path": str(spl), "target_spacing": [1.5, 1.5, 2]})
+    assert (params.intensity, params.target_spacing, ids) == ("ct", (1.5, 1.5, 2.0), None)
     with pytest.raises(ConfigError, match="dataset.json"):
         prediction_preprocessing(task, "decathlon", {"path": str(tmp_path / "moved")})
     assert [c["id"] for c in prediction_cases(sorted((dec / "imagesTs").iterdir()))] == ["BRATS_002"]
+
+
+def test_task01_predictions_are_written_in_its_own_label_ids(tmp_path):
+    """A Task01 run's label, loaded as training loads it (MSD ids renumbered to BraTS classes) and predicted
+    perfectly, is written back equal to the case's labelsTr file: MSD ids, not BraTS's 0/1/2/4 (which a user
+    comparing with labelsTr read as edema and core swapped). Also with dataset.json gone (MSD's standard ids)."""
+    from fastvision.data.formats import DATASETS
+
+    dec = load_all().get("brats")(tmp_path / "Task01", seed=0, cases=2, test_cases=0, size=16)
+    splits = DATASETS.build("decathlon", {"path": str(dec), "num_folds": 2, "crop_foreground": False})
+    label_map = tuple((int(a), b) for a, b in splits.info["label_convention"]["label_map"].items())
+    case = {"image": [dec / "imagesTr" / "BRATS_001.nii.gz"], "label": dec / "labelsTr" / "BRATS_001.nii.gz"}
+    item = preprocess_case(case, PreprocessParams(intensity="mri", crop_foreground=False, label_map=label_map))
+    msd = np.asarray(nib.load(str(case["label"])).dataobj)
+    assert {1, 2, 3} <= set(np.unique(msd).tolist()) and not torch.equal(item["label"], torch.from_numpy(msd))
+    task = SegmentationTask(num_classes=4, sample_shape=[4, 8, 8, 8], loss=nn.MSELoss())
+    probs = torch.nn.functional.one_hot(item["label"].long(), 4).movedim(-1, 0).float()
+    on_input = labels_on_input(probs, item["meta"], lambda p: p.argmax(0), softmax=True)
+    for where in (dec, tmp_path / "moved"):  # dataset.json read / gone
+        _, ids = prediction_preprocessing(task, "decathlon", {"path": str(where), "intensity": "mri"})
+        out = save_segmentation(on_input, case["image"][0], tmp_path / f"{where.name}.nii.gz", ids=ids)
+        np.testing.assert_array_equal(np.asarray(nib.load(str(out)).dataobj), msd)
 
 
 

@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 # Class names of the BraTS ids 0..3, as seed 000 names its per-label Dice.
 BRATS_CLASS_NAMES = ["background", "tumor_core", "peritumoral_edema", "enhancing_tumor"]
-_MSD_BRAIN_LABELS = {"edema": 2, "non-enhancing tumor": 1, "enhancing tumour": 3}
+# Task01's label names -> fastvision's BraTS class; predict writes each class back as the file's id
+MSD_BRAIN_LABELS = {"edema": 2, "non-enhancing tumor": 1, "enhancing tumour": 3}
 
 
 def kfold_split(ids: Sequence[str], fold: int, num_folds: int, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -354,8 +355,8 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     class_names = [names[k] for k in sorted(names)]
     convention = {"layout": "msd", "file_labels": ", ".join(f"{k} {v}" for k, v in sorted(names.items())),
                   "label_map": "none"}
-    if set(_MSD_BRAIN_LABELS) <= set(names.values()):  # Task01: renumber to BraTS ids
-        label_map = tuple((k, _MSD_BRAIN_LABELS[v]) for k, v in names.items() if v in _MSD_BRAIN_LABELS)
+    if set(MSD_BRAIN_LABELS) <= set(names.values()):  # Task01: renumber to BraTS ids
+        label_map = tuple((k, MSD_BRAIN_LABELS[v]) for k, v in names.items() if v in MSD_BRAIN_LABELS)
         class_names = BRATS_CLASS_NAMES
         convention = {**convention, "layout": "msd-task01", "label_map": {str(a): b for a, b in label_map}}
     training = drop_unreadable(found["training"], _case_files, nifti_header, skip_unreadable, source)
