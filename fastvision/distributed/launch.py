@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -37,8 +38,50 @@ def launch_local(nproc: int, cmd: Sequence[str], environ: Mapping[str, str] | No
         # torchrun itself, its failure as the first failed worker's exit code in one line (distributed/torchrun.py)
         args = [sys.executable, "-m", "fastvision.distributed.torchrun", "--standalone", "--nproc-per-node", str(nproc),
                 *cmd]
+    # torchrun forwards these to its workers (torch >= 2.6 reads the variable; SIGUSR1 is SLURM's warning)
+    env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(FORWARDED))
     log.info("launching %d local workers: %s", nproc, " ".join(args))
-    return subprocess.run(args, env=env).returncode
+    return run_forwarding(args, env)
+
+
+# what a scheduler, `kill PID`, a closed terminal or Ctrl-C sends the launcher, passed on to the job's launcher
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+
+
+def run_forwarding(args: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run ``args`` (torchrun or horovodrun) in a process group of its own and pass every signal of
+    :data:`FORWARDED` this process gets to it, once; return its exit code. A ``kill`` of this process (a
+    Kubernetes pod's PID 1, a scheduler, a user) thus stops the workers the way it would stop one process
+    (their stop signal: checkpoint, exit 128 + N) instead of leaving torchrun and its workers training on
+    without a parent; a signal sent to the whole group (Ctrl-C, ``timeout``) reaches the launcher once,
+    through here, not a second time in the middle of its shutdown."""
+    proc = subprocess.Popen(list(args), env=dict(env), start_new_session=True)
+
+    def forward(signum, _frame) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {}
+    for name in FORWARDED:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            try:
+                previous[sig] = signal.signal(sig, forward)
+            except ValueError:  # not the main thread: the launcher's signals stay as they are
+                break
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # a SIGINT handler of the caller's own: pass it on, keep waiting
+                forward(signal.SIGINT, None)
+    except BaseException:  # the caller gave up (a time limit): nothing of the job outlives it
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def horovodrun_command(nproc: int, hosts: str | None = None) -> list[str]:

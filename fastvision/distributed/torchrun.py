@@ -5,7 +5,10 @@ torchrun reports a failed worker with its ``ChildFailedError`` traceback and a t
 whatever the worker's code was: 2 (a bad setting), 124 (the hang doctor's stop), 128 + N (a
 signal). ``--nproc`` runs through this module instead, so the command's exit status is the first
 failed worker's (a worker killed by a signal: 128 + the signal) and the failure is one line naming
-the rank; what the workers printed themselves (their one-line errors) is unchanged.
+the rank; what the workers printed themselves (their one-line errors) is unchanged. A stop signal
+torchrun itself gets (SIGTERM, ``--nproc``'s launcher passing one on) goes to the workers, and once they
+have stopped (their checkpoint written) the command exits 128 + the signal, as they did, without
+torchrun's ``SignalException`` traceback.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ def _how(failure) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -39,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         also = f" (then {', '.join(others)})" if others else ""
         print(f"fastvision: rank {rank} {_how(failure)} first{also}; the job stopped", file=sys.stderr, flush=True)
         return exit_code(failure.exitcode) or 1
+    except SignalException as e:  # torchrun passed the signal on to its workers and waited for them: they
+        return 128 + int(e.sigval)  # printed their stop (checkpoint written); end as they did, no traceback
     return 0
 
 

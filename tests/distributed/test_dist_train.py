@@ -279,3 +279,48 @@ def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path, train_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["epochs"] == epochs
     assert torch.load(last, map_location="cpu", weights_only=True)["epoch"] == epochs - 1
+
+
+def _tagged(tag: str) -> list[int]:
+    """PIDs of every live process whose environment carries ``tag`` (a launcher, torchrun, its workers)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and f"FV_TEST_TAG={tag}".encode() in (d / "environ").read_bytes().split(b"\0") \
+                    and b"State:\tZ" not in (d / "status").read_bytes():
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the processes through /proc")
+def test_sigterm_to_the_nproc_launcher_stops_its_workers_with_a_checkpoint(data, tmp_path):
+    """``kill PID`` of ``fastvision train --nproc 2`` (what a Kubernetes pod's PID 1 or a user gets): the
+    workers get the signal, checkpoint the step they are on and the command exits 143 with nothing of the job
+    left running (before, the launcher died alone and torchrun's workers trained on without a parent)."""
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = subprocess.Popen(_cmd(data, out, "--epochs", "50", "--batch-size", "2", "--nproc", "2",
+                                 "--set", "train.log_every=1"),
+                            cwd=ROOT, env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline and \
+                (not metrics.exists() or metrics.read_text().count('"step": [') < 3):
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone, as `kill PID` does
+        err = proc.communicate(timeout=90)[1]
+        deadline = time.monotonic() + 10
+        while _tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = _tagged(tag)
+    finally:
+        proc.kill()
+        for pid in _tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 143 and not left, (proc.returncode, left, err[-3000:])
+    assert err.count("stopped by SIGTERM") == 2 and "Traceback" not in err, err[-3000:]
+    step = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["step"]
+    assert 0 < step < 50 * 4
