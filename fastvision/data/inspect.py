@@ -262,25 +262,20 @@ def _image_headers(files: list[str], limit: int, anomalies: dict[str, list[str]]
 
 @inspector("coco", lambda p: (p / "annotations").is_dir() and any((p / "annotations").glob("instances_*.json")))
 def inspect_coco(path: Path) -> dict[str, Any]:
-    import json
-
     from fastvision.data.formats.coco_check import (
         check_annotations,
         image_facts,
         missing_images,
+        read_instances,
     )
 
     report: dict[str, Any] = {"detected": "COCO instances (annotations/instances_<split>.json + <split>/)"}
     anomalies: dict[str, list[Any]] = {}
     for ann in sorted((path / "annotations").glob("instances_*.json")):
-        try:
-            data = json.loads(ann.read_text())
-            images, anns, cats = data["images"], data["annotations"], data["categories"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DataError(f"{ann}: not a COCO instances file ({e})") from e
+        data = read_instances(ann)  # one line naming the file where it is not COCO
+        images, cats = data["images"], data["categories"]
         split = ann.stem.removeprefix("instances_")
-        valid, bad = check_annotations(data)
-        usable = [a for a in anns if a.get("id") in valid]
+        usable, bad = check_annotations(data)
         names = {c["id"]: c["name"] for c in cats}
         with_boxes = {a["image_id"] for a in usable}
         boxless = sum(im["id"] not in with_boxes for im in images)

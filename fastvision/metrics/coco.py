@@ -68,7 +68,9 @@ def coco_metrics(coco_gt: Any, results: list[dict[str, Any]] | str | Path,
     """pycocotools bbox evaluation.
 
     Args:
-        coco_gt: ``pycocotools.coco.COCO`` or the path of an instances JSON.
+        coco_gt: ``pycocotools.coco.COCO`` or the path of an instances JSON (read by
+            :func:`~fastvision.data.formats.coco.load_coco`: its usable annotations, those the reader
+            skips are not ground truth either).
         results: result dicts or the path of a results JSON.
         img_ids: evaluate only these images (default: all images of ``coco_gt``).
 

@@ -173,3 +173,91 @@ def test_inspect_counts_valid_boxes_and_lists_anomalies(coco_root, capsys):
     assert main(["data", "inspect", str(coco_root)]) == 0
     out = capsys.readouterr().out
     assert "unknown category_id" in out and "(-1)" not in out
+
+
+def _edit(path: Path, fn) -> None:
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data))
+
+
+def test_skipped_annotations_are_not_ground_truth_of_the_evaluation(coco_root):
+    """The val file's degenerate / unknown-image / unknown-category annotations are skipped by the reader
+    and by COCOeval's ground truth alike: the reader's own boxes as detections score 1 (they scored
+    0.75-0.9 when the skipped boxes still counted as missed ground truth)."""
+    from fastvision.data.formats.coco import collate_detection
+    from fastvision.metrics.coco import COCOEvaluator, ground_truth_as_detections
+
+    splits = build(path=str(coco_root), image_size=32)
+    ev = COCOEvaluator(splits.info["val_ann_file"], splits.info["cat_ids"], (32, 32))
+    batch = collate_detection([splits.val[i] for i in range(len(splits.val))])
+    ev.update(ground_truth_as_detections(batch), batch)
+    metrics = ev.compute()
+    assert metrics["map"] == pytest.approx(1.0) and metrics["ap50"] == pytest.approx(1.0)
+
+
+def test_duplicate_annotation_id_is_reported_and_does_not_replace_the_first(coco_root, caplog):
+    """A merged export reusing an annotation id: pycocotools' index keeps the last one under that id, which
+    gave image 9 the box of image 25; the reader keeps the first, skips and reports the second."""
+    ann = coco_root / "annotations/instances_train2017.json"
+    _edit(ann, lambda d: d["annotations"].append(
+        {"id": 100, "image_id": 25, "category_id": 1, "bbox": [1.0, 2.0, 5.0, 6.0], "area": 30.0, "iscrowd": 0}))
+    with caplog.at_level(logging.WARNING):
+        train = build(path=str(coco_root), image_size=32).train
+    items = {train[i]["image_id"]: train[i] for i in range(len(train))}
+    assert items[9]["boxes"].tolist() == [[8, 4, 24, 20]] and items[9]["labels"].tolist() == [1]
+    assert items[25]["boxes"].shape == (0, 4)
+    w = [r.getMessage() for r in caplog.records if "instances_train2017.json" in r.getMessage()]
+    assert len(w) == 1 and "1 annotation id used before in the file (100)" in w[0]
+    with pytest.raises(DataError, match=r"instances_train2017.json: 1 invalid annotations"):
+        build(path=str(coco_root), image_size=32, invalid="error")
+    report = inspect_path(coco_root)
+    assert report["anomalies"]["train2017: annotations with annotation id used before in the file (skipped; ids)"] \
+        == "1 (100)"
+
+
+def test_truncated_jpeg_is_reported_by_inspect_and_skipped_on_request(coco_root, caplog):
+    """A download cut short keeps a readable header: inspect listed no anomaly and skip_unreadable kept the
+    image, so the run stopped on it mid-epoch. Both now read the file to its end."""
+    f = coco_root / "train2017/000000000025.jpg"
+    _jpeg(f, np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))  # mostly pixel data
+    f.write_bytes(f.read_bytes()[: f.stat().st_size * 3 // 4])
+    with Image.open(f) as im:  # the header still reads: only the pixels are cut
+        assert im.size == (32, 32)
+    an = inspect_path(coco_root)["anomalies"]
+    assert [v for k, v in an.items() if k.startswith("train2017: unreadable image file")] == ["1 (000000000025.jpg)"]
+    with caplog.at_level(logging.WARNING):
+        splits = build(path=str(coco_root), image_size=32, skip_unreadable=True)
+    assert splits.train.ids == [9]
+    assert any("skipped 1 unreadable" in r.getMessage() and "000000000025.jpg" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(DataError, match=r"000000000025.jpg.*truncated"):
+        build(path=str(coco_root), image_size=32).train.decode(1)
+
+
+@pytest.mark.parametrize("defect, where", [
+    (lambda d: d["images"][0].pop("file_name"), "images[0] (id 9) has no file_name"),
+    (lambda d: d["images"].append(dict(d["images"][0])), "images[2]: image id 9 listed twice"),
+    (lambda d: d["images"][1].update(id="25"), "images[1] has no integer id"),
+    (lambda d: d.pop("categories"), "no 'categories' list"),
+], ids=["no-file-name", "image-id-twice", "string-image-id", "no-categories"])
+def test_malformed_instances_file_is_one_line_in_train_and_inspect(coco_root, tmp_path, capsys, defect, where):
+    """A file that is not COCO in its structure: one line naming the file and the first bad entry, exit 2,
+    from train and from data inspect (an image without file_name was a KeyError traceback in both)."""
+    _edit(coco_root / "annotations/instances_train2017.json", defect)
+    for argv in (["data", "inspect", str(coco_root)],
+                 ["train", "ssd320-small-shapes", "--data", str(coco_root), "--out", str(tmp_path / "run"),
+                  "--device", "cpu"]):
+        rc = main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1, (argv[0], err)
+        assert "instances_train2017.json: not a COCO instances file" in err[0] and where in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_annotation_without_id_is_an_anomaly_not_a_traceback(coco_root, capsys):
+    _edit(coco_root / "annotations/instances_train2017.json", lambda d: d["annotations"][0].pop("id"))
+    assert main(["data", "inspect", str(coco_root)]) == 0
+    assert "annotation without an id" in capsys.readouterr().out
+    with pytest.raises(DataError, match=r"1 annotation without an id \(integer or string\) \(image 9\)"):
+        build(path=str(coco_root), image_size=32, invalid="error")

@@ -134,3 +134,29 @@ def image_header(path: Path) -> None:
     with Image.open(path) as im:
         im.size  # noqa: B018 - the header is parsed on open; touching size keeps linters honest
 
+
+
+# What a complete file of these formats ends with (after optional trailing padding).
+_END_MARKERS = {"JPEG": b"\xff\xd9", "PNG": b"IEND\xaeB`\x82"}
+
+
+def check_complete(im: Any, path: Path) -> None:
+    """Raise if the opened Pillow image ``im`` (of ``path``) does not decode to the end, e.g. a
+    truncated download. JPEG and PNG files that end with their end marker are taken as complete
+    (a read of the file's last bytes); others, and any file without the marker, are decoded in full."""
+    marker = _END_MARKERS.get(im.format)
+    if marker is not None:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 64))
+            if f.read().rstrip(b"\x00\r\n ").endswith(marker):
+                return
+    im.load()  # raises OSError ("image file is truncated") on missing data
+
+
+def image_decodes(path: Path) -> None:
+    """Raise if ``path`` is not an image that decodes to the end (header read, then
+    :func:`check_complete`): the probe of ``data.args.skip_unreadable`` for COCO images."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        check_complete(im, path)

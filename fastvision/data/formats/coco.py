@@ -34,10 +34,10 @@ from fastvision.data.formats.anomalies import (
     drop_unreadable,
     first_few,
     handle_invalid,
-    image_header,
+    image_decodes,
 )
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
-from fastvision.data.formats.coco_check import check_annotations
+from fastvision.data.formats.coco_check import check_annotations, read_instances
 from fastvision.data.transforms import RandomTransform, Transform
 from fastvision.errors import ConfigError, DataError
 from fastvision.registry import DATASETS
@@ -46,7 +46,13 @@ log = logging.getLogger(__name__)
 
 
 def load_coco(ann_file: str | Path):
-    """A ``pycocotools.coco.COCO`` index of ``ann_file`` (its progress prints are swallowed)."""
+    """A ``pycocotools.coco.COCO`` index of the usable annotations of ``ann_file``.
+
+    The file is read and its structure checked by :func:`.coco_check.read_instances` (one-line
+    DataError); annotations :func:`.coco_check.check_annotations` finds unusable (degenerate boxes,
+    unknown image or category ids, ids used twice ...) are left out of the index and listed in its
+    ``anomalies`` attribute (``{kind: [ids]}``), so training and the COCOeval ground truth see the same boxes.
+    """
     try:
         from pycocotools.coco import COCO
     except ImportError as e:  # optional dependency
@@ -54,11 +60,14 @@ def load_coco(ann_file: str | Path):
     ann_file = Path(ann_file)
     if not ann_file.is_file():
         raise DataError(f"COCO annotation file not found: {ann_file}")
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            return COCO(str(ann_file))
-    except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{ann_file}: not a COCO instances file ({e})") from e
+    data = read_instances(ann_file)
+    usable, anomalies = check_annotations(data)
+    coco = COCO()
+    coco.dataset = {**data, "annotations": usable}
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools reports by print
+        coco.createIndex()
+    coco.anomalies = anomalies
+    return coco
 
 
 def sample_crop(width: int, height: int, area: tuple[float, float] = (0.75, 1.0),
@@ -190,8 +199,7 @@ class CocoDetection(Dataset):
         self.image_dir = Path(image_dir)
         if not self.image_dir.is_dir():
             raise DataError(f"COCO image folder not found: {self.image_dir}")
-        self.valid_ann_ids, bad = check_annotations(self.coco.dataset)
-        handle_invalid(ann_file, bad, invalid)
+        handle_invalid(ann_file, self.coco.anomalies, invalid)
         self.cat_ids = list(cat_ids) if cat_ids is not None else sorted(self.coco.getCatIds())
         self.class_of = {c: k for k, c in enumerate(self.cat_ids)}
         unknown = set(self.coco.getCatIds()) - set(self.class_of)
@@ -214,7 +222,7 @@ class CocoDetection(Dataset):
                             f"({len(missing)} missing: {first_few(names)}; data.args.skip_unreadable=true skips them)")
         gone = set(missing)
         ids = [i for i in ids if i not in gone]
-        kept = drop_unreadable(ids, lambda i: [self.image_dir / self.coco.imgs[i]["file_name"]], image_header,
+        kept = drop_unreadable(ids, lambda i: [self.image_dir / self.coco.imgs[i]["file_name"]], image_decodes,
                                skip_unreadable, self.image_dir)
         if missing:
             log.warning("%s: skipped %d images listed in %s but not found: %s", self.image_dir, len(missing),
@@ -223,9 +231,8 @@ class CocoDetection(Dataset):
 
     def targets(self, image_id: int) -> tuple[Tensor, Tensor, Tensor]:
         """Original-pixel ``(boxes (N, 4) xyxy, labels (N,), iscrowd (N,))`` of the usable
-        annotations (invalid ones were reported when the dataset was built)."""
-        anns = self.coco.loadAnns(self.coco.getAnnIds(imgIds=image_id))
-        anns = [a for a in anns if a["id"] in self.valid_ann_ids]
+        annotations (the index holds only those; the others were reported when it was built)."""
+        anns = self.coco.imgToAnns.get(image_id, [])
         boxes = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
         boxes[:, 2:] += boxes[:, :2]
         labels = torch.tensor([self.class_of[a["category_id"]] for a in anns], dtype=torch.int64)

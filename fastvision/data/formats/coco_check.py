@@ -7,42 +7,106 @@ with one warning or a one-line error, per ``data.args.invalid``) and by ``fastvi
 Image files follow what pycocotools and the COCO evaluation assume: pixels as stored. An EXIF
 orientation tag is not applied, because COCO's ``width``/``height`` and boxes describe the stored
 bitmap; an image whose stored size differs from the file's ``width``/``height`` is reported.
+
+A file whose structure cannot be read as COCO (not JSON, no ``images`` list, an image without
+``id`` or ``file_name``, an image id listed twice) is one :class:`DataError` naming the file and the
+first such entry (:func:`read_instances`); single annotations that cannot be used are anomalies.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
+from fastvision.data.formats.anomalies import check_complete
+from fastvision.errors import DataError
+
 # Kinds of invalid annotation, in the order they are tested (the first that applies is reported).
+MISSING_ID = "annotation without an id (integer or string)"
+DUPLICATE_ID = "annotation id used before in the file"
 UNKNOWN_IMAGE = "unknown image_id"
 UNKNOWN_CATEGORY = "unknown category_id"
 BAD_BBOX = "missing or malformed bbox"
 DEGENERATE = "degenerate box (width or height <= 0)"
 OUTSIDE = "box outside its image"
 EXIF_ORIENTATION = 0x0112
+UNREADABLE = "unreadable image file (header or pixels do not decode, e.g. a truncated download)"
 
 
-def check_annotations(dataset: dict[str, Any]) -> tuple[set[int], dict[str, list[Any]]]:
+def read_instances(ann_file: str | Path) -> dict[str, Any]:
+    """The parsed instances JSON of ``ann_file``, its structure checked.
+
+    Raises:
+        DataError: one line naming the file and the first entry that is not COCO: not JSON, not an
+            object with ``images``, ``annotations`` and ``categories`` lists, an image without an integer
+            ``id`` or a ``file_name``, an image id listed twice, a category without ``id`` or ``name``,
+            an annotation that is not an object.
+    """
+    def bad(why: str) -> DataError:
+        return DataError(f"{ann_file}: not a COCO instances file ({why})")
+
+    try:
+        data = json.loads(Path(ann_file).read_bytes())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise bad(f"not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad(f"a JSON {type(data).__name__}, expected an object with images, annotations and categories")
+    for key in ("images", "annotations", "categories"):
+        if not isinstance(data.get(key), list):
+            raise bad(f"no {key!r} list")
+    seen: set[int] = set()
+    for k, im in enumerate(data["images"]):
+        if not isinstance(im, dict) or not isinstance(im.get("id"), int) or isinstance(im.get("id"), bool):
+            raise bad(f"images[{k}] has no integer id")
+        if not isinstance(im.get("file_name"), str) or not im["file_name"]:
+            raise bad(f"images[{k}] (id {im['id']}) has no file_name")
+        if im["id"] in seen:
+            raise bad(f"images[{k}]: image id {im['id']} listed twice")
+        seen.add(im["id"])
+    for k, c in enumerate(data["categories"]):
+        if not isinstance(c, dict) or "id" not in c or "name" not in c:
+            raise bad(f"categories[{k}] has no id or name")
+    for k, a in enumerate(data["annotations"]):
+        if not isinstance(a, dict):
+            raise bad(f"annotations[{k}] is not an object")
+    return data
+
+
+def check_annotations(dataset: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
     """Split a COCO instances dict's annotations into usable ones and anomalies.
+
+    An annotation id that was used before in the file (a merged export) is an anomaly: pycocotools
+    indexes annotations by id, so a second one would silently replace the first in training and in
+    COCOeval's ground truth; the first is kept.
 
     Args:
         dataset: the parsed JSON (``images``, ``annotations``, ``categories``).
 
     Returns:
-        (ids of usable annotations, ``{kind: [annotation ids]}`` of the rest; kinds with none omitted).
+        (the usable annotations in file order, ``{kind: [annotation ids]}`` of the rest; kinds with
+        none omitted).
     """
     images = {im.get("id"): im for im in dataset.get("images", [])}
     cats = {c.get("id") for c in dataset.get("categories", [])}
-    valid: set[int] = set()
+    usable: list[dict[str, Any]] = []
+    ids: set[Any] = set()
     bad: dict[str, list[Any]] = {}
     for a in dataset.get("annotations", []):
-        kind = _problem(a, images, cats)
-        if kind is None:
-            valid.add(a["id"])
+        ann_id = a.get("id")
+        if not isinstance(ann_id, (int, str)) or isinstance(ann_id, bool):
+            kind, ann_id = MISSING_ID, None
+        elif ann_id in ids:
+            kind = DUPLICATE_ID
         else:
-            bad.setdefault(kind, []).append(a.get("id"))
-    return valid, bad
+            kind = _problem(a, images, cats)
+        if ann_id is not None:
+            ids.add(ann_id)
+        if kind is None:
+            usable.append(a)
+        else:
+            bad.setdefault(kind, []).append(ann_id if ann_id is not None else f"image {a.get('image_id')}")
+    return usable, bad
 
 
 def _problem(a: dict[str, Any], images: dict[Any, dict], cats: set[Any]) -> str | None:
@@ -98,8 +162,9 @@ def image_facts(dataset: dict[str, Any], image_dir: Path, limit: int = 2000) -> 
                 modes[pil.mode] += 1
                 size = pil.size
                 orientation = pil.getexif().get(EXIF_ORIENTATION, 1)
+                check_complete(pil, path)
         except Exception:  # any decoder failure
-            anomalies.setdefault("unreadable image file", []).append(name)
+            anomalies.setdefault(UNREADABLE, []).append(name)
             continue
         if Path(name).suffix.lower() in (".jpg", ".jpeg") and formats and pil.format != "JPEG":
             anomalies.setdefault(f"{pil.format} file named {Path(name).suffix}", []).append(name)

@@ -113,7 +113,7 @@ def coco_source(src: Path) -> tuple[dict[str, Any], dict[str, list[list[Member]]
     for name, ds in (("train", splits.train), ("val", splits.val)):
         rows = []
         for i, image_id in enumerate(ds.ids):
-            anns = [a for a in ds.coco.imgToAnns.get(image_id, []) if a["id"] in ds.valid_ann_ids]
+            anns = ds.coco.imgToAnns.get(image_id, [])  # the usable ones (the index holds only those)
             doc = json.dumps({"image": ds.coco.imgs[image_id], "annotations": anns}, sort_keys=True).encode()
             rows.append([_file(ds.path(i)), _text(doc, "json")])
         out[name] = rows
