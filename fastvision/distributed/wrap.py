@@ -49,6 +49,34 @@ def broadcast_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
 
+def broadcast_buffers(model: nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s buffers of ``model`` (BatchNorm's running statistics) to every rank; no-op in one
+    process or for a model without buffers.
+
+    Call it before validating: each rank's last training forward updated its running statistics from its
+    own batch (DDP puts rank 0's back only at the start of the next training forward; horovod never), so a
+    rank validating its shard with its own statistics scored another model than the checkpoint (rank 0's
+    buffers) holds, and the logged metric differed from ``fastvision evaluate`` of that checkpoint. One
+    broadcast per buffer dtype (horovod: one per buffer).
+    """
+    bufs = list(unwrap(model).buffers())
+    if not bufs or not _active():
+        return
+    hvd = _hvd()
+    if hvd is not None:
+        for i, b in enumerate(bufs):
+            hvd.broadcast_(b, root_rank=src, name=f"fastvision.buffer.{i}")
+        return
+    import torch.distributed as dist
+
+    for dtype in sorted({b.dtype for b in bufs}, key=str):
+        mine = [b for b in bufs if b.dtype == dtype]
+        flat = torch.cat([b.detach().reshape(-1) for b in mine])
+        dist.broadcast(flat, src=src)
+        for b, v in zip(mine, flat.split([b.numel() for b in mine]), strict=True):
+            b.data.copy_(v.view_as(b))
+
+
 @contextlib.contextmanager
 def synchronized(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Finish the gradient all-reduce now, then step without a second one (horovod); no-op for DDP.

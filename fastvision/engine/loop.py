@@ -193,8 +193,10 @@ def _epochs(run: Run, state: dict, logger: RunLogger, saver: Checkpoints, summar
         row = {"train_loss": stats["loss"], "lr": stats["lr"],
                "images_per_s": stats["images_per_s"], "epoch_time_s": stats["time_s"]}
         if (epoch + 1) % tc.val_every == 0 or epoch + 1 == tc.epochs:
-            row.update(evaluate(eval_model(run.model, run.step.ema), task, run.val_loader, run.device,
-                                run.precision, tc.channels_last, stop=validating))
+            model = eval_model(run.model, run.step.ema)
+            distributed.broadcast_buffers(model)  # every rank validates the model the checkpoint holds
+            row.update(evaluate(model, task, run.val_loader, run.device, run.precision, tc.channels_last,
+                                stop=validating))
             if saver.agree_stop(state, epoch, run.steps_per_epoch, meter):  # a signal during validation
                 raise preempted()  # resume validates this epoch again
             if target and target[0] not in row:  # checked at the first validation: metrics are task-defined

@@ -154,6 +154,20 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path, train_her
     assert (whole["iou"], whole["dice"]) == (e2[-1]["iou"], e2[-1]["dice"])
 
 
+def test_batchnorm_two_ranks_validate_the_model_their_checkpoint_holds(data, tmp_path, train_here):
+    """With BatchNorm each rank's last training forward moves its running statistics by its own batch; the
+    validation of a 2-rank job scores rank 0's statistics on every shard (before, rank 1 scored its shard with
+    its own, and the logged IoU was not the one ``evaluate`` gives the checkpoint, which holds rank 0's)."""
+    from fastvision.api import evaluate_path
+
+    two = train_here(data, tmp_path / "two", "--epochs", "2", "--batch-size", "2", "--nproc", "2")
+    logged = _events(two)[1][-1]
+    whole = evaluate_path(two / "checkpoints" / "last.pt", device="cpu")
+    assert 0 < logged["iou"] < 1
+    assert (whole["iou"], whole["dice"]) == (logged["iou"], logged["dice"])
+    assert whole["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-5)
+
+
 def test_keyed_augmentation_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path, train_here):
     """With the recipe's flips and rotations on and ``train.augment_rng: sample`` each sample is augmented
     by its own (seed, epoch, index) draws, so 2 ranks x batch 2 train the weights of 1 rank x batch 4, and
