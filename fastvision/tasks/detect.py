@@ -164,6 +164,7 @@ class DetectionTask(Task):
 
         out_dir = Path(out_dir)
         check_unique_names([Path(f) for f in files], "{0}_boxes.png")  # before any file is written
+        check_images(files)
         out_dir.mkdir(parents=True, exist_ok=True)
         S = self.image_size
         model.eval()
@@ -188,6 +189,27 @@ class DetectionTask(Task):
         written.insert(0, write_results(images, out_dir / "images.json"))
         written.insert(0, write_results(results, out_dir / "detections.json"))
         return written
+
+
+def check_images(files: list[Path]) -> None:
+    """Before any file is written: every input is an image that decodes to the end (a header read and
+    the end marker of a JPEG or PNG; a file without it is decoded in full), so a text file or a truncated
+    JPEG among the inputs is one line naming it, not a stop part-way with some pictures written.
+
+    Raises:
+        DataError: naming the first such input and how many there are.
+    """
+    from fastvision.data.formats.anomalies import first_few, image_decodes
+
+    bad: list[tuple[Path, str]] = []
+    for f in files:
+        try:
+            image_decodes(Path(f))
+        except Exception as e:  # noqa: BLE001  (any decoder failure: the input is not a usable image)
+            bad.append((Path(f), str(e)))
+    if bad:
+        more = f" ({len(bad)} inputs do not decode: {first_few([str(f) for f, _ in bad])})" if len(bad) > 1 else ""
+        raise DataError(f"cannot read image {bad[0][0]}: {bad[0][1]}{more}; nothing was written")
 
 
 def draw_detections(image: Tensor, boxes: Tensor, scores: Tensor, labels: Tensor, names: list[str], path: Path,

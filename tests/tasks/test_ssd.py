@@ -245,3 +245,34 @@ def test_detection_focal_parameters_set_in_one_place(task_args, loss_args, expec
         return
     task = DetectionTask(image_size=96, num_classes=4, loss=loss, **task_args)
     assert (task.alpha, task.gamma) == pytest.approx(expected)
+
+
+def test_predict_checks_every_input_before_writing(tmp_path):
+    """A truncated JPEG (its header reads) or a text file among predict's inputs: one line naming it, and
+    no picture of the inputs before it written (they were, with the error coming part-way)."""
+    import numpy as np
+    from PIL import Image
+
+    from fastvision.errors import DataError
+    from fastvision.tasks.detect import DetectionTask
+
+    rng = np.random.default_rng(0)
+    files = []
+    for name in ("a.jpg", "b.png", "c.jpg"):
+        Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(tmp_path / name)
+        files.append(tmp_path / name)
+    cut = files[2].read_bytes()
+    files[2].write_bytes(cut[: len(cut) * 3 // 4])
+    assert Image.open(files[2]).size == (48, 40)  # the header still reads
+    task = DetectionTask(image_size=64, num_classes=4)
+    torch.manual_seed(0)
+    model = MODELS.build("ssd320-small", {"num_classes": 4}).eval()
+    out = tmp_path / "pred"
+    with pytest.raises(DataError, match=r"cannot read image .*c\.jpg: .*truncated.*nothing was written"):
+        task.predict_files(model, files, out, None, torch.device("cpu"))
+    assert not out.exists() or not any(out.iterdir())
+    (tmp_path / "notes.txt").write_text("not an image")
+    with pytest.raises(DataError, match=r"c\.jpg: .*truncated.*2 inputs do not decode: .*c\.jpg, .*notes\.txt"):
+        task.predict_files(model, [*files, tmp_path / "notes.txt"], out, None, torch.device("cpu"))
+    written = task.predict_files(model, files[:2], out, None, torch.device("cpu"))  # the good ones still predict
+    assert sorted(p.name for p in written) == ["a_boxes.png", "b_boxes.png", "detections.json", "images.json"]
