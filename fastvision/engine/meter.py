@@ -47,14 +47,22 @@ class EpochMeter:
         self.samples += images * distributed.world_size()  # every rank trains as many items per step
 
     def state(self) -> dict[str, Any]:
-        """Plain values (a host read: checkpoints only)."""
-        loss_sum, applied, skipped, streak = self.counts.tolist()
+        """Plain values (a host read: checkpoints only). Every rank calls it at the same step: the loss sum
+        and the applied count are the job's, summed over the ranks (one small all-reduce), because only rank
+        0's checkpoint is written; :meth:`load` puts them on rank 0 alone, so the resumed epoch's mean loss
+        counts every rank's steps before the checkpoint once, on any world size (before, every rank
+        restored rank 0's own sum and the epoch's ``train_loss`` differed from the uninterrupted run's)."""
+        loss_sum, applied = distributed.all_reduce_sum(self.counts[:2].double()).tolist()
+        _, _, skipped, streak = self.counts.tolist()
         return {"loss_sum": loss_sum, "applied": applied, "skipped": skipped, "streak": streak,
-                "images": self.images, "time_s": self.elapsed()}
+                "images": self.images, "time_s": self.elapsed(), "summed": True}
 
     def load(self, position: Position) -> None:
         saved = position.meter
-        self.counts.copy_(torch.tensor([saved["loss_sum"], saved["applied"], saved["skipped"], saved["streak"]]))
+        loss_sum, applied = saved["loss_sum"], saved["applied"]
+        if saved.get("summed") and distributed.rank() != 0:  # the job's sums: counted once, on rank 0
+            loss_sum, applied = 0.0, 0.0
+        self.counts.copy_(torch.tensor([loss_sum, applied, saved["skipped"], saved["streak"]]))
         self.images, self.resumed_s, self.samples = saved["images"], saved["time_s"], position.samples
 
     def start(self) -> None:

@@ -154,18 +154,28 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path, train_her
     assert (whole["iou"], whole["dice"]) == (e2[-1]["iou"], e2[-1]["dice"])
 
 
-def test_batchnorm_two_ranks_validate_the_model_their_checkpoint_holds(data, tmp_path, train_here):
+def test_batchnorm_two_ranks_validate_their_checkpoint_and_resume_mid_epoch_with_its_loss(data, tmp_path, train_here):
     """With BatchNorm each rank's last training forward moves its running statistics by its own batch; the
     validation of a 2-rank job scores rank 0's statistics on every shard (before, rank 1 scored its shard with
     its own, and the logged IoU was not the one ``evaluate`` gives the checkpoint, which holds rank 0's)."""
     from fastvision.api import evaluate_path
 
-    two = train_here(data, tmp_path / "two", "--epochs", "2", "--batch-size", "2", "--nproc", "2")
+    two = train_here(data, tmp_path / "two", "--epochs", "2", "--batch-size", "2", "--nproc", "2",
+                     "--set", "train.checkpoint_every=6", "--set", "train.keep_checkpoints=4")
     logged = _events(two)[1][-1]
     whole = evaluate_path(two / "checkpoints" / "last.pt", device="cpu")
     assert 0 < logged["iou"] < 1
     assert (whole["iou"], whole["dice"]) == (logged["iou"], logged["dice"])
     assert whole["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-5)
+
+    # Resumed on 2 ranks from step 6 (mid-epoch 2 of 4 steps): the epoch's train_loss counts both ranks'
+    # steps before the checkpoint (before, each rank restored rank 0's partial loss sum).
+    step = two / "checkpoints" / "step-00000006.pt"
+    resumed = train_here(data, tmp_path / "resumed", "--epochs", "2", "--batch-size", "2", "--nproc", "2",
+                         "--resume", str(step))
+    ends = _events(resumed)[1]
+    assert len(ends) == 1 and ends[0]["train_loss"] == pytest.approx(logged["train_loss"], rel=1e-6, abs=0)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(resumed).values(), _weights(two).values(), strict=True))
 
 
 def test_keyed_augmentation_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path, train_here):
