@@ -13,7 +13,7 @@ from typing import Any
 
 from fastvision import config, distributed
 from fastvision.engine import checkpoint
-from fastvision.errors import ConfigError, DataError, Preempted
+from fastvision.errors import ConfigError, DataError, FastvisionError, Preempted, ReportedByPeer
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,23 @@ def _only_run_files(run_dir: Path) -> bool:
                and not (p.name == "checkpoints" and p.is_dir() and any(p.iterdir())) for p in run_dir.iterdir())
 
 
+def _agree_run_dir(env, recipe: str, out: str | None, resume: str | None) -> tuple[Path, Path | None]:
+    """Rank 0's :func:`prepare_run_dir` on every rank; its error raised on rank 0, :class:`ReportedByPeer`
+    on the others (before, they waited in the broadcast and printed gloo's "Connection closed by peer"
+    traceback when rank 0 exited)."""
+    choice: Any = None
+    if env.is_main:
+        try:
+            choice = prepare_run_dir(recipe, out, resume)
+        except FastvisionError as e:
+            distributed.broadcast_object(("error", str(e)))
+            raise
+    choice = distributed.broadcast_object(choice)
+    if choice and choice[0] == "error":
+        raise ReportedByPeer(choice[1])
+    return choice
+
+
 def run_training(recipe: str, out: str | None = None, resume: str | None = None,
                  overrides: dict[str, Any] | None = None, extra: list[dict[str, Any]] = (),
                  progress: bool | None = None) -> dict[str, Any]:
@@ -143,8 +160,9 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
             from fastvision.planning.autobatch import agree_auto_batch
 
             agree_auto_batch(cfg, device)
-        # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process).
-        run_dir, ckpt = distributed.broadcast_object(prepare_run_dir(cfg.recipe, out, resume) if env.is_main else None)
+        # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process),
+        # or stops with its refusal (an existing --out): rank 0 prints it, the others exit quietly
+        run_dir, ckpt = _agree_run_dir(env, cfg.recipe, out, resume)
         summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
         if env.is_main:  # atomic: a reader (cv, benchmark --mode target, a rerun) never sees half of it
             text = json.dumps(summary, indent=2, default=str).encode()

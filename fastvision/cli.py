@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from fastvision import cli_args
-from fastvision.errors import ConfigError, DataError, DataWarning, FastvisionError, Preempted, missing_extra
+from fastvision.errors import (
+    ConfigError,
+    DataError,
+    DataWarning,
+    FastvisionError,
+    Preempted,
+    ReportedByPeer,
+    missing_extra,
+)
 
 # Every subcommand is one hop from here. ``train``, ``evaluate``, ``predict``, ``recipes`` and ``data``
 # are defined in build_parser below (their arguments in fastvision.cli_args); each feature subcommand
@@ -336,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     except FastvisionError as e:
         if debug:
             raise
-        print(f"fastvision: error: {e}", file=sys.stderr)
+        if not isinstance(e, ReportedByPeer):  # another rank printed it
+            print(f"fastvision: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fastvision: interrupted", file=sys.stderr)
@@ -381,17 +390,36 @@ def entry() -> None:
     would print it, and the exit status is 1."""
     try:
         code = main()
-    except Exception:
+    except Exception as e:
         if "fastvision.distributed.comm" not in sys.modules:
             raise
-        import traceback
+        lost = _peer_lost(e)
+        if lost and "--debug" not in sys.argv:
+            # a consequence, not the cause: the rank that stopped first said why (its error line, or the
+            # launcher's line naming it); a traceback of the broken collective here would bury that
+            print(f"fastvision: error: this rank's collective failed because another rank left the job first "
+                  f"({lost}); that rank's message or the launcher's line above says why", file=sys.stderr)
+        else:
+            import traceback
 
-        traceback.print_exc()
+            traceback.print_exc()
         code = 1
     comm = sys.modules.get("fastvision.distributed.comm")  # loaded only by commands that used torch.distributed
     if comm is not None:
         comm.exit_process(code)
     sys.exit(code)
+
+
+# what gloo says on a rank whose peer's process ended (its sockets closed) in the middle of a collective
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _peer_lost(e: BaseException) -> str | None:
+    """The gloo message's own words when ``e`` is a collective that failed because a peer process ended."""
+    text = str(e)
+    if isinstance(e, RuntimeError) and "gloo" in text:
+        return next((m for m in _PEER_GONE if m in text), None)
+    return None
 
 
 if __name__ == "__main__":

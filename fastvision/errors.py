@@ -88,3 +88,8 @@ class Preempted(FastvisionError):
         super().__init__(message)
         self.signum = signum
         self.exit_code = 128 + signum
+
+
+class ReportedByPeer(FastvisionError):
+    """This rank's share of an error another rank of the job reports in its own line (rank 0's refusal of
+    the run folder): the CLI exits 2 without printing it, so a job of N ranks says it once."""

@@ -28,6 +28,18 @@ def _how(failure) -> str:
     return f"exited with code {failure.exitcode}"
 
 
+def _first(e) -> tuple:
+    """The failure that stopped the job: torch's first (the earliest), except that a worker that exited 1
+    (a rank whose collective broke because its peer had left: ``cli.entry``'s line) yields to one with a
+    code of its own (2: a bad input on that rank's shard; a signal), which is the cause: the job exits 2."""
+    rank, failure = e.get_first_failure()
+    if failure.exitcode == 1:
+        causes = [(f.timestamp, r, f) for r, f in e.failures.items() if f.exitcode != 1]
+        if causes:
+            _, rank, failure = min(causes, key=lambda c: (c[0], c[1]))
+    return rank, failure
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -38,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = _first(e)
         others = [f"rank {r} {_how(f)}" for r, f in sorted(e.failures.items()) if r != rank]
         also = f" (then {', '.join(others)})" if others else ""
         print(f"fastvision: rank {rank} {_how(failure)} first{also}; the job stopped", file=sys.stderr, flush=True)

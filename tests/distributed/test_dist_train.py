@@ -35,6 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -348,3 +349,41 @@ def test_sigterm_to_the_nproc_launcher_stops_its_workers_with_a_checkpoint(data,
     assert err.count("stopped by SIGTERM") == 2 and "Traceback" not in err, err[-3000:]
     step = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["step"]
     assert 0 < step < 50 * 4
+
+
+def test_nproc_refusals_are_one_line_without_a_traceback(data, tmp_path, capfd, monkeypatch):
+    """``--nproc 2`` into a run folder that exists: rank 0's refusal is the one error line (rank 1 used to
+    print gloo's "Connection closed by peer" traceback from the broadcast it waited in), exit 2. A mask of
+    values 0/128/255 that only one rank's shard reads: that rank's line names the file, the rank whose
+    all-reduce broke says so in one line, no traceback, and the job exits 2 (the cause's code, not 1)."""
+    from PIL import Image
+
+    from tests.distributed.test_dist import time_limit
+
+    for key, value in clean_env().items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    capfd.readouterr()
+    with time_limit(120):
+        rc = cli_here(_cmd(data, out, "--epochs", "1", "--batch-size", "2", "--nproc", "2")[3:], threads=1)
+    err = capfd.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("fastvision: error:")]
+    assert rc == 2 and len(errors) == 1 and "run directory already exists" in errors[0], err[-3000:]
+    assert "Traceback" not in err and (out / "notes.txt").read_text() == "mine"
+
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(data, bad)
+    mask = sorted((bad / "masks").iterdir())[0]
+    values = np.zeros((32, 32), np.uint8)
+    values[:8], values[8:16] = 128, 255
+    Image.fromarray(values).save(mask)
+    with time_limit(120):
+        rc = cli_here(_cmd(bad, tmp_path / "run", "--epochs", "1", "--batch-size", "2", "--nproc", "2")[3:],
+                      threads=1)
+    err = capfd.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err[-3000:]
+    assert sum(mask.name in x for x in err.splitlines() if x.startswith("fastvision: error:")) == 1, err[-3000:]
