@@ -47,7 +47,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from fastvision.api import run_training
     from fastvision.config import parse_override
 
-    if args.nproc > 1 and distributed.detect_env().launcher == "single":
+    single = distributed.detect_env().launcher == "single"
+    distributed.check_nproc(args.nproc if single else 1, args.device)  # under torchrun / srun --nproc is unused
+    if args.nproc > 1 and single:
         # Re-run this very command under torch's launcher, one process per worker.
         return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv), backend=args.backend or "ddp")
     if args.pretrained:
@@ -115,6 +117,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from fastvision.api import expand_inputs, is_volume_input, predict, refuse_overwrite
     from fastvision.inference.folds import is_folds_dir, predict_volumes
 
+    distributed.check_nproc(args.nproc if distributed.detect_env().launcher == "single" else 1, args.device)
     volume_flags = bool(args.folds or args.tta or args.tta_axes or args.nproc > 1 or args.postprocess != "auto")
     try:
         volumes = is_folds_dir(args.checkpoint) or is_volume_input(expand_inputs(args.inputs))
@@ -288,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = dsub.add_parser("inspect", help="counts, shapes, dtypes, intensity range, class balance",
                         description="Report a dataset folder: counts, shapes, dtypes, intensity range, class "
                         "balance and every anomaly. Exits 2 (after the full report) when files would stop "
-                        "training: unreadable, a Z/T stack, an image without its mask, sizes that differ.")
+                        "training: unreadable (a truncated JPEG too), a Z/T stack, an image without its mask, "
+                        "sizes that differ, validation classes the training split lacks.")
     cli_args.inspect_args(p)
     p.set_defaults(func=cmd_inspect)
     p = dsub.add_parser("shard", help="write a dataset as WebDataset tar shards + an index (train with --data OUT)",

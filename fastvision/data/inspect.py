@@ -20,6 +20,7 @@ from rich.table import Table
 from fastvision.data.nonfinite import NONFINITE_FILES
 from fastvision.errors import ConfigError, DataError
 
+SETTINGS = {"imagefolder": {"val_labels"}}  # the data.args a layout's inspector takes (microscopy: its rule's)
 _INSPECTORS: list[tuple[str, Callable[[Path], bool], Callable[[Path], dict[str, Any]]]] = []
 
 
@@ -48,8 +49,13 @@ def inspect_path(path: Path | str, settings: dict[str, Any] | None = None) -> di
         raise DataError(f"{path}: not found")
     for name, detect, fn in _INSPECTORS:
         if detect(path):
-            if settings and name != "microscopy":
-                raise ConfigError(f"data inspect --set: only the microscopy layout takes settings, {path} is {name}")
+            allowed = SETTINGS.get(name)
+            if settings and allowed is not None and not set(settings) <= allowed:
+                raise ConfigError(f"data inspect --set {', '.join(sorted(set(settings) - allowed))}: the {name} "
+                                  f"layout of {path} takes {', '.join(sorted(allowed))}")
+            if settings and allowed is None:
+                raise ConfigError(f"data inspect --set: only the microscopy and imagefolder layouts take "
+                                  f"settings, {path} is {name}")
             return {"layout": name, "path": str(path), **(fn(path, **settings) if settings else fn(path))}
     raise DataError(f"{path}: unrecognised dataset layout; known: {', '.join(n for n, _, _ in _INSPECTORS)}")
 
@@ -171,6 +177,7 @@ def inspect_pathology(path: Path) -> dict[str, Any]:
 
     report: dict[str, Any] = {}
     anomalies: dict[str, list[str]] = {}
+    unusable: dict[str, list[str]] = {}  # slides and masks whose TIFF does not open: training stops on them
     kinds = set()
     for d in _pathology_splits(path):
         split = d.name
@@ -185,19 +192,35 @@ def inspect_pathology(path: Path) -> dict[str, Any]:
         for kind, names in found.items():
             anomalies[f"{split}: {kind}"] = names
         report[f"{split} slides (with lesions)"] = f"{len(slides)} ({sum(s is not None for _, s in slides)})"
-        if slides:
-            t = TiledTiff(slides[0][0])
+        readable = []
+        for slide, source in slides:  # each TIFF's header and tile table (the pixels are read per patch)
+            tiffs = [slide] + ([source] if source is not None and source.suffix.lower() != ".xml" else [])
+            try:
+                for f in tiffs:
+                    TiledTiff(f).close()
+            except DataError:
+                unusable.setdefault(f"{split}: TIFFs that do not open", []).append(str(f.relative_to(path)))
+                continue
+            readable.append((slide, source))
+        if readable:
+            t = TiledTiff(readable[0][0])
             report[f"{split} levels (first slide)"] = ", ".join(f"{h}x{w}" for h, w in t.level_shapes)
             t.close()
         polys = [g for _, s in slides if s is not None and s.suffix.lower() == ".xml" for g, _ in read_polygons(s)]
         if polys:
             report[f"{split} lesion polygons (exclusions)"] = f"{len(polys)} ({sum(map(is_exclusion, polys))})"
-    report = {"detected": "pathology: " + "; ".join(sorted(kinds)), **report, "anomalies": anomaly_rows(anomalies)}
+    report = {"detected": "pathology: " + "; ".join(sorted(kinds)), **report,
+              "anomalies": anomaly_rows({**unusable, **anomalies}),
+              "unusable": {k: len(v) for k, v in unusable.items()}}
     return report
 
 
 @inspector("imagefolder", lambda p: (p / "train").is_dir() and any(d.is_dir() for d in (p / "train").iterdir()))
-def inspect_imagefolder(path: Path, header_limit: int = 5000) -> dict[str, Any]:
+def inspect_imagefolder(path: Path, header_limit: int = 5000, val_labels: str | None = None) -> dict[str, Any]:
+    """Counts, sizes and modes per split; up to ``header_limit`` evenly spaced files per split are
+    read to their end (a truncated file is found). Unreadable files and validation classes the
+    training split lacks are what training stops on (``unusable``: exit 2 after the report).
+    ``val_labels``: the builder's key, the labels of a flat ``val/`` (``--set val_labels=val.txt``)."""
     from fastvision.data.formats.imagefolder import (
         EXTENSIONS,
         find_classes,
@@ -205,19 +228,28 @@ def inspect_imagefolder(path: Path, header_limit: int = 5000) -> dict[str, Any]:
     )
     from fastvision.data.formats.imagenet_val import flat_val_samples, is_flat
 
-    report: dict[str, Any] = {"detected": "ImageFolder (train/<class>/*)"}
+    train_dir, val_dir = "train", "val"
+    report: dict[str, Any] = {"detected": f"ImageFolder ({train_dir}/<class>/*)"}
     anomalies: dict[str, list[str]] = {}
-    classes = find_classes(path / "train")
-    for split in ("train", "val"):
+    unusable: dict[str, list[str]] = {}
+    classes = find_classes(path / train_dir)
+    for split in (train_dir, val_dir):
         d = path / split
         if not d.is_dir():
             continue
-        if split == "val" and is_flat(d, EXTENSIONS):
-            samples, how = flat_val_samples(d, classes, path, EXTENSIONS)
-            report["detected"] += f"; val: {how}"
+        if split == val_dir and is_flat(d, EXTENSIONS):
+            samples, how = flat_val_samples(d, classes, path, EXTENSIONS, val_labels)
+            report["detected"] += f"; {split}: {how}"
             names = classes
         else:
             names = find_classes(d)
+            if split == val_dir:
+                extra = sorted(set(names) - set(classes))
+                if extra:
+                    unusable[f"{split}: class folders not in {train_dir}/"] = extra
+                missing = sorted(set(classes) - set(names))
+                if missing:
+                    anomalies[f"{split}: {train_dir}/ classes without a {split} folder (not validated)"] = missing
             samples = list_samples(d, names)
         anomalies[f"{split}: macOS ._ companion files (ignored)"] = [
             str(p.relative_to(path)) for p in sorted(d.rglob("._*"))][:1000]
@@ -225,18 +257,23 @@ def inspect_imagefolder(path: Path, header_limit: int = 5000) -> dict[str, Any]:
         report[f"{split} images"] = len(samples)
         report[f"{split} classes"] = len(per_class)
         report[f"{split} per class (first 20)"] = dict(sorted(per_class.items())[:20])
-        sizes, modes, checked = _image_headers([p for p, _ in samples], header_limit, anomalies, split, path)
-        report[f"{split} sizes (headers of {checked})"] = dict(sizes.most_common(5))
-        report[f"{split} modes (headers of {checked})"] = dict(modes)
-    report["anomalies"] = anomaly_rows(anomalies)
+        sizes, modes, checked = _image_headers([p for p, _ in samples], header_limit, anomalies, split, path, unusable)
+        report[f"{split} sizes (files checked {checked})"] = dict(sizes.most_common(5))
+        report[f"{split} modes (files checked {checked})"] = dict(modes)
+    report["anomalies"] = anomaly_rows({**unusable, **anomalies})
+    report["unusable"] = {k: len(v) for k, v in unusable.items() if v}
     return report
 
 
 def _image_headers(files: list[str], limit: int, anomalies: dict[str, list[str]], split: str,
-                   root: Path) -> tuple[Counter, Counter, int]:
-    """Sizes and modes of up to ``limit`` evenly spaced files; CMYK, PNG-named-JPEG and unreadable
-    files go to ``anomalies`` (they load: CMYK and PNG are converted to RGB, named here so you know)."""
+                   root: Path, unusable: dict[str, list[str]]) -> tuple[Counter, Counter, int]:
+    """Sizes and modes of up to ``limit`` evenly spaced files, each checked to its end
+    (:func:`check_complete`: the end marker, else a full decode); CMYK, 16-bit, PNG-named-JPEG
+    files go to ``anomalies`` (they load: converted to RGB, named here so you know), files that do
+    not decode (a truncated JPEG too) to ``unusable``."""
     from PIL import Image
+
+    from fastvision.data.formats.anomalies import check_complete
 
     sizes, modes = Counter(), Counter()
     picked = files[:: max(1, len(files) // limit)]
@@ -244,17 +281,20 @@ def _image_headers(files: list[str], limit: int, anomalies: dict[str, list[str]]
         rel = str(Path(p).relative_to(root))
         try:
             with Image.open(p) as im:
-                sizes[f"{im.size[0]}x{im.size[1]}"] += 1
-                modes[im.mode] += 1
-                fmt, mode = im.format, im.mode
-        except Exception:  # any decoder failure
-            anomalies.setdefault(f"{split}: unreadable image files", []).append(rel)
+                size, fmt, mode = im.size, im.format, im.mode
+                check_complete(im, Path(p))
+        except Exception:  # any decoder failure, truncated data included
+            unusable.setdefault(f"{split}: image files that do not decode", []).append(rel)
             continue
+        sizes[f"{size[0]}x{size[1]}"] += 1
+        modes[mode] += 1
         suffix = Path(p).suffix.lower()
         if suffix in (".jpg", ".jpeg") and fmt != "JPEG":
             anomalies.setdefault(f"{split}: {fmt} files named {Path(p).suffix} (decoded as {fmt})", []).append(rel)
         if mode == "CMYK":
             anomalies.setdefault(f"{split}: CMYK images (converted to RGB)", []).append(rel)
+        elif mode.startswith("I;16"):
+            anomalies.setdefault(f"{split}: 16-bit grey images (scaled to 8 bits, converted to RGB)", []).append(rel)
         elif mode not in ("RGB",):
             anomalies.setdefault(f"{split}: {mode} images (converted to RGB)", []).append(rel)
     return sizes, modes, len(picked)

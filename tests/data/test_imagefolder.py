@@ -162,3 +162,44 @@ def test_backend_choice_is_checked(synth_root):
 
     with pytest.raises(ConfigError, match="backend.*'pillow', 'dali', 'nvjpeg'.*'nvjpg'"):
         DATASETS.build("imagefolder", {"path": str(synth_root), "backend": "nvjpg"})
+
+
+@pytest.mark.parametrize("key,value", [("image_size", 0), ("resize_size", -1), ("scale", [0.9, 0.1]),
+                                       ("scale", [0.5, 1.5]), ("ratio", [0.0, 1.0]), ("ratio", [2.0, 0.5]),
+                                       ("hflip", 2.0)])
+def test_crop_settings_no_image_can_take_are_one_line(synth_root, key, value):
+    """A crop setting that is out of range stops before anything is read, naming its key (it was a
+    ZeroDivisionError traceback, a 'math domain error', or a run that ignored it)."""
+    from fastvision.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^data\.args\.{key}="):
+        DATASETS.build("imagefolder", {"path": str(synth_root), key: value})
+
+
+def test_crop_settings_checked_on_a_shard_set(synth_root, tmp_path):
+    from fastvision.data.shards.writer import write_shards
+    from fastvision.errors import ConfigError
+
+    write_shards(synth_root, tmp_path / "shards")
+    with pytest.raises(ConfigError, match=r"^data\.args\.hflip="):
+        DATASETS.build("imagefolder", {"path": str(tmp_path / "shards"), "hflip": -0.5})
+
+
+def test_16_bit_grey_png_is_scaled_not_clipped(tmp_path):
+    """A 16-bit grey PNG keeps its picture: 0..65535 becomes 0..255 (Pillow's convert clips at 255,
+    which turned every value above 255 white)."""
+    ramp = (np.arange(64 * 64, dtype=np.uint32).reshape(64, 64) * 16).astype(np.uint16)
+    Image.fromarray(ramp).save(tmp_path / "g16.png")
+    with Image.open(tmp_path / "g16.png") as im:
+        assert im.mode.startswith("I;16")
+    rgb = np.asarray(F.open_image(str(tmp_path / "g16.png")))
+    want = np.round(ramp / 257.0)
+    assert rgb.shape == (64, 64, 3) and (rgb == rgb[..., :1]).all()
+    assert np.abs(rgb[..., 0] - want).max() <= 1 and rgb.mean() == pytest.approx(want.mean(), abs=0.5)
+
+
+def test_undecodable_cached_bytes_name_the_file_not_a_buffer(tmp_path):
+    with pytest.raises(DataError) as e:
+        F.load_crop(b"not an image at all", True, 8, 8, (0.5, 1.0), (0.75, 4 / 3), 0.5, torch.Generator(),
+                    name="train/cat/notes.JPEG")
+    assert str(e.value).startswith("train/cat/notes.JPEG: cannot decode image") and "BytesIO" not in str(e.value)

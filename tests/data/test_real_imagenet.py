@@ -147,3 +147,57 @@ def test_inspect_names_cmyk_png_and_companions(tmp_path):
     assert an["train: PNG files named .JPEG (decoded as PNG)"] == "1 (train/n02105855/n02105855_2933.JPEG)"
     assert an["train: L images (converted to RGB)"] == "1 (train/n01443537/n01443537_7.JPEG)"
     assert an["train: macOS ._ companion files (ignored)"].startswith("3 (train/n01440764/._n01440764_10026.JPEG")
+
+
+def _truncated_jpeg(path: Path) -> None:
+    """A JPEG cut in half, as an interrupted download leaves it (its header still reads)."""
+    import io
+
+    buf = io.BytesIO()
+    _photo(COLOURS["n01440764"]).resize((200, 160)).save(buf, format="JPEG", quality=95)
+    path.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+
+
+def test_inspect_exits_2_on_files_training_stops_on(tmp_path, capsys):
+    root = make_imagenet(tmp_path / "imagenet", val_flat=False)
+    (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
+        f"{Path(n).stem},{w} 1 2 3 4\n" for n, w in VAL))
+    _truncated_jpeg(root / "train/n01443537/n01443537_99.JPEG")
+    (root / "train/n01440764/notes.JPEG").write_text("not an image")
+    report = inspect_path(root)
+    row = report["anomalies"]["train: image files that do not decode"]
+    assert row.startswith("2 (") and "n01443537_99.JPEG" in row and "notes.JPEG" in row
+    assert report["unusable"] == {"train: image files that do not decode": 2}
+    assert main(["data", "inspect", str(root)]) == 2  # after the report, one line saying why
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "2 file(s) would stop training" in err[0]
+    # with skip_unreadable both are left out of training, the truncated one too (its header reads)
+    splits = DATASETS.build("imagefolder", {"path": str(root), "image_size": 32, "resize_size": 32,
+                                            "skip_unreadable": True})
+    names = {Path(p).name for p, _ in splits.train.samples}
+    assert splits.info["train_images"] == 9 and not names & {"n01443537_99.JPEG", "notes.JPEG"}
+
+
+def test_inspect_val_class_folders_against_train(tmp_path):
+    root = make_imagenet(tmp_path / "imagenet", val_flat=False)
+    for name, w in VAL:  # sorted val: one training class has no val folder, one val folder is no class
+        d = root / "val" / (w if w != "n01443537" else "n09999999")
+        d.mkdir(exist_ok=True)
+        (root / "val" / name).rename(d / name)
+    report = inspect_path(root)
+    assert report["unusable"] == {"val: class folders not in train/": 1}
+    assert report["anomalies"]["val: class folders not in train/"] == "1 (n09999999)"
+    assert report["anomalies"]["val: train/ classes without a val folder (not validated)"] == "1 (n01443537)"
+    with pytest.raises(DataError, match="n09999999"):  # what training says about it
+        DATASETS.build("imagefolder", {"path": str(root)})
+
+
+def test_inspect_flat_val_with_a_label_list(tmp_path, capsys):
+    root = make_imagenet(tmp_path / "imagenet")
+    (root / "val.txt").write_text("".join(f"{n} {WNIDS.index(w)}\n" for n, w in VAL))  # Caffe's val.txt
+    report = inspect_path(root, {"val_labels": "val.txt"})
+    assert report["val images"] == 4 and "labels from" in report["detected"] and "val.txt" in report["detected"]
+    assert main(["data", "inspect", str(root), "--set", "val_labels=val.txt"]) == 0
+    assert main(["data", "inspect", str(root), "--set", "channels=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--set channels" in err[0] and "val_labels" in err[0]

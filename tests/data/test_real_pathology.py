@@ -164,3 +164,25 @@ def test_inspect_detects_the_synthesized_slides_and_masks_layout(tmp_path, capsy
             (patches / split / c).mkdir(parents=True)
             Image.new("RGB", (8, 8)).save(patches / split / c / "a.png")
     assert inspect_path(patches)["layout"] == "imagefolder"
+
+
+def test_inspect_exits_2_on_a_slide_or_mask_that_does_not_open(tmp_path, capsys):
+    """A slide (or mask) that is not a TIFF stops training with one line naming it; inspect lists it
+    in the report and exits 2 (it read only the first slide and said 'none found')."""
+    from fastvision.cli import main
+
+    out = tmp_path / "p"
+    assert main(["data", "synth", "pathology", str(out), "--slides", "2", "--val-slides", "1", "--size", "256",
+                 "--tile", "64"]) == 0
+    (out / "train/images/slide_009.tif").write_bytes(b"junk, a failed download")
+    (out / "val/masks/slide_000.tif").write_bytes(b"II*\x00 cut short")
+    capsys.readouterr()
+    report = inspect_path(out)
+    assert report["unusable"] == {"train: TIFFs that do not open": 1, "val: TIFFs that do not open": 1}
+    assert report["anomalies"]["train: TIFFs that do not open"] == "1 (train/images/slide_009.tif)"
+    assert report["anomalies"]["val: TIFFs that do not open"] == "1 (val/masks/slide_000.tif)"
+    assert main(["data", "inspect", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "2 file(s) would stop training" in err[0]
+    with pytest.raises(DataError, match="slide_009.tif"):  # what training says
+        DATASETS.build("pathology", {"path": str(out), "patch_size": 64})

@@ -26,7 +26,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from fastvision.data.formats.anomalies import drop_unreadable, image_header
+from fastvision.data.formats.anomalies import drop_unreadable, image_decodes, image_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.imagenet_val import flat_val_samples, is_flat
 from fastvision.data.transforms import (  # noqa: F401  (random_resized_box: also the DALI path's)
@@ -37,7 +37,7 @@ from fastvision.data.transforms import (  # noqa: F401  (random_resized_box: als
     random_resized_box,
     random_resized_crop_draws,
 )
-from fastvision.errors import DataError
+from fastvision.errors import ConfigError, DataError
 from fastvision.registry import DATASETS
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".tif", ".tiff", ".webp")
@@ -73,6 +73,26 @@ def list_samples(root: Path, classes: list[str], extensions: tuple[str, ...] = E
     return samples
 
 
+def check_crop_args(image_size: int = 224, resize_size: int = 256, scale: tuple[float, float] = (0.08, 1.0),
+                    ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: float = 0.5, **_: Any) -> None:
+    """One-line :class:`ConfigError` naming the ``data.args`` key whose crop setting no image can
+    take (a side below 1, an area fraction outside (0, 1], a range given high-low, a flip
+    probability outside [0, 1]), before anything is read; other keyword arguments are ignored."""
+    for key, side in (("image_size", image_size), ("resize_size", resize_size)):
+        if side < 1:
+            raise ConfigError(f"data.args.{key}={side}: a side in pixels, at least 1")
+    lo, hi = scale
+    if not 0 < lo <= hi <= 1:
+        raise ConfigError(f"data.args.scale={[lo, hi]}: the crop's area fraction [min, max], "
+                          "0 < min <= max <= 1 (seed 004: [0.08, 1.0])")
+    lo, hi = ratio
+    if not 0 < lo <= hi:
+        raise ConfigError(f"data.args.ratio={[lo, hi]}: the crop's aspect (width / height) [min, max], "
+                          "0 < min <= max (seed 004: [0.75, 1.333])")
+    if not 0 <= hflip <= 1:
+        raise ConfigError(f"data.args.hflip={hflip}: a probability, 0 to 1")
+
+
 def open_image(path: str, draft_size: tuple[int, int] | None = None) -> Image.Image:
     """Open an image as RGB, decoding JPEGs at the smallest DCT scale still >= ``draft_size``.
 
@@ -84,6 +104,8 @@ def open_image(path: str, draft_size: tuple[int, int] | None = None) -> Image.Im
         img = Image.open(path)  # the format comes from the content: a PNG named .JPEG opens as PNG
         if draft_size is not None and img.format == "JPEG":
             img.draft("RGB", draft_size)  # a CMYK JPEG stays CMYK here (reduced scale only)
+        if img.mode.startswith("I;16"):  # 16-bit grey (PNG, TIFF): Pillow's convert clips at 255
+            img = Image.fromarray(((np.asarray(img, dtype=np.uint32) * 255 + 32767) // 65535).astype(np.uint8))
         return img.convert("RGB")  # grey, CMYK (Adobe inverted included), palette, RGBA -> RGB
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise DataError(f"{path}: cannot decode image ({e})") from e
@@ -105,7 +127,7 @@ def load_crop(path: str | bytes | memoryview, train: bool, size: int, resize: in
         with Image.open(src) as probe:  # header only: the size decides the crop and the draft scale
             width, height = probe.size
     except (UnidentifiedImageError, OSError) as e:
-        raise DataError(f"{name}: cannot decode image ({e})") from e
+        raise DataError(f"{name}: cannot decode image ({_why(e, src)})") from e
     flip = False
     if train:
         box, flip = random_resized_crop_draws(width, height, scale, ratio, hflip, generator)
@@ -118,13 +140,19 @@ def load_crop(path: str | bytes | memoryview, train: bool, size: int, resize: in
     try:
         img = open_image(src, (math.ceil(width / f), math.ceil(height / f)))
     except DataError as e:
-        raise DataError(f"{name}: cannot decode image ({e.__cause__})") from e
+        raise DataError(f"{name}: cannot decode image ({_why(e.__cause__, src)})") from e
     sx, sy = img.width / width, img.height / height
     box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
     img = img.resize((size, size), Image.BILINEAR, box=box)
     if flip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
     return np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy needs one
+
+
+def _why(e: BaseException | None, src: Any) -> str:
+    """Pillow's reason, without the ``<_io.BytesIO object at 0x...>`` it names bytes by (the
+    message names the file)."""
+    return str(e).replace(f" {src!r}", "") if isinstance(src, io.BytesIO) else str(e)
 
 
 def pillow_error(path: str, full: bool, size: int, resize: int) -> DataError | None:
@@ -255,6 +283,7 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
         skip_unreadable: skip (with one warning) images whose header does not decode, instead of
             stopping at the first with an error naming it.
     """
+    check_crop_args(image_size, resize_size, scale, ratio, hflip)
     root = dataset_folder(path)
     classes = find_classes(root / train_dir)
     train = list_samples(root / train_dir, classes)
@@ -263,8 +292,9 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
         val, val_layout = flat_val_samples(val_root, classes, root, EXTENSIONS, val_labels, invalid)
     else:
         val, val_layout = _class_folder_val(val_root, classes, train_dir), "class folders"
-    train = drop_unreadable(train, lambda s: [s[0]], image_header, skip_unreadable, root / train_dir)
-    val = drop_unreadable(val, lambda s: [s[0]], image_header, skip_unreadable, val_root)
+    # a file without a readable header or its end (a truncated download): skipped, with one warning
+    train = drop_unreadable(train, lambda s: [s[0]], image_decodes, skip_unreadable, root / train_dir)
+    val = drop_unreadable(val, lambda s: [s[0]], image_decodes, skip_unreadable, val_root)
     kw = dict(image_size=image_size, resize_size=resize_size, scale=scale, ratio=ratio, hflip=hflip)
     info = {"classes": classes, "num_classes": len(classes), "train_images": len(train), "val_images": len(val),
             "val_layout": val_layout}

@@ -168,6 +168,10 @@ def recognise(registry, name: str) -> None:
     @functools.wraps(fn)
     def builder(*, path: str, **kwargs: Any) -> DatasetSplits:
         shard = {k: kwargs.pop(k, default) for k, (_, default) in SHARD_ARGS.items()}
+        if name == "imagefolder":  # the folder's builder checks them too; shard sets and TFRecords here
+            from fastvision.data.formats.imagefolder import check_crop_args
+
+            check_crop_args(**kwargs)
         if name == "imagefolder" and is_tfrecord_set(path):
             remote = ("shard_cache_dir", "shard_cache_gb", "shard_retries", "shard_timeout_s")
             return build_tfrecords(ShardStore(path), kwargs, kwargs.get("skip_unreadable", False),
