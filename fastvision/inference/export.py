@@ -79,6 +79,19 @@ def outputs(obj: Any) -> list[Tensor]:
     raise TypeError(f"cannot compare model output of type {type(obj).__name__}")
 
 
+def output_names(obj: Any, prefix: str = "") -> list[str]:
+    """ONNX names of a model output's tensors, in :func:`outputs`' order: a dict's keys (nested:
+    ``key.sub``, ``key.0``), ``output`` for a lone tensor, ``output0`` ... for a tuple or list; a
+    detector's ``cls_logits``, ``box_codes`` and ``anchors`` keep their names in the file."""
+    if isinstance(obj, Tensor):
+        return [prefix or "output"]
+    if isinstance(obj, dict):
+        return [n for k, v in obj.items() for n in output_names(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [n for i, v in enumerate(obj) for n in output_names(v, f"{prefix}.{i}" if prefix else f"output{i}")]
+    raise TypeError(f"cannot name model output of type {type(obj).__name__}")
+
+
 def export_model(model: nn.Module, example: Tensor, path: Path, fmt: str, opset: int | None = None) -> Path:
     """Write ``model`` (eval mode, on CPU) to ``path`` as ONNX or TorchScript.
 
@@ -114,13 +127,17 @@ def export_model(model: nn.Module, example: Tensor, path: Path, fmt: str, opset:
     if "dynamic_shapes" not in inspect.signature(torch.onnx.export).parameters:  # torch < 2.5
         _export_onnx_torchscript(model, example, path, opset)
         return path
+    with torch.no_grad():
+        names = output_names(model(example))
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     # torch's exporter warns that torchvision's detection ops are not registered where torchvision is not
     # installed (none of ours uses them), and torch's own pytree deprecation: neither is the user's to act on;
     # onnxscript's version converter logs a traceback where it cannot reach the opset asked for (the file then
-    # keeps torch's opset: export_checkpoint says so in one line)
+    # keeps torch's opset: export_checkpoint says so in one line); onnx_ir warns that it leaves an output that is
+    # a constant (SSD's anchors) out of its initializer deduplication, which is what it should do
     quiet = [logging.getLogger(n) for n in ("torch.onnx._internal.exporter._registration",
-                                            "torch.onnx._internal.exporter._compat", "onnxscript.version_converter")]
+                                            "torch.onnx._internal.exporter._compat", "onnxscript.version_converter",
+                                            "onnx_ir.passes.common.initializer_deduplication")]
     levels = [q.level for q in quiet]
     for q in quiet:
         q.setLevel(logging.ERROR)
@@ -128,7 +145,8 @@ def export_model(model: nn.Module, example: Tensor, path: Path, fmt: str, opset:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning, message=r".*LeafSpec.*")
             torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["input"],
-                              opset_version=opset, dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
+                              output_names=names, opset_version=opset,
+                              dynamic_shapes=({0: torch.export.Dim("batch", min=1)},),
                               verbose=False, external_data=weight_bytes > _ONNX_SINGLE_FILE_LIMIT)
     finally:
         for q, level in zip(quiet, levels, strict=True):
@@ -138,10 +156,9 @@ def export_model(model: nn.Module, example: Tensor, path: Path, fmt: str, opset:
 
 def _export_onnx_torchscript(model: nn.Module, example: Tensor, path: Path, opset: int | None) -> None:
     """torch < 2.5, whose ``torch.onnx.export`` has no ``dynamic_shapes``: its TorchScript exporter, the batch
-    axis of the input and of every output dynamic (outputs named ``output0`` ... in their flattened order)."""
+    axis of the input and of every output dynamic (outputs named as :func:`output_names` names them)."""
     with torch.no_grad():
-        leaves = torch.utils._pytree.tree_leaves(model(example))
-    outputs = [f"output{i}" for i in range(len(leaves))]
+        outputs = output_names(model(example))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         torch.onnx.export(model, (example,), str(path), input_names=["input"], output_names=outputs,

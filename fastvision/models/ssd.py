@@ -198,6 +198,9 @@ class SSD(nn.Module):
     def anchors(self, image_size: tuple[int, int], grid_sizes: list[tuple[int, int]], device: torch.device) -> Tensor:
         """``(A, 4)`` xyxy anchors for an input size, cached (they depend only on shapes)."""
         key = (tuple(image_size), tuple(grid_sizes), str(device))
+        if getattr(torch.compiler, "is_exporting", lambda: False)() or torch.jit.is_tracing():  # constants of the
+            # exported graph, not a module attribute set while tracing (torch.export warns about that one)
+            return multiscale_anchors(image_size, grid_sizes=grid_sizes, device=device, **self.anchor_args)
         if key not in self._anchor_cache:
             self._anchor_cache[key] = multiscale_anchors(image_size, grid_sizes=grid_sizes, device=device,
                                                          **self.anchor_args)

@@ -128,3 +128,55 @@ def test_an_opset_the_exporter_cannot_reach_keeps_the_old_file(trained_run, tmp_
     err = capsys.readouterr().err
     one_line_error(code, err, "--opset 9", "could not convert", "opset 18")
     assert keep.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+
+
+class _DictHead(torch.nn.Module):
+    """A detector-shaped output: a dict of tensors, one of them batch-independent (as SSD's anchors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls, self.box = torch.nn.Linear(6, 3), torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        return {"cls_logits": self.cls(x), "box_codes": self.box(x), "anchors": self.box.weight * 2}
+
+
+def test_output_names_follow_the_model_output():
+    t = torch.zeros(1)
+    assert export.output_names(t) == ["output"]
+    assert export.output_names((t, [t, t])) == ["output0", "output1.0", "output1.1"]
+    assert export.output_names({"a": t, "b": {"c": t}, "d": (t,)}) == ["a", "b.c", "d.0"]
+
+
+@pytest.mark.skipif(not HAS_ORT, reason="needs onnx, onnxscript and onnxruntime")
+def test_onnx_outputs_of_a_dict_model_keep_its_keys(tmp_path, caplog):
+    """An SSD's ONNX outputs were named cat, cat_1, cat_7: a deployment had to guess which was the logits
+    (and onnx_ir printed a warning about the constant anchors output)."""
+    import logging
+
+    import onnx
+
+    torch.manual_seed(0)
+    model = _DictHead().eval()
+    with caplog.at_level(logging.WARNING):
+        path = export.export_model(model, torch.randn(2, 6), tmp_path / "m.onnx", "onnx")
+    assert not [r for r in caplog.records if "deduplication" in r.getMessage()]
+    assert [o.name for o in onnx.load(str(path)).graph.output] == ["cls_logits", "box_codes", "anchors"]
+    assert export.max_abs_diff(path, "onnx", model, torch.randn(3, 6)) <= 1e-5
+
+
+def test_ssd_exports_without_setting_its_anchor_cache():
+    """torch.export warned (on every `fastvision export` of a detection run) that SSD's anchor cache was
+    assigned during export; exporting now computes the anchors in the graph and leaves the cache alone."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = create_model("ssd320-small", num_classes=2).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = torch.export.export(model, (x,), strict=False)
+    assert not [w for w in caught if "assigned during export" in str(w.message)]
+    assert model._anchor_cache == {}
+    with torch.no_grad():
+        assert torch.equal(program.module()(x)["anchors"], model(x)["anchors"]) and len(model._anchor_cache) == 1
