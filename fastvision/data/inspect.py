@@ -302,40 +302,11 @@ def _image_headers(files: list[str], limit: int, anomalies: dict[str, list[str]]
 
 @inspector("coco", lambda p: (p / "annotations").is_dir() and any((p / "annotations").glob("instances_*.json")))
 def inspect_coco(path: Path) -> dict[str, Any]:
-    from fastvision.data.formats.coco_check import (
-        check_annotations,
-        image_facts,
-        missing_images,
-        read_instances,
-    )
+    from fastvision.data.formats.coco_check import inspect_folder
 
-    report: dict[str, Any] = {"detected": "COCO instances (annotations/instances_<split>.json + <split>/)"}
-    anomalies: dict[str, list[Any]] = {}
-    for ann in sorted((path / "annotations").glob("instances_*.json")):
-        data = read_instances(ann)  # one line naming the file where it is not COCO
-        images, cats = data["images"], data["categories"]
-        split = ann.stem.removeprefix("instances_")
-        usable, bad = check_annotations(data)
-        names = {c["id"]: c["name"] for c in cats}
-        with_boxes = {a["image_id"] for a in usable}
-        boxless = sum(im["id"] not in with_boxes for im in images)
-        report[f"{split} images (without boxes)"] = f"{len(images)} ({boxless})"
-        report[f"{split} boxes (crowd)"] = f"{len(usable)} ({sum(bool(a.get('iscrowd')) for a in usable)})"
-        report[f"{split} boxes per category"] = dict(Counter(names[a["category_id"]] for a in usable))
-        for kind, ids in bad.items():
-            anomalies[f"{split}: annotations with {kind} (skipped; ids)"] = ids
-        image_dir = path / split
-        if not image_dir.is_dir():
-            anomalies[f"{split}: image folder missing"] = [str(image_dir)]
-            continue
-        anomalies[f"{split}: listed images missing on disk"] = missing_images(data, image_dir)
-        facts = image_facts(data, image_dir)
-        report[f"{split} image formats (headers of {facts['checked']})"] = facts["formats"]
-        report[f"{split} image modes"] = facts["modes"]
-        for kind, files in facts["anomalies"].items():
-            anomalies[f"{split}: {kind}"] = files
-    report["anomalies"] = anomaly_rows(anomalies)
-    return report
+    report, anomalies, unusable = inspect_folder(path)
+    return {**report, "anomalies": anomaly_rows({**unusable, **anomalies}),
+            "unusable": {k: len(v) for k, v in unusable.items() if v}}
 
 
 @inspector("decathlon", lambda p: (p / "dataset.json").is_file())

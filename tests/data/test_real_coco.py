@@ -261,3 +261,26 @@ def test_annotation_without_id_is_an_anomaly_not_a_traceback(coco_root, capsys):
     assert "annotation without an id" in capsys.readouterr().out
     with pytest.raises(DataError, match=r"1 annotation without an id \(integer or string\) \(image 9\)"):
         build(path=str(coco_root), image_size=32, invalid="error")
+
+
+def test_inspect_exits_2_on_what_training_stops_on(coco_root, capsys):
+    """Listed images missing on disk, an image that does not decode, a validation category the training
+    file lacks: the reader stops on each (without skip_unreadable), so inspect lists them and exits 2
+    (it listed them as anomalies and exited 0, as for the annotations the reader only skips)."""
+    (coco_root / "val2017/000000000776.jpg").unlink()
+    (coco_root / "val2017/000000000724.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    _edit(coco_root / "annotations/instances_val2017.json",
+          lambda d: d["categories"].append({"supercategory": "animal", "id": 42, "name": "dog"}))
+    report = inspect_path(coco_root)
+    assert report["unusable"] == {"val2017: listed images missing on disk": 1,
+                                  "val2017: " + "unreadable image file (header or pixels do not decode, e.g. a "
+                                  "truncated download)": 1,
+                                  "val2017: category ids not in train2017's categories": 1}
+    assert report["anomalies"]["val2017: listed images missing on disk"] == "1 (000000000776.jpg)"
+    assert report["anomalies"]["val2017: category ids not in train2017's categories"] == "1 (42)"
+    assert main(["data", "inspect", str(coco_root)]) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and "3 file(s) would stop training" in err[0] and "000000000776.jpg" in cap.out
+    with pytest.raises(DataError, match=r"instances_val2017.json: category ids \[42\] are not in the training"):
+        build(path=str(coco_root), image_size=32)  # what inspect predicted

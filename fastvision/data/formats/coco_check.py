@@ -173,3 +173,50 @@ def image_facts(dataset: dict[str, Any], image_dir: Path, limit: int = 2000) -> 
         if (im.get("width"), im.get("height")) != size:
             anomalies.setdefault("stored size differs from width/height in the file", []).append(name)
     return {"checked": checked, "formats": dict(formats), "modes": dict(modes), "anomalies": anomalies}
+
+
+def inspect_folder(path: Path) -> tuple[dict[str, Any], dict[str, list[Any]], dict[str, list[Any]]]:
+    """``data inspect`` of a COCO folder: every ``annotations/instances_<split>.json`` with its ``<split>/``.
+
+    Returns:
+        ``(facts, anomalies, unusable)``: per split image and box counts, boxes per category, image
+        formats and modes; ``{kind: [ids or names]}`` of what the reader skips with a warning; and of
+        what training stops on (an image folder or listed images missing, images that do not decode,
+        validation categories the training file lacks), which makes ``data inspect`` exit 2.
+    """
+    from collections import Counter
+
+    report: dict[str, Any] = {"detected": "COCO instances (annotations/instances_<split>.json + <split>/)"}
+    anomalies: dict[str, list[Any]] = {}
+    unusable: dict[str, list[Any]] = {}
+    cat_ids: dict[str, list[Any]] = {}
+    for ann in sorted((path / "annotations").glob("instances_*.json")):
+        data = read_instances(ann)  # one line naming the file where it is not COCO
+        images, cats = data["images"], data["categories"]
+        split = ann.stem.removeprefix("instances_")
+        cat_ids[split] = [c["id"] for c in cats]
+        usable, bad = check_annotations(data)
+        names = {c["id"]: c["name"] for c in cats}
+        with_boxes = {a["image_id"] for a in usable}
+        boxless = sum(im["id"] not in with_boxes for im in images)
+        report[f"{split} images (without boxes)"] = f"{len(images)} ({boxless})"
+        report[f"{split} boxes (crowd)"] = f"{len(usable)} ({sum(bool(a.get('iscrowd')) for a in usable)})"
+        report[f"{split} boxes per category"] = dict(Counter(names[a["category_id"]] for a in usable))
+        for kind, ids in bad.items():
+            anomalies[f"{split}: annotations with {kind} (skipped; ids)"] = ids
+        image_dir = path / split
+        if not image_dir.is_dir():
+            unusable[f"{split}: image folder missing"] = [str(image_dir)]
+            continue
+        unusable[f"{split}: listed images missing on disk"] = missing_images(data, image_dir)
+        facts = image_facts(data, image_dir)
+        report[f"{split} image formats (headers of {facts['checked']})"] = facts["formats"]
+        report[f"{split} image modes"] = facts["modes"]
+        for kind, files in facts["anomalies"].items():
+            (unusable if kind == UNREADABLE else anomalies)[f"{split}: {kind}"] = files
+    train = [s for s in cat_ids if "train" in s]
+    for val in (s for s in cat_ids if "val" in s and len(train) == 1):
+        extra = sorted(set(cat_ids[val]) - set(cat_ids[train[0]]), key=str)
+        if extra:  # the reader refuses them: the model has no class for them
+            unusable[f"{val}: category ids not in {train[0]}'s categories"] = extra
+    return report, anomalies, unusable
