@@ -33,7 +33,13 @@ from fastvision.distributed.comm import (
 )
 from fastvision.distributed.env import DistEnv, detect_env, expand_nodelist, job_key
 from fastvision.distributed.group import alone, rank, world_size
-from fastvision.distributed.launch import horovodrun_command, launch_local, relaunch_argv, strip_option
+from fastvision.distributed.launch import (
+    check_nproc,
+    horovodrun_command,
+    launch_local,
+    relaunch_argv,
+    strip_option,
+)
 from fastvision.distributed.samplers import EvalSampler, TrainSampler
 from fastvision.distributed.wrap import (
                                   broadcast_buffers,
@@ -46,7 +52,7 @@ from fastvision.distributed.wrap import (
 )
 
 __all__ = ["DistEnv", "EvalSampler", "TrainSampler", "all_reduce_sum", "alone", "barrier", "broadcast_object",
-           "broadcast_buffers", "broadcast_state",
+           "broadcast_buffers", "broadcast_state", "check_nproc",
            "detect_env", "exit_process", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init",
            "is_main", "job_key", "joined", "launch_local", "no_sync", "rank", "relaunch_argv", "shutdown",
            "strip_option",

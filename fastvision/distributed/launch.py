@@ -84,6 +84,35 @@ def run_forwarding(args: Sequence[str], env: Mapping[str, str]) -> int:
             signal.signal(sig, handler)
 
 
+def local_slots(device: str | None = None) -> tuple[int, str]:
+    """How many workers ``--nproc`` may start on this machine, and what of: its GPUs where ``device`` is
+    CUDA (``auto``/None: where CUDA is available), else the CPU cores this process may run on."""
+    import torch
+
+    dev = device or "auto"
+    if dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available()):
+        return torch.cuda.device_count(), "GPUs"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores, "CPU cores"
+
+
+def check_nproc(nproc: int, device: str | None = None, flag: str = "--nproc") -> None:
+    """``--nproc N`` is at least 1 and, where this machine starts the workers, at most one per GPU (a worker
+    takes ``cuda:<local rank>``) or per CPU core (each needs a core of its own): one line naming the option,
+    before any worker starts (before, 0 or -1 trained one process silently, and 99 on a 2-core machine
+    started 99 torch processes)."""
+    from fastvision.errors import ConfigError
+
+    if nproc < 1:
+        raise ConfigError(f"{flag} {nproc}: must be >= 1")
+    if nproc == 1:
+        return
+    limit, what = local_slots(device)
+    if nproc > limit:
+        raise ConfigError(f"{flag} {nproc}: more workers than this machine has {what} ({limit}); use at most "
+                          f"{limit}, or torchrun / srun across nodes (docs/distributed.md)")
+
+
 def horovodrun_command(nproc: int, hosts: str | None = None) -> list[str]:
     """``horovodrun`` arguments for ``nproc`` gloo workers (``hosts`` like ``"n1:4,n2:4"``; default localhost)."""
     horovod()  # the actionable error when horovod is absent

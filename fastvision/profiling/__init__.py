@@ -85,6 +85,7 @@ def _cmd_profile(args) -> int:
                               "amp": args.amp}.items() if v is not None}
     cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])
     if args.nproc > 1 and distributed.detect_env().launcher == "single":
+        distributed.check_nproc(args.nproc, cfg.train.device)
         # this very command under torch's launcher, one process per worker (as train --nproc): every rank
         # profiles the same steps and rank 0 writes the report
         return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv), backend=cfg.train.backend)

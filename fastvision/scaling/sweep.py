@@ -271,6 +271,28 @@ def _workers(args) -> list[int]:
     return workers
 
 
+def _backends(args, workers: list[int]) -> list[str]:
+    """The ``--backends`` of a sweep, checked with its world sizes before any run trains: each a known
+    backend, horovod importable, the largest world size one this machine can start (before, the ddp runs
+    trained first and the sweep then stopped at the first horovod run, or at ``--nproc`` 99)."""
+    from fastvision.distributed import check_nproc
+    from fastvision.distributed.comm import horovod
+    from fastvision.errors import ConfigError
+
+    backends = [b.strip() for b in args.backends.split(",")]
+    unknown = [b for b in backends if b not in ("ddp", "horovod")]
+    if unknown or not backends:
+        raise ConfigError(f"--backends {args.backends!r}: unknown backend {unknown[0] if unknown else ''!r}; "
+                          "valid: ddp, horovod")
+    if "horovod" in backends:
+        try:
+            horovod()
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("--backend horovod", "--backends horovod", 1)) from None
+    check_nproc(max(workers), args.device, flag="--workers")
+    return backends
+
+
 def _targets(args) -> list[Hardware | Link]:
     """What ``--simulate`` draws: the ``--links`` presets (old form), else the ``--hardware`` profiles."""
     from fastvision.errors import ConfigError
@@ -339,12 +361,13 @@ def _cli(args) -> int:
     targets = _targets(args)
     results = []
     if args.recipe and not (args.simulate and args.compute_ms):
+        backends = _backends(args, workers)
         if args.epochs < 3:  # read_run drops the first epoch (warm-up) when there are more
             log.warning("scale: --epochs %d times %s per run: one noisy epoch decides the speed-up; use --epochs 3 "
                         "or more (or --repeats)", args.epochs, "the warm-up epoch" if args.epochs == 1 else
                         "1 epoch after the warm-up")
         results = sweep(args.recipe, workers, out, mode=args.mode, epochs=args.epochs, repeats=args.repeats,
-                        backends=args.backends.split(","), extra=train_args(args), seed=args.seed,
+                        backends=backends, extra=train_args(args), seed=args.seed,
                         force=args.force)
     if args.simulate:
         _simulate_cli(args, results, targets, out)

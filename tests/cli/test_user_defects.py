@@ -218,3 +218,19 @@ def test_a_misspelled_choice_is_one_line(argv, needle, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert needle in err and "invalid choice" in err and "--help" in err
+
+
+@pytest.mark.parametrize("command", ["train", "predict", "profile"])
+def test_nproc_below_one_or_above_this_machines_cores_is_one_line_before_any_work(command, tmp_path, capsys):
+    """``--nproc 0`` or ``-1`` trained one process silently, and more workers than the CPU has cores started
+    them all (99 torch processes on 2 cores); each is now one line naming --nproc, exit 2, nothing written."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    args = {"train": ["train", "unet2d-microscopy", "--out", tmp_path / "run"],
+            "predict": ["predict", tmp_path / "no-run", tmp_path / "no-images", "--out", tmp_path / "run"],
+            "profile": ["profile", "unet2d-microscopy", "--out", tmp_path / "run"]}[command]
+    for n in ("0", "-1", str(cores + 1)):
+        code, _, err = run_cli(capsys, *args, "--nproc", n, "--device", "cpu")
+        one_line_error(code, err, f"--nproc {n}", "CPU cores" if n == str(cores + 1) else ">= 1")
+    assert not (tmp_path / "run").exists()

@@ -114,3 +114,23 @@ def test_scale_refuses_a_run_folder_it_did_not_start(tmp_path, capsys):
     code, _, err = run_cli(capsys, *SWEEP, "--out", tmp_path)
     one_line_error(code, err, "ddp-1-r0", "--force")
     assert (tmp_path / "ddp-1-r0" / "notes.txt").read_text() == "mine"
+
+
+def test_scale_checks_backends_and_world_sizes_before_any_run(tmp_path, capsys, monkeypatch):
+    """An unknown backend, horovod without horovod, a world size this machine cannot start: one line naming
+    the option before any run trains (before, the ddp runs trained first, then the sweep stopped)."""
+    import importlib.util
+    import os
+    import subprocess
+
+    fake = FakeTrain({1: 10.0, 2: 19.0})
+    monkeypatch.setattr(subprocess, "run", fake)
+    code, _, err = run_cli(capsys, *SWEEP, "--backends", "ddp,foo", "--out", tmp_path / "a")
+    one_line_error(code, err, "--backends", "'foo'", "ddp, horovod")
+    cores = len(os.sched_getaffinity(0))
+    code, _, err = run_cli(capsys, *SWEEP[:3], f"1,{cores + 1}", "--out", tmp_path / "b", "--device", "cpu")
+    one_line_error(code, err, f"--workers {cores + 1}", f"CPU cores ({cores})")
+    if importlib.util.find_spec("horovod") is None:
+        code, _, err = run_cli(capsys, *SWEEP, "--backends", "ddp,horovod", "--out", tmp_path / "c")
+        one_line_error(code, err, "--backends horovod", "make horovod")
+    assert fake.calls == [] and not any((tmp_path / d).exists() for d in "abc")
