@@ -163,6 +163,7 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
         # Rank 0 names the run directory; every rank uses its choice (timestamps differ per process),
         # or stops with its refusal (an existing --out): rank 0 prints it, the others exit quietly
         run_dir, ckpt = _agree_run_dir(env, cfg.recipe, out, resume)
+        in_run_dir(cfg, run_dir)
         summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
         if env.is_main:  # atomic: a reader (cv, benchmark --mode target, a rerun) never sees half of it
             text = json.dumps(summary, indent=2, default=str).encode()
@@ -175,6 +176,17 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
         if joined:  # leave the process group this call joined, also after an error or a stop signal
             distributed.shutdown(join_threads=clean)
     return summary
+
+
+def in_run_dir(cfg: Any, run_dir: Path) -> None:
+    """A relative ``task.args.results_path`` (detection's validation results file) names a file in the run
+    directory, absolutely in the saved config: it was written to the current directory, and a later
+    ``evaluate`` run elsewhere wrote another copy there."""
+    import os
+
+    path = cfg.task.args.get("results_path") if isinstance(cfg.task.args, dict) else None
+    if isinstance(path, str) and path and not os.path.isabs(os.path.expanduser(path)):
+        cfg.task.args["results_path"] = os.path.abspath(run_dir / path)
 
 
 def load_run(path: str | Path, device: str = "auto", with_data: bool = True):

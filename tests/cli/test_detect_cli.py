@@ -19,14 +19,41 @@ TINY = ["--set", "data.args.image_size=64", "--set", "task.args.image_size=64", 
         "--epochs", "1", "--batch-size", "2", "--device", "cpu"]
 
 
+def pycocotools_map(ann_file, results) -> float:
+    """mAP of a results file by pycocotools alone, nothing of fastvision in between."""
+    import contextlib
+    import io
+
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(str(ann_file))
+        ev = COCOeval(gt, gt.loadRes(str(results)), "bbox")
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return float(ev.stats[0])
+
+
 @pytest.mark.slow
-def test_train_evaluate_predict_from_the_cli(tmp_path):
+def test_train_evaluate_predict_from_the_cli(tmp_path, monkeypatch):
     data, run = tmp_path / "shapes", tmp_path / "run"
     assert main(["data", "synth", "coco", str(data), "--train", "4", "--val", "3"]) == 0
-    assert main(["train", "ssd320-small-shapes", "--data", str(data), "--out", str(run), *TINY]) == 0
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path / "a")  # a relative results_path is the run's file, not one in the current folder
+    assert main(["train", "ssd320-small-shapes", "--data", str(data), "--out", str(run), *TINY,
+                 "--set", "task.args.results_path=val_results.json"]) == 0
     summary = json.loads((run / "summary.json").read_text())
+    assert not (tmp_path / "a" / "val_results.json").exists()
+    # the mAP the run logged is pycocotools' own on the detections it wrote
+    ann = data / "annotations" / "instances_val2017.json"
+    assert summary["map"] == pytest.approx(pycocotools_map(ann, run / "val_results.json"), abs=1e-12)
 
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")
     assert main(["evaluate", str(run), "--device", "cpu", "--json", str(tmp_path / "m.json")]) == 0
+    assert not (tmp_path / "b" / "val_results.json").exists()
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["images"] == 3 and metrics["checkpoint"].endswith("best.pt")
     for key in ("map", "ap50", "ap75"):
