@@ -24,6 +24,7 @@ from fastvision.scaling.report import (
     plot_sweep,
     summarize,
     write_report,
+    write_text,
 )
 from fastvision.scaling.simulator import (
     BACKENDS,
@@ -150,11 +151,15 @@ def add_cli(subparsers) -> None:
                                           "and/or predict speed-up on 1..1024 GPUs with the binding limit per count.")
     p.add_argument("recipe", nargs="?", help="recipe to sweep (not needed with --simulate and --compute-ms)")
     p.add_argument("--workers", default="1,2", help="comma-separated world sizes (default 1,2)")
-    p.add_argument("--mode", choices=["weak", "strong"], default="weak")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--mode", choices=["weak", "strong"], default="weak",
+                   help="weak (default): the recipe's per-worker batch at every world size, as seed 001; strong: "
+                        "its global batch divided over the workers")
+    p.add_argument("--epochs", type=int, default=3,
+                   help="epochs per run (default 3); the timing is the median of the epochs after the first "
+                        "(warm-up), so fewer than 3 is warned about")
     p.add_argument("--repeats", type=int, default=1, help="runs per world size, with seeds --seed, --seed+1, ...")
     p.add_argument("--seed", type=int, default=0, help="seed of the first repeat (default 0)")
-    p.add_argument("--backends", default="ddp", help="comma-separated: ddp,horovod")
+    p.add_argument("--backends", default="ddp", help="comma-separated: ddp (default), horovod (after `make horovod`)")
     p.add_argument("--out", type=Path, default=Path("runs/scaling"),
                    help="report folder, one run folder per world size and repeat (default runs/scaling). Run again "
                         "with the same settings (after Ctrl-C, say), it reuses the runs that finished and trains "
@@ -175,7 +180,8 @@ def add_cli(subparsers) -> None:
                         "matters for strong scaling")
     s.add_argument("--hardware", default="dgx-a100,dgx-h100,pcie-node",
                    help="comma-separated hardware profiles: presets "
-                        f"({', '.join(hardware_presets())}) or YAML files (format: fastvision/hardware/dgx-a100.yaml)")
+                        f"({', '.join(hardware_presets())}) or YAML files "
+                        "(format: fastvision/scaling/hardware/dgx-a100.yaml)")
     s.add_argument("--links", help=f"old form instead of --hardware: link presets ({', '.join(LINKS)}) between nodes "
                                    "of --gpus-per-node GPUs on NVLink, no host limit")
     s.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node with --links")
@@ -338,8 +344,8 @@ def _simulate_cli(args, results: list[dict[str, Any]], targets: list[Hardware | 
     rows = [r for t in targets for r in simulate(prof, t, counts, mode=args.mode, gpus_per_node=args.gpus_per_node,
                                                  pipeline=pipe, backend=args.sync, algo=args.algo)]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "simulation.md").write_text(simulation_markdown(rows))
-    (out / "simulation.json").write_text(json.dumps(
+    write_text(out / "simulation.md", simulation_markdown(rows))
+    write_text(out / "simulation.json", json.dumps(
         {"profile": prof.__dict__, "pipeline": pipe.__dict__ if pipe else None, "sync": args.sync,
          "hardware": [t.__dict__ if isinstance(t, Link) else _hw_dict(t) for t in targets], "rows": rows},
         indent=2))

@@ -224,3 +224,33 @@ def test_sweep_refuses_train_options_that_are_not_flag_value_pairs(tmp_path):
     with pytest.raises(ValueError):
         scaling.sweep("unet2d-microscopy", [1], tmp_path, extra=["--set", "train.epochs=1", "--data"])
     assert not any(tmp_path.iterdir())
+
+
+def test_efficiency_axis_shows_a_noisy_point_and_the_report_is_replaced_whole(tmp_path, monkeypatch):
+    """The efficiency panel reaches past its highest point (a noisy 347 % was drawn off a 0-110 % axis), and a
+    report whose writing fails part way (a kill, a full disk) leaves the files of the report before, no
+    half-written PNG or temp file."""
+    import matplotlib.figure
+
+    from fastvision.scaling.report import sweep_figure
+
+    noisy = [{"workers": 1, "images_per_s": 10.0, "metric_name": "iou", "metric": 0.5},
+             {"workers": 2, "images_per_s": 69.4, "metric_name": "iou", "metric": 0.4}]
+    fig = sweep_figure(scaling.summarize(noisy))
+    eff = next(a for a in fig.axes if a.get_title() == "Efficiency")
+    assert eff.get_ylim()[1] >= 3.47
+    out = tmp_path / "out"
+    scaling.write_report(RUNS, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def half(self, f, *a, **k):  # writes part of the image, then fails as a kill or a full disk would
+        f.write(b"\x89PNG partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half)
+    with pytest.raises(OSError):
+        scaling.write_report(noisy, out)
+    assert (out / "scaling.png").read_bytes() == before["scaling.png"]
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    with Image.open(out / "scaling.png") as im:
+        assert im.format == "PNG"
