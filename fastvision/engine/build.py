@@ -74,6 +74,7 @@ def build_components(cfg: RunConfig, info: dict, device: torch.device | str, *, 
     if str(device) != "meta":
         loss = loss.to(device)  # class-weight buffers
     task = TASKS.build(cfg.task.name, cfg.task.args, where="task.args", loss=loss, augment=augment, info=info)
+    task.check_model(model)  # e.g. a classifier's head against task.args.num_classes
     target = parse_target(cfg.train.target)
     if target:  # best.pt, curves.png and best_* follow the metric the recipe targets
         task.follow_target(target[0])

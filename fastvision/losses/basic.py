@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastvision.errors import ConfigError
 from fastvision.losses._common import (
     Reduction,
     _fp32,
@@ -153,6 +154,9 @@ class CrossEntropyLoss(nn.Module):
     def __init__(self, *, weight: list[float] | None = None, label_smoothing: float = 0.0, ignore_index: int = -100,
                  reduction: Reduction = "mean"):
         super().__init__()
+        if not 0 <= label_smoothing <= 1:  # refused at build, before a run folder, not at the first step
+            raise ConfigError(f"loss.args.label_smoothing={label_smoothing}: the probability mass spread over "
+                              "the classes, 0 to 1 (seed 004: 0.1)")
         _weight_buffer(self, "weight", weight)
         self.label_smoothing, self.ignore_index, self.reduction = float(label_smoothing), ignore_index, reduction
 

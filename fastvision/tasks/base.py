@@ -40,11 +40,17 @@ class Task:
         primary_metric: metric name used for the best checkpoint and ``--target`` (e.g. "iou").
         higher_is_better: direction of ``primary_metric``.
         input_key: batch key fed to the model.
+        unit_metrics: metrics that are fractions in [0, 1] (``--target top1=90`` is refused: never reached).
     """
 
     primary_metric: str = "loss"
     higher_is_better: bool = True
     input_key: str = "image"
+    unit_metrics: tuple[str, ...] = ()
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse, with one ConfigError naming the keys, a model that cannot give this task's outputs
+        (called once the model is built, before any step); the base accepts every model."""
 
     def follow_target(self, metric: str) -> None:
         """Make the recipe's target metric (``train.target: dice=0.94``) the primary one: the run's

@@ -68,11 +68,15 @@ class ClassificationTask(Task):
 
     primary_metric = "top1"
     higher_is_better = True
+    unit_metrics = ("top1", "top5", "auc")
 
     def __init__(self, *, num_classes: int = 1000, mixup: float = 0.0, image_size: int = 224,
                  mean: list[float] = (123.68, 116.28, 103.53), std: list[float] = (58.395, 57.12, 57.385),
                  auc: bool = False, heatmap_patch: int = 0, heatmap_stride: int = 0,
                  loss: nn.Module, augment=None, info: dict | None = None):
+        if mixup < 0:
+            raise ConfigError(f"task.args.mixup={mixup}: the Beta(a, a) parameter of MixUp, > 0 (seed 004's "
+                              "250 epochs: 0.2), or 0 for none")
         self.num_classes, self.mixup, self.image_size = num_classes, float(mixup), image_size
         self.consts = DeviceConstants(mean=torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) / 255,
                                       std=torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1) / 255)
@@ -83,6 +87,15 @@ class ClassificationTask(Task):
             raise ConfigError(f"task.args.num_classes is {num_classes} but the dataset has {info['num_classes']} "
                               f"classes; set task.args.num_classes and model.args.num_classes to {info['num_classes']}")
         self.class_names = [str(c) for c in info.get("classes", [])] or [str(c) for c in range(num_classes)]
+
+    def check_model(self, model: nn.Module) -> None:
+        """The model's last linear layer (the head) gives ``num_classes`` scores, before any step or
+        run folder: one line naming both keys (a smaller head stopped the first step with "Target 9
+        is out of bounds", a larger ``task.args.num_classes`` than the head trained without a word)."""
+        head = next((m for m in reversed(list(model.modules())) if isinstance(m, nn.Linear)), None)
+        if head is not None and head.out_features != self.num_classes:
+            raise ConfigError(f"model.args.num_classes gives a head of {head.out_features} classes but "
+                              f"task.args.num_classes is {self.num_classes}; set both to the dataset's classes")
 
     # -- input ---------------------------------------------------------------------
     def to_device(self, batch: dict[str, Any], device: torch.device, channels_last: bool = False) -> dict[str, Any]:

@@ -254,3 +254,24 @@ def test_dataset_with_more_classes_than_the_task_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="task.args.num_classes is 3 but the dataset has 4 classes"):
         run_training("resnet18-imagefolder", out=str(tmp_path / "run"), extra=extra + [{"train": {"device": "cpu"}}],
                      progress=False)
+
+
+@pytest.mark.parametrize("args,key", [
+    (["--target", "top1=90"], "--target top1=90: top1 is a fraction"),  # a timm user's percent: never reached
+    (["--target", "top5=-0.5"], "--target top5=-0.5: top5 is a fraction"),
+    (["--set", "task.args.mixup=-1"], "task.args.mixup=-1"),  # was MixUp off without a word
+    (["--set", "loss.args.label_smoothing=1.5"], "loss.args.label_smoothing=1.5"),  # was the first step's error
+    (["--set", "model.args.num_classes=5"], "model.args.num_classes gives a head of 5"),  # was "Target 9 is out of ..."
+    (["--set", "task.args.num_classes=20"], "task.args.num_classes is 20"),  # was trained against a 10-class head
+])
+def test_settings_the_run_cannot_use_are_one_line_before_the_run_folder(tmp_path, capsys, args, key):
+    from fastvision.cli import main
+    from fastvision.data.synth.imagenet import synth
+
+    data = synth(tmp_path / "d", classes=3, per_class=1, val_per_class=1, size=36)
+    out = tmp_path / "run"
+    assert main(["train", "resnet18-imagefolder", "--data", str(data), "--out", str(out), "--device", "cpu",
+                 "--epochs", "1", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0], err
+    assert not out.exists()
