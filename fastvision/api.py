@@ -168,6 +168,8 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
         if env.is_main:  # atomic: a reader (cv, benchmark --mode target, a rerun) never sees half of it
             text = json.dumps(summary, indent=2, default=str).encode()
             checkpoint.atomic_write(run_dir / "summary.json", lambda f: f.write(text))
+        else:  # another rank's copy (not written anywhere): the CLI prints rank 0's alone
+            summary = {**summary, "rank": env.rank}
         clean = True
     except Preempted:  # every rank stopped at the agreed step, after a barrier
         clean = True

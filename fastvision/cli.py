@@ -72,7 +72,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                   f"{Path(args.out) / 'postprocessing.json'}")
         return 0
     summary = run_training(args.recipe, out=args.out, resume=args.resume, overrides=flat, extra=extra)
-    _print_result(summary)
+    if summary.get("rank", 0) == 0:  # one result line and run directory per job, not one per rank
+        _print_result(summary)
     return 0
 
 

@@ -155,7 +155,8 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(data, tmp_path, train_her
     assert (whole["iou"], whole["dice"]) == (e2[-1]["iou"], e2[-1]["dice"])
 
 
-def test_batchnorm_two_ranks_validate_their_checkpoint_and_resume_mid_epoch_with_its_loss(data, tmp_path, train_here):
+def test_batchnorm_two_ranks_validate_their_checkpoint_and_resume_mid_epoch_with_its_loss(data, tmp_path, train_here,
+                                                                                          capfd):
     """With BatchNorm each rank's last training forward moves its running statistics by its own batch; the
     validation of a 2-rank job scores rank 0's statistics on every shard (before, rank 1 scored its shard with
     its own, and the logged IoU was not the one ``evaluate`` gives the checkpoint, which holds rank 0's)."""
@@ -163,6 +164,7 @@ def test_batchnorm_two_ranks_validate_their_checkpoint_and_resume_mid_epoch_with
 
     two = train_here(data, tmp_path / "two", "--epochs", "2", "--batch-size", "2", "--nproc", "2",
                      "--set", "train.checkpoint_every=6", "--set", "train.keep_checkpoints=4")
+    assert capfd.readouterr().out.count("run directory:") == 1  # rank 0's result alone (rank 1 printed it too)
     logged = _events(two)[1][-1]
     whole = evaluate_path(two / "checkpoints" / "last.pt", device="cpu")
     assert 0 < logged["iou"] < 1
