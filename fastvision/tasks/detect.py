@@ -160,6 +160,7 @@ class DetectionTask(Task):
         """
         from PIL import Image
 
+        from fastvision.data.formats.imagefolder import open_image
         from fastvision.inference.inputs import check_unique_names
 
         out_dir = Path(out_dir)
@@ -170,10 +171,7 @@ class DetectionTask(Task):
         model.eval()
         results, written, images = [], [], []
         for k, f in enumerate(files):
-            try:
-                img = Image.open(f).convert("RGB")
-            except OSError as e:
-                raise DataError(f"cannot read image {f}: {e}") from e
+            img = open_image(str(f))  # as the dataset reads its images (16-bit grey scaled, not clipped)
             w, h = img.size
             images.append({"id": k, "file_name": str(f), "width": w, "height": h})
             x = torch.from_numpy(np.asarray(img.resize((S, S), Image.BILINEAR)).copy())

@@ -284,3 +284,18 @@ def test_inspect_exits_2_on_what_training_stops_on(coco_root, capsys):
     assert len(err) == 1 and "3 file(s) would stop training" in err[0] and "000000000776.jpg" in cap.out
     with pytest.raises(DataError, match=r"instances_val2017.json: category ids \[42\] are not in the training"):
         build(path=str(coco_root), image_size=32)  # what inspect predicted
+
+
+def test_16_bit_grey_png_is_scaled_not_clipped(coco_root):
+    """A 16-bit grey PNG (thermal, microscopy exports): Pillow's convert("RGB") clipped every value over 255,
+    so the image read almost white; it is scaled to 8 bits as the ImageFolder reader does."""
+    arr = np.full((32, 32), 1000, np.uint16)
+    arr[4:20, 8:24] = 20000  # annotation 4's box
+    Image.fromarray(arr).save(coco_root / "val2017/000000000724.png")
+    with Image.open(coco_root / "val2017/000000000724.png") as im:
+        assert im.mode.startswith("I")  # really 16-bit on disk
+    val = build(path=str(coco_root), image_size=32).val
+    item = next(val[i] for i in range(len(val)) if val[i]["image_id"] == 724)
+    img = item["image"]
+    assert torch.equal(img[0], img[1]) and torch.equal(img[1], img[2])
+    assert int(img[0, 10, 15]) == round(20000 * 255 / 65535) and int(img[0, 28, 2]) == round(1000 * 255 / 65535)

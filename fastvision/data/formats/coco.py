@@ -249,11 +249,12 @@ class CocoDetection(Dataset):
         return files_identity([self.path(i), self.ann_file]) + f"|{self.ids[i]}"
 
     def _open(self, i: int) -> Image.Image:
-        path = self.path(i)
-        try:
-            return Image.open(path).convert("RGB")
-        except OSError as e:
-            raise DataError(f"cannot read image {path}: {e}") from e
+        from fastvision.data.formats.imagefolder import open_image
+
+        try:  # grey, 16-bit grey (scaled, not clipped at 255), CMYK, palette -> RGB, as ImageFolder reads them
+            return open_image(str(self.path(i)))
+        except DataError as e:
+            raise DataError(f"cannot read image {e}") from e
 
     def _item(self, i: int, image: Tensor, boxes: Tensor, labels: Tensor, crowd: Tensor, h: int, w: int) -> dict:
         return {"image": image, "boxes": boxes, "labels": labels, "iscrowd": crowd,

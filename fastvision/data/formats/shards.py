@@ -19,7 +19,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from fastvision.data.formats.coco import SSDAugment, _Decode, resize_to_square
-from fastvision.data.formats.imagefolder import RandomResizedCrop, load_crop
+from fastvision.data.formats.imagefolder import RandomResizedCrop, load_crop, open_image
 from fastvision.data.shards.reader import ShardReader, encoded, shard_order
 from fastvision.data.transforms import Transform
 from fastvision.errors import DataError
@@ -112,11 +112,13 @@ class ShardCoco(_ShardSet):
         name, members = self.reader.sample(i)
         try:
             doc = json.loads(members["json"])
-            img = Image.open(io.BytesIO(encoded(members, name))).convert("RGB")
+            data = encoded(members, name)
         except (KeyError, ValueError) as e:
             raise DataError(f"{name}: no annotation member (.json) or not JSON ({e})") from e
-        except (UnidentifiedImageError, OSError) as e:
-            raise DataError(f"{name}: cannot decode image ({e})") from e
+        try:  # as the folder reader (16-bit grey scaled, not clipped at 255)
+            img = open_image(io.BytesIO(data))
+        except DataError as e:
+            raise DataError(f"{name}: cannot decode image ({e.__cause__})") from e
         return img, doc, name
 
     def _targets(self, doc: dict, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
