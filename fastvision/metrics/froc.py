@@ -259,13 +259,30 @@ def read_mask(path: Path, downsample: int = 1) -> np.ndarray:
     if path.suffix.lower() == ".png":
         from PIL import Image
 
-        return np.asarray(Image.open(path))[::downsample, ::downsample] > 0
+        try:
+            arr = np.asarray(Image.open(path))
+        except Exception as e:  # PIL raises several types for unreadable files
+            raise DataError(f"{path}: cannot read mask ({e})") from e
+        return _one_channel(arr[::downsample, ::downsample], path) > 0
     tif = TiledTiff(path)
     h, w = tif.shape[:2]
     band = max(downsample, 256 // downsample * downsample)  # rows per read, a multiple of downsample
-    rows = [tif.read_region(y, 0, min(band, h - y), w)[::downsample, ::downsample, 0] > 0 for y in range(0, h, band)]
+    rows = [_one_channel(tif.read_region(y, 0, min(band, h - y), w)[::downsample, ::downsample], path) > 0
+            for y in range(0, h, band)]
     tif.close()
     return np.concatenate(rows)
+
+
+def _one_channel(arr: np.ndarray, path: Path) -> np.ndarray:
+    """A mask's (h, w) values: its one channel, or the first of channels that are all equal (a grey mask
+    saved as RGB); channels that differ are a picture, not a mask (a slide given as its own mask
+    would score every tissue pixel as lesion)."""
+    if arr.ndim == 2:
+        return arr
+    if arr.shape[2] > 1 and not (arr == arr[..., :1]).all():
+        raise DataError(f"{path}: {arr.shape[2]} channels that differ: a lesion mask has one (non-zero = "
+                        "tumour); is this the slide image?")
+    return arr[..., 0]
 
 
 def pair_files(heat_dir: Path, mask_dir: Path) -> list[tuple[str, Path, Path | None]]:
@@ -371,7 +388,10 @@ def cmd_froc(args: argparse.Namespace) -> int:
           f"{int(out['lesions'])} lesions counted)")
     print("sensitivity at FPs/slide  " + "  ".join(f"{r:g}: {out[f'sens@{r:g}']:.4f}" for r in EVAL_FP_RATES))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        from fastvision.utils.files import atomic_write
+
+        text = json.dumps(out, indent=2).encode()
+        atomic_write(Path(args.json), lambda f: f.write(text))  # never a half-written result
     return 0
 
 

@@ -88,3 +88,23 @@ def test_cv_one_run_leaves_std_out_and_warns(tmp_path, capsys):
 def test_cv_json_is_not_replaced_without_force_nor_a_folder(tmp_path, capsys):
     a, b = _run(tmp_path / "f0"), _run(tmp_path / "f1", fold=1)
     assert json.loads(guarded_json(capsys, ["cv", a, b], tmp_path).read_text())["mean"]["dice"] == pytest.approx(0.8)
+
+
+def test_froc_refuses_a_picture_as_mask_and_reads_a_grey_mask_saved_as_rgb(tmp_path, capsys):
+    """The slide folder given for the masks (RGB, channels differ) is one line naming the file (its red
+    channel was read as the mask: every tissue pixel a lesion); a grey mask stored as RGB scores as
+    the grey one."""
+    from PIL import Image
+
+    hd, md = _slides(tmp_path)
+    code, _, _ = run_cli(capsys, "froc", hd, md, "--json", tmp_path / "grey.json")
+    want = json.loads((tmp_path / "grey.json").read_text())
+    mask = tifffile.imread(md / "a.tif")
+    (md / "a.tif").unlink()
+    Image.fromarray(np.repeat(mask[..., None] * 255, 3, axis=2)).save(md / "a.png")  # grey as RGB
+    code, out, _ = run_cli(capsys, "froc", hd, md, "--json", tmp_path / "rgb.json")
+    assert code == 0 and json.loads((tmp_path / "rgb.json").read_text()) == want
+    rng = np.random.default_rng(0)
+    tifffile.imwrite(md / "b.tif", rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))  # a slide's pixels
+    code, out, err = run_cli(capsys, "froc", hd, md)
+    one_line_error(code, err, str(md / "b.tif"), "channels that differ")
