@@ -49,9 +49,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     single = distributed.detect_env().launcher == "single"
     distributed.check_nproc(args.nproc if single else 1, args.device)  # under torchrun / srun --nproc is unused
-    if args.nproc > 1 and single:
-        # Re-run this very command under torch's launcher, one process per worker.
-        return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv), backend=args.backend or "ddp")
     if args.pretrained:
         args.set.append(f"model.args.pretrained={args.pretrained}")
     flat = {k: getattr(args, k) for k in ("data", "epochs", "batch_size", "lr", "amp", "tf32", "compile",
@@ -59,6 +56,19 @@ def cmd_train(args: argparse.Namespace) -> int:
                                           "emulate_workers", "backend")
             if getattr(args, k) is not None}  # only the flags the user gave
     extra = [parse_override(s) for s in args.set]
+    if args.nproc > 1 and single:
+        from fastvision import config
+        from fastvision.api import overrides_to_dicts
+
+        # the recipe, every --set and a local --data that is not there checked here, once: a typo is one
+        # line, not one per worker
+        config.load(args.recipe, [*overrides_to_dicts(flat), *extra])
+        if args.data and "://" not in args.data and not Path(args.data).exists():
+            from fastvision.data.formats.base import dataset_folder
+
+            dataset_folder(args.data)
+        # Re-run this very command under torch's launcher, one process per worker.
+        return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv), backend=args.backend or "ddp")
     if args.folds is not None:
         from fastvision.inference.folds import train_folds
         from fastvision.metrics.crossval import print_fold_table

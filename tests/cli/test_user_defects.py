@@ -234,3 +234,13 @@ def test_nproc_below_one_or_above_this_machines_cores_is_one_line_before_any_wor
         code, _, err = run_cli(capsys, *args, "--nproc", n, "--device", "cpu")
         one_line_error(code, err, f"--nproc {n}", "CPU cores" if n == str(cores + 1) else ">= 1")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="--nproc 2 needs 2 cores")
+@pytest.mark.parametrize("bad", [["--set", "train.epochz=3"], ["--set", "optim.lr=fast"], ["--data", "no-such-folder"]])
+def test_nproc_checks_the_recipe_and_data_once_before_starting_workers(bad, tmp_path, capsys):
+    """``train --nproc 2`` with a --set typo, a wrong type or a --data folder that is not there: one line
+    from the launcher, exit 2, no worker started (each of the two workers printed the same line)."""
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--nproc", "2", "--out", tmp_path / "run", *bad)
+    one_line_error(code, err, bad[1].split("=")[0])
+    assert "launching" not in err and not (tmp_path / "run").exists()
