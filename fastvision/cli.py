@@ -252,7 +252,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_shard(args: argparse.Namespace) -> int:
     from fastvision.data.shards.writer import write_shards
 
-    index = write_shards(args.src, args.out, args.shard_size, args.format, force=args.force)
+    index = write_shards(args.src, args.out, args.shard_size, args.format, force=args.force,
+                         skip_unreadable=args.skip_unreadable)
     for split, shards in index.splits.items():
         print(f"{split}: {sum(s.nsamples for s in shards)} samples in {len(shards)} shard(s), "
               f"{sum(s.filesize for s in shards) / 1e6:.1f} MB")

@@ -253,3 +253,29 @@ def test_a_folder_that_is_not_this_sources_shard_set_is_refused(inet, shards, tm
     assert main(["data", "shard", str(other), str(mic), "--shard-size", SIZE, "--force"]) == 2  # not into another's
     assert "a shard set of another dataset" in capsys.readouterr().err
     assert (mic / "shards.json").is_file() and all((mic / p).exists() for p in before)
+
+
+def test_images_that_do_not_decode_stop_the_writer_before_it_writes(inet, tmp_path, capsys, fresh_logging):
+    """A text file named .JPEG and a truncated JPEG: one line naming them, nothing written (they were
+    packed, and training from the shards stopped on them); --skip-unreadable leaves them out."""
+    import shutil
+
+    from fastvision.cli import main
+
+    src = tmp_path / "src"
+    shutil.copytree(inet, src)
+    (src / "train/class001/notes.JPEG").write_text("not an image")
+    whole = (src / "train/class000/00000.JPEG").read_bytes()
+    (src / "val/class002/cut.JPEG").write_bytes(whole[: len(whole) // 2])
+    out = tmp_path / "out"
+    assert main(["data", "shard", str(src), str(out), "--shard-size", SIZE]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "2 image file(s) that do not decode" in err[0], err
+    assert "train/class001/notes.JPEG" in err[0] and "val/class002/cut.JPEG" in err[0] and not out.exists()
+    assert main(["data", "shard", str(src), str(out), "--shard-size", SIZE, "--skip-unreadable"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 unreadable" in err and "notes.JPEG" in err and "cut.JPEG" in err
+    index = _index(out)
+    assert [sum(s["nsamples"] for s in index["splits"][k]["shardlist"]) for k in ("train", "val")] == [18, 6]
+    splits = DATASETS.build("imagefolder", {"path": str(out), "image_size": 16, "resize_size": 16})
+    assert len(splits.train) == 18 and splits.train[0]["image"].shape == (3, 16, 16)

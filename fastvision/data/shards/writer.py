@@ -80,11 +80,29 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def imagefolder_source(src: Path) -> tuple[dict[str, Any], dict[str, list[list[Member]]], dict[str, Path]]:
-    """ImageFolder / ImageNet layout: ``(info, {split: [sample members]}, files to copy)``."""
+def imagefolder_source(src: Path, skip_unreadable: bool = False
+                       ) -> tuple[dict[str, Any], dict[str, list[list[Member]]], dict[str, Path]]:
+    """ImageFolder / ImageNet layout: ``(info, {split: [sample members]}, files to copy)``.
+
+    Every image is checked first (header, and its end marker or a full decode: a truncated download
+    is found), before a shard is written: files training would stop on are one DataError naming
+    the count and the first ones, or, with ``skip_unreadable``, left out with one warning.
+    """
+    from fastvision.data.formats.anomalies import first_few, image_decodes
     from fastvision.data.formats.imagefolder import build
 
-    splits = build(path=str(src))
+    splits = build(path=str(src), skip_unreadable=skip_unreadable)  # skipping: the builder's probe and warning
+    if not skip_unreadable:
+        bad = []
+        for ds in (splits.train, splits.val):
+            for p, _ in ds.samples:
+                try:
+                    image_decodes(Path(p))
+                except Exception:  # any decoder failure: the file is unusable
+                    bad.append(os.path.relpath(p, src))
+        if bad:
+            raise DataError(f"{src}: {len(bad)} image file(s) that do not decode ({first_few(bad)}); nothing "
+                            "written: fix or remove them, or pass --skip-unreadable to leave them out")
     out = {}
     for name, ds in (("train", splits.train), ("val", splits.val)):
         out[name] = [[_file(p), _text(str(label).encode(), "cls"),
@@ -233,7 +251,7 @@ def check_out(out: Path, src: Path, source: str, info: dict[str, Any], force: bo
 
 
 def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256MB",
-                 source: str | None = None, force: bool = False) -> ShardIndex:
+                 source: str | None = None, force: bool = False, skip_unreadable: bool = False) -> ShardIndex:
     """Shard dataset ``src`` into ``out`` (see the module docstring); returns the written index.
 
     Args:
@@ -243,13 +261,18 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256M
         shard_size: target bytes per shard (``"256MB"``); a sample larger than it gets a shard alone.
         source: ``imagefolder`` or ``coco`` (default: detected from ``src``'s layout).
         force: write into any existing folder (shards already there must still be this input's).
+        skip_unreadable: ImageFolder: leave out, with one warning, images that do not decode (else
+            they are one error before anything is written).
     """
     src, out = Path(src), Path(out)
     size = parse_size(shard_size)
     source = source or detect_source(src)
     if source not in SOURCES:
         raise ConfigError(f"data shard --format {source!r}: one of {', '.join(SOURCES)}")
-    info, splits, files = SOURCES[source](src)
+    if source == "imagefolder":
+        info, splits, files = imagefolder_source(src, skip_unreadable)
+    else:
+        info, splits, files = SOURCES[source](src)
     check_out(out, src, source, info, force)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".*.tmp*"):  # a killed writer's partial shard: never one a reader sees
