@@ -35,11 +35,22 @@ def focal_params(alpha: float | None, gamma: float | None, loss: nn.Module | Non
 
     Without a focal loss module, ``task.args`` or the seed's 0.25 / 2. With one, its values (alpha
     None is -1: no class weighting); a ``task.args`` value that differs is a ConfigError rather than
-    silently losing to the loss section.
+    silently losing to the loss section, and so is a focal setting the detection loss has no use for
+    (``use_softmax``, ``weight``, ``reduction``, ``include_background: false``, one alpha per class).
     """
     if loss is None or not hasattr(loss, "gamma"):
         return (0.25 if alpha is None else float(alpha)), (2.0 if gamma is None else float(gamma))
     a = getattr(loss, "alpha", None)
+    unused = {"use_softmax": getattr(loss, "use_softmax", False),
+              "reduction": getattr(loss, "reduction", "mean") != "mean",
+              "include_background": not getattr(loss, "include_background", True),
+              "weight": getattr(loss, "weight", None) is not None,
+              "alpha": torch.is_tensor(a) and a.numel() > 1}  # the detection loss has one alpha for all classes
+    for key, set_ in unused.items():
+        if set_:
+            raise ConfigError(f"loss.args.{key}: the detection loss is the seed's sigmoid focal loss over anchors "
+                              "(matched, normalised by the matches); of loss.args it takes only a scalar alpha and "
+                              f"gamma, so {key} would be ignored: remove it")
     a = -1.0 if a is None else float(a.reshape(-1)[0]) if torch.is_tensor(a) else float(a)
     for key, given, used in (("alpha", alpha, a), ("gamma", gamma, float(loss.gamma))):
         if given is not None and not math.isclose(float(given), used, rel_tol=1e-6):

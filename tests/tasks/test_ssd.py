@@ -276,3 +276,28 @@ def test_predict_checks_every_input_before_writing(tmp_path):
         task.predict_files(model, [*files, tmp_path / "notes.txt"], out, None, torch.device("cpu"))
     written = task.predict_files(model, files[:2], out, None, torch.device("cpu"))  # the good ones still predict
     assert sorted(p.name for p in written) == ["a_boxes.png", "b_boxes.png", "detections.json", "images.json"]
+
+
+@pytest.fixture(scope="module")
+def tiny_shapes(tmp_path_factory):
+    from fastvision.data.synth.coco import synth
+
+    return synth(tmp_path_factory.mktemp("shapes") / "shapes", seed=0, train=2, val=1)
+
+
+@pytest.mark.parametrize("loss_args", [{"use_softmax": True}, {"weight": [1.0, 2.0, 1.0, 1.0]},
+                                       {"reduction": "sum"}, {"include_background": False},
+                                       {"alpha": [0.25, 0.5, 0.25, 0.25]}],
+                         ids=["use_softmax", "weight", "reduction", "include_background", "alpha"])
+def test_focal_settings_the_detection_loss_ignores_are_refused(loss_args, tiny_shapes, tmp_path, capsys):
+    """The recipe's loss: focal section supplies alpha and gamma; its other settings were accepted and silently
+    unused (a per-class alpha kept its first value only)."""
+    from fastvision.cli import main
+
+    key, value = next(iter(loss_args.items()))
+    rc = main(["train", "ssd320-small-shapes", "--data", str(tiny_shapes), "--out", str(tmp_path / "run"),
+               "--device", "cpu", "--epochs", "1", "--batch-size", "1", "--set", "train.steps_per_epoch=1",
+               "--set", "examples=0", "--set", f"loss.args.{key}={value}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"loss.args.{key}: the detection loss" in err[0], err
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
