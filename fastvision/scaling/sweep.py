@@ -359,12 +359,17 @@ def _simulate_cli(args, results: list[dict[str, Any]], targets: list[Hardware | 
 
 
 def _cli(args) -> int:
+    from fastvision.errors import ConfigError
     from fastvision.scaling.checks import check_args
 
     check_args(args)
     out = Path(args.out)
     workers = _workers(args)
     targets = _targets(args)
+    if args.simulate and (args.compute_ms is None or args.grad_mb is None) and not (
+            args.recipe and args.compute_ms is None and 1 in workers):  # said before any run trains
+        raise ConfigError("--simulate needs --compute-ms and --grad-mb, or a sweep that includes 1 worker "
+                          f"(--workers {args.workers})")
     results = []
     if args.recipe and not (args.simulate and args.compute_ms):
         backends = _backends(args, workers)

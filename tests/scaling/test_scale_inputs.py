@@ -134,3 +134,18 @@ def test_scale_checks_backends_and_world_sizes_before_any_run(tmp_path, capsys, 
         code, _, err = run_cli(capsys, *SWEEP, "--backends", "ddp,horovod", "--out", tmp_path / "c")
         one_line_error(code, err, "--backends horovod", "make horovod")
     assert fake.calls == [] and not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_scale_simulate_without_a_step_or_a_one_worker_run_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    """``--simulate`` measures its step from the sweep's 1-worker runs: a sweep without them (or --compute-ms
+    without --grad-mb) is one line before any run trains (before: after every run had trained)."""
+    import subprocess
+
+    fake = FakeTrain({2: 19.0})
+    monkeypatch.setattr(subprocess, "run", fake)
+    code, _, err = run_cli(capsys, "scale", "unet2d-microscopy", "--workers", "2", "--simulate",
+                           "--out", tmp_path / "a")
+    one_line_error(code, err, "--simulate", "1 worker", "--workers 2")
+    code, _, err = run_cli(capsys, "scale", "unet2d-microscopy", "--simulate", "--compute-ms", "50", "--out", tmp_path)
+    one_line_error(code, err, "--grad-mb")
+    assert fake.calls == []
