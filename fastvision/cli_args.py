@@ -116,5 +116,6 @@ def shard_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("imagefolder", "coco"), help="the source layout (default: detected)")
     p.add_argument("--force", action="store_true", help="write into an existing folder that is not a shard set "
                                                         "(shards already there must still be this source's)")
-    p.add_argument("--skip-unreadable", action="store_true", help="ImageFolder: leave out (one warning) images "
-                   "that do not decode, a truncated JPEG too; without it they stop the command before it writes")
+    p.add_argument("--skip-unreadable", action="store_true", help="leave out (one warning) images that do "
+                   "not decode, a truncated JPEG too (COCO: and listed images missing); without it they stop the "
+                   "command before it writes")

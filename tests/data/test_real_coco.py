@@ -299,3 +299,22 @@ def test_16_bit_grey_png_is_scaled_not_clipped(coco_root):
     img = item["image"]
     assert torch.equal(img[0], img[1]) and torch.equal(img[1], img[2])
     assert int(img[0, 10, 15]) == round(20000 * 255 / 65535) and int(img[0, 28, 2]) == round(1000 * 255 / 65535)
+
+
+def test_data_shard_checks_coco_images_before_writing(coco_root, tmp_path, caplog, capsys):
+    """A truncated JPEG was packed into the shards silently and training from them stopped on it mid-epoch;
+    it is one line before anything is written, or left out with --skip-unreadable."""
+    from fastvision.data.shards.writer import write_shards
+
+    f = coco_root / "train2017/000000000025.jpg"
+    _jpeg(f, np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    f.write_bytes(f.read_bytes()[: f.stat().st_size * 3 // 4])
+    with caplog.at_level(logging.WARNING):
+        index = write_shards(coco_root, tmp_path / "skipped", skip_unreadable=True)
+    assert sum(s.nsamples for s in index.splits["train"]) == 1 and sum(s.nsamples for s in index.splits["val"]) == 5
+    assert any("skipped 1 unreadable" in r.getMessage() for r in caplog.records)
+    out = tmp_path / "shards"
+    assert main(["data", "shard", str(coco_root), str(out)]) == 2
+    err = [e for e in capsys.readouterr().err.strip().splitlines() if "invalid annotations skipped" not in e]
+    assert len(err) == 1 and "1 image file(s) that do not decode (train2017/000000000025.jpg)" in err[0]  # the
+    assert not out.exists()  # replica's val file also warns about its invalid annotations, as in training

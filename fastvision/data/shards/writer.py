@@ -88,27 +88,33 @@ def imagefolder_source(src: Path, skip_unreadable: bool = False
     is found), before a shard is written: files training would stop on are one DataError naming
     the count and the first ones, or, with ``skip_unreadable``, left out with one warning.
     """
-    from fastvision.data.formats.anomalies import first_few, image_decodes
     from fastvision.data.formats.imagefolder import build
 
     splits = build(path=str(src), skip_unreadable=skip_unreadable)  # skipping: the builder's probe and warning
     if not skip_unreadable:
-        bad = []
-        for ds in (splits.train, splits.val):
-            for p, _ in ds.samples:
-                try:
-                    image_decodes(Path(p))
-                except Exception:  # any decoder failure: the file is unusable
-                    bad.append(os.path.relpath(p, src))
-        if bad:
-            raise DataError(f"{src}: {len(bad)} image file(s) that do not decode ({first_few(bad)}); nothing "
-                            "written: fix or remove them, or pass --skip-unreadable to leave them out")
+        _check_decodes(src, [p for ds in (splits.train, splits.val) for p, _ in ds.samples])
     out = {}
     for name, ds in (("train", splits.train), ("val", splits.val)):
         out[name] = [[_file(p), _text(str(label).encode(), "cls"),
                       _text(os.path.relpath(p, src).encode(), "id")] for p, label in ds.samples]
     info = {k: splits.info[k] for k in ("classes", "num_classes")}
     return info, out, {}
+
+
+def _check_decodes(src: Path, files: list[str | Path]) -> None:
+    """Every image decodes (header, and its end marker or a full decode: a truncated download is found),
+    before a shard is written; else one DataError naming the count and the first ones."""
+    from fastvision.data.formats.anomalies import first_few, image_decodes
+
+    bad = []
+    for p in files:
+        try:
+            image_decodes(Path(p))
+        except Exception:  # noqa: BLE001  (any decoder failure: the file is unusable)
+            bad.append(os.path.relpath(p, src))
+    if bad:
+        raise DataError(f"{src}: {len(bad)} image file(s) that do not decode ({first_few(bad)}); nothing "
+                        "written: fix or remove them, or pass --skip-unreadable to leave them out")
 
 
 def _coco_splits(src: Path) -> tuple[str, str]:
@@ -121,12 +127,17 @@ def _coco_splits(src: Path) -> tuple[str, str]:
     return train[0], val[0]
 
 
-def coco_source(src: Path) -> tuple[dict[str, Any], dict[str, list[list[Member]]], dict[str, Path]]:
-    """COCO layout: each image with a JSON member of its record and usable annotations."""
+def coco_source(src: Path, skip_unreadable: bool = False
+                ) -> tuple[dict[str, Any], dict[str, list[list[Member]]], dict[str, Path]]:
+    """COCO layout: each image with a JSON member of its record and usable annotations. Images that are
+    missing or do not decode are one DataError before a shard is written or, with ``skip_unreadable``,
+    left out with one warning (the reader's)."""
     from fastvision.data.formats.coco import build
 
     train_split, val_split = _coco_splits(src)
-    splits = build(path=str(src), train_split=train_split, val_split=val_split)
+    splits = build(path=str(src), train_split=train_split, val_split=val_split, skip_unreadable=skip_unreadable)
+    if not skip_unreadable:
+        _check_decodes(src, [ds.path(i) for ds in (splits.train, splits.val) for i in range(len(ds))])
     out = {}
     for name, ds in (("train", splits.train), ("val", splits.val)):
         rows = []
@@ -261,18 +272,15 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256M
         shard_size: target bytes per shard (``"256MB"``); a sample larger than it gets a shard alone.
         source: ``imagefolder`` or ``coco`` (default: detected from ``src``'s layout).
         force: write into any existing folder (shards already there must still be this input's).
-        skip_unreadable: ImageFolder: leave out, with one warning, images that do not decode (else
-            they are one error before anything is written).
+        skip_unreadable: leave out, with one warning, images that are missing (COCO) or do not decode
+            (else they are one error before anything is written).
     """
     src, out = Path(src), Path(out)
     size = parse_size(shard_size)
     source = source or detect_source(src)
     if source not in SOURCES:
         raise ConfigError(f"data shard --format {source!r}: one of {', '.join(SOURCES)}")
-    if source == "imagefolder":
-        info, splits, files = imagefolder_source(src, skip_unreadable)
-    else:
-        info, splits, files = SOURCES[source](src)
+    info, splits, files = SOURCES[source](src, skip_unreadable)
     check_out(out, src, source, info, force)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".*.tmp*"):  # a killed writer's partial shard: never one a reader sees
