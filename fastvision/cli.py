@@ -182,9 +182,22 @@ def cmd_synth(args: argparse.Namespace, extra: list[str]) -> int:
             raise ConfigError("data synth: give KIND and OUT, e.g. fastvision data synth microscopy data/micro")
         print(args.parser.format_help() if args.kind is None else synth_help(args.kind), end="")
         return 0
+    import inspect
+    import re
+
     synth = load_all().get(args.kind)
     options = _parse_options(extra)
-    check_kwargs(synth, options, f"data synth {args.kind}", exclude={"out"})
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731  (as the user typed it)
+    valid = [n for n in inspect.signature(synth).parameters if n not in ("out", "seed")]
+    unknown = [k for k in options if k not in valid]
+    if unknown:  # named as typed, with the options there are (data synth KIND --help)
+        raise ConfigError(f"data synth {args.kind} {flag(unknown[0])}: no such option; valid: "
+                          f"{', '.join(map(flag, ['seed', *valid]))}")
+    try:
+        check_kwargs(synth, options, f"data synth {args.kind}", exclude={"out"})
+    except ConfigError as e:  # "data synth imagenet.per_class: expected int" -> "... --per-class: ..."
+        raise ConfigError(re.sub(rf"^data synth {re.escape(args.kind)}\.(\w+)",
+                                 lambda m: f"data synth {args.kind} {flag(m.group(1))}", str(e))) from None
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"{out}: exists and is not an empty folder; choose a new output folder")

@@ -41,3 +41,16 @@ def test_the_bound_is_the_smallest_sensible_value(tmp_path, capsys):
     assert main(["data", "synth", "hippocampus", str(tmp_path / "h"), "--cases", "1", "--shape", "[8, 8, 8]"]) == 0
     assert len(list((tmp_path / "m" / "images").iterdir())) == 1
     assert len(list((tmp_path / "h" / "imagesTr").iterdir())) == 1
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--clases", "3"], "--clases: no such option; valid: --seed, --classes, --per-class, --val-per-class, "
+                        "--size, --height, --quality"),  # was "unknown key data synth imagenet.clases; ... per_class"
+    (["--classes", "x"], "--classes: expected int, got 'x'"),  # was "data synth imagenet.classes: ..."
+    (["--per-class", "1.5"], "--per-class: expected int, got 1.5"),
+])
+def test_an_unknown_option_or_wrong_type_is_named_as_typed(options, named, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["data", "synth", "imagenet", str(out), *options]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"fastvision: error: data synth imagenet {named}"]
+    assert not out.exists()
