@@ -101,6 +101,24 @@ class DetectionTask(Task):
         self.results_path = results_path
         if info.get("image_size") not in (None, image_size):
             raise ConfigError(f"task.args.image_size={image_size} but data.args.image_size={info['image_size']}")
+        self.data_classes = info.get("num_classes")
+
+    def check_model(self, model: nn.Module) -> None:
+        """The detector's class count against the dataset's categories and ``task.args.num_classes``, before
+        any step or run folder: a dataset with more categories than ``model.args.num_classes`` trained without
+        a word, the extra categories' boxes taught as background and never predicted."""
+        have = getattr(model, "num_classes", None)
+        if have is None:
+            return
+        if self.data_classes is not None and have != self.data_classes:
+            from fastvision.data.formats.anomalies import first_few
+
+            raise ConfigError(f"model.args.num_classes={have} but the dataset has {self.data_classes} categories "
+                              f"({first_few(self.class_names, 5)}); set model.args.num_classes and "
+                              f"task.args.num_classes to {self.data_classes}")
+        if have != self.num_classes:
+            raise ConfigError(f"model.args.num_classes={have} but task.args.num_classes={self.num_classes}; "
+                              "set both to the dataset's number of categories")
 
     # -- batches -------------------------------------------------------------------
     def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:

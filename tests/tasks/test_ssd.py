@@ -301,3 +301,22 @@ def test_focal_settings_the_detection_loss_ignores_are_refused(loss_args, tiny_s
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and f"loss.args.{key}: the detection loss" in err[0], err
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["model.args.num_classes=5", "task.args.num_classes=5"],
+     "model.args.num_classes=5 but the dataset has 4 categories (disk, square, triangle, cross)"),
+    (["model.args.num_classes=5"], "model.args.num_classes=5 but the dataset has 4 categories"),
+    (["task.args.num_classes=3"], "model.args.num_classes=4 but task.args.num_classes=3"),
+], ids=["model-and-task-5", "model-5", "task-3"])
+def test_class_count_that_differs_from_the_dataset_is_one_line(sets, needle, tiny_shapes, tmp_path, capsys):
+    """A COCO set with more categories than model.args.num_classes trained without a word: the extra
+    categories' boxes were taught as background and never predicted (fewer: heads for absent classes)."""
+    from fastvision.cli import main
+
+    rc = main(["train", "ssd320-small-shapes", "--data", str(tiny_shapes), "--out", str(tmp_path / "run"),
+               "--device", "cpu", "--epochs", "1", "--batch-size", "1", "--set", "train.steps_per_epoch=1",
+               "--set", "examples=0", *[a for kv in sets for a in ("--set", kv)]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "run").exists()
