@@ -131,16 +131,23 @@ def sweep(recipe: str, workers: Sequence[int], out_dir: Path, *, mode: str = "we
 
 def _train(cmd: list[str], out_dir: Path, run_dir: Path, force: bool) -> None:
     """Run ``fastvision CMD`` (a ``train`` command) unless ``run_dir`` holds its finished run."""
-    import subprocess
+    import os
     import sys
 
-    from fastvision.errors import FastvisionError
+    from fastvision.distributed.launch import run_forwarding
+    from fastvision.errors import FastvisionError, Preempted
     from fastvision.scaling import rerun
 
     if rerun.prepare(out_dir, run_dir, cmd, force):
         return
     log.info("scale: fastvision %s", " ".join(cmd))
-    if subprocess.run([sys.executable, "-m", "fastvision.cli", *cmd]).returncode != 0:  # it printed its error
+    # a signal to scale (kill PID, Ctrl-C) goes on to the run, which stops its workers; before, scale died
+    # alone and the run's launcher and workers trained on without it
+    rc = run_forwarding([sys.executable, "-m", "fastvision.cli", *cmd], os.environ)
+    if rc > 128:  # the run stopped on a signal (it said so): the sweep stops as it did
+        raise Preempted(rc - 128, f"scale: stopped during {run_dir.name}; the same command continues the sweep "
+                                  "(finished runs are reused, this one is trained again)")
+    if rc != 0:  # it printed its error
         raise FastvisionError(f"scale: the run {run_dir.name} failed: fastvision {' '.join(cmd)}")
 
 

@@ -72,16 +72,22 @@ class FakeTrain:
 SWEEP = ["scale", "unet2d-microscopy", "--workers", "1,2", "--epochs", "2"]
 
 
-def test_scale_flags_efficiency_above_ideal_and_few_timed_epochs(tmp_path, capsys, monkeypatch):
-    import subprocess
+def fake_runs(monkeypatch, fake: FakeTrain) -> None:
+    """The sweep's runs (started through ``launch.run_forwarding``) made by ``fake`` instead."""
+    from fastvision.distributed import launch
 
-    monkeypatch.setattr(subprocess, "run", FakeTrain({1: 10.0, 2: 253.0}))  # speed-up 25.3 on 2 workers
+    monkeypatch.setattr(launch, "run_forwarding", lambda args, env: fake(list(args)).returncode)
+
+
+def test_scale_flags_efficiency_above_ideal_and_few_timed_epochs(tmp_path, capsys, monkeypatch):
+
+    fake_runs(monkeypatch, FakeTrain({1: 10.0, 2: 253.0}))  # speed-up 25.3 on 2 workers
     code, out, err = run_cli(capsys, *SWEEP, "--out", tmp_path)
     assert code == 0
     assert "1265.0% (noisy)" in out and "implausible efficiency" in out and "--repeats" in out
     assert "--epochs 2 times 1 epoch after the warm-up" in err and "implausible" in err
     assert "implausible" in (tmp_path / "scaling.md").read_text()
-    monkeypatch.setattr(subprocess, "run", FakeTrain({1: 10.0, 2: 19.0}))  # 95%, 2 epochs timed: no flag
+    fake_runs(monkeypatch, FakeTrain({1: 10.0, 2: 19.0}))  # 95%, 2 epochs timed: no flag
     code, out, err = run_cli(capsys, *SWEEP[:-1], "3", "--out", tmp_path / "plausible")
     assert code == 0 and "95.0%" in out and "noisy" not in out + err and "warm-up" not in err
 
@@ -121,10 +127,9 @@ def test_scale_checks_backends_and_world_sizes_before_any_run(tmp_path, capsys, 
     the option before any run trains (before, the ddp runs trained first, then the sweep stopped)."""
     import importlib.util
     import os
-    import subprocess
 
     fake = FakeTrain({1: 10.0, 2: 19.0})
-    monkeypatch.setattr(subprocess, "run", fake)
+    fake_runs(monkeypatch, fake)
     code, _, err = run_cli(capsys, *SWEEP, "--backends", "ddp,foo", "--out", tmp_path / "a")
     one_line_error(code, err, "--backends", "'foo'", "ddp, horovod")
     cores = len(os.sched_getaffinity(0))
@@ -139,13 +144,53 @@ def test_scale_checks_backends_and_world_sizes_before_any_run(tmp_path, capsys, 
 def test_scale_simulate_without_a_step_or_a_one_worker_run_is_refused_before_training(tmp_path, capsys, monkeypatch):
     """``--simulate`` measures its step from the sweep's 1-worker runs: a sweep without them (or --compute-ms
     without --grad-mb) is one line before any run trains (before: after every run had trained)."""
-    import subprocess
 
     fake = FakeTrain({2: 19.0})
-    monkeypatch.setattr(subprocess, "run", fake)
+    fake_runs(monkeypatch, fake)
     code, _, err = run_cli(capsys, "scale", "unet2d-microscopy", "--workers", "2", "--simulate",
                            "--out", tmp_path / "a")
     one_line_error(code, err, "--simulate", "1 worker", "--workers 2")
     code, _, err = run_cli(capsys, "scale", "unet2d-microscopy", "--simulate", "--compute-ms", "50", "--out", tmp_path)
     one_line_error(code, err, "--grad-mb")
     assert fake.calls == []
+
+
+def test_sigterm_to_scale_stops_its_run_and_nothing_trains_on(tiny_microscopy, tmp_path):
+    """``kill PID`` of ``fastvision scale``: the run it is training gets the signal (checkpoint, exit 143) and
+    scale exits 143 in one line saying how to continue; before, scale died alone and its run trained on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from tests.conftest import ROOT, clean_env
+    from tests.distributed.test_dist_train import _tagged
+
+    tag, out = uuid.uuid4().hex, tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "fastvision.cli", "scale", "unet2d-microscopy", "--workers", "1", "--epochs", "50",
+           "--data", str(tiny_microscopy), "--out", str(out), "--device", "cpu",
+           "--set", "data.args.image_size=[32,32]", "--set", "model.args.filters=[4,8,16]",
+           "--set", "data.num_workers=0", "--set", "examples=0",
+           "--set", "train.log_every=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        metrics, deadline = out / "ddp-1-r0" / "metrics.jsonl", time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline and \
+                (not metrics.exists() or metrics.read_text().count('"step": [') < 2):
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        os.kill(proc.pid, signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+        deadline = time.monotonic() + 10
+        while _tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = _tagged(tag)
+    finally:
+        proc.kill()
+        for pid in _tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 143 and not left, (proc.returncode, left, err[-3000:])
+    assert "Traceback" not in err and "scale: stopped during ddp-1-r0" in err, err[-3000:]
