@@ -318,3 +318,25 @@ def test_data_shard_checks_coco_images_before_writing(coco_root, tmp_path, caplo
     err = [e for e in capsys.readouterr().err.strip().splitlines() if "invalid annotations skipped" not in e]
     assert len(err) == 1 and "1 image file(s) that do not decode (train2017/000000000025.jpg)" in err[0]  # the
     assert not out.exists()  # replica's val file also warns about its invalid annotations, as in training
+
+
+def test_annotations_without_area_or_iscrowd_are_evaluated(coco_root):
+    """Exports that leave out area and iscrowd (both optional to the reader) stopped the first validation with
+    COCOeval's KeyError traceback, after a whole epoch; area is the box's (as pycocotools gives detections)."""
+    from fastvision.data.formats.coco import collate_detection, load_coco
+    from fastvision.metrics.coco import COCOEvaluator, ground_truth_as_detections
+
+    def strip(d):
+        for a in d["annotations"]:
+            if not a.get("iscrowd"):
+                a.pop("iscrowd")
+                a.pop("area")
+        d["annotations"][0]["area"] = "256"  # not a number either
+    _edit(coco_root / "annotations/instances_val2017.json", strip)
+    splits = build(path=str(coco_root), image_size=32)
+    gt = load_coco(splits.info["val_ann_file"])
+    assert gt.anns[1]["area"] == 256.0 and gt.anns[1]["iscrowd"] == 0 and gt.anns[2]["area"] == 200.0
+    ev = COCOEvaluator(splits.info["val_ann_file"], splits.info["cat_ids"], (32, 32))
+    batch = collate_detection([splits.val[i] for i in range(len(splits.val))])
+    ev.update(ground_truth_as_detections(batch), batch)
+    assert ev.compute()["map"] == pytest.approx(1.0)

@@ -103,10 +103,22 @@ def check_annotations(dataset: dict[str, Any]) -> tuple[list[dict[str, Any]], di
         if ann_id is not None:
             ids.add(ann_id)
         if kind is None:
-            usable.append(a)
+            usable.append(_with_defaults(a))
         else:
             bad.setdefault(kind, []).append(ann_id if ann_id is not None else f"image {a.get('image_id')}")
     return usable, bad
+
+
+def _with_defaults(a: dict[str, Any]) -> dict[str, Any]:
+    """``a`` with the fields COCOeval reads that exports often leave out: ``iscrowd`` 0, and ``area`` (missing
+    or not a number) the box's, as pycocotools gives detections (``loadRes``); the original dict if complete."""
+    area = a.get("area")
+    if "iscrowd" in a and isinstance(area, (int, float)) and not isinstance(area, bool) and math.isfinite(area):
+        return a
+    fixed = {**a, "iscrowd": a.get("iscrowd", 0)}
+    if not (isinstance(area, (int, float)) and not isinstance(area, bool) and math.isfinite(area)):
+        fixed["area"] = float(a["bbox"][2]) * float(a["bbox"][3])
+    return fixed
 
 
 def _problem(a: dict[str, Any], images: dict[Any, dict], cats: set[Any]) -> str | None:
