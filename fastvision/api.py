@@ -247,17 +247,45 @@ def evaluate_path(path: str | Path, device: str = "auto", data: str | None = Non
 
 
 def _load_for(path, device: str, data: str | None):
+    """The run's model with ``data`` (``evaluate --data``) in place of its training data, which is never
+    read (it may have moved: that is what ``--data`` is for); the dataset's classes must be the ones
+    the checkpoint was trained on, in the same order (:func:`check_same_classes`)."""
     if data is None:
         return load_run(path, device)
     from fastvision.engine import build
+    from fastvision.engine.build import check_volume_channels
+    from fastvision.registry import DATASETS
 
-    run, ckpt_path = load_run(path, device)
-    run.cfg.data.args["path"] = data
+    run, ckpt_path = load_run(path, device, with_data=False)
+    cfg = run.cfg
+    cfg.data.args["path"] = data
+    splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
+    check_same_classes(run.info, splits.info, data, ckpt_path)
     weights = run.model.state_dict()
-    run = build(run.cfg)
+    run = build(cfg, data_info=splits.info)
+    check_volume_channels(splits.info, run.model, cfg)
     run.model.load_state_dict(weights)
     run.model.eval()
+    run.train_set, run.val_set = splits.train, splits.val
     return run, ckpt_path
+
+
+def check_same_classes(trained: dict, given: dict, data: str, ckpt: str | Path) -> None:
+    """One line where dataset ``data``'s class list (``info["classes"]``) is not the one checkpoint
+    ``ckpt`` was trained on: labels are class indices, so another list (a class fewer, another
+    order) would score each image against another class; the first classes of the training list
+    alone keep their indices and pass. Datasets without a class list pass."""
+    old, new = trained.get("classes"), given.get("classes")
+    if not old or not new:
+        return
+    old, new = [str(c) for c in old], [str(c) for c in new]
+    if old[:len(new)] == new:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+    at = lambda names: repr(names[i]) if i < len(names) else "none"  # noqa: E731
+    raise DataError(f"--data {data}: its classes are not those {ckpt} was trained on ({len(new)} classes there, "
+                    f"{len(old)} in training; class {i} is {at(new)} there, {at(old)} in training): each image "
+                    "would be scored against another class; give a folder with the training class folders")
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:

@@ -275,3 +275,43 @@ def test_settings_the_run_cannot_use_are_one_line_before_the_run_folder(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and key in err[0], err
     assert not out.exists()
+
+
+def test_evaluate_data_is_read_in_place_of_the_training_data_with_the_same_classes(tmp_path, capsys):
+    """`evaluate RUN --data NEW` after the training folder moved evaluates NEW (it built the gone
+    folder first: 'dataset folder not found ... (pass --data DIR)'); a folder whose class list is
+    not the training one (a class missing in the middle, so every later label shifts) is one line,
+    as are more classes than the head (was 'set task.args.num_classes', no key of evaluate)."""
+    import json
+    import shutil
+
+    from fastvision.cli import main
+    from fastvision.data.synth.imagenet import synth
+
+    data = synth(tmp_path / "d", classes=3, per_class=2, val_per_class=2, size=40)
+    _smoke("resnet18-imagefolder", data, tmp_path, "data.args.image_size=32", "data.args.resize_size=36",
+           "task.args.num_classes=3", "model.args.num_classes=3")
+    run_dir = tmp_path / "run"
+    assert main(["evaluate", str(run_dir), "--device", "cpu", "--json", str(tmp_path / "a.json")]) == 0
+    moved = tmp_path / "moved"
+    data.rename(moved)
+    assert main(["evaluate", str(run_dir), "--data", str(moved), "--device", "cpu",
+                 "--json", str(tmp_path / "b.json")]) == 0
+    top1 = [json.loads((tmp_path / f"{n}.json").read_text())["top1"] for n in "ab"]
+    assert top1[0] == top1[1]
+    capsys.readouterr()
+    shifted = tmp_path / "shifted"
+    shutil.copytree(moved, shifted)
+    for split in ("train", "val"):
+        shutil.rmtree(shifted / split / "class001")
+    more = synth(tmp_path / "more", classes=4, per_class=1, val_per_class=1, size=40)
+    for folder, why in ((shifted, "class 1 is 'class002' there, 'class001' in training"),
+                        (more, "4 classes there, 3 in training")):
+        assert main(["evaluate", str(run_dir), "--data", str(folder), "--device", "cpu"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--data {folder}: its classes are not those" in err[0] and why in err[0], err
+    prefix = tmp_path / "prefix"  # the first training classes alone keep their indices: evaluated
+    shutil.copytree(moved, prefix)
+    for split in ("train", "val"):
+        shutil.rmtree(prefix / split / "class002")
+    assert main(["evaluate", str(run_dir), "--data", str(prefix), "--device", "cpu"]) == 0
