@@ -8,6 +8,7 @@ training steps, ``[epoch]`` for epoch-end validation and ``[]`` for the run summ
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import logging
 import sys
@@ -190,7 +191,12 @@ class RunLogger:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         out = self.run_dir / "curves.png"
-        fig.savefig(out, dpi=100)
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=100, format="png")
+        data = buf.getvalue()
+        from fastvision.utils.files import atomic_write
+
+        atomic_write(out, lambda f: f.write(data))  # a stop during the write leaves no half-written PNG
         return out
 
     def close(self) -> None:

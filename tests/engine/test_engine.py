@@ -219,3 +219,30 @@ def test_predict_needs_only_the_checkpoint(tiny_microscopy, tmp_path):
     assert (tmp_path / "pred" / "one_mask.png") in written
     with pytest.raises(DataError, match=str(data)):  # evaluation does need the data, and says which
         api.evaluate_path(tmp_path / "run", device="cpu")
+
+
+def test_curves_png_is_replaced_whole(tmp_path, monkeypatch):
+    """``curves.png`` is written atomically: a drawing that fails part way (a kill, a full disk) leaves the
+    curves of the epoch before, no half-written PNG or temp file (it was written in place)."""
+    import matplotlib.figure
+    from PIL import Image
+
+    from fastvision.engine.log import RunLogger
+
+    logger = RunLogger(tmp_path, progress=False)
+    logger.history = [{"epoch": 0, "train_loss": 1.0, "iou": 0.2}]
+    path = logger.plot_curves("iou")
+    before = path.read_bytes()
+    logger.history.append({"epoch": 1, "train_loss": 0.8, "iou": 0.3})
+
+    def half(self, f, *a, **k):
+        f.write(b"\x89PNG partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half)
+    with pytest.raises(OSError):
+        logger.plot_curves("iou")
+    assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
+    with Image.open(path) as im:
+        assert im.format == "PNG"
+    logger.close()
