@@ -314,6 +314,7 @@ def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: st
 
     check_input_kind(expanded, run.cfg.data.name, f"{ckpt} ({run.cfg.recipe})")  # volumes to a 2-D run, or back
     out = Path(out_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     before = set(out.iterdir())
     try:
@@ -322,6 +323,8 @@ def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: st
     except DataError as e:  # a bad input part-way: say what is already written and how to go on
         written = [f for f in out.iterdir() if f not in before]
         if not written:
+            if created:  # nothing of this call is left behind: not even the empty --out it made
+                out.rmdir()
             raise
         raise DataError(f"{e}; {len(written)} file(s) of the inputs before it are in {out}: fix or remove that "
                         "input, then rerun with --force") from e

@@ -238,6 +238,11 @@ def test_cli_predict_and_evaluate_imagefolder(tmp_path):
         ref = ref.softmax(1)[0]
         assert int(cls) == int(ref.argmax()) and name == f"class{int(cls):03d}"
         assert float(prob) == pytest.approx(float(ref.max()), abs=1e-5)
+    whole = (data / "val" / "class001" / "00000.JPEG").read_bytes()
+    (tmp_path / "cut.JPEG").write_bytes(whole[: len(whole) // 2])  # a truncated download among the inputs
+    assert main(["predict", str(run_dir), str(data / "val" / "class001"), str(tmp_path / "cut.JPEG"),
+                 "--out", str(tmp_path / "p2"), "--device", "cpu"]) == 2
+    assert not (tmp_path / "p2").exists()  # one line naming it, and not even an empty --out left behind
     assert main(["evaluate", str(run_dir), "--device", "cpu", "--json", str(tmp_path / "e.json")]) == 0
     ev = json.loads((tmp_path / "e.json").read_text())
     assert ev["items"] == 6
