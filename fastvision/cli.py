@@ -21,6 +21,7 @@ from fastvision.errors import (
     FastvisionError,
     Preempted,
     ReportedByPeer,
+    first_report,
     missing_extra,
 )
 
@@ -373,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     except FastvisionError as e:
         if debug:
             raise
-        if not isinstance(e, ReportedByPeer):  # another rank printed it
-            print(f"fastvision: error: {e}", file=sys.stderr)
+        line = f"fastvision: error: {e}"
+        if not isinstance(e, ReportedByPeer) and first_report(line):  # else another rank printed it
+            print(line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fastvision: interrupted", file=sys.stderr)

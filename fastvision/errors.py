@@ -93,3 +93,29 @@ class Preempted(FastvisionError):
 class ReportedByPeer(FastvisionError):
     """This rank's share of an error another rank of the job reports in its own line (rank 0's refusal of
     the run folder): the CLI exits 2 without printing it, so a job of N ranks says it once."""
+
+
+# set by ``--nproc``'s launcher for its workers: a file of the error lines printed so far
+ERROR_LINES_ENV = "FASTVISION_ERROR_LINES"
+
+
+def first_report(line: str) -> bool:
+    """Whether ``line`` is to be printed: always, except in a worker of ``--nproc`` whose sibling printed the
+    same line already (every rank stops on the same bad file or setting: the job says it once). The
+    launcher's file of printed lines is read and appended under a lock; any trouble with it prints."""
+    path = _os.environ.get(ERROR_LINES_ENV)
+    if not path:
+        return True
+    try:
+        import fcntl
+
+        with open(path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            if line in f.read().splitlines():
+                return False
+            f.write(line + "\n")
+            f.flush()
+    except (OSError, ImportError):
+        return True
+    return True

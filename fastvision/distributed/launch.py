@@ -41,7 +41,17 @@ def launch_local(nproc: int, cmd: Sequence[str], environ: Mapping[str, str] | No
     # torchrun forwards these to its workers (torch >= 2.6 reads the variable; SIGUSR1 is SLURM's warning)
     env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(FORWARDED))
     log.info("launching %d local workers: %s", nproc, " ".join(args))
-    return run_forwarding(args, env)
+    import tempfile
+
+    from fastvision.errors import ERROR_LINES_ENV
+
+    fd, lines = tempfile.mkstemp(prefix="fastvision-errors-", suffix=".txt")
+    os.close(fd)
+    env.setdefault(ERROR_LINES_ENV, lines)  # the same error on every rank is printed once (errors.first_report)
+    try:
+        return run_forwarding(args, env)
+    finally:
+        os.unlink(lines)
 
 
 # what a scheduler, `kill PID`, a closed terminal or Ctrl-C sends the launcher, passed on to the job's launcher

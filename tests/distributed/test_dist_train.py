@@ -389,3 +389,26 @@ def test_nproc_refusals_are_one_line_without_a_traceback(data, tmp_path, capfd, 
     err = capfd.readouterr().err
     assert rc == 2 and "Traceback" not in err, err[-3000:]
     assert sum(mask.name in x for x in err.splitlines() if x.startswith("fastvision: error:")) == 1, err[-3000:]
+
+
+def test_nproc_the_same_bad_file_on_every_rank_is_one_line(data, tmp_path, capfd, monkeypatch):
+    """A mask whose size differs from its image stops every rank as it builds the data set: ``--nproc 2``
+    prints the line naming it once (each worker printed it), exit 2."""
+    import shutil
+
+    from PIL import Image
+
+    from tests.distributed.test_dist import time_limit
+
+    for key, value in clean_env().items():
+        monkeypatch.setenv(key, value)
+    bad = tmp_path / "bad"
+    shutil.copytree(data, bad)
+    mask = sorted((bad / "masks").iterdir())[3]
+    Image.fromarray(np.zeros((16, 24), np.uint8)).save(mask)
+    capfd.readouterr()
+    with time_limit(120):
+        rc = cli_here(_cmd(bad, tmp_path / "run", "--epochs", "1", "--batch-size", "2", "--nproc", "2")[3:], threads=1)
+    err = capfd.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("fastvision: error:")]
+    assert rc == 2 and len(errors) == 1 and mask.name in errors[0] and "Traceback" not in err, err[-3000:]
