@@ -7,6 +7,7 @@ device (score threshold, batched NMS, top 100) and scores the whole set with pyc
 """
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from fastvision.metrics.coco import COCOEvaluator, to_coco_results, write_result
 from fastvision.models.ssd import postprocess, ssd_loss
 from fastvision.registry import TASKS
 from fastvision.tasks.base import DeviceConstants, Evaluator, Task
+
+log = logging.getLogger(__name__)
 
 # ImageNet statistics, as the ResNet backbone expects.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -71,6 +74,7 @@ class DetectionTask(Task):
         match_iou: argmax matcher threshold (seed: 0.5).
         score_threshold, nms_iou, max_detections: post-processing (seed: 1e-8, 0.6, 100).
         max_boxes: pad targets to this fixed count (static shapes for ``--compile``); None: per batch.
+            Boxes beyond it are left out of the targets, with one warning naming the first such image.
         ann_file: validation ``instances_*.json``; default from the dataset's ``info``.
         cat_ids: COCO category id per class index; default from the dataset's ``info``.
         results_path: write the validation results JSON here.
@@ -95,6 +99,7 @@ class DetectionTask(Task):
         self.match_iou = match_iou
         self.post = {"score_threshold": score_threshold, "iou_threshold": nms_iou, "max_detections": max_detections}
         self.max_boxes = max_boxes
+        self._warned_max_boxes = False
         self.ann_file = ann_file or info.get("val_ann_file")
         self.cat_ids = list(cat_ids or info.get("cat_ids") or range(1, num_classes + 1))
         self.class_names = list(info.get("class_names") or [str(c) for c in self.cat_ids])
@@ -122,6 +127,13 @@ class DetectionTask(Task):
 
     # -- batches -------------------------------------------------------------------
     def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.max_boxes is not None and not self._warned_max_boxes:
+            over = [it for it in items if len(it["labels"]) > self.max_boxes]
+            if over:  # once per process: a fixed target count for --compile must not drop boxes unseen
+                self._warned_max_boxes = True
+                log.warning("task.args.max_boxes=%d: image %d has %d boxes, the ones beyond %d are left out of its "
+                            "training targets (and so in every image with more; raise max_boxes to keep them)",
+                            self.max_boxes, int(over[0]["image_id"]), len(over[0]["labels"]), self.max_boxes)
         return collate_detection(items, self.max_boxes)
 
     def normalise(self, image: Tensor) -> Tensor:

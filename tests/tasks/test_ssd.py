@@ -320,3 +320,25 @@ def test_class_count_that_differs_from_the_dataset_is_one_line(sets, needle, tin
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_max_boxes_that_drops_targets_says_so_once(caplog, fresh_logging):
+    """task.args.max_boxes (fixed target shapes for --compile) left the boxes beyond it out without a word."""
+    import logging
+
+    from fastvision.tasks.detect import DetectionTask
+
+    def item(image_id, n):
+        return {"image": torch.zeros(3, 32, 32, dtype=torch.uint8), "boxes": torch.tensor([[1.0, 1, 9, 9]] * n),
+                "labels": torch.zeros(n, dtype=torch.int64), "iscrowd": torch.zeros(n, dtype=torch.bool),
+                "image_id": image_id, "orig_size": (32, 32)}
+
+    task = DetectionTask(image_size=32, num_classes=2, max_boxes=2)
+    with caplog.at_level(logging.WARNING):
+        assert task.collate([item(1, 2), item(2, 1)])["labels"].shape == (2, 2)  # within: no word
+        assert not caplog.records
+        batch = task.collate([item(3, 1), item(4, 3)])
+        task.collate([item(5, 4)])
+    assert batch["labels"].shape == (2, 2) and int((batch["labels"][1] >= 0).sum()) == 2
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "max_boxes=2: image 4 has 3 boxes" in msgs[0]
