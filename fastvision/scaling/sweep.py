@@ -279,6 +279,8 @@ def _workers(args) -> list[int]:
         raise ConfigError(f"--workers {args.workers!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
     if any(w < 1 for w in workers):
         raise ConfigError(f"--workers {args.workers!r}: world sizes must be >= 1")
+    if len(set(workers)) != len(workers):  # the second would reuse the first's run and count as a repeat of it
+        raise ConfigError(f"--workers {args.workers!r}: a world size given twice; use --repeats for more runs of one")
     if args.repeats < 1:
         raise ConfigError(f"--repeats {args.repeats}: must be >= 1")
     return workers

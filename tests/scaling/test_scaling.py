@@ -211,7 +211,7 @@ def test_scale_sweep_end_to_end(tmp_path, tiny_microscopy, monkeypatch, capfd):
         assert cfg["train"]["batch_size"] == per_worker and cfg["data"]["args"]["path"] == str(tiny_microscopy)
 
 
-@pytest.mark.parametrize("workers", ["1,x", "0,2"])
+@pytest.mark.parametrize("workers", ["1,x", "0,2", "1,2,1"])  # 1,2,1: the second 1 counted as a repeat
 def test_scale_rejects_bad_worker_lists(workers, capsys):
     from fastvision.cli import main
 
