@@ -16,7 +16,9 @@ def train_args(p: argparse.ArgumentParser) -> None:
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("common options (override the recipe)")
-    g.add_argument("--data", help="dataset folder (data.args.path); default: the recipe's built-in sample")
+    g.add_argument("--data", help="dataset folder (data.args.path); default: the recipe's, e.g. "
+                   "data/synth-imagenet for resnet18-imagefolder: a sample `fastvision data synth imagenet "
+                   "data/synth-imagenet` makes")
     g.add_argument("--out", help="run directory (default runs/<recipe>-<time>); never overwritten")
     g.add_argument("--epochs", type=int)
     g.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v),

@@ -45,7 +45,9 @@ def test_3d_recipe_without_data_names_the_flag(recipe, command, tmp_path, capsys
 @pytest.mark.parametrize("recipe,argv,needles", [
     ("resnet50-imagenet", [], ["dataset folder not found", "data/imagenet"]),
     ("ssd320-coco", [], ["COCO dataset folder not found", "data/coco"]),
-    ("resnet18-pathology", [], ["dataset folder not found", "data/synth-pathology"]),
+    ("resnet18-pathology", [], ["dataset folder not found", "data/synth-pathology",
+                                "or make the recipe's sample: fastvision data synth pathology data/synth-pathology)"]),
+    ("resnet18-imagefolder", [], ["or make the recipe's sample: fastvision data synth imagenet data/synth-imagenet)"]),
     ("unet2d-microscopy", ["--data", "NOPE"], ["dataset folder not found", "NOPE"]),
     ("unet3d-spleen-fast", ["--data", "NOPE"], ["Decathlon dataset folder not found", "NOPE"]),
     ("unet3d-brats", ["--data", "NOPE", "--set", "data.name=brats"], ["BraTS folder not found", "NOPE"]),
@@ -54,7 +56,7 @@ def test_missing_dataset_folder_names_it_and_the_flag(recipe, argv, needles, tmp
     monkeypatch.chdir(tmp_path)  # the recipes' default folders (data/...) are relative
     argv = [str(tmp_path / a) if a == "NOPE" else a for a in argv]
     code, _, err = run_cli(capsys, "train", recipe, *argv, "--out", tmp_path / "out")
-    one_line_error(code, err, *needles, "(pass --data DIR)")
+    one_line_error(code, err, *needles, "(pass --data DIR")
 
 
 def test_a_builder_missing_a_required_argument_is_a_config_error():

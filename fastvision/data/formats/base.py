@@ -24,5 +24,16 @@ def dataset_folder(path: str | Path, kind: str = "dataset") -> Path:
     (``--data`` of train / profile / benchmark / evaluate sets ``data.args.path``)."""
     root = Path(path)
     if not root.is_dir():
-        raise DataError(f"{kind} folder not found: {root} (pass --data DIR)")
+        raise DataError(f"{kind} folder not found: {root} (pass --data DIR{_sample_hint(root)})")
     return root
+
+
+def _sample_hint(root: Path) -> str:
+    """``data/synth-KIND``, the shipped CPU recipes' default path: the command that makes it (no
+    sample ships with the package), else nothing."""
+    if root.is_absolute() or root.parent != Path("data") or not root.name.startswith("synth-"):
+        return ""
+    from fastvision.data.synth import load_all
+
+    kind = root.name.removeprefix("synth-")
+    return f", or make the recipe's sample: fastvision data synth {kind} {root}" if kind in load_all() else ""
