@@ -254,7 +254,7 @@ def read_mask(path: Path, downsample: int = 1) -> np.ndarray:
     A whole-slide mask at level 0 does not fit in memory; the strip read keeps the peak at one
     band of ``downsample`` rows.
     """
-    from fastvision.data.formats.pathology import TiledTiff
+    from fastvision.data.formats.pathology import TiledTiff, mask_channel
 
     if path.suffix.lower() == ".png":
         from PIL import Image
@@ -263,26 +263,14 @@ def read_mask(path: Path, downsample: int = 1) -> np.ndarray:
             arr = np.asarray(Image.open(path))
         except Exception as e:  # PIL raises several types for unreadable files
             raise DataError(f"{path}: cannot read mask ({e})") from e
-        return _one_channel(arr[::downsample, ::downsample], path) > 0
+        return mask_channel(arr[::downsample, ::downsample], path) > 0
     tif = TiledTiff(path)
     h, w = tif.shape[:2]
     band = max(downsample, 256 // downsample * downsample)  # rows per read, a multiple of downsample
-    rows = [_one_channel(tif.read_region(y, 0, min(band, h - y), w)[::downsample, ::downsample], path) > 0
+    rows = [mask_channel(tif.read_region(y, 0, min(band, h - y), w)[::downsample, ::downsample], path) > 0
             for y in range(0, h, band)]
     tif.close()
     return np.concatenate(rows)
-
-
-def _one_channel(arr: np.ndarray, path: Path) -> np.ndarray:
-    """A mask's (h, w) values: its one channel, or the first of channels that are all equal (a grey mask
-    saved as RGB); channels that differ are a picture, not a mask (a slide given as its own mask
-    would score every tissue pixel as lesion)."""
-    if arr.ndim == 2:
-        return arr
-    if arr.shape[2] > 1 and not (arr == arr[..., :1]).all():
-        raise DataError(f"{path}: {arr.shape[2]} channels that differ: a lesion mask has one (non-zero = "
-                        "tumour); is this the slide image?")
-    return arr[..., 0]
 
 
 def pair_files(heat_dir: Path, mask_dir: Path) -> list[tuple[str, Path, Path | None]]:

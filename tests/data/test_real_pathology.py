@@ -186,3 +186,21 @@ def test_inspect_exits_2_on_a_slide_or_mask_that_does_not_open(tmp_path, capsys)
     assert len(err) == 1 and "2 file(s) would stop training" in err[0]
     with pytest.raises(DataError, match="slide_009.tif"):  # what training says
         DATASETS.build("pathology", {"path": str(out), "patch_size": 64})
+
+
+def test_a_slide_in_masks_is_one_line_and_a_grey_mask_as_rgb_reads_as_grey(tmp_path):
+    """``masks/NAME.tif`` holding the slide itself (channels differ) stops the build naming it (its
+    red channel was read as the lesion mask: every tissue patch 'tumour'); a grey mask stored with
+    three equal channels gives the grey mask's patch labels."""
+    from fastvision.data.formats.pathology import grid_labels
+    from fastvision.data.synth.pathology import synth
+
+    out = synth(tmp_path / "p", slides=2, val_slides=1, size=256, tile=64)
+    grey = tifffile.imread(out / "train/masks/slide_000.tif")
+    rgb = tmp_path / "rgb_mask.tif"
+    tifffile.imwrite(rgb, np.repeat(grey.reshape(256, 256, 1), 3, axis=2), tile=(64, 64), photometric="rgb")
+    want = grid_labels(TiledTiff(out / "train/masks/slide_000.tif"), 256, 256, 32)
+    assert grid_labels(TiledTiff(rgb), 256, 256, 32) == want and any(label == 1 for *_, label in want)
+    (out / "train/masks/slide_000.tif").write_bytes((out / "train/images/slide_000.tif").read_bytes())
+    with pytest.raises(DataError, match=r"masks/slide_000\.tif: 3 channels that differ"):
+        DATASETS.build("pathology", {"path": str(out), "patch_size": 32})

@@ -128,6 +128,22 @@ class TiledTiff:
         return out
 
 
+def mask_channel(arr: np.ndarray, path: str | Path) -> np.ndarray:
+    """A lesion mask's ``(h, w)`` values: its one channel, or the first of channels that are all equal
+    (a grey mask stored as RGB). Channels that differ are a picture, not a mask: a slide put in
+    ``masks/`` (or given to ``froc`` as its own mask) would make every tissue pixel a lesion.
+
+    Raises:
+        DataError: naming ``path``.
+    """
+    if arr.ndim == 2:
+        return arr
+    if arr.shape[2] > 1 and not (arr == arr[..., :1]).all():
+        raise DataError(f"{path}: {arr.shape[2]} channels that differ: a lesion mask has one (non-zero = "
+                        "tumour); is this the slide image?")
+    return arr[..., 0]
+
+
 def grid_labels(mask: TiledTiff | None, height: int, width: int, patch: int) -> list[tuple[int, int, int]]:
     """``(y, x, label)`` for every grid patch that is clearly tumour (1) or clearly normal (0).
 
@@ -136,7 +152,7 @@ def grid_labels(mask: TiledTiff | None, height: int, width: int, patch: int) -> 
     out = []
     q = patch // 4  # central region: the middle half of the patch in each direction
     for y in range(0, height - patch + 1, patch):
-        strip = None if mask is None else mask.read_region(y, 0, patch, width)[..., 0] > 0
+        strip = None if mask is None else mask_channel(mask.read_region(y, 0, patch, width), mask.path) > 0
         for x in range(0, width - patch + 1, patch):
             if strip is None:
                 out.append((y, x, 0))
