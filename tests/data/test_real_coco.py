@@ -340,3 +340,18 @@ def test_annotations_without_area_or_iscrowd_are_evaluated(coco_root):
     batch = collate_detection([splits.val[i] for i in range(len(splits.val))])
     ev.update(ground_truth_as_detections(batch), batch)
     assert ev.compute()["map"] == pytest.approx(1.0)
+
+
+def test_truncated_validation_image_stops_before_training(coco_root, tmp_path, capsys):
+    """A validation image cut short stopped the run at the first validation, a whole epoch later (no
+    checkpoint yet); the validation split's images are decoded to their end when the dataset is built."""
+    f = coco_root / "val2017/000000000139.jpg"
+    _jpeg(f, np.random.default_rng(1).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    f.write_bytes(f.read_bytes()[: f.stat().st_size * 3 // 4])
+    rc = main(["train", "ssd320-small-shapes", "--data", str(coco_root), "--out", str(tmp_path / "run"),
+               "--device", "cpu", "--epochs", "1", "--batch-size", "1", "--set", "examples=0"])
+    err = [e for e in capsys.readouterr().err.strip().splitlines() if "invalid annotations skipped" not in e]
+    assert rc == 2 and len(err) == 1, err
+    assert "000000000139.jpg: image listed in instances_val2017.json does not decode" in err[0]
+    assert not (tmp_path / "run").exists()
+    assert 139 not in build(path=str(coco_root), image_size=32, skip_unreadable=True).val.ids

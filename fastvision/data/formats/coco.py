@@ -205,8 +205,9 @@ class CocoDetection(Dataset):
         unknown = set(self.coco.getCatIds()) - set(self.class_of)
         if unknown:
             raise DataError(f"{ann_file}: category ids {sorted(unknown)} are not in the training categories")
+        self.train = train
         self.ids = self._usable_images(Path(ann_file), skip_unreadable)
-        self.image_size, self.train = image_size, train
+        self.image_size = image_size
         self.crop, self.flip, self.jitter = crop, flip, jitter
 
     def __len__(self) -> int:
@@ -224,10 +225,27 @@ class CocoDetection(Dataset):
         ids = [i for i in ids if i not in gone]
         kept = drop_unreadable(ids, lambda i: [self.image_dir / self.coco.imgs[i]["file_name"]], image_decodes,
                                skip_unreadable, self.image_dir)
+        if not self.train and not skip_unreadable:
+            self._check_decodes(kept, ann_file)
         if missing:
             log.warning("%s: skipped %d images listed in %s but not found: %s", self.image_dir, len(missing),
                         ann_file.name, first_few([self.coco.imgs[i]["file_name"] for i in missing]))
         return kept
+
+    def _check_decodes(self, ids: list[int], ann_file: Path) -> None:
+        """A validation split's images all decode (header, end marker or a full decode), checked when the
+        dataset is built: a truncated one stopped the run at the first validation, after a training epoch
+        (a training split's image stops the run when first read, as the docs say)."""
+        bad = []
+        for i in ids:
+            try:
+                image_decodes(self.image_dir / self.coco.imgs[i]["file_name"])
+            except Exception:  # noqa: BLE001  (any decoder failure: the image is unusable)
+                bad.append(self.coco.imgs[i]["file_name"])
+        if bad:
+            raise DataError(f"{self.image_dir / bad[0]}: image listed in {ann_file.name} does not decode "
+                            f"({len(bad)} such: {first_few(bad)}; a truncated download? "
+                            "data.args.skip_unreadable=true skips them)")
 
     def targets(self, image_id: int) -> tuple[Tensor, Tensor, Tensor]:
         """Original-pixel ``(boxes (N, 4) xyxy, labels (N,), iscrowd (N,))`` of the usable
