@@ -39,7 +39,9 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pretrained", help="initial weights (model.args.pretrained): a torchvision-layout state dict, "
                                         "or 'imagenet' for torchvision's ImageNet ResNet weights via torch.hub's cache")
     g = p.add_argument_group("data parallelism")
-    g.add_argument("--nproc", type=int, default=1, help="start N local workers through torch.distributed.run")
+    g.add_argument("--nproc", type=int, default=1,
+                   help="start N local workers through torch.distributed.run (1 to this machine's GPUs, or its CPU "
+                        "cores); a signal to this command reaches them (checkpoint, exit 128 + N)")
     g.add_argument("--emulate-workers", type=int, help="one process trains as N data-parallel workers would")
     g.add_argument("--backend", choices=["ddp", "horovod"], help="gradient all-reduce (default ddp)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
