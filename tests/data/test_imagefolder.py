@@ -203,3 +203,21 @@ def test_undecodable_cached_bytes_name_the_file_not_a_buffer(tmp_path):
         F.load_crop(b"not an image at all", True, 8, 8, (0.5, 1.0), (0.75, 4 / 3), 0.5, torch.Generator(),
                     name="train/cat/notes.JPEG")
     assert str(e.value).startswith("train/cat/notes.JPEG: cannot decode image") and "BytesIO" not in str(e.value)
+
+
+def test_data_given_the_split_folder_says_which_folder_to_give(synth_root):
+    """--data DATA/train (or a class folder) names the folder above ('image folder not found:
+    DATA/train/train' before)."""
+    for given in (synth_root / "train", synth_root / "train" / "class001"):
+        with pytest.raises(DataError, match=rf"no train/ folder: .*did you mean --data {synth_root}\?$"):
+            DATASETS.build("imagefolder", {"path": str(given)})
+
+
+def test_the_slides_and_masks_layout_is_no_imagefolder(tmp_path):
+    """``train/images`` + ``train/masks`` (what `data synth pathology` writes) trained as an ImageFolder
+    of two classes, 'images' and 'masks', without a word; now one line naming the layout."""
+    from fastvision.data.synth.pathology import synth
+
+    out = synth(tmp_path / "p", slides=1, val_slides=1, size=128, tile=64)
+    with pytest.raises(DataError, match=r"train: its folders are images/, masks/: .*resnet18-pathology"):
+        DATASETS.build("imagefolder", {"path": str(out)})

@@ -285,7 +285,16 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
     """
     check_crop_args(image_size, resize_size, scale, ratio, hflip)
     root = dataset_folder(path)
+    if not (root / train_dir).is_dir():  # --data given the split (or a class) folder, not the one above
+        up = next((a for a in (root, *root.parents) if a.name == train_dir), None)
+        hint = f"; did you mean --data {up.parent}?" if up is not None else ""
+        raise DataError(f"{root}: no {train_dir}/ folder: --data (data.args.path) is the folder holding "
+                        f"{train_dir}/ and {val_dir}/, each with one folder per class{hint}")
     classes = find_classes(root / train_dir)
+    if {"images", "masks"} <= set(classes) and set(classes) <= {"images", "masks", "annotations"}:
+        raise DataError(f"{root / train_dir}: its folders are {', '.join(c + '/' for c in classes)}: images and their "
+                        "masks (the pathology layout: recipe resnet18-pathology, data.name=pathology), not one "
+                        "folder per class; as an ImageFolder its classes would be 'images' and 'masks'")
     train = list_samples(root / train_dir, classes)
     val_root = root / val_dir
     if is_flat(val_root, EXTENSIONS):  # ImageNet's val as distributed: one folder + a labels file
