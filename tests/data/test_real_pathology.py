@@ -204,3 +204,14 @@ def test_a_slide_in_masks_is_one_line_and_a_grey_mask_as_rgb_reads_as_grey(tmp_p
     (out / "train/masks/slide_000.tif").write_bytes((out / "train/images/slide_000.tif").read_bytes())
     with pytest.raises(DataError, match=r"masks/slide_000\.tif: 3 channels that differ"):
         DATASETS.build("pathology", {"path": str(out), "patch_size": 32})
+
+
+@pytest.mark.parametrize("key,value", [("patch_size", 0), ("level", -1)])
+def test_a_patch_size_or_level_no_slide_has_is_one_line(tmp_path, key, value):
+    """patch_size=0 stopped the first step ('height and width must be > 0'), after the run folder."""
+    from fastvision.data.synth.pathology import synth
+    from fastvision.errors import ConfigError
+
+    out = synth(tmp_path / "p", slides=1, val_slides=1, size=128, tile=64)
+    with pytest.raises(ConfigError, match=rf"^data\.args\.{key}={value}: "):
+        DATASETS.build("pathology", {"path": str(out), "patch_size": 32, key: value})

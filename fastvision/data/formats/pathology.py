@@ -38,7 +38,7 @@ from fastvision.data.formats.asap import (
 )
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.camelyon import find_slides, is_slide_split
-from fastvision.errors import DataError
+from fastvision.errors import ConfigError, DataError
 from fastvision.registry import DATASETS
 
 CLASSES = ("normal", "tumor")
@@ -303,6 +303,10 @@ def build(*, path: str, patch_size: int = 224, normal_per_tumor: float = 1.0, se
         train_dir: training split folder name.
         val_dir: validation split folder name.
     """
+    if patch_size < 1:
+        raise ConfigError(f"data.args.patch_size={patch_size}: a patch side in pixels, at least 1")
+    if level < 0:
+        raise ConfigError(f"data.args.level={level}: a pyramid level, 0 (full resolution) or more")
     root = dataset_folder(path)
     splits = []
     for k, name in enumerate((train_dir, val_dir)):
