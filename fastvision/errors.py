@@ -33,6 +33,24 @@ EXTRAS = {"nibabel": "medical", "scipy": "medical", "pycocotools": "detection", 
           "crc32c": "shards", "tensorboard": "tensorboard", "fsspec": "s3", "s3fs": "s3"}
 
 
+def check_range(key: str, value: float | None, low: float, high: float | None = None, *,
+                closed: str = "[)") -> None:
+    """One ConfigError naming ``key`` unless ``value`` is None, ``>= low`` (no ``high``), or in the interval
+    from ``low`` to ``high`` whose ends ``closed`` gives: ``"[)"`` (a score threshold, a strength), ``"(]"``
+    (an IoU). Detection had none of these checks: an IoU above 1 turned NMS off, a score threshold of 1 or
+    max_detections 0 scored every run 0, a negative colour jitter switched it off, all without a word."""
+    if value is None:
+        return
+    if high is None:
+        ok = value >= low
+    else:
+        above = low <= value if closed[0] == "[" else low < value
+        ok = above and (value <= high if closed[1] == "]" else value < high)
+    if not ok:
+        rule = f">= {low}" if high is None else f"in {closed[0]}{low:g}, {high:g}{closed[1]}"
+        raise ConfigError(f"{key}={value}: must be {rule}")
+
+
 def missing_extra(e: BaseException) -> str | None:
     """The one line for an optional extra's module that did not import, where ``e`` or its cause /
     context chain is that ``ModuleNotFoundError`` (a base install, as `make demo` makes, has none of

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from fastvision.data.formats.coco import collate_detection
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import ConfigError, DataError, check_range
 from fastvision.metrics.coco import COCOEvaluator, to_coco_results, write_results
 from fastvision.models.ssd import postprocess, ssd_loss
 from fastvision.registry import TASKS
@@ -94,6 +94,12 @@ class DetectionTask(Task):
                  cat_ids: list[int] | None = None, results_path: str | None = None,
                  loss: nn.Module | None = None, augment: Any = None, info: dict | None = None):
         info = info or {}
+        for key, value in (("image_size", image_size), ("num_classes", num_classes),
+                           ("max_detections", max_detections), ("max_boxes", max_boxes)):
+            check_range(f"task.args.{key}", value, 1)
+        check_range("task.args.match_iou", match_iou, 0.0, 1.0, closed="(]")
+        check_range("task.args.nms_iou", nms_iou, 0.0, 1.0, closed="(]")
+        check_range("task.args.score_threshold", score_threshold, 0.0, 1.0)
         self.image_size, self.num_classes = image_size, num_classes
         self.alpha, self.gamma = focal_params(alpha, gamma, loss)
         self.match_iou = match_iou

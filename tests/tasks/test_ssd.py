@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -342,3 +343,31 @@ def test_max_boxes_that_drops_targets_says_so_once(caplog, fresh_logging):
     assert batch["labels"].shape == (2, 2) and int((batch["labels"][1] >= 0).sum()) == 2
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and "max_boxes=2: image 4 has 3 boxes" in msgs[0]
+
+
+@pytest.mark.parametrize("key, value, rule", [
+    ("nms_iou", 1.5, "in (0, 1]"), ("nms_iou", 0.0, "in (0, 1]"), ("match_iou", 0.0, "in (0, 1]"),
+    ("score_threshold", 1.0, "in [0, 1)"), ("score_threshold", -0.1, "in [0, 1)"),
+    ("max_detections", 0, ">= 1"), ("max_boxes", 0, ">= 1"), ("image_size", 0, ">= 1"),
+])
+def test_detection_settings_out_of_range_are_one_line(key, value, rule):
+    """nms_iou 1.5 (NMS off), score_threshold 1 or max_detections 0 (no detections: mAP 0) were accepted."""
+    from fastvision.errors import ConfigError
+    from fastvision.tasks.detect import DetectionTask
+
+    with pytest.raises(ConfigError, match="^" + re.escape(f"task.args.{key}={value}: must be {rule}") + "$"):
+        DetectionTask(num_classes=4, **{"image_size": 96, key: value})
+    DetectionTask(num_classes=4, image_size=96, nms_iou=1.0, match_iou=0.5, score_threshold=0.0)  # the edges
+
+
+def test_coco_jitter_and_size_out_of_range_are_one_line(tiny_shapes, tmp_path, capsys):
+    from fastvision.cli import main
+
+    for kv, line in (("data.args.color_jitter=-1", "data.args.color_jitter=-1: must be in [0, 1)"),
+                     ("data.args.image_size=0", "data.args.image_size=0: must be >= 1")):
+        rc = main(["train", "ssd320-small-shapes", "--data", str(tiny_shapes), "--out", str(tmp_path / "run"),
+                   "--device", "cpu", "--epochs", "1", "--batch-size", "1", "--set", "train.steps_per_epoch=1",
+                   "--set", "examples=0", "--set", kv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and err == [f"fastvision: error: {line}"], err
+    assert not (tmp_path / "run").exists()

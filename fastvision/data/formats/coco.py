@@ -39,7 +39,7 @@ from fastvision.data.formats.anomalies import (
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.coco_check import check_annotations, read_instances
 from fastvision.data.transforms import RandomTransform, Transform
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import ConfigError, DataError, check_range
 from fastvision.registry import DATASETS
 
 log = logging.getLogger(__name__)
@@ -351,6 +351,8 @@ def build(*, path: str, train_split: str = "train2017", val_split: str = "val201
         Splits; ``info`` holds ``num_classes``, ``cat_ids``, ``class_names``, ``val_ann_file`` and
         ``image_size`` for the model, the evaluator and result files.
     """
+    check_range("data.args.image_size", image_size, 1)
+    check_range("data.args.color_jitter", color_jitter, 0.0, 1.0)
     root = dataset_folder(path, "COCO dataset")
     ann = root / "annotations"
     checks = dict(invalid=invalid, skip_unreadable=skip_unreadable)
