@@ -307,7 +307,8 @@ def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None
         heat_dir: heat maps (see :func:`pair_files`).
         mask_dir: lesion masks at the slides' resolution (non-zero = tumour); none = normal slide.
         stride: mask pixels per heat-map pixel (the ``heatmap_stride`` used by ``predict``);
-            default: mask height // heat-map height.
+            default: the stride ``predict`` recorded in the heat map, else mask height //
+            heat-map height.
         mask_downsample: read every N-th mask pixel (memory); ``stride``, ``dilation_px`` and
             ``itc_max_px`` stay in the mask file's pixels.
         threshold, nms_radius: detection settings of :func:`local_maxima`.
@@ -316,6 +317,8 @@ def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None
     Returns:
         :func:`froc`'s dict plus ``slides``, ``tumour_slides`` and ``lesions``.
     """
+    from fastvision.data.formats.pathology import heatmap_stride
+
     heats, masks, scales = [], [], []
     for _name, heat_path, mask_path in pair_files(Path(heat_dir), Path(mask_dir)):
         heat = read_heatmap(heat_path)
@@ -324,7 +327,7 @@ def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None
             mask = None  # an all-zero mask is a normal slide
         if mask is not None:
             full_h = mask.shape[0] * mask_downsample
-            step = stride or full_h // heat.shape[0]
+            step = stride or heatmap_stride(heat_path) or full_h // heat.shape[0]  # predict records its stride
             if step < 1 or heat.shape[0] * step > full_h:
                 raise DataError(f"{mask_path}: mask height {full_h} px cannot hold heat map {heat_path.name} "
                                 f"of {heat.shape[0]} rows at stride {step}")
@@ -393,7 +396,8 @@ def add_cli(subparsers) -> None:
                     "1/4..8 false positives per slide).")
     p.add_argument("heatmaps", help="folder of heat maps (float TIFF, or 8-bit PNG with 255 = 1)")
     p.add_argument("masks", help="folder of lesion masks (TIFF/PNG, non-zero = tumour) at the slide resolution")
-    p.add_argument("--stride", type=int, help="mask pixels per heat-map pixel (default mask height // heat height)")
+    p.add_argument("--stride", type=int, help="mask pixels per heat-map pixel (default: the stride "
+                   "`fastvision predict` recorded in the heat map, else mask height // heat height)")
     p.add_argument("--mask-downsample", type=int, default=1, help="read every N-th mask pixel (large masks)")
     p.add_argument("--threshold", type=float, default=0.5, help="lowest probability kept as a detection")
     p.add_argument("--nms-radius", type=int, default=1, help="suppression half-side in heat-map pixels")

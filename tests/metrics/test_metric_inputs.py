@@ -108,3 +108,29 @@ def test_froc_refuses_a_picture_as_mask_and_reads_a_grey_mask_saved_as_rgb(tmp_p
     tifffile.imwrite(md / "b.tif", rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))  # a slide's pixels
     code, out, err = run_cli(capsys, "froc", hd, md)
     one_line_error(code, err, str(md / "b.tif"), "channels that differ")
+
+
+def test_froc_places_cells_at_the_stride_predict_recorded(tmp_path):
+    """A 1000 px slide cut into 64 px patches gives a 15-row heat map: mask height // heat height is
+    66, not 64, and a lesion at the last cell was scored as missed (FROC 0.75 instead of 1.0 on a
+    480 px generated set); predict records its stride in the heat map and froc uses it."""
+    from fastvision.data.formats.pathology import heatmap_stride, write_heatmap
+    from fastvision.metrics.froc import froc_files
+
+    hd, md = tmp_path / "heat", tmp_path / "masks"
+    md.mkdir()
+    heat = np.zeros((15, 15), np.float32)
+    heat[14, 14] = 0.9  # the cell of the patch at (896, 896): centre 928
+    heat[2, 2] = 0.6  # a false positive (the challenge's curve drops the lowest probability: keep one below)
+    mask = np.zeros((1000, 1000), np.uint8)
+    mask[920:937, 920:937] = 1
+    tifffile.imwrite(md / "s.tif", mask, tile=(256, 256))
+    tif, png = write_heatmap(heat, hd / "s_heatmap", stride=64)
+    assert heatmap_stride(tif) == 64 and heatmap_stride(png) == 64
+    assert froc_files(hd, md)["froc"] == 1.0
+    tif.unlink()  # the PNG alone carries it too
+    assert froc_files(hd, md)["froc"] == 1.0
+    write_heatmap(heat, tmp_path / "other" / "s_heatmap")  # another tool's map: no record, the old default
+    assert heatmap_stride(tmp_path / "other" / "s_heatmap.tif") is None
+    assert froc_files(tmp_path / "other", md)["froc"] == 0.0
+    assert froc_files(tmp_path / "other", md, stride=64)["froc"] == 1.0
