@@ -355,3 +355,30 @@ def test_truncated_validation_image_stops_before_training(coco_root, tmp_path, c
     assert "000000000139.jpg: image listed in instances_val2017.json does not decode" in err[0]
     assert not (tmp_path / "run").exists()
     assert 139 not in build(path=str(coco_root), image_size=32, skip_unreadable=True).val.ids
+
+
+@pytest.mark.parametrize("split, edit, line", [
+    ("val2017", lambda d: d.update(images=[], annotations=[]), "instances_val2017.json: lists no images"),
+    ("train2017", lambda d: d.update(annotations=[]), "instances_train2017.json: no usable box to train on in its 2"),
+    ("train2017", lambda d: d["annotations"][0].update(bbox=[1, 1, 0, 5]),
+     "no usable box to train on in its 2 images (1 invalid annotations skipped)"),
+], ids=["val-without-images", "train-without-annotations", "train-only-invalid-boxes"])
+def test_a_split_with_nothing_to_use_is_one_line_before_training(coco_root, tmp_path, capsys, split, edit, line):
+    """A val file listing no images trained an epoch, then stopped on a StopIteration traceback; a training
+    file without a usable box trained to mAP 0 without a word."""
+    _edit(coco_root / f"annotations/instances_{split}.json", edit)
+    rc = main(["train", "ssd320-small-shapes", "--data", str(coco_root), "--out", str(tmp_path / "run"),
+               "--device", "cpu", "--epochs", "1", "--batch-size", "1", "--set", "examples=0"])
+    err = [e for e in capsys.readouterr().err.strip().splitlines() if "invalid annotations skipped:" not in e]
+    assert rc == 2 and len(err) == 1 and line in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_listed_image_missing_is_not_called_unreadable(coco_root):
+    """All of a split's images absent (the wrong folder) under skip_unreadable said 'no readable files left
+    after skipping 0 unreadable ones'; it names the folder and the first file it looked for."""
+    for f in (coco_root / "val2017").iterdir():
+        f.unlink()
+    with pytest.raises(DataError, match=r"val2017: none of the 5 images listed in instances_val2017.json is there "
+                                        r"\(first: 000000000139.jpg\)"):
+        build(path=str(coco_root), image_size=32, skip_unreadable=True)

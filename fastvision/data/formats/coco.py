@@ -207,6 +207,11 @@ class CocoDetection(Dataset):
             raise DataError(f"{ann_file}: category ids {sorted(unknown)} are not in the training categories")
         self.train = train
         self.ids = self._usable_images(Path(ann_file), skip_unreadable)
+        if train and not any(not a.get("iscrowd") for i in self.ids for a in self.coco.imgToAnns.get(i, [])):
+            skipped = sum(len(v) for v in self.coco.anomalies.values())
+            raise DataError(f"{ann_file}: no usable box to train on in its {len(self.ids)} images"
+                            + (f" ({skipped} invalid annotations skipped)" if skipped else "")
+                            + " (images without boxes are kept as negatives, but a training split needs boxes)")
         self.image_size = image_size
         self.crop, self.flip, self.jitter = crop, flip, jitter
 
@@ -216,7 +221,12 @@ class CocoDetection(Dataset):
     def _usable_images(self, ann_file: Path, skip_unreadable: bool) -> list[int]:
         """Sorted image ids whose files exist (and, under ``skip_unreadable``, whose headers decode)."""
         ids = sorted(self.coco.getImgIds())
+        if not ids:
+            raise DataError(f"{ann_file}: lists no images")
         missing = [i for i in ids if not (self.image_dir / self.coco.imgs[i]["file_name"]).is_file()]
+        if len(missing) == len(ids):  # also under skip_unreadable: nothing would be left
+            raise DataError(f"{self.image_dir}: none of the {len(ids)} images listed in {ann_file.name} is there "
+                            f"(first: {self.coco.imgs[ids[0]]['file_name']}); the wrong split folder?")
         if missing and not skip_unreadable:
             names = [self.coco.imgs[i]["file_name"] for i in missing]
             raise DataError(f"{self.image_dir / names[0]}: image listed in {ann_file.name} not found "
