@@ -372,6 +372,7 @@ def test_a_split_with_nothing_to_use_is_one_line_before_training(coco_root, tmp_
     err = [e for e in capsys.readouterr().err.strip().splitlines() if "invalid annotations skipped:" not in e]
     assert rc == 2 and len(err) == 1 and line in err[0], err
     assert not (tmp_path / "run").exists()
+    assert inspect_path(coco_root)["unusable"]  # and data inspect exits 2 on it, as training stops
 
 
 def test_every_listed_image_missing_is_not_called_unreadable(coco_root):

@@ -216,6 +216,10 @@ def inspect_folder(path: Path) -> tuple[dict[str, Any], dict[str, list[Any]], di
         report[f"{split} boxes per category"] = dict(Counter(names[a["category_id"]] for a in usable))
         for kind, ids in bad.items():
             anomalies[f"{split}: annotations with {kind} (skipped; ids)"] = ids
+        if not images:
+            unusable[f"{split}: the file lists no images"] = [ann.name]
+        elif "train" in split and not any(not a.get("iscrowd") for a in usable):
+            unusable[f"{split}: no usable box to train on"] = [ann.name]
         image_dir = path / split
         if not image_dir.is_dir():
             unusable[f"{split}: image folder missing"] = [str(image_dir)]
