@@ -256,10 +256,10 @@ def test_malformed_instances_file_is_one_line_in_train_and_inspect(coco_root, tm
 
 
 def test_annotation_without_id_is_an_anomaly_not_a_traceback(coco_root, capsys):
-    _edit(coco_root / "annotations/instances_train2017.json", lambda d: d["annotations"][0].pop("id"))
+    _edit(coco_root / "annotations/instances_val2017.json", lambda d: d["annotations"][0].pop("id"))
     assert main(["data", "inspect", str(coco_root)]) == 0
     assert "annotation without an id" in capsys.readouterr().out
-    with pytest.raises(DataError, match=r"1 annotation without an id \(integer or string\) \(image 9\)"):
+    with pytest.raises(DataError, match=r"1 annotation without an id \(integer or string\) \(image 139\)"):
         build(path=str(coco_root), image_size=32, invalid="error")
 
 
