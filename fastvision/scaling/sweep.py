@@ -269,45 +269,6 @@ def _published(workload: str, top: int, hardware: set[str]) -> list[dict[str, An
             for r in rows]
 
 
-def _workers(args) -> list[int]:
-    """The ``--workers`` world sizes, checked (and ``--repeats`` with them)."""
-    from fastvision.errors import ConfigError
-
-    try:
-        workers = [int(w) for w in args.workers.split(",")]
-    except ValueError:
-        raise ConfigError(f"--workers {args.workers!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
-    if any(w < 1 for w in workers):
-        raise ConfigError(f"--workers {args.workers!r}: world sizes must be >= 1")
-    if len(set(workers)) != len(workers):  # the second would reuse the first's run and count as a repeat of it
-        raise ConfigError(f"--workers {args.workers!r}: a world size given twice; use --repeats for more runs of one")
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats {args.repeats}: must be >= 1")
-    return workers
-
-
-def _backends(args, workers: list[int]) -> list[str]:
-    """The ``--backends`` of a sweep, checked with its world sizes before any run trains: each a known
-    backend, horovod importable, the largest world size one this machine can start (before, the ddp runs
-    trained first and the sweep then stopped at the first horovod run, or at ``--nproc`` 99)."""
-    from fastvision.distributed import check_nproc
-    from fastvision.distributed.comm import horovod
-    from fastvision.errors import ConfigError
-
-    backends = [b.strip() for b in args.backends.split(",")]
-    unknown = [b for b in backends if b not in ("ddp", "horovod")]
-    if unknown or not backends:
-        raise ConfigError(f"--backends {args.backends!r}: unknown backend {unknown[0] if unknown else ''!r}; "
-                          "valid: ddp, horovod")
-    if "horovod" in backends:
-        try:
-            horovod()
-        except ConfigError as e:
-            raise ConfigError(str(e).replace("--backend horovod", "--backends horovod", 1)) from None
-    check_nproc(max(workers), args.device, flag="--workers")
-    return backends
-
-
 def _targets(args) -> list[Hardware | Link]:
     """What ``--simulate`` draws: the ``--links`` presets (old form), else the ``--hardware`` profiles."""
     from fastvision.errors import ConfigError
@@ -369,11 +330,11 @@ def _simulate_cli(args, results: list[dict[str, Any]], targets: list[Hardware | 
 
 def _cli(args) -> int:
     from fastvision.errors import ConfigError
-    from fastvision.scaling.checks import check_args
+    from fastvision.scaling.checks import check_args, sweep_backends, world_sizes
 
     check_args(args)
     out = Path(args.out)
-    workers = _workers(args)
+    workers = world_sizes(args)
     targets = _targets(args)
     if args.simulate and (args.compute_ms is None or args.grad_mb is None) and not (
             args.recipe and args.compute_ms is None and 1 in workers):  # said before any run trains
@@ -381,7 +342,7 @@ def _cli(args) -> int:
                           f"(--workers {args.workers})")
     results = []
     if args.recipe and not (args.simulate and args.compute_ms):
-        backends = _backends(args, workers)
+        backends = sweep_backends(args, workers)
         if args.epochs < 3:  # read_run drops the first epoch (warm-up) when there are more
             log.warning("scale: --epochs %d times %s per run: one noisy epoch decides the speed-up; use --epochs 3 "
                         "or more (or --repeats)", args.epochs, "the warm-up epoch" if args.epochs == 1 else
