@@ -23,6 +23,9 @@ def dataset_folder(path: str | Path, kind: str = "dataset") -> Path:
     """A builder's ``path`` as a folder, else the one-line error naming it and the flag that sets it
     (``--data`` of train / profile / benchmark / evaluate sets ``data.args.path``)."""
     root = Path(path)
+    if root.is_file():  # e.g. a COCO annotation file or an image given for its folder
+        raise DataError(f"{kind}: {root} is a file; --data takes the {kind} folder"
+                        + (f" ({root.parent}?)" if root.parent != Path(".") else ""))
     if not root.is_dir():
         raise DataError(f"{kind} folder not found: {root} (pass --data DIR{_sample_hint(root)})")
     return root
