@@ -288,20 +288,27 @@ def check_same_classes(trained: dict, given: dict, data: str, ckpt: str | Path) 
                     "would be scored against another class; give a folder with the training class folders")
 
 
-def expand_inputs(inputs: list[str]) -> list[Path]:
-    """Input paths with each folder replaced by its entries (sorted); a missing one is a DataError."""
+def expand_inputs(inputs: list[str], tree: bool = False) -> list[Path]:
+    """Input paths with each folder replaced by its entries (sorted), or with ``tree`` by every image
+    file under it (a task that writes one table row per file: classification); a missing one is a
+    DataError."""
     files = [Path(p) for p in inputs]
     for f in files:
         if not f.exists():
             raise DataError(f"{f}: input not found")
-    from fastvision.inference.inputs import folder_inputs  # a folder without images: one line naming it
+    from fastvision.inference.inputs import folder_inputs, image_tree  # a folder without images: one line
 
-    return [p for f in files for p in (folder_inputs(f) if f.is_dir() else [f])]
+    listing = image_tree if tree else folder_inputs
+    return [p for f in files for p in (listing(f) if f.is_dir() else [f])]
 
 
 def is_volume_input(files: list[Path]) -> bool:
-    """NIfTI volumes or BraTS case folders (the 3-D predict), as ``SegmentationTask.predict_files`` tells them."""
-    return any(f.is_dir() or f.name.endswith((".nii", ".nii.gz")) for f in files)
+    """NIfTI volumes or BraTS case folders (the 3-D predict), as ``SegmentationTask.predict_files`` tells them.
+    A folder counts as a case when it holds a NIfTI file: one of images (a class folder of a
+    validation split) goes to the 2-D predict, which takes it or names it."""
+    nifti = (".nii", ".nii.gz")
+    return any(f.name.endswith(nifti) or (f.is_dir() and any(q.name.endswith(nifti) for q in f.iterdir()))
+               for f in files)
 
 
 def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: str = "auto") -> list[Path]:
@@ -309,7 +316,7 @@ def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: st
     run, _ = load_run(ckpt, device, with_data=False)
     if not hasattr(run.task, "predict_files"):
         raise ConfigError(f"task {run.cfg.task.name!r} has no file prediction")
-    expanded = expand_inputs(inputs)
+    expanded = expand_inputs(inputs, tree=getattr(run.task, "predicts_tree", False))
     from fastvision.inference.inputs import check_input_kind
 
     check_input_kind(expanded, run.cfg.data.name, f"{ckpt} ({run.cfg.recipe})")  # volumes to a 2-D run, or back

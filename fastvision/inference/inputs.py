@@ -26,6 +26,22 @@ def folder_inputs(folder: Path) -> list[Path]:
     return entries
 
 
+def image_tree(folder: Path) -> list[Path]:
+    """Every image file (:data:`EXTENSIONS`) under ``folder``, sub-folders included (a validation split
+    of class folders, as torchvision's and timm's folder readers take it), in path order; hidden
+    files and folders (macOS ``._name``, ``.ipynb_checkpoints``) left out.
+
+    Raises:
+        DataError: the tree holds no image file.
+    """
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in EXTENSIONS and p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    if not files:
+        raise DataError(f"{folder}: no images to predict, sub-folders included (looked for "
+                        f"{', '.join('*' + e for e in EXTENSIONS)})")
+    return files
+
+
 # the data formats whose runs predict NIfTI volumes and case folders (inference.nifti's preprocessing); every
 # other run predicts image files
 VOLUME_DATA = ("decathlon", "brats")

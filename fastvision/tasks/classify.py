@@ -69,6 +69,7 @@ class ClassificationTask(Task):
     primary_metric = "top1"
     higher_is_better = True
     unit_metrics = ("top1", "top5", "auc")
+    predicts_tree = True  # predict takes every image under a folder (val/<class>/...): one CSV row per file
 
     def __init__(self, *, num_classes: int = 1000, mixup: float = 0.0, image_size: int = 224,
                  mean: list[float] = (123.68, 116.28, 103.53), std: list[float] = (58.395, 57.12, 57.385),

@@ -3,6 +3,7 @@ MixUp, device normalisation, and a two-step smoke test of every classification r
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -247,6 +248,13 @@ def test_cli_predict_and_evaluate_imagefolder(tmp_path):
     ev = json.loads((tmp_path / "e.json").read_text())
     assert ev["items"] == 6
     assert ev["top1"] == pytest.approx(s["top1"]) and ev["val_loss"] == pytest.approx(s["val_loss"])
+    # the validation split itself (class folders inside the input folder, as timm's reader takes it):
+    # one row per image, and their top-1 against the folder names is evaluate's
+    assert main(["predict", str(run_dir), str(data / "val"), "--out", str(tmp_path / "p3"), "--device", "cpu"]) == 0
+    with open(tmp_path / "p3" / "predictions.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 6
+    assert sum(r["class_name"] == Path(r["file"]).parent.name for r in rows) / 6 == pytest.approx(ev["top1"])
 
 
 def test_dataset_with_more_classes_than_the_task_is_a_config_error(tmp_path):
