@@ -20,7 +20,8 @@ from rich.table import Table
 from fastvision.data.nonfinite import NONFINITE_FILES
 from fastvision.errors import ConfigError, DataError
 
-SETTINGS = {"imagefolder": {"val_labels"}}  # the data.args a layout's inspector takes (microscopy: its rule's)
+# the layouts whose inspector takes data.args, and which (None: microscopy checks its own, its rule's)
+SETTINGS: dict[str, set[str] | None] = {"microscopy": None, "imagefolder": {"val_labels"}}
 _INSPECTORS: list[tuple[str, Callable[[Path], bool], Callable[[Path], dict[str, Any]]]] = []
 
 
@@ -49,13 +50,13 @@ def inspect_path(path: Path | str, settings: dict[str, Any] | None = None) -> di
         raise DataError(f"{path}: not found")
     for name, detect, fn in _INSPECTORS:
         if detect(path):
+            if settings and name not in SETTINGS:
+                raise ConfigError(f"data inspect --set: only the {' and '.join(SETTINGS)} layouts take "
+                                  f"settings, {path} is {name}")
             allowed = SETTINGS.get(name)
             if settings and allowed is not None and not set(settings) <= allowed:
                 raise ConfigError(f"data inspect --set {', '.join(sorted(set(settings) - allowed))}: the {name} "
                                   f"layout of {path} takes {', '.join(sorted(allowed))}")
-            if settings and allowed is None:
-                raise ConfigError(f"data inspect --set: only the microscopy and imagefolder layouts take "
-                                  f"settings, {path} is {name}")
             return {"layout": name, "path": str(path), **(fn(path, **settings) if settings else fn(path))}
     raise DataError(f"{path}: unrecognised dataset layout; known: {', '.join(n for n, _, _ in _INSPECTORS)}")
 
