@@ -93,17 +93,24 @@ def test_resume_from_weights_alone_or_a_run_folder_is_one_line(runs, kind, tmp_p
 
 
 def test_a_2d_run_given_volumes_or_a_folder_of_folders_is_one_line(runs, tmp_path, capsys):
-    """A classifier given NIfTI volumes was told its 1 channel was not 3, and given an ImageFolder's val folder
-    (class folders) that there were no BraTS cases in it."""
+    """A classifier given NIfTI volumes was told its 1 channel was not 3, and a 2-D segmentation run given an
+    ImageFolder's val folder (class folders) that there were no BraTS cases in it. A classifier takes that
+    folder, sub-folders included (one predictions.csv row per image, as timm's folder reader)."""
     import nibabel as nib
     import numpy as np
 
     volume = tmp_path / "case.nii.gz"
     nib.save(nib.Nifti1Image(np.zeros((8, 8, 4), np.float32), np.eye(4)), str(volume))
-    for inputs, named in [([volume], volume), ([runs["imnet"] / "val"], runs["imnet"] / "val" / "class000")]:
-        code, _, err = run_cli(capsys, "predict", runs["cls"], *inputs, "--out", tmp_path / "p", "--device", "cpu")
-        one_line_error(code, err, named, "resnet18-imagefolder", "is a 2-D run", "predicts image files")
+    for run, inputs, named in [("cls", [volume], volume),
+                               ("seg", [runs["imnet"] / "val"], runs["imnet"] / "val" / "class000")]:
+        code, _, err = run_cli(capsys, "predict", runs[run], *inputs, "--out", tmp_path / "p", "--device", "cpu")
+        one_line_error(code, err, named, "is a 2-D run", "predicts image files")
         assert not (tmp_path / "p").exists()
+    code, _, err = run_cli(capsys, "predict", runs["cls"], runs["imnet"] / "val", "--out", tmp_path / "p",
+                           "--device", "cpu")
+    assert code == 0, err
+    rows = (tmp_path / "p" / "predictions.csv").read_text().splitlines()[1:]
+    assert sorted(r.split(",")[0] for r in rows) == sorted(str(p) for p in (runs["imnet"] / "val").rglob("*.JPEG"))
 
 
 @pytest.mark.parametrize("run", ["seg", "cls"])
