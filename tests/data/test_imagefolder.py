@@ -221,3 +221,13 @@ def test_the_slides_and_masks_layout_is_no_imagefolder(tmp_path):
     out = synth(tmp_path / "p", slides=1, val_slides=1, size=128, tile=64)
     with pytest.raises(DataError, match=r"train: its folders are images/, masks/: .*resnet18-pathology"):
         DATASETS.build("imagefolder", {"path": str(out)})
+
+
+def test_val_labels_unused_by_class_folders_says_so(synth_root, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        splits = DATASETS.build("imagefolder", {"path": str(synth_root), "val_labels": "val.txt"})
+    assert splits.info["val_layout"] == "class folders"
+    said = [r.getMessage() for r in caplog.records if "val_labels" in r.getMessage()]
+    assert len(said) == 1 and "val.txt is not used" in said[0] and "class folders" in said[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +41,7 @@ from fastvision.data.transforms import (  # noqa: F401  (random_resized_box: als
 from fastvision.errors import ConfigError, DataError
 from fastvision.registry import DATASETS
 
+log = logging.getLogger(__name__)
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".tif", ".tiff", ".webp")
 
 
@@ -301,6 +303,9 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
         val, val_layout = flat_val_samples(val_root, classes, root, EXTENSIONS, val_labels, invalid)
     else:
         val, val_layout = _class_folder_val(val_root, classes, train_dir), "class folders"
+        if val_labels:  # said once: a recipe's labels file that this layout does not read
+            log.warning("data.args.val_labels=%s is not used: %s is sorted into class folders, which label it",
+                        val_labels, val_root)
     # a file without a readable header or its end (a truncated download): skipped, with one warning
     train = drop_unreadable(train, lambda s: [s[0]], image_decodes, skip_unreadable, root / train_dir)
     val = drop_unreadable(val, lambda s: [s[0]], image_decodes, skip_unreadable, val_root)
