@@ -208,6 +208,6 @@ def test_inspect_json_without_fingerprint_is_refused_and_synth_help_lists_seed(t
     code, _, err = run_cli(capsys, "data", "inspect", str(tiny_microscopy), "--json", str(tmp_path / "x.json"))
     one_line_error(code, err, "--json", "--fingerprint")
     assert not (tmp_path / "x.json").exists()
-    from fastvision.cli import synth_help
+    from fastvision.cli_data import synth_help
 
     assert "--seed" in synth_help("microscopy").split("options of microscopy")[1]
