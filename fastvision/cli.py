@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_args.recipes_args(p)
     p.set_defaults(func=cmd_recipes)
 
-    cli_data.add_cli(sub)
+    cli_data.add_actions(sub.add_parser("data", help="synthetic data, dataset inspection and sharding"))
 
     for name, where in FEATURES:
         module, function = where.split(":")

@@ -1,5 +1,5 @@
 """``fastvision data synth | inspect | shard``: the data subcommands (their arguments in
-:mod:`fastvision.cli_args`); :func:`fastvision.cli.build_parser` adds them through :func:`add_cli`."""
+:mod:`fastvision.cli_args`); :func:`fastvision.cli.build_parser` adds them through :func:`add_actions`."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +10,8 @@ from fastvision import cli_args
 from fastvision.errors import ConfigError, DataError
 
 
-def add_cli(sub) -> None:
-    """The ``data`` subcommand and its actions on ``sub`` (the top-level subparsers)."""
-    data = sub.add_parser("data", help="synthetic data, dataset inspection and sharding")
+def add_actions(data: argparse.ArgumentParser) -> None:
+    """The actions of the ``data`` subcommand (``build_parser`` adds ``data`` itself)."""
     dsub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     p = dsub.add_parser("synth", help="write a synthetic dataset in a real format", add_help=False,
                         description="Write a synthetic dataset. Extra --option VALUE pairs go to the generator; "
