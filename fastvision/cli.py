@@ -36,7 +36,7 @@ FEATURES = (
     ("scale", "fastvision.scaling.sweep:add_cli"),
     ("cv", "fastvision.metrics.crossval:add_cli"),
     ("export", "fastvision.inference.export:add_cli"),
-    ("froc", "fastvision.metrics.froc:add_cli"),
+    ("froc", "fastvision.metrics.froc_cli:add_cli"),
     ("plan", "fastvision.planning.plan:add_cli"),
     ("configure", "fastvision.planning.configure:add_cli"),
     ("tune", "fastvision.planning.tune:add_cli"),

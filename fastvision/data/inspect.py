@@ -17,7 +17,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from fastvision.data.nonfinite import NONFINITE_FILES
+from fastvision.data.nonfinite import NONFINITE_FILES, nifti_nonfinite
 from fastvision.errors import ConfigError, DataError
 
 # the layouts whose inspector takes data.args, and which (None: microscopy checks its own, its rule's)
@@ -333,7 +333,7 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001  (any nibabel failure: the file is not a usable NIfTI)
             unusable.setdefault("unreadable NIfTI files", []).append(f"{case['id']}: {str(e).splitlines()[0][:80]}")
             continue
-        bad = _nifti_nonfinite([*case["image"], case["label"]], path)
+        bad = nifti_nonfinite([*case["image"], case["label"]], path)
         if bad:
             unusable.setdefault(NONFINITE_FILES, []).extend(bad)
         if label_off_grid(img.shape, img.affine, label.shape, label.affine):
@@ -360,24 +360,6 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
             "unusable": {k: len(v) for k, v in unusable.items() if v}}
 
 
-
-def _nifti_nonfinite(files: Sequence[Path], root: Path) -> list[str]:
-    """``["imagesTr/x.nii.gz (12)", ...]``: the float-stored files among ``files`` holding NaN / Inf
-    (each read in full; an integer-stored file cannot hold them, so only its header is read)."""
-    import nibabel as nib
-
-    from fastvision.data.nonfinite import count_nonfinite
-
-    out = []
-    for f in files:
-        img = nib.load(str(f))
-        if img.get_data_dtype().kind in "fc":
-            n = count_nonfinite(np.asarray(img.dataobj))
-            if n:
-                out.append(f"{Path(f).relative_to(root) if Path(f).is_relative_to(root) else f} ({n})")
-    return out
-
-
 def _looks_brats(path: Path) -> bool:
     """Case files (``*_flair.nii*`` or ``*-t2f.nii*``) at most three folders down."""
     return path.is_dir() and any(next(path.glob(depth + pattern), None) is not None
@@ -394,7 +376,7 @@ def inspect_brats(path: Path) -> dict[str, Any]:
     layout = detect(path)
     shapes, values = Counter(), set()
     labelled = [c for c in layout.cases if c["label"] is not None]
-    unusable = {NONFINITE_FILES: [b for c in labelled for b in _nifti_nonfinite([*c["image"], c["label"]], path)]}
+    unusable = {NONFINITE_FILES: [b for c in labelled for b in nifti_nonfinite([*c["image"], c["label"]], path)]}
     for case in labelled[:10]:
         shapes[str(nib.load(str(case["image"][0])).shape)] += 1
         values |= set(np.unique(np.asarray(nib.load(str(case["label"])).dataobj)).tolist())

@@ -11,6 +11,7 @@ A leaf module (no format imports), so :mod:`fastvision.data.preprocess3d` can us
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -67,3 +68,18 @@ class NonFinite:
             self._warned.add(str(path))
             log.warning("%s: %d NaN/Inf value(s) read as 0 (data.args.nonfinite=zero)", path, bad)
         return np.where(np.isfinite(arr), arr, np.zeros((), arr.dtype))
+
+
+def nifti_nonfinite(files: Sequence[Path], root: Path) -> list[str]:
+    """``["imagesTr/x.nii.gz (12)", ...]``: the float-stored files among ``files`` holding NaN / Inf
+    (each read in full; an integer-stored file cannot hold them, so only its header is read)."""
+    import nibabel as nib
+
+    out = []
+    for f in files:
+        img = nib.load(str(f))
+        if img.get_data_dtype().kind in "fc":
+            n = count_nonfinite(np.asarray(img.dataobj))
+            if n:
+                out.append(f"{Path(f).relative_to(root) if Path(f).is_relative_to(root) else f} ({n})")
+    return out

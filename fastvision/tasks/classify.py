@@ -157,8 +157,8 @@ class ClassificationTask(Task):
 
         Images are prepared as evaluation items are (resize + centre crop per ``data.args``).
         """
+        from fastvision.data.formats.heatmap import slide_heatmap, write_heatmap
         from fastvision.data.formats.imagefolder import load_crop
-        from fastvision.data.formats.pathology import slide_heatmap, write_heatmap
         from fastvision.inference.inputs import check_unique_names
         from fastvision.utils.files import atomic_write
 

@@ -9,6 +9,7 @@ import tifffile
 import torch
 from PIL import Image
 
+from fastvision.data.formats import heatmap as H
 from fastvision.data.formats import pathology as P
 from fastvision.data.synth import pathology as S
 from fastvision.errors import DataError
@@ -124,11 +125,11 @@ def test_errors(tmp_path, slides):
 def test_slide_heatmap_and_writers(slides, tmp_path):
     path = slides / "val" / "images" / "slide_000.tif"
     whole = tifffile.imread(path).astype(np.float64)
-    heat = P.slide_heatmap(path, lambda x: 1 - x.float().mean((1, 2, 3)) / 255, patch_size=32, stride=32, batch_size=5)
+    heat = H.slide_heatmap(path, lambda x: 1 - x.float().mean((1, 2, 3)) / 255, patch_size=32, stride=32, batch_size=5)
     assert heat.shape == (8, 8)
     ref = 1 - whole.reshape(8, 32, 8, 32, 3).mean((1, 3, 4)) / 255
     np.testing.assert_allclose(heat, ref, rtol=1e-5)
-    tif, png = P.write_heatmap(heat, tmp_path / "out" / "slide_000")
+    tif, png = H.write_heatmap(heat, tmp_path / "out" / "slide_000")
     np.testing.assert_array_equal(tifffile.imread(tif), heat)
     np.testing.assert_array_equal(np.asarray(Image.open(png)), np.rint(heat * 255).astype(np.uint8))
 
@@ -241,7 +242,7 @@ def _write_hand_case(tmp_path, fmt, up=2, pad=0):
     hd, md = tmp_path / "heat", tmp_path / "masks"
     md.mkdir()
     for i, (h, m) in enumerate(zip(heat, mask, strict=True)):
-        tif, png = P.write_heatmap(h.astype(np.float32), hd / f"slide_{i:03d}_heatmap")
+        tif, png = H.write_heatmap(h.astype(np.float32), hd / f"slide_{i:03d}_heatmap")
         (png if fmt == "tif" else tif).unlink()
         if m is not None:
             big = np.pad(np.kron(m, np.ones((up, up), np.uint8)), ((0, pad), (0, pad)))

@@ -114,7 +114,7 @@ def test_froc_places_cells_at_the_stride_predict_recorded(tmp_path):
     """A 1000 px slide cut into 64 px patches gives a 15-row heat map: mask height // heat height is
     66, not 64, and a lesion at the last cell was scored as missed (FROC 0.75 instead of 1.0 on a
     480 px generated set); predict records its stride in the heat map and froc uses it."""
-    from fastvision.data.formats.pathology import heatmap_stride, write_heatmap
+    from fastvision.data.formats.heatmap import heatmap_stride, write_heatmap
     from fastvision.metrics.froc import froc_files
 
     hd, md = tmp_path / "heat", tmp_path / "masks"

@@ -251,6 +251,33 @@ def _class_folder_val(val_root: Path, classes: list[str], train_dir: str) -> lis
     return [(p, index[val_classes[j]]) for p, j in list_samples(val_root, val_classes)]
 
 
+def _train_classes(root: Path, train_dir: str, val_dir: str) -> list[str]:
+    """The class folders of ``root/train_dir``; one line when ``root`` is the split (or a class) folder,
+    or the pathology layout (images/ and masks/), not one folder per class."""
+    if not (root / train_dir).is_dir():  # --data given the split (or a class) folder, not the one above
+        up = next((a for a in (root, *root.parents) if a.name == train_dir), None)
+        hint = f"; did you mean --data {up.parent}?" if up is not None else ""
+        raise DataError(f"{root}: no {train_dir}/ folder: --data (data.args.path) is the folder holding "
+                        f"{train_dir}/ and {val_dir}/, each with one folder per class{hint}")
+    classes = find_classes(root / train_dir)
+    if {"images", "masks"} <= set(classes) and set(classes) <= {"images", "masks", "annotations"}:
+        raise DataError(f"{root / train_dir}: its folders are {', '.join(c + '/' for c in classes)}: images and their "
+                        "masks (the pathology layout: recipe resnet18-pathology, data.name=pathology), not one "
+                        "folder per class; as an ImageFolder its classes would be 'images' and 'masks'")
+    return classes
+
+
+def _val_split(root: Path, val_root: Path, classes: list[str], train_dir: str, val_labels: str | None,
+               invalid: str) -> tuple[list, str]:
+    """(samples, layout) of the validation split: a flat folder and its labels file, or class folders."""
+    if is_flat(val_root, EXTENSIONS):  # ImageNet's val as distributed: one folder + a labels file
+        return flat_val_samples(val_root, classes, root, EXTENSIONS, val_labels, invalid)
+    if val_labels:  # said once: a recipe's labels file that this layout does not read
+        log.warning("data.args.val_labels=%s is not used: %s is sorted into class folders, which label it",
+                    val_labels, val_root)
+    return _class_folder_val(val_root, classes, train_dir), "class folders"
+
+
 @DATASETS.register("imagefolder")
 def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_size: int = 224,
           resize_size: int = 256, scale: tuple[float, float] = (0.08, 1.0),
@@ -287,25 +314,10 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
     """
     check_crop_args(image_size, resize_size, scale, ratio, hflip)
     root = dataset_folder(path)
-    if not (root / train_dir).is_dir():  # --data given the split (or a class) folder, not the one above
-        up = next((a for a in (root, *root.parents) if a.name == train_dir), None)
-        hint = f"; did you mean --data {up.parent}?" if up is not None else ""
-        raise DataError(f"{root}: no {train_dir}/ folder: --data (data.args.path) is the folder holding "
-                        f"{train_dir}/ and {val_dir}/, each with one folder per class{hint}")
-    classes = find_classes(root / train_dir)
-    if {"images", "masks"} <= set(classes) and set(classes) <= {"images", "masks", "annotations"}:
-        raise DataError(f"{root / train_dir}: its folders are {', '.join(c + '/' for c in classes)}: images and their "
-                        "masks (the pathology layout: recipe resnet18-pathology, data.name=pathology), not one "
-                        "folder per class; as an ImageFolder its classes would be 'images' and 'masks'")
+    classes = _train_classes(root, train_dir, val_dir)
     train = list_samples(root / train_dir, classes)
     val_root = root / val_dir
-    if is_flat(val_root, EXTENSIONS):  # ImageNet's val as distributed: one folder + a labels file
-        val, val_layout = flat_val_samples(val_root, classes, root, EXTENSIONS, val_labels, invalid)
-    else:
-        val, val_layout = _class_folder_val(val_root, classes, train_dir), "class folders"
-        if val_labels:  # said once: a recipe's labels file that this layout does not read
-            log.warning("data.args.val_labels=%s is not used: %s is sorted into class folders, which label it",
-                        val_labels, val_root)
+    val, val_layout = _val_split(root, val_root, classes, train_dir, val_labels, invalid)
     # a file without a readable header or its end (a truncated download): skipped, with one warning
     train = drop_unreadable(train, lambda s: [s[0]], image_decodes, skip_unreadable, root / train_dir)
     val = drop_unreadable(val, lambda s: [s[0]], image_decodes, skip_unreadable, val_root)

@@ -17,7 +17,6 @@ runs batched on the device in the task (seed 003: CPU colour jitter was the bott
 """
 from __future__ import annotations
 
-import io
 import os
 import threading
 from pathlib import Path
@@ -325,83 +324,3 @@ def build(*, path: str, patch_size: int = 224, normal_per_tumor: float = 1.0, se
             "train_patches": len(splits[0]), "val_patches": len(splits[1]),
             "train_tumor": sum(s[-1] for s in splits[0].samples), "val_tumor": sum(s[-1] for s in splits[1].samples)}
     return DatasetSplits(splits[0], splits[1], info)
-
-
-def slide_heatmap(slide_path: str | Path, predict, patch_size: int, stride: int | None = None,
-                  batch_size: int = 64) -> np.ndarray:
-    """Tumour probability map of a whole slide, patch by patch.
-
-    Args:
-        slide_path: tiled RGB TIFF.
-        predict: callable mapping uint8 patches ``(B, 3, P, P)`` to tumour probabilities ``(B,)``.
-        patch_size: P.
-        stride: grid step in pixels (default P); heat-map pixel (i, j) covers the patch at
-            ``(i * stride, j * stride)``.
-        batch_size: patches per ``predict`` call.
-
-    Returns:
-        float32 ``(H // stride, W // stride)`` probabilities (only full patches are scored).
-    """
-    stride = stride or patch_size
-    slide = TiledTiff(slide_path)
-    h, w = slide.shape[:2]
-    ny, nx = (h - patch_size) // stride + 1, (w - patch_size) // stride + 1
-    heat = np.zeros((h // stride, w // stride), np.float32)
-    coords = [(i, j) for i in range(ny) for j in range(nx)]
-    for k in range(0, len(coords), batch_size):
-        chunk = coords[k:k + batch_size]
-        arr = np.stack([slide.read_region(i * stride, j * stride, patch_size, patch_size)[..., :3] for i, j in chunk])
-        probs = predict(torch.from_numpy(arr).permute(0, 3, 1, 2).contiguous())
-        probs = probs.detach().float().cpu().numpy()  # one transfer per batch, not per patch
-        for (i, j), pr in zip(chunk, probs, strict=True):
-            heat[i, j] = pr
-    slide.close()
-    return heat
-
-
-HEATMAP_KEY = "fastvision_heatmap"  # TIFF ImageDescription / PNG text: {"stride": slide px per heat-map px}
-
-
-def write_heatmap(heat: np.ndarray, out_stem: str | Path, stride: int | None = None) -> tuple[Path, Path]:
-    """Write ``OUT.tif`` (float32 probabilities) and ``OUT.png`` (8-bit, 255 = probability 1).
-
-    ``stride`` (slide pixels per heat-map pixel) is recorded in both files (:data:`HEATMAP_KEY`), so
-    ``froc`` places each cell right on a slide whose side is not a multiple of it (the last partial
-    patch is not predicted: mask height // heat-map height is then not the stride).
-    """
-    import json
-
-    from PIL.PngImagePlugin import PngInfo
-
-    out_stem = Path(out_stem)
-    out_stem.parent.mkdir(parents=True, exist_ok=True)
-    from fastvision.utils.files import atomic_write
-
-    meta = json.dumps({HEATMAP_KEY: {"stride": int(stride)}}) if stride else None
-    tif, png = out_stem.with_suffix(".tif"), out_stem.with_suffix(".png")  # atomic: never half-written
-    buf = io.BytesIO()  # tifffile reads the name of a file it is given: an open temp file's is its descriptor
-    tifffile.imwrite(buf, heat.astype(np.float32), photometric="minisblack", description=meta, metadata=None)
-    atomic_write(tif, lambda f: f.write(buf.getvalue()))
-    picture = Image.fromarray(np.clip(np.rint(heat * 255), 0, 255).astype(np.uint8))
-    info = PngInfo()
-    if meta:
-        info.add_text(HEATMAP_KEY, meta)
-    atomic_write(png, lambda f: picture.save(f, format="PNG", pnginfo=info))
-    return tif, png
-
-
-def heatmap_stride(path: str | Path) -> int | None:
-    """The stride :func:`write_heatmap` recorded in ``path`` (TIFF or PNG), or None (another tool's file)."""
-    import json
-
-    path = Path(path)
-    try:
-        if path.suffix.lower() in (".tif", ".tiff"):
-            with tifffile.TiffFile(path) as t:
-                text = t.pages[0].description
-        else:
-            with Image.open(path) as im:
-                text = im.text.get(HEATMAP_KEY, "")
-        return int(json.loads(text)[HEATMAP_KEY]["stride"])
-    except Exception:  # noqa: BLE001  (no such record: the caller's default applies)
-        return None
