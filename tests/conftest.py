@@ -49,6 +49,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tagged_processes(tag: str) -> list[int]:
+    """PIDs of every live process whose environment carries ``FV_TEST_TAG=tag`` (a launcher, torchrun, its
+    workers: start the command with ``clean_env(FV_TEST_TAG=tag)``)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and f"FV_TEST_TAG={tag}".encode() in (d / "environ").read_bytes().split(b"\0") \
+                    and b"State:\tZ" not in (d / "status").read_bytes():
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+def sigterm_after_steps(proc: subprocess.Popen, metrics: Path, steps: int, tag: str,
+                        timeout: float = 90) -> tuple[str, list[int]]:
+    """Once ``metrics`` (a run's metrics.jsonl) logs ``steps`` training steps, SIGTERM ``proc`` alone (as
+    ``kill PID`` does) and wait for it: ``(its stderr, the tagged processes still alive 10 s later)``;
+    whatever is left is killed after."""
+    import signal
+    import time
+
+    try:
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline and \
+                (not metrics.exists() or metrics.read_text().count('"step": [') < steps):
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        os.kill(proc.pid, signal.SIGTERM)
+        err = proc.communicate(timeout=timeout)[1]
+        deadline = time.monotonic() + 10
+        while tagged_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return err, tagged_processes(tag)
+    finally:
+        proc.kill()
+        for pid in tagged_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+
+
 def monai_version() -> tuple[int, int]:
     """(major, minor) of the installed MONAI, the reference some tests compare with (its behaviour moved)."""
     import monai

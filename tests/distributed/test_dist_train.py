@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT, clean_env, cli_here, free_port  # noqa: E402
+from tests.conftest import ROOT, clean_env, cli_here, free_port, sigterm_after_steps  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -308,19 +308,6 @@ def test_killed_worker_fails_the_job_then_resume_finishes(data, tmp_path, train_
     assert torch.load(last, map_location="cpu", weights_only=True)["epoch"] == epochs - 1
 
 
-def _tagged(tag: str) -> list[int]:
-    """PIDs of every live process whose environment carries ``tag`` (a launcher, torchrun, its workers)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and f"FV_TEST_TAG={tag}".encode() in (d / "environ").read_bytes().split(b"\0") \
-                    and b"State:\tZ" not in (d / "status").read_bytes():
-                pids.append(int(d.name))
-        except OSError:
-            continue
-    return pids
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the processes through /proc")
 def test_sigterm_to_the_nproc_launcher_stops_its_workers_with_a_checkpoint(data, tmp_path):
     """``kill PID`` of ``fastvision train --nproc 2`` (what a Kubernetes pod's PID 1 or a user gets): the
@@ -331,22 +318,7 @@ def test_sigterm_to_the_nproc_launcher_stops_its_workers_with_a_checkpoint(data,
                                  "--set", "train.log_every=1"),
                             cwd=ROOT, env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 90
-        while proc.poll() is None and time.monotonic() < deadline and \
-                (not metrics.exists() or metrics.read_text().count('"step": [') < 3):
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone, as `kill PID` does
-        err = proc.communicate(timeout=90)[1]
-        deadline = time.monotonic() + 10
-        while _tagged(tag) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = _tagged(tag)
-    finally:
-        proc.kill()
-        for pid in _tagged(tag):
-            os.kill(pid, signal.SIGKILL)
+    err, left = sigterm_after_steps(proc, out / "metrics.jsonl", 3, tag)  # the launcher alone, as `kill PID`
     assert proc.returncode == 143 and not left, (proc.returncode, left, err[-3000:])
     assert err.count("stopped by SIGTERM") == 2 and "Traceback" not in err, err[-3000:]
     step = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["step"]

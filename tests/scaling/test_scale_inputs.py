@@ -158,15 +158,11 @@ def test_scale_simulate_without_a_step_or_a_one_worker_run_is_refused_before_tra
 def test_sigterm_to_scale_stops_its_run_and_nothing_trains_on(tiny_microscopy, tmp_path):
     """``kill PID`` of ``fastvision scale``: the run it is training gets the signal (checkpoint, exit 143) and
     scale exits 143 in one line saying how to continue; before, scale died alone and its run trained on."""
-    import os
-    import signal
     import subprocess
     import sys
-    import time
     import uuid
 
-    from tests.conftest import ROOT, clean_env
-    from tests.distributed.test_dist_train import _tagged
+    from tests.conftest import ROOT, clean_env, sigterm_after_steps
 
     tag, out = uuid.uuid4().hex, tmp_path / "sweep"
     cmd = [sys.executable, "-m", "fastvision.cli", "scale", "unet2d-microscopy", "--workers", "1", "--epochs", "50",
@@ -176,21 +172,6 @@ def test_sigterm_to_scale_stops_its_run_and_nothing_trains_on(tiny_microscopy, t
            "--set", "train.log_every=1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(FV_TEST_TAG=tag), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        metrics, deadline = out / "ddp-1-r0" / "metrics.jsonl", time.monotonic() + 90
-        while proc.poll() is None and time.monotonic() < deadline and \
-                (not metrics.exists() or metrics.read_text().count('"step": [') < 2):
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        os.kill(proc.pid, signal.SIGTERM)
-        err = proc.communicate(timeout=60)[1]
-        deadline = time.monotonic() + 10
-        while _tagged(tag) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = _tagged(tag)
-    finally:
-        proc.kill()
-        for pid in _tagged(tag):
-            os.kill(pid, signal.SIGKILL)
+    err, left = sigterm_after_steps(proc, out / "ddp-1-r0" / "metrics.jsonl", 2, tag, timeout=60)
     assert proc.returncode == 143 and not left, (proc.returncode, left, err[-3000:])
     assert "Traceback" not in err and "scale: stopped during ddp-1-r0" in err, err[-3000:]
