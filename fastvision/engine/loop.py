@@ -267,7 +267,7 @@ def check_target_metric(task: Task, target: str | None) -> None:
     if parsed[0] not in known:
         raise ConfigError(f"--target {parsed[0]}: not a metric of this run; valid: {', '.join(sorted(known))}")
     name, value = parsed
-    if name in task.unit_metrics and not 0 <= value <= 1:
+    if name.split("/")[0] in task.unit_metrics and not 0 <= value <= 1:  # dice/WT: a class of dice
         hint = f"; for {value:g} % give {name}={value / 100:g}" if 1 < value <= 100 else ""
         raise ConfigError(f"--target {name}={value:g}: {name} is a fraction from 0 to 1, so the run would never "
                           f"reach it{hint}")

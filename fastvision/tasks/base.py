@@ -40,7 +40,8 @@ class Task:
         primary_metric: metric name used for the best checkpoint and ``--target`` (e.g. "iou").
         higher_is_better: direction of ``primary_metric``.
         input_key: batch key fed to the model.
-        unit_metrics: metrics that are fractions in [0, 1] (``--target top1=90`` is refused: never reached).
+        unit_metrics: metrics that are fractions in [0, 1], with their per-class ``NAME/CLASS`` (``--target
+            top1=90`` is refused: never reached).
     """
 
     primary_metric: str = "loss"

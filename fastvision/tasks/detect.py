@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from fastvision.data.formats.coco import collate_detection
 from fastvision.errors import ConfigError, DataError, check_range
-from fastvision.metrics.coco import COCOEvaluator, to_coco_results, write_results
+from fastvision.metrics.coco import METRIC_NAMES, COCOEvaluator, to_coco_results, write_results
 from fastvision.models.ssd import postprocess, ssd_loss
 from fastvision.registry import TASKS
 from fastvision.tasks.base import DeviceConstants, Evaluator, Task
@@ -85,6 +85,7 @@ class DetectionTask(Task):
     """
 
     primary_metric = "map"
+    unit_metrics = METRIC_NAMES  # COCO's APs are fractions in [0, 1]
     higher_is_better = True
 
     def __init__(self, *, image_size: int = 320, num_classes: int = 90, alpha: float | None = None,

@@ -72,6 +72,8 @@ class SegmentationTask(Task):
 
     primary_metric = "iou"
     higher_is_better = True
+    # fractions in [0, 1], per class too (dice/WT): --target dice=90 is refused (hd95 is in voxels)
+    unit_metrics = ("dice", "iou", "dice_case", "iou_case", "dice_pooled", "iou_pooled")
 
     def __init__(self, *, num_classes: int = 2, mode: Literal["softmax", "sigmoid", "regions"] = "softmax",
                  regions: list[list[int]] | None = None, region_names: list[str] | None = None,

@@ -222,6 +222,18 @@ def test_a_target_the_run_does_not_report_is_refused_before_training(tiny_micros
     assert not (run / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("target", ["dice=90", "iou=-0.1"])
+def test_a_percent_dice_target_is_refused_before_training(tiny_microscopy, tmp_path, capsys, target):
+    """--target dice=90 (a percent, as nnU-Net's summaries and many papers print Dice) trained to the end without
+    stopping: Dice and IoU are fractions, as top-1 was already checked."""
+    run = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", tiny_microscopy, "--out", run, *TINY,
+                           "--target", target)
+    name = target.split("=")[0]
+    one_line_error(code, err, f"--target {target}: {name} is a fraction from 0 to 1")
+    assert not (run / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("argv, needle", [(["train", "unet2d-microscopy", "--amp", "fp8"], "--amp"),
                                           (["benchmark", "unet2d-microscopy", "--mode", "trian"], "--mode"),
                                           (["trian"], "COMMAND")])
