@@ -37,7 +37,6 @@ Threads: ``data.args.dali_threads``, else the CPUs this process may run on
 from __future__ import annotations
 
 import io
-import os
 import re
 from collections import deque
 from collections.abc import Callable
@@ -59,11 +58,9 @@ _UNDECODABLE = re.compile(r"codec|decod|marker|unsupported|corrupt|truncat|inval
 
 def default_threads() -> int:
     """DALI CPU threads: the CPUs this process may run on (SLURM's and taskset's affinity), at most 8."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity API (macOS): every CPU
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus))
+    from fastvision.utils.hostcpu import process_cores
+
+    return max(1, min(8, len(process_cores())))
 
 
 def require_dali() -> Any:

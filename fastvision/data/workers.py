@@ -31,7 +31,6 @@ holds rank 0's.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections import Counter
 from collections.abc import Collection, Sequence
@@ -40,17 +39,11 @@ from typing import Any
 
 import torch
 
+from fastvision.utils.hostcpu import process_cores
+
 log = logging.getLogger(__name__)
 
 MAX_WORKERS = 8  # per process: NVIDIA DLE nnU-Net's --num_workers default (one process per GPU)
-
-
-def process_cores() -> frozenset[int]:
-    """The CPUs this process may run on (its affinity; all of ``os.cpu_count()`` where there is none)."""
-    try:
-        return frozenset(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # macOS, Windows
-        return frozenset(range(os.cpu_count() or 1))
 
 
 def node_key() -> str:

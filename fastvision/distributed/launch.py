@@ -102,8 +102,9 @@ def local_slots(device: str | None = None) -> tuple[int, str]:
     dev = device or "auto"
     if dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available()):
         return torch.cuda.device_count(), "GPUs"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores, "CPU cores"
+    from fastvision.utils.hostcpu import process_cores
+
+    return len(process_cores()), "CPU cores"
 
 
 def check_nproc(nproc: int, device: str | None = None, flag: str = "--nproc") -> None:

@@ -92,6 +92,15 @@ def wait_idle(*, interval: float = 0.05, busy_share: float = 0.1, calm: int = 2,
     return False
 
 
+def process_cores() -> frozenset[int]:
+    """The CPUs this process may run on (its affinity: what a cpuset, ``taskset`` or SLURM grants; all of
+    ``os.cpu_count()`` where there is none)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS, Windows
+        return frozenset(range(os.cpu_count() or 1))
+
+
 def host_cpu_name() -> str:
     """The CPU model (``/proc/cpuinfo``'s model name; else what ``platform`` says)."""
     try:

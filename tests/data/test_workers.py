@@ -11,8 +11,9 @@ import sys
 import pytest
 import yaml
 
-from fastvision.data.workers import MAX_WORKERS, choose, process_cores, resolve, share_of
+from fastvision.data.workers import MAX_WORKERS, choose, resolve, share_of
 from fastvision.distributed import DistEnv
+from fastvision.utils.hostcpu import process_cores
 from tests.cli.input_checks import one_line_error, run_cli
 from tests.conftest import ROOT, clean_env, cli_here, free_port
 

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from fastvision.config import RunConfig
-from fastvision.data.workers import process_cores
 from fastvision.errors import ConfigError
 from fastvision.models import levers
 from fastvision.planning.tune.search import Switch
 from fastvision.registry import DATASETS
+from fastvision.utils.hostcpu import process_cores
 
 
 def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch: bool,
