@@ -8,7 +8,6 @@ training steps, ``[epoch]`` for epoch-end validation and ``[]`` for the run summ
 from __future__ import annotations
 
 import atexit
-import io
 import json
 import logging
 import sys
@@ -190,14 +189,9 @@ class RunLogger:
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        out = self.run_dir / "curves.png"
-        buf = io.BytesIO()
-        fig.savefig(buf, dpi=100, format="png")
-        data = buf.getvalue()
-        from fastvision.utils.files import atomic_write
+        from fastvision.utils.files import save_figure
 
-        atomic_write(out, lambda f: f.write(data))  # a stop during the write leaves no half-written PNG
-        return out
+        return save_figure(fig, self.run_dir / "curves.png", dpi=100)  # a stop never leaves half a PNG
 
     def close(self) -> None:
         if self._progress is not None and self._task is not None:

@@ -248,18 +248,13 @@ def _pyplot():
 
 def save(fig, path: Path) -> Path:
     """Save ``fig`` as ``path`` (folders created), atomically, and close it."""
-    from fastvision.utils.files import atomic_write
+    from fastvision.utils.files import save_figure
 
-    path = Path(path)
     try:
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, dpi=120, format=path.suffix.lstrip(".") or "png")
-        data = buf.getvalue()
-        atomic_write(path, lambda f: f.write(data))
+        return save_figure(fig, Path(path), dpi=120)
     finally:
         _pyplot().close(fig)
-    return path
 
 
 def simulation_markdown(rows: list[dict[str, Any]]) -> str:

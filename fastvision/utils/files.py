@@ -54,6 +54,19 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 USER_FIXABLE = (*DISK_FULL, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
 
 
+def save_figure(fig: Any, path: Path, dpi: int = 100) -> Path:
+    """``fig`` (matplotlib) rendered in memory in ``path``'s format (by its suffix; PNG without one), then
+    written with :func:`atomic_write`: a stop or a full disk during the write never leaves half a picture."""
+    import io
+
+    path = Path(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format=path.suffix.lstrip(".") or "png")
+    data = buf.getvalue()
+    atomic_write(path, lambda f: f.write(data))
+    return path
+
+
 def os_error_in(e: BaseException, codes: tuple[int, ...] = USER_FIXABLE) -> OSError | None:
     """The ``OSError`` with one of ``codes`` that is ``e`` or in its cause / context chain, if any."""
     seen = set()

@@ -2,7 +2,6 @@
 ``extends:`` the recipe, and a bar chart of items/s per trial beside it."""
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import yaml
 
 from fastvision import config
-from fastvision.utils.files import atomic_write
+from fastvision.utils.files import atomic_write, save_figure
 
 
 def _fmt(v: Any, spec: str, none: str = "-") -> str:
@@ -99,9 +98,7 @@ def chart(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("items/s (median of rounds)")
     ax.set_title(f"tune {result['recipe']}: green kept, grey not faster / parity, red error", fontsize=9)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    atomic_write(path, lambda f: f.write(buf.getvalue()))
+    save_figure(fig, path, dpi=100)
 
 
 def write_all(result: dict[str, Any], out: Path, json_path: Path | None) -> list[Path]:
