@@ -119,13 +119,10 @@ def save_segmentation(label: np.ndarray, reference_nifti_path: str | Path, out_p
         ids: class index -> the value written, all at once (the training files' label ids:
             :func:`prediction_preprocessing`); None writes the class indices.
     """
-    label = np.asarray(label).astype(np.uint8)
-    if ids:
-        out = label.copy()
-        for cls, value in ids.items():
-            out[label == cls] = value
-        label = out
-    return write_nifti(label, reference_nifti_path, out_path)
+    from fastvision.data.preprocess3d import remap_labels
+
+    label = remap_labels(torch.from_numpy(np.asarray(label).astype(np.uint8)), tuple((ids or {}).items()))
+    return write_nifti(label.numpy(), reference_nifti_path, out_path)
 
 
 # ----------------------------------------------------------------------------- NIfTI prediction
@@ -175,6 +172,9 @@ def _brats_release_uses_4(data_args: dict) -> bool:
         return True
 
 
+_TASK01 = {"labels": {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}}
+
+
 def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any, dict[int, int] | None]:
     """The run's preprocessing (from ``cfg.data.args``) and the label ids its outputs are written in:
     the training files' own. Raw BraTS: the release's (enhancing tumour 4 in 2017-2021, 3 in 2023-2024
@@ -191,7 +191,7 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
     """
     import json
 
-    from fastvision.data.formats.decathlon import MSD_BRAIN_LABELS
+    from fastvision.data.formats.decathlon import task01_label_map
     from fastvision.data.preprocess3d import PreprocessParams
     from fastvision.errors import ConfigError
 
@@ -212,15 +212,10 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
         if meta is None:
             raise ConfigError(f"data.args.intensity=auto needs {meta_file} to tell CT from MRI; it is gone")
         intensity = "ct" if [str(m).upper() for m in meta.get("modality", {}).values()] == ["CT"] else "mri"
-    if meta is not None:
-        names = {str(v).lower(): int(k) for k, v in meta.get("labels", {}).items()
-                 if str(k).lstrip("-").isdigit()}
-    elif getattr(task, "num_classes", 0) == 4 and tuple(getattr(task, "sample_shape", ()))[:1] == (4,):
-        names = {"edema": 1, "non-enhancing tumor": 2, "enhancing tumour": 3}  # MSD Task01's
-    else:
-        names = {}
-    ids = {cls: names[name] for name, cls in MSD_BRAIN_LABELS.items()} if set(MSD_BRAIN_LABELS) <= set(
-        names) else None  # Task01: loading renumbered its ids to BraTS classes; written back in its own
+    if meta is None and getattr(task, "num_classes", 0) == 4 and tuple(getattr(task, "sample_shape", ()))[:1] == (4,):
+        meta = _TASK01  # dataset.json gone: MSD Task01's standard ids
+    # Task01: loading renumbered its ids to BraTS classes; written back in its own
+    ids = {cls: file_id for file_id, cls in task01_label_map(meta or {})} or None
     window = tuple(map(float, data_args.get("window", (-57.0, 164.0, 0.0, 1.0))))
     return PreprocessParams(intensity=intensity, window=window, **common), ids
 

@@ -279,6 +279,15 @@ def _folder_anomalies(root: Path, training: list[dict[str, Any]], test: list[Pat
     return {k: v for k, v in out.items() if v}
 
 
+def task01_label_map(meta: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """``((file id, BraTS class), ...)`` of a Task01 BrainTumour dataset.json (its ``labels`` name edema,
+    non-enhancing and enhancing tumour), the renumbering loading applies; ``()`` for any other task."""
+    names = {int(k): str(v).lower() for k, v in meta.get("labels", {}).items() if str(k).lstrip("-").isdigit()}
+    if not set(MSD_BRAIN_LABELS) <= set(names.values()):
+        return ()
+    return tuple((k, MSD_BRAIN_LABELS[v]) for k, v in names.items() if v in MSD_BRAIN_LABELS)
+
+
 def modality_names(meta: dict[str, Any]) -> list[str]:
     """dataset.json's channel names in channel order: MSD's ``modality`` or nnU-Net v2's ``channel_names``."""
     names = meta.get("modality") or meta.get("channel_names") or {}
@@ -355,8 +364,8 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     class_names = [names[k] for k in sorted(names)]
     convention = {"layout": "msd", "file_labels": ", ".join(f"{k} {v}" for k, v in sorted(names.items())),
                   "label_map": "none"}
-    if set(MSD_BRAIN_LABELS) <= set(names.values()):  # Task01: renumber to BraTS ids
-        label_map = tuple((k, MSD_BRAIN_LABELS[v]) for k, v in names.items() if v in MSD_BRAIN_LABELS)
+    if task01_label_map(meta):  # Task01: renumber to BraTS ids
+        label_map = task01_label_map(meta)
         class_names = BRATS_CLASS_NAMES
         convention = {**convention, "layout": "msd-task01", "label_map": {str(a): b for a, b in label_map}}
     training = drop_unreadable(found["training"], _case_files, nifti_header, skip_unreadable, source)
