@@ -191,7 +191,7 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
     """
     import json
 
-    from fastvision.data.formats.decathlon import task01_label_map
+    from fastvision.data.formats.decathlon import auto_intensity, task01_label_map
     from fastvision.data.preprocess3d import PreprocessParams
     from fastvision.errors import ConfigError
 
@@ -211,7 +211,7 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
     if intensity == "auto":
         if meta is None:
             raise ConfigError(f"data.args.intensity=auto needs {meta_file} to tell CT from MRI; it is gone")
-        intensity = "ct" if [str(m).upper() for m in meta.get("modality", {}).values()] == ["CT"] else "mri"
+        intensity = auto_intensity(meta)  # as training read it (MSD's modality or nnU-Net v2's channel_names)
     if meta is None and getattr(task, "num_classes", 0) == 4 and tuple(getattr(task, "sample_shape", ()))[:1] == (4,):
         meta = _TASK01  # dataset.json gone: MSD Task01's standard ids
     # Task01: loading renumbered its ids to BraTS classes; written back in its own

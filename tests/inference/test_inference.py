@@ -1,6 +1,8 @@
 """Sliding window vs MONAI's sliding_window_inference, flip TTA, and NIfTI writers."""
 from __future__ import annotations
 
+import json
+
 import nibabel as nib
 import numpy as np
 import pytest
@@ -315,6 +317,12 @@ def test_prediction_preprocessing_from_run_args(tmp_path):
     spl = load_all().get("spleen")(tmp_path / "Task09", seed=0, cases=1, test_cases=0, size=12)
     params, ids = prediction_preprocessing(task, "decathlon", {"path": str(spl), "target_spacing": [1.5, 1.5, 2]})
     assert (params.intensity, params.target_spacing, ids) == ("ct", (1.5, 1.5, 2.0), None)
+    # nnU-Net v2's dataset.json names channels in channel_names: CT there too, as training reads it (predict
+    # read only MSD's modality, so it z-scored a CT the training had windowed)
+    meta = json.loads((spl / "dataset.json").read_text())
+    meta["channel_names"] = meta.pop("modality")
+    (spl / "dataset.json").write_text(json.dumps(meta))
+    assert prediction_preprocessing(task, "decathlon", {"path": str(spl)})[0].intensity == "ct"
     with pytest.raises(ConfigError, match="dataset.json"):
         prediction_preprocessing(task, "decathlon", {"path": str(tmp_path / "moved")})
     assert [c["id"] for c in prediction_cases(sorted((dec / "imagesTs").iterdir()))] == ["BRATS_002"]

@@ -288,6 +288,11 @@ def task01_label_map(meta: dict[str, Any]) -> tuple[tuple[int, int], ...]:
     return tuple((k, MSD_BRAIN_LABELS[v]) for k, v in names.items() if v in MSD_BRAIN_LABELS)
 
 
+def auto_intensity(meta: dict[str, Any]) -> str:
+    """``data.args.intensity: auto``: ``ct`` for a single CT channel, else ``mri``."""
+    return "ct" if [m.upper() for m in modality_names(meta)] == ["CT"] else "mri"
+
+
 def modality_names(meta: dict[str, Any]) -> list[str]:
     """dataset.json's channel names in channel order: MSD's ``modality`` or nnU-Net v2's ``channel_names``."""
     names = meta.get("modality") or meta.get("channel_names") or {}
@@ -358,7 +363,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     meta, source = found["meta"], Path(path) / "dataset.json"
     modalities = modality_names(meta)
     if intensity == "auto":
-        intensity = "ct" if [m.upper() for m in modalities] == ["CT"] else "mri"
+        intensity = auto_intensity(meta)
     names = {int(k): str(v).lower() for k, v in meta.get("labels", {}).items()}
     label_map: tuple[tuple[int, int], ...] = ()
     class_names = [names[k] for k in sorted(names)]
