@@ -153,6 +153,17 @@ def check_complete(im: Any, path: Path) -> None:
     im.load()  # raises OSError ("image file is truncated") on missing data
 
 
+def undecodable(files: Iterable[str | Path]) -> list[str | Path]:
+    """The ``files`` that :func:`image_decodes` refuses (any decoder failure), in their order."""
+    bad = []
+    for f in files:
+        try:
+            image_decodes(Path(f))
+        except Exception:  # noqa: BLE001  (any decoder failure: the image is unusable)
+            bad.append(f)
+    return bad
+
+
 def image_decodes(path: Path) -> None:
     """Raise if ``path`` is not an image that decodes to the end (header read, then
     :func:`check_complete`): the probe of ``data.args.skip_unreadable`` for COCO images."""

@@ -35,6 +35,7 @@ from fastvision.data.formats.anomalies import (
     first_few,
     handle_invalid,
     image_decodes,
+    undecodable,
 )
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.coco_check import check_annotations, read_instances
@@ -246,12 +247,9 @@ class CocoDetection(Dataset):
         """A validation split's images all decode (header, end marker or a full decode), checked when the
         dataset is built: a truncated one stopped the run at the first validation, after a training epoch
         (a training split's image stops the run when first read, as the docs say)."""
-        bad = []
-        for i in ids:
-            try:
-                image_decodes(self.image_dir / self.coco.imgs[i]["file_name"])
-            except Exception:  # noqa: BLE001  (any decoder failure: the image is unusable)
-                bad.append(self.coco.imgs[i]["file_name"])
+        names = [self.coco.imgs[i]["file_name"] for i in ids]
+        failed = set(undecodable([self.image_dir / n for n in names]))
+        bad = [n for n in names if self.image_dir / n in failed]
         if bad:
             raise DataError(f"{self.image_dir / bad[0]}: image listed in {ann_file.name} does not decode "
                             f"({len(bad)} such: {first_few(bad)}; a truncated download? "

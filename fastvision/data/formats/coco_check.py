@@ -113,10 +113,11 @@ def _with_defaults(a: dict[str, Any]) -> dict[str, Any]:
     """``a`` with the fields COCOeval reads that exports often leave out: ``iscrowd`` 0, and ``area`` (missing
     or not a number) the box's, as pycocotools gives detections (``loadRes``); the original dict if complete."""
     area = a.get("area")
-    if "iscrowd" in a and isinstance(area, (int, float)) and not isinstance(area, bool) and math.isfinite(area):
+    has_area = isinstance(area, (int, float)) and not isinstance(area, bool) and math.isfinite(area)
+    if "iscrowd" in a and has_area:
         return a
     fixed = {**a, "iscrowd": a.get("iscrowd", 0)}
-    if not (isinstance(area, (int, float)) and not isinstance(area, bool) and math.isfinite(area)):
+    if not has_area:
         fixed["area"] = float(a["bbox"][2]) * float(a["bbox"][3])
     return fixed
 

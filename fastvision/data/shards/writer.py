@@ -104,14 +104,9 @@ def imagefolder_source(src: Path, skip_unreadable: bool = False
 def _check_decodes(src: Path, files: list[str | Path]) -> None:
     """Every image decodes (header, and its end marker or a full decode: a truncated download is found),
     before a shard is written; else one DataError naming the count and the first ones."""
-    from fastvision.data.formats.anomalies import first_few, image_decodes
+    from fastvision.data.formats.anomalies import first_few, undecodable
 
-    bad = []
-    for p in files:
-        try:
-            image_decodes(Path(p))
-        except Exception:  # noqa: BLE001  (any decoder failure: the file is unusable)
-            bad.append(os.path.relpath(p, src))
+    bad = [os.path.relpath(p, src) for p in undecodable(files)]
     if bad:
         raise DataError(f"{src}: {len(bad)} image file(s) that do not decode ({first_few(bad)}); nothing "
                         "written: fix or remove them, or pass --skip-unreadable to leave them out")
