@@ -128,15 +128,18 @@ def local_maxima(heat: np.ndarray, threshold: float = 0.5, radius: int = 1) -> l
 
 
 def fp_tp_probs(detections: Sequence[tuple[float, int, int]], labels: np.ndarray, itc: set[int] = frozenset(),
-                scale: float = 1.0) -> tuple[np.ndarray, np.ndarray, int]:
+                scale: float = 1.0, centre: float | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """Split one slide's detections into false positives and per-lesion best probabilities.
 
     Args:
         detections: ``(probability, y, x)`` in heat-map pixels.
         labels: evaluation-mask labels (H, W) from :func:`evaluation_mask`.
         itc: labels ignored for scoring.
-        scale: mask pixels per heat-map pixel; a detection at heat pixel (y, x) is looked up at
-            mask pixel ``int((y + 0.5) * scale)`` (the centre of the area it covers).
+        scale: mask pixels per heat-map pixel (the stride); a detection at heat pixel (y, x) is
+            looked up at mask pixel ``int(y * scale + centre)``.
+        centre: mask pixels from a cell's patch corner to its centre: half the patch side.
+            Default ``scale / 2``, the centre of a patch as large as the stride; with overlapping
+            patches (stride < patch) the cell's patch reaches further than its stride.
 
     Returns:
         ``(fp_probs, tp_probs, num_lesions)``: probabilities of detections outside lesions;
@@ -146,9 +149,10 @@ def fp_tp_probs(detections: Sequence[tuple[float, int, int]], labels: np.ndarray
     n = int(labels.max())
     tp = np.zeros(n)
     fp = []
+    centre = scale / 2 if centre is None else centre
     for p, y, x in detections:
-        my = min(int((y + 0.5) * scale), labels.shape[0] - 1)
-        mx = min(int((x + 0.5) * scale), labels.shape[1] - 1)
+        my = min(int(y * scale + centre), labels.shape[0] - 1)
+        mx = min(int(x * scale + centre), labels.shape[1] - 1)
         k = int(labels[my, mx])
         if k == 0:
             fp.append(p)
@@ -190,7 +194,8 @@ def froc_summary(fps_per_slide: np.ndarray, sensitivity: np.ndarray,
 
 def froc(heatmaps: Sequence[np.ndarray], masks: Sequence[np.ndarray | None], threshold: float = 0.5,
          nms_radius: int = 1, dilation_px: float = 0.0, itc_max_px: float = 0.0,
-         scales: Sequence[float | None] | None = None) -> dict[str, float]:
+         scales: Sequence[float | None] | None = None,
+         centres: Sequence[float | None] | None = None) -> dict[str, float]:
     """FROC score of heat maps against lesion masks.
 
     Args:
@@ -203,19 +208,22 @@ def froc(heatmaps: Sequence[np.ndarray], masks: Sequence[np.ndarray | None], thr
         itc_max_px: ITC major-axis limit in mask pixels.
         scales: per slide the mask pixels per heat-map pixel (the heat-map stride at the mask's
             resolution); None, or a None entry, infers ``mask height / heat-map height``.
+        centres: per slide half the patch side in mask pixels (see :func:`fp_tp_probs`); None, or a
+            None entry, is half the scale (patches as large as the stride).
 
     Returns:
         ``{"froc": score, "sens@0.25": ..., ..., "sens@8": ..., "slides": n, "lesions": counted}``.
     """
     fps, tps, lesions = [], [], 0
     scales = [None] * len(heatmaps) if scales is None else scales
-    for heat, mask, scale in zip(heatmaps, masks, scales, strict=True):
+    centres = [None] * len(heatmaps) if centres is None else centres
+    for heat, mask, scale, centre in zip(heatmaps, masks, scales, centres, strict=True):
         if mask is None:
             labels, itc, scale = np.zeros(heat.shape, np.int32), set(), 1.0
         else:
             labels, itc = evaluation_mask(mask, dilation_px, itc_max_px)
             scale = mask.shape[0] / heat.shape[0] if scale is None else scale
-        fp, tp, n = fp_tp_probs(local_maxima(heat, threshold, nms_radius), labels, itc, scale)
+        fp, tp, n = fp_tp_probs(local_maxima(heat, threshold, nms_radius), labels, itc, scale, centre)
         fps.append(fp)
         tps.append(tp)
         lesions += n
@@ -296,8 +304,8 @@ def pair_files(heat_dir: Path, mask_dir: Path) -> list[tuple[str, Path, Path | N
     return [(name, heats[name], masks.get(name)) for name in sorted(heats)]
 
 
-def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None = None, mask_downsample: int = 1,
-               threshold: float = 0.5, nms_radius: int = 1, dilation_px: float = 0.0,
+def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None = None, patch: int | None = None,
+               mask_downsample: int = 1, threshold: float = 0.5, nms_radius: int = 1, dilation_px: float = 0.0,
                itc_max_px: float = 0.0) -> dict[str, float]:
     """FROC of a folder of heat maps against a folder of lesion masks.
 
@@ -307,6 +315,9 @@ def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None
         stride: mask pixels per heat-map pixel (the ``heatmap_stride`` used by ``predict``);
             default: the stride ``predict`` recorded in the heat map, else mask height //
             heat-map height.
+        patch: side in mask pixels of the patch a heat-map cell scored (``heatmap_patch``);
+            default: the patch ``predict`` recorded, else the stride. A detection is looked up at
+            its patch's centre.
         mask_downsample: read every N-th mask pixel (memory); ``stride``, ``dilation_px`` and
             ``itc_max_px`` stay in the mask file's pixels.
         threshold, nms_radius: detection settings of :func:`local_maxima`.
@@ -315,9 +326,9 @@ def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None
     Returns:
         :func:`froc`'s dict plus ``slides``, ``tumour_slides`` and ``lesions``.
     """
-    from fastvision.data.formats.heatmap import heatmap_stride
+    from fastvision.data.formats.heatmap import heatmap_record
 
-    heats, masks, scales = [], [], []
+    heats, masks, scales, centres = [], [], [], []
     for _name, heat_path, mask_path in pair_files(Path(heat_dir), Path(mask_dir)):
         heat = read_heatmap(heat_path)
         mask = None if mask_path is None else read_mask(mask_path, mask_downsample)
@@ -325,19 +336,23 @@ def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None
             mask = None  # an all-zero mask is a normal slide
         if mask is not None:
             full_h = mask.shape[0] * mask_downsample
-            step = stride or heatmap_stride(heat_path) or full_h // heat.shape[0]  # predict records its stride
+            record = heatmap_record(heat_path)  # predict records its stride and patch
+            step = stride or record.get("stride") or full_h // heat.shape[0]
             if step < 1 or heat.shape[0] * step > full_h:
                 raise DataError(f"{mask_path}: mask height {full_h} px cannot hold heat map {heat_path.name} "
                                 f"of {heat.shape[0]} rows at stride {step}")
             scales.append(step / mask_downsample)
+            centres.append((patch or record.get("patch") or step) / 2 / mask_downsample)
         else:
             scales.append(None)
+            centres.append(None)
         heats.append(heat)
         masks.append(mask)
     if not any(m is not None for m in masks):  # every slide normal: no sensitivity to measure
         what = "no lesion in any mask" if any(Path(mask_dir).iterdir()) else "no masks (.tif, .tiff, .png)"
         raise DataError(f"{mask_dir}: {what}; the FROC needs slides with lesions")
-    out = froc(heats, masks, threshold, nms_radius, dilation_px / mask_downsample, itc_max_px / mask_downsample, scales)
+    out = froc(heats, masks, threshold, nms_radius, dilation_px / mask_downsample, itc_max_px / mask_downsample, scales,
+               centres)
     return {**out, "tumour_slides": float(sum(m is not None for m in masks))}
 
 

@@ -14,7 +14,7 @@ def _check_args(args: argparse.Namespace) -> None:
     """Refuse a setting out of its range, naming the option, and a --json that would replace a file."""
     from fastvision.api import refuse_overwrite
 
-    for flag, low, inclusive in (("stride", 1, 1), ("mask_downsample", 1, 1), ("nms_radius", 0, 1),
+    for flag, low, inclusive in (("stride", 1, 1), ("patch", 1, 1), ("mask_downsample", 1, 1), ("nms_radius", 0, 1),
                                  ("dilation_px", 0, 1), ("itc_max_px", 0, 1), ("um_per_px", 0, 0)):
         check_low(f"--{flag.replace('_', '-')}", getattr(args, flag), low, inclusive)
     if not 0 <= args.threshold <= 1:
@@ -30,7 +30,8 @@ def cmd_froc(args: argparse.Namespace) -> int:
         d, i = camelyon16_distances(args.um_per_px)
         dilation = d if dilation is None else dilation
         itc = i if itc is None else itc
-    out = froc_files(args.heatmaps, args.masks, stride=args.stride, mask_downsample=args.mask_downsample,
+    out = froc_files(args.heatmaps, args.masks, stride=args.stride, patch=args.patch,
+                     mask_downsample=args.mask_downsample,
                      threshold=args.threshold, nms_radius=args.nms_radius, dilation_px=dilation or 0.0,
                      itc_max_px=itc or 0.0)
     print(f"FROC {out['froc']:.4f}  ({int(out['slides'])} slides, {int(out['tumour_slides'])} with lesions, "
@@ -56,6 +57,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("masks", help="folder of lesion masks (TIFF/PNG, non-zero = tumour) at the slide resolution")
     p.add_argument("--stride", type=int, help="mask pixels per heat-map pixel (default: the stride "
                    "`fastvision predict` recorded in the heat map, else mask height // heat height)")
+    p.add_argument("--patch", type=int, help="side in mask pixels of the patch each heat-map pixel scored, "
+                   "looked up at its centre (default: the patch `fastvision predict` recorded, else the stride)")
     p.add_argument("--mask-downsample", type=int, default=1, help="read every N-th mask pixel (large masks)")
     p.add_argument("--threshold", type=float, default=0.5, help="lowest probability kept as a detection")
     p.add_argument("--nms-radius", type=int, default=1, help="suppression half-side in heat-map pixels")

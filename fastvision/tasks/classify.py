@@ -177,7 +177,8 @@ class ClassificationTask(Task):
         for f in files:
             if self.heatmap_patch and f.suffix.lower() in (".tif", ".tiff"):
                 heat = slide_heatmap(f, lambda x: probs(x)[:, 1], self.heatmap_patch, self.heatmap_stride)
-                written += list(write_heatmap(heat, out_dir / f"{f.stem}_heatmap", self.heatmap_stride))
+                written += list(write_heatmap(heat, out_dir / f"{f.stem}_heatmap", self.heatmap_stride,
+                                               self.heatmap_patch))
                 continue
             arr = load_crop(str(f), False, size, resize, (1.0, 1.0), (1.0, 1.0), 0.0)
             p = probs(torch.from_numpy(arr).permute(2, 0, 1)[None].contiguous())[0].cpu()

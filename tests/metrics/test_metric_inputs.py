@@ -134,3 +134,29 @@ def test_froc_places_cells_at_the_stride_predict_recorded(tmp_path):
     assert heatmap_stride(tmp_path / "other" / "s_heatmap.tif") is None
     assert froc_files(tmp_path / "other", md)["froc"] == 0.0
     assert froc_files(tmp_path / "other", md, stride=64)["froc"] == 1.0
+
+
+def test_froc_looks_cells_up_at_their_overlapping_patch_centre(tmp_path):
+    """With ``heatmap_stride`` 32 under 64 px patches, cell 10 scored the patch at 320-384 (centre
+    352) but froc looked it up at 10.5 * 32 = 336, a quarter patch off, and a 13 px lesion at the
+    patch centre counted as missed; predict records the patch and froc looks up its centre."""
+    from fastvision.data.formats.heatmap import heatmap_patch, write_heatmap
+    from fastvision.metrics.froc import froc_files
+
+    hd, md = tmp_path / "heat", tmp_path / "masks"
+    md.mkdir()
+    heat = np.zeros((31, 31), np.float32)  # 1000 // 32 rows; (1000 - 64) // 32 + 1 = 30 of them scored
+    heat[10, 10] = 0.9
+    heat[25, 3] = 0.6  # a false positive below it
+    mask = np.zeros((1000, 1000), np.uint8)
+    mask[346:359, 346:359] = 1  # around (352, 352)
+    tifffile.imwrite(md / "s.tif", mask, tile=(256, 256))
+    tif, _ = write_heatmap(heat, hd / "s_heatmap", stride=32, patch=64)
+    assert heatmap_patch(tif) == 64
+    assert froc_files(hd, md)["froc"] == 1.0
+    assert froc_files(hd, md, patch=32)["froc"] == 0.0  # the stride's own centre: the old lookup
+    assert froc_files(hd, md, stride=32, patch=64, mask_downsample=2)["froc"] == 1.0
+    write_heatmap(heat, tmp_path / "old" / "s_heatmap", stride=32)  # a map recorded before the patch was
+    assert heatmap_patch(tmp_path / "old" / "s_heatmap.tif") is None
+    assert froc_files(tmp_path / "old", md)["froc"] == 0.0
+    assert froc_files(tmp_path / "old", md, patch=64)["froc"] == 1.0

@@ -154,6 +154,9 @@ def test_recipe_resnet18_pathology_two_steps_heatmap_and_froc(tmp_path, monkeypa
         "slide_000_heatmap.png", "slide_000_heatmap.tif", "slide_001_heatmap.png", "slide_001_heatmap.tif"]
     heat = tifffile.imread(tmp_path / "pred" / "slide_000_heatmap.tif")
     assert heat.shape == (8, 8) and (heat >= 0).all() and (heat <= 1).all()
+    from fastvision.data.formats.heatmap import heatmap_record
+
+    assert heatmap_record(tmp_path / "pred" / "slide_000_heatmap.png") == {"stride": 32, "patch": 32}
     assert cli.main(["froc", str(tmp_path / "pred"), str(data / "val" / "masks"), "--threshold", "0",
                      "--json", str(tmp_path / "froc.json")]) == 0
     out = json.loads((tmp_path / "froc.json").read_text())

@@ -46,15 +46,17 @@ def slide_heatmap(slide_path: str | Path, predict, patch_size: int, stride: int 
     return heat
 
 
-HEATMAP_KEY = "fastvision_heatmap"  # TIFF ImageDescription / PNG text: {"stride": slide px per heat-map px}
+HEATMAP_KEY = "fastvision_heatmap"  # TIFF ImageDescription / PNG text: {"stride": slide px per cell, "patch": px}
 
 
-def write_heatmap(heat: np.ndarray, out_stem: str | Path, stride: int | None = None) -> tuple[Path, Path]:
+def write_heatmap(heat: np.ndarray, out_stem: str | Path, stride: int | None = None,
+                  patch: int | None = None) -> tuple[Path, Path]:
     """Write ``OUT.tif`` (float32 probabilities) and ``OUT.png`` (8-bit, 255 = probability 1).
 
-    ``stride`` (slide pixels per heat-map pixel) is recorded in both files (:data:`HEATMAP_KEY`), so
-    ``froc`` places each cell right on a slide whose side is not a multiple of it (the last partial
-    patch is not predicted: mask height // heat-map height is then not the stride).
+    ``stride`` (slide pixels per heat-map pixel) and ``patch`` (the side of the patch a cell scored)
+    are recorded in both files (:data:`HEATMAP_KEY`), so ``froc`` places each cell right: on a slide
+    whose side is not a multiple of the stride (the last partial patch is not predicted: mask height
+    // heat-map height is then not the stride), and at its patch's centre when patches overlap.
     """
     import json
 
@@ -64,7 +66,9 @@ def write_heatmap(heat: np.ndarray, out_stem: str | Path, stride: int | None = N
     out_stem.parent.mkdir(parents=True, exist_ok=True)
     from fastvision.utils.files import atomic_write
 
-    meta = json.dumps({HEATMAP_KEY: {"stride": int(stride)}}) if stride else None
+    record = {"stride": int(stride)} if stride else {}
+    record.update({"patch": int(patch)} if patch else {})
+    meta = json.dumps({HEATMAP_KEY: record}) if record else None
     tif, png = out_stem.with_suffix(".tif"), out_stem.with_suffix(".png")  # atomic: never half-written
     buf = io.BytesIO()  # tifffile reads the name of a file it is given: an open temp file's is its descriptor
     tifffile.imwrite(buf, heat.astype(np.float32), photometric="minisblack", description=meta, metadata=None)
@@ -79,6 +83,16 @@ def write_heatmap(heat: np.ndarray, out_stem: str | Path, stride: int | None = N
 
 def heatmap_stride(path: str | Path) -> int | None:
     """The stride :func:`write_heatmap` recorded in ``path`` (TIFF or PNG), or None (another tool's file)."""
+    return heatmap_record(path).get("stride")
+
+
+def heatmap_patch(path: str | Path) -> int | None:
+    """The patch side :func:`write_heatmap` recorded in ``path``, or None (another tool's file, or an older one)."""
+    return heatmap_record(path).get("patch")
+
+
+def heatmap_record(path: str | Path) -> dict[str, int]:
+    """What :func:`write_heatmap` recorded in ``path`` (``stride``, ``patch``), or ``{}``."""
     import json
 
     path = Path(path)
@@ -89,6 +103,7 @@ def heatmap_stride(path: str | Path) -> int | None:
         else:
             with Image.open(path) as im:
                 text = im.text.get(HEATMAP_KEY, "")
-        return int(json.loads(text)[HEATMAP_KEY]["stride"])
+        record = json.loads(text)[HEATMAP_KEY]
+        return {k: int(record[k]) for k in ("stride", "patch") if k in record}
     except Exception:  # noqa: BLE001  (no such record: the caller's default applies)
-        return None
+        return {}
