@@ -110,13 +110,13 @@ class Novograd(Optimizer):
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(norm_sq)
-                    # applied updates (a device tensor: a skipped first step leaves it 0, no host read)
-                    state["applied"] = torch.zeros_like(norm_sq)
                     if group["amsgrad"]:
                         state["max_exp_avg_sq"] = torch.zeros_like(norm_sq)
-                applied = state.setdefault("applied", torch.ones_like(norm_sq))  # pre-"applied" checkpoints
-                # v starts at ||g||^2 on the first applied update
-                v_new = torch.where(applied > 0, state["exp_avg_sq"] * b2 + norm_sq * (1 - b2), norm_sq)
+                state.pop("applied", None)  # the counter of checkpoints written before 2026-12-05
+                # v starts at ||g||^2 while it is still 0, as MONAI's ``if exp_avg_sq == 0``: a skipped step
+                # leaves it 0, and so does an all-zero gradient (a parameter the first batches do not reach)
+                v_prev = state["exp_avg_sq"]
+                v_new = torch.where(v_prev == 0, norm_sq, v_prev * b2 + norm_sq * (1 - b2))
                 state["step"] += 1  # step() calls (skipped included); the update does not use it
                 v = v_new
                 if group["amsgrad"]:
@@ -132,13 +132,11 @@ class Novograd(Optimizer):
                     if group["amsgrad"]:
                         state["max_exp_avg_sq"].copy_(v)
                     state["exp_avg"].copy_(m_new)
-                    applied.add_(1)
                     p.add_(m_new, alpha=-group["lr"])
                     continue
                 state["exp_avg_sq"].copy_(torch.where(keep, v_new, state["exp_avg_sq"]))
                 if group["amsgrad"]:
                     state["max_exp_avg_sq"].copy_(torch.where(keep, v, state["max_exp_avg_sq"]))
                 state["exp_avg"].copy_(torch.where(keep, m_new, state["exp_avg"]))
-                applied.add_(keep.to(applied.dtype))
                 p.copy_(torch.where(keep, p - group["lr"] * m_new, p))
         return loss

@@ -96,6 +96,24 @@ def test_novograd_matches_monai_over_10_steps(kw):
         torch.testing.assert_close(pa, pb, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("kw", [{}, {"amsgrad": True}])
+def test_novograd_zero_first_gradients_start_v_as_monai(kw):
+    """A parameter the first batches do not reach (all-zero gradient) starts its second moment at the
+    first non-zero ||g||^2, as MONAI's ``if exp_avg_sq == 0``; blending it into 0 gave a ~7x larger update."""
+    from monai.optimizers import Novograd as MonaiNovograd
+
+    torch.manual_seed(0)
+    pa = nn.Parameter(torch.randn(5, 3))
+    pb = nn.Parameter(pa.detach().clone())
+    oa, ob = Novograd([pa], lr=0.01, **kw), MonaiNovograd([pb], lr=0.01, **kw)
+    for step in range(6):
+        g = torch.zeros(5, 3) if step < 2 else torch.randn(5, 3)
+        pa.grad, pb.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+    torch.testing.assert_close(pa, pb, rtol=0, atol=1e-6)
+
+
 def test_optimizer_by_name():
     model = nn.Linear(2, 2)
     assert isinstance(build_optimizer(model, OptimConfig(name="sgd", momentum=0.875), 0.1), torch.optim.SGD)
