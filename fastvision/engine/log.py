@@ -134,7 +134,8 @@ class RunLogger:
             for k, v in values.items():
                 self._tb.add_scalar(f"epoch/{k}", v, epoch)
         text = "  ".join(f"{k} {_fmt(v)}" for k, v in values.items())
-        self.console.print(f"[bold]epoch {epoch}[/bold]  {text}", highlight=False)
+        # one line whatever the width (piped output is 80 columns): a wrap split "dice" from its value
+        self.console.print(f"[bold]epoch {epoch}[/bold]  {text}", highlight=False, soft_wrap=True)
 
     # -- progress bar -------------------------------------------------------------
     def start_epoch(self, epoch: int, epochs: int, steps: int) -> None:

@@ -246,3 +246,17 @@ def test_curves_png_is_replaced_whole(tmp_path, monkeypatch):
     with Image.open(path) as im:
         assert im.format == "PNG"
     logger.close()
+
+
+def test_epoch_line_is_one_line_when_piped(tmp_path, capsys):
+    """The epoch line stays one line in piped (80-column) output: rich wrapped it, splitting a key from its
+    value (``dice`` at the end of one line, ``0.91`` at the start of the next), so grepping the log missed it."""
+    from fastvision.engine.log import RunLogger
+
+    logger = RunLogger(tmp_path, progress=False)
+    values = {"train_loss": 0.8049, "lr": 0.2, "images_per_s": 1.83, "epoch_time_s": 3.279, "dice": 0.9125,
+              "dice_pooled": 0.9, "iou": 0.84, "iou_pooled": 0.83, "val_loss": 0.6224}
+    logger.epoch_end(0, values)
+    logger.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1 and "dice 0.9125" in lines[0] and lines[0].startswith("epoch 0")
