@@ -123,6 +123,9 @@ def wrap_model(model: nn.Module, device: torch.device, *, sync_bn: bool = False,
         return model  # horovod reduces in its optimizer (wrap_optimizer)
     if sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if device.type != "cuda" and any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+            raise ConfigError(f"train.sync_bn: torch's SyncBatchNorm runs on CUDA devices only, this rank trains on "
+                              f"{device}; set train.sync_bn=false (each rank normalises its own batch)")
     if comm_hook not in ("none", "bf16", "fp16"):
         raise ConfigError(f"train.ddp_comm_hook: expected none, bf16 or fp16, got {comm_hook!r}")
     ddp = nn.parallel.DistributedDataParallel(

@@ -481,6 +481,13 @@ def _hook(out: Path, env: distributed.DistEnv, device: torch.device) -> None:
         distributed.wrap_model(torch.nn.Linear(3, 2), device, comm_hook="bf16")
     except ConfigError as e:
         res["bf16_error"] = str(e)
+    try:  # SyncBatchNorm on CPU ranks: torch's ValueError deep in DDP's constructor before
+        distributed.wrap_model(torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2)), device,
+                               sync_bn=True)
+        res["sync_bn_error"] = None
+    except ConfigError as e:
+        res["sync_bn_error"] = str(e)
+    res["sync_bn_without_bn"] = type(distributed.wrap_model(torch.nn.Linear(3, 2), device, sync_bn=True)).__name__
     (out / f"hook{env.rank}.json").write_text(json.dumps(res))
     distributed.barrier()
 
@@ -495,6 +502,18 @@ def test_fp16_comm_hook_all_reduces_half_precision_gradients(two_rank_job):
         assert 1e-6 < res["fp16"] < 2e-3 and res["fp16_fp16_exact"]  # gradients went through fp16
         if "bf16_error" in res:  # torch 2.13 refuses the bf16 hook on gloo (2.4 and 2.14 register it): one line
             assert res["bf16_error"].startswith("train.ddp_comm_hook: bf16 is not available here")
+
+
+@pytest.mark.dist
+def test_sync_bn_on_cpu_ranks_is_one_config_line(two_rank_job):
+    """``train.sync_bn: true`` on gloo CPU ranks is a ConfigError naming the key (exit 2), not torch's ValueError
+    traceback from every rank; a model without BatchNorm still wraps (nothing to convert)."""
+    out, rc, err = two_rank_job
+    assert rc == 0, err[-3000:]
+    for r in range(2):
+        res = json.loads((out / f"hook{r}.json").read_text())
+        assert res["sync_bn_error"].startswith("train.sync_bn: torch's SyncBatchNorm runs on CUDA devices only")
+        assert res["sync_bn_without_bn"] == "DistributedDataParallel"
 
 
 @pytest.mark.dist
