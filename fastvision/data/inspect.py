@@ -163,11 +163,15 @@ def _pathology_splits(path: Path) -> list[Path]:
 def _looks_pathology(path: Path) -> bool:
     """A split of slides (``images/`` + ``masks/`` or ``annotations/``, Camelyon16's ``lesion_annotations/``),
     or of patch folders (``normal/`` + ``tumor/``) unless ``train/`` makes it an ImageFolder as well.
-    Checked before ImageFolder, which would take ``train/images`` and ``train/masks`` for classes."""
+    Checked before ImageFolder, which would take ``train/images`` and ``train/masks`` for classes.
+    A ``train/`` of class folders is an ImageFolder even beside a ``val/images/`` (Tiny-ImageNet's)."""
     from fastvision.data.formats.camelyon import is_slide_split
 
+    train = path / "train"
+    if train.is_dir() and not is_slide_split(train):
+        return False
     splits = _pathology_splits(path)
-    return any(map(is_slide_split, splits)) or (bool(splits) and not (path / "train").is_dir())
+    return any(map(is_slide_split, splits)) or (bool(splits) and not train.is_dir())
 
 
 @inspector("pathology", _looks_pathology)
@@ -227,7 +231,7 @@ def inspect_imagefolder(path: Path, header_limit: int = 5000, val_labels: str | 
         find_classes,
         list_samples,
     )
-    from fastvision.data.formats.imagenet_val import flat_val_samples, is_flat
+    from fastvision.data.formats.imagenet_val import flat_val_layout, flat_val_samples
 
     train_dir, val_dir = "train", "val"
     report: dict[str, Any] = {"detected": f"ImageFolder ({train_dir}/<class>/*)"}
@@ -238,8 +242,9 @@ def inspect_imagefolder(path: Path, header_limit: int = 5000, val_labels: str | 
         d = path / split
         if not d.is_dir():
             continue
-        if split == val_dir and is_flat(d, EXTENSIONS):
-            samples, how = flat_val_samples(d, classes, path, EXTENSIONS, val_labels)
+        flat = flat_val_layout(d, EXTENSIONS) if split == val_dir else None
+        if flat:
+            samples, how = flat_val_samples(flat[0], classes, path, EXTENSIONS, val_labels or flat[1])
             report["detected"] += f"; {split}: {how}"
             names = classes
         else:

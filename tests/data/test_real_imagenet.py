@@ -201,3 +201,47 @@ def test_inspect_flat_val_with_a_label_list(tmp_path, capsys):
     assert main(["data", "inspect", str(root), "--set", "channels=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--set channels" in err[0] and "val_labels" in err[0]
+
+
+def make_tiny_imagenet(root: Path) -> Path:
+    """Tiny-ImageNet-200 as downloaded: train/<wnid>/images/*.JPEG beside <wnid>_boxes.txt,
+    val/images/val_<n>.JPEG labelled by val/val_annotations.txt (FILE WNID and a box), wnids.txt."""
+    for w in WNIDS:
+        d = root / "train" / w / "images"
+        d.mkdir(parents=True)
+        for n in range(2):
+            _photo(COLOURS[w]).save(d / f"{w}_{n}.JPEG", quality=95)
+        (root / "train" / w / f"{w}_boxes.txt").write_text(f"{w}_0.JPEG\t0\t0\t31\t39\n{w}_1.JPEG\t1\t1\t30\t38\n")
+    (root / "val" / "images").mkdir(parents=True)
+    rows = []
+    for n, (_, w) in enumerate(VAL):
+        _photo(COLOURS[w]).save(root / "val" / "images" / f"val_{n}.JPEG", quality=95)
+        rows.append(f"val_{n}.JPEG\t{w}\t{n}\t2\t30\t38\n")
+    (root / "val" / "val_annotations.txt").write_text("".join(rows))
+    (root / "test" / "images").mkdir(parents=True)  # unlabelled: not read
+    _photo(COLOURS[WNIDS[0]]).save(root / "test" / "images" / "test_0.JPEG", quality=95)
+    (root / "wnids.txt").write_text("".join(f"{w}\n" for w in WNIDS))
+    return root
+
+
+def test_tiny_imagenet_as_downloaded(tmp_path, capsys):
+    """Tiny-ImageNet's train/<wnid>/images/ was read as class folders holding no image, and its
+    val/ as one class called 'images'; both are read where they lie, val labelled by its
+    val_annotations.txt, as torchvision's ImageFolder reads the training tree."""
+    root = make_tiny_imagenet(tmp_path / "tiny-imagenet-200")
+    splits = DATASETS.build("imagefolder", {"path": str(root), "image_size": 28, "resize_size": 32})
+    assert splits.info["classes"] == WNIDS and len(splits.train.samples) == 6
+    assert [(Path(p).parent.name, Path(p).parent.parent.name, splits.info["classes"][i])
+            for p, i in splits.train.samples] == [("images", w, w) for w in WNIDS for _ in range(2)]
+    assert _val_labels(splits) == [(f"val_{n}.JPEG", w) for n, (_, w) in enumerate(VAL)]
+    assert "val_annotations.txt" in splits.info["val_layout"]
+    x = splits.val[0]
+    assert x["image"].shape == (3, 28, 28) and splits.info["classes"][int(x["label"])] == VAL[0][1]
+    assert main(["data", "inspect", str(root)]) == 0
+    assert "imagefolder dataset" in capsys.readouterr().out  # not val/images/ taken for slides
+    report = inspect_path(root)
+    assert report["layout"] == "imagefolder" and "val_annotations.txt" in report["detected"]
+    assert report["train images"] == 6 and report["val images"] == 4 and report["val classes"] == 3
+    (root / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn01440764\t1\n")  # not the 6 columns
+    with pytest.raises(DataError, match="val_annotations.txt:1"):
+        DATASETS.build("imagefolder", {"path": str(root)})

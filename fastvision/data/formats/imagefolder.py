@@ -19,6 +19,7 @@ import functools
 import io
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,7 +30,7 @@ from torch.utils.data import Dataset
 
 from fastvision.data.formats.anomalies import drop_unreadable, image_decodes, image_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
-from fastvision.data.formats.imagenet_val import flat_val_samples, is_flat
+from fastvision.data.formats.imagenet_val import flat_val_layout, flat_val_samples
 from fastvision.data.transforms import (  # noqa: F401  (random_resized_box: also the DALI path's)
     RandomTransform,
     ReadBytes,
@@ -58,6 +59,9 @@ def find_classes(root: Path) -> list[str]:
 def list_samples(root: Path, classes: list[str], extensions: tuple[str, ...] = EXTENSIONS) -> list[tuple[str, int]]:
     """``(path, class index)`` for every image under ``root/<class>/``, in sorted order.
 
+    Sub-folders of a class folder are read too, as torchvision's ImageFolder does (Tiny-ImageNet's
+    ``train/<wnid>/images/``); hidden files and folders are not.
+
     Raises:
         DataError: a class folder is missing or holds no image with one of ``extensions``.
     """
@@ -66,13 +70,22 @@ def list_samples(root: Path, classes: list[str], extensions: tuple[str, ...] = E
         d = root / name
         if not d.is_dir():
             raise DataError(f"{d}: class folder missing (classes come from the training split)")
-        # "._x.JPEG" are macOS metadata companions, not images
-        files = sorted(str(p) for p in d.iterdir()
-                       if p.suffix.lower() in extensions and p.is_file() and not p.name.startswith("."))
+        files = sorted(_images_under(d, extensions))
         if not files:
             raise DataError(f"{d}: no images with extensions {', '.join(extensions)}")
         samples += [(f, idx) for f in files]
     return samples
+
+
+def _images_under(folder: Path, extensions: tuple[str, ...]) -> list[str]:
+    """Image files under ``folder`` and its sub-folders; names starting with "." are skipped
+    ("._x.JPEG" are macOS metadata companions, not images)."""
+    out = []
+    for here, dirs, names in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        out += [os.path.join(here, n) for n in names
+                if not n.startswith(".") and os.path.splitext(n)[1].lower() in extensions]
+    return out
 
 
 def check_crop_args(image_size: int = 224, resize_size: int = 256, scale: tuple[float, float] = (0.08, 1.0),
@@ -270,8 +283,9 @@ def _train_classes(root: Path, train_dir: str, val_dir: str) -> list[str]:
 def _val_split(root: Path, val_root: Path, classes: list[str], train_dir: str, val_labels: str | None,
                invalid: str) -> tuple[list, str]:
     """(samples, layout) of the validation split: a flat folder and its labels file, or class folders."""
-    if is_flat(val_root, EXTENSIONS):  # ImageNet's val as distributed: one folder + a labels file
-        return flat_val_samples(val_root, classes, root, EXTENSIONS, val_labels, invalid)
+    flat = flat_val_layout(val_root, EXTENSIONS)
+    if flat:  # ImageNet's val as distributed (one folder + a labels file), or Tiny-ImageNet's
+        return flat_val_samples(flat[0], classes, root, EXTENSIONS, val_labels or flat[1], invalid)
     if val_labels:  # said once: a recipe's labels file that this layout does not read
         log.warning("data.args.val_labels=%s is not used: %s is sorted into class folders, which label it",
                     val_labels, val_root)

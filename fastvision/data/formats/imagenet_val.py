@@ -13,6 +13,9 @@ dataset root and up to three folders above it, which covers the Kaggle layout
 * a two-column text file ``FILE LABEL`` (LABEL a WordNet id or an index into the sorted class
   folders, as Caffe's ``val.txt``).
 
+Tiny-ImageNet's ``val/images/`` is read the same way, labelled by the ``val/val_annotations.txt``
+beside it (``FILE WNID`` and the box, which is not read).
+
 Labels index the training class folders; files without a label, labels without a file and WordNet
 ids not among the training classes are anomalies (one warning, or an error under
 ``data.args.invalid: error``).
@@ -28,6 +31,18 @@ from fastvision.errors import ConfigError, DataError
 CSV_NAME = "LOC_val_solution.csv"
 GT_NAME = "ILSVRC2012_validation_ground_truth.txt"
 DEVKIT_DATA = Path("ILSVRC2012_devkit_t12") / "data"
+TINY_LABELS = "val_annotations.txt"  # Tiny-ImageNet: FILE WNID X0 Y0 X1 Y1, tab-separated
+
+
+def flat_val_layout(val_dir: Path, extensions: tuple[str, ...]) -> tuple[Path, str | None] | None:
+    """``(images folder, the labels file the layout carries)`` of a flat validation split, or None
+    (class folders): ImageNet's ``val/`` holding the images (labels found by
+    :func:`find_labels_file`), or Tiny-ImageNet's ``val/images/`` with ``val/val_annotations.txt``."""
+    if is_flat(val_dir, extensions):
+        return val_dir, None
+    if is_flat(val_dir / "images", extensions) and (val_dir / TINY_LABELS).is_file():
+        return val_dir / "images", str(val_dir / TINY_LABELS)
+    return None
 
 
 def is_flat(folder: Path, extensions: tuple[str, ...]) -> bool:
@@ -65,6 +80,8 @@ def read_labels(path: Path, classes: list[str]) -> dict[str, str]:
         parts = line.split()
         if not parts:
             continue
+        if path.name == TINY_LABELS and len(parts) == 6:  # the box after the class: not a label
+            parts = parts[:2]
         if len(parts) != 2:
             raise DataError(f"{path}:{n}: expected 'FILE LABEL', got {line!r}")
         name, label = parts
