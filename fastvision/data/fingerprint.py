@@ -195,8 +195,9 @@ def fingerprint(path: str | Path, *, workers: int | None = None, cache: Path | N
 
 
 def _modalities(meta: dict[str, Any], n: int) -> list[str]:
-    names = meta.get("modality") or meta.get("channel_names") or {}
-    return [str(names.get(str(c), "unknown")) for c in range(n)]
+    """dataset.json's names of the ``n`` channels (``unknown`` past the ones it names)."""
+    names = modality_names(meta)[:n]
+    return names + ["unknown"] * (n - len(names))
 
 
 def parse_labels(meta: dict[str, Any], path: Path) -> tuple[dict[int, str], dict[str, list[int]] | None]:
