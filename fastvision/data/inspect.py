@@ -277,21 +277,17 @@ def _image_headers(files: list[str], limit: int, anomalies: dict[str, list[str]]
     (:func:`check_complete`: the end marker, else a full decode); CMYK, 16-bit, PNG-named-JPEG
     files go to ``anomalies`` (they load: converted to RGB, named here so you know), files that do
     not decode (a truncated JPEG too) to ``unusable``."""
-    from PIL import Image
-
-    from fastvision.data.formats.anomalies import check_complete
+    from fastvision.data.formats.anomalies import image_facts
 
     sizes, modes = Counter(), Counter()
     picked = files[:: max(1, len(files) // limit)]
     for p in picked:
         rel = str(Path(p).relative_to(root))
-        try:
-            with Image.open(p) as im:
-                size, fmt, mode = im.size, im.format, im.mode
-                check_complete(im, Path(p))
-        except Exception:  # any decoder failure, truncated data included
+        facts = image_facts(p)
+        if facts is None:  # any decoder failure, truncated data included
             unusable.setdefault(f"{split}: image files that do not decode", []).append(rel)
             continue
+        (size, fmt, mode, _) = facts
         sizes[f"{size[0]}x{size[1]}"] += 1
         modes[mode] += 1
         suffix = Path(p).suffix.lower()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -134,6 +134,31 @@ def image_header(path: Path) -> None:
     with Image.open(path) as im:
         im.size  # noqa: B018 - the header is parsed on open; touching size keeps linters honest
 
+
+
+EXIF_ORIENTATION = 0x0112
+
+
+class ImageFacts(NamedTuple):
+    """What a data check reads of an image file: ``(width, height)``, Pillow's format and mode, and
+    the EXIF orientation tag (1 when absent)."""
+    size: tuple[int, int]
+    format: str
+    mode: str
+    orientation: int | None
+
+
+def image_facts(path: str | Path) -> ImageFacts | None:
+    """The :class:`ImageFacts` of a file that decodes to its end (:func:`check_complete`), else None."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            facts = ImageFacts(im.size, str(im.format), im.mode, im.getexif().get(EXIF_ORIENTATION, 1))
+            check_complete(im, Path(path))
+    except Exception:  # noqa: BLE001  (any decoder failure, truncated data included)
+        return None
+    return facts
 
 
 # What a complete file of these formats ends with (after optional trailing padding).

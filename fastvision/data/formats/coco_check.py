@@ -19,7 +19,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fastvision.data.formats.anomalies import check_complete
 from fastvision.errors import DataError
 
 # Kinds of invalid annotation, in the order they are tested (the first that applies is reported).
@@ -30,7 +29,6 @@ UNKNOWN_CATEGORY = "unknown category_id"
 BAD_BBOX = "missing or malformed bbox"
 DEGENERATE = "degenerate box (width or height <= 0)"
 OUTSIDE = "box outside its image"
-EXIF_ORIENTATION = 0x0112
 UNREADABLE = "unreadable image file (header or pixels do not decode, e.g. a truncated download)"
 
 
@@ -156,7 +154,7 @@ def image_facts(dataset: dict[str, Any], image_dir: Path, limit: int = 2000) -> 
     """
     from collections import Counter
 
-    from PIL import Image
+    from fastvision.data.formats.anomalies import image_facts as read_facts  # this function's name too
 
     images = dataset.get("images", [])
     step = max(1, len(images) // limit)
@@ -169,21 +167,17 @@ def image_facts(dataset: dict[str, Any], image_dir: Path, limit: int = 2000) -> 
         if not path.is_file():
             continue  # reported by missing_images
         checked += 1
-        try:
-            with Image.open(path) as pil:
-                formats[pil.format] += 1
-                modes[pil.mode] += 1
-                size = pil.size
-                orientation = pil.getexif().get(EXIF_ORIENTATION, 1)
-                check_complete(pil, path)
-        except Exception:  # any decoder failure
+        facts = read_facts(path)
+        if facts is None:  # the header or the pixels do not decode
             anomalies.setdefault(UNREADABLE, []).append(name)
             continue
-        if Path(name).suffix.lower() in (".jpg", ".jpeg") and formats and pil.format != "JPEG":
-            anomalies.setdefault(f"{pil.format} file named {Path(name).suffix}", []).append(name)
-        if orientation not in (1, None):
+        formats[facts.format] += 1
+        modes[facts.mode] += 1
+        if Path(name).suffix.lower() in (".jpg", ".jpeg") and facts.format != "JPEG":
+            anomalies.setdefault(f"{facts.format} file named {Path(name).suffix}", []).append(name)
+        if facts.orientation not in (1, None):
             anomalies.setdefault("EXIF orientation tag (not applied: boxes refer to stored pixels)", []).append(name)
-        if (im.get("width"), im.get("height")) != size:
+        if (im.get("width"), im.get("height")) != facts.size:
             anomalies.setdefault("stored size differs from width/height in the file", []).append(name)
     return {"checked": checked, "formats": dict(formats), "modes": dict(modes), "anomalies": anomalies}
 
