@@ -202,6 +202,19 @@ def test_missing_data_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_nproc_beyond_this_machine_is_one_line_before_any_worker_starts(tmp_path, capsys):
+    """``tune --nproc`` is checked as ``train --nproc`` is (before, 0 tuned one process silently and 99 on a
+    2-core machine started 99 torch workers): refused before the data folder is even looked at."""
+    from fastvision.utils.hostcpu import process_cores
+
+    for n, message in ((0, "--nproc 0: must be >= 1"), (len(process_cores()) + 1, "more workers than this machine")):
+        out = tmp_path / "t"
+        assert _tune(tmp_path / "nowhere", out, "--nproc", str(n)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        assert not out.exists()
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_two_ranks_run_the_same_trials_and_agree(tiny_microscopy, tmp_path, monkeypatch, capfd):

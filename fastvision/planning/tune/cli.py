@@ -89,6 +89,8 @@ def cmd_tune(args) -> int:
     from fastvision.api import overrides_to_dicts, refuse_overwrite
 
     check_keep(args.keep)
+    single = distributed.detect_env().launcher == "single"
+    distributed.check_nproc(args.nproc if single else 1, args.device)  # 0, or 99 workers on 2 cores: one line
     budget_s = parse_budget(args.budget)
     if args.rounds < 2:
         raise ConfigError(f"--rounds {args.rounds}: a trial needs at least 2 timed rounds (their spread is the noise)")
@@ -102,7 +104,7 @@ def cmd_tune(args) -> int:
     for p, flag in ((out, "--out"), (out.with_suffix(".png"), "--out"), (json_path, "--json")):
         if p is not None:
             refuse_overwrite(p, args.force, flag, file=True)  # files: a folder there is refused even with --force
-    if args.nproc > 1 and distributed.detect_env().launcher == "single":
+    if args.nproc > 1 and single:
         return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv))
     flat = {k: v for k, v in {"data": args.data, "device": args.device}.items() if v is not None}
     cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])
