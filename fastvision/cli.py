@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     except Preempted as e:  # a stop signal: the checkpoint is written; 128 + signal, as the shell reports one
         clean = True
-        print(f"fastvision: {e}", file=sys.stderr)
+        if first_report(f"fastvision: {e}"):  # under --nproc the job says it once, not once per rank
+            print(f"fastvision: {e}", file=sys.stderr)
         return e.exit_code
     except FastvisionError as e:
         if debug:
