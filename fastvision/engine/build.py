@@ -94,6 +94,37 @@ def check_volume_channels(info: dict, model: nn.Module, cfg: RunConfig) -> None:
                       "dataset? (fastvision configure DATA plans one for this one)")
 
 
+def check_patch(train_set: Any, model: nn.Module, cfg: RunConfig) -> None:
+    """The training patch the model sees (``data.args.patch_size``, or the size the batched augmentation
+    cuts from it: ``data.augment.affine.size``, else ``crop.size``) against the U-Net / SegResNet it feeds,
+    before any step: each side a multiple of the model's divisor, and more than one voxel left at the bottleneck
+    when the model normalises per instance (one voxel has no variance: torch stops the first step)."""
+    import math
+
+    patch, key = getattr(train_set, "patch_size", None), "data.args.patch_size"
+    augment = cfg.data.augment or {}
+    for op in ("affine", "crop"):  # the batched augmentation cuts the patch the model sees, the affine last
+        size = (augment.get(op) or {}).get("size") if isinstance(augment.get(op), dict) else None
+        if size is not None and patch is not None:
+            patch, key = size, f"data.augment.{op}.size"
+            break
+    divisor = getattr(model, "divisor", None)
+    if not isinstance(patch, (tuple, list)) or not divisor or len(patch) != len(divisor):
+        return
+    shown = f"{key}={list(patch)}"
+    if any(p % d for p, d in zip(patch, divisor, strict=True)):
+        raise ConfigError(f"{shown}: each side must be a multiple of the model's divisor {list(divisor)} (the "
+                          "product of its strides, model.args)")
+    from fastvision.models.instance_norm import InstanceNormCL
+
+    instance = (nn.modules.instancenorm._InstanceNorm, InstanceNormCL)
+    if math.prod(p // d for p, d in zip(patch, divisor, strict=True)) == 1 and any(
+            isinstance(m, instance) for m in model.modules()):
+        raise ConfigError(f"{shown}: the model halves it down to one voxel at its bottleneck (divisor "
+                          f"{list(divisor)}), where instance norm has nothing to normalise; use sides of at least "
+                          f"{[2 * d for d in divisor]}, or fewer levels (model.args.filters and strides)")
+
+
 def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False, loaders: bool = True,
           wrap_train_set: Callable[[Any], Any] | None = None) -> Run:
     """Build a run from its config: the one place model, task, loss, optimizer and data are made.
@@ -125,6 +156,7 @@ def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False,
     task, model = build_components(cfg, splits.info, device, train=train)
     if data_info is None:
         check_volume_channels(splits.info, model, cfg)
+        check_patch(splits.train, model, cfg)
     model = runtime.prepare_model(model, device, tc.channels_last)
     precision = runtime.Precision(tc.amp, device, tc.loss_scale)
     run = Run(cfg, env, device, task, model, splits.train, splits.val, splits.info, precision)

@@ -125,3 +125,37 @@ def test_recipe_for_another_channel_count_is_one_line(sets, tmp_path, capsys):
     capsys.readouterr()
     assert main(["evaluate", str(tmp_path / "ct-run"), "--data", str(sets["prostate"]), "--device", "cpu"]) == 2
     assert "the model takes 1 (model.args.in_channels)" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("patch, norm, needle", [
+    ("[4,4,4]", "instance", "one voxel at its bottleneck (divisor [4, 4, 4])"),  # 4 / 4: a norm of one voxel
+    ("[8,8,6]", "batch", "multiple of the model's divisor [4, 4, 4]"),
+])
+def test_a_patch_the_network_cannot_take_is_one_line_before_training(sets, tmp_path, capsys, patch, norm, needle):
+    """unet3d-brats' CPU smoke line (patch 32^3 through five halvings, instance norm) stopped at the first
+    step with torch's "Expected more than 1 spatial element"; a patch the model cannot take is now named
+    before the run folder is made, and what it can take trains: a one-voxel bottleneck under batch norm
+    (batch 2 has two values to normalise), a larger patch under instance norm."""
+    small = ["--epochs", "1", "--device", "cpu", "--amp", "off", "--set", "data.args.num_folds=2",
+             "--set", "model.args.filters=[4,8,16]", "--set", f"model.args.norm={norm}"]
+    argv = ["train", "unet3d-spleen-fast", "--data", str(sets["spleen"]), *small]
+    assert main([*argv, "--out", str(tmp_path / "bad"), "--set", f"data.args.patch_size={patch}"]) == 2
+    line = _one_line(capsys)
+    assert f"data.args.patch_size={patch.replace(',', ', ')}" in line and needle in line
+    assert not (tmp_path / "bad").exists()
+    good = "[8,8,8]" if norm == "instance" else "[4,4,4]"
+    assert main([*argv, "--out", str(tmp_path / "good"), "--set", f"data.args.patch_size={good}",
+                 "--set", f"task.args.sliding_window.roi_size={good}"]) == 0
+
+
+def test_the_patch_the_affine_cuts_is_the_one_checked(sets, tmp_path, capsys):
+    """nnU-Net's training loads a larger patch (any side) and the batched affine cuts the network's patch
+    from it: the cut size is what must fit the divisor, and the error names that key."""
+    argv = ["train", "unet3d-spleen-fast", "--data", str(sets["spleen"]), "--epochs", "1", "--device", "cpu",
+            "--amp", "off", "--set", "data.args.num_folds=2", "--set", "model.args.filters=[4,8,16]",
+            "--set", "data.args.patch_size=[10,10,9]"]
+    assert main([*argv, "--out", str(tmp_path / "bad"), "--set", "data.augment.affine={size: [8, 8, 6]}"]) == 2
+    line = _one_line(capsys)
+    assert "data.augment.affine.size=[8, 8, 6]" in line and "divisor [4, 4, 4]" in line
+    assert main([*argv, "--out", str(tmp_path / "good"), "--set", "data.augment.affine={size: [8, 8, 8]}",
+                 "--set", "task.args.sliding_window.roi_size=[8,8,8]"]) == 0
