@@ -30,6 +30,7 @@ from fastvision import __version__, engine
 from fastvision.benchmark.report import add_speedups, rich_table, step_stats, write_reports
 from fastvision.config import RunConfig
 from fastvision.engine import runtime
+from fastvision.engine.step import step_failure, synthetic_source
 from fastvision.errors import ConfigError
 from fastvision.models import without_weights
 
@@ -171,6 +172,7 @@ def _measure(run: engine.Run, mode: str, steps: int, warmup: int) -> tuple[list[
             with torch.no_grad(), run.precision.autocast():
                 task.eval_forward(net, batch)
 
+    step = _first_checked(step, run.cfg, mode)
     cuda = device.type == "cuda"
     for _ in range(warmup):
         step()
@@ -190,6 +192,28 @@ def _measure(run: engine.Run, mode: str, steps: int, warmup: int) -> tuple[list[
     return times, {"peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
                    "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
                    "device_used_mb": (total - free) / 2**20}
+
+
+def _first_checked(step, cfg: RunConfig, mode: str):
+    """``step`` whose first call turns a model that cannot take the synthetic batch (a size its strides do
+    not divide, too small for its depth, BatchNorm on one value) into one line naming the task's key that
+    shapes the batch, as ``train``'s first step does for the data's; out of memory stays the row's error."""
+    done = False
+
+    def checked() -> None:
+        nonlocal done
+        if done:
+            return step()
+        try:
+            step()
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError, IndexError) as e:
+            what = "training" if mode == "train" else "inference"
+            raise step_failure(e, cfg, f"the first {what} step", synthetic_source(cfg)) from e
+        done = True
+
+    return checked
 
 
 # ------------------------------------------------------------------------------ CLI

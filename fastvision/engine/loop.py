@@ -38,7 +38,7 @@ from fastvision.engine.state import (
     resolved_config,
     restore,
 )
-from fastvision.engine.step import StepResult, train_step
+from fastvision.engine.step import StepResult, _first_line, step_failure, train_step
 from fastvision.errors import ConfigError
 from fastvision.tasks.base import Task
 from fastvision.utils.files import atomic_write
@@ -285,41 +285,7 @@ def first_step(run: Run, batches: Iterator[Any], wait: DataWait) -> StepResult:
                           f"{run.cfg.train.batch_size}: lower it, set train.batch_size: auto, or turn on "
                           f"train.activation_checkpointing ({_first_line(e)})") from e
     except (RuntimeError, ValueError, IndexError) as e:
-        where = _failed_in(e)
-        if where is not None:  # not the model: the batched augmentation or the loss (their keys)
-            raise ConfigError(f"the first training step failed in {where[0]}: {_first_line(e)}. Check {where[1]} "
-                              f"against the data's batches (data.args, task.args); --debug for the traceback") from e
-        raise ConfigError(f"the first training step failed: {_first_line(e)}. Check model {run.cfg.model.name!r} "
-                          f"(model.args) against the data's batches (data.args, task.args); --debug for the "
-                          f"traceback") from e
-
-
-# where in the package a first step's error was raised, when it was not the model: the config key to check
-_BLAME = (("data/augment/", "data.augment"), ("losses/", "loss (loss.name, loss.args)"))
-
-
-def _failed_in(e: BaseException) -> tuple[str, str] | None:
-    """(``module.function``, the config key to check) of the innermost frame of ``e``'s traceback in the
-    augmentation or the losses (each runs beside the model in the step, never inside it); None when no
-    frame is (the model's, or the step's own)."""
-    import traceback
-
-    root = Path(__file__).resolve().parents[1]
-    found = None
-    for frame in traceback.extract_tb(e.__traceback__):
-        path = Path(frame.filename).resolve()
-        if not path.is_relative_to(root):
-            continue
-        rel = path.relative_to(root).as_posix()
-        key = next((k for prefix, k in _BLAME if rel.startswith(prefix)), None)
-        if key is not None:
-            found = (f"fastvision.{rel[:-3].replace('/', '.')}.{frame.name}", key)
-    return found
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+        raise step_failure(e, run.cfg, "the first training step") from e
 
 
 def train_one_epoch(run: Run, epoch: int, state: dict, logger: RunLogger, meter: EpochMeter | None = None,

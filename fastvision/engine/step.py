@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fastvision import distributed, optim
-from fastvision.errors import FastvisionError
+from fastvision.errors import ConfigError, FastvisionError
 from fastvision.optim import torch_private
 
 log = logging.getLogger(__name__)
@@ -185,3 +185,56 @@ def _found_inf(state: StepState) -> torch.Tensor | None:
     if state.check_finite:
         return optim.grads_found_inf(state.optimizer)
     return None
+
+
+# ------------------------------------------------------------------------------ a step that failed
+# where in the package a first step's error was raised, when it was not the model: the config key to check
+_BLAME = (("data/augment/", "data.augment"), ("losses/", "loss (loss.name, loss.args)"))
+
+
+def step_failure(e: BaseException, cfg, step: str, fed: str | None = None) -> ConfigError:
+    """The one line for ``step`` (e.g. "the first training step") that raised ``e`` because the model, the
+    batched augmentation or the loss could not take its batch (channels, a size the network's strides do
+    not divide, a patch too small for its depth): what failed and the keys to check. ``fed`` names what
+    fed the step; default the data's batches. ``fastvision benchmark`` and ``plan`` step on the task's
+    synthetic batch: :func:`synthetic_source`."""
+    fed = fed or "the data's batches (data.args, task.args)"
+    where = _failed_in(e)
+    if where is not None:  # not the model: the batched augmentation or the loss (their keys)
+        return ConfigError(f"{step} failed in {where[0]}: {_first_line(e)}. Check {where[1]} against {fed}; "
+                           f"--debug for the traceback")
+    return ConfigError(f"{step} failed: {_first_line(e)}. Check model {cfg.model.name!r} (model.args) against "
+                       f"{fed}; --debug for the traceback")
+
+
+def synthetic_source(cfg, batch_size: int | None = None) -> str:
+    """What shapes a task's synthetic batch, for :func:`step_failure`: ``task.args.sample_shape [1, 8]``
+    (segmentation) or ``task.args.image_size 0`` (classification, detection), and its batch size."""
+    key = next((k for k in ("sample_shape", "image_size") if k in (cfg.task.args or {})), None)
+    value = f"task.args.{key} {cfg.task.args[key]}" if key else "task.args"
+    return f"the task's synthetic batch ({value}, batch {batch_size or cfg.train.batch_size})"
+
+
+def _failed_in(e: BaseException) -> tuple[str, str] | None:
+    """(``module.function``, the config key to check) of the innermost frame of ``e``'s traceback in the
+    augmentation or the losses (each runs beside the model in the step, never inside it); None when no
+    frame is (the model's, or the step's own)."""
+    import traceback
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        path = Path(frame.filename).resolve()
+        if not path.is_relative_to(root):
+            continue
+        rel = path.relative_to(root).as_posix()
+        key = next((k for prefix, k in _BLAME if rel.startswith(prefix)), None)
+        if key is not None:
+            found = (f"fastvision.{rel[:-3].replace('/', '.')}.{frame.name}", key)
+    return found
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -77,12 +77,16 @@ def trace(cfg: RunConfig, batch: int, *, amp: str | None = None, channels_last: 
     :func:`fastvision.planning.plan.make_plan` resolves it for the target GPU first.
     """
     from fastvision.engine.runtime import resolve_amp
+    from fastvision.engine.step import step_failure, synthetic_source
 
     amp = resolve_amp(cfg.train.amp if amp is None else amp, torch.device("cpu"))[0]
-    return trace_step(build_for(cfg), batch, amp=amp,
-                      channels_last=cfg.train.channels_last if channels_last is None else channels_last,
-                      activation_checkpointing=(cfg.train.activation_checkpointing if checkpointing is None
-                                                else checkpointing))
+    try:
+        return trace_step(build_for(cfg), batch, amp=amp,
+                          channels_last=cfg.train.channels_last if channels_last is None else channels_last,
+                          activation_checkpointing=(cfg.train.activation_checkpointing if checkpointing is None
+                                                    else checkpointing))
+    except (RuntimeError, ValueError, IndexError) as e:  # a model that cannot take the batch: one line
+        raise step_failure(e, cfg, "the traced training step", synthetic_source(cfg, batch)) from e
 
 
 # ------------------------------------------------------------------------------ memory

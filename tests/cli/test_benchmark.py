@@ -93,3 +93,22 @@ def test_cli_bad_flag_values_are_one_line_errors_before_the_outputs_check(flag, 
     err = capsys.readouterr().err
     assert rc == 2 and flag in err and "file exists" not in err, err
     assert (tmp_path / "unet2d-microscopy-train.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("mode, recipe, sets, needle", [
+    # 20 px is no multiple of the 4-level U-Net's 2**3 (8): the model's own check
+    ("inference", "unet2d-microscopy", ["task.args.sample_shape=[1,20,20]", "model.args.filters=[4,8,16,32]"],
+     "task.args.sample_shape [1, 20, 20]"),
+    # 8 px through ResNet-18's 32x reduction at batch 1: BatchNorm sees one value per channel in training
+    ("train", "resnet18-imagefolder", ["task.args.image_size=8"], "task.args.image_size 8, batch 1"),
+])
+def test_a_synthetic_batch_the_model_cannot_take_is_one_line_naming_its_key(mode, recipe, sets, needle, tmp_path,
+                                                                             capsys):
+    """Before, the model's error was a traceback (exit 1) from inside the timing loop."""
+    from tests.cli.input_checks import one_line_error, run_cli
+
+    code, _, err = run_cli(capsys, "benchmark", recipe, "--mode", mode, "--batch-sizes", "1", "--steps", "1",
+                           "--warmup", "0", "--device", "cpu", "--out", tmp_path,
+                           *[a for s in sets for a in ("--set", s)])
+    one_line_error(code, err, f"the first {'training' if mode == 'train' else 'inference'} step failed", needle)
+    assert not list(tmp_path.iterdir())  # no report of a benchmark that did not run

@@ -135,7 +135,7 @@ def test_a_first_step_failure_is_blamed_on_the_augmentation_or_the_loss_where_it
     model (a thin stack's blur once failed there and the line said "Check model 'unet3d'"): the real
     augmentation, the real loss and the real model each raising on a batch they cannot take."""
     from fastvision.data.augment.spatial import build_augment
-    from fastvision.engine.loop import _failed_in
+    from fastvision.engine.step import _failed_in
     from fastvision.losses.dice import DiceLoss
     from fastvision.registry import MODELS
 

@@ -26,3 +26,14 @@ def test_plan_refuses_numbers_out_of_range(argv, needle, capsys, monkeypatch):
 def test_plan_refuses_a_folder_as_output_file_even_with_force(flag, tmp_path, capsys):
     code, _, err = run_cli(capsys, "plan", "unet2d-microscopy", "--no-switches", flag, tmp_path, "--force")
     one_line_error(code, err, flag, str(tmp_path), "folder")
+
+
+@pytest.mark.parametrize("shape, needle", [
+    ("[1,24,24]", "must be divisible by"),  # the U-Net's own check: 24 is no multiple of 2**4
+    ("[1,8]", "must be divisible by"),  # a 1-D sample for a 2-D network
+])
+def test_plan_names_the_sample_shape_the_model_cannot_take(shape, needle, capsys):
+    """The traced step's error was a traceback (exit 1); now one line naming task.args.sample_shape."""
+    code, _, err = run_cli(capsys, "plan", "unet2d-microscopy", "--no-switches", "--set",
+                           f"task.args.sample_shape={shape}")
+    one_line_error(code, err, "the traced training step failed", needle, "task.args.sample_shape")
