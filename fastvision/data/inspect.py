@@ -123,7 +123,7 @@ def inspect_tfrecords(path: Path) -> dict[str, Any]:
 def inspect_microscopy(path: Path, **settings: Any) -> dict[str, Any]:
     """Every pair read and put through training's own :func:`prepare_pair` with the microscopy
     builder's ``channels`` / ``num_classes`` / ``binarize`` (its defaults, or ``settings``)."""
-    from fastvision.data.formats.microscopy import pair_files, prepare_pair
+    from fastvision.data.formats.microscopy import pair_files, prepare_pair, unread_subfolders
     from fastvision.data.formats.microscopy_check import MaskTally, microscopy_rule, read_pair
 
     rule, stops = microscopy_rule(settings)
@@ -142,6 +142,9 @@ def inspect_microscopy(path: Path, **settings: Any) -> dict[str, Any]:
             unusable.setdefault(stops, []).append(str(e).replace(str(path) + "/", ""))
         tally.add(img, mask, img_path, mask_path)
     tally.flag_mixed_binary_encodings()
+    nested = unread_subfolders(path)
+    if nested:  # training warns and trains without them
+        tally.anomalies["sub-folders not read (pairs are the files directly in images/ and masks/)"] = nested
     total = sum(tally.classes.values()) or 1
     values = sorted(tally.classes)
     return {"detected": "microscopy images/ + masks/ (paired by file stem)", "pairs": usable,

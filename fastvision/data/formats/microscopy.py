@@ -83,7 +83,10 @@ def header_shape(path: Path) -> tuple[int, int]:
     try:
         if path.suffix.lower() in (".tif", ".tiff"):
             with tifffile.TiffFile(path) as tf:
-                shape = tf.pages[0].shape
+                page = tf.pages[0]
+                shape, axes = page.shape, page.axes
+            if "Y" in axes and "X" in axes:  # planar RGB (tifffile's default for (3, H, W)) is SYX
+                return int(shape[axes.index("Y")]), int(shape[axes.index("X")])
             return int(shape[0]), int(shape[1])
         with Image.open(path) as im:
             return im.size[1], im.size[0]
@@ -128,8 +131,10 @@ def mask_to_index(arr: np.ndarray, path: Path, num_classes: int, binarize: bool 
     return arr.astype(np.int64)
 
 
-def _stem(p: Path) -> str:
-    """``a.ome.tif`` -> ``a``: OME-TIFF's double suffix is part of the extension."""
+def file_stem(p: Path) -> str:
+    """``a.ome.tif`` -> ``a``: OME-TIFF's double suffix is part of the extension. The stem pairs an
+    image with its mask, names its item (``id``), is what split lists hold and what ``predict`` names
+    its outputs after."""
     name = p.name
     return name[: -len(".ome.tif")] if name.lower().endswith(".ome.tif") else \
         name[: -len(".ome.tiff")] if name.lower().endswith(".ome.tiff") else p.stem
@@ -151,25 +156,51 @@ def pair_files(root: Path, problems: dict[str, list[str]] | None = None) -> list
     for p in sorted(mask_dir.iterdir()):  # the mask's extension may differ from its image's (a.tif, a.png)
         if p.suffix.lower() not in IMAGE_EXTS or p.name.startswith("."):  # "._a.png": macOS companion
             continue
-        if _stem(p) in masks:
+        stem = file_stem(p)
+        if stem in masks:
             if problems is None:
-                raise DataError(f"{p}: two masks for stem {_stem(p)!r} ({masks[_stem(p)].name} and {p.name}); keep one")
-            problems.setdefault("stems with two masks (keep one)", []).append(f"{masks[_stem(p)].name}+{p.name}")
+                raise DataError(f"{p}: two masks for stem {stem!r} ({masks[stem].name} and {p.name}); keep one")
+            problems.setdefault("stems with two masks (keep one)", []).append(f"{masks[stem].name}+{p.name}")
             continue
-        masks[_stem(p)] = p
+        masks[stem] = p
     pairs = []
     for p in sorted(img_dir.iterdir()):
         if p.suffix.lower() not in IMAGE_EXTS or p.name.startswith("."):
             continue
-        if _stem(p) not in masks:
+        if file_stem(p) not in masks:
+            near = _suffixed_mask(file_stem(p), masks)
             if problems is None:
-                raise DataError(f"{p}: no mask with the same stem in {mask_dir}")
-            problems.setdefault("images without a mask of the same stem", []).append(p.name)
+                raise DataError(f"{p}: no mask with the same stem in {mask_dir}" + near)
+            problems.setdefault("images without a mask of the same stem", []).append(p.name + near)
             continue
-        pairs.append((p, masks[_stem(p)]))
+        pairs.append((p, masks[file_stem(p)]))
     if not pairs and not problems:
         raise DataError(f"{img_dir}: no PNG or TIFF images found")
     return pairs
+
+
+def _suffixed_mask(stem: str, masks: dict[str, Path]) -> str:
+    """``" (masks/a_mask.png is a.png's mask plus '_mask'? ...)"``: the hint for an image whose mask was
+    saved with a suffix (``_mask``, ``_label``, ``-seg``), which pairing by stem does not strip; else ``""``."""
+    near = sorted((k for k in masks if k.startswith(stem) and not k[len(stem):][:1].isalnum()
+                   and len(k) > len(stem)), key=len)
+    if not near:
+        return ""
+    extra = near[0][len(stem):]
+    return (f" (masks/{masks[near[0]].name} has the stem plus {extra!r}: masks are paired by the "
+            f"image's own stem, rename it {stem}{masks[near[0]].suffix})")
+
+
+def unread_subfolders(root: Path) -> list[str]:
+    """``["images/plate1 (6)", ...]``: sub-folders of ``images/`` and ``masks/`` holding PNG / TIFF files,
+    which pairing does not read (pairs are the files directly in ``images/`` and ``masks/``)."""
+    out = []
+    for sub in ("images", "masks"):
+        for d in sorted(q for q in (root / sub).iterdir() if q.is_dir() and not q.name.startswith(".")):
+            n = sum(1 for f in d.rglob("*") if f.suffix.lower() in IMAGE_EXTS and not f.name.startswith("."))
+            if n:
+                out.append(f"{sub}/{d.name} ({n})")
+    return out
 
 
 class MicroscopyDataset(Dataset):
@@ -209,7 +240,7 @@ class MicroscopyDataset(Dataset):
                                     self._finite(read_array(mask_path), mask_path), img_path, mask_path,
                                     self.channels, self.num_classes, self.binarize)
         image, label = fit_size(image, label, self.size, self.fit)
-        return {"image": image.contiguous(), "label": label.contiguous(), "id": img_path.stem}
+        return {"image": image.contiguous(), "label": label.contiguous(), "id": file_stem(img_path)}
 
 
 def prepare_pair(img: np.ndarray, mask: np.ndarray, img_path: Path, mask_path: Path, channels: int,
@@ -263,7 +294,7 @@ def split_pairs(pairs, root: Path, val_fraction: float, seed: int, train_list: s
     if train_list or val_list:
         if not (train_list and val_list):
             raise DataError("data.args: give both train_list and val_list, or neither")
-        by_stem = {p[0].stem: p for p in pairs}
+        by_stem = {file_stem(p[0]): p for p in pairs}
         out = []
         for lst in (train_list, val_list):
             f = Path(lst) if Path(lst).is_absolute() else root / lst
@@ -323,6 +354,10 @@ def microscopy(*, path: str | None = None, image_size: list[int] = (256, 256),
     NonFinite(nonfinite)  # a wrong value is a ConfigError now, not in a loader thread
     root = dataset_folder(path) if path else default_data_dir()
     pairs = drop_unreadable(pair_files(root), list, header_shape, skip_unreadable, root)
+    nested = unread_subfolders(root)
+    if nested:  # said once, never dropped silently
+        log.warning("%s: %d sub-folder(s) not read, pairs are the files directly in images/ and masks/ "
+                    "(move them up to train on them): %s", root, len(nested), ", ".join(nested))
     for img, mask in pairs:  # header-only consistency check, before any training
         if header_shape(img) != header_shape(mask):
             raise DataError(f"{img}: image is {header_shape(img)} but mask {mask} is {header_shape(mask)}")

@@ -1,0 +1,96 @@
+"""Microscopy folders in the shapes labs save them (the formats walk of 2026-12-07): planar RGB TIFFs,
+OME-TIFF names in split lists, masks saved with a ``_mask`` suffix, plates in sub-folders."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+from PIL import Image
+
+from fastvision.data.formats.microscopy import header_shape, pair_files
+from fastvision.data.inspect import inspect_path
+from fastvision.errors import DataError
+from fastvision.registry import DATASETS
+
+H, W = 24, 40
+pytestmark = pytest.mark.usefixtures("fresh_logging")
+
+
+def _folder(root: Path, stems=("a", "b", "c", "d")) -> Path:
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    rng = np.random.default_rng(0)
+    for s in stems:
+        Image.fromarray(rng.integers(0, 255, (H, W), np.uint8)).save(root / f"images/{s}.png")
+        Image.fromarray((rng.random((H, W)) > 0.5).astype(np.uint8) * 255).save(root / f"masks/{s}.png")
+    return root
+
+
+def test_a_planar_rgb_tiff_is_its_height_and_width_not_a_size_mismatch(tmp_path):
+    """tifffile writes a (3, H, W) array as one planar RGB page (axes SYX): its header is (H, W), so the
+    builder's up-front check no longer stops on 'image is (3, H) but mask is (H, W)', and the item is RGB."""
+    root = _folder(tmp_path / "d")
+    rgb = np.random.default_rng(1).integers(0, 255, (3, H, W), np.uint8)
+    (root / "images/a.png").unlink()
+    tifffile.imwrite(root / "images/a.tif", rgb, photometric="rgb", planarconfig="separate")
+    assert tifffile.TiffFile(root / "images/a.tif").pages[0].axes == "SYX"
+    assert header_shape(root / "images/a.tif") == (H, W)
+    (root / "tr.txt").write_text("a\nb\nc\n")
+    (root / "va.txt").write_text("d\n")
+    splits = DATASETS.build("microscopy", {"path": str(root), "image_size": [H, W], "channels": 3,
+                                           "train_list": "tr.txt", "val_list": "va.txt"})
+    item = splits.train[0]
+    assert item["id"] == "a" and item["image"].shape == (3, H, W)
+    np.testing.assert_allclose(item["image"].numpy(), rgb / 255.0, atol=1e-6)
+
+
+def test_ome_tiff_stems_name_split_lists_and_items(tmp_path):
+    """``a.ome.tif`` pairs with ``a.png`` by the stem ``a``: a split list naming ``a`` finds it (it was
+    'unknown image stem') and the item's id (overlay names) is ``a``, not ``a.ome``."""
+    root = _folder(tmp_path / "d")
+    (root / "images/a.png").unlink()
+    tifffile.imwrite(root / "images/a.ome.tif", np.full((H, W), 7, np.uint8))
+    (root / "tr.txt").write_text("b\nc\nd\n")
+    (root / "va.txt").write_text("a\n")
+    splits = DATASETS.build("microscopy", {"path": str(root), "image_size": [H, W],
+                                           "train_list": "tr.txt", "val_list": "va.txt"})
+    assert [splits.val[i]["id"] for i in range(len(splits.val))] == ["a"]
+    assert float(splits.val[0]["image"].max()) == pytest.approx(7 / 255)
+
+
+def test_a_mask_saved_with_a_suffix_is_named_in_the_line(tmp_path, capsys):
+    """``a.png`` + ``a_mask.png`` (or ``_label``): the one line names the suffixed mask and the name it
+    needs; inspect's row says the same; a mask of another image (``ab.png`` for ``a``) is no hint."""
+    root = _folder(tmp_path / "d", stems=("a", "ab", "b"))
+    (root / "masks/a.png").rename(root / "masks/a_mask.png")
+    with pytest.raises(DataError, match=r"images/a.png: no mask with the same stem .*masks/a_mask.png has the "
+                                        r"stem plus '_mask'.* rename it a.png\)$"):
+        pair_files(root)
+    (root / "masks/b.png").rename(root / "masks/b_label.tif")
+    rows = inspect_path(root)["anomalies"]
+    [text] = [v for k, v in rows.items() if "without a mask" in k]
+    assert "a_mask.png" in text and "b_label.tif" in text and "rename it b.tif" in text
+    (root / "masks/a_mask.png").rename(root / "masks/x.png")
+    with pytest.raises(DataError, match=r"images/a.png: no mask with the same stem in \S+$"):  # ab.png: no hint
+        pair_files(root)
+
+
+def test_plates_in_sub_folders_are_said_once_not_dropped_silently(tmp_path, caplog):
+    """``images/plate1/`` and ``masks/plate1/``: training warns once naming both and the file counts
+    (pairs are the files directly in images/ and masks/), and inspect lists them as an anomaly."""
+    root = _folder(tmp_path / "d")
+    for sub in ("images", "masks"):
+        (root / sub / "plate1").mkdir()
+        for s in ("c", "d"):
+            (root / sub / f"{s}.png").rename(root / sub / "plate1" / f"{s}.png")
+    with caplog.at_level(logging.WARNING, logger="fastvision"):
+        splits = DATASETS.build("microscopy", {"path": str(root), "image_size": [H, W], "val_fraction": 0.5})
+    assert len(splits.train) + len(splits.val) == 2
+    [msg] = [r.getMessage() for r in caplog.records if "sub-folder" in r.getMessage()]
+    assert "images/plate1 (2)" in msg and "masks/plate1 (2)" in msg
+    rows = inspect_path(root)["anomalies"]
+    [text] = [v for k, v in rows.items() if "sub-folders not read" in k]
+    assert text.startswith("2 (") and "images/plate1 (2)" in text
