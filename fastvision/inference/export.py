@@ -223,7 +223,22 @@ def load_model(path: Path) -> tuple[nn.Module, Task, Path]:
     model, task = run.model, run.task
     # EMA weights when trained with EMA
     checkpoint.load_model_weights(model, ckpt.get("eval_model", ckpt["model"]), ckpt_path, cfg.model.name)
+    shape = image_input_shape(cfg, task)
+    if shape is not None:
+        task.sample_shape = shape
     return model.eval(), task, ckpt_path
+
+
+def image_input_shape(cfg, task: Task) -> tuple[int, ...] | None:
+    """``(C, H, W)`` a 2-D segmentation run over image files predicts at (``data.args.channels`` x
+    ``data.args.image_size``, as ``predict`` feeds its model), or None for other runs.
+    ``task.args.sample_shape`` is benchmark mode's synthetic size: a run trained at
+    ``image_size=[512,512]`` or on RGB (``channels: 3``) never saw the recipe's ``[1, 128, 128]``."""
+    shape, size = getattr(task, "sample_shape", None), cfg.data.args.get("image_size")
+    if cfg.data.name != "microscopy" or shape is None or not isinstance(size, (list, tuple)) \
+            or len(size) != len(shape) - 1:
+        return None
+    return (int(cfg.data.args.get("channels", 1)), *(int(s) for s in size))
 
 
 def check_opset(fmt: str, opset: int | None) -> None:

@@ -2,6 +2,7 @@
 that holds none (it used to print "wrote 0 files" and exit 0)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from fastvision.data.formats.imagefolder import EXTENSIONS
@@ -67,16 +68,18 @@ def check_input_kind(files: list[Path], data_name: str, run: str) -> None:
                             "it predicts .nii / .nii.gz files or folders of them")
 
 
-def check_unique_names(files: list[Path], written: str) -> None:
+def check_unique_names(files: list[Path], written: str, stem_of: Callable[[Path], str] | None = None) -> None:
     """Before anything is written: no two inputs whose outputs share a name (``written`` names them, with
     ``{0}`` for an input's stem): ``a/img.png`` and ``b/img.png`` would both write ``img_mask.png``.
+    ``stem_of`` gives the stem the outputs are named after (default: the name less ``.nii.gz`` or its
+    last suffix).
 
     Raises:
         DataError: naming both inputs and the output.
     """
     seen: dict[str, Path] = {}
     for f in files:
-        stem = f.name[: -len(".nii.gz")] if f.name.endswith(".nii.gz") else f.stem
+        stem = stem_of(f) if stem_of else f.name[: -len(".nii.gz")] if f.name.endswith(".nii.gz") else f.stem
         if stem in seen:
             raise DataError(f"{f}: same name {stem!r} as {seen[stem]}: both would write {written.format(stem)} "
                             "(predict them into separate --out folders)")

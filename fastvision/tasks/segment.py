@@ -254,23 +254,26 @@ class SegmentationTask(Task):
         from fastvision.data.formats.microscopy import (
             IMAGE_EXTS,
             _to_channels,
+            file_stem,
             fit_size,
             read_array,
             to_unit_float,
         )
+        from fastvision.data.nonfinite import NonFinite
         from fastvision.errors import DataError
         from fastvision.inference.inputs import check_unique_names
         from fastvision.inference.overlays import overlay_png
 
-        check_unique_names(files, "{0}_mask.* and {0}_overlay.png")  # before any file is written
+        check_unique_names(files, "{0}_mask.* and {0}_overlay.png", file_stem)  # before any file is written
         args = {"image_size": [256, 256], "fit": "resize", "channels": 1, **cfg.data.args}
         size = tuple(args["image_size"])
+        finite = NonFinite(str(args.get("nonfinite", "error")))  # a NaN input: the run's policy, as in training
         written = []
         model.eval()
         for f in files:
             if f.suffix.lower() not in IMAGE_EXTS:
                 raise DataError(f"{f}: expected a PNG or TIFF image")
-            arr = read_array(f)
+            arr = finite(read_array(f), f)
             img = to_unit_float(arr)
             image = torch.from_numpy(img[None] if img.ndim == 2 else img.transpose(2, 0, 1).copy())
             image = _to_channels(image, args["channels"], f)
@@ -287,8 +290,9 @@ class SegmentationTask(Task):
             mask = pred.cpu().numpy().astype(np.uint8)
             if self.num_classes == 2:
                 mask = mask * 255  # binary masks saved as 0/255, like the input masks
-            out = _write_mask(mask, out_dir / f"{f.stem}_mask{f.suffix.lower()}")
-            written += [out, overlay_png(image, None, pred, out_dir / f"{f.stem}_overlay.png")]
+            stem = file_stem(f)  # a.ome.tif -> a_mask.tif
+            out = _write_mask(mask, out_dir / f"{stem}_mask{f.suffix.lower()}")
+            written += [out, overlay_png(image, None, pred, out_dir / f"{stem}_overlay.png")]
         return written
 
 
