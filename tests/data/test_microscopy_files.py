@@ -94,3 +94,19 @@ def test_plates_in_sub_folders_are_said_once_not_dropped_silently(tmp_path, capl
     rows = inspect_path(root)["anomalies"]
     [text] = [v for k, v in rows.items() if "sub-folders not read" in k]
     assert text.startswith("2 (") and "images/plate1 (2)" in text
+
+
+def test_a_two_valued_mask_offers_binarize_first(tmp_path):
+    """A 0/128 mask was told 'class indices 0..128? set data.args.num_classes=129'; it is a binary mask, so
+    the line offers binarize first, and with it the mask reads as background / foreground."""
+    root = _folder(tmp_path / "d", stems=("a",))
+    m = np.zeros((H, W), np.uint8)
+    m[2:9, 3:20] = 128
+    Image.fromarray(m).save(root / "masks/a.png")
+    from fastvision.data.formats.microscopy import MicroscopyDataset
+
+    with pytest.raises(DataError, match=r"masks/a.png: mask values \[0, 128\] outside 0..1 \(binary 0/128\? set "
+                                        r"data.args.binarize=true.*; class indices 0..128\?"):
+        MicroscopyDataset(pair_files(root), (H, W), "resize", 1, 2)[0]
+    label = MicroscopyDataset(pair_files(root), (H, W), "resize", 1, 2, binarize=True)[0]["label"]
+    assert label.numpy().tolist() == (m > 0).astype(np.int64).tolist()

@@ -127,6 +127,8 @@ def mask_to_index(arr: np.ndarray, path: Path, num_classes: int, binarize: bool 
         classes = f"class indices 0..{k - 1}? set data.args.num_classes={k} (README: multi-class masks)"
         hint = (f"{classes}; instance ids? set data.args.binarize=true for foreground/background"
                 if num_classes == 2 and len(values) > 2 else classes)
+        if num_classes == 2 and len(values) == 2 and values[0] == 0:  # 0/128, 0/254: a binary mask first
+            hint = f"binary 0/{values[1]}? set data.args.binarize=true for foreground/background; {classes}"
         raise DataError(f"{path}: mask values {values[:8].tolist()} outside 0..{num_classes - 1} ({hint})")
     return arr.astype(np.int64)
 
