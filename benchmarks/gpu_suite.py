@@ -83,7 +83,7 @@ WORKLOADS: list[dict[str, Any]] = [
     dict(name="Spleen input path, data.cache gpu", recipe="unet3d-spleen-fast", kind="data", batch=4,
          precision=None, channels_last=False, compile=False, steps=40, warmup=None, unit="patch/s", anchors=[],
          goal=None, quick=True, cases=12, size=176, spacing=0.6, patch=96, set={},
-         cpu=dict(batch=2, steps=4, warmup=None, cases=4, size=40, spacing=1.5, patch=24, set={})),
+         cpu=dict(batch=2, steps=4, warmup=None, cases=4, size=40, spacing=1.5, patch=32, set={})),
     dict(name="GPU tests (pytest -m gpu)", recipe=None, kind="tests", batch=None, precision=None,
          channels_last=False, compile=False, steps=None, warmup=None, unit="passed", anchors=[], goal=None,
          quick=False, set={}, cpu={}),
