@@ -65,7 +65,8 @@ def refuse_overwrite(path: str | Path, force: bool, flag: str = "--out", *, file
 
 
 def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tuple[Path, Path | None]:
-    """Choose the run directory and the checkpoint to resume from (if any).
+    """Choose the run directory and the checkpoint to resume from (if any); the run takes it over, so the
+    temp files of checkpoint writes killed there (``kill -9`` mid-write) are removed.
 
     Rules: ``--out`` that exists and is non-empty needs ``--resume``, unless it holds only what a
     run writes before its first checkpoint (an attempt that stopped early: a bad setting, a
@@ -74,6 +75,12 @@ def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
     ``runs/<recipe>-*`` that has a last checkpoint (else starts a new run); ``--resume PATH``
     continues that checkpoint's run directory.
     """
+    run_dir, ckpt = _choose_run_dir(recipe_name, out, resume)
+    checkpoint.remove_unfinished_writes(run_dir / "checkpoints")
+    return run_dir, ckpt
+
+
+def _choose_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tuple[Path, Path | None]:
     if resume and resume != "auto":
         ckpt = Path(resume)
         if ckpt.is_dir():  # a run folder: the two ways that say what to continue
@@ -123,9 +130,13 @@ _RUN_FILES = {"config.yaml", "metrics.jsonl", "metrics.previous.jsonl", "checkpo
 
 
 def _only_run_files(run_dir: Path) -> bool:
-    """True when ``run_dir`` holds only what a run writes before its first checkpoint."""
-    return all((p.name in _RUN_FILES or p.name.startswith("events."))
-               and not (p.name == "checkpoints" and p.is_dir() and any(p.iterdir())) for p in run_dir.iterdir())
+    """True when ``run_dir`` holds only what a run writes before its first checkpoint (the temp file of a
+    first checkpoint write that was killed included: torchrun's restart then starts afresh)."""
+    def no_checkpoint(p: Path) -> bool:
+        return not (p.name == "checkpoints" and p.is_dir()
+                    and any(not checkpoint.unfinished_write(q) for q in p.iterdir()))
+
+    return all((p.name in _RUN_FILES or p.name.startswith("events.")) and no_checkpoint(p) for p in run_dir.iterdir())
 
 
 def _agree_run_dir(env, recipe: str, out: str | None, resume: str | None) -> tuple[Path, Path | None]:

@@ -141,6 +141,27 @@ def _copy_file(src: Path, f) -> None:
         shutil.copyfileobj(s, f, 1 << 20)
 
 
+def unfinished_write(path: Path) -> bool:
+    """``path`` is the temp file of a checkpoint write a killed process left (``atomic_write``'s
+    ``.last.pt.k3x9q1ab.tmp``, ``atomic_link``'s ``.best.pt.<pid>.<hex>.lnk``): never a checkpoint."""
+    path = Path(path)
+    return path.name.startswith(".") and path.suffix in (".tmp", ".lnk") and path.is_file()
+
+
+def remove_unfinished_writes(folder: Path) -> list[Path]:
+    """Delete the temp files of checkpoint writes that were killed (``kill -9``, the OOM killer, a lost
+    node) in ``folder``: a run that continues there would otherwise keep each one, a checkpoint's size,
+    for ever. Call it only for a run that takes ``folder`` over (no other process writes there)."""
+    folder = Path(folder)
+    left = [p for p in folder.iterdir() if unfinished_write(p)] if folder.is_dir() else []
+    for p in left:
+        p.unlink(missing_ok=True)
+    if left:
+        log.info("%s: removed %d unfinished checkpoint write(s) of a stopped process (%s)", folder, len(left),
+                 ", ".join(p.name for p in left[:3]) + (", ..." if len(left) > 3 else ""))
+    return left
+
+
 def find_resume(run_dir: Path) -> Path | None:
     last = Path(run_dir) / "checkpoints" / "last.pt"
     return last if last.is_file() else None

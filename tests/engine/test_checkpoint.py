@@ -90,3 +90,52 @@ def test_cuda_tensors_are_staged_in_reused_pinned_buffers(tmp_path):
     writer.join()
     got = torch.load(tmp_path / "last.pt", weights_only=True)["model"]["w"]
     assert got.device.type == "cpu" and torch.equal(got, torch.arange(1 << 20, dtype=torch.float32) + 1)
+
+
+_DIES_MID_WRITE = """
+import os, sys
+from pathlib import Path
+from fastvision.engine import checkpoint
+checkpoint.atomic_write(Path(sys.argv[1]), lambda f: (f.write(b"PK" + bytes(4096)), f.flush(), os._exit(9)))
+"""
+
+
+def _killed_mid_write(path) -> None:
+    """A process that dies inside ``atomic_write`` of ``path`` (no cleanup runs, as after SIGKILL)."""
+    assert subprocess.run([sys.executable, "-c", _DIES_MID_WRITE, str(path)], timeout=120).returncode == 9
+
+
+def test_a_first_checkpoint_killed_mid_write_lets_the_restart_start_afresh(tmp_path):
+    """kill -9 during the run's first checkpoint write left ``checkpoints/.last.pt.XXXX.tmp``, and every
+    ``--resume auto`` restart (torchrun --max-restarts, Kubernetes) refused the folder: 'exists but holds no
+    checkpoints/last.pt to resume'. The restart starts afresh there and the leftover is removed."""
+    from fastvision.api import prepare_run_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    (run / "metrics.jsonl").write_text("{}\n")
+    _killed_mid_write(run / "checkpoints" / "last.pt")
+    left = list((run / "checkpoints").iterdir())
+    assert len(left) == 1 and checkpoint.unfinished_write(left[0])
+    assert prepare_run_dir("r", str(run), "auto") == (run, None)
+    assert list((run / "checkpoints").iterdir()) == []
+
+
+def test_a_resume_removes_the_temp_files_of_killed_writes_and_a_refusal_keeps_them(tmp_path):
+    """Each kill -9 mid-write left a checkpoint-sized temp file that resumed runs kept for ever; a refused
+    --out (no --resume: maybe another run's folder) is left as it is."""
+    from fastvision.api import prepare_run_dir
+    from fastvision.errors import DataError
+
+    run = tmp_path / "run"
+    last = run / "checkpoints" / "last.pt"
+    checkpoint.atomic_write(last, lambda f: torch.save({"model": {}}, f))
+    _killed_mid_write(last)
+    _killed_mid_write(run / "checkpoints" / "best.pt")
+    assert len(list(last.parent.iterdir())) == 3
+    with pytest.raises(DataError, match="already exists"):
+        prepare_run_dir("r", str(run), None)
+    assert len(list(last.parent.iterdir())) == 3
+    assert prepare_run_dir("r", str(run), "auto") == (run, last)
+    assert list(last.parent.iterdir()) == [last] and checkpoint.load(last)["model"] == {}
