@@ -110,3 +110,27 @@ def test_a_two_valued_mask_offers_binarize_first(tmp_path):
         MicroscopyDataset(pair_files(root), (H, W), "resize", 1, 2)[0]
     label = MicroscopyDataset(pair_files(root), (H, W), "resize", 1, 2, binarize=True)[0]["label"]
     assert label.numpy().tolist() == (m > 0).astype(np.int64).tolist()
+
+
+def test_skip_unreadable_skips_truncated_files_whose_header_decodes(tmp_path, caplog):
+    """A TIFF and a PNG cut short keep a readable header: skip_unreadable kept them and the run stopped on
+    them when read ('image file is truncated'); now the pairs are dropped up front in its one warning, as
+    inspect lists them, and an empty file is dropped as before."""
+    root = _folder(tmp_path / "d", stems=("a", "b", "c", "d", "e"))
+    (root / "images/a.png").unlink()
+    tifffile.imwrite(root / "images/a.tif", np.random.default_rng(2).integers(0, 65535, (H, W), np.uint16))
+    data = (root / "images/a.tif").read_bytes()
+    (root / "images/a.tif").write_bytes(data[: len(data) // 2])
+    data = (root / "masks/b.png").read_bytes()
+    (root / "masks/b.png").write_bytes(data[: len(data) // 2])
+    (root / "images/c.png").write_bytes(b"")
+    assert header_shape(root / "images/a.tif") == (H, W) and header_shape(root / "masks/b.png") == (H, W)
+    with caplog.at_level(logging.WARNING, logger="fastvision"):
+        splits = DATASETS.build("microscopy", {"path": str(root), "image_size": [H, W], "val_fraction": 0.5,
+                                               "skip_unreadable": True})
+    ids = {s[i]["id"] for s in (splits.train, splits.val) for i in range(len(s))}  # every kept item reads
+    assert ids == {"d", "e"}
+    [msg] = [r.getMessage() for r in caplog.records if "skip_unreadable" in r.getMessage()]
+    assert "skipped 3 unreadable file(s)" in msg
+    rows = inspect_path(root)["anomalies"]
+    assert [v for k, v in rows.items() if "unreadable" in k][0].startswith("3 (")

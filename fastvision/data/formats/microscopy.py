@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 
-from fastvision.data.formats.anomalies import drop_unreadable
+from fastvision.data.formats.anomalies import drop_unreadable, image_decodes
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.nonfinite import NonFinite
 from fastvision.errors import DataError
@@ -92,6 +92,17 @@ def header_shape(path: Path) -> tuple[int, int]:
             return im.size[1], im.size[0]
     except Exception as e:
         raise DataError(f"{path}: cannot read image header ({type(e).__name__}: {str(e)[:120]})") from e
+
+
+def decodes(path: Path) -> None:
+    """Raise if ``path`` does not decode to its end (a truncated download keeps a readable header): the
+    probe of ``data.args.skip_unreadable``. A PNG ending with its end marker is taken as complete; a
+    TIFF's first series is read in full (a Z stack decodes: it is refused, not skipped, when read)."""
+    if path.suffix.lower() in (".tif", ".tiff"):
+        with tifffile.TiffFile(path) as tf:
+            tf.series[0].asarray()
+        return
+    image_decodes(path)
 
 
 def to_unit_float(arr: np.ndarray) -> np.ndarray:
@@ -347,15 +358,16 @@ def microscopy(*, path: str | None = None, image_size: list[int] = (256, 256),
     Args:
         repeat: training list repeated this many times per epoch (seed 001 used 2).
         binarize: every non-zero mask value is foreground (instance-labelled masks).
-        skip_unreadable: skip (with one warning) pairs whose image or mask header does not
-            decode, instead of stopping with an error naming the file.
+        skip_unreadable: skip (with one warning) pairs whose image or mask does not decode to its
+            end (each file read once here: a truncated file's header decodes), instead of stopping
+            with an error naming the file.
         nonfinite: a float image (or mask) holding NaN or Inf: ``error`` stops with one line
             naming the file when it is read (exit 2); ``zero`` reads those values as 0 with one
             warning per file. ``fastvision data inspect`` lists such files up front.
     """
     NonFinite(nonfinite)  # a wrong value is a ConfigError now, not in a loader thread
     root = dataset_folder(path) if path else default_data_dir()
-    pairs = drop_unreadable(pair_files(root), list, header_shape, skip_unreadable, root)
+    pairs = drop_unreadable(pair_files(root), list, decodes, skip_unreadable, root)
     nested = unread_subfolders(root)
     if nested:  # said once, never dropped silently
         log.warning("%s: %d sub-folder(s) not read, pairs are the files directly in images/ and masks/ "
