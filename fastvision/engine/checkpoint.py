@@ -124,6 +124,13 @@ class BackgroundWriter:
         except BaseException as e:  # reported by join() in the training thread
             self._error = e
 
+    def raise_failed(self) -> None:
+        """Raise the error of a write that already failed (a full disk), without waiting for one in flight:
+        the training thread asks after every step, so a run stops at once, not an epoch later at the next
+        checkpoint (what it trained since the last good file would be lost with it)."""
+        if self._error is not None:
+            self.join()
+
     def join(self, raise_errors: bool = True) -> None:
         """Wait for the write in flight; raise its error (or only log it with ``raise_errors=False``)."""
         if self._thread is not None:

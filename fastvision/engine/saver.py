@@ -46,7 +46,8 @@ class Checkpoints:
 
     def after_step(self, state: dict, epoch: int, i: int, meter: EpochMeter) -> bool:
         """After step ``i`` of ``epoch``: write a step checkpoint when due; True when the run must stop
-        (its checkpoint is then written)."""
+        (its checkpoint is then written). A checkpoint write that failed (a full disk) raises here."""
+        self.writer.raise_failed()
         stop, timed = self.preemption.after_step(state["step"], self._timed())
         if stop or timed or self.every.due_by_steps(state["step"]):
             self._save_position(state, epoch, i, meter)

@@ -8,6 +8,7 @@ the failure as a ``RuntimeError`` whose context is the ``OSError``), and, where 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -120,3 +121,34 @@ def test_train_into_a_read_only_place_or_under_a_file_is_one_line(tiny_microscop
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         f"fastvision: error: {ro / 'run'}: {os.strerror(errno.EROFS)}"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_failed_background_write_is_raised_at_the_next_step_not_the_next_checkpoint(tmp_path):
+    """The write's error used to wait in the writer until the next checkpoint (an epoch later: an hour of an
+    ImageNet run trained for nothing); ``raise_failed`` (the loop asks after every step) raises it once the
+    write has failed, and never waits for a write in flight."""
+    (tmp_path / "afile").write_text("")
+    writer = checkpoint.BackgroundWriter()
+    writer.raise_failed()  # nothing written yet
+    writer.write({"model": {"w": torch.ones(3)}}, [tmp_path / "afile" / "last.pt"])  # a folder that is a file
+    writer._thread.join()  # the write has failed in the background
+    with pytest.raises(OSError) as info:
+        writer.raise_failed()
+    assert str(tmp_path / "afile") in str(info.value)
+    writer.raise_failed()  # reported once
+
+
+def test_train_stops_in_the_epoch_after_the_checkpoint_that_did_not_fit(small_tmpfs, tmp_path):
+    """256 KiB: epoch 1's checkpoint does not fit. The run stops during epoch 2 (12 steps), before validating
+    it, instead of training and validating the whole epoch first."""
+    from fastvision.data.synth.microscopy import synth
+
+    data = synth(tmp_path / "data", seed=1, count=64, size=32)
+    out = small_tmpfs("256k") / "run"
+    r = subprocess.run([sys.executable, "-m", "fastvision", "train", "unet2d-microscopy", "--data", str(data),
+                        "--out", str(out), *TRAIN, "--epochs", "3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "not written: " in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+    assert checkpoint.load(out / "checkpoints" / "last.pt")["epoch"] == 0
+    epochs = [e["step"] for e in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+              if isinstance(e["step"], list) and len(e["step"]) == 1]
+    assert epochs == [[0], [1]]  # epoch 2 was not validated
