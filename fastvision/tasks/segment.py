@@ -265,14 +265,15 @@ class SegmentationTask(Task):
         from fastvision.inference.overlays import overlay_png
 
         check_unique_names(files, "{0}_mask.* and {0}_overlay.png", file_stem)  # before any file is written
+        for f in files:  # a JPEG among the inputs: said before the first mask is written, not after
+            if f.suffix.lower() not in IMAGE_EXTS:
+                raise DataError(f"{f}: expected a PNG or TIFF image (the formats a microscopy run reads)")
         args = {"image_size": [256, 256], "fit": "resize", "channels": 1, **cfg.data.args}
         size = tuple(args["image_size"])
         finite = NonFinite(str(args.get("nonfinite", "error")))  # a NaN input: the run's policy, as in training
         written = []
         model.eval()
         for f in files:
-            if f.suffix.lower() not in IMAGE_EXTS:
-                raise DataError(f"{f}: expected a PNG or TIFF image")
             arr = finite(read_array(f), f)
             img = to_unit_float(arr)
             image = torch.from_numpy(img[None] if img.ndim == 2 else img.transpose(2, 0, 1).copy())

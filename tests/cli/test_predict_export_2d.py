@@ -63,6 +63,18 @@ def test_ome_tiff_outputs_are_named_after_the_stem_and_collide_with_its_plain_tw
     assert not (tmp_path / "o3").exists() or not any((tmp_path / "o3").iterdir())
 
 
+def test_a_jpeg_among_the_inputs_is_refused_before_any_mask_is_written(rgb_run, tmp_path, capsys, tiny_microscopy):
+    """``a.png`` then ``b.jpg``: a.png's mask was written, then b.jpg stopped the command (rerun needs
+    --force); now b.jpg is named before anything is written."""
+    src = next((tiny_microscopy / "images").iterdir())
+    (tmp_path / "in").mkdir()
+    Image.open(src).save(tmp_path / "in" / "a.png")
+    Image.open(src).save(tmp_path / "in" / "b.jpg")
+    code, _, err = run_cli(capsys, "predict", rgb_run, tmp_path / "in", "--out", tmp_path / "o", "--device", "cpu")
+    one_line_error(code, err, str(tmp_path / "in" / "b.jpg"), "expected a PNG or TIFF image")
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
 @pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
 def test_export_takes_the_runs_channels_and_image_size(rgb_run, tmp_path, capsys, fmt):
     """An RGB run exported at the recipe's sample_shape (1 channel, 128 x 128) was a conv traceback; it is
