@@ -54,14 +54,16 @@ class NonFiniteGuard:
         max_nonfinite: consecutive skipped steps that trigger ``on_nonfinite``.
         on_nonfinite: ``stop`` | ``rollback`` | ``rollback_lower_lr``.
         module: the bare model (weights and buffers checked for finiteness).
+        streak: consecutive skipped steps before this process (a resumed run's, from its checkpoint).
     """
 
-    def __init__(self, max_nonfinite: int, on_nonfinite: str, module: nn.Module):
+    def __init__(self, max_nonfinite: int, on_nonfinite: str, module: nn.Module, streak: float = 0.0):
         self.validate(max_nonfinite, on_nonfinite)
         self.max_nonfinite, self.action, self.module = max_nonfinite, on_nonfinite, module
         self.pending: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []
         self.meter: Any = None  # the running epoch's counters (EpochMeter): its streak
         self.rollbacks: list[int] = []  # the steps of the recent rollbacks
+        self.streak = float(streak)  # the streak as last read on the host (at a checkpoint): saved with it
 
     @staticmethod
     def validate(max_nonfinite: int, on_nonfinite: str) -> None:
@@ -72,7 +74,16 @@ class NonFiniteGuard:
             raise ConfigError(f"train.on_nonfinite: {on_nonfinite!r}; valid: {', '.join(ACTIONS)}")
 
     def watch(self, meter: Any) -> None:
-        """A new epoch's counters (their device streak is the one checked)."""
+        """A new epoch's counters (their device streak is the one checked). A streak goes on across the
+        epoch's end (it reset there, so a run of fewer than ``max_nonfinite`` steps an epoch, such as the
+        microscopy demo's 10, never acted on one): the new counters start from the last ones' streak, or
+        from the resumed checkpoint's (a mid-epoch one's counters then load their own)."""
+        if meter is self.meter:
+            return
+        if self.meter is not None:
+            meter.counts[3].copy_(self.meter.counts[3])  # on the device: no read
+        elif self.streak:
+            meter.counts[3].fill_(self.streak)
         self.meter = meter
 
     def record(self, global_step: int, out: StepResult) -> None:
@@ -83,8 +94,8 @@ class NonFiniteGuard:
         """At a checkpoint (a sync point anyway): no skipped-step streak and every weight finite."""
         found = optim.found_non_finite([*self.module.parameters(), *self.module.buffers()])
         streak = self.meter.counts[3] if self.meter is not None else torch.zeros((), device=found.device)
-        bad, streak = torch.stack([found, streak.to(found.device)]).tolist()
-        return not bad and streak == 0
+        bad, self.streak = torch.stack([found, streak.to(found.device)]).tolist()
+        return not bad and self.streak == 0
 
     def check(self, step: int, rollback: Any) -> None:
         """At a log interval: name the skipped batches' items, then act on a long streak or a

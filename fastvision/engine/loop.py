@@ -71,7 +71,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     wall_before = state["wall_time"]
     wall = lambda: wall_before + time.perf_counter() - started  # noqa: E731
     logger, resolved = _open_logs(run, state, run_dir, progress, resumed=ckpt is not None)
-    guard = NonFiniteGuard(tc.max_nonfinite, tc.on_nonfinite, run.model)
+    guard = NonFiniteGuard(tc.max_nonfinite, tc.on_nonfinite, run.model, streak=state["nonfinite_streak"])
     saver = Checkpoints(run, resolved, wall, policy, preemption, guard)
     preemption.start(run.device, timed_checkpoints=saver.every.seconds is not None)
     point_dumps_at(run_dir / "hang")

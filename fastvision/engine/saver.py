@@ -76,6 +76,7 @@ class Checkpoints:
         self.every.reset()
         state["wall_time"] = self.wall()
         paths = self.policy.files(state["step"], best=best, step=step, healthy=self.guard.healthy())
+        state["nonfinite_streak"] = self.guard.streak  # read by healthy(): a resume continues the count
         if not self.run.env.is_main:
             return
         prune = []

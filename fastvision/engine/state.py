@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 
 # Keys of the loop state saved in every checkpoint (and restored by ``--resume``). ``position`` is
 # None at an epoch's end, else a :class:`Position` (saved as its plain dict).
-STATE_KEYS = ("epoch", "step", "best", "train_time", "wall_time", "history", "data_info", "position")
+# nonfinite_streak: consecutive skipped steps up to the checkpoint (the guard's count goes on after a resume)
+STATE_KEYS = ("epoch", "step", "best", "train_time", "wall_time", "history", "data_info", "position",
+              "nonfinite_streak")
 
 
 @dataclass
@@ -69,7 +71,7 @@ class Position:
 def initial_state(info: dict) -> dict[str, Any]:
     """The loop state before the first epoch (``epoch`` -1: nothing trained yet)."""
     return {"epoch": -1, "step": 0, "best": None, "train_time": 0.0, "wall_time": 0.0, "history": [],
-            "data_info": plain(info), "position": None}
+            "data_info": plain(info), "position": None, "nonfinite_streak": 0.0}
 
 
 def plain(info: dict) -> dict:
@@ -248,7 +250,8 @@ def restore(ckpt: dict[str, Any], run, path=None) -> dict[str, Any]:
     ranks = ckpt.get("rng_ranks") or [ckpt["rng"]]  # before rng_ranks: rank 0's alone
     same_world = len(ranks) == run.env.world_size
     runtime.set_rng_state(ranks[run.env.rank] if same_world else ranks[0], step.generator)
-    state = {"wall_time": 0.0, "position": None, **{k: ckpt[k] for k in STATE_KEYS if k in ckpt}}
+    state = {"wall_time": 0.0, "position": None, "nonfinite_streak": 0.0,
+             **{k: ckpt[k] for k in STATE_KEYS if k in ckpt}}
     state["position"] = Position.from_dict(state["position"], ckpt.get("global_batch", run.global_batch))
     if not same_world and "rng_ranks" in ckpt:
         step.generator.manual_seed(runtime.augment_seed(run.cfg.train.seed, run.env.rank, state["step"]))

@@ -105,6 +105,26 @@ def test_on_nonfinite_stop_names_the_checkpoint_to_resume_from(every, expect, ti
     assert "stopping at step 6: 3 consecutive steps skipped" in line and re.search(expect, line), line
 
 
+def test_a_streak_goes_on_across_the_epochs_end_and_a_resume(tiny_microscopy, tmp_path, capfd):
+    """6 steps an epoch, max_nonfinite 3: steps 5-8 NaN are 4 consecutive skipped steps, 2 in each epoch. The
+    streak was the epoch's (reset at its end), so a run of fewer steps an epoch than max_nonfinite (the
+    microscopy demo's 10 against 20) never acted on a divergence; and a resume at the epoch's end restarted
+    it. Both now stop at step 7 (the probe's forward calls count from 1 in each process: the resumed
+    process's first call is step 7)."""
+    res = _train(capfd, tiny_microscopy, tmp_path / "a", "--set", "model.args.nonfinite_steps=[5,6,7,8]",
+                 "--set", "train.on_nonfinite=stop")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "stopping at step 7: 3 consecutive steps skipped" in res.stderr.strip().splitlines()[-1], res.stderr
+    out = tmp_path / "b"
+    res = _train(capfd, tiny_microscopy, out, "--epochs", "1", "--set", "model.args.nonfinite_steps=[5,6]")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["nonfinite_streak"] == 2
+    res = _train(capfd, tiny_microscopy, out, "--resume", "auto", "--set", "model.args.nonfinite_steps=[1,2]",
+                 "--set", "train.on_nonfinite=stop")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "stopping at step 7: 3 consecutive steps skipped" in res.stderr.strip().splitlines()[-1], res.stderr
+
+
 def test_non_finite_weights_roll_back_and_a_run_that_keeps_diverging_stops(tiny_microscopy, tmp_path, capfd):
     """SGD at lr 1e38 makes the weights infinite at each applied step: each time the run rolls back
     (to the checkpoint of the step before) and halves the rate; the fourth time within
