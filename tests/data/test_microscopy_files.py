@@ -134,3 +134,42 @@ def test_skip_unreadable_skips_truncated_files_whose_header_decodes(tmp_path, ca
     assert "skipped 3 unreadable file(s)" in msg
     rows = inspect_path(root)["anomalies"]
     assert [v for k, v in rows.items() if "unreadable" in k][0].startswith("3 (")
+
+
+def test_a_four_channel_stack_keeps_its_fourth_channel_and_only_alpha_is_dropped(tmp_path):
+    """Every 4-channel image was taken for RGBA: a 4-channel ImageJ stack (DAPI, GFP, RFP, Cy5) lost its
+    fourth channel silently (channels 1 averaged the other three). Now it stops naming the file, while a
+    real alpha (RGBA PNG, grey + alpha PNG, an RGBA TIFF's extra sample) is dropped where it is read."""
+    from fastvision.data.formats.microscopy import MicroscopyDataset, read_array
+
+    root = _folder(tmp_path / "d", stems=("a",))
+    (root / "images/a.png").unlink()
+    stack = np.stack([np.zeros((H, W), np.uint16)] * 3 + [np.full((H, W), 65535, np.uint16)])
+    tifffile.imwrite(root / "images/a.tif", stack, imagej=True, metadata={"axes": "CYX"})
+    for channels in (1, 3):
+        with pytest.raises(DataError, match=r"images/a.tif: has 4 channels, recipe expects %d" % channels):
+            MicroscopyDataset(pair_files(root), (H, W), "resize", channels, 2)[0]
+    rgba = np.random.default_rng(3).integers(0, 255, (H, W, 4), np.uint8)
+    tifffile.imwrite(tmp_path / "rgba.tif", rgba, photometric="rgb", extrasamples=["unassalpha"])
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "rgba.png")
+    Image.fromarray(rgba[..., :2], "LA").save(tmp_path / "la.png")
+    for name in ("rgba.tif", "rgba.png"):
+        np.testing.assert_array_equal(read_array(tmp_path / name), rgba[..., :3])
+    np.testing.assert_array_equal(read_array(tmp_path / "la.png"), rgba[..., 0])
+
+
+def test_a_palette_mask_is_its_class_ids(tmp_path):
+    """A label PNG in palette mode (labelme, VOC: index 1 drawn red) was converted to its colours and
+    refused as a 'colour mask'; as a mask its indices are the classes (an image in palette mode is still
+    its colours)."""
+    from fastvision.data.formats.microscopy import MicroscopyDataset
+
+    root = _folder(tmp_path / "d", stems=("a",))
+    ids = np.zeros((H, W), np.uint8)
+    ids[5:15, 4:30] = 1
+    m = Image.fromarray(ids, "P")
+    m.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+    m.save(root / "masks/a.png")
+    label = MicroscopyDataset(pair_files(root), (H, W), "resize", 1, 2)[0]["label"]
+    np.testing.assert_array_equal(label.numpy(), ids.astype(np.int64))
+    assert inspect_path(root)["mask encodings (files)"] == {"0/1": 1}

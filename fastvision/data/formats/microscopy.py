@@ -32,11 +32,13 @@ log = logging.getLogger(__name__)
 IMAGE_EXTS = (".png", ".tif", ".tiff")
 
 
-def read_array(path: Path) -> np.ndarray:
+def read_array(path: Path, mask: bool = False) -> np.ndarray:
     """Decode a PNG or TIFF to a numpy array (H, W) or (H, W, C); DataError names a bad file.
 
     Multi-page and ImageJ / OME TIFFs are read as one image: channel (C, S) and plain page (I, Q)
     axes become the last axis, singleton axes are dropped; a Z or T stack is refused (items are 2-D).
+    An alpha channel (RGBA, grey + alpha, an RGBA TIFF's extra sample) is dropped. A palette PNG is
+    its colours, or with ``mask`` its indices (a label PNG's class ids, as labelme and VOC save them).
     """
     if path.suffix.lower() in (".tif", ".tiff"):
         try:
@@ -47,13 +49,19 @@ def read_array(path: Path) -> np.ndarray:
                 if len(series.pages) < len(pages) and len({p.shape for p in pages}) == 1:
                     # pages written one by one land in separate series: same-shape pages are channels
                     arr, axes = np.stack([p.asarray() for p in pages]), "I" + pages[0].axes
+                first = pages[0]
+                if "S" in axes and first.extrasamples and first.photometric == tifffile.PHOTOMETRIC.RGB:
+                    # RGBA: the alpha sample goes (a 4-channel ImageJ stack, axes C, keeps all four)
+                    arr = np.take(arr, range(3), axis=axes.index("S"))
         except Exception as e:
             raise DataError(f"{path}: cannot read image ({type(e).__name__}: {str(e)[:120]})") from e
         return _to_hwc(arr, axes, path)
     try:
         with Image.open(path) as im:
-            if im.mode == "P":
-                im = im.convert("RGB")
+            if mask and im.mode in ("P", "PA"):
+                return np.asarray(im)[..., 0] if im.mode == "PA" else np.asarray(im)
+            if im.mode in ("P", "PA", "RGBA", "LA"):  # alpha dropped here, where it is known to be alpha
+                im = im.convert("L" if im.mode == "LA" else "RGB")
             return np.asarray(im)
     except Exception as e:
         raise DataError(f"{path}: cannot read image ({type(e).__name__}: {str(e)[:120]})") from e
@@ -250,7 +258,7 @@ class MicroscopyDataset(Dataset):
         img_path, mask_path = self.pairs[i]
         # NaN / Inf checked where the file is decoded (once per read, or once per cache fill)
         image, label = prepare_pair(self._finite(read_array(img_path), img_path),
-                                    self._finite(read_array(mask_path), mask_path), img_path, mask_path,
+                                    self._finite(read_array(mask_path, mask=True), mask_path), img_path, mask_path,
                                     self.channels, self.num_classes, self.binarize)
         image, label = fit_size(image, label, self.size, self.fit)
         return {"image": image.contiguous(), "label": label.contiguous(), "id": file_stem(img_path)}
@@ -270,9 +278,7 @@ def prepare_pair(img: np.ndarray, mask: np.ndarray, img_path: Path, mask_path: P
 
 
 def _to_channels(image: torch.Tensor, channels: int, path: Path) -> torch.Tensor:
-    c = image.shape[0]
-    if c == 4:  # RGBA: drop alpha
-        image, c = image[:3], 3
+    c = image.shape[0]  # RGBA's alpha is dropped by read_array; four channels here are four channels
     if c == channels:
         return image
     if channels == 1 and c == 3:

@@ -47,7 +47,7 @@ def read_pair(img_path: Path, mask_path: Path, root: Path,
     """``(image, mask)`` as training reads them, or None with the reason added to ``unusable``
     (unreadable or a stack, NaN / Inf values, image and mask of different sizes)."""
     try:
-        img, mask = read_array(img_path), read_array(mask_path)
+        img, mask = read_array(img_path), read_array(mask_path, mask=True)
     except DataError as e:  # "<file>: why" -> "name: why"
         unusable.setdefault("unreadable files, or Z / T stacks (items are 2-D)", []).append(
             str(e).replace(str(root) + "/", ""))
