@@ -149,7 +149,7 @@ def inspect_microscopy(path: Path, **settings: Any) -> dict[str, Any]:
     values = sorted(tally.classes)
     return {"detected": "microscopy images/ + masks/ (paired by file stem)", "pairs": usable,
             "image shapes": dict(tally.shapes), "dtypes": dict(tally.dtypes),
-            "intensity range": f"{tally.lo:g} .. {tally.hi:g}" if usable else "-",
+            "intensity range": tally.range_text() if usable else "-",
             "mask encodings (files)": dict(tally.encodings),
             "mask values (pixel share)": {v: f"{tally.classes[v] / total:.2%}" for v in values[:20]},
             "anomalies": anomaly_rows({**unusable, **tally.anomalies}),

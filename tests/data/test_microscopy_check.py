@@ -66,7 +66,7 @@ def test_the_tally_counts_values_encodings_and_anomalies():
     for name, mask in masks.items():
         tally.add(img, mask, Path("i.png"), Path(name))
     tally.flag_mixed_binary_encodings()
-    assert (tally.lo, tally.hi) == (0.0, 200.0) and tally.shapes == {"(2, 2)": 4}
+    assert tally.ranges == {"uint8": (0.0, 200.0)} and tally.shapes == {"(2, 2)": 4}
     assert tally.dtypes == {"uint8 / mask uint8": 4}
     assert tally.classes == {0: 1 + 3 + 3 + 1, 1: 3 + 1 + 1, 255: 1, 2: 1, 3: 1}
     assert tally.encodings == {"0/1": 2, "0/255": 1, "4 values": 1}

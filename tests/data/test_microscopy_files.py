@@ -147,7 +147,7 @@ def test_a_four_channel_stack_keeps_its_fourth_channel_and_only_alpha_is_dropped
     stack = np.stack([np.zeros((H, W), np.uint16)] * 3 + [np.full((H, W), 65535, np.uint16)])
     tifffile.imwrite(root / "images/a.tif", stack, imagej=True, metadata={"axes": "CYX"})
     for channels in (1, 3):
-        with pytest.raises(DataError, match=r"images/a.tif: has 4 channels, recipe expects %d" % channels):
+        with pytest.raises(DataError, match=rf"images/a.tif: has 4 channels, recipe expects {channels}"):
             MicroscopyDataset(pair_files(root), (H, W), "resize", channels, 2)[0]
     rgba = np.random.default_rng(3).integers(0, 255, (H, W, 4), np.uint8)
     tifffile.imwrite(tmp_path / "rgba.tif", rgba, photometric="rgb", extrasamples=["unassalpha"])
@@ -173,3 +173,20 @@ def test_a_palette_mask_is_its_class_ids(tmp_path):
     label = MicroscopyDataset(pair_files(root), (H, W), "resize", 1, 2)[0]["label"]
     np.testing.assert_array_equal(label.numpy(), ids.astype(np.int64))
     assert inspect_path(root)["mask encodings (files)"] == {"0/1": 1}
+
+
+def test_inspect_gives_a_range_per_dtype_and_names_12_bit_images_in_16_bits(tmp_path):
+    """One range over 8- and 16-bit images ('0 .. 64953') mixed scales that training divides by different
+    maxima; the range is per image dtype, and 16-bit images that use 0..4095 (a 12-bit camera), which
+    training reads as 0..0.06, are named with their maximum (they still train: the row is no stop)."""
+    root = _folder(tmp_path / "d", stems=("a", "b", "c"))
+    (root / "images/a.png").unlink()
+    tifffile.imwrite(root / "images/a.tif", np.full((H, W), 4095, np.uint16))
+    (root / "images/b.png").unlink()
+    tifffile.imwrite(root / "images/b.tif", np.full((H, W), 60000, np.uint16))
+    Image.fromarray(np.full((H, W), 200, np.uint8)).save(root / "images/c.png")
+    report = inspect_path(root)
+    assert report["intensity range"] == "uint16 4095 .. 60000, uint8 200 .. 200"
+    [(kind, text)] = [(k, v) for k, v in report["anomalies"].items() if "12-bit" in k]
+    assert text == "1 (a.tif (max 4095 of 65535))"
+    assert report["pairs"] == 3 and not report["unusable"]

@@ -64,6 +64,10 @@ def read_pair(img_path: Path, mask_path: Path, root: Path,
     return img, mask
 
 
+# 12-bit camera data saved as 16-bit: scaled by 65535 the images read as 0..0.06 (train on, but say so)
+DARK = "16-bit images using under 1/8 of their range (12-bit data? read as 0..max/65535)"
+
+
 @dataclass
 class MaskTally:
     """What :func:`~fastvision.data.inspect.inspect_microscopy` counts over the readable pairs:
@@ -76,14 +80,18 @@ class MaskTally:
     encodings: Counter = field(default_factory=Counter)  # "0/1", "0/255", "12 values" -> files
     by_encoding: dict[str, list[str]] = field(default_factory=dict)  # encoding -> mask names
     anomalies: dict[str, list[str]] = field(default_factory=dict)
-    lo: float = np.inf
-    hi: float = -np.inf
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # image dtype -> (min, max)
 
     def add(self, img: np.ndarray, mask: np.ndarray, img_path: Path, mask_path: Path) -> None:
         """Count one pair (image (H, W[, C]), mask (H, W[, C]): its first channel)."""
         self.shapes[str(tuple(img.shape))] += 1
         self.dtypes[f"{img.dtype} / mask {mask.dtype}"] += 1
-        self.lo, self.hi = min(self.lo, float(img.min())), max(self.hi, float(img.max()))
+        lo, hi = self.ranges.get(str(img.dtype), (np.inf, -np.inf))
+        top = img.max()
+        self.ranges[str(img.dtype)] = min(lo, float(img.min())), max(hi, float(top))
+        full = np.iinfo(img.dtype).max if img.dtype.kind in "ui" and img.dtype.itemsize == 2 else None
+        if full is not None and top < full / 8:
+            self.anomalies.setdefault(DARK, []).append(f"{img_path.name} (max {top} of {full})")
         values, counts = np.unique(mask if mask.ndim == 2 else mask[..., 0], return_counts=True)
         for v, c in zip(values.tolist(), counts.tolist(), strict=True):
             self.classes[v] += c
@@ -96,6 +104,14 @@ class MaskTally:
         if len(values) > 3:
             self.anomalies.setdefault("masks with more than 3 values (instance ids? data.args.binarize)",
                                       []).append(mask_path.name)
+
+    def range_text(self) -> str:
+        """``"0 .. 4095 (uint16)"``, or one range per image dtype (``"uint16 0 .. 4095, uint8 0 .. 255"``):
+        integer images are scaled by their dtype's range, so one range over mixed dtypes says nothing."""
+        if len(self.ranges) == 1:
+            [(dtype, (lo, hi))] = self.ranges.items()
+            return f"{lo:g} .. {hi:g} ({dtype})"
+        return ", ".join(f"{d} {lo:g} .. {hi:g}" for d, (lo, hi) in self.ranges.items())
 
     def flag_mixed_binary_encodings(self) -> None:
         """Name the binary masks encoded unlike most (e.g. 0/1 beside 0/255): each is read as 0/1."""
