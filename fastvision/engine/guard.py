@@ -64,6 +64,7 @@ class NonFiniteGuard:
         self.meter: Any = None  # the running epoch's counters (EpochMeter): its streak
         self.rollbacks: list[int] = []  # the steps of the recent rollbacks
         self.streak = float(streak)  # the streak as last read on the host (at a checkpoint): saved with it
+        self._named_bad = False  # the warning on non-finite model values was given (until they are finite again)
 
     @staticmethod
     def validate(max_nonfinite: int, on_nonfinite: str) -> None:
@@ -90,11 +91,22 @@ class NonFiniteGuard:
         """After each step: keep its flags and item names for the next read (no host read now)."""
         self.pending.append((global_step, out.ids, out.loss, out.skipped))
 
-    def healthy(self) -> bool:
-        """At a checkpoint (a sync point anyway): no skipped-step streak and every weight finite."""
+    def healthy(self, step: int) -> bool:
+        """At a checkpoint (a sync point anyway): no skipped-step streak and every weight and buffer finite.
+        Non-finite values that no skipped step reports (BatchNorm's running variance overflowed by a
+        finite but huge activation: training goes on, validation and every later checkpoint are garbage)
+        get one warning naming them (rank 0; again only after the model was finite in between)."""
         found = optim.found_non_finite([*self.module.parameters(), *self.module.buffers()])
         streak = self.meter.counts[3] if self.meter is not None else torch.zeros((), device=found.device)
         bad, self.streak = torch.stack([found, streak.to(found.device)]).tolist()
+        if bad and not self._named_bad and distributed.is_main():
+            names = [n for n, t in (*self.module.named_parameters(), *self.module.named_buffers())
+                     if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+            log.warning("step %d: %d tensor(s) of the model are not finite (%s): the run diverged; validation "
+                        "and this checkpoint use them, and checkpoints/rollback.pt is not updated while they are: "
+                        "lower optim.lr, set train.clip_grad, or use --amp bf16/off", step, len(names),
+                        ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
+        self._named_bad = bool(bad)
         return not bad and self.streak == 0
 
     def check(self, step: int, rollback: Any) -> None:

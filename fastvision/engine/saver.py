@@ -75,7 +75,7 @@ class Checkpoints:
         rng_ranks = distributed.gather_objects(runtime.rng_state(self.run.step.generator))
         self.every.reset()
         state["wall_time"] = self.wall()
-        paths = self.policy.files(state["step"], best=best, step=step, healthy=self.guard.healthy())
+        paths = self.policy.files(state["step"], best=best, step=step, healthy=self.guard.healthy(state["step"]))
         state["nonfinite_streak"] = self.guard.streak  # read by healthy(): a resume continues the count
         if not self.run.env.is_main:
             return

@@ -199,3 +199,27 @@ def test_an_early_stop_exits_with_no_import_thread_left_running(tiny_microscopy,
                          timeout=300)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "ALIVE AT EXIT: []" in res.stderr, res.stderr[-1000:]
+
+
+def test_non_finite_batchnorm_statistics_without_a_skipped_step_are_named_once(caplog):
+    """Adam at lr 1e6 on the microscopy U-Net: no loss is ever non-finite (no step skipped), but the decoder's
+    BatchNorm running variances overflow to inf, so validation and every checkpoint were garbage and no
+    rollback.pt was written, without a word. The checkpoint's health check names them, once while they
+    stay so, again after the model was finite in between."""
+    from fastvision.engine.guard import NonFiniteGuard
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2))
+    guard = NonFiniteGuard(20, "rollback_lower_lr", model)
+    with caplog.at_level("WARNING", logger="fastvision.engine.guard"):
+        assert guard.healthy(4) and not caplog.records
+        model[1].running_var[1] = float("inf")
+        assert not guard.healthy(8) and not guard.healthy(12)
+        model[1].running_var[1] = 1.0
+        assert guard.healthy(16)
+        model[0].weight.data[0] = float("nan")
+        assert not guard.healthy(20)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("step 8: 1 tensor(s) of the model are not finite (1.running_var): the run diverged")
+    assert "rollback.pt is not updated" in lines[0] and lines[1].startswith("step 20: 1 tensor(s)")
+    assert "(0.weight)" in lines[1]
