@@ -190,3 +190,19 @@ def test_inspect_gives_a_range_per_dtype_and_names_12_bit_images_in_16_bits(tmp_
     [(kind, text)] = [(k, v) for k, v in report["anomalies"].items() if "12-bit" in k]
     assert text == "1 (a.tif (max 4095 of 65535))"
     assert report["pairs"] == 3 and not report["unusable"]
+
+
+def test_a_z_or_t_stack_stops_the_build_not_the_first_epoch(tmp_path):
+    """A Z stack was refused only when read, inside the first epoch, after the run folder was made; its
+    series axes are in the header, so the build refuses it naming the file. A hyperstack whose Z and T
+    are 1 (axes TZCYX, three channels) is no stack and builds."""
+    root = _folder(tmp_path / "d", stems=("a", "b", "c"))
+    (root / "images/a.png").unlink()
+    tifffile.imwrite(root / "images/a.tif", np.zeros((5, H, W), np.uint16), imagej=True, metadata={"axes": "ZYX"})
+    args = {"path": str(root), "image_size": [H, W], "channels": 3}
+    with pytest.raises(DataError, match=r"images/a.tif: a Z stack of 5 planes"):
+        DATASETS.build("microscopy", args)
+    tifffile.imwrite(root / "images/a.tif", np.zeros((1, 1, 3, H, W), np.uint16), imagej=True,
+                     metadata={"axes": "TZCYX"})
+    splits = DATASETS.build("microscopy", args)
+    assert len(splits.train) + len(splits.val) == 3

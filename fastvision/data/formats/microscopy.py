@@ -74,11 +74,7 @@ def _to_hwc(arr: np.ndarray, axes: str, path: Path) -> np.ndarray:
     keep = [i for i, a in enumerate(axes) if arr.shape[i] > 1 or a in "YX"]
     arr = arr.reshape([arr.shape[i] for i in keep])
     axes = "".join(axes[i] for i in keep)
-    stacked = [a for a in axes if a in "ZT"]
-    if stacked:
-        n = arr.shape[axes.index(stacked[0])]
-        raise DataError(f"{path}: a {stacked[0]} stack of {n} planes (TIFF axes {axes}); microscopy items are "
-                        "2-D images: save one plane per file")
+    refuse_stack(arr.shape, axes, path)
     other = [i for i, a in enumerate(axes) if a not in "YX"]  # C, S, I (pages), Q: channels
     arr = np.moveaxis(arr, [axes.index("Y"), axes.index("X")], [0, 1])
     if len(other) > 1:
@@ -86,18 +82,32 @@ def _to_hwc(arr: np.ndarray, axes: str, path: Path) -> np.ndarray:
     return arr
 
 
+def refuse_stack(shape: tuple[int, ...], axes: str, path: Path) -> None:
+    """DataError naming ``path`` if its TIFF axes (singletons dropped) hold a Z or T stack."""
+    stacked = [a for a, n in zip(axes, shape, strict=True) if a in "ZT" and n > 1]
+    if stacked:
+        n = shape[axes.index(stacked[0])]
+        raise DataError(f"{path}: a {stacked[0]} stack of {n} planes (TIFF axes {axes}); microscopy items are "
+                        "2-D images: save one plane per file")
+
+
 def header_shape(path: Path) -> tuple[int, int]:
-    """(H, W) from the file header only (cheap), for up-front consistency checks."""
+    """(H, W) from the file header only (cheap), for up-front consistency checks; a Z or T stack
+    (series axes) is refused here, before a run folder is made, as reading it would."""
     try:
         if path.suffix.lower() in (".tif", ".tiff"):
             with tifffile.TiffFile(path) as tf:
-                page = tf.pages[0]
+                page, series = tf.pages[0], tf.series[0]
                 shape, axes = page.shape, page.axes
+                if len(series.axes) == len(series.shape):
+                    refuse_stack(series.shape, series.axes, path)
             if "Y" in axes and "X" in axes:  # planar RGB (tifffile's default for (3, H, W)) is SYX
                 return int(shape[axes.index("Y")]), int(shape[axes.index("X")])
             return int(shape[0]), int(shape[1])
         with Image.open(path) as im:
             return im.size[1], im.size[0]
+    except DataError:
+        raise
     except Exception as e:
         raise DataError(f"{path}: cannot read image header ({type(e).__name__}: {str(e)[:120]})") from e
 
