@@ -206,3 +206,16 @@ def test_a_z_or_t_stack_stops_the_build_not_the_first_epoch(tmp_path):
                      metadata={"axes": "TZCYX"})
     splits = DATASETS.build("microscopy", args)
     assert len(splits.train) + len(splits.val) == 3
+
+
+def test_tif_and_tiff_in_any_case_are_one_extension_for_inspect():
+    """``a.TIF`` + ``a.tiff`` was an anomaly 'masks with another extension than their image'; only a PNG
+    beside a TIFF is."""
+    from fastvision.data.formats.microscopy_check import MaskTally
+
+    tally = MaskTally()
+    img, mask = np.zeros((2, 2), np.uint8), np.array([[0, 1], [1, 0]], np.uint8)
+    tally.add(img, mask, Path("a.TIF"), Path("a.tiff"))
+    tally.add(img, mask, Path("b.Tif"), Path("b.TIF"))
+    tally.add(img, mask, Path("c.png"), Path("c.tif"))
+    assert tally.anomalies == {"masks with another extension than their image (paired by stem)": ["c.png+c.tif"]}

@@ -68,6 +68,11 @@ def read_pair(img_path: Path, mask_path: Path, root: Path,
 DARK = "16-bit images using under 1/8 of their range (12-bit data? read as 0..max/65535)"
 
 
+def _format(path: Path) -> str:
+    """``.png`` or ``.tif`` (``.TIFF``, ``.tiff`` and ``.Tif`` alike)."""
+    return path.suffix.lower().replace(".tiff", ".tif")
+
+
 @dataclass
 class MaskTally:
     """What :func:`~fastvision.data.inspect.inspect_microscopy` counts over the readable pairs:
@@ -98,7 +103,7 @@ class MaskTally:
         enc = "/".join(str(v) for v in values.tolist()) if len(values) <= 3 else f"{len(values)} values"
         self.encodings[enc] += 1
         self.by_encoding.setdefault(enc, []).append(mask_path.name)
-        if img_path.suffix.lower() != mask_path.suffix.lower():
+        if _format(img_path) != _format(mask_path):  # a.TIF + a.tiff is one format
             self.anomalies.setdefault("masks with another extension than their image (paired by stem)",
                                       []).append(f"{img_path.name}+{mask_path.name}")
         if len(values) > 3:
