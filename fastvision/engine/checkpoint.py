@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from fastvision.utils import files
 from fastvision.utils.files import (  # noqa: F401
     atomic_link,
     atomic_write,
-    load,
     strip_prefixes,
 )
 from fastvision.utils.tree import map_tensors, tensors
@@ -146,6 +146,47 @@ class BackgroundWriter:
 def _copy_file(src: Path, f) -> None:
     with open(src, "rb") as s:
         shutil.copyfileobj(s, f, 1 << 20)
+
+
+def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint loaded without pickle (:func:`fastvision.utils.files.load`: missing, empty, truncated or
+    foreign files are one line naming them), its archive's checksums checked first: ``torch.load`` reads a
+    tensor whose bytes changed on disk (a bit flip, a bad copy) without a word, and a resume trained on from
+    the damaged weights.
+
+    Raises:
+        DataError: ``path`` is not a loadable fastvision checkpoint, or a record's bytes do not match the
+            CRC-32 ``torch.save`` stored for it.
+    """
+    ckpt = files.load(path, map_location)
+    damaged = _damaged_record(Path(path))
+    if damaged is not None:
+        from fastvision.errors import DataError
+
+        raise DataError(f"{path}: damaged: the bytes of {damaged} do not match the checksum torch.save stored "
+                        "(a corrupted disk or copy); resume or evaluate another checkpoint (best.pt, a step-N.pt)")
+    return ckpt
+
+
+def _damaged_record(path: Path) -> str | None:
+    """The first record of ``path``'s zip archive whose CRC-32 does not match its bytes, else None (also for
+    a file that is not a zip archive: torch's legacy format has no checksums). A stored CRC of 0 is not
+    checked (``torch.serialization.config.save.compute_crc32 = False`` writes 0)."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            if info.CRC == 0:
+                continue
+            try:
+                with z.open(info) as f:
+                    while f.read(1 << 22):  # zipfile checks the CRC-32 at the record's end
+                        pass
+            except zipfile.BadZipFile:
+                return info.filename
+    return None
 
 
 def unfinished_write(path: Path) -> bool:

@@ -139,3 +139,37 @@ def test_a_resume_removes_the_temp_files_of_killed_writes_and_a_refusal_keeps_th
     assert len(list(last.parent.iterdir())) == 3
     assert prepare_run_dir("r", str(run), "auto") == (run, last)
     assert list(last.parent.iterdir()) == [last] and checkpoint.load(last)["model"] == {}
+
+
+def test_a_checkpoint_whose_bytes_changed_on_disk_is_refused_naming_the_record(tmp_path):
+    """One flipped byte inside a tensor: ``torch.load(weights_only=True)`` returns the changed weights without a
+    word (a resume trained on from them); the zip archive's CRC-32 that torch.save stored says otherwise."""
+    from fastvision.errors import DataError
+
+    path = tmp_path / "last.pt"
+    w = torch.full((1000,), 7.0)
+    checkpoint.atomic_write(path, lambda f: torch.save({"model": {"w": w}, "epoch": 1}, f))
+    assert torch.equal(checkpoint.load(path)["model"]["w"], w)
+    data = bytearray(path.read_bytes())
+    at = data.find(w.numpy().tobytes()) + 400
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert not torch.equal(torch.load(path, weights_only=True)["model"]["w"], w)  # torch alone: silent
+    with pytest.raises(DataError) as info:
+        checkpoint.load(path)
+    assert str(info.value).startswith(f"{path}: damaged: the bytes of archive/data/0 do not match the checksum")
+    with pytest.raises(DataError, match="damaged"):
+        checkpoint.load_run_checkpoint(path)  # evaluate / predict / export
+
+
+def test_an_archive_saved_without_checksums_still_loads(tmp_path):
+    config = getattr(getattr(torch.serialization, "config", None), "save", None)
+    if config is None or not hasattr(config, "compute_crc32"):
+        pytest.skip("this torch always writes CRC-32s")
+    path = tmp_path / "last.pt"
+    config.compute_crc32 = False
+    try:
+        torch.save({"model": {"w": torch.ones(3)}}, path)
+    finally:
+        config.compute_crc32 = True
+    assert torch.equal(checkpoint.load(path)["model"]["w"], torch.ones(3))
