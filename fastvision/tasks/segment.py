@@ -251,14 +251,8 @@ class SegmentationTask(Task):
             from fastvision.inference.nifti import predict_nifti_files
 
             return predict_nifti_files(self, model, files, out_dir, cfg, device)
-        from fastvision.data.formats.microscopy import (
-            IMAGE_EXTS,
-            _to_channels,
-            file_stem,
-            fit_size,
-            read_array,
-            to_unit_float,
-        )
+        from fastvision.data.formats.microscopy import _to_channels, fit_size, read_array, to_unit_float
+        from fastvision.data.formats.microscopy_files import IMAGE_EXTS, file_stem
         from fastvision.data.nonfinite import NonFinite
         from fastvision.errors import DataError
         from fastvision.inference.inputs import check_unique_names
