@@ -76,7 +76,8 @@ def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
     continues that checkpoint's run directory.
     """
     run_dir, ckpt = _choose_run_dir(recipe_name, out, resume)
-    checkpoint.remove_unfinished_writes(run_dir / "checkpoints")
+    for folder in (run_dir, run_dir / "checkpoints"):  # config.yaml's too: a kill as the run started
+        checkpoint.remove_unfinished_writes(folder)
     return run_dir, ckpt
 
 
@@ -130,13 +131,15 @@ _RUN_FILES = {"config.yaml", "metrics.jsonl", "metrics.previous.jsonl", "checkpo
 
 
 def _only_run_files(run_dir: Path) -> bool:
-    """True when ``run_dir`` holds only what a run writes before its first checkpoint (the temp file of a
-    first checkpoint write that was killed included: torchrun's restart then starts afresh)."""
+    """True when ``run_dir`` holds only what a run writes before its first checkpoint (the temp files of
+    writes that were killed included, config.yaml's or the first checkpoint's: torchrun's restart then
+    starts afresh)."""
     def no_checkpoint(p: Path) -> bool:
         return not (p.name == "checkpoints" and p.is_dir()
                     and any(not checkpoint.unfinished_write(q) for q in p.iterdir()))
 
-    return all((p.name in _RUN_FILES or p.name.startswith("events.")) and no_checkpoint(p) for p in run_dir.iterdir())
+    return all((p.name in _RUN_FILES or p.name.startswith("events.") or checkpoint.unfinished_write(p))
+               and no_checkpoint(p) for p in run_dir.iterdir())
 
 
 def _agree_run_dir(env, recipe: str, out: str | None, resume: str | None) -> tuple[Path, Path | None]:

@@ -116,10 +116,12 @@ def test_a_first_checkpoint_killed_mid_write_lets_the_restart_start_afresh(tmp_p
     (run / "config.yaml").write_text("{}")
     (run / "metrics.jsonl").write_text("{}\n")
     _killed_mid_write(run / "checkpoints" / "last.pt")
+    _killed_mid_write(run / "config.yaml")  # SIGTERM as the run starts, before its handler: config.yaml's write
     left = list((run / "checkpoints").iterdir())
     assert len(left) == 1 and checkpoint.unfinished_write(left[0])
     assert prepare_run_dir("r", str(run), "auto") == (run, None)
     assert list((run / "checkpoints").iterdir()) == []
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.previous.jsonl"]
 
 
 def test_a_resume_removes_the_temp_files_of_killed_writes_and_a_refusal_keeps_them(tmp_path):
