@@ -102,6 +102,8 @@ def check_patch(train_set: Any, model: nn.Module, cfg: RunConfig) -> None:
     import math
 
     patch, key = getattr(train_set, "patch_size", None), "data.args.patch_size"
+    if patch is None and getattr(train_set, "image_size", None) is not None:  # 2-D image files, resized to it
+        patch, key = train_set.image_size, "data.args.image_size"
     augment = cfg.data.augment or {}
     for op in ("affine", "crop"):  # the batched augmentation cuts the patch the model sees, the affine last
         size = (augment.get(op) or {}).get("size") if isinstance(augment.get(op), dict) else None

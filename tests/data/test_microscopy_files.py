@@ -219,3 +219,22 @@ def test_tif_and_tiff_in_any_case_are_one_extension_for_inspect():
     tally.add(img, mask, Path("b.Tif"), Path("b.TIF"))
     tally.add(img, mask, Path("c.png"), Path("c.tif"))
     assert tally.anomalies == {"masks with another extension than their image (paired by stem)": ["c.png+c.tif"]}
+
+
+@pytest.mark.parametrize(("size", "needle"), [
+    ("[40,40]", "data.args.image_size=[40, 40]: each side must be a multiple of the model's divisor [16, 16]"),
+    ("[64,0]", "data.args.image_size must be [H, W] with sides >= 1, got [64, 0]"),
+    ("[64,64,64]", "data.args.image_size must be [H, W] with sides >= 1, got [64, 64, 64]")])
+def test_an_image_size_the_unet_cannot_take_is_one_line_before_the_run_folder(tmp_path, capsys, size, needle):
+    """image_size [40, 40] (not a multiple of 16) stopped the first step ('U-Net input sizes ... must be
+    divisible', naming no key) after the run folder was made; [64, 0] was torch's interpolate error. Both
+    are one line naming data.args.image_size now, and no run folder is left."""
+    from fastvision.cli import main
+
+    root = _folder(tmp_path / "d")
+    code = main(["train", "unet2d-microscopy", "--data", str(root), "--out", str(tmp_path / "run"), "--epochs", "1",
+                 "--device", "cpu", "--set", f"data.args.image_size={size}", "--set", "data.num_workers=0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert needle in err.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()

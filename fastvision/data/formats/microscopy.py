@@ -34,7 +34,7 @@ from fastvision.data.formats.microscopy_files import (
     unread_subfolders,
 )
 from fastvision.data.nonfinite import NonFinite
-from fastvision.errors import DataError
+from fastvision.errors import ConfigError, DataError
 from fastvision.registry import DATASETS
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,11 @@ class MicroscopyDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.pairs)
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """(H, W) of every item: what :func:`fastvision.engine.build.check_patch` checks against the model."""
+        return self.size
 
     def identity(self, i: int) -> str:
         """Item ``i``'s files (path, size, mtime): the disk cache's key (settings are keyed separately)."""
@@ -277,6 +282,8 @@ def microscopy(*, path: str | None = None, image_size: list[int] = (256, 256),
             warning per file. ``fastvision data inspect`` lists such files up front.
     """
     NonFinite(nonfinite)  # a wrong value is a ConfigError now, not in a loader thread
+    if len(image_size) != 2 or min(image_size) < 1:  # [64, 0] was torch's interpolate error at the first step
+        raise ConfigError(f"data.args.image_size must be [H, W] with sides >= 1, got {list(image_size)}")
     root = dataset_folder(path) if path else default_data_dir()
     pairs = drop_unreadable(pair_files(root), list, decodes, skip_unreadable, root)
     nested = unread_subfolders(root)
