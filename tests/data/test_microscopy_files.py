@@ -238,3 +238,28 @@ def test_an_image_size_the_unet_cannot_take_is_one_line_before_the_run_folder(tm
     assert code == 2 and "Traceback" not in err
     assert needle in err.strip().splitlines()[-1]
     assert not (tmp_path / "run").exists()
+
+
+def test_lzw_tiffs_read_without_imagecodecs(tmp_path):
+    """LZW (what Fiji, ZEN and Photoshop write) needs the optional imagecodecs for tifffile: such an image
+    passed the header checks and stopped the first epoch ('requires the imagecodecs package'); Pillow
+    decodes it now, a 16-bit grey page, an RGB page and a 3-page stack (channels) alike, and so does the
+    skip_unreadable probe, which dropped every such file as unreadable."""
+    pytest.importorskip("PIL.TiffImagePlugin")
+    from fastvision.data.formats.microscopy import MicroscopyDataset, read_array
+    from fastvision.data.formats.microscopy_files import decodes
+
+    rng = np.random.default_rng(4)
+    grey, rgb = rng.integers(0, 65535, (H, W), np.uint16), rng.integers(0, 255, (H, W, 3), np.uint8)
+    Image.fromarray(grey).save(tmp_path / "g.tif", compression="tiff_lzw")
+    Image.fromarray(rgb).save(tmp_path / "rgb.tif", compression="tiff_lzw")
+    Image.fromarray(rgb[..., 0]).save(tmp_path / "p3.tif", compression="tiff_lzw", save_all=True,
+                                      append_images=[Image.fromarray(rgb[..., 1]), Image.fromarray(rgb[..., 2])])
+    for name, want in (("g.tif", grey), ("rgb.tif", rgb), ("p3.tif", rgb)):
+        np.testing.assert_array_equal(read_array(tmp_path / name), want)
+        decodes(tmp_path / name)
+    root = _folder(tmp_path / "d", stems=("a",))
+    (root / "images/a.png").unlink()
+    Image.fromarray(grey).save(root / "images/a.tif", compression="tiff_lzw")
+    item = MicroscopyDataset(pair_files(root), (H, W), "resize", 1, 2)[0]
+    np.testing.assert_allclose(item["image"][0].numpy(), grey / 65535.0, atol=1e-6)

@@ -29,7 +29,9 @@ from fastvision.data.formats.microscopy_files import (
     decodes,
     file_stem,
     header_shape,
+    needs_codec,
     pair_files,
+    pillow_tiff,
     refuse_stack,
     unread_subfolders,
 )
@@ -62,7 +64,7 @@ def read_array(path: Path, mask: bool = False) -> np.ndarray:
                     # RGBA: the alpha sample goes (a 4-channel ImageJ stack, axes C, keeps all four)
                     arr = np.take(arr, range(3), axis=axes.index("S"))
         except Exception as e:
-            raise DataError(f"{path}: cannot read image ({type(e).__name__}: {str(e)[:120]})") from e
+            arr, axes = _without_codec(path, e)
         return _to_hwc(arr, axes, path)
     try:
         with Image.open(path) as im:
@@ -73,6 +75,17 @@ def read_array(path: Path, mask: bool = False) -> np.ndarray:
             return np.asarray(im)
     except Exception as e:
         raise DataError(f"{path}: cannot read image ({type(e).__name__}: {str(e)[:120]})") from e
+
+
+def _without_codec(path: Path, e: Exception) -> tuple[np.ndarray, str]:
+    """A TIFF tifffile could not read: decoded by Pillow where only ``imagecodecs`` was missing (LZW),
+    else the DataError naming the file."""
+    if needs_codec(e):
+        try:
+            return pillow_tiff(path)
+        except Exception:  # noqa: BLE001  (Pillow cannot either: say what would)
+            raise DataError(f"{path}: cannot read image ({str(e)[:120]}; pip install imagecodecs)") from e
+    raise DataError(f"{path}: cannot read image ({type(e).__name__}: {str(e)[:120]})") from e
 
 
 def _to_hwc(arr: np.ndarray, axes: str, path: Path) -> np.ndarray:

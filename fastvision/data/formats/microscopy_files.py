@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import tifffile
-from PIL import Image
+from PIL import Image, ImageSequence
 
 from fastvision.data.formats.anomalies import image_decodes
 from fastvision.errors import DataError
@@ -50,10 +51,31 @@ def decodes(path: Path) -> None:
     probe of ``data.args.skip_unreadable``. A PNG ending with its end marker is taken as complete; a
     TIFF's first series is read in full (a Z stack decodes: it is refused, not skipped, when read)."""
     if path.suffix.lower() in (".tif", ".tiff"):
-        with tifffile.TiffFile(path) as tf:
-            tf.series[0].asarray()
+        try:
+            with tifffile.TiffFile(path) as tf:
+                tf.series[0].asarray()
+        except Exception as e:  # LZW without imagecodecs: Pillow decodes it, as read_array does
+            if not needs_codec(e):
+                raise
+            pillow_tiff(path)
         return
     image_decodes(path)
+
+
+def needs_codec(e: Exception) -> bool:
+    """tifffile's error for a compression it decodes only with the optional ``imagecodecs`` (LZW, JPEG)."""
+    return "imagecodecs" in str(e)
+
+
+def pillow_tiff(path: Path) -> tuple[np.ndarray, str]:
+    """``(pixels, tifffile-style axes)`` of a TIFF decoded by Pillow: for the LZW- or JPEG-compressed
+    files tifffile reads only with ``imagecodecs`` (Fiji, ZEN and Photoshop write LZW). Pages are
+    ``I``, RGB samples ``S``, alpha dropped."""
+    with Image.open(path) as im:
+        frames = [np.asarray(f.convert("RGB") if f.mode == "RGBA" else f.convert("L") if f.mode == "LA" else f)
+                  for f in ImageSequence.Iterator(im)]
+    arr = frames[0] if len(frames) == 1 else np.stack(frames)
+    return arr, ("I" if len(frames) > 1 else "") + "YX" + ("S" if frames[0].ndim == 3 else "")
 
 
 def file_stem(p: Path) -> str:
