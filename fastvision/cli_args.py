@@ -108,7 +108,8 @@ def inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="with --fingerprint: also write it to this JSON file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="microscopy: check as training with these data.args would (channels, num_classes, "
-                        "binarize; default the builder's: channels=1, num_classes=2, binarize=false); "
+                        "binarize, nonfinite; default the builder's: channels=1, num_classes=2, binarize=false, "
+                        "nonfinite=error); "
                         "imagefolder: val_labels=FILE, the labels of a flat val/ (as data.args.val_labels)")
 
 

@@ -127,11 +127,12 @@ def inspect_microscopy(path: Path, **settings: Any) -> dict[str, Any]:
     from fastvision.data.formats.microscopy_check import MaskTally, microscopy_rule, read_pair
 
     rule, stops = microscopy_rule(settings)
+    nonfinite = rule.pop("nonfinite")  # how a file is read, not a rule of prepare_pair's
     unusable: dict[str, list[str]] = {}  # what training would stop on: every one listed, then exit 2
     tally = MaskTally()
     usable = 0
     for img_path, mask_path in pair_files(path, unusable):
-        pair = read_pair(img_path, mask_path, path, unusable)
+        pair = read_pair(img_path, mask_path, path, unusable, nonfinite, tally.anomalies)
         if pair is None:
             continue
         img, mask = pair

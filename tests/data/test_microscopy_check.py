@@ -15,10 +15,10 @@ from fastvision.errors import ConfigError
 
 
 @pytest.mark.parametrize("settings, rule, row", [
-    ({}, {"channels": 1, "num_classes": 2, "binarize": False},
-     "files training stops on (as data.args channels=1, num_classes=2, binarize=false)"),
-    ({"channels": 3, "binarize": True}, {"channels": 3, "num_classes": 2, "binarize": True},
-     "files training stops on (as data.args channels=3, num_classes=2, binarize=true)"),
+    ({}, {"channels": 1, "num_classes": 2, "binarize": False, "nonfinite": "error"},
+     "files training stops on (as data.args channels=1, num_classes=2, binarize=false, nonfinite=error)"),
+    ({"channels": 3, "binarize": True}, {"channels": 3, "num_classes": 2, "binarize": True, "nonfinite": "error"},
+     "files training stops on (as data.args channels=3, num_classes=2, binarize=true, nonfinite=error)"),
 ])
 def test_rule_is_the_builders_defaults_under_the_settings(settings, rule, row):
     assert microscopy_rule(settings) == (rule, row)
@@ -98,3 +98,28 @@ def test_a_setting_of_the_wrong_type_is_one_line_naming_it(setting, line, tmp_pa
     assert main(["data", "inspect", str(tmp_path / "mic"), "--set", setting]) == 2
     out, err = capsys.readouterr()
     assert err.strip().splitlines() == [f"fastvision: error: {line}"] and "would stop training" not in out + err
+
+
+def test_inspect_with_nonfinite_zero_reads_them_as_training_would(tmp_path, capsys):
+    """``data inspect --set nonfinite=zero`` was refused (valid: channels, num_classes, binarize), so inspect
+    exited 2 on a folder training with that setting takes: the files are listed as read as 0, the pair
+    counts, and the exit is 0; without it they still stop (exit 2)."""
+    from PIL import Image
+
+    from fastvision.cli import main
+    from fastvision.data.inspect import inspect_path
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "masks").mkdir()
+    for name in ("a", "b"):
+        img = np.full((8, 8), 0.5, np.float32)
+        img[0, 0] = np.nan if name == "a" else 0.25
+        tifffile.imwrite(tmp_path / f"images/{name}.tif", img)
+        Image.fromarray(np.eye(8, dtype=np.uint8) * 255).save(tmp_path / f"masks/{name}.png")
+    report = inspect_path(tmp_path, {"nonfinite": "zero"})
+    assert report["pairs"] == 2 and not report["unusable"]
+    assert report["anomalies"]["files with NaN/Inf values, read as 0 (nonfinite=zero)"] == "1 (a.tif (1))"
+    assert report["intensity range"] == "0 .. 0.5 (float32)"
+    assert main(["data", "inspect", str(tmp_path), "--set", "nonfinite=zero"]) == 0
+    assert main(["data", "inspect", str(tmp_path)]) == 2
+    capsys.readouterr()

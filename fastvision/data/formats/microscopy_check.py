@@ -24,10 +24,11 @@ from fastvision.registry import type_name, type_ok
 
 
 def microscopy_rule(settings: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """``(rule, row)``: the microscopy builder's ``channels`` / ``num_classes`` / ``binarize``
-    (its defaults overridden by ``settings``) and the anomaly row of the files training stops on."""
+    """``(rule, row)``: the microscopy builder's ``channels`` / ``num_classes`` / ``binarize`` /
+    ``nonfinite`` (its defaults overridden by ``settings``) and the anomaly row of the files training
+    stops on."""
     defaults = {k: p.default for k, p in inspect.signature(microscopy).parameters.items()
-                if k in ("channels", "num_classes", "binarize")}
+                if k in ("channels", "num_classes", "binarize", "nonfinite")}
     unknown = set(settings) - set(defaults)
     if unknown:
         raise ConfigError(f"data inspect --set {sorted(unknown)[0]}: valid for microscopy: {', '.join(defaults)}")
@@ -42,10 +43,12 @@ def microscopy_rule(settings: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return rule, stops
 
 
-def read_pair(img_path: Path, mask_path: Path, root: Path,
-              unusable: dict[str, list[str]]) -> tuple[np.ndarray, np.ndarray] | None:
+def read_pair(img_path: Path, mask_path: Path, root: Path, unusable: dict[str, list[str]],
+              nonfinite: str = "error", notes: dict[str, list[str]] | None = None
+              ) -> tuple[np.ndarray, np.ndarray] | None:
     """``(image, mask)`` as training reads them, or None with the reason added to ``unusable``
-    (unreadable or a stack, NaN / Inf values, image and mask of different sizes)."""
+    (unreadable or a stack, NaN / Inf values, image and mask of different sizes). With ``nonfinite``
+    ``zero`` (training's ``data.args.nonfinite``) NaN / Inf are read as 0 and the files named in ``notes``."""
     try:
         img, mask = read_array(img_path), read_array(mask_path, mask=True)
     except DataError as e:  # "<file>: why" -> "name: why"
@@ -54,7 +57,11 @@ def read_pair(img_path: Path, mask_path: Path, root: Path,
         return None
     counts = ((img_path, count_nonfinite(img)), (mask_path, count_nonfinite(mask)))
     bad = [f"{p.name} ({n})" for p, n in counts if n]
-    if bad:
+    if bad and nonfinite == "zero" and notes is not None:  # training warns and reads them as 0
+        notes.setdefault(ZEROED, []).extend(bad)
+        img, mask = (np.where(np.isfinite(a), a, np.zeros((), a.dtype)) if a.dtype.kind in "fc" else a
+                     for a in (img, mask))
+    elif bad:
         unusable.setdefault(NONFINITE_FILES, []).extend(bad)
         return None
     if img.shape[:2] != mask.shape[:2]:
@@ -64,6 +71,7 @@ def read_pair(img_path: Path, mask_path: Path, root: Path,
     return img, mask
 
 
+ZEROED = "files with NaN/Inf values, read as 0 (nonfinite=zero)"
 # 12-bit camera data saved as 16-bit: scaled by 65535 the images read as 0..0.06 (train on, but say so)
 DARK = "16-bit images using under 1/8 of their range (12-bit data? read as 0..max/65535)"
 
