@@ -108,6 +108,17 @@ class Preempted(FastvisionError):
         self.exit_code = 128 + signum
 
 
+def interrupted(command: str, outputs: list, when: str) -> Preempted:
+    """What a Ctrl-C (SIGINT) in a command that writes its outputs only at its end raises: one line saying
+    that nothing was written, what would have been (``outputs``, None entries left out) and ``when``; the
+    CLI prints it and exits 130, as a shell reports SIGINT."""
+    import signal
+
+    names = ", ".join(str(p) for p in outputs if p is not None)
+    return Preempted(signal.SIGINT, f"{command} interrupted: nothing written ({names}: written only when "
+                                    f"{when}); rerun to measure again")
+
+
 class ReportedByPeer(FastvisionError):
     """This rank's share of an error another rank of the job reports in its own line (rank 0's refusal of
     the run folder): the CLI exits 2 without printing it, so a job of N ranks says it once."""

@@ -27,12 +27,14 @@ from typing import Any
 import torch
 
 from fastvision import __version__, engine
+from fastvision.benchmark.flags import check_mode_flags, int_list
 from fastvision.benchmark.report import add_speedups, rich_table, step_stats, write_reports
 from fastvision.config import RunConfig
 from fastvision.engine import runtime
 from fastvision.engine.step import step_failure, synthetic_source
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, interrupted
 from fastvision.models import without_weights
+from fastvision.utils.files import atomic_text
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +112,13 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
     if mode not in ("train", "inference"):
         raise ConfigError(f"--mode: expected train or inference, got {mode!r}")
     check_settings(precisions, steps, warmup, batch_sizes)
+    # a setting named twice is measured once (two rows of one setting read as two settings)
+    batch_sizes, precisions = list(dict.fromkeys(batch_sizes)), list(dict.fromkeys(precisions))
     device = torch.device(device)
     todo, notes = runnable_precisions(precisions, device)
+    if not todo:  # else an empty table and report, and exit 0
+        raise ConfigError(f"--precision {','.join(precisions)}: nothing to run on {device.type} "
+                          f"({'; '.join(notes)}); add fp32 or bf16")
     tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
         rows = [_measure_setting(cfg, mode, bs, prec, steps, warmup, device=device, compile=compile,
@@ -122,10 +129,18 @@ def run_benchmark(cfg: RunConfig, mode: str, batch_sizes: list[int], precisions:
     add_speedups(rows)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"recipe": cfg.recipe, "mode": mode, "model": cfg.model.name, "task": cfg.task.name,
-            "device": str(device), "gpu": gpu, "cpu": platform.processor() or platform.machine(),
+            "input": input_size(cfg), "device": str(device), "gpu": gpu,
+            "cpu": platform.processor() or platform.machine(),
             "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "fastvision": __version__,
             "compile": compile, "channels_last": channels_last, "augment": augment, "steps": steps,
             "warmup": warmup, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "notes": notes, "results": rows}
+
+
+def input_size(cfg: RunConfig) -> dict[str, Any]:
+    """The task's keys that shape the synthetic batch (``image_size``, ``sample_shape``): what a step time
+    was measured at, so ``plan --calibrate`` can refuse a benchmark of another input size."""
+    args = cfg.task.args or {}
+    return {k: args[k] for k in ("image_size", "sample_shape") if k in args}
 
 
 def _measure_setting(cfg: RunConfig, mode: str, bs: int, prec: str, steps: int, warmup: int, *,
@@ -217,13 +232,6 @@ def _first_checked(step, cfg: RunConfig, mode: str):
 
 
 # ------------------------------------------------------------------------------ CLI
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ConfigError(f"--batch-sizes: expected comma-separated integers, got {text!r}") from None
-
-
 def add_cli(subparsers) -> None:
     """``fastvision benchmark RECIPE``."""
     p = subparsers.add_parser("benchmark", help="training / inference throughput on synthetic batches, "
@@ -239,10 +247,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--mode", choices=["train", "inference", "data", "target"], default="train",
                    help="target: real training runs to the recipe's train.target (or --target) over --seeds seeds, "
                         "scored as MLPerf scores time to train (olympic mean)")
-    p.add_argument("--seeds", type=int, default=5, help="target mode: runs, seeds --seed .. --seed+N-1 (default 5, "
+    p.add_argument("--seeds", type=int, help="target mode: runs, seeds --seed .. --seed+N-1 (default 5, "
                                                         "MLPerf's count for ResNet-50)")
-    p.add_argument("--seed", type=int, default=0, help="target mode: the first seed (default 0)")
-    p.add_argument("--nproc", type=int, default=1, help="target mode: each seed's run on N local workers "
+    p.add_argument("--seed", type=int, help="target mode: the first seed (default 0)")
+    p.add_argument("--nproc", type=int, help="target mode: each seed's run on N local workers "
                                                         "(train --nproc)")
     p.add_argument("--target", help="target mode: METRIC=VALUE, e.g. iou=0.9 (default: the recipe's train.target)")
     p.add_argument("--cache", help="data mode: comma-separated data.cache modes to compare, e.g. none,ram,gpu "
@@ -250,13 +258,13 @@ def add_cli(subparsers) -> None:
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="data mode: a setting to compare (repeatable), timed in the same interleaved rounds, e.g. "
                         "--variant data.args.backend=dali --variant data.args.backend=pillow,data.loader=processes")
-    p.add_argument("--rounds", type=int, default=4, help="data mode: interleaved turns per cache mode (default 4)")
+    p.add_argument("--rounds", type=int, help="data mode: interleaved turns per cache mode (default 4)")
     p.add_argument("--data", help="data and target modes: dataset folder (data.args.path; default: the recipe's)")
     p.add_argument("--batch-sizes", help="comma-separated, e.g. 1,8,64,256, or auto: the largest that fits "
                                          "(default: the recipe's batch size)")
     p.add_argument("--precision", help="comma-separated subset of fp32,tf32,fp16,bf16 "
                                        "(default: fp32 plus the recipe's AMP mode)")
-    p.add_argument("--steps", type=int, default=50, help="timed steps (data mode: batches) per setting (default 50)")
+    p.add_argument("--steps", type=int, help="timed steps (data mode: batches) per setting (default 50)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 10; data mode: one epoch, which "
                                               "fills the caches)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -281,13 +289,14 @@ def cmd_benchmark(args) -> int:
     from fastvision.api import refuse_overwrite
     from fastvision.config import load, parse_override
 
+    check_mode_flags(args)
     if args.mode == "target":  # real training runs (under torchrun too), not synthetic batches on one device
         from fastvision.benchmark.target import cmd_target
 
         return cmd_target(args, [parse_override(s) for s in args.set])
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
     # the flags' values before the output's: a bad value is named, not hidden behind "file exists"
-    given = _int_list(args.batch_sizes) if args.batch_sizes and args.batch_sizes != "auto" else None
+    given = int_list(args.batch_sizes) if args.batch_sizes and args.batch_sizes != "auto" else None
     check_settings(args.precision.split(",") if args.precision else [], args.steps, args.warmup or 0, given)
     out_dir = args.out or Path("runs/benchmark")
     for suffix in (".json", ".md"):  # checked before the run: a refusal costs no benchmark time
@@ -306,9 +315,12 @@ def cmd_benchmark(args) -> int:
     amp = runtime.resolve_amp(cfg.train.amp, device)[0]  # train.amp auto -> this device's precision
     precisions = args.precision.split(",") if args.precision else ["fp32"] + ([amp] if amp != "off" else [])
     channels_last = cfg.train.channels_last if args.channels_last is None else args.channels_last
-    report = run_benchmark(cfg, args.mode, batch_sizes, precisions, steps=args.steps,
-                           warmup=10 if args.warmup is None else args.warmup,
-                           compile=args.compile, channels_last=channels_last, augment=args.augment, device=device)
+    try:
+        report = run_benchmark(cfg, args.mode, batch_sizes, precisions, steps=args.steps,
+                               warmup=10 if args.warmup is None else args.warmup,
+                               compile=args.compile, channels_last=channels_last, augment=args.augment, device=device)
+    except KeyboardInterrupt:  # Ctrl-C: the report is of every setting or none, and the line says so
+        raise interrupted("benchmark", [out_dir / f"{cfg.recipe}-{args.mode}.json"], "every setting has run") from None
     console = Console()
     console.print(rich_table(report))
     for note in report["notes"]:
@@ -329,10 +341,14 @@ def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
     if args.data:
         cfg.data.args["path"] = args.data
     if args.batch_sizes:
-        cfg.train.batch_size = _int_list(args.batch_sizes)[0]
+        cfg.train.batch_size = int_list(args.batch_sizes)[0]
     caches = [c.strip() for c in args.cache.split(",") if c.strip()] if args.cache else [cfg.data.cache]
-    report = run_data_benchmark(cfg, caches, batches=args.steps, rounds=args.rounds, warmup=args.warmup,
-                                variants=args.variant or None)
+    out = args.out or Path("runs/benchmark")
+    try:
+        report = run_data_benchmark(cfg, caches, batches=args.steps, rounds=args.rounds, warmup=args.warmup,
+                                    variants=args.variant or None)
+    except KeyboardInterrupt:  # Ctrl-C: the report is of every mode or none, and the line says so
+        raise interrupted("benchmark", [out / f"{cfg.recipe}-data.json"], "every mode has had its rounds") from None
     table = Table(title=f"{report['recipe']} input path (model removed) on {report['device']}, "
                         f"batch {report['batch_size']}")
     for h in ("setting", "cache", "items/s", "ms/item", "items/s per core", "x first", "pipeline"):
@@ -348,10 +364,8 @@ def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
                       "past the wait): their modes may have shared the CPU")
     console.print(f"items/s per core: items over the CPU seconds of this process tree in the timed batches, on "
                   f"{report['host_cpu']}; pass the JSON to `fastvision plan {report['recipe']} --input-rate FILE`")
-    out = args.out or Path("runs/benchmark")
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"{report['recipe']}-data"  # the name cmd_benchmark checked with refuse_overwrite
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(data_markdown(report))
+    atomic_text(out / f"{stem}.json", json.dumps(report, indent=2) + "\n")  # whole, or the file before
+    atomic_text(out / f"{stem}.md", data_markdown(report))
     console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')}")
     return 0

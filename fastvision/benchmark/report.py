@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fastvision.utils.files import atomic_text
+
 LATENCY_PERCENTILES = (50, 90, 95, 99)
 _BASELINES = {"fp32": (), "tf32": ("fp32",), "fp16": ("fp32", "tf32"), "bf16": ("fp32", "tf32")}
 
@@ -110,6 +112,6 @@ def write_reports(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{report['recipe']}-{report['mode']}"
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path.write_text(markdown(report))
+    atomic_text(json_path, json.dumps(report, indent=2) + "\n")  # whole, or the file before: never half
+    atomic_text(md_path, markdown(report))
     return json_path, md_path

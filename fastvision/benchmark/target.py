@@ -89,7 +89,8 @@ def run_target_benchmark(train_argv: list[str], recipe: str, target: str | None,
                      "train_s": s.get("time_to_target_s"), "wall_s": s.get("time_to_target_wall_s"),
                      "epochs_run": s.get("epochs"), "global_batch": s.get("global_batch"),
                      "items_per_epoch": _items(s), "run": str(out / f"seed-{seed}")})
-        how = (f"reached at epoch {rows[-1]['epochs']}, {rows[-1]['wall_s']:.1f} s wall" if rows[-1]["reached"]
+        # a count of epochs, not the epoch's number (train's log numbers them from 0)
+        how = (f"reached after {rows[-1]['epochs']} epoch(s), {rows[-1]['wall_s']:.1f} s wall" if rows[-1]["reached"]
                else f"not reached in {rows[-1]['epochs_run']} epochs")
         print(f"seed {seed}: {target} {how}", flush=True)
     return {"recipe": recipe, "target": target, "seeds": seeds, "rows": rows, **score(rows)}
@@ -156,6 +157,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from fastvision.utils.files import save_figure
+
     reached = [r for r in report["rows"] if r["reached"]]
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.scatter([r["wall_s"] for r in reached], [0] * len(reached), s=40, alpha=0.7, label="a seed's run")
@@ -168,13 +171,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{report['recipe']}: {report['reached']} of {report['runs']} seeds reached the target")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
 def cmd_target(args, sets: list[dict]) -> int:
     """``benchmark --mode target``: the seeds' runs, the report (JSON, Markdown, PNG) in ``--out``."""
     from fastvision.distributed import detect_env
+    from fastvision.utils.files import atomic_text
 
     check_low("--seeds", args.seeds, 1)
     check_low("--nproc", args.nproc, 1)
@@ -202,8 +206,9 @@ def cmd_target(args, sets: list[dict]) -> int:
                   f"{out} keeps what it wrote: rerun to resume it", file=sys.stderr)
         return e.code
     report["nproc"] = args.nproc
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(report))
+    # each file whole or as it was: a stop while writing never leaves half a report
+    atomic_text(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
+    atomic_text(stem.with_suffix(".md"), markdown(report))
     plot(report, stem.with_suffix(".png"))
     print(markdown(report), end="")
     print(f"wrote {stem}.json, .md and .png")

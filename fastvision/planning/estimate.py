@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 
 from fastvision import optim
 from fastvision.config import RunConfig
-from fastvision.errors import DataError
+from fastvision.errors import ConfigError, DataError
 from fastvision.planning.devices import GPU, get_gpu, training_precision
 from fastvision.planning.scale import _hardware, at_scale, step_line  # noqa: F401 (_hardware: the profile cache)
 from fastvision.planning.trace import StepTrace, trace_step
@@ -164,9 +165,10 @@ HALF_PRECISIONS = ("bf16", "fp16")
 MEASURED_DIR = Path(__file__).with_name("measured")  # benchmark JSONs measured on a GPU (benchmarks/RESULTS.md)
 
 
-def shipped_measurement(recipe: str, gpu: GPU, precision: str, channels_last: bool) -> Path | None:
+def shipped_measurement(recipe: str, gpu: GPU, precision: str, channels_last: bool,
+                        input_size: dict[str, Any] | None = None) -> Path | None:
     """The ``fastvision benchmark --mode train`` JSON shipped for a recipe (``measured/<recipe>-train.json``)
-    when it was measured on this GPU model at this precision and memory layout, else None.
+    when it was measured on this GPU model at this precision, memory layout and ``input_size``, else None.
 
     Only on the GPU it was measured on: the achieved share of peak does not carry across models. On an
     H200 eager bf16 ResNet-50 ran at 4,567 img/s x 24.3 GFLOP = 11 % of its dense peak, where DLE's
@@ -178,11 +180,14 @@ def shipped_measurement(recipe: str, gpu: GPU, precision: str, channels_last: bo
     report = json.loads(path.read_text())
     if get_gpu(report["gpu"]).name != gpu.name or bool(report.get("channels_last")) != bool(channels_last):
         return None  # another GPU model, or NHWC against NCHW (SSD320: 1,053 against 910 img/s on the H200)
+    if _other_input(report, input_size):
+        return None
     return path if precision in {r["precision"] for r in report["results"]} else None
 
 
 def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, fixed: tuple[float, str],
-                               given: bool = False) -> tuple[float, float, str, str]:
+                               given: bool = False, model: str | None = None,
+                               input_size: dict[str, Any] | None = None) -> tuple[float, float, str, str]:
     """``(achieved share, fixed seconds per step, source, fixed source)`` from a measured
     ``fastvision benchmark --mode train`` JSON.
 
@@ -196,9 +201,10 @@ def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, f
     is refused. With one batch size, or with ``given`` (``fixed`` came from ``--fixed-ms``), ``fixed``
     (``(seconds, source)``: ``--fixed-ms`` or the fitted default) splits the largest batch's step,
     capped at half of it. The achieved share is the traced FLOPs per item over peak x ``t_item`` on
-    the benchmark's GPU (its ``gpu`` field).
+    the benchmark's GPU (its ``gpu`` field). One of another ``model`` or (recorded) ``input_size`` is
+    refused: its step time per item says nothing about this step.
     """
-    gpu, rows = _read_train_benchmark(path)
+    gpu, rows = _read_train_benchmark(path, model, input_size)
     precision, points = _step_points(rows, amp if amp != "off" else ("tf32" if tf32 else "fp32"))
     where = f"{gpu.name} {precision} " + ", ".join(f"batch {b}: {b / s:.0f} items/s" for b, s in points)
     fixed_s, per_item, fixed_source = _split_step(points, path, precision, fixed, given)
@@ -207,24 +213,52 @@ def calibration_from_benchmark(path: Path, t: StepTrace, amp: str, tf32: bool, f
     return frac, fixed_s, where, fixed_source
 
 
-def _read_train_benchmark(path: Path) -> tuple[GPU, list[dict[str, Any]]]:
+def _read_train_benchmark(path: Path, model: str | None = None,
+                          input_size: dict[str, Any] | None = None) -> tuple[GPU, list[dict[str, Any]]]:
     """``(the GPU it was measured on, measured rows)`` of a train-mode benchmark JSON; only rows
     with a positive rate and batch size.
 
     Raises:
-        DataError: the file is unreadable, not a GPU train-mode benchmark, or has no measured row.
+        DataError: naming the file: unreadable, not a GPU train-mode benchmark (of ``model``, at
+            ``input_size``), a GPU the table lacks, or no measured row.
     """
     try:
         report = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: not a readable benchmark JSON ({e})") from None
-    if report.get("mode") != "train" or not report.get("gpu"):
+    if not isinstance(report, dict) or report.get("mode") != "train" or not report.get("gpu"):
         raise DataError(f"{path}: needs a train-mode benchmark measured on a GPU (its 'gpu' field names it)")
-    gpu = get_gpu(report["gpu"])
-    rows = [r for r in report.get("results", []) if r.get("items_per_s", 0) > 0 and r.get("batch_size", 0) > 0]
+    if model is not None and report.get("model") not in (None, model):
+        raise DataError(f"{path}: a benchmark of model {report['model']} (recipe {report.get('recipe')}); this plan's "
+                        f"model is {model}: calibrate with `fastvision benchmark` of this recipe")
+    if k := _other_input(report, input_size):
+        raise DataError(f"{path}: measured at task.args.{k}={_listed(report['input'][k])}, this plan's is "
+                        f"{_listed(input_size[k])}: benchmark with --set task.args.{k}=... as the plan has it")
+    try:
+        gpu = get_gpu(str(report["gpu"]))
+    except ConfigError as e:
+        raise DataError(f"{path}: its 'gpu' field: {str(e).removeprefix('--gpu: ')}") from None
+    rows = [r for r in (report["results"] if isinstance(report.get("results"), list) else []) if isinstance(r, dict)
+            and _positive(r.get("items_per_s")) and _positive(r.get("batch_size")) and "precision" in r]
     if not rows:
         raise DataError(f"{path}: no measured rows")
     return gpu, rows
+
+
+def _listed(v: Any) -> Any:  # a size as JSON gives it back (a tuple is a list there)
+    return list(v) if isinstance(v, list | tuple) else v
+
+
+def _other_input(report: dict[str, Any], input_size: dict[str, Any] | None) -> str | None:
+    """The first ``task.args`` size key the benchmark (its ``input``, where recorded) measured otherwise."""
+    measured = report.get("input")
+    if not input_size or not isinstance(measured, dict):
+        return None
+    return next((k for k, v in input_size.items() if k in measured and _listed(measured[k]) != _listed(v)), None)
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def _step_points(rows: list[dict[str, Any]], want: str) -> tuple[str, list[tuple[int, float]]]:

@@ -129,14 +129,16 @@ def _achieved(work: Workload, cfg: RunConfig, t, spec: GPU,
     batch sizes give the fixed per-step cost as the intercept of step time against batch), else from
     the shipped measurement of this recipe on this GPU model (:func:`estimate.shipped_measurement`),
     else the given range or the default with ``--fixed-ms`` or the fitted fixed cost."""
+    from fastvision.benchmark.modes import input_size
+
     fixed_ms, fixed_source = sc.fixed_step_ms(work.fixed_ms)
     measured = work.calibrate
     if not measured and not work.achieved:
-        measured = est.shipped_measurement(cfg.recipe, spec, precision, cfg.train.channels_last)
+        measured = est.shipped_measurement(cfg.recipe, spec, precision, cfg.train.channels_last, input_size(cfg))
     if measured:
         f, fixed_s, source, fixed_source = est.calibration_from_benchmark(
             Path(measured), t, cfg.train.amp, cfg.train.tf32, (fixed_ms / 1e3, fixed_source),
-            given=work.fixed_ms is not None)
+            given=work.fixed_ms is not None, model=cfg.model.name, input_size=input_size(cfg))
         if not work.calibrate:
             source = f"shipped measurement, {source} ({Path(measured).name}; --achieved or --calibrate to replace)"
         return (0.85 * f, 1.15 * f), True, source, fixed_s * 1e3, fixed_source
@@ -367,6 +369,7 @@ def cmd_plan(args) -> int:
     from fastvision.api import refuse_overwrite
     from fastvision.config import load, parse_override
     from fastvision.planning.plan_report import plot, text_report
+    from fastvision.utils.files import atomic_text, check_figure_name
 
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
     # the plan traces the model and task but builds no dataset: check data.args as training's build will,
@@ -382,11 +385,12 @@ def cmd_plan(args) -> int:
     for path, flag in ((args.json, "--json"), (args.png, "--png")):  # refused before the trace, not after it
         if path:
             refuse_overwrite(path, args.force, flag, file=True)
+    if args.png:  # a name matplotlib cannot write was a traceback after the whole plan
+        check_figure_name(args.png, "--png")
     plan = make_plan(cfg, cluster, work, switches=not args.no_switches, min_efficiency=args.min_efficiency)
     print(text_report(plan))  # the CLI's output, not library logging
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(plan, indent=2) + "\n")
+        atomic_text(args.json, json.dumps(plan, indent=2) + "\n")  # whole, or the file before: never half
         print(f"wrote {args.json}")
     if args.png:
         print(f"wrote {plot(plan, args.png)}")

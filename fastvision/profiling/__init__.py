@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fastvision.config import AMP_MODES
-from fastvision.errors import DataError, check_low
+from fastvision.errors import DataError, check_low, interrupted
 from fastvision.profiling.monitor import plot_csv, read_csv, record
 from fastvision.profiling.profiler import (
     PHASES,
@@ -21,6 +21,7 @@ from fastvision.profiling.profiler import (
     profile_run,
 )
 from fastvision.profiling.ranks import table as rank_table
+from fastvision.utils.files import atomic_text
 
 __all__ = ["profile", "profile_run", "render", "record", "plot_csv", "read_csv", "advice", "percentiles_ms",
            "add_profile_cli", "add_monitor_cli"]
@@ -89,16 +90,19 @@ def _cmd_profile(args) -> int:
         # this very command under torch's launcher, one process per worker (as train --nproc): every rank
         # profiles the same steps and rank 0 writes the report
         return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv), backend=cfg.train.backend)
-    report = profile(cfg, steps=args.steps, warmup=args.warmup, nvtx=args.nvtx, trace=args.trace,
-                     synthetic=args.synthetic)
+    out = Path(args.out or f"runs/profile-{Path(cfg.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        report = profile(cfg, steps=args.steps, warmup=args.warmup, nvtx=args.nvtx, trace=args.trace,
+                         synthetic=args.synthetic)
+    except KeyboardInterrupt:  # Ctrl-C: nothing half-written to keep, and the line says so
+        raise interrupted("profile", [out, args.trace], "every step has run") from None
     if not distributed.detect_env().is_main:
         return 0
-    out = Path(args.out or f"runs/profile-{Path(cfg.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.json").write_text(json.dumps(report, indent=2))
+    atomic_text(out / "profile.json", json.dumps(report, indent=2))  # whole, or the file before: never half
     console = Console(record=True)
     console.print(render(report))
-    (out / "profile.txt").write_text(console.export_text())
+    atomic_text(out / "profile.txt", console.export_text())
     print(f"report: {out / 'profile.json'}")
     return 0
 
@@ -110,16 +114,12 @@ def _plot_path(plot: str | Path, force: bool) -> Path:
     Raises:
         DataError: naming ``--plot`` and the path.
     """
-    from matplotlib.backend_bases import FigureCanvasBase
-
     from fastvision.api import refuse_overwrite
+    from fastvision.utils.files import check_figure_name
 
     plot = Path(plot)
     refuse_overwrite(plot, force, "--plot", file=True)
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if plot.suffix.lower().lstrip(".") not in formats:
-        raise DataError(f"--plot {plot}: not an image file name matplotlib writes; end it with .png (or .svg, .pdf)")
-    return plot
+    return check_figure_name(plot, "--plot")
 
 
 def _cmd_monitor(args) -> int:
@@ -129,6 +129,11 @@ def _cmd_monitor(args) -> int:
         plot = _plot_path(args.plot or Path(args.replot).with_suffix(".png"), args.force)
         print(plot_csv(args.replot, plot))
         return 0
+    # the numbers before NVML is asked: a bad value is named, not hidden behind "NVML is not available" (and
+    # --interval 0 would read the GPU in a busy loop, a negative one fail at the first sleep)
+    check_low("--interval", args.interval, 0, inclusive=False)
+    check_low("--duration", args.duration, 0, inclusive=False)
+    check_low("--gpu", args.gpu, 0)
     plot = _plot_path(args.plot, args.force) if args.plot else None  # refused before recording, not after it
     csv_path = record(args.out, interval=args.interval, duration=args.duration, index=args.gpu)
     print(f"readings: {csv_path}")

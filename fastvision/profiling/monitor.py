@@ -162,9 +162,9 @@ def plot_csv(path: str | Path, png: str | Path, title: str | None = None) -> Pat
     ax2.legend(loc="lower right", fontsize=8, frameon=False)
     ax2.grid(alpha=0.3)
     ax1.set_title(title or f"GPU monitor: {Path(path).name}", fontsize=10)
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
+    from fastvision.utils.files import save_figure
+
+    png = save_figure(fig, Path(png), dpi=110)  # whole, or the file before: never half a picture
     plt.close(fig)
     return png
 

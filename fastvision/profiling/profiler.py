@@ -35,6 +35,7 @@ from fastvision.data.loader import endless_batches
 from fastvision.models import levers
 from fastvision.profiling.monitor import NvmlSampler
 from fastvision.profiling.ranks import delayed, rank_row, slowest, waiting_advice
+from fastvision.utils.files import atomic_by_name
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +208,8 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
     report["slowest"] = slowest(report["ranks"])
     report["advice"] = waiting_advice(report["slowest"], report["verdict"], env.rank, report["advice"])
     if trace:
-        Path(trace).mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(Path(trace) / f"trace_rank{env.rank}.json"))
+        # torch writes the trace (tens of MB) by name: into a temp file beside, renamed when whole
+        atomic_by_name(Path(trace) / f"trace_rank{env.rank}.json", lambda name: prof.export_chrome_trace(name))
         report["top_ops"] = top_ops(prof, device, steps)
     return report
 

@@ -54,6 +54,46 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 USER_FIXABLE = (*DISK_FULL, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
 
 
+def atomic_by_name(path: Path, write: Callable[[str], Any]) -> Path:
+    """``write(name)`` for a writer that takes a file name (torch.profiler's ``export_chrome_trace``): it
+    writes a temp file beside ``path``, which then replaces ``path``; a stop or failure removes the temp
+    file, so ``path`` is whole or as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        write(str(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_text(path: Path, text: str) -> Path:
+    """``path`` holding ``text`` (UTF-8), written with :func:`atomic_write`: a report that a stop, a
+    failure or a full disk interrupts leaves the file there before, never half of the new one."""
+    data = text.encode()
+    atomic_write(Path(path), lambda f: f.write(data))
+    return Path(path)
+
+
+def check_figure_name(path: str | Path, flag: str) -> Path:
+    """``path`` if its suffix names an image format matplotlib writes (what :func:`save_figure` will be
+    asked for), checked before the work that makes the figure.
+
+    Raises:
+        DataError: naming ``flag`` and the path.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(path)
+    if path.suffix.lower().lstrip(".") not in FigureCanvasBase.get_supported_filetypes():
+        raise DataError(f"{flag} {path}: not an image file name matplotlib writes; end it with .png (or .svg, .pdf)")
+    return path
+
+
 def save_figure(fig: Any, path: Path, dpi: int = 100) -> Path:
     """``fig`` (matplotlib) rendered in memory in ``path``'s format (by its suffix; PNG without one), then
     written with :func:`atomic_write`: a stop or a full disk during the write never leaves half a picture."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fastvision import __version__, config, distributed
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import ConfigError, DataError, interrupted
 from fastvision.planning.tune import report
 from fastvision.planning.tune.run import run_tune
 from fastvision.planning.tune.switches import SWITCH_KEYS, check_keep
@@ -84,6 +84,20 @@ def cache_path(key: str) -> Path:
     return Path(root) / "tune" / f"{key}.json"
 
 
+def stored_result(stored: Path) -> dict[str, Any] | None:
+    """The stored result of an earlier identical tune, or None (measure again) where it cannot be read."""
+    try:
+        result = json.loads(stored.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("the stored tune result %s cannot be read (%s): measuring again", stored, e)
+        return None
+    if not isinstance(result, dict) or not {"chosen", "trials", "baseline"} <= result.keys():
+        log.warning("the stored tune result %s is not a tune result: measuring again", stored)
+        return None
+    log.info("reusing the stored tune result %s (--fresh measures again)", stored)
+    return result
+
+
 def cmd_tune(args) -> int:
     """``fastvision tune``: checks, cache, search, outputs (rank 0 writes)."""
     from fastvision.api import overrides_to_dicts, refuse_overwrite
@@ -117,11 +131,14 @@ def cmd_tune(args) -> int:
     stored = cache_path(key)
     result = None
     if not args.fresh and stored.is_file():
-        result = json.loads(stored.read_text())
-        log.info("reusing the stored tune result %s (--fresh measures again)", stored)
+        result = stored_result(stored)
     if result is None:
         runner = TrialRunner(cfg, rounds=args.rounds, round_s=args.round_seconds)
-        result = run_tune(cfg, budget_s=budget_s, keep=args.keep, allow_batch="batch" in args.allow, runner=runner)
+        try:
+            result = run_tune(cfg, budget_s=budget_s, keep=args.keep, allow_batch="batch" in args.allow,
+                              runner=runner)
+        except KeyboardInterrupt:  # Ctrl-C: say what is kept (nothing: the outputs come from the whole search)
+            raise interrupted("tune", [out, out.with_suffix(".png"), json_path], "the search ends") from None
         result.update(recipe=cfg.recipe, hardware=hw, date=time.strftime("%Y-%m-%d %H:%M"), sets=list(args.set),
                       extends=str(Path(args.recipe).resolve()) if Path(args.recipe).suffix in (".yaml", ".yml")
                       else args.recipe, cache_key=key)

@@ -48,9 +48,22 @@ def table(result: dict[str, Any]):
     return t
 
 
+def speedup_line(result: dict[str, Any]) -> str:
+    """What the final check measured, or that none ran (no switch was kept: nothing to check)."""
+    final = result.get("final")
+    if not final:
+        return "speed-up over the start: x1.00 (no switch kept, so no final trial ran)"
+    if final.get("kept"):
+        return f"measured speed-up over the start: x{result['speedup']:.2f} (final trial, interleaved rounds)"
+    got = "-" if final.get("ratio") is None else f"x{final['ratio']:.2f}"
+    return f"final trial: the tuned setting measured {got} the start ({final['reason']}), so the start stays"
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
-    lines = [f"chosen: {_setting(result['chosen']) or 'the start (nothing beat it)'}",
-             f"measured speed-up over the start: x{result['speedup']:.2f} (final trial, interleaved rounds)"]
+    final = result.get("final")
+    start = ("the start (the kept switches together did not beat it)" if final and not final.get("kept")
+             else "the start (nothing beat it)")
+    lines = [f"chosen: {_setting(result['chosen']) or start}", speedup_line(result)]
     if result["untried"]:
         lines.append(f"not tried (budget {result['budget_s']:.0f} s spent): {', '.join(result['untried'])}")
     if result.get("lr_line"):
@@ -70,8 +83,9 @@ def tuned_yaml(result: dict[str, Any]) -> str:
     for key, value in result["chosen"].items():
         body = config.merge(body, config.nested(key, value))
     head = [f"# fastvision tune {result['recipe']} on {result['hardware']['where']} ({result['date']})",
-            f"# start {result['baseline']['items_per_s']:.1f} items/s; measured x{result['speedup']:.2f} "
-            f"with: {_setting(result['chosen']) or 'nothing changed'}"]
+            f"# start {result['baseline']['items_per_s']:.1f} items/s; "
+            + (f"measured x{result['speedup']:.2f} with: {_setting(result['chosen'])}" if result["chosen"]
+               else "nothing changed (no switch beat the start)")]
     if result.get("lr_line"):
         head.append(f"# {result['lr_line']}")
     head.append("# run: fastvision train THIS.yaml --data DIR")
