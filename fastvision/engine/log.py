@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -237,10 +238,28 @@ def _start_plot_import() -> threading.Thread:
         except Exception:  # noqa: BLE001  (plot_curves imports again and reports it)
             pass
 
-    thread = threading.Thread(target=run, name="fastvision-plot-import", daemon=True)
+    thread = threading.Thread(target=run, name=_PLOT_IMPORT, daemon=True)
     thread.start()
     atexit.register(thread.join, PLOT_IMPORT_JOIN_S)
     return thread
+
+
+_PLOT_IMPORT = "fastvision-plot-import"
+
+
+def _finish_plot_import_before_fork() -> None:
+    """``os.fork`` waits for the plot import: a process forked while it runs (``data.loader: processes``'
+    workers start right after the logger, at the first epoch's first batch) inherits the import locks it
+    holds, with no thread left to release them, and a worker that then imports one of those modules
+    waits for ever: the run hung before its first step (1 launch in 3 of resnet18-imagefolder with 2
+    worker processes on 2 cores). The import takes a few seconds once; later forks find it done."""
+    for thread in threading.enumerate():
+        if thread.name == _PLOT_IMPORT and thread is not threading.current_thread():
+            thread.join(PLOT_IMPORT_JOIN_S)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_finish_plot_import_before_fork)
 
 
 def _fmt(v: Any) -> str:
