@@ -189,6 +189,15 @@ def _damaged_record(path: Path) -> str | None:
     return None
 
 
+def saved_step(path: Path) -> int | None:
+    """The global step the checkpoint ``path`` holds, read without reading its tensors (``mmap``), or None
+    where it does not load."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+    except Exception:  # noqa: BLE001  (no rollback target rather than a stopped resume)
+        return None
+
+
 def unfinished_write(path: Path) -> bool:
     """``path`` is the temp file of a checkpoint write a killed process left (``atomic_write``'s
     ``.last.pt.k3x9q1ab.tmp``, ``atomic_link``'s ``.best.pt.<pid>.<hex>.lnk``): never a checkpoint."""

@@ -68,6 +68,8 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     run = build(_joined_config(cfg, ckpt), train=True)
     check_target_metric(run.task, tc.target)
     state = _start_state(run, ckpt, resume)
+    if ckpt is not None:
+        policy.resumed(state["step"], checkpoint.saved_step)
     wall_before = state["wall_time"]
     wall = lambda: wall_before + time.perf_counter() - started  # noqa: E731
     logger, resolved = _open_logs(run, state, run_dir, progress, resumed=ckpt is not None)

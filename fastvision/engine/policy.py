@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fastvision.errors import ConfigError
@@ -100,6 +101,16 @@ class CheckpointPolicy:
             paths.append(self.folder / "rollback.pt")
             self.good = (paths[-1], global_step)
         return paths
+
+    def resumed(self, step: int, saved_step: Callable[[Path], int | None]) -> None:
+        """After a resume at ``step``: this folder's ``rollback.pt``, written while the run was healthy before
+        the stop, is where a rollback goes until a newer healthy checkpoint is written (before, a run that
+        diverged before its first checkpoint after a preemption stopped with 'no healthy checkpoint'). Not
+        one ahead of ``step``: that belongs to a branch abandoned by resuming an older ``step-N.pt``."""
+        path = self.folder / "rollback.pt"
+        at = saved_step(path) if path.is_file() else None
+        if at is not None and at <= step:
+            self.good = (path, at)
 
     def prune(self, global_step: int) -> list[Path]:
         """Rank 0, before writing ``step-<global_step>.pt`` (the previous write on disk): the step

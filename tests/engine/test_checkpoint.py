@@ -175,3 +175,21 @@ def test_an_archive_saved_without_checksums_still_loads(tmp_path):
     finally:
         config.compute_crc32 = True
     assert torch.equal(checkpoint.load(path)["model"]["w"], torch.ones(3))
+
+
+def test_a_resume_adopts_rollback_pt_unless_it_is_ahead_of_the_resumed_step(tmp_path):
+    """rollback.pt of step 10: a resume at step 12 may roll back to it; one from an older step-6.pt may not (it
+    is the abandoned branch's future); an unreadable one is no target."""
+    from fastvision.engine.policy import CheckpointPolicy, Every
+
+    path = tmp_path / "rollback.pt"
+    checkpoint.atomic_write(path, lambda f: torch.save({"model": {"w": torch.ones(4)}, "step": 10}, f))
+    assert checkpoint.saved_step(path) == 10
+    for step, good in ((12, (path, 10)), (6, None)):
+        policy = CheckpointPolicy(tmp_path, Every(None), 0)
+        policy.resumed(step, checkpoint.saved_step)
+        assert policy.good == good
+    path.write_bytes(b"PK not a checkpoint")
+    policy = CheckpointPolicy(tmp_path, Every(None), 0)
+    policy.resumed(12, checkpoint.saved_step)
+    assert policy.good is None

@@ -223,3 +223,16 @@ def test_non_finite_batchnorm_statistics_without_a_skipped_step_are_named_once(c
     assert lines[0].startswith("step 8: 1 tensor(s) of the model are not finite (1.running_var): the run diverged")
     assert "rollback.pt is not updated" in lines[0] and lines[1].startswith("step 20: 1 tensor(s)")
     assert "(0.weight)" in lines[1]
+
+
+def test_a_resumed_run_rolls_back_to_the_rollback_checkpoint_written_before_the_stop(tiny_microscopy, tmp_path,
+                                                                                     capfd):
+    """Epoch 0 ends healthy (rollback.pt at step 6); the resumed process diverges at once (its forward calls
+    1-3: steps 7-9). It used to stop with 'no healthy checkpoint of this run to roll back to' (the resumed
+    process knew only the healthy checkpoints it wrote itself: a preempted, requeued job lost its rollback)."""
+    out = tmp_path / "run"
+    assert _train(capfd, tiny_microscopy, out, "--epochs", "1").returncode == 0
+    res = _train(capfd, tiny_microscopy, out, "--resume", "auto", "--set", "model.args.nonfinite_steps=[1,2,3]",
+                 "--set", "train.on_nonfinite=rollback")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.search(r"step 9: 3 consecutive steps skipped .*rolled back to \S*rollback\.pt \(step 6\)", res.stderr)
