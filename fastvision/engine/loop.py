@@ -147,6 +147,8 @@ def _note_changes(path: Path, resolved: dict, shown: int = 8) -> None:
         before = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return
+    if not isinstance(before, dict):  # a hand-edited file (a list, a number): nothing to compare, rewritten below
+        return
 
     def flat(d: dict, prefix: str = "") -> dict[str, Any]:
         out = {}

@@ -121,3 +121,15 @@ def test_a_resume_with_other_settings_names_them_and_saves_the_new_config(tiny_m
     assert saved["train"]["epochs"] == 2 and saved["train"]["log_every"] == 3
     assert cli_here([*argv, "--epochs", "2", "--resume", "auto", "--set", "train.log_every=3"]) == 0
     assert "setting(s) changed" not in capsys.readouterr().err  # the same settings again: nothing to say
+
+
+def test_a_resume_beside_a_config_yaml_that_is_no_mapping_rewrites_it(tiny_microscopy, tmp_path, capsys):
+    """A hand-edited config.yaml holding a list (or a number) stopped the resume with an AttributeError
+    traceback, exit 1, in the comparison that only logs what changed; it is rewritten with the run's config."""
+    out = tmp_path / "run"
+    argv = ["train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(out), *TINY]
+    assert cli_here([*argv, "--epochs", "1"]) == 0
+    for text in ("- a list\n", "3\n"):
+        (out / "config.yaml").write_text(text)
+        assert cli_here([*argv, "--epochs", "2", "--resume", "auto"]) == 0, capsys.readouterr().err[-2000:]
+        assert yaml.safe_load((out / "config.yaml").read_text())["train"]["epochs"] == 2
