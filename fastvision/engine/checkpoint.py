@@ -189,6 +189,25 @@ def _damaged_record(path: Path) -> str | None:
     return None
 
 
+def others_to_resume(path: Path, shown: int = 3) -> str:
+    """What to try when the checkpoint ``path`` does not load: the other checkpoints beside it, newest first,
+    as a clause to add to the error (``""`` when there are none). Hard links of ``path`` (``rollback.pt`` or
+    ``best.pt`` of the same write) hold the same bytes and are left out."""
+    from fastvision.engine.policy import step_checkpoints
+
+    path = Path(path)
+    try:
+        named = [path.parent / n for n in ("last.pt", "best.pt", "rollback.pt")] + step_checkpoints(path.parent)
+        found = [p for p in named if p.is_file() and not p.samefile(path) and p.stat().st_size > 0]
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    found.sort(key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+    names = ", ".join(str(p) for p in found[:shown]) + (", ..." if len(found) > shown else "")
+    return f"; other checkpoints of this run, newest first: {names} (--resume PATH continues one)"
+
+
 def saved_step(path: Path) -> int | None:
     """The global step the checkpoint ``path`` holds, read without reading its tensors (``mmap``), or None
     where it does not load."""

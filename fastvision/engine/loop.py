@@ -39,7 +39,7 @@ from fastvision.engine.state import (
     restore,
 )
 from fastvision.engine.step import StepResult, _first_line, step_failure, train_step
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, DataError
 from fastvision.tasks.base import Task
 from fastvision.utils.files import atomic_write
 
@@ -62,7 +62,7 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
     preemption = Preemption(tc.stop_signals, tc.requeue, every=tc.log_every)
     check_timeouts(tc.hang_timeout_s, tc.dist_timeout_s)
     NonFiniteGuard.validate(tc.max_nonfinite, tc.on_nonfinite)
-    ckpt = checkpoint.load(resume, "cpu") if resume is not None else None  # RNG states stay CPU tensors
+    ckpt = _load_resume(resume) if resume is not None else None
     if ckpt is not None:
         check_resumable(ckpt, cfg, resume)  # another recipe's run, or weights alone: one line, before any build
     run = build(_joined_config(cfg, ckpt), train=True)
@@ -93,6 +93,15 @@ def fit(cfg: RunConfig, run_dir: Path, resume: Path | None = None, progress: boo
         if hasattr(run.train_set, "shutdown"):  # smart cache: stop its replacement threads
             run.train_set.shutdown()
     return summary
+
+
+def _load_resume(resume: Path) -> dict:
+    """The checkpoint to resume (RNG states stay CPU tensors); where it does not load (truncated, damaged),
+    the one line names the run's other checkpoints to continue from instead."""
+    try:
+        return checkpoint.load(resume, "cpu")
+    except DataError as e:
+        raise DataError(f"{e}{checkpoint.others_to_resume(resume)}") from e
 
 
 def _joined_config(cfg: RunConfig, ckpt: dict | None) -> RunConfig:

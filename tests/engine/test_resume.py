@@ -133,3 +133,27 @@ def test_a_resume_beside_a_config_yaml_that_is_no_mapping_rewrites_it(tiny_micro
         (out / "config.yaml").write_text(text)
         assert cli_here([*argv, "--epochs", "2", "--resume", "auto"]) == 0, capsys.readouterr().err[-2000:]
         assert yaml.safe_load((out / "config.yaml").read_text())["train"]["epochs"] == 2
+
+
+def test_a_last_checkpoint_that_does_not_load_names_the_others_to_resume_from(tiny_microscopy, tmp_path, capsys):
+    """A truncated last.pt: one line, exit 2, as before, now naming the run's other checkpoints, newest first,
+    without last.pt's hard links (rollback.pt of the same write holds the same damaged bytes)."""
+    out = tmp_path / "run"
+    argv = ["train", "unet2d-microscopy", "--data", str(tiny_microscopy), "--out", str(out), *TINY,
+            "--set", "train.checkpoint_every=2", "--set", "train.keep_checkpoints=2"]
+    assert cli_here([*argv, "--epochs", "1"]) == 0
+    folder = out / "checkpoints"
+    last = folder / "last.pt"
+    assert (folder / "rollback.pt").samefile(last) and (folder / "best.pt").samefile(last)  # epoch 0's write
+    kept = [p.name for p in sorted(folder.glob("step-*.pt"))]
+    assert len(kept) == 2 and not any((folder / n).samefile(last) for n in kept)
+    with open(last, "r+b") as f:
+        f.truncate(1000)
+    capsys.readouterr()
+    assert cli_here([*argv, "--epochs", "2", "--resume", "auto"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"fastvision: error: {last}: not a loadable fastvision checkpoint"), line
+    others = line.split("other checkpoints of this run, newest first: ")[1]
+    assert "rollback.pt" not in others and "best.pt" not in others, others  # the same damaged bytes
+    assert others.startswith(f"{folder / kept[1]}, {folder / kept[0]} ("), others
+    assert others.endswith("(--resume PATH continues one)")
