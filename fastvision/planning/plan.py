@@ -51,7 +51,8 @@ def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: st
     row["efficiency"] = [e["efficiency"] for e in effs]
     row["scale"] = effs
     if items:
-        ep = [items / e["items_per_s"] for e in effs]
+        # the batches a GPU steps (its shard, last partial one dropped) x the step: not items / rate
+        ep = [sc.rank_batches(items, gpus, batch) * batch * gpus / e["items_per_s"] for e in effs]
         row["epoch_s"] = ep
         row["train_s"] = [v * cfg.train.epochs for v in ep]
         row["gpu_hours"] = [v / 3600 * gpus for v in row["train_s"]]
@@ -193,6 +194,8 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
     items, items_source = _dataset(cfg, work, target_runs)
     if items is None:
         notes.append(f"dataset size {items_source}; epoch and train time left out")
+    elif note := sc.shard_note(items, gpus, b):
+        notes.append(note)
     input_rate, input_source = sc.input_rate_of(cfg, work.input_rate)
     host_cores, host_source = (None, f"the {cluster.hardware} node") if cluster.hardware else \
         sc.host_cores_for(spec, per_node)

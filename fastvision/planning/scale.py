@@ -181,3 +181,21 @@ def input_rate_of(cfg: RunConfig, given: float | str | None = None) -> tuple[flo
 
     rate = input_rates(load_anchors())["dle-pytorch-loader"]
     return rate, "published: DLE PyTorch ResNet-50 loader, 8,322 img/s / (8 V100 x 8 processes)"
+
+
+def rank_batches(items: int, gpus: int, batch: int) -> int:
+    """Batches one GPU steps through in an epoch of ``items``, as training's loader counts them: a rank's
+    shard is ``ceil(items / gpus)`` (``TrainSampler`` pads the permutation), and its last partial batch is
+    dropped when the shard holds a full one, else the shard is one short batch."""
+    shard = -(-items // gpus)
+    return shard // batch if shard >= batch else 1
+
+
+def shard_note(items: int, gpus: int, batch: int) -> str | None:
+    """The plan's note where a GPU's shard of the epoch is under its batch (None where it is not)."""
+    shard = -(-items // gpus)
+    if shard >= batch:
+        return None
+    return (f"{items} items over {gpus} GPUs: a GPU's shard is {shard} items, under its batch of {batch}, so an "
+            "epoch is one short step per GPU (the epoch time is that of one step); fewer GPUs or a smaller batch "
+            "use them better")

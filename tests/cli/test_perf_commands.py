@@ -243,3 +243,31 @@ def test_tune_summary_says_what_the_final_check_measured(final, says):
 def test_monitor_checks_its_numbers_before_nvml(tmp_path, capsys, flag, value, says):
     assert cli.main(["monitor", "--out", str(tmp_path / "gpu.csv"), flag, value]) == 2
     assert _err_line(capsys) == f"fastvision: error: {says}" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("items, gpus, batch, batches", [
+    (896, 8, 16, 7), (896, 16, 16, 3),  # 56 a GPU: 3 batches, the last 8 dropped
+    (900, 16, 16, 3),  # 57 a GPU (the sampler pads 900 to 912)
+    (32, 16, 4, 1), (32, 64, 2, 1),  # a shard under the batch (1 item: 32 padded to 64): one short step
+])
+def test_rank_batches_count_as_the_training_loader_does(items, gpus, batch, batches):
+    from fastvision.distributed import TrainSampler
+    from fastvision.planning.scale import rank_batches
+
+    assert rank_batches(items, gpus, batch) == batches
+    shard = len(TrainSampler(items, num_replicas=gpus, rank=0))
+    assert shard == -(-items // gpus)  # the shard the loader batches
+    if shard >= batch:
+        assert batches == shard // batch
+
+
+def test_plan_epoch_of_a_small_dataset_on_many_gpus_is_a_step_not_a_fraction_of_one(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "unet2d-microscopy", "--no-switches", "--gpus", "16", "--gpu", "H100-80GB",
+                 "--dataset-size", "40", "--batch-size", "4", "--json", str(out), *TINY_UNET]) == 0
+    plan = json.loads(out.read_text())
+    e = plan["estimate"]
+    for scale, epoch in zip(e["scale"], e["epoch_s"], strict=True):  # 40 / 16 -> 3 items a GPU, under 4
+        assert epoch == pytest.approx(scale["step_s"])  # was 40 / rate: 0.625 of a step
+    assert any("a GPU's shard is 3 items, under its batch of 4" in n for n in plan["notes"])
+    assert "a GPU's shard is 3 items" in capsys.readouterr().out

@@ -192,9 +192,10 @@ def test_plan_cli_table_json_png(tmp_path, capsys):
     plan = json.loads(out.read_text())
     e = plan["estimate"]
     assert plan["gpus_per_node"] == 8 and e["fits"]
-    # epoch time: the epoch's items over the aggregate rate, both ends of the range
+    # epoch time: the batches a GPU steps (896 // 16 = 56 items, 3 batches of 16, the last 8 dropped as the
+    # loader drops them) x the step at scale (step / efficiency), both ends of the range
     for step, eff, epoch in zip(e["step_s"], e["efficiency"], e["epoch_s"], strict=True):
-        assert epoch == pytest.approx(896 / (16 * 16 * eff / step))
+        assert epoch == pytest.approx(3 * step / eff)
     assert e["cost"][0] == pytest.approx(e["gpu_hours"][0] * 0.5)
     assert (tmp_path / "plan.png").stat().st_size > 0
     assert main(["plan", "unet2d-microscopy", "--gpu", "H900"]) == 2
