@@ -117,10 +117,10 @@ def _place(cluster: Cluster) -> tuple[GPU, int, str]:
 
         hw = load_hardware(cluster.hardware)
     gpus, nodes = cluster.gpus, cluster.nodes
-    if gpus < 1 or (nodes is not None and (nodes < 1 or gpus % nodes)):
-        raise ConfigError(f"--gpus {gpus} / --nodes {nodes}: GPUs must be >= 1 and split evenly over nodes")
+    sc.check_split(gpus, nodes)
     spec = get_gpu(cluster.gpu or (hw.gpu if hw else "A100-80GB"))
     per_node = hw.gpus_per_node if hw else gpus // nodes if nodes else min(gpus, 8)
+    sc.check_whole_nodes(gpus, per_node, hw.name if hw else None)
     return spec, per_node, hw.name if hw else cluster.link
 
 

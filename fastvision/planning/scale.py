@@ -199,3 +199,16 @@ def shard_note(items: int, gpus: int, batch: int) -> str | None:
     return (f"{items} items over {gpus} GPUs: a GPU's shard is {shard} items, under its batch of {batch}, so an "
             "epoch is one short step per GPU (the epoch time is that of one step); fewer GPUs or a smaller batch "
             "use them better")
+
+
+def check_split(gpus: int, nodes: int | None) -> None:
+    """``--gpus`` at least 1, over ``--nodes`` (given) at least 1 that split them evenly; else one line."""
+    if gpus < 1 or (nodes is not None and (nodes < 1 or gpus % nodes)):
+        raise ConfigError(f"--gpus {gpus} / --nodes {nodes}: GPUs must be >= 1 and split evenly over nodes")
+
+
+def check_whole_nodes(gpus: int, per_node: int, hardware: str | None) -> None:
+    """More GPUs than a node holds fill whole nodes (12 on 8-GPU nodes was planned as 1.5 nodes); else one line."""
+    if gpus > per_node and gpus % per_node:
+        raise ConfigError(f"--gpus {gpus}: not whole nodes of {per_node} GPUs"
+                          + (f" ({hardware})" if hardware else "; pass --nodes N to split them otherwise"))

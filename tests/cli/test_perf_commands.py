@@ -271,3 +271,15 @@ def test_plan_epoch_of_a_small_dataset_on_many_gpus_is_a_step_not_a_fraction_of_
         assert epoch == pytest.approx(scale["step_s"])  # was 40 / rate: 0.625 of a step
     assert any("a GPU's shard is 3 items, under its batch of 4" in n for n in plan["notes"])
     assert "a GPU's shard is 3 items" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--gpus", "12"], "--gpus 12: not whole nodes of 8 GPUs; pass --nodes N to split them otherwise"),  # 1.5 nodes
+    (["--gpus", "12", "--hardware", "dgx-h100"], "--gpus 12: not whole nodes of 8 GPUs (dgx-h100)"),
+])
+def test_plan_refuses_gpus_that_do_not_fill_whole_nodes(capsys, monkeypatch, extra, says):
+    from fastvision.planning import estimate
+
+    monkeypatch.setattr(estimate, "trace", lambda *a, **k: pytest.fail("traced before the node check"))
+    assert main(["plan", "unet2d-microscopy", "--no-switches", *extra]) == 2
+    assert _err_line(capsys) == f"fastvision: error: {says}"
