@@ -283,3 +283,17 @@ def test_plan_refuses_gpus_that_do_not_fill_whole_nodes(capsys, monkeypatch, ext
     monkeypatch.setattr(estimate, "trace", lambda *a, **k: pytest.fail("traced before the node check"))
     assert main(["plan", "unet2d-microscopy", "--no-switches", *extra]) == 2
     assert _err_line(capsys) == f"fastvision: error: {says}"
+
+
+@pytest.mark.parametrize("extra", [
+    ["--out", "x.png"],  # the chart beside it is x.png too: it replaced the tuned recipe
+    ["--out", "x.yaml", "--json", "x.yaml"],  # the JSON replaced the recipe
+    ["--out", "x.yaml", "--json", "x.png"],  # the JSON replaced the chart
+])
+def test_tune_refuses_outputs_that_would_write_over_each_other(tmp_path, capsys, monkeypatch, extra):
+    from fastvision.planning.tune import cli as tune_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tune_cli, "run_tune", lambda *a, **k: pytest.fail("tuned despite the outputs"))
+    assert main(["tune", "unet2d-microscopy", "--device", "cpu", *extra]) == 2
+    assert "need three files" in _err_line(capsys) and list(tmp_path.iterdir()) == []

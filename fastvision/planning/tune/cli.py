@@ -98,9 +98,29 @@ def stored_result(stored: Path) -> dict[str, Any] | None:
     return result
 
 
+def check_outputs(out: Path, json_path: Path | None, force: bool) -> tuple[Path, Path | None]:
+    """``(out, json_path)``: three files (the recipe, its chart beside it, the JSON), none over another
+    (``--out x.png`` wrote the chart over the recipe; ``--json`` = ``--out`` the JSON), none over an
+    existing file without ``force``, none where a folder is.
+
+    Raises:
+        ConfigError / DataError: one line naming the option.
+    """
+    from fastvision.api import refuse_overwrite
+
+    png = out.with_suffix(".png")
+    if out.suffix.lower() == ".png" or (json_path and json_path.resolve() in (out.resolve(), png.resolve())):
+        raise ConfigError(f"--out {out}{f' / --json {json_path}' if json_path else ''}: the tuned recipe, its chart "
+                          f"({png}) and the JSON need three files; give --out a .yaml name and --json another")
+    for p, flag in ((out, "--out"), (png, "--out"), (json_path, "--json")):
+        if p is not None:
+            refuse_overwrite(p, force, flag, file=True)  # files: a folder there is refused even with --force
+    return out, json_path
+
+
 def cmd_tune(args) -> int:
     """``fastvision tune``: checks, cache, search, outputs (rank 0 writes)."""
-    from fastvision.api import overrides_to_dicts, refuse_overwrite
+    from fastvision.api import overrides_to_dicts
 
     check_keep(args.keep)
     single = distributed.detect_env().launcher == "single"
@@ -113,11 +133,7 @@ def cmd_tune(args) -> int:
     if budget_s < MIN_BUDGET_S:
         raise ConfigError(f"--budget {args.budget}: cannot fit one trial (a trial builds and times two runs: "
                           f"give at least {MIN_BUDGET_S:.0f} s)")
-    out = Path(args.out)
-    json_path = Path(args.json) if args.json else None
-    for p, flag in ((out, "--out"), (out.with_suffix(".png"), "--out"), (json_path, "--json")):
-        if p is not None:
-            refuse_overwrite(p, args.force, flag, file=True)  # files: a folder there is refused even with --force
+    out, json_path = check_outputs(Path(args.out), Path(args.json) if args.json else None, args.force)
     if args.nproc > 1 and single:
         return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv))
     flat = {k: v for k, v in {"data": args.data, "device": args.device}.items() if v is not None}
