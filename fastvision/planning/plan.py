@@ -369,10 +369,9 @@ def _pair(text: str) -> tuple[float, float]:
 
 
 def cmd_plan(args) -> int:
-    from fastvision.api import refuse_overwrite
     from fastvision.config import load, parse_override
-    from fastvision.planning.plan_report import plot, text_report
-    from fastvision.utils.files import atomic_text, check_figure_name
+    from fastvision.planning.plan_report import check_outputs, plot, text_report
+    from fastvision.utils.files import atomic_text
 
     cfg = load(args.recipe, [parse_override(s) for s in args.set])
     # the plan traces the model and task but builds no dataset: check data.args as training's build will,
@@ -385,11 +384,7 @@ def cmd_plan(args) -> int:
     work = Workload(data=args.data, dataset_size=args.dataset_size, batch=args.batch_size,
                     achieved=_pair(args.achieved) if args.achieved else None, calibrate=args.calibrate,
                     input_rate=args.input_rate, fixed_ms=args.fixed_ms, epochs_from=args.epochs_from)
-    for path, flag in ((args.json, "--json"), (args.png, "--png")):  # refused before the trace, not after it
-        if path:
-            refuse_overwrite(path, args.force, flag, file=True)
-    if args.png:  # a name matplotlib cannot write was a traceback after the whole plan
-        check_figure_name(args.png, "--png")
+    check_outputs(args.json, args.png, args.force)  # refused before the trace, not after it
     plan = make_plan(cfg, cluster, work, switches=not args.no_switches, min_efficiency=args.min_efficiency)
     print(text_report(plan))  # the CLI's output, not library logging
     if args.json:

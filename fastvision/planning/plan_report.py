@@ -132,3 +132,24 @@ def plot(plan: dict[str, Any], path: Path) -> Path:
     ax.set(xlabel="GPUs", title=f"{plan['recipe']} on {plan['gpu']}")
     ax.grid(True, which="both", alpha=0.3)
     return _save(fig, path)
+
+
+def check_outputs(json_path: Path | None, png: Path | None, force: bool) -> None:
+    """``--json`` and ``--png`` before the trace: not over an existing file without ``force``, not a folder,
+    not one file for both (the PNG replaced the JSON), and a PNG name matplotlib writes (a traceback after
+    the whole plan, before).
+
+    Raises:
+        DataError: naming the option.
+    """
+    from fastvision.api import refuse_overwrite
+    from fastvision.errors import DataError
+    from fastvision.utils.files import check_figure_name
+
+    for path, flag in ((json_path, "--json"), (png, "--png")):
+        if path:
+            refuse_overwrite(path, force, flag, file=True)
+    if json_path and png and Path(json_path).resolve() == Path(png).resolve():
+        raise DataError(f"--json {json_path} / --png {png}: one file for both; give each its own name")
+    if png:
+        check_figure_name(png, "--png")

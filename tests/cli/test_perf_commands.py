@@ -297,3 +297,12 @@ def test_tune_refuses_outputs_that_would_write_over_each_other(tmp_path, capsys,
     monkeypatch.setattr(tune_cli, "run_tune", lambda *a, **k: pytest.fail("tuned despite the outputs"))
     assert main(["tune", "unet2d-microscopy", "--device", "cpu", *extra]) == 2
     assert "need three files" in _err_line(capsys) and list(tmp_path.iterdir()) == []
+
+
+def test_plan_refuses_one_file_for_json_and_png_before_the_trace(tmp_path, capsys, monkeypatch):
+    from fastvision.planning import plan
+
+    monkeypatch.setattr(plan, "make_plan", lambda *a, **k: pytest.fail("traced before the output check"))
+    same = tmp_path / "plan.png"  # the chart was written over the JSON
+    assert main(["plan", "unet2d-microscopy", "--json", str(same), "--png", str(same)]) == 2
+    assert "one file for both" in _err_line(capsys) and list(tmp_path.iterdir()) == []
