@@ -63,11 +63,10 @@ def atomic_by_name(path: Path, write: Callable[[str], Any]) -> Path:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         write(str(tmp))
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    _publish(tmp, path)
     return path
 
 
@@ -150,13 +149,19 @@ def atomic_link(src: Path, path: Path) -> bool:
         os.link(src, tmp)  # fails if tmp exists: never follows or reuses another writer's name
     except OSError:
         return False
+    _publish(tmp, path)
+    return True
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename the complete temp file ``tmp`` over ``path`` and fsync the directory; a failed rename
+    removes ``tmp``, leaving ``path`` as it was."""
     try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-    return True
 
 
 
