@@ -203,8 +203,10 @@ def shard_note(items: int, gpus: int, batch: int) -> str | None:
 
 def check_split(gpus: int, nodes: int | None) -> None:
     """``--gpus`` at least 1, over ``--nodes`` (given) at least 1 that split them evenly; else one line."""
-    if gpus < 1 or (nodes is not None and (nodes < 1 or gpus % nodes)):
-        raise ConfigError(f"--gpus {gpus} / --nodes {nodes}: GPUs must be >= 1 and split evenly over nodes")
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: must be >= 1")
+    if nodes is not None and (nodes < 1 or gpus % nodes):
+        raise ConfigError(f"--gpus {gpus} / --nodes {nodes}: nodes must be >= 1 and split the GPUs evenly")
 
 
 def check_whole_nodes(gpus: int, per_node: int, hardware: str | None) -> None:

@@ -68,6 +68,7 @@ def test_bad_input_is_one_line_exit_2(args, needle, capsys, tmp_path):
     assert main([*PLAN, *args, "--json", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and needle in err and err.startswith("fastvision: error:")
+    assert "None" not in err  # an option not given is not named
     assert not out.exists()  # nothing half-written
 
 
