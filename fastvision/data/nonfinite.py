@@ -62,8 +62,9 @@ class NonFinite:
         if not bad:
             return arr
         if self.policy == "error":
-            raise DataError(f"{path}: {bad} NaN/Inf value(s) (data.args.nonfinite=error; fix the file, or set "
-                            "data.args.nonfinite=zero to read them as 0)")
+            raise DataError(f"{path}: {bad} NaN/Inf value(s) (data.args.nonfinite=error; fix the file, or train "
+                            "with --set data.args.nonfinite=zero to read them as 0: predict and evaluate follow the "
+                            "run's setting)")
         if str(path) not in self._warned:
             self._warned.add(str(path))
             log.warning("%s: %d NaN/Inf value(s) read as 0 (data.args.nonfinite=zero)", path, bad)

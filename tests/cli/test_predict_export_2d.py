@@ -39,7 +39,8 @@ def test_a_float_tiff_with_nan_is_one_line_not_an_all_background_mask(rgb_run, t
     predicts as before."""
     bad = _float_tiff(tmp_path / "in" / "bad.tif", nan=True)
     code, _, err = run_cli(capsys, "predict", rgb_run, bad, "--out", tmp_path / "o", "--device", "cpu")
-    one_line_error(code, err, str(bad), "1 NaN/Inf value(s)", "nonfinite")
+    one_line_error(code, err, str(bad), "1 NaN/Inf value(s)", "nonfinite",
+                   "predict and evaluate follow the run's setting")
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
     good = _float_tiff(tmp_path / "in2" / "good.tif", nan=False)
     code, _, err = run_cli(capsys, "predict", rgb_run, good, "--out", tmp_path / "o2", "--device", "cpu")
