@@ -41,6 +41,13 @@ def count_nonfinite(arr: np.ndarray) -> int:
     return int(arr.size - np.count_nonzero(np.isfinite(arr)))
 
 
+def zero_nonfinite(arr: np.ndarray) -> np.ndarray:
+    """``arr`` with NaN / +-Inf set to 0 (``data.args.nonfinite: zero``); integer arrays as they are."""
+    if arr.dtype.kind not in "fc":
+        return arr
+    return np.where(np.isfinite(arr), arr, np.zeros((), arr.dtype))
+
+
 class NonFinite:
     """The ``data.args.nonfinite`` policy of one dataset, applied to each file as it is decoded.
 
@@ -68,7 +75,7 @@ class NonFinite:
         if str(path) not in self._warned:
             self._warned.add(str(path))
             log.warning("%s: %d NaN/Inf value(s) read as 0 (data.args.nonfinite=zero)", path, bad)
-        return np.where(np.isfinite(arr), arr, np.zeros((), arr.dtype))
+        return zero_nonfinite(arr)
 
 
 def nifti_nonfinite(files: Sequence[Path], root: Path) -> list[str]:

@@ -209,7 +209,7 @@ def profile_run(run: engine.Run, *, steps: int = 20, warmup: int = 5, nvtx: bool
     report["advice"] = waiting_advice(report["slowest"], report["verdict"], env.rank, report["advice"])
     if trace:
         # torch writes the trace (tens of MB) by name: into a temp file beside, renamed when whole
-        atomic_by_name(Path(trace) / f"trace_rank{env.rank}.json", lambda name: prof.export_chrome_trace(name))
+        atomic_by_name(Path(trace) / f"trace_rank{env.rank}.json", prof.export_chrome_trace)
         report["top_ops"] = top_ops(prof, device, steps)
     return report
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from fastvision.data.formats.microscopy import microscopy, read_array
-from fastvision.data.nonfinite import NONFINITE_FILES, count_nonfinite
+from fastvision.data.nonfinite import NONFINITE_FILES, count_nonfinite, zero_nonfinite
 from fastvision.errors import ConfigError, DataError
 from fastvision.registry import type_name, type_ok
 
@@ -59,8 +59,7 @@ def read_pair(img_path: Path, mask_path: Path, root: Path, unusable: dict[str, l
     bad = [f"{p.name} ({n})" for p, n in counts if n]
     if bad and nonfinite == "zero" and notes is not None:  # training warns and reads them as 0
         notes.setdefault(ZEROED, []).extend(bad)
-        img, mask = (np.where(np.isfinite(a), a, np.zeros((), a.dtype)) if a.dtype.kind in "fc" else a
-                     for a in (img, mask))
+        img, mask = zero_nonfinite(img), zero_nonfinite(mask)
     elif bad:
         unusable.setdefault(NONFINITE_FILES, []).extend(bad)
         return None
