@@ -52,7 +52,7 @@ from fastvision.data.preprocess3d import (
 )
 from fastvision.data.spatial3d import label_onto_image
 from fastvision.errors import DataError
-from fastvision.utils.files import atomic_write
+from fastvision.utils.files import atomic_text
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def _cached(case: dict[str, Any], cache: Path | None, samples_per_case: int) -> 
         except (OSError, json.JSONDecodeError):  # a damaged entry is recomputed
             pass
     record = case_fingerprint(case, samples_per_case)
-    atomic_write(f, lambda fh: fh.write(json.dumps(record).encode()))
+    atomic_text(f, json.dumps(record))
     return record
 
 
@@ -313,6 +313,6 @@ def cmd_fingerprint(path: Path, json_path: str | None = None) -> int:
     fp = fingerprint(path)
     print("fingerprint:\n" + text_report(fp))  # the CLI's output
     if json_path:
-        atomic_write(Path(json_path), lambda f: f.write((json.dumps(fp, indent=2) + "\n").encode()))
+        atomic_text(Path(json_path), json.dumps(fp, indent=2) + "\n")
         print(f"wrote {json_path}")
     return 0

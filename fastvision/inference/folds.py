@@ -28,7 +28,7 @@ import numpy as np
 from fastvision import config, distributed
 from fastvision.errors import ConfigError, DataError
 from fastvision.inference import postprocess
-from fastvision.utils.files import atomic_write
+from fastvision.utils.files import atomic_text
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ def is_folds_dir(path: str | Path) -> bool:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    text = json.dumps(data, indent=2, default=str).encode()
-    atomic_write(path, lambda f: f.write(text))
+    atomic_text(path, json.dumps(data, indent=2, default=str))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

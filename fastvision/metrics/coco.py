@@ -20,7 +20,7 @@ from torch import Tensor
 from fastvision import distributed
 from fastvision.data.formats.coco import load_coco
 from fastvision.metrics import Evaluator
-from fastvision.utils.files import atomic_write
+from fastvision.utils.files import atomic_text
 
 METRIC_NAMES = ("map", "ap50", "ap75", "ap_small", "ap_medium", "ap_large")
 
@@ -59,7 +59,7 @@ def to_coco_results(boxes: Tensor, scores: Tensor, labels: Tensor, image_ids: Te
 def write_results(results: list[dict[str, Any]], path: str | Path) -> Path:
     """Write a COCO results JSON atomically (temp file in the same folder, fsync, rename)."""
     path = Path(path)
-    atomic_write(path, lambda f: f.write(json.dumps(results).encode()))
+    atomic_text(path, json.dumps(results))
     return path
 
 

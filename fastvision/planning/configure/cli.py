@@ -45,9 +45,9 @@ def cmd_configure(args) -> int:
     if args.out:
         write_recipe(plan, args.out)
     if args.json:
-        from fastvision.utils.files import atomic_write
+        from fastvision.utils.files import atomic_text
 
-        atomic_write(args.json, lambda f: f.write(plan_json(plan).encode()))
+        atomic_text(args.json, plan_json(plan))
     print(table(plan))  # the CLI's output
     if args.out:
         print(f"wrote {args.out}; train it with: fastvision train {args.out}")

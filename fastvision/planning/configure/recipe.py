@@ -248,9 +248,9 @@ def recipe_text(plan: dict[str, Any]) -> str:
 
 
 def write_recipe(plan: dict[str, Any], path: Path) -> Path:
-    from fastvision.utils.files import atomic_write
+    from fastvision.utils.files import atomic_text
 
-    atomic_write(Path(path), lambda f: f.write(recipe_text(plan).encode()))
+    atomic_text(Path(path), recipe_text(plan))
     return Path(path)
 
 

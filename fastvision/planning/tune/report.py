@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from fastvision import config
-from fastvision.utils.files import atomic_write, save_figure
+from fastvision.utils.files import atomic_text, save_figure
 
 
 def _fmt(v: Any, spec: str, none: str = "-") -> str:
@@ -117,13 +117,11 @@ def chart(result: dict[str, Any], path: Path) -> None:
 
 def write_all(result: dict[str, Any], out: Path, json_path: Path | None) -> list[Path]:
     """tuned.yaml, the PNG beside it and the JSON (when asked), each written atomically."""
-    text = tuned_yaml(result)
-    atomic_write(out, lambda f: f.write(text.encode()))
+    atomic_text(out, tuned_yaml(result))
     png = out.with_suffix(".png")
     chart(result, png)
     written = [out, png]
     if json_path is not None:
-        data = json.dumps(result, indent=2, default=str).encode()
-        atomic_write(json_path, lambda f: f.write(data))
+        atomic_text(json_path, json.dumps(result, indent=2, default=str))
         written.append(json_path)
     return written
