@@ -226,6 +226,7 @@ def _log_data_warning(message, category, filename, lineno, file=None, line=None,
 
 
 def main(argv: list[str] | None = None) -> int:
+    import errno
     import functools
     import os
     import warnings
@@ -273,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         if (cause is None and extra is None) or debug:
             raise
         line = extra or f"{cause.filename or 'a file'}: {cause.strerror}"
+        if cause is not None and cause.errno == errno.ENOENT:  # mkdir's: the place takes no folder
+            line = f"{cause.filename}: cannot make this folder ({cause.strerror})"
         print(f"fastvision: error: {line}", file=sys.stderr)
         return 2
     finally:

@@ -107,14 +107,23 @@ def save_figure(fig: Any, path: Path, dpi: int = 100) -> Path:
 
 
 def os_error_in(e: BaseException, codes: tuple[int, ...] = USER_FIXABLE) -> OSError | None:
-    """The ``OSError`` with one of ``codes`` that is ``e`` or in its cause / context chain, if any."""
+    """The ``OSError`` with one of ``codes`` that is ``e`` or in its cause / context chain, if any. With
+    the default codes, also a "No such file or directory" raised by ``mkdir`` itself: a folder asked for
+    where none can be made (``--out /proc/x``); ``mkdir(parents=True)`` raises it for nothing else."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in codes:
+        if isinstance(e, OSError) and (e.errno in codes or (codes is USER_FIXABLE and _from_mkdir(e))):
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def _from_mkdir(e: OSError) -> bool:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return e.errno == errno.ENOENT and tb is not None and tb.tb_frame.f_code.co_name in ("mkdir", "makedirs")
 
 
 def disk_full(e: BaseException) -> OSError | None:

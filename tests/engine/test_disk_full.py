@@ -123,6 +123,30 @@ def test_train_into_a_read_only_place_or_under_a_file_is_one_line(tiny_microscop
     assert "Traceback" not in r.stderr
 
 
+def test_train_into_a_place_that_takes_no_folder_is_one_line(tiny_microscopy):
+    """/proc takes no new folder: the kernel answers mkdir with ENOENT, which the CLI used to let through as a
+    traceback (it passes ENOENT on only when mkdir raised it: a missing input file is not a place to write)."""
+    r = _train(tiny_microscopy, Path("/proc") / "fastvision-run" / "x")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"fastvision: error: /proc/fastvision-run: cannot make this folder ({os.strerror(errno.ENOENT)})"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_only_mkdirs_no_such_file_counts_as_a_place_to_fix(tmp_path):
+    from fastvision.utils.files import os_error_in
+
+    def raised(f):
+        try:
+            f()
+        except OSError as e:
+            return e
+    assert os_error_in(raised(lambda: Path("/proc/fastvision-x/y").mkdir(parents=True))) is not None
+    assert os_error_in(raised(lambda: os.makedirs("/proc/fastvision-x/y"))) is not None
+    assert os_error_in(raised(lambda: open(tmp_path / "missing"))) is None  # a missing input: a bug or its own check
+    assert os_error_in(raised(lambda: Path("/proc/fastvision-x").mkdir()), codes=(errno.ENOSPC,)) is None
+
+
 def test_a_failed_background_write_is_raised_at_the_next_step_not_the_next_checkpoint(tmp_path):
     """The write's error used to wait in the writer until the next checkpoint (an epoch later: an hour of an
     ImageNet run trained for nothing); ``raise_failed`` (the loop asks after every step) raises it once the
