@@ -177,7 +177,8 @@ def run_data_benchmark(cfg: RunConfig, caches: list[str], *, batches: int = 40, 
     base = rows[0]["items_per_s"]
     for r in rows:
         r["speedup_vs_first"] = r["items_per_s"] / base
-    return {"recipe": cfg.recipe, "mode": "data", "device": str(run.device), "batch_size": cfg.train.batch_size,
+    return {"recipe": cfg.recipe, "mode": "data", "data": cfg.data.name, "device": str(run.device),
+            "batch_size": cfg.train.batch_size,
             "loader": "per setting" if variants else cfg.data.loader, "num_workers": run.cfg.data.num_workers,
             "rounds": rounds, "host_cpu": host_cpu_name(), "host_cores": os.cpu_count(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows}
@@ -206,14 +207,16 @@ def per_core_text(row: dict[str, Any]) -> str:
     return f"{rate:.1f}" if rate else "n/a (no /proc)"
 
 
-def read_input_rate(path: str | Path, flag: str = "--input-rate", cache: str | None = None) -> tuple[float, str]:
+def read_input_rate(path: str | Path, flag: str = "--input-rate", cache: str | None = None,
+                    data_name: str | None = None) -> tuple[float, str]:
     """``(items/s per host core, what it is)`` from a ``fastvision benchmark RECIPE --mode data`` JSON.
 
     The row is the recipe's own setting (no ``--variant``) under ``cache`` if given and present, else
     the first row. Its ``items_per_cpu_s`` is the measured per-core rate; a report without one (an
     older report, or no ``/proc``) gives items/s over the loader's processes (``num_workers``; 0 is
     the main process), the rate per process, which is a per-core rate only while each process keeps
-    one core busy.
+    one core busy. With ``data_name``, a report of another dataset's input path (its ``data``) is refused:
+    a microscopy loader's rate says nothing of an ImageNet folder's.
     """
     try:
         data = json.loads(Path(path).read_text())
@@ -223,6 +226,9 @@ def read_input_rate(path: str | Path, flag: str = "--input-rate", cache: str | N
             if isinstance(r, dict) and r.get("items_per_s")]
     if not rows:
         raise ConfigError(f"{flag} {path}: no items_per_s (expected `fastvision benchmark RECIPE --mode data` JSON)")
+    if data_name and data.get("data") and data["data"] != data_name:
+        raise ConfigError(f"{flag} {path}: measures the {data['data']!r} input path of {data.get('recipe', '?')}, "
+                          f"not this recipe's {data_name!r}; run fastvision benchmark RECIPE --mode data for it")
     own = [r for r in rows if not r.get("setting")] or rows
     row = next((r for r in own if r.get("cache") == cache), own[0])
     where = f"{path}: {data.get('recipe', '?')}, cache {row.get('cache', '?')}, {data.get('date', 'undated')}"

@@ -163,7 +163,7 @@ def input_rate_of(cfg: RunConfig, given: float | str | None = None) -> tuple[flo
         except ValueError:
             from fastvision.benchmark.data import read_input_rate
 
-            return read_input_rate(given, "--input-rate", cfg.data.cache)
+            return read_input_rate(given, "--input-rate", cfg.data.cache, cfg.data.name)
     if given is not None:
         if given <= 0:
             raise ConfigError(f"--input-rate {given}: items/s per host core must be > 0")

@@ -114,7 +114,7 @@ def test_plan_and_scale_take_the_per_core_rate_from_the_report(tmp_path, capsys)
     assert rate == report["results"][0]["items_per_cpu_s"] and "measured per core" in what
     capsys.readouterr()
     assert cli.main(["plan", "unet2d-microscopy", "--gpu", "H100-80GB", "--gpus", "16", "--no-switches",
-                     "--set", "model.args.filters=[4,8]",
+                     "--set", "model.args.filters=[4,8]", "--set", "data.name=burn-blobs",
                      "--input-rate", str(path), "--json", str(tmp_path / "plan.json")]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["input_rate_per_core"] == pytest.approx(rate)
@@ -128,3 +128,9 @@ def test_plan_and_scale_take_the_per_core_rate_from_the_report(tmp_path, capsys)
     with pytest.raises(ConfigError, match="bad.json"):
         read_input_rate(bad)
     assert cli.main(["plan", "unet2d-microscopy", "--gpus", "8", "--no-switches", "--input-rate", str(bad)]) == 2
+    # the report of another dataset's input path: refused, naming both (it planned with it before)
+    assert report["data"] == "burn-blobs"
+    capsys.readouterr()
+    assert cli.main(["plan", "unet2d-microscopy", "--gpus", "8", "--no-switches", "--input-rate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "'burn-blobs' input path of unet2d-microscopy" in err and "'microscopy'" in err, err
