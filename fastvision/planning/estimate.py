@@ -31,7 +31,7 @@ from fastvision import optim
 from fastvision.config import RunConfig
 from fastvision.errors import ConfigError, DataError
 from fastvision.planning.devices import GPU, get_gpu, training_precision
-from fastvision.planning.scale import _hardware, at_scale, rank_batches, step_line  # noqa: F401 (_hardware: cache)
+from fastvision.planning.scale import _hardware, at_scale, epoch_seconds, step_line  # noqa: F401 (_hardware: cache)
 from fastvision.planning.trace import StepTrace, trace_step
 
 WORKSPACE_FRACTION = 0.05  # allocator block rounding and fragmentation, share of the tensor peak
@@ -330,8 +330,7 @@ def scaling_efficiency(step_s: float, batch: int, grad_bytes: float, gpus: int, 
 
 def train_time(step_s: float, batch: int, gpus: int, efficiency: float, items: int, epochs: int) -> float:
     """Seconds to train ``epochs`` over ``items`` at ``batch`` per GPU on ``gpus`` (the batches a GPU steps)."""
-    per_s = batch * gpus * efficiency / step_s
-    return epochs * rank_batches(items, gpus, batch) * batch * gpus / per_s
+    return epochs * epoch_seconds(items, gpus, batch, batch * gpus * efficiency / step_s)
 
 
 # ------------------------------------------------------------------------------ recipe facts

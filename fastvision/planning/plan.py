@@ -51,8 +51,7 @@ def _option(cfg: RunConfig, t, gpu: GPU, gpus: int, gpus_per_node: int, link: st
     row["efficiency"] = [e["efficiency"] for e in effs]
     row["scale"] = effs
     if items:
-        # the batches a GPU steps (its shard, last partial one dropped) x the step: not items / rate
-        ep = [sc.rank_batches(items, gpus, batch) * batch * gpus / e["items_per_s"] for e in effs]
+        ep = [sc.epoch_seconds(items, gpus, batch, e["items_per_s"]) for e in effs]
         row["epoch_s"] = ep
         row["train_s"] = [v * cfg.train.epochs for v in ep]
         row["gpu_hours"] = [v / 3600 * gpus for v in row["train_s"]]

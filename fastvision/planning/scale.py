@@ -187,13 +187,23 @@ def rank_batches(items: int, gpus: int, batch: int) -> int:
     """Batches one GPU steps through in an epoch of ``items``, as training's loader counts them: a rank's
     shard is ``ceil(items / gpus)`` (``TrainSampler`` pads the permutation), and its last partial batch is
     dropped when the shard holds a full one, else the shard is one short batch."""
-    shard = -(-items // gpus)
+    shard = _shard(items, gpus)
     return shard // batch if shard >= batch else 1
+
+
+def epoch_seconds(items: int, gpus: int, batch: int, items_per_s: float) -> float:
+    """Seconds of an epoch of ``items`` on ``gpus`` at ``items_per_s`` over all of them: the batches a GPU
+    steps (:func:`rank_batches`) x the step, not ``items / items_per_s``."""
+    return rank_batches(items, gpus, batch) * batch * gpus / items_per_s
+
+
+def _shard(items: int, gpus: int) -> int:
+    return -(-items // gpus)  # TrainSampler pads the permutation to a multiple of the world size
 
 
 def shard_note(items: int, gpus: int, batch: int) -> str | None:
     """The plan's note where a GPU's shard of the epoch is under its batch (None where it is not)."""
-    shard = -(-items // gpus)
+    shard = _shard(items, gpus)
     if shard >= batch:
         return None
     return (f"{items} items over {gpus} GPUs: a GPU's shard is {shard} items, under its batch of {batch}, so an "
