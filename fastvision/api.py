@@ -71,8 +71,8 @@ def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
     Rules: ``--out`` that exists and is non-empty needs ``--resume``, unless it holds only what a
     run writes before its first checkpoint (an attempt that stopped early: a bad setting, a
     restart): the run starts afresh there, its old ``metrics.jsonl`` kept as
-    ``metrics.previous.jsonl``; ``--resume auto`` without ``--out`` continues the newest
-    ``runs/<recipe>-*`` that has a last checkpoint (else starts a new run); ``--resume PATH``
+    ``metrics.previous.jsonl``; ``--resume auto`` without ``--out`` continues the
+    ``runs/<recipe>-*`` whose last checkpoint is newest (else starts a new run); ``--resume PATH``
     continues that checkpoint's run directory.
     """
     run_dir, ckpt = _choose_run_dir(recipe_name, out, resume)
@@ -112,10 +112,12 @@ def _choose_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
         return run_dir, None
     runs = Path("runs")
     if resume == "auto":
-        candidates = sorted((p for p in runs.glob(f"{recipe_name}-*") if checkpoint.find_resume(p)),
-                            key=lambda p: p.stat().st_mtime)
-        if candidates:
-            return candidates[-1], checkpoint.find_resume(candidates[-1])
+        # the run whose last checkpoint is newest: a folder's own time moves when a finished run writes its
+        # summary or plots, and the checkpoints are written in checkpoints/, not in it
+        found = [last for p in runs.glob(f"{recipe_name}-*") if (last := checkpoint.find_resume(p))]
+        if found:
+            last = max(found, key=lambda q: q.stat().st_mtime)
+            return last.parent.parent, last
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = runs / f"{recipe_name}-{stamp}"
     n = 1

@@ -9,12 +9,14 @@ was called even when the step changes them right after.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,6 +143,22 @@ def test_a_resume_removes_the_temp_files_of_killed_writes_and_a_refusal_keeps_th
     assert len(list(last.parent.iterdir())) == 3
     assert prepare_run_dir("r", str(run), "auto") == (run, last)
     assert list(last.parent.iterdir()) == [last] and checkpoint.load(last)["model"] == {}
+
+
+def test_resume_auto_without_out_continues_the_run_whose_last_checkpoint_is_newest(tmp_path, monkeypatch):
+    """Run a (stopped at 12:00) and run b (finished at 11:00, its plots redrawn at 13:00, which moves its
+    folder's time): ``--resume auto`` took b, the folder touched last, and "continued" a finished run."""
+    from fastvision.api import prepare_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    lasts = {}
+    for name, ckpt_t, folder_t in (("r-a", 12, 10), ("r-b", 11, 13)):
+        last = lasts[name] = Path("runs") / name / "checkpoints" / "last.pt"
+        checkpoint.atomic_write(last, lambda f: torch.save({"model": {}}, f))
+        os.utime(last, (ckpt_t * 3600, ckpt_t * 3600))
+        os.utime(last.parent.parent, (folder_t * 3600, folder_t * 3600))
+    (Path("runs") / "other-c" / "checkpoints").mkdir(parents=True)  # another recipe's run: never chosen
+    assert prepare_run_dir("r", None, "auto") == (Path("runs") / "r-a", lasts["r-a"])
 
 
 def test_a_checkpoint_whose_bytes_changed_on_disk_is_refused_naming_the_record(tmp_path):
