@@ -69,14 +69,15 @@ def find_labels_file(root: Path, explicit: str | None = None) -> Path:
 
 
 def read_labels(path: Path, classes: list[str]) -> dict[str, str]:
-    """``{file stem: WordNet id}`` from any of the accepted label files."""
+    """``{file stem: WordNet id}`` from any of the accepted label files (a UTF-8 byte-order mark, as
+    spreadsheet programs write, is read past; a file listed twice with two labels is one line)."""
     if path.name == CSV_NAME or path.suffix.lower() == ".csv":
-        return _read_csv(path)
+        return _unique(path, _read_csv(path))
     if path.name == GT_NAME:
         # line n labels ILSVRC2012_val_<n, 8 digits>: by number, so a missing file shifts nothing
         return {f"ILSVRC2012_val_{n:08d}": wnid for n, wnid in enumerate(_devkit_ids(path), 1)}
-    out = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
         parts = line.split()
         if not parts:
             continue
@@ -84,25 +85,56 @@ def read_labels(path: Path, classes: list[str]) -> dict[str, str]:
             parts = parts[:2]
         if len(parts) != 2:
             raise DataError(f"{path}:{n}: expected 'FILE LABEL', got {line!r}")
-        name, label = parts
-        if label.isdigit():
-            if int(label) >= len(classes):
-                raise DataError(f"{path}:{n}: class index {label} >= {len(classes)} training classes")
-            label = classes[int(label)]
-        out[Path(name).stem] = label
-    return out
+        rows.append((n, Path(parts[0]).stem, parts[1]))
+    return _unique(path, _numbers_as(path, rows, classes))
 
 
-def _read_csv(path: Path) -> dict[str, str]:
-    with path.open(newline="") as f:
+def _numbers_as(path: Path, rows: list[tuple[int, str, str]], classes: list[str]) -> list[tuple[int, str, str]]:
+    """Rows with each number label read as a class folder name or as an index into the sorted
+    class folders (Caffe's ``val.txt``), whichever the whole file allows: class folders named
+    ``1, 2, 10`` are sorted ``1, 10, 2``, so label ``1`` is folder ``1`` or index 1, folder ``10``.
+
+    Raises:
+        DataError: an index past the classes (and no folder of that name), or a file whose
+            numbers read both ways with different classes.
+    """
+    numbers = [(n, label) for n, _, label in rows if label.isdigit()]
+    as_name = all(label in classes for _, label in numbers)
+    as_index = all(int(label) < len(classes) for _, label in numbers)
+    if not as_index and not as_name:
+        n, label = next((n, label) for n, label in numbers if int(label) >= len(classes) and label not in classes)
+        raise DataError(f"{path}:{n}: class index {label} >= {len(classes)} training classes")
+    if as_name and as_index:
+        n, label = next(((n, label) for n, label in numbers if classes[int(label)] != label), (0, ""))
+        if n:
+            raise DataError(f"{path}:{n}: label {label} is both the class folder {label!r} and index {label} of "
+                            f"the sorted class folders ({classes[int(label)]!r}); write class names that are not "
+                            "numbers, or sort the val folder into class folders (val/<class>/...)")
+        return rows
+    return rows if as_name else [(n, name, classes[int(label)] if label.isdigit() else label)
+                                 for n, name, label in rows]
+
+
+def _unique(path: Path, rows: list[tuple[int, str, str]]) -> dict[str, str]:
+    """``{file stem: label}``; a file given two different labels is one line naming both."""
+    out: dict[str, tuple[int, str]] = {}
+    for n, name, label in rows:
+        first = out.setdefault(name, (n, label))
+        if first[1] != label:
+            raise DataError(f"{path}:{n}: {name} is labelled {label} here and {first[1]} on line {first[0]}")
+    return {name: label for name, (_, label) in out.items()}
+
+
+def _read_csv(path: Path) -> list[tuple[int, str, str]]:
+    with path.open(newline="", encoding="utf-8-sig") as f:
         rows = list(csv.reader(f))
     if not rows or [c.strip() for c in rows[0][:2]] != ["ImageId", "PredictionString"]:
         raise DataError(f"{path}: expected the header ImageId,PredictionString (Kaggle LOC_val_solution.csv)")
-    out = {}
+    out = []
     for n, row in enumerate(rows[1:], 2):
         if len(row) < 2 or not row[1].split():
             raise DataError(f"{path}:{n}: expected ImageId,WNID ..., got {','.join(row)!r}")
-        out[row[0].strip()] = row[1].split()[0]
+        out.append((n, row[0].strip(), row[1].split()[0]))
     return out
 
 
