@@ -59,8 +59,8 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     no_decay_norm_bias: bool = True  # no weight decay on norm weights and biases
-    # sgd/adam/adamw kernel: auto (fused on CUDA and CPU, foreach elsewhere), fused, foreach, loop
-    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"
+    no_decay_bias: bool = True  # with no_decay_norm_bias: every bias too; false: the norms alone (seed 004)
+    impl: Literal["auto", "fused", "foreach", "loop"] = "auto"  # sgd/adam/adamw kernel; auto: fused on CUDA, CPU
 
 
 @dataclass

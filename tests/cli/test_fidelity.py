@@ -2,6 +2,8 @@
 (docs/fidelity.md cites these tests)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from fastvision import config, optim
@@ -82,3 +84,33 @@ def test_resnet50_fp16_uses_seed004s_static_loss_scale():
         scaler = runtime.loss_scaler("cpu", True, scale)
         assert scaler.get_scale() == 128.0 and scaler.get_growth_interval() == runtime.STATIC_GROWTH_INTERVAL
     assert all(config.load(n).train.loss_scale == "dynamic" for n in ("ssd320-coco", "unet3d-brats"))
+
+
+@pytest.mark.parametrize("name, epochs, mixup", [("resnet50-imagenet", 90, 0.0), ("resnet50-imagenet-250ep", 250, 0.2)])
+def test_resnet50_recipes_are_seed004s(name, epochs, mixup):
+    """seeds.md, seed 004 (DLE resnet50v1.5, TF): SGD momentum 0.875; 0.256 per 256 images (2.048 at
+    8 x 256); linear warm-up from 0 over 8 epochs (the scripts), then cosine to 0; weight decay
+    1/32768 on every variable but BatchNorm's (the head's bias included); label smoothing 0.1;
+    90 epochs, or 250 with MixUp 0.2; 256 per GPU; random-resized crop 224 of area 5-100 % (both TF
+    code paths), aspect 3/4-4/3; evaluation: shorter side 256, centre 224."""
+    from torch import nn
+
+    from fastvision.models import create_model
+
+    cfg = config.load(name)
+    o, d = cfg.optim, cfg.data.args
+    assert (o.name, o.momentum, o.nesterov, o.weight_decay) == ("sgd", 0.875, False, 1 / 32768)
+    assert (cfg.train.epochs, cfg.task.args["mixup"], cfg.loss.args["label_smoothing"]) == (epochs, mixup, 0.1)
+    assert (cfg.train.batch_size, d["image_size"], d["resize_size"], list(d["scale"])) == (256, 224, 256, [0.05, 1.0])
+    assert list(d.get("ratio", [0.75, 4 / 3])) == pytest.approx([3 / 4, 4 / 3])
+    spe, total, warm = 625, 625 * epochs, 625 * 8  # 1.28 M images / 2048 per step
+    for step in (0, 1, warm // 2, warm - 1, warm, warm + 1, (total + warm) // 2, total - 1):
+        seed = 2.048 * step / warm if step < warm else \
+            2.048 * 0.5 * (1 + math.cos(math.pi * (step - warm) / (total - warm)))
+        assert _lr_at(cfg, step, spe, 2048) == pytest.approx(seed, rel=1e-12, abs=1e-15), step
+    model = create_model(cfg.model.name, **cfg.model.args)
+    decay, no_decay = optim.param_groups(model, o.weight_decay, o.no_decay_norm_bias, o.no_decay_bias)
+    bn = {id(p) for m in model.modules() if isinstance(m, nn.BatchNorm2d) for p in m.parameters()}
+    assert {id(p) for p in no_decay["params"]} == bn and no_decay["weight_decay"] == 0
+    assert {id(p) for p in decay["params"]} == {id(p) for p in model.parameters()} - bn
+    assert id(model.fc.bias) in {id(p) for p in decay["params"]}
