@@ -327,11 +327,18 @@ def is_volume_input(files: list[Path]) -> bool:
                for f in files)
 
 
-def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: str = "auto") -> list[Path]:
-    """Write one prediction per input file (format chosen by the task) into ``out_dir``."""
+def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: str = "auto",
+            coco_ids: str = "auto") -> list[Path]:
+    """Write one prediction per input file (format chosen by the task) into ``out_dir``; ``coco_ids``: where
+    a detection run's ``detections.json`` takes its image ids (``DetectionTask.predict_files``)."""
     run, _ = load_run(ckpt, device, with_data=False)
     if not hasattr(run.task, "predict_files"):
         raise ConfigError(f"task {run.cfg.task.name!r} has no file prediction")
+    options = {}
+    if coco_ids != "auto" or run.cfg.task.name == "detection":
+        if run.cfg.task.name != "detection":
+            raise ConfigError(f"--coco-ids applies to detection runs; {ckpt} is a {run.cfg.task.name} run")
+        options["coco_ids"] = coco_ids
     expanded = expand_inputs(inputs, tree=getattr(run.task, "predicts_tree", False))
     from fastvision.inference.inputs import check_input_kind
 
@@ -342,7 +349,7 @@ def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: st
     before = set(out.iterdir())
     try:
         with run.precision.autocast():  # the run's precision, as evaluate: train.amp=auto is bf16 / fp16 on a GPU
-            return run.task.predict_files(run.model, expanded, out, run.cfg, run.device)
+            return run.task.predict_files(run.model, expanded, out, run.cfg, run.device, **options)
     except DataError as e:  # a bad input part-way: say what is already written and how to go on
         written = [f for f in out.iterdir() if f not in before]
         if not written:

@@ -139,9 +139,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         if volume_flags:
             raise ConfigError("--folds, --tta, --tta-axes, --nproc and --postprocess apply to NIfTI volumes")
         refuse_overwrite(args.out, args.force, folder=True)
-        written = predict(args.checkpoint, args.inputs, args.out, device=args.device)
+        written = predict(args.checkpoint, args.inputs, args.out, device=args.device, coco_ids=args.coco_ids)
         print(f"wrote {len(written)} files to {args.out}")
         return 0
+    if args.coco_ids != "auto":
+        raise ConfigError("--coco-ids applies to a detection run's images, not to NIfTI volumes")
     if args.nproc > 1 and distributed.detect_env().launcher == "single":
         # one process per shard of the cases, under torch's launcher (as train --nproc)
         return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv))

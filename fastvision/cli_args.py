@@ -82,6 +82,11 @@ def predict_args(p: argparse.ArgumentParser) -> None:
                    help="auto = the folder's postprocessing.json (cross-validated), none, lcc = largest "
                         "component of every class")
     p.add_argument("--nproc", type=int, default=1, help="shard the cases over N local processes (torchrun)")
+    p.add_argument("--coco-ids", metavar="FILE|auto|none", default="auto",
+                   help="detection: image ids of detections.json from this COCO instances or image-info file "
+                        "(test-dev's image_info_test-dev2017.json), matched by file name; auto = "
+                        "ROOT/annotations/instances_<folder>.json of the COCO layout where it lists every "
+                        "image, else the images' positions; none = positions")
 
 
 def recipes_args(p: argparse.ArgumentParser) -> None:

@@ -200,11 +200,13 @@ class DetectionTask(Task):
 
     @torch.no_grad()
     def predict_files(self, model: nn.Module, files: list[Path], out_dir: Path, cfg: Any, device: torch.device,
-                      min_score: float = 0.3) -> list[Path]:
+                      min_score: float = 0.3, coco_ids: str = "auto") -> list[Path]:
         """Images -> ``detections.json`` (COCO results, original pixels) + one ``<name>_boxes.png`` each.
 
-        Image ids in the JSON are the files' positions in ``files``; ``images.json`` maps them to
-        the files (a COCO ``images`` list). Category ids follow the dataset's mapping.
+        Image ids in the JSON are those of ``coco_ids`` (:func:`predict_image_ids`: a COCO file's ids, so
+        pycocotools scores the JSON against that file, or the files' positions in ``files``);
+        ``images.json`` maps them to the files (a COCO ``images`` list). Category ids follow the dataset's
+        mapping.
         """
         from PIL import Image
 
@@ -214,11 +216,12 @@ class DetectionTask(Task):
         out_dir = Path(out_dir)
         check_unique_names([Path(f) for f in files], "{0}_boxes.png")  # before any file is written
         check_images(files)
+        ids = predict_image_ids(files, coco_ids)
         out_dir.mkdir(parents=True, exist_ok=True)
         S = self.image_size
         model.eval()
         results, written, images = [], [], []
-        for k, f in enumerate(files):
+        for k, f in zip(ids, files, strict=True):
             img = open_image(str(f))  # as the dataset reads its images (16-bit grey scaled, not clipped)
             w, h = img.size
             images.append({"id": k, "file_name": str(f), "width": w, "height": h})
@@ -235,6 +238,41 @@ class DetectionTask(Task):
         written.insert(0, write_results(images, out_dir / "images.json"))
         written.insert(0, write_results(results, out_dir / "detections.json"))
         return written
+
+
+def predict_image_ids(files: list[Path], coco_ids: str = "auto") -> list[int]:
+    """The image id of each of ``files`` in ``predict``'s ``detections.json``.
+
+    ``coco_ids`` is a COCO instances or image-info file (its ids by file name: every file must be in it),
+    ``none`` (the positions 0..N-1), or ``auto``: the COCO layout's ``ROOT/annotations/instances_<folder>.json``
+    of the files' one folder where it lists every file (``val2017/`` of a COCO root), else the positions.
+    A JSON whose ids are not the annotation file's cannot be scored by pycocotools against it.
+    """
+    from fastvision.data.formats.coco_check import image_ids
+
+    if coco_ids == "none":
+        return list(range(len(files)))
+    if coco_ids != "auto":
+        names = image_ids(coco_ids)
+        missing = [f for f in files if f.name not in names]
+        if missing:
+            raise DataError(f"--coco-ids {coco_ids}: {missing[0]} is not in its images list ({len(missing)} of "
+                            f"{len(files)} inputs are not; it lists {len(names)} files)")
+        return [names[f.name] for f in files]
+    folders = {f.parent for f in files}
+    ann = next(iter(folders)).parent / "annotations" / f"instances_{next(iter(folders)).name}.json"
+    if len(folders) == 1 and ann.is_file():
+        try:
+            names = image_ids(ann)
+        except DataError as e:
+            log.warning("image ids are the inputs' positions: %s", e)
+            return list(range(len(files)))
+        if all(f.name in names for f in files):
+            log.info("image ids from %s (COCO layout; --coco-ids none for positions)", ann)
+            return [names[f.name] for f in files]
+        log.warning("image ids are the inputs' positions: %s does not list every input; pass --coco-ids FILE",
+                    ann)
+    return list(range(len(files)))
 
 
 def check_images(files: list[Path]) -> None:

@@ -63,6 +63,11 @@ def test_train_evaluate_predict_from_the_cli(tmp_path, monkeypatch):
     assert main(["predict", str(run), str(data / "val2017"), "--out", str(tmp_path / "pred"), "--device", "cpu"]) == 0
     index = json.loads((tmp_path / "pred" / "images.json").read_text())
     assert [e["file_name"] for e in index] == [str(f) for f in files]
+    # val2017/ of a COCO root: the ids are the annotation file's, so pycocotools scores predict's JSON against it
+    # (before, the positions 0..2: "Results do not correspond to current coco set"), and predict is evaluate
+    by_name = {im["file_name"]: im["id"] for im in json.loads(ann.read_text())["images"]}
+    assert [e["id"] for e in index] == [by_name[f.name] for f in files]
+    assert pycocotools_map(ann, tmp_path / "pred" / "detections.json") == pytest.approx(metrics["map"], abs=1e-9)
     dets = json.loads((tmp_path / "pred" / "detections.json").read_text())
     assert dets, "an untrained model with score threshold 1e-8 still returns boxes"
     size = {e["id"]: (e["width"], e["height"]) for e in index}
@@ -73,3 +78,31 @@ def test_train_evaluate_predict_from_the_cli(tmp_path, monkeypatch):
         assert -1e-3 <= x and -1e-3 <= y and x + bw <= w + 1e-3 and y + bh <= h + 1e-3
     for f, e in zip(files, index, strict=True):
         assert Image.open(tmp_path / "pred" / f"{f.stem}_boxes.png").size == (e["width"], e["height"])
+
+
+def test_predict_image_ids_from_a_coco_file_by_name(tmp_path):
+    from fastvision.errors import DataError
+    from fastvision.tasks.detect import predict_image_ids
+
+    root = tmp_path / "coco"
+    (root / "annotations").mkdir(parents=True)
+    files = [root / "val2017" / n for n in ("b.jpg", "a.jpg")]
+    assert predict_image_ids(files, "auto") == [0, 1]  # no annotations there: positions
+    info = root / "annotations" / "image_info_test-dev2017.json"  # test-dev's: images, no annotations
+    info.write_text(json.dumps({"images": [{"id": 7, "file_name": "a.jpg"}, {"id": 9, "file_name": "x/b.jpg"}]}))
+    assert predict_image_ids(files, str(info)) == [9, 7]
+    (root / "annotations" / "instances_val2017.json").write_text(json.dumps(
+        {"images": [{"id": 3, "file_name": "a.jpg"}], "annotations": [], "categories": []}))
+    assert predict_image_ids(files, "auto") == [0, 1]  # b.jpg is not listed: positions (with a warning)
+    assert predict_image_ids(files[1:], "auto") == [3]
+    assert predict_image_ids(files[1:], "none") == [0]
+    with pytest.raises(DataError, match=r"--coco-ids .*instances_val2017.json: .*b.jpg is not in its images list"):
+        predict_image_ids(files, str(root / "annotations" / "instances_val2017.json"))
+    for text, why in (("[]", "no 'images' list"), ('{"images": [{"id": "1", "file_name": "a.jpg"}]}', "integer id"),
+                      ('{"images": [{"id": 1, "file_name": "a.jpg"}, {"id": 2, "file_name": "y/a.jpg"}]}',
+                       "a.jpg listed twice")):
+        info.write_text(text)
+        with pytest.raises(DataError, match=why):
+            predict_image_ids(files, str(info))
+    with pytest.raises(DataError, match=r"nothere.json: cannot read it"):
+        predict_image_ids(files, str(tmp_path / "nothere.json"))

@@ -76,6 +76,15 @@ def test_a_jpeg_among_the_inputs_is_refused_before_any_mask_is_written(rgb_run, 
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
 
 
+def test_coco_ids_on_a_segmentation_run_is_one_line(rgb_run, tmp_path, capsys, tiny_microscopy):
+    """``--coco-ids`` gives a detection run's detections.json its image ids; a segmentation run writes none."""
+    src = next((tiny_microscopy / "images").iterdir())
+    code, _, err = run_cli(capsys, "predict", rgb_run, src, "--out", tmp_path / "o", "--device", "cpu",
+                           "--coco-ids", "none")
+    one_line_error(code, err, "--coco-ids applies to detection runs", "segmentation run")
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
 def test_export_takes_the_runs_channels_and_image_size(rgb_run, tmp_path, capsys, fmt):
     """An RGB run exported at the recipe's sample_shape (1 channel, 128 x 128) was a conv traceback; it is

@@ -192,7 +192,9 @@ def test_detection_task_end_to_end(tmp_path):
     assert [p.name for p in out[:2]] == ["detections.json", "images.json"] and all(p.is_file() for p in out)
     w, h = Image.open(files[0]).size
     index = json.loads(out[1].read_text())
-    assert index[0] == {"id": 0, "file_name": str(files[0]), "width": w, "height": h}
+    coco_id = {im["file_name"]: im["id"] for im in json.loads(
+        (root / "annotations" / "instances_val2017.json").read_text())["images"]}[files[0].name]
+    assert index[0] == {"id": coco_id, "file_name": str(files[0]), "width": w, "height": h}  # the COCO layout's id
     assert Image.open(out[2]).size == (w, h)  # drawn on the original image
     syn = task.synthetic_batch(2, torch.device("cpu"))
     assert torch.isfinite(task.loss(task.forward(model.train(), syn), syn))

@@ -71,6 +71,40 @@ def read_instances(ann_file: str | Path) -> dict[str, Any]:
     return data
 
 
+def image_ids(ann_file: str | Path) -> dict[str, int]:
+    """``{file name: image id}`` of a COCO file's ``images`` list: an instances file, or an image-info file
+    without annotations (test-dev's ``image_info_test-dev2017.json``), matched by the name's last part.
+
+    Raises:
+        DataError: one line naming the file where it is not JSON, has no ``images`` list, an image has no
+            integer ``id`` or ``file_name``, or two images share a file name.
+    """
+    def bad(why: str) -> DataError:
+        return DataError(f"{ann_file}: not a COCO instances or image-info file ({why})")
+
+    try:
+        raw = Path(ann_file).read_bytes()
+    except OSError as e:
+        raise DataError(f"{ann_file}: cannot read it ({e.strerror})") from None
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise bad(f"not JSON: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list):
+        raise bad("no 'images' list")
+    ids: dict[str, int] = {}
+    for k, im in enumerate(data["images"]):
+        if not isinstance(im, dict) or not isinstance(im.get("id"), int) or isinstance(im.get("id"), bool):
+            raise bad(f"images[{k}] has no integer id")
+        if not isinstance(im.get("file_name"), str) or not im["file_name"]:
+            raise bad(f"images[{k}] (id {im['id']}) has no file_name")
+        name = Path(im["file_name"]).name
+        if name in ids:
+            raise bad(f"images[{k}]: file name {name} listed twice")
+        ids[name] = im["id"]
+    return ids
+
+
 def check_annotations(dataset: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
     """Split a COCO instances dict's annotations into usable ones and anomalies.
 
