@@ -25,7 +25,8 @@ from fastvision.metrics import topk_correct
 from fastvision.registry import TASKS
 from fastvision.tasks.base import DeviceConstants, Evaluator, Task
 
-AUC_BINS = 1000
+AUC_BINS = 8192  # score histogram bins over the logit of class 1's probability, in [-AUC_LOGIT, AUC_LOGIT]
+AUC_LOGIT = 16.0  # beyond it float32 probabilities are 0 or 1 within 1.2e-7: ties for any AUC
 
 
 def beta_symmetric(n: int, alpha: float, generator: torch.Generator | None, device: torch.device,
@@ -214,9 +215,11 @@ class ClassEvaluator(Evaluator):
         loss = self.task.loss_fn(outputs.float(), label).detach().double()
         head = torch.stack([hits[0], hits[1], loss.new_tensor(float(n)), loss * n])
         self.sums[:4] += head
-        if self.task.auc:
-            score = outputs.float().softmax(1)[:, 1]
-            bins = (score * AUC_BINS).long().clamp_(0, AUC_BINS - 1) + AUC_BINS * (label == 1).long()
+        if self.task.auc:  # binned on the logit: a confident model's probabilities crowd into 0.999-1
+            out = outputs.float()
+            logit = out[:, 1] - torch.logsumexp(torch.cat([out[:, :1], out[:, 2:]], 1), 1)  # of softmax[:, 1]
+            bins = ((logit.nan_to_num(0.0) + AUC_LOGIT) * (AUC_BINS / (2 * AUC_LOGIT))).clamp_(0, AUC_BINS - 1).long()
+            bins += AUC_BINS * (label == 1).long()
             self.sums[4:] += torch.bincount(bins, minlength=2 * AUC_BINS).double()
 
     def compute(self) -> dict[str, float]:

@@ -100,6 +100,28 @@ def test_auc_matches_mann_whitney():
     assert histogram_auc(neg_h, pos_h) == pytest.approx(3.5 / 4)
 
 
+def test_auc_of_a_confident_model_is_the_mann_whitney_one():
+    """A confident model's probabilities crowd into 0.999-1 (margins 7 to 15): a histogram of
+    probabilities ties them all (AUC 0.5 here, 0.7 points low on a realistic mix); the exact AUC
+    from the scores' ranks is what sklearn's roc_auc_score gives."""
+    rng = np.random.default_rng(1)
+    pos, neg = rng.uniform(7, 15, 200), rng.uniform(7, 15, 150) - 1.0  # overlapping, all p > 0.999
+    margin = np.concatenate([pos, neg])
+    label = torch.tensor([1] * len(pos) + [0] * len(neg))
+    logits = torch.from_numpy(np.stack([np.zeros_like(margin), margin], 1)).float()
+    ev = _task(num_classes=2, auc=True).evaluator()
+    ev.update(logits[::2], {"label": label[::2]})
+    ev.update(logits[1::2], {"label": label[1::2]})
+    ranks = np.argsort(np.argsort(margin)) + 1  # distinct margins: no ties
+    exact = (ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
+    assert 0.55 < exact < 0.8
+    assert ev.compute()["auc"] == pytest.approx(exact, abs=2e-3)
+    three = _task(num_classes=3, auc=True).evaluator()  # class 1 against the rest: its softmax's logit
+    logits3 = torch.cat([logits, torch.full((len(margin), 1), -30.0)], 1)
+    three.update(logits3, {"label": label})
+    assert three.compute()["auc"] == pytest.approx(exact, abs=2e-3)
+
+
 def test_synthetic_batch():
     b = _task(num_classes=7, image_size=16).synthetic_batch(3, torch.device("cpu"))
     assert b["image"].shape == (3, 3, 16, 16) and b["label"].max() < 7
