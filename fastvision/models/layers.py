@@ -147,6 +147,7 @@ class ConvNormAct(nn.Sequential):
         dropout: element-wise dropout probability after the norm (0 disables it).
         transposed: use a transposed conv whose output is exactly ``S * stride``.
         norm_groups: groups for group norm.
+        norm_eps: the norm's epsilon (torch's 1e-5 by default; seed 000's TF instance norm: 1e-6).
         act_slope: negative slope for leakyrelu.
         up_impl: how a transposed conv is computed: "transpose" (``nn.ConvTranspose{N}d``) or
             "shuffle" (:class:`ShuffleUp`, the same weights; kernel == stride only).
@@ -174,6 +175,7 @@ class ConvNormAct(nn.Sequential):
         norm_groups: int = 8,
         act_slope: float = 0.01,
         up_impl: Literal["transpose", "shuffle"] = "transpose",
+        norm_eps: float = 1e-5,
     ):
         if bias is None:
             bias = norm in (None, "none")
@@ -194,9 +196,9 @@ class ConvNormAct(nn.Sequential):
         self.conv = layer
         fuse = norm == "instance_cl" and act in ("relu", "leakyrelu") and dropout <= 0
         if fuse:
-            self.norm = InstanceNormCL(out_channels, act=act, slope=act_slope)
+            self.norm = InstanceNormCL(out_channels, eps=norm_eps, act=act, slope=act_slope)
         elif has_norm:
-            self.norm = _norm(norm, spatial_dims, out_channels, groups=norm_groups)
+            self.norm = _norm(norm, spatial_dims, out_channels, groups=norm_groups, eps=norm_eps)
         if dropout > 0:
             self.drop = Dropout(dropout)
         if act not in (None, "none") and not fuse:
@@ -212,7 +214,7 @@ class ResidualUnit(nn.Module):
 
     Args:
         spatial_dims, in_channels, out_channels, kernel_size, stride, norm, act, bias, dropout,
-        norm_groups, act_slope: as in :class:`ConvNormAct`.
+        norm_groups, norm_eps, act_slope: as in :class:`ConvNormAct`.
         subunits: number of stacked ConvNormAct layers (>= 1).
         last_conv_only: the last layer is a bare conv (no norm / dropout / act), for output layers.
 
@@ -236,6 +238,7 @@ class ResidualUnit(nn.Module):
         last_conv_only: bool = False,
         norm_groups: int = 8,
         act_slope: float = 0.01,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         layers = []
@@ -246,7 +249,7 @@ class ResidualUnit(nn.Module):
                     spatial_dims, in_channels if i == 0 else out_channels, out_channels, kernel_size,
                     stride if i == 0 else 1, norm="none" if bare else norm, act="none" if bare else act,
                     bias=bias if bias is not None else bare, dropout=0.0 if bare else dropout,
-                    norm_groups=norm_groups, act_slope=act_slope,
+                    norm_groups=norm_groups, act_slope=act_slope, norm_eps=norm_eps,
                 )
             )
         self.conv = nn.Sequential(*layers)

@@ -173,6 +173,7 @@ class UNet(nn.Module):
         act: "relu", "leakyrelu", "prelu", "relu6", "gelu".
         act_slope: leakyrelu negative slope.
         norm_groups: groups for group norm.
+        norm_eps: every norm's epsilon (1e-5, torch's; ``unet3d-nonewnet``: 1e-6, seed 000's).
         bias: conv bias; ``None`` = only where no norm follows.
         down: "maxpool" (pool, then stride-1 convs) or "stride" (the stage's first conv is strided).
         up: "transpose" (transposed conv), "shuffle" (the same transposed conv computed as a 1x1 conv
@@ -218,6 +219,7 @@ class UNet(nn.Module):
         act: ActName = "relu",
         act_slope: float = 0.01,
         norm_groups: int = 8,
+        norm_eps: float = 1e-5,
         bias: bool | None = None,
         down: Literal["maxpool", "stride"] = "maxpool",
         up: Literal["transpose", "interp", "shuffle"] = "transpose",
@@ -234,7 +236,8 @@ class UNet(nn.Module):
         self.strides, self.kernels = stage_geometry(spatial_dims, filters, strides, kernel_size, residual)
         self.spatial_dims, self.filters = spatial_dims, tuple(filters)
         self.divisor = tuple(math.prod(s[a] for s in self.strides) for a in range(spatial_dims))
-        opts = dict(norm=norm, act=act, act_slope=act_slope, norm_groups=norm_groups, bias=bias, dropout=dropout)
+        opts = dict(norm=norm, act=act, act_slope=act_slope, norm_groups=norm_groups, norm_eps=norm_eps, bias=bias,
+                    dropout=dropout)
         parts = _Parts(spatial_dims, opts, n_convs, residual, down, up, up_kernel)
         depth, st, ks = len(filters) - 1, self.strides, self.kernels
         chans = (in_channels, *filters)
@@ -339,10 +342,12 @@ def unet3d_nonewnet(
 ) -> UNet:
     """Seed 000's 3D U-Net (No New-Net): stride-2 conv down, 2^3 up-conv, InstanceNorm, LeakyReLU 0.01, 3^3 head.
 
-    Convs before a norm have no bias (``bias: true`` adds them, for comparison); group norm uses 16
+    Convs before a norm have no bias (``bias: true`` adds them, for comparison); instance and group norm
+    take the seed's epsilon 1e-6 (``tf.contrib.layers.instance_norm`` / ``group_norm``), group norm 16
     groups as in the seed. ``norm: instance_cl``, ``up: shuffle`` and ``pad_in: 8`` are speed levers (docs/gpu.md).
     """
     return UNet(3, in_channels, out_channels, filters, norm=norm, act="leakyrelu", act_slope=0.01, norm_groups=16,
+                norm_eps=1e-3 if norm == "batch" else 1e-6,  # keras' BatchNormalization; TF contrib's norms
                 bias=bias, down="stride", up=up, up_kernel=2, head_kernel=3, dropout=dropout, init="xavier",
                 pad_in=pad_in)
 

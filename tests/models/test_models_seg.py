@@ -168,6 +168,26 @@ def test_nonewnet_channel_plan_and_parameter_count():
     assert n_params(m) == total == 31_196_196
 
 
+@pytest.mark.parametrize("norm", ["instance", "instance_cl", "group"])
+def test_nonewnet_norm_epsilon_is_the_seeds(norm):
+    """Seed 000's instance / group norm (``tf.contrib.layers``) adds 1e-6 to the variance, not torch's
+    1e-5: on a feature map of variance 1e-5 the two differ by a factor 1.35. Checked by hand on the
+    first stage's first layer (conv -> norm -> leaky ReLU)."""
+    torch.manual_seed(0)
+    m = create_model("unet3d-nonewnet", filters=(16, 16), norm=norm).eval()
+    layer = m.encoders[0][0]
+    x = 3e-3 * torch.randn(1, 4, 8, 8, 8)  # a feature variance near 1e-6 after the conv: eps matters
+    y = layer.conv(x)
+    groups = 16 if norm == "group" else y.shape[1]
+    g = y.reshape(1, groups, -1)
+    ref = ((g - g.mean(-1, keepdim=True)) / torch.sqrt(g.var(-1, unbiased=False, keepdim=True) + 1e-6)).reshape(y.shape)
+    norm_mod = layer.norm
+    ref = ref * norm_mod.weight.view(1, -1, 1, 1, 1) + norm_mod.bias.view(1, -1, 1, 1, 1)
+    ref = torch.nn.functional.leaky_relu(ref, 0.01)
+    assert y.var(dim=(2, 3, 4)).max() < 1e-4  # the regime where 1e-5 and 1e-6 differ
+    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- against MONAI
 def _copy_unet_from_monai(ours: nn.Module, theirs: nn.Module) -> None:
     """MONAI registers down_0 .. bottom, then up stages bottom-up: our encoders, then decoders reversed."""
