@@ -71,8 +71,10 @@ def apply(label: np.ndarray | torch.Tensor, steps: Sequence[Sequence[int]]) -> n
 
 
 def targets(task) -> list[tuple[str, list[int]]]:
-    """(name, label ids) of each foreground class or region of a segmentation task."""
-    if task.mode == "regions":
+    """(name, label ids) of each foreground class or region of a segmentation task: the regions where the
+    task has them (a softmax model scored on regions, ``unet3d-brats``, included: its primary ``dice`` is
+    their mean, so the cross-validation's mean is the folds' own ``dice``), else the classes."""
+    if task.regions:
         names = task.region_names or [str(i) for i in range(len(task.regions))]
         return [(n, sorted(r)) for n, r in zip(names, task.regions, strict=True)]
     if task.mode == "sigmoid":

@@ -110,3 +110,32 @@ def test_regions_are_label_sets():
     assert postprocess.targets(task) == [("WT", [1, 2, 3]), ("TC", [1, 3]), ("ET", [3])]
     assert postprocess.fixed(task, "lcc")["steps"] == [[1, 2, 3], [1, 3], [3]]
     assert postprocess.fixed(task, "none")["steps"] == []
+
+
+def test_softmax_with_regions_scores_its_regions():
+    """``unet3d-brats`` (softmax labels, scored on WT / TC / ET): the cross-validation scores its regions,
+    so the table's mean is the folds' primary ``dice`` (before, the labels 1..3: ``dice_labels``).
+    Checked against the BraTS regions' Dice by hand (both empty: 1, ``empty: one``)."""
+    from fastvision.inference.folds import _counts
+    from fastvision.metrics.crossval import fold_table
+
+    regions = {"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]}
+    task = _task(4, mode="softmax", regions=list(regions.values()), region_names=list(regions), empty="one")
+    named = postprocess.targets(task)
+    assert named == list(regions.items())
+    rng = np.random.default_rng(3)
+    pairs = [(rng.integers(0, 4, (6, 5, 4)).astype(np.uint8), rng.integers(0, 4, (6, 5, 4)).astype(np.uint8))
+             for _ in range(3)]
+    pairs[1][1][pairs[1][1] == 3] = 2  # a case without enhancing tumour in its truth
+    pairs[1][0][pairs[1][0] == 3] = 1  # ... nor in its prediction: ET scores 1
+    sets = [s for _, s in named]
+    res = fold_table([{"id": str(i), "fold": 0, **_counts(p, t, sets)} for i, (p, t) in enumerate(pairs)],
+                     [n for n, _ in named], task.empty)
+
+    def dice(p, t):
+        return 1.0 if not p.any() and not t.any() else 2 * (p & t).sum() / (p.sum() + t.sum())
+
+    by_hand = [[dice(np.isin(p, s), np.isin(t, s)) for s in regions.values()] for p, t in pairs]
+    assert by_hand[1][2] == 1.0
+    assert res["dice"] == pytest.approx(np.mean(by_hand), abs=1e-12)
+    assert [res["mean"]["dice"][k] for k in regions] == pytest.approx(np.mean(by_hand, 0).tolist(), abs=1e-12)
