@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, did_you_mean
 from fastvision.registry import type_name, type_ok
 
 
@@ -211,7 +211,7 @@ def from_dict(data: dict[str, Any], cls: type = RunConfig, where: str = "") -> A
             # {"no": {"such": 1}}) and the section it was looked up in.
             full = _first_leaf(value, path)
             section = f"section {where}" if where else "the top level of the config"
-            raise ConfigError(f"unknown key {full}: {section} has no {key!r}; "
+            raise ConfigError(f"unknown key {full}: {section} has no {key!r}{did_you_mean(key, names, where)}; "
                               f"valid keys there: {', '.join(sorted(names))}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):

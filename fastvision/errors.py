@@ -20,6 +20,15 @@ def error_line(e: BaseException) -> str:
     return line
 
 
+def did_you_mean(name: str, names, prefix: str = "") -> str:
+    """`` (did you mean PREFIX.CLOSEST?)`` for an unknown key ``name`` one typo from one of ``names``
+    (``train.epoch``: ``train.epochs``), else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), sorted(names), 1, 0.7)
+    return f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else ""
+
+
 def check_low(flag: str, value: float | None, low: float, inclusive: bool = True) -> None:
     """A command-line number at or above ``low`` (above it with ``inclusive`` False), else one line naming
     the option: ``--batch 0: must be >= 1``. None (not given) passes."""

@@ -11,7 +11,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from fastvision.errors import ConfigError
+from fastvision.errors import ConfigError, did_you_mean
 
 
 class Registry:
@@ -107,7 +107,8 @@ def check_kwargs(fn: Callable, kwargs: dict[str, Any], where: str, exclude: set[
         hints = {}
     for key, value in kwargs.items():
         if key not in params:
-            raise ConfigError(f"unknown key {where}.{key}; valid keys: {', '.join(sorted(params))}")
+            raise ConfigError(f"unknown key {where}.{key}{did_you_mean(key, params, where)}; "
+                              f"valid keys: {', '.join(sorted(params))}")
         if key in hints and not type_ok(value, hints[key]):
             raise ConfigError(f"{where}.{key}: expected {type_name(hints[key])}, got {value!r}")
 
