@@ -287,21 +287,14 @@ def _load_for(path, device: str, data: str | None):
 
 
 def check_same_classes(trained: dict, given: dict, data: str, ckpt: str | Path) -> None:
-    """One line where dataset ``data``'s class list (``info["classes"]``) is not the one checkpoint
-    ``ckpt`` was trained on: labels are class indices, so another list (a class fewer, another
-    order) would score each image against another class; the first classes of the training list
-    alone keep their indices and pass. Datasets without a class list pass."""
-    old, new = trained.get("classes"), given.get("classes")
-    if not old or not new:
-        return
-    old, new = [str(c) for c in old], [str(c) for c in new]
-    if old[:len(new)] == new:
-        return
-    i = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
-    at = lambda names: repr(names[i]) if i < len(names) else "none"  # noqa: E731
-    raise DataError(f"--data {data}: its classes are not those {ckpt} was trained on ({len(new)} classes there, "
-                    f"{len(old)} in training; class {i} is {at(new)} there, {at(old)} in training): each image "
-                    "would be scored against another class; give a folder with the training class folders")
+    """One line where dataset ``data``'s class list is not the one checkpoint ``ckpt`` was trained on
+    (:func:`fastvision.engine.state.classes_differ`: labels are class indices)."""
+    from fastvision.engine.state import classes_differ
+
+    where = classes_differ(trained, given)
+    if where:
+        raise DataError(f"--data {data}: its classes are not those {ckpt} was trained on {where}: each image "
+                        "would be scored against another class; give a folder with the training class folders")
 
 
 def expand_inputs(inputs: list[str], tree: bool = False) -> list[Path]:

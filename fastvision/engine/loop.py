@@ -28,6 +28,7 @@ from fastvision.engine.saver import Checkpoints
 from fastvision.engine.state import (
     Position,
     check_resumable,
+    classes_differ,
     environment,
     eval_model,
     improved,
@@ -119,6 +120,10 @@ def _start_state(run: Run, ckpt: dict | None, resume: Path | None) -> dict:
     state = initial_state(run.info)
     if ckpt is not None:
         state = restore(ckpt, run, resume)
+        where = classes_differ(state.get("data_info"), run.info)
+        if where:  # a class folder added, renamed or gone: every later label an index into another list
+            raise DataError(f"{run.cfg.data.args.get('path')}: its classes are not those {resume} was trained on "
+                            f"{where}: resume with the run's data, or train these classes in a new run (another --out)")
         at = state["position"] or Position(state["epoch"] + 1, 0, 0)
         log.info("resumed from %s at epoch %d step %d", resume, at.epoch, at.step)  # 0-based, as logged
     distributed.broadcast_state(run.model, run.step.optimizer)

@@ -231,6 +231,23 @@ def check_resumable(ckpt: dict[str, Any], cfg: RunConfig, path) -> None:
                           f"{cfg.recipe!r} ({mine}): resume it with its own recipe, or choose another --out")
 
 
+def classes_differ(trained: dict, given: dict) -> str | None:
+    """Where dataset info ``given``'s class list (``info["classes"]``) is not ``trained``'s, as
+    "(N classes there, M in training; class i is 'b' there, 'a' in training)", else None: labels are
+    class indices, so another list (a class fewer, another order, other names) would make each
+    image another class; the first classes of the training list alone keep their indices and pass.
+    Datasets without a class list pass."""
+    old, new = (trained or {}).get("classes"), (given or {}).get("classes")
+    if not old or not new:
+        return None
+    old, new = [str(c) for c in old], [str(c) for c in new]
+    if old[:len(new)] == new:
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+    at = lambda names: repr(names[i]) if i < len(names) else "none"  # noqa: E731
+    return f"({len(new)} classes there, {len(old)} in training; class {i} is {at(new)} there, {at(old)} in training)"
+
+
 def restore(ckpt: dict[str, Any], run, path=None) -> dict[str, Any]:
     """Load a checkpoint into ``run``'s parts; returns the loop state it was saved with.
 
