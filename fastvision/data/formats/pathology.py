@@ -37,6 +37,7 @@ from fastvision.data.formats.asap import (
 )
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.camelyon import find_slides, is_slide_split
+from fastvision.data.formats.imagefolder import open_image
 from fastvision.errors import ConfigError, DataError
 from fastvision.registry import DATASETS
 
@@ -213,13 +214,15 @@ def _slide_grid(img_path: Path, lesion: Path | None, patch: int, level: int) -> 
 
 
 def folder_samples(split_dir: Path) -> list[tuple]:
-    """``(patch path, label)`` from ``split_dir/{normal,tumor}/``."""
+    """``(patch path, label)`` from ``split_dir/{normal,tumor}/``; names starting with "." (macOS
+    ``._x.png`` companions, which are no images) are left out, as ImageFolder leaves them."""
     samples = []
     for label, name in enumerate(CLASSES):
         d = split_dir / name
         if not d.is_dir():
             raise DataError(f"{d}: missing (patch layout needs {split_dir}/normal and {split_dir}/tumor)")
-        files = sorted(str(p) for p in d.iterdir() if p.suffix.lower() in PATCH_EXTENSIONS)
+        files = sorted(str(p) for p in d.iterdir()
+                       if p.suffix.lower() in PATCH_EXTENSIONS and not p.name.startswith("."))
         if not files:
             raise DataError(f"{d}: no patch images")
         samples += [(f, label) for f in files]
@@ -271,10 +274,7 @@ class PathologyPatches(Dataset):
             ident = f"{path}@{y},{x}"
         else:
             path, label = s
-            try:
-                img = Image.open(path).convert("RGB")
-            except OSError as e:
-                raise DataError(f"{path}: cannot decode patch ({e})") from e
+            img = open_image(path)  # ImageFolder's decode: 16-bit grey scaled (a plain convert clips it white), CMYK
             if img.size != (p, p):
                 img = img.resize((p, p), Image.BILINEAR)
             arr, ident = np.array(img, dtype=np.uint8), path
