@@ -182,20 +182,31 @@ def remap_labels(label: torch.Tensor, mapping: Sequence[tuple[int, int]]) -> tor
     return out
 
 
+def check_channel_file(path: str | Path, shape: Sequence[int], affine: np.ndarray,
+                       first: tuple[str | Path, Sequence[int], np.ndarray] | None = None) -> None:
+    """One image file of a case (from its header or its data): 3-D or 4-D (a 4-D file's last axis holds
+    channels), on the grid of the case's first file ``first = (path, shape, affine)``.
+
+    Raises:
+        DataError: naming the file.
+    """
+    if len(shape) not in (3, 4):
+        raise DataError(f"{path}: expected a 3-D or 4-D NIfTI image, got shape {tuple(shape)}")
+    if first is not None and (tuple(shape[:3]) != tuple(first[1][:3]) or not np.allclose(affine, first[2], atol=1e-3)):
+        raise DataError(f"{path}: grid (shape/affine) differs from {first[0]}")
+
+
 def _read_channels(paths: Sequence[str | Path], finite: NonFinite) -> tuple[np.ndarray, np.ndarray, Any]:
     """Stack image files into (X, Y, Z, C); a 4-D file contributes its last axis as channels;
     ``finite`` checks each file for NaN / Inf (after the float32 cast, which can overflow to Inf)."""
     arrays, affine, header = [], None, None
     for p in paths:
         data, aff, hdr = load_nifti(p)
+        check_channel_file(p, data.shape, aff, None if affine is None else (paths[0], arrays[0].shape, affine))
         if data.ndim == 3:
             data = data[..., None]
-        elif data.ndim != 4:
-            raise DataError(f"{p}: expected a 3-D or 4-D NIfTI image, got shape {data.shape}")
         if affine is None:
             affine, header = aff, hdr
-        elif data.shape[:3] != arrays[0].shape[:3] or not np.allclose(aff, affine, atol=1e-3):
-            raise DataError(f"{p}: grid (shape/affine) differs from {paths[0]}")
         arrays.append(finite(np.asarray(data, dtype=np.float32), p))
     return np.concatenate(arrays, axis=-1), affine, header
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gzip
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -126,18 +125,16 @@ def save_segmentation(label: np.ndarray, reference_nifti_path: str | Path, out_p
 
 
 # ----------------------------------------------------------------------------- NIfTI prediction
-_BRATS_FILE = re.compile(r"^(?P<case>.+)_(?P<mod>flair|t1|t1ce|t2|seg)(?P<ext>\.nii(\.gz)?)$")
-
-
 def prediction_cases(files: Sequence[str | Path]) -> list[dict]:
     """Group prediction inputs into cases ``{"id": str, "image": [paths]}``.
 
     A NIfTI file is one case (a 4-D file carries its channels). A folder holds raw BraTS cases
-    (``<case>_{flair,t1,t1ce,t2}.nii.gz``, any nesting). Loose files named like BraTS modalities
-    (what a folder expands to) are grouped into their case in FLAIR, T1, T1ce, T2 order; ``_seg``
-    files are skipped.
+    (``<case>_{flair,t1,t1ce,t2}.nii.gz`` or 2023-2024's ``<case>-{t2f,t1n,t1c,t2w}.nii.gz``, any nesting).
+    Loose files named like BraTS modalities (what a case folder expands to) are grouped into their case
+    in FLAIR, T1, T1ce, T2 order; ``seg`` files are skipped.
     """
-    from fastvision.data.formats.brats import MODALITIES, find_cases
+    from fastvision.data.formats.brats import find_cases
+    from fastvision.data.formats.brats_layouts import case_files
     from fastvision.errors import DataError
 
     cases, grouped = [], set()
@@ -147,12 +144,11 @@ def prediction_cases(files: Sequence[str | Path]) -> list[dict]:
             continue
         if not f.name.endswith((".nii", ".nii.gz")):
             raise DataError(f"{f}: expected a NIfTI file (.nii / .nii.gz) or a BraTS case folder")
-        m = _BRATS_FILE.match(f.name)
-        siblings = [f.parent / f"{m['case']}_{mod}{m['ext']}" for mod in MODALITIES] if m else []
-        if m and all(p.is_file() for p in siblings):
-            if (f.parent, m["case"]) not in grouped:
-                grouped.add((f.parent, m["case"]))
-                cases.append({"id": m["case"], "image": siblings})
+        found = case_files(f)  # a BraTS case's file (2017-2021 or 2023-2024 names): the case, once
+        if found and all(p.is_file() for p in found[1]):
+            if (f.parent, found[0]) not in grouped:
+                grouped.add((f.parent, found[0]))
+                cases.append({"id": found[0], "image": found[1]})
             continue
         name = f.name
         cases.append({"id": name[: -len(".nii.gz")] if name.endswith(".nii.gz") else f.stem, "image": [f]})

@@ -203,13 +203,16 @@ def shard(cases: Sequence[dict], rank: int, world: int) -> list[dict]:
 
 
 def check_cases(cases: Sequence[dict], channels: int | None) -> None:
-    """Before anything is written: unique case ids, and each case's channels (from the NIfTI headers)
-    equal to what the model takes.
+    """Before anything is written (no ``--out`` made): unique case ids, and from the NIfTI headers each
+    file 3-D or 4-D, a case's files on one grid, and its channels what the model takes.
 
     Raises:
-        DataError: naming the case's file.
+        DataError: naming the case's file (a BraTS-named file whose case lacks modalities: which).
     """
     import nibabel as nib
+
+    from fastvision.data.formats.brats_layouts import case_files
+    from fastvision.data.preprocess3d import check_channel_file
 
     seen: dict[str, Path] = {}
     for c in cases:
@@ -218,17 +221,20 @@ def check_cases(cases: Sequence[dict], channels: int | None) -> None:
             raise DataError(f"{first}: same case name {c['id']!r} as {seen[c['id']]}: both would write "
                             f"{c['id']}.nii.gz")
         seen[c["id"]] = first
-        if channels is None:
-            continue
-        have = 0
+        have, grid = 0, None
         for p in c["image"]:
             try:
-                shape = nib.load(str(p)).shape
+                img = nib.load(str(p))
             except Exception as e:  # nibabel raises several types for a damaged header
                 raise DataError(f"{p}: not a readable NIfTI file ({e})") from e
-            have += shape[3] if len(shape) > 3 else 1
-        if have != channels:
-            raise DataError(f"{first}: has {have} channel(s), the model expects {channels}")
+            check_channel_file(p, img.shape, img.affine, grid)
+            grid = grid or (p, img.shape, img.affine)
+            have += img.shape[3] if len(img.shape) > 3 else 1
+        if channels is not None and have != channels:
+            found = case_files(first) if len(c["image"]) == 1 else None
+            lacks = [q.name for q in found[1] if not q.is_file()] if found else []
+            hint = f"; BraTS case {found[0]} lacks {', '.join(lacks)}" if lacks else ""
+            raise DataError(f"{first}: has {have} channel(s), the model expects {channels}{hint}")
 
 
 # ----------------------------------------------------------------------------- the pipeline

@@ -119,6 +119,19 @@ def detect(root: str | Path) -> Layout:
     return layout
 
 
+def case_files(path: Path) -> tuple[str, list[Path]] | None:
+    """A file named as a BraTS modality or segmentation (either release's scheme): its case id and the
+    case's four modality files beside it, in channel order (FLAIR, T1, T1ce, T2 = t2f, t1n, t1c, t2w),
+    whether they exist or not; None for any other name (``x_t2f.nii.gz`` included, as :func:`detect`)."""
+    m = _NIFTI.match(Path(path).name)
+    if not m:
+        return None
+    mods = _NEW if m["sep"] == "-" else _OLD
+    if m["mod"].lower() != "seg" and m["mod"].lower() not in mods:
+        return None
+    return m["case"], [Path(path).parent / f"{m['case']}{m['sep']}{x}{m['ext']}" for x in mods]
+
+
 def _odd_segmentation(folder: Path, used: set[Path]) -> Path | None:
     """The single other NIfTI in ``folder`` whose name says "seg" (case-insensitive), else None."""
     others = [p for p in folder.iterdir() if p.name.lower().endswith((".nii", ".nii.gz"))
