@@ -158,7 +158,7 @@ class ClassificationTask(Task):
 
         Images are prepared as evaluation items are (resize + centre crop per ``data.args``).
         """
-        from fastvision.data.formats.heatmap import slide_heatmap, write_heatmap
+        from fastvision.data.formats.heatmap import check_slides, slide_heatmap, write_heatmap
         from fastvision.data.formats.imagefolder import load_crop
         from fastvision.inference.inputs import check_unique_names
         from fastvision.utils.files import atomic_write
@@ -172,8 +172,9 @@ class ClassificationTask(Task):
             logits = self.forward(model, self.to_device({"image": x}, device))
             return logits.float().softmax(1)
 
-        check_unique_names([f for f in files if self.heatmap_patch and f.suffix.lower() in (".tif", ".tiff")],
-                           "{0}_heatmap.tif")  # the slides' heat maps, before any is written
+        slides = [f for f in files if self.heatmap_patch and f.suffix.lower() in (".tif", ".tiff")]
+        check_unique_names(slides, "{0}_heatmap.tif")  # the slides' heat maps, before any is written
+        check_slides(slides, self.heatmap_patch)  # each opens and holds a patch: no half-written --out
         written, rows = [], []
         for f in files:
             if self.heatmap_patch and f.suffix.lower() in (".tif", ".tiff"):

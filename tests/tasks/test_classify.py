@@ -353,3 +353,27 @@ def test_evaluate_data_is_read_in_place_of_the_training_data_with_the_same_class
     for split in ("train", "val"):
         shutil.rmtree(prefix / split / "class002")
     assert main(["evaluate", str(run_dir), "--data", str(prefix), "--device", "cpu"]) == 0
+
+
+def test_predict_on_a_slide_smaller_than_the_patch_is_one_line_before_any_heat_map(tmp_path):
+    """A slide below heatmap_patch has no cell: its heat map was an empty array (a zero-size TIFF,
+    then a ValueError traceback from the PNG writer) after the slides before it were written."""
+    from types import SimpleNamespace
+
+    import tifffile
+
+    from fastvision.errors import DataError
+
+    tifffile.imwrite(tmp_path / "a_big.tif", np.full((64, 64, 3), 100, np.uint8), tile=(16, 16))
+    tifffile.imwrite(tmp_path / "b_small.tif", np.zeros((20, 48, 3), np.uint8), tile=(16, 16))
+    task = _task(num_classes=2, heatmap_patch=32)
+    model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 2))
+    cfg = SimpleNamespace(data=SimpleNamespace(args={"patch_size": 32}))
+    out = tmp_path / "out"
+    out.mkdir()
+    files = [tmp_path / "a_big.tif", tmp_path / "b_small.tif"]
+    with pytest.raises(DataError, match=r"b_small.tif: 20 x 48 px, smaller than the heat map's patch of 32 px"):
+        task.predict_files(model, files, out, cfg, torch.device("cpu"))
+    assert list(out.iterdir()) == []
+    written = task.predict_files(model, files[:1], out, cfg, torch.device("cpu"))
+    assert tifffile.imread(out / "a_big_heatmap.tif").shape == (2, 2) and len(written) == 2

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from fastvision.data.formats.pathology import TiledTiff
+from fastvision.errors import DataError
 
 
 def slide_heatmap(slide_path: str | Path, predict, patch_size: int, stride: int | None = None,
@@ -44,6 +45,22 @@ def slide_heatmap(slide_path: str | Path, predict, patch_size: int, stride: int 
             heat[i, j] = pr
     slide.close()
     return heat
+
+
+def check_slides(slides: list[Path], patch_size: int) -> None:
+    """Before any heat map is written: every slide opens (its TIFF header) and holds one patch.
+
+    Raises:
+        DataError: naming the first slide that does not open, or whose side is below ``patch_size``
+            (its heat map would have no cell).
+    """
+    for path in slides:
+        slide = TiledTiff(path)
+        h, w = slide.shape[:2]
+        slide.close()
+        if h < patch_size or w < patch_size:
+            raise DataError(f"{path}: {h} x {w} px, smaller than the heat map's patch of {patch_size} px "
+                            "(task.args.heatmap_patch): no patch to score")
 
 
 HEATMAP_KEY = "fastvision_heatmap"  # TIFF ImageDescription / PNG text: {"stride": slide px per cell, "patch": px}
