@@ -133,7 +133,7 @@ def test_inspect_camelyon16(tmp_path):
     make_camelyon16(tmp_path)
     report = inspect_path(tmp_path)
     assert report["layout"] == "pathology" and "Camelyon16" in report["detected"]
-    assert report["training slides (with lesions)"] == "2 (1)"  # tumor_002 is skipped: listed below
+    assert report["training slides (with a mask or annotation)"] == "2 (1)"  # tumor_002 is skipped: listed below
     assert report["training levels (first slide)"] == "256x256, 128x128, 64x64"
     assert report["training lesion polygons (exclusions)"] == "2 (1)"
     assert report["anomalies"]["training: tumour slides without lesion annotations (skipped)"] == "1 (tumor_002.tif)"
@@ -156,8 +156,8 @@ def test_inspect_detects_the_synthesized_slides_and_masks_layout(tmp_path, capsy
     assert "ImageFolder" not in text and "anomaly" not in text
     report = inspect_path(out)
     assert report["layout"] == "pathology" and report["train levels (first slide)"] == "256x256"
-    assert report["train slides (with lesions)"].startswith("2 ")
-    assert report["val slides (with lesions)"].startswith("1 ")
+    assert report["train slides (with a mask or annotation)"] == "2 (2)"  # the normal slide has an all-zero mask
+    assert report["val slides (with a mask or annotation)"].startswith("1 ")
     patches = tmp_path / "patches"  # train/normal + train/tumor patch folders are an ImageFolder too: kept as one
     for split in ("train", "val"):
         for c in ("normal", "tumor"):
