@@ -200,7 +200,8 @@ def inspect_pathology(path: Path) -> dict[str, Any]:
         slides, found = find_slides(d)
         for kind, names in found.items():
             anomalies[f"{split}: {kind}"] = names
-        report[f"{split} slides (with a mask or annotation)"] = f"{len(slides)} ({sum(s is not None for _, s in slides)})"
+        with_source = sum(s is not None for _, s in slides)
+        report[f"{split} slides (with a mask or annotation)"] = f"{len(slides)} ({with_source})"
         readable = []
         for slide, source in slides:  # each TIFF's header and tile table (the pixels are read per patch)
             tiffs = [slide] + ([source] if source is not None and source.suffix.lower() != ".xml" else [])
