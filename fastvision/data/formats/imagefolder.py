@@ -78,13 +78,31 @@ def list_samples(root: Path, classes: list[str], extensions: tuple[str, ...] = E
 
 
 def _images_under(folder: Path, extensions: tuple[str, ...]) -> list[str]:
-    """Image files under ``folder`` and its sub-folders; names starting with "." are skipped
-    ("._x.JPEG" are macOS metadata companions, not images)."""
-    out = []
+    """Image files under ``folder`` and its sub-folders, linked ones included; names starting with "."
+    are skipped ("._x.JPEG" are macOS metadata companions, not images). A linked folder is read
+    once, and one that leads back to ``folder`` or above it (``loop -> ..``) is not read: os.walk
+    follows such a link 40 levels deep, taking every image again and the other classes' under this
+    one's label (one warning names the links left out)."""
+    top = os.path.realpath(folder)
+    seen, loops, out = set(), [], []
     for here, dirs, names in os.walk(folder, followlinks=True):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        seen.add(os.path.realpath(here))
+        keep = []
+        for d in dirs:
+            real = os.path.realpath(os.path.join(here, d))
+            if d.startswith("."):
+                continue
+            if real in seen or real == top or top.startswith(real.rstrip(os.sep) + os.sep):
+                loops.append(os.path.join(here, d))
+                continue
+            seen.add(real)
+            keep.append(d)
+        dirs[:] = keep
         out += [os.path.join(here, n) for n in names
                 if not n.startswith(".") and os.path.splitext(n)[1].lower() in extensions]
+    if loops:
+        log.warning("%s: %d linked folder(s) not read, they lead to a folder read already (a link loop, or a "
+                    "second link to one): %s", folder, len(loops), ", ".join(loops[:3]))
     return out
 
 
