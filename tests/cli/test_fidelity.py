@@ -114,3 +114,12 @@ def test_resnet50_recipes_are_seed004s(name, epochs, mixup):
     assert {id(p) for p in no_decay["params"]} == bn and no_decay["weight_decay"] == 0
     assert {id(p) for p in decay["params"]} == {id(p) for p in model.parameters()} - bn
     assert id(model.fc.bias) in {id(p) for p in decay["params"]}
+
+
+@pytest.mark.parametrize("recipe,patch", [("unet3d-brats", [128, 128, 128]), ("segresnet-brats", [224, 224, 144])])
+def test_brats_recipes_crop_as_the_seeds(recipe, patch):
+    """Seed 000's RandomCrop3D and MONAI's BraTS RandSpatialCropd: a random crop with no foreground bias
+    (``placement: uniform``; the recipes centred half their crops on tumour)."""
+    cfg = config.load(recipe)
+    assert cfg.data.args["placement"] == "uniform" and cfg.data.args["patch_size"] == patch
+    assert cfg.task.args["sample_shape"][1:] == patch

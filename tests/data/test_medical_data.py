@@ -233,6 +233,46 @@ def test_random_patch_foreground_bias():
     assert im.shape == (2, 6, 6, 6)  # padded when the volume is smaller
 
 
+def test_uniform_placement_is_monai_random_spatial_crop():
+    """``placement: uniform`` (both BraTS recipes): the start uniform over ``[0, n - s]`` per axis whatever
+    the label, as MONAI's ``RandSpatialCrop(random_size=False)`` (seed 003) and seed 000's ``RandomCrop3D``;
+    the foreground-biased ``monai`` placement puts most starts elsewhere for a corner tumour."""
+    from monai.transforms import RandSpatialCrop
+
+    from fastvision.data.formats.patches import RandPatch
+
+    n, s, draws = (9, 7, 5), (4, 4, 5), 1400
+    image = torch.arange(float(np.prod(n))).reshape(1, *n)  # a voxel's value is its flat index
+    label = torch.zeros(n, dtype=torch.long)
+    label[:2, :2, :] = 1  # a corner tumour: must not pull the crops
+    crop, g = RandPatch(s, pos_fraction=1.0, placement="uniform"), torch.Generator().manual_seed(0)
+    ours = np.zeros((len(n), max(n)), int)
+    for _ in range(draws):
+        patch = crop({"image": image, "label": label}, g)
+        start = np.unravel_index(int(patch["image"][0, 0, 0, 0]), n)
+        np.testing.assert_array_equal(patch["image"][0].numpy(), image[0].numpy()[tuple(
+            slice(a, a + k) for a, k in zip(start, s, strict=True))])
+        for axis, a in enumerate(start):
+            ours[axis, a] += 1
+    monai_crop, theirs = RandSpatialCrop(s, random_size=False), np.zeros_like(ours)
+    monai_crop.set_random_state(0)
+    for _ in range(draws):
+        start = np.unravel_index(int(monai_crop(image)[0, 0, 0, 0]), n)
+        for axis, a in enumerate(start):
+            theirs[axis, a] += 1
+    for axis in range(len(n)):
+        positions = n[axis] - s[axis] + 1
+        assert (ours[axis] > 0).sum() == (theirs[axis] > 0).sum() == positions  # the same support
+        expected = draws / positions  # and both uniform on it (5 sigma of a binomial count)
+        bound = 5 * np.sqrt(expected)
+        assert np.abs(ours[axis, :positions] - expected).max() < bound
+        assert np.abs(theirs[axis, :positions] - expected).max() < bound
+    biased = RandPatch(s, pos_fraction=1.0, placement="monai")
+    starts = [np.unravel_index(int(biased({"image": image, "label": label}, g)["image"][0, 0, 0, 0]), n)[0]
+              for _ in range(200)]
+    assert np.mean(np.array(starts) == 0) > 0.9  # what the recipes drew before: tumour-centred crops
+
+
 def test_synth_is_deterministic(tmp_path):
     a = SYNTH.get("brats")(tmp_path / "a", seed=5, cases=1, test_cases=0, size=16)
     b = SYNTH.get("brats")(tmp_path / "b", seed=5, cases=1, test_cases=0, size=16)

@@ -54,13 +54,13 @@ def find_cases(root: str | Path) -> list[dict]:
 def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int = 0,
                 target_spacing: tuple[float, float, float] | None = None, crop_foreground: bool | str = True,
                 crop_margin: int = 0, patch_size: tuple[int, int, int] | None = None,
-                pos_fraction: float = 0.5, skip_unreadable: bool = False, nonfinite: str = "error",
-                resample: str = "monai") -> DatasetSplits:
+                pos_fraction: float = 0.5, placement: str = "monai", skip_unreadable: bool = False,
+                nonfinite: str = "error", resample: str = "monai") -> DatasetSplits:
     """Raw BraTS folder (any release 2017-2024) -> train/val of fold ``fold``; MRI z-score on the
     foreground per channel. The release's label convention is recorded in ``info``.
 
-    Args: as :func:`fastvision.data.formats.decathlon.build_decathlon` (no CT options; ``nonfinite`` and
-    ``resample`` included).
+    Args: as :func:`fastvision.data.formats.decathlon.build_decathlon` (no CT options; ``placement``,
+    ``nonfinite`` and ``resample`` included).
     """
     layout = detect(dataset_folder(path, "BraTS"))
     cases = layout.cases
@@ -76,4 +76,4 @@ def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int
     info = {"num_classes": 4, "class_names": BRATS_CLASS_NAMES, "in_channels": 4, "channels": list(MODALITIES),
             "regions": list(REGION_NAMES), "preprocess": params.key(), "label_convention": layout.convention()}
     return build_splits(cases, params, info, fold=fold, num_folds=num_folds, split_seed=split_seed,
-                        patch_size=patch_size, pos_fraction=pos_fraction)
+                        patch_size=patch_size, pos_fraction=pos_fraction, placement=placement)

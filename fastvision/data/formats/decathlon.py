@@ -348,8 +348,8 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         pos_fraction: share of patches centred on foreground.
         oversample: ``random`` (each patch with probability ``pos_fraction``) or ``batch_tail``
             (nnU-Net: the last ``round(pos_fraction * B)`` of every batch, by the sampler's order).
-        placement: ``monai`` (patch kept inside the volume) or ``nnunet`` (``get_bbox``: a random
-            present class's voxel exactly at the centre, the box may leave the volume).
+        placement: ``monai`` (kept inside the volume), ``nnunet`` (``get_bbox``: a present class's voxel at
+            the centre, may leave the volume) or ``uniform`` (MONAI's ``RandSpatialCrop``; no ``pos_fraction``).
         num_samples: patches cut from each cached volume per step (MONAI's; :class:`MultiPatch`).
         skip_unreadable: drop (one warning) cases whose NIfTI headers do not read, not stop naming the file.
         nonfinite: NaN or Inf in a volume: ``error`` stops with one line naming the file when it

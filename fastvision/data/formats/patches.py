@@ -1,6 +1,6 @@
 """The training crop of a cached 3-D volume: where a patch is cut, and which patches must hold foreground.
 
-Two placements (``data.args.placement``):
+Three placements (``data.args.placement``):
 
 * ``monai`` (:func:`random_patch`): the centre is a random foreground voxel (any class) or a uniform
   voxel; the patch is then moved inside the volume (MONAI ``RandCropByPosNegLabel``).
@@ -10,6 +10,9 @@ Two placements (``data.args.placement``):
   volume, read as zeros); any other patch starts uniformly in ``[-need_to_pad // 2, shape +
   need_to_pad // 2 + need_to_pad % 2 - size]``, ``need_to_pad`` being what a volume smaller than the
   patch lacks.
+* ``uniform`` (:func:`uniform_patch`): the start uniform over every position where the patch fits
+  (``[0, shape - size]`` per axis), whatever the label: MONAI's ``RandSpatialCrop`` (seed 003's BraTS
+  recipe) and seed 000's ``RandomCrop3D``; ``pos_fraction`` and ``oversample`` play no part.
 
 Which patches must hold foreground (``data.args.oversample``): ``random``, each with probability
 ``pos_fraction``; ``batch_tail``, nnU-Net's ``_oversample_last_XX_percent``: the items at batch
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from fastvision.data.transforms import SLOT_KEY, RandomTransform
 from fastvision.errors import ConfigError
 
-PLACEMENTS, OVERSAMPLING = ("monai", "nnunet"), ("random", "batch_tail")
+PLACEMENTS, OVERSAMPLING = ("monai", "nnunet", "uniform"), ("random", "batch_tail")
 
 
 def forced_foreground(slot: tuple[int, int], pos_fraction: float) -> bool:
@@ -56,10 +59,7 @@ def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], 
     Returns:
         (image (C, *size), label (*size)).
     """
-    pad = [max(0, s - n) for s, n in zip(size, label.shape, strict=True)]
-    if any(pad):
-        spec = [p for d in reversed(pad) for p in (d // 2, d - d // 2)]
-        image, label = F.pad(image, spec), F.pad(label, spec)
+    image, label = _pad_to(image, label, size)
     shape = label.shape
     centre = None
     want = float(torch.rand((), generator=generator)) < pos_fraction
@@ -70,6 +70,28 @@ def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], 
     if centre is None:
         centre = [int(torch.randint(n, (), generator=generator)) for n in shape]
     start = [min(max(0, c - s // 2), n - s) for c, s, n in zip(centre, size, shape, strict=True)]
+    sl = tuple(slice(a, a + s) for a, s in zip(start, size, strict=True))
+    return image[(slice(None),) + sl], label[sl]
+
+
+def _pad_to(image: torch.Tensor, label: torch.Tensor, size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-pad (symmetrically, the odd voxel after) the axes shorter than ``size``."""
+    pad = [max(0, s - n) for s, n in zip(size, label.shape, strict=True)]
+    if any(pad):
+        spec = [p for d in reversed(pad) for p in (d // 2, d - d // 2)]
+        image, label = F.pad(image, spec), F.pad(label, spec)
+    return image, label
+
+
+def uniform_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int],
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``size`` patch whose start is uniform in ``[0, shape - size]`` per axis (MONAI's
+    ``RandSpatialCrop(random_size=False)``); volumes smaller than ``size`` are zero-padded first.
+
+    Args: as :func:`random_patch` (no foreground choice).
+    """
+    image, label = _pad_to(image, label, size)
+    start = [int(torch.randint(n - s + 1, (), generator=generator)) for s, n in zip(size, label.shape, strict=True)]
     sl = tuple(slice(a, a + s) for a, s in zip(start, size, strict=True))
     return image[(slice(None),) + sl], label[sl]
 
@@ -147,7 +169,9 @@ class RandPatch(RandomTransform):
         item = dict(item)
         slot = item.pop(SLOT_KEY, None)
         force = forced_foreground(slot, self.pos_fraction) if slot is not None else None
-        if self.placement == "nnunet":
+        if self.placement == "uniform":
+            image, label = uniform_patch(item["image"], item["label"], self.patch_size, generator)
+        elif self.placement == "nnunet":
             want = float(torch.rand((), generator=generator)) < self.pos_fraction
             image, label = nnunet_patch(item["image"], item["label"], self.patch_size,
                                         want if force is None else force, generator, self.final_size)
