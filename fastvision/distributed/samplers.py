@@ -62,14 +62,20 @@ class TrainSampler(Sampler[int]):
         emulate_workers: in one process, order the indices as the micro-batches of this many
             workers (``--emulate-workers``); each emulated worker's partial last batch is dropped,
             as a training loader with ``drop_last`` does on a real rank.
-        batch_size: per-worker batch, needed only when emulating.
+        batch_size: per-worker batch, needed when emulating and with ``full_batches``.
+        full_batches: the training rule: keep whole global batches only (``world x emulate x
+            batch_size`` items each) where the set holds at least one, so the epoch reads no item twice
+            (a padded shard of ``ceil(n / world)`` could fill a last global batch with a repeat that one
+            process at the global batch never reads); a set smaller than one global batch is shared out
+            unpadded (shards differ by at most one), padded only where the ranks outnumber the items.
         order: the dataset's own order of an epoch (a shard set's shard-aware permutation), drawn
             from the generator this sampler seeds with (seed, epoch); default a uniform permutation.
     """
 
     def __init__(self, data: Sized | int, *, num_replicas: int | None = None, rank: int | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, emulate_workers: int = 1,
-                 batch_size: int = 1, order: Callable[[torch.Generator], list[int]] | None = None):
+                 batch_size: int = 1, order: Callable[[torch.Generator], list[int]] | None = None,
+                 full_batches: bool = False):
         self.n, self.order = _length(data), order
         self.num_replicas, self.rank = _group(num_replicas, rank)
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
@@ -78,7 +84,12 @@ class TrainSampler(Sampler[int]):
             raise ConfigError("emulated workers run in one process; do not combine with several ranks")
         self.epoch, self.start = 0, 0
         shards = self.num_replicas * self.emulate
-        if drop_last:
+        whole = shards * batch_size
+        if full_batches and self.n >= whole:
+            self.total = (self.n // whole) * whole
+        elif full_batches and self.emulate == 1 and self.n >= shards:
+            self.total = self.n  # under one global batch: every item once, shards of unequal length
+        elif drop_last:
             self.total = (self.n // shards) * shards
         else:
             self.total = math.ceil(self.n / shards) * shards
@@ -125,7 +136,7 @@ class TrainSampler(Sampler[int]):
     def __len__(self) -> int:
         if self.emulate > 1:
             return (self.total // self.emulate // self.batch_size) * self.batch_size * self.emulate
-        return self.total // self.num_replicas
+        return len(range(self.rank, self.total, self.num_replicas))
 
 
 class EvalSampler(Sampler[int]):

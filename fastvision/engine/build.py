@@ -246,7 +246,7 @@ def train_sampler(n: int, cfg: RunConfig, batch_size: int, order=None) -> distri
     (emulated workers' micro-batches with ``train.emulate_workers``); ``order``: the dataset's own
     permutation of a (seed, epoch) generator (a shard set's ``epoch_order``)."""
     return distributed.TrainSampler(n, seed=cfg.train.seed, shuffle=True, emulate_workers=cfg.train.emulate_workers,
-                             batch_size=batch_size, order=order)
+                                    batch_size=batch_size, order=order, full_batches=True)
 
 
 def make_loader(dataset, task: Task, cfg: RunConfig, batch_size: int, train: bool, device: torch.device,

@@ -184,11 +184,10 @@ def input_rate_of(cfg: RunConfig, given: float | str | None = None) -> tuple[flo
 
 
 def rank_batches(items: int, gpus: int, batch: int) -> int:
-    """Batches one GPU steps through in an epoch of ``items``, as training's loader counts them: a rank's
-    shard is ``ceil(items / gpus)`` (``TrainSampler`` pads the permutation), and its last partial batch is
-    dropped when the shard holds a full one, else the shard is one short batch."""
-    shard = _shard(items, gpus)
-    return shard // batch if shard >= batch else 1
+    """Batches one GPU steps through in an epoch of ``items``, as training's sampler counts them
+    (``TrainSampler(full_batches=True)``): the whole global batches of ``gpus x batch`` items, the partial last
+    one dropped; where the set holds none, one short batch."""
+    return items // (gpus * batch) if items >= gpus * batch else 1
 
 
 def epoch_seconds(items: int, gpus: int, batch: int, items_per_s: float) -> float:

@@ -182,6 +182,41 @@ def test_train_sampler_drop_last_and_no_shuffle():
     assert s == [[0, 2, 4], [1, 3, 5]]
 
 
+def _epoch_batches(n: int, world: int, batch: int, monkeypatch) -> list[list[list[int]]]:
+    """Each rank's training batches of one epoch, from the sampler ``train`` builds (engine.build.train_sampler)
+    in a job of ``world`` ranks, with the loader's drop_last rule (make_loader)."""
+    from fastvision import config
+    from fastvision.distributed import samplers
+    from fastvision.engine.build import train_sampler
+
+    cfg = config.load("unet2d-microscopy", [])
+    out = []
+    for r in range(world):
+        monkeypatch.setattr(samplers, "world_size", lambda: world)
+        monkeypatch.setattr(samplers, "rank", lambda r=r: r)
+        s = train_sampler(n, cfg, batch)
+        s.set_epoch(3)
+        idx = list(s)
+        assert len(idx) == len(s)
+        full = len(idx) // batch * batch if len(idx) >= batch else len(idx)
+        out.append([idx[i:i + batch] for i in range(0, full, batch)])
+    return out
+
+
+@pytest.mark.parametrize("n,world,batch", [(31, 2, 4), (7, 2, 4), (33, 2, 4), (32, 3, 4), (23, 3, 2), (5, 4, 2)])
+def test_training_epoch_reads_each_item_once_as_one_process_at_the_global_batch(n, world, batch, monkeypatch):
+    """31 items, 2 ranks x 4: the padded shards (16 each) made a 4th global batch whose last item repeated the
+    epoch's first, where one process at batch 8 trains 3 batches. Now the k-th batches of the ranks together are
+    the k-th batch of one process at the global batch, no item twice, the same number of steps."""
+    ranks = _epoch_batches(n, world, batch, monkeypatch)
+    (one,) = _epoch_batches(n, 1, batch * world, monkeypatch)
+    assert {len(b) for b in ranks} == {len(one)}  # every rank takes the one process's number of steps
+    seen = [i for b in ranks for step in b for i in step]
+    assert len(seen) == len(set(seen))
+    for k, together in enumerate(zip(*ranks, strict=True)):
+        assert sorted(i for step in together for i in step) == sorted(one[k])
+
+
 # --------------------------------------------------------------------------- real 2-rank jobs
 
 
