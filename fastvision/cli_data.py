@@ -58,6 +58,8 @@ def cmd_synth(args: argparse.Namespace, extra: list[str]) -> int:
     except ConfigError as e:  # "data synth imagenet.per_class: expected int" -> "... --per-class: ..."
         raise ConfigError(re.sub(rf"^data synth {re.escape(args.kind)}\.(\w+)",
                                  lambda m: f"data synth {args.kind} {flag(m.group(1))}", str(e))) from None
+    if args.seed < 0:  # numpy's seed sequences take non-negative integers only (a traceback deep in the generator)
+        raise ConfigError(f"data synth {args.kind} --seed {args.seed}: must be at least 0")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"{out}: exists and is not an empty folder; choose a new output folder")

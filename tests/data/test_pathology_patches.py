@@ -3,9 +3,11 @@ macOS ``._`` companions beside the patches, 16-bit grey and CMYK patches (read a
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from fastvision.data.formats import pathology  # noqa: F401  (registers the dataset)
+from fastvision.errors import ConfigError
 from fastvision.registry import DATASETS
 
 
@@ -27,3 +29,8 @@ def test_patch_folders_skip_companions_and_read_16_bit_and_cmyk_as_imagefolder(t
     assert grey.shape == (3, 16, 16) and np.abs(grey[0] - expected).max() <= 1 and grey.mean() < 130
     cmyk = splits.train[2]["image"].numpy()
     assert np.abs(cmyk.astype(int) - 200).max() < 12  # CMYK back to its RGB grey
+
+
+def test_a_negative_subsampling_seed_is_one_line_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"^data.args.seed=-1: the seed of the normal-patch subsampling"):
+        DATASETS.build("pathology", {"path": str(tmp_path), "seed": -1})  # was numpy's message, no key

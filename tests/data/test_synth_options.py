@@ -25,6 +25,8 @@ from fastvision.cli import main
     ("thinstack", ["--slices", "0"], "--slices 0: must be at least 1"),
     ("pathology", ["--slides", "0"], "--slides 0: must be at least 1"),
     ("pathology", ["--tile", "24"], "--tile 24: must be a multiple of 16"),
+    ("imagenet", ["--seed", "-1"], "--seed -1: must be at least 0"),  # was numpy's ValueError traceback
+    ("pathology", ["--seed", "-3"], "--seed -3: must be at least 0"),
 ])
 def test_a_senseless_option_is_one_line_naming_it(kind, options, named, tmp_path, capsys):
     out = tmp_path / "out"

@@ -306,6 +306,8 @@ def build(*, path: str, patch_size: int = 224, normal_per_tumor: float = 1.0, se
         raise ConfigError(f"data.args.patch_size={patch_size}: a patch side in pixels, at least 1")
     if level < 0:
         raise ConfigError(f"data.args.level={level}: a pyramid level, 0 (full resolution) or more")
+    if seed < 0:
+        raise ConfigError(f"data.args.seed={seed}: the seed of the normal-patch subsampling, 0 or more")
     root = dataset_folder(path)
     splits = []
     for k, name in enumerate((train_dir, val_dir)):
