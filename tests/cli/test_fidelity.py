@@ -123,3 +123,10 @@ def test_brats_recipes_crop_as_the_seeds(recipe, patch):
     cfg = config.load(recipe)
     assert cfg.data.args["placement"] == "uniform" and cfg.data.args["patch_size"] == patch
     assert cfg.task.args["sample_shape"][1:] == patch
+
+
+def test_unet3d_brats_augments_as_seed000():
+    """DLE's train pipeline with --augment: RandomHorizontalFlip (axis 1, p 0.5) and RandomBrightnessCorrection
+    (p 0.5, per channel U(0.9, 1.1) added where the normalised value is > 0); nothing else."""
+    aug = config.load("unet3d-brats").data.augment
+    assert aug == {"flip": {"prob": 0.5, "axes": [1]}, "foreground_shift": {"prob": 0.5, "range": [0.9, 1.1]}}

@@ -217,6 +217,28 @@ def test_intensity_ops(name, opts, check):
         assert not torch.allclose(xo, x)
 
 
+def test_foreground_shift_is_seed000_brightness_correction():
+    """DLE's RandomBrightnessCorrection (dataset/transforms.py), by hand: a sample fires with p 0.5; then
+    each channel gets one offset in [0.9, 1.1) added where the z-scored value is > 0, nothing elsewhere."""
+    x = torch.randn(400, 4, 3, 4, 5)
+    x[:, :, 0] = 0.0  # background (0 after the foreground z-score) stays 0
+    xo, _ = build_augment(3, foreground_shift={"prob": 0.5, "range": [0.9, 1.1]})(x, None, gen(3))
+    d, pos = xo - x, x > 0
+    fired = d.flatten(1).abs().amax(1) > 0
+    assert 0.4 < fired.float().mean() < 0.6
+    assert torch.equal(d[~pos], torch.zeros_like(d[~pos]))  # x <= 0: untouched, fired or not
+    for b in range(x.shape[0]):
+        offsets = [d[b, c][pos[b, c]] for c in range(4)]
+        if not fired[b]:
+            assert all(torch.equal(o, torch.zeros_like(o)) for o in offsets)
+            continue
+        for o in offsets:  # one offset per channel, in range
+            assert torch.allclose(o, o[0].expand_as(o), atol=1e-6) and 0.9 - 1e-6 <= float(o[0]) < 1.1 + 1e-6
+        assert len({round(float(o[0]), 6) for o in offsets}) == 4  # drawn per channel
+    with pytest.raises(ConfigError, match=r"data.augment.foreground_shift.range"):
+        build_augment(3, foreground_shift={"range": [1.1, 0.9]})
+
+
 def test_noise_and_prob_zero_is_identity():
     x = torch.rand(3, 1, 5, 5, 5)
     assert torch.equal(build_augment(3, noise={"prob": 0.0, "std": 1.0})(x, None, gen(0))[0], x)

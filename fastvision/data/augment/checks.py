@@ -38,5 +38,7 @@ def _validate(name: str, op: Any, nd: int) -> None:
         if v is not None and name in ("affine", "gamma", "gamma_inverted", "lowres", "blur") \
                 and not (len(v) == 2 and 0 < v[0] <= v[1]):
             raise ConfigError(f"{where}.{key} must be [low, high] with 0 < low <= high, got {v}")
+    if name == "foreground_shift" and op.range is not None and not (len(op.range) == 2 and op.range[0] <= op.range[1]):
+        raise ConfigError(f"{where}.range must be [low, high] with low <= high, got {op.range}")
     if name == "color_jitter" and op.hue > 0.5:
         raise ConfigError(f"{where}.hue must be <= 0.5, got {op.hue}")

@@ -105,6 +105,24 @@ class Intensity:
 
 
 @dataclass
+class ForegroundShift:
+    """Seed 000's ``RandomBrightnessCorrection``: with probability ``prob`` per sample, add U(range) per
+    channel to the voxels above 0 (of the z-scored image: those above the channel's foreground mean), the
+    others kept. The seed's defaults: p 0.5, U(0.9, 1.1) (``alpha`` 0.1 around 1, added, not multiplied)."""
+
+    prob: float = 0.5
+    range: list[float] | None = None
+
+    def __call__(self, image: Tensor, label: Label, rng: Any) -> tuple[Tensor, Label]:
+        m = rng.mask(self.prob)
+        lo, hi = self.range if self.range is not None else (0.9, 1.1)
+        o = rng.uniform(lo, hi, image.shape[1])  # (B, C): one offset per channel
+        if _idle(m, image):
+            return image, label
+        return _select(m, torch.where(image > 0, image + _bshape(image, o), image), image), label
+
+
+@dataclass
 class Noise:
     """Additive Gaussian noise with a per-sample std drawn from U(0, std) (MONAI ``RandGaussianNoise``)."""
 

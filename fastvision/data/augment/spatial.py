@@ -20,6 +20,7 @@ the network's patch from a larger one, right after the crop)::
                                                           # sampling_scale, size, label_mode,
                                                           # label_classes, compiled
     intensity: {prob: 0.5, scale: 0.1, shift: 0.1}
+    foreground_shift: {prob: 0.5, range: [0.9, 1.1]}  # seed 000: per channel, added to the voxels above 0
     noise: {prob: 0.15, std: 0.1}
     blur: {prob: 0.2, sigma: [0.5, 1.0], channel_prob: 0.5}          # degrade.py
     brightness: {prob: 0.15, factor: 0.25}
@@ -48,6 +49,7 @@ from fastvision.data.augment.intensity import (
     Brightness,
     ColorJitter,
     Contrast,
+    ForegroundShift,
     Gamma,
     Intensity,
     InvertedGamma,
@@ -289,7 +291,8 @@ def _narrow(label: Label, nd: int) -> Label:
 
 
 OPS: dict[str, type] = {
-    "crop": Crop, "flip": Flip, "rot90": Rot90, "affine": Affine, "intensity": Intensity, "noise": Noise,
+    "crop": Crop, "flip": Flip, "rot90": Rot90, "affine": Affine, "intensity": Intensity,
+    "foreground_shift": ForegroundShift, "noise": Noise,
     "blur": Blur, "brightness": Brightness, "contrast": Contrast, "lowres": LowResolution,
     "gamma_inverted": InvertedGamma, "gamma": Gamma, "color_jitter": ColorJitter,
 }
