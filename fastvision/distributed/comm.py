@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -77,18 +79,32 @@ def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> 
         if backend == "nccl":
             kwargs["device_id"] = dev  # binds the communicator to our GPU: no guessing in barrier()
             nccl_flight_recorder_env()  # read when the group is made: the hang report's NCCL half
-        if env.launcher == "torchrun":
-            kwargs["store"] = _attempt_store(env, timeout_s)
-        else:
-            host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
-            kwargs["init_method"] = f"tcp://{host}:{env.master_port}"
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=timeout_s), **kwargs)
+        with _port_in_use(env):
+            if env.launcher == "torchrun":
+                kwargs["store"] = _attempt_store(env, timeout_s)
+            else:
+                host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+                kwargs["init_method"] = f"tcp://{host}:{env.master_port}"
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=timedelta(seconds=timeout_s), **kwargs)
         if backend == "gloo":
             _hold(dist.group.WORLD)
         log.info("joined %s process group: rank %d of %d (%s, %s:%d)", backend, env.rank, env.world_size,
                  env.launcher, env.master_addr, env.master_port)
     return env, dev
+
+
+@contextlib.contextmanager
+def _port_in_use(env: DistEnv) -> Iterator[None]:
+    """Rank 0's rendezvous store could not listen on ``MASTER_PORT`` (another job or process holds it):
+    one line naming the port, where it was torch's 30-line traceback."""
+    try:
+        yield
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise ConfigError(f"MASTER_PORT {env.master_port} on {env.master_addr} is in use (another job or process "
+                          "listens there): set MASTER_PORT to a free port") from e
 
 
 def _attempt_store(env: DistEnv, timeout_s: float) -> dist.Store:

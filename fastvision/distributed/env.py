@@ -98,6 +98,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     one name expand to their product (``r[1-2]n[1-2]`` -> ``r1n1, r1n2, r2n1, r2n2``).
     """
     hosts: list[str] = []
+    if nodelist.count("[") != nodelist.count("]") or re.search(r"\[[^\]]*\[", nodelist):
+        raise ConfigError(f"cannot parse SLURM node list {nodelist!r} (unbalanced brackets)")
     for item in _split_top_level(nodelist.strip()):
         expanded = [""]
         for literal, group in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
@@ -127,8 +129,8 @@ def _split_top_level(text: str) -> list[str]:
 def _expand_range_group(group: str, nodelist: str) -> list[str]:
     out = []
     for part in group.split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (hi and int(hi) < int(lo)):
             raise ConfigError(f"cannot parse SLURM node list {nodelist!r} (range {part!r})")
         if not hi:
             out.append(lo)
@@ -159,11 +161,35 @@ def _slurm_port(environ: Mapping[str, str]) -> int:
 
 def _torchrun_env(environ: Mapping[str, str]) -> DistEnv:
     world = _int(environ, "WORLD_SIZE")
-    return DistEnv(rank=_int(environ, "RANK"), local_rank=_int(environ, "LOCAL_RANK", 0), world_size=world,
-                   local_world_size=_int(environ, "LOCAL_WORLD_SIZE", world), launcher="torchrun",
-                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-                   master_port=_int(environ, "MASTER_PORT", DEFAULT_PORT),
-                   restart=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0))
+    env = DistEnv(rank=_int(environ, "RANK"), local_rank=_int(environ, "LOCAL_RANK", 0), world_size=world,
+                  local_world_size=_int(environ, "LOCAL_WORLD_SIZE", world), launcher="torchrun",
+                  master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                  master_port=_int(environ, "MASTER_PORT", DEFAULT_PORT),
+                  restart=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0))
+    _check(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if world > 1 and not environ.get(k)]
+    if missing:  # torchrun sets both; a hand-made environment without them was torch's traceback (env://)
+        raise ConfigError(f"RANK={env.rank} WORLD_SIZE={world} set but not {' or '.join(missing)}: set "
+                          "MASTER_ADDR (rank 0's host) and MASTER_PORT (a free port on it) on every rank, or "
+                          "launch with torchrun")
+    return env
+
+
+def _check(env: DistEnv, rank: str, world: str, local_rank: str, local_world: str) -> None:
+    """One line naming the variables where the ranks do not fit the world (a rank at or past the world size
+    waited for ever for a peer that does not exist)."""
+    if env.world_size < 1:
+        raise ConfigError(f"environment variable {world}={env.world_size}: must be >= 1")
+    if not 0 <= env.rank < env.world_size:
+        raise ConfigError(f"environment variable {rank}={env.rank} is outside [0, {world}={env.world_size})")
+    if not 1 <= env.local_world_size <= env.world_size:
+        raise ConfigError(f"environment variable {local_world}={env.local_world_size} is outside "
+                          f"[1, {world}={env.world_size}]")
+    if not 0 <= env.local_rank < env.local_world_size:
+        raise ConfigError(f"environment variable {local_rank}={env.local_rank} is outside "
+                          f"[0, {local_world}={env.local_world_size})")
+    if not 0 < env.master_port < 65536:
+        raise ConfigError(f"environment variable MASTER_PORT={env.master_port}: must be a port in [1, 65535]")
 
 
 def _srun_env(environ: Mapping[str, str]) -> DistEnv:
@@ -172,8 +198,11 @@ def _srun_env(environ: Mapping[str, str]) -> DistEnv:
     world = _int(environ, world_key, 1)
     per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-    master = environ.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1")
-    return DistEnv(
+    hosts = expand_nodelist(nodelist) if nodelist else ["127.0.0.1"]
+    if not hosts:
+        raise ConfigError(f"SLURM node list {nodelist!r} names no host")
+    master = environ.get("MASTER_ADDR") or hosts[0]
+    env = DistEnv(
         rank=_int(environ, "SLURM_PROCID"),
         local_rank=_int(environ, "SLURM_LOCALID", 0),
         world_size=world,
@@ -182,6 +211,8 @@ def _srun_env(environ: Mapping[str, str]) -> DistEnv:
         master_addr=master,
         master_port=_slurm_port(environ),
     )
+    _check(env, "SLURM_PROCID", world_key, "SLURM_LOCALID", "SLURM_TASKS_PER_NODE")
+    return env
 
 
 def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
@@ -202,6 +233,11 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     """
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return _torchrun_env(environ)
+    half = [k for k, alone in (("RANK", "0"), ("WORLD_SIZE", "1")) if environ.get(k, alone) != alone]
+    if half:  # one of the pair: the process trained alone on the whole data set, saying nothing
+        other = "WORLD_SIZE" if half[0] == "RANK" else "RANK"
+        raise ConfigError(f"environment variable {half[0]}={environ[half[0]]} is set but {other} is not: set both "
+                          "(and MASTER_ADDR, MASTER_PORT), or launch with torchrun")
     job_id = _job_id(environ)
     step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
     under_srun = "SLURM_PROCID" in environ and step is not None and step != _SLURM_BATCH_STEP

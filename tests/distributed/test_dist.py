@@ -77,6 +77,65 @@ def test_malformed_variables_name_the_key(bad):
         distributed.detect_env(bad)
 
 
+_SRUN = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"}
+_TR = {"MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("environ,says", [
+    # a rank at or past the world size (or below 0) waited for ever for a peer that does not exist
+    ({"RANK": "2", "WORLD_SIZE": "2", **_TR}, "RANK=2 is outside [0, WORLD_SIZE=2)"),
+    ({"RANK": "-1", "WORLD_SIZE": "2", **_TR}, "RANK=-1 is outside"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0: must be >= 1"),  # was an optim "global batch 0" line
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2", **_TR}, "LOCAL_RANK=2 is outside"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
+    # torch's env:// rendezvous raised a traceback for these
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "not MASTER_ADDR or MASTER_PORT"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "not MASTER_PORT"),
+    # half of the pair: the process trained alone on the whole data set without a word
+    ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not"),
+    ({"WORLD_SIZE": "4"}, "WORLD_SIZE=4 is set but RANK is not"),
+    ({**_SRUN, "SLURM_PROCID": "3", "SLURM_NTASKS": "2", "SLURM_NODELIST": "a,b"}, "SLURM_PROCID=3 is outside"),
+    ({**_SRUN, "SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3", "SLURM_TASKS_PER_NODE": "2(x2)",
+      "SLURM_NODELIST": "n[1-2]"}, "SLURM_LOCALID=3 is outside"),
+    ({**_SRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n[2-1]"}, "range '2-1'"),  # IndexError
+    ({**_SRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n[1-2"}, "unbalanced"),  # host 'n1-2'
+    ({**_SRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n[1-]"}, "range '1-'"),  # host 'n1'
+])
+def test_inconsistent_launch_variables_are_one_line(environ, says):
+    with pytest.raises(ConfigError) as e:
+        distributed.detect_env(environ)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("launch", ["srun", "env"])
+def test_a_rendezvous_port_in_use_is_one_line(launch, monkeypatch):
+    """Rank 0 of an srun job (tcp://) or of hand-set torchrun variables (env://) whose MASTER_PORT another
+    process holds: was torch's DistNetworkError traceback (exit 1)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_JOB_ID", "SLURM_PROCID"):
+            monkeypatch.delenv(k, raising=False)
+        if launch == "srun":
+            for k, v in {**_SRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "127.0.0.1"}.items():
+                monkeypatch.setenv(k, v)
+        else:
+            for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+                monkeypatch.setenv(k, v)
+        monkeypatch.setenv("MASTER_PORT", port)
+        with pytest.raises(ConfigError, match=f"MASTER_PORT {port} on 127.0.0.1 is in use"):
+            distributed.init("cpu", timeout_s=20)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("environ", [{"RANK": "0"}, {"WORLD_SIZE": "1"}, {"RANK": "0", "WORLD_SIZE": "1"}])
+def test_a_single_process_pair_half_is_harmless(environ):
+    assert distributed.detect_env(environ).world_size == 1
+
+
 @pytest.mark.parametrize("nodelist,hosts", [
     ("localhost", ["localhost"]),
     ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
