@@ -37,11 +37,13 @@ def summarize(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             ``metric_name``, ``metric``, ``predicted_speedup``.
 
     Returns:
-        Rows sorted by backend then workers, with the keys of :data:`FIELDS`. The speed-up is the
-        mean throughput relative to the same backend's smallest worker count, scaled by that count
-        (a sweep starting at 2 workers still reads as "x vs one worker" under linear scaling there).
-        ``speedup_std`` propagates both runs' relative spreads to first order (independent runs);
-        ``*_std`` is ``None`` with a single repeat.
+        Rows sorted by backend then workers, with the keys of :data:`FIELDS`. The speed-up is seed 001's:
+        the mean epoch time (``time_per_epoch_s``) of the same backend's smallest worker count over this
+        row's, scaled by that count (a sweep starting at 2 workers still reads as "x vs one worker" under
+        linear scaling there); where a backend's runs lack epoch times, the mean throughput's ratio. The two
+        differ where the world sizes' epochs hold different numbers of items (each drops its partial global
+        batch): images/s is then the throughput. ``speedup_std`` propagates both runs' relative spreads to
+        first order (independent runs); ``*_std`` is ``None`` with a single repeat.
     """
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in results:
@@ -54,20 +56,24 @@ def summarize(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         row = {"backend": backend, "mode": runs[0].get("mode", "weak"), "workers": n, "repeats": len(runs),
                "seeds": " ".join(seeds), "metric_name": runs[0].get("metric_name", "")}
         for key in ("global_batch", "time_per_epoch_s", "images_per_s", "metric", "predicted_speedup"):
-            mean, std = _mean_std([float(r[key]) for r in runs if r.get(key) is not None])
-            row[key] = mean
-            if key in ("images_per_s", "metric"):
-                row[f"{key}_std"] = std
+            vals = [float(r[key]) for r in runs if r.get(key) is not None]
+            mean, std = _mean_std(vals)
+            row[key], row[f"{key}_std"] = mean, std
+            if key == "time_per_epoch_s" and len(vals) < len(runs):
+                row[key] = None  # a run without it: the speed-up falls back to throughput
         rows.append(row)
     for backend in {r["backend"] for r in rows}:
         mine = [r for r in rows if r["backend"] == backend]
         ref = min(mine, key=lambda r: r["workers"])
-        ref_rel = (ref["images_per_s_std"] or 0.0) / ref["images_per_s"]
+        timed = all(r["time_per_epoch_s"] is not None for r in mine)
+        key = "time_per_epoch_s" if timed else "images_per_s"
+        ref_rel = (ref[f"{key}_std"] or 0.0) / ref[key]
         for r in mine:
-            r["speedup"] = r["images_per_s"] / ref["images_per_s"] * ref["workers"]
+            ratio = ref[key] / r[key] if timed else r[key] / ref[key]  # seed 001: epoch time at 1 over at N
+            r["speedup"] = ratio * ref["workers"]
             r["efficiency"] = r["speedup"] / r["workers"]
-            rel = (r["images_per_s_std"] or 0.0) / r["images_per_s"]
-            if r["images_per_s_std"] is None and ref["images_per_s_std"] is None:
+            rel = (r[f"{key}_std"] or 0.0) / r[key]
+            if r[f"{key}_std"] is None and ref[f"{key}_std"] is None:
                 r["speedup_std"] = None
             else:
                 r["speedup_std"] = r["speedup"] * (rel if r is ref else math.hypot(rel, ref_rel))

@@ -53,14 +53,16 @@ def test_summarize_mean_std_speedup_efficiency():
     assert one["metric"] == pytest.approx(0.92) and one["metric_std"] == pytest.approx(0.02)
     assert four["images_per_s"] == pytest.approx(33.0) and four["images_per_s_std"] == pytest.approx(18**0.5)
     assert four["metric_std"] == pytest.approx(0.02**0.5 / 10)
-    assert by[("ddp", 2)]["speedup"] == pytest.approx(1.8) and by[("ddp", 2)]["efficiency"] == pytest.approx(0.9)
-    assert four["speedup"] == pytest.approx(3.0) and four["efficiency"] == pytest.approx(0.75)
-    # speed-up spread: relative spreads of both means added in quadrature (1/11 and sqrt(18)/33)
-    assert four["speedup_std"] == pytest.approx(3.0 * ((1 / 11) ** 2 + (18**0.5 / 33) ** 2) ** 0.5)
-    assert one["speedup_std"] == pytest.approx(1 / 11)
-    two = by[("ddp", 2)]  # one run: no spread of its own, the reference's 1/11 carries over
+    # seed 001's speed-up: mean epoch time at 1 worker (20, 18, 19 -> 19 +- 1) over that at N (10; 6, 6)
+    assert by[("ddp", 2)]["speedup"] == pytest.approx(1.9) and by[("ddp", 2)]["efficiency"] == pytest.approx(0.95)
+    assert four["speedup"] == pytest.approx(19 / 6) and four["efficiency"] == pytest.approx(19 / 24)
+    # speed-up spread: relative spreads of both mean epoch times added in quadrature (1/19 and 0/6)
+    assert four["speedup_std"] == pytest.approx(19 / 6 / 19)
+    assert one["speedup_std"] == pytest.approx(1 / 19)
+    two = by[("ddp", 2)]  # one run: no spread of its own, the reference's 1/19 carries over
     assert two["images_per_s_std"] is None and two["metric_std"] is None
-    assert two["speedup_std"] == pytest.approx(1.8 / 11)
+    assert two["speedup_std"] == pytest.approx(1.9 / 19)
+    # runs without epoch times (horovod here): the throughput's ratio, 16.5 / 11
     assert by[("horovod", 2)]["speedup"] == pytest.approx(1.5) and by[("horovod", 2)]["speedup_std"] is None
     assert by[("ddp", 2)]["predicted_speedup"] == 1.9 and four["predicted_speedup"] is None
 
@@ -71,16 +73,26 @@ def test_write_report_files(tmp_path):
     with open(paths["csv"], newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 5 and list(rows[0]) == scaling.FIELDS
-    assert float(rows[1]["speedup"]) == pytest.approx(1.8) and rows[2]["predicted_speedup"] == ""
+    assert float(rows[1]["speedup"]) == pytest.approx(1.9) and rows[2]["predicted_speedup"] == ""
     assert float(rows[0]["images_per_s_std"]) == pytest.approx(1.0) and rows[1]["metric_std"] == ""
     data = json.loads(paths["json"].read_text())
-    assert len(data["runs"]) == len(RUNS) and data["rows"][2]["efficiency"] == pytest.approx(0.75)
+    assert len(data["runs"]) == len(RUNS) and data["rows"][2]["efficiency"] == pytest.approx(19 / 24)
     md = paths["md"].read_text().splitlines()
     assert md[0] == "## unet2d-microscopy weak scaling" and "| iou |" in md[2]
-    assert md[4].startswith("| ddp | 1 | 3 (0 1 2) | 4 | 19.00 | 11.0 ± 1.0 | 1.00 ± 0.09 | 100.0% | 0.9200 ± 0.0200 |")
-    assert md[5].startswith("| ddp | 2 | 1 | 8 | 10.00 | 19.8 | 1.80 ± 0.16 | 90.0% | 0.8900 | 1.90 |")
+    assert md[4].startswith("| ddp | 1 | 3 (0 1 2) | 4 | 19.00 | 11.0 ± 1.0 | 1.00 ± 0.05 | 100.0% | 0.9200 ± 0.0200 |")
+    assert md[5].startswith("| ddp | 2 | 1 | 8 | 10.00 | 19.8 | 1.90 ± 0.10 | 95.0% | 0.8900 | 1.90 |")
     with Image.open(paths["png"]) as im:
         assert im.format == "PNG" and im.size == (1200, 480)
+
+
+def test_speedup_is_the_epoch_time_ratio_where_epochs_hold_different_item_counts():
+    """36 training items at batch 4: one worker's epoch trains all 36 in 10 s, two workers' (global batch 8) drop
+    the partial global batch and train 32 in 5 s. Seed 001's speed-up is epoch time at 1 over at N, 10 / 5 =
+    2.0; the throughput ratio (6.4 / 3.6 = 1.78) was reported before."""
+    rows = scaling.summarize([{"workers": 1, "images_per_s": 36 / 10, "time_per_epoch_s": 10.0},
+                              {"workers": 2, "images_per_s": 32 / 5, "time_per_epoch_s": 5.0}])
+    assert rows[1]["speedup"] == pytest.approx(2.0) and rows[1]["efficiency"] == pytest.approx(1.0)
+    assert rows[1]["images_per_s"] == pytest.approx(6.4)
 
 
 def test_summarize_rejects_incomplete_results():
