@@ -125,7 +125,8 @@ def _start_state(run: Run, ckpt: dict | None, resume: Path | None) -> dict:
             raise DataError(f"{run.cfg.data.args.get('path')}: its classes are not those {resume} was trained on "
                             f"{where}: resume with the run's data, or train these classes in a new run (another --out)")
         at = state["position"] or Position(state["epoch"] + 1, 0, 0)
-        log.info("resumed from %s at epoch %d step %d", resume, at.epoch, at.step)  # 0-based, as logged
+        (log.info if run.env.is_main else log.debug)(  # once per job, not once per rank
+            "resumed from %s at epoch %d step %d", resume, at.epoch, at.step)  # 0-based, as logged
     distributed.broadcast_state(run.model, run.step.optimizer)
     return state
 

@@ -176,6 +176,7 @@ def test_batchnorm_two_ranks_validate_their_checkpoint_and_resume_mid_epoch_with
     step = two / "checkpoints" / "step-00000006.pt"
     resumed = train_here(data, tmp_path / "resumed", "--epochs", "2", "--batch-size", "2", "--nproc", "2",
                          "--resume", str(step))
+    assert capfd.readouterr().err.count("resumed from") == 1  # the job's line, not one per rank
     ends = _events(resumed)[1]
     assert len(ends) == 1 and ends[0]["train_loss"] == pytest.approx(logged["train_loss"], rel=1e-6, abs=0)
     assert all(torch.equal(a, b) for a, b in zip(_weights(resumed).values(), _weights(two).values(), strict=True))
