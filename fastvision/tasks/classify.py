@@ -174,13 +174,16 @@ class ClassificationTask(Task):
 
         slides = [f for f in files if self.heatmap_patch and f.suffix.lower() in (".tif", ".tiff")]
         check_unique_names(slides, "{0}_heatmap.tif")  # the slides' heat maps, before any is written
-        check_slides(slides, self.heatmap_patch)  # each opens and holds a patch: no half-written --out
+        level = int(args.get("level", 0))  # slides are read at the level the model trained at
+        downsample = check_slides(slides, self.heatmap_patch, level)  # each holds a patch: no half-written --out
         written, rows = [], []
         for f in files:
             if self.heatmap_patch and f.suffix.lower() in (".tif", ".tiff"):
-                heat = slide_heatmap(f, lambda x: probs(x)[:, 1], self.heatmap_patch, self.heatmap_stride)
-                written += list(write_heatmap(heat, out_dir / f"{f.stem}_heatmap", self.heatmap_stride,
-                                               self.heatmap_patch))
+                heat = slide_heatmap(f, lambda x: probs(x)[:, 1], self.heatmap_patch, self.heatmap_stride,
+                                     level=level)
+                ds = downsample[f]  # the record is in level-0 pixels, those of the masks froc reads
+                written += list(write_heatmap(heat, out_dir / f"{f.stem}_heatmap", round(self.heatmap_stride * ds),
+                                               round(self.heatmap_patch * ds)))
                 continue
             arr = load_crop(str(f), False, size, resize, (1.0, 1.0), (1.0, 1.0), 0.0)
             p = probs(torch.from_numpy(arr).permute(2, 0, 1)[None].contiguous())[0].cpu()

@@ -372,8 +372,51 @@ def test_predict_on_a_slide_smaller_than_the_patch_is_one_line_before_any_heat_m
     out = tmp_path / "out"
     out.mkdir()
     files = [tmp_path / "a_big.tif", tmp_path / "b_small.tif"]
-    with pytest.raises(DataError, match=r"b_small.tif: 20 x 48 px, smaller than the heat map's patch of 32 px"):
+    with pytest.raises(DataError, match=r"b_small.tif: 20 x 48 px at level 0, smaller than the heat map.s patch of 32"):
         task.predict_files(model, files, out, cfg, torch.device("cpu"))
     assert list(out.iterdir()) == []
     written = task.predict_files(model, files[:1], out, cfg, torch.device("cpu"))
     assert tifffile.imread(out / "a_big_heatmap.tif").shape == (2, 2) and len(written) == 2
+
+
+def test_predict_reads_slides_at_the_trained_level_and_records_level0_pixels(tmp_path):
+    """A run trained at data.args.level=1 scored level-0 patches (twice the magnification it learned
+    at, a heat map of twice the cells); the heat map is of level 1 now, its stride and patch recorded
+    in level-0 pixels, those of the masks froc reads, so froc places each cell on the lesion."""
+    from types import SimpleNamespace
+
+    import tifffile
+
+    from fastvision.data.formats.heatmap import heatmap_record, slide_heatmap
+    from fastvision.metrics.froc import froc_files
+
+    img = np.full((256, 256, 3), 200, np.uint8)
+    img[64:128, 128:192] = 20  # one dark lesion, level-0 rows 64-127, columns 128-191
+    mask = (img[..., 0] < 100).astype(np.uint8)
+    for name, level0 in (("s.tif", img), ("m.tif", mask)):
+        with tifffile.TiffWriter(tmp_path / name) as t:
+            t.write(level0, tile=(32, 32), subifds=1)
+            t.write(level0[::2, ::2], tile=(32, 32), subfiletype=1)
+    dark = lambda x: 1 - x.float().mean((1, 2, 3)) / 255  # noqa: E731  (darker patch, higher score)
+    heat = slide_heatmap(tmp_path / "s.tif", dark, patch_size=32, level=1)
+    half = img[::2, ::2].astype(np.float64)
+    np.testing.assert_allclose(heat, 1 - half.reshape(4, 32, 4, 32, 3).mean((1, 3, 4)) / 255, rtol=1e-5)
+    task = _task(num_classes=2, heatmap_patch=32)
+    model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 2))
+    with torch.no_grad():  # logit of class 1 = -(sum of the normalised means): dark patches score high
+        model[2].weight.copy_(torch.tensor([[0.0, 0, 0], [-1.0, -1, -1]]))
+        model[2].bias.zero_()
+    cfg = SimpleNamespace(data=SimpleNamespace(args={"patch_size": 32, "level": 1}))
+    (tmp_path / "heat").mkdir()
+    task.predict_files(model, [tmp_path / "s.tif"], tmp_path / "heat", cfg, torch.device("cpu"))
+    out = tifffile.imread(tmp_path / "heat" / "s_heatmap.tif")
+    assert out.shape == (4, 4) and np.unravel_index(out.argmax(), out.shape) == (1, 2)  # level-1 cell of the lesion
+    assert heatmap_record(tmp_path / "heat" / "s_heatmap.tif") == {"stride": 64, "patch": 64}
+    (tmp_path / "masks").mkdir()
+    (tmp_path / "m.tif").rename(tmp_path / "masks" / "s.tif")
+    (tmp_path / "normal").mkdir()  # a second slide, normal, with one false positive below the lesion's score
+    fp = np.zeros((4, 4), np.float32)
+    fp[3, 0] = 0.6
+    tifffile.imwrite(tmp_path / "heat" / "n_heatmap.tif", fp)
+    res = froc_files(tmp_path / "heat", tmp_path / "masks", threshold=0.55, nms_radius=0)
+    assert res["lesions"] == 1 and res["sens@0.5"] == 1.0  # the lesion's cell lands on it at the recorded stride

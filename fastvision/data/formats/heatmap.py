@@ -16,7 +16,7 @@ from fastvision.errors import DataError
 
 
 def slide_heatmap(slide_path: str | Path, predict, patch_size: int, stride: int | None = None,
-                  batch_size: int = 64) -> np.ndarray:
+                  batch_size: int = 64, level: int = 0) -> np.ndarray:
     """Tumour probability map of a whole slide, patch by patch.
 
     Args:
@@ -26,12 +26,14 @@ def slide_heatmap(slide_path: str | Path, predict, patch_size: int, stride: int 
         stride: grid step in pixels (default P); heat-map pixel (i, j) covers the patch at
             ``(i * stride, j * stride)``.
         batch_size: patches per ``predict`` call.
+        level: the pyramid level the patches are read at (the level the model trained at,
+            ``data.args.level``); P, the stride, H and W are in pixels of that level.
 
     Returns:
         float32 ``(H // stride, W // stride)`` probabilities (only full patches are scored).
     """
     stride = stride or patch_size
-    slide = TiledTiff(slide_path)
+    slide = TiledTiff(slide_path, level)
     h, w = slide.shape[:2]
     ny, nx = (h - patch_size) // stride + 1, (w - patch_size) // stride + 1
     heat = np.zeros((h // stride, w // stride), np.float32)
@@ -47,20 +49,23 @@ def slide_heatmap(slide_path: str | Path, predict, patch_size: int, stride: int 
     return heat
 
 
-def check_slides(slides: list[Path], patch_size: int) -> None:
-    """Before any heat map is written: every slide opens (its TIFF header) and holds one patch.
+def check_slides(slides: list[Path], patch_size: int, level: int = 0) -> dict[Path, float]:
+    """Before any heat map is written: every slide opens (its TIFF header) at ``level`` and holds
+    one patch there. Returns each slide's level-0 pixels per pixel of ``level``.
 
     Raises:
-        DataError: naming the first slide that does not open, or whose side is below ``patch_size``
-            (its heat map would have no cell).
+        DataError: naming the first slide that does not open, has no such level, or whose side
+            at that level is below ``patch_size`` (its heat map would have no cell).
     """
+    downsample = {}
     for path in slides:
-        slide = TiledTiff(path)
-        h, w = slide.shape[:2]
+        slide = TiledTiff(path, level)
+        (h, w), downsample[path] = slide.shape[:2], slide.downsample
         slide.close()
         if h < patch_size or w < patch_size:
-            raise DataError(f"{path}: {h} x {w} px, smaller than the heat map's patch of {patch_size} px "
-                            "(task.args.heatmap_patch): no patch to score")
+            raise DataError(f"{path}: {h} x {w} px at level {level}, smaller than the heat map's patch of "
+                            f"{patch_size} px (task.args.heatmap_patch): no patch to score")
+    return downsample
 
 
 HEATMAP_KEY = "fastvision_heatmap"  # TIFF ImageDescription / PNG text: {"stride": slide px per cell, "patch": px}
