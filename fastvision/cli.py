@@ -63,7 +63,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         # the recipe, every --set and a local --data that is not there checked here, once: a typo is one
         # line, not one per worker
-        config.load(args.recipe, [*overrides_to_dicts(flat), *extra])
+        cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *extra])
+        if cfg.train.emulate_workers > 1:  # said here once, not by every worker after the group is made
+            raise ConfigError("--emulate-workers runs in one process; do not combine it with --nproc or a launcher")
         if args.data and "://" not in args.data and not Path(args.data).exists():
             from fastvision.data.formats.base import dataset_folder
 
