@@ -127,6 +127,23 @@ def check_patch(train_set: Any, model: nn.Module, cfg: RunConfig) -> None:
                           f"{[2 * d for d in divisor]}, or fewer levels (model.args.filters and strides)")
 
 
+def check_window(task: Any, model: nn.Module) -> None:
+    """The sliding window's ``roi_size`` (``task.args.sliding_window``) against the U-Net / SegResNet it feeds,
+    before any step or run folder: each side a multiple of the model's divisor (it stopped the first validation
+    with the model's traceback, after the first epoch had trained); a side <= 0 (the whole axis) is left to the
+    volume."""
+    roi = (getattr(task, "sliding_window", None) or {}).get("roi_size")
+    divisor = getattr(model, "divisor", None)
+    if not roi or not divisor:
+        return
+    if len(roi) != len(divisor):
+        raise ConfigError(f"task.args.sliding_window.roi_size={list(roi)}: {len(roi)} sides for a model of "
+                          f"{len(divisor)} spatial axes")
+    if any(r > 0 and r % d for r, d in zip(roi, divisor, strict=True)):
+        raise ConfigError(f"task.args.sliding_window.roi_size={list(roi)}: each side must be a multiple of the "
+                          f"model's divisor {list(divisor)} (the product of its strides, model.args)")
+
+
 def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False, loaders: bool = True,
           wrap_train_set: Callable[[Any], Any] | None = None) -> Run:
     """Build a run from its config: the one place model, task, loss, optimizer and data are made.
@@ -159,6 +176,7 @@ def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False,
     if data_info is None:
         check_volume_channels(splits.info, model, cfg)
         check_patch(splits.train, model, cfg)
+        check_window(task, model)
     model = runtime.prepare_model(model, device, tc.channels_last)
     precision = runtime.Precision(tc.amp, device, tc.loss_scale)
     run = Run(cfg, env, device, task, model, splits.train, splits.val, splits.info, precision)

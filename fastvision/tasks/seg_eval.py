@@ -157,6 +157,45 @@ def check_val_window(value: Any) -> str | int:
     raise ConfigError(f"task.args.val_window: {value!r}; valid: {VAL_WINDOW_HELP}")
 
 
+def check_sliding_window(window: dict | None) -> dict | None:
+    """``task.args.sliding_window`` as given, its keys (those of
+    :func:`~fastvision.inference.window.sliding_window_inference`) and values checked when the task is built,
+    so a bad one is one line before any step or run folder (an overlap of 1.5 or a mode ``gauss`` stopped the
+    first validation with a traceback, after the first epoch had trained).
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    from fastvision.errors import ConfigError
+    from fastvision.inference.window import STYLES
+
+    if window is None:
+        return None
+    if not isinstance(window, dict):
+        raise ConfigError(f"task.args.sliding_window: expected a mapping such as {{roi_size: [96, 96, 96]}}, got "
+                          f"{window!r}")
+    key = "task.args.sliding_window"
+    valid = ("roi_size", "overlap", "mode", "sigma_scale", "sw_batch_size", "tta_flips", "style", "device")
+    for k in window:
+        if k not in valid:
+            raise ConfigError(f"unknown key {key}.{k}; valid keys: {', '.join(valid)}")
+    roi = window.get("roi_size")
+    if not (isinstance(roi, (list, tuple)) and len(roi) in (2, 3) and all(type(r) is int for r in roi)):
+        raise ConfigError(f"{key}.roi_size: 2 or 3 integers, one per spatial axis (<= 0: the whole axis), got {roi!r}")
+    spatial_dims = len(roi)
+    checks = {"overlap": (lambda v: isinstance(v, (int, float)) and 0 <= v < 1, "a fraction in [0, 1)"),
+              "mode": (lambda v: v in ("gaussian", "constant"), "gaussian or constant"),
+              "sigma_scale": (lambda v: isinstance(v, (int, float)) and v > 0, "a number > 0"),
+              "sw_batch_size": (lambda v: type(v) is int and v >= 1, "an integer >= 1"),
+              "style": (lambda v: v in STYLES, " or ".join(STYLES)),
+              "tta_flips": (lambda v: isinstance(v, (list, tuple)) and all(
+                  type(a) is int and 0 <= a < spatial_dims for a in v), f"spatial axes in [0, {spatial_dims})")}
+    for k, (ok, want) in checks.items():
+        if k in window and not ok(window[k]):
+            raise ConfigError(f"{key}.{k}: {want}, got {window[k]!r}")
+    return dict(window)
+
+
 def model_divisor(model: torch.nn.Module) -> tuple[int, ...]:
     """The size every spatial axis of the model's input must divide by (``UNet`` / ``SegResNet``
     ``divisor``), under DDP and ``torch.compile`` (:func:`fastvision.distributed.unwrap`) and an EMA's

@@ -21,6 +21,7 @@ from fastvision.registry import TASKS
 from fastvision.tasks.base import DeviceConstants, Evaluator, Task
 from fastvision.tasks.seg_eval import (  # noqa: F401 (SegEvaluator re-exported)
     SegEvaluator,
+    check_sliding_window,
     check_val_window,
     foreground_of_two,
     validation_window,
@@ -106,12 +107,7 @@ class SegmentationTask(Task):
             self.primary_metric = "dice"
             self.consts = DeviceConstants(region_lut=region_lut(self.regions))
         self.sample_shape = tuple(sample_shape)
-        self.sliding_window = dict(sliding_window) if sliding_window else None
-        from fastvision.inference.window import STYLES
-
-        style = (self.sliding_window or {}).get("style", "monai")
-        if style not in STYLES:
-            raise ConfigError(f"task.args.sliding_window.style: {' or '.join(STYLES)}, got {style!r}")
+        self.sliding_window = check_sliding_window(sliding_window or None)
         spacing = ((info or {}).get("preprocess") or {}).get("target_spacing") or (info or {}).get("spacing")
         self.spacing = tuple(float(s) for s in spacing) if spacing else None  # the voxel size the overlays draw
 

@@ -159,3 +159,24 @@ def test_the_patch_the_affine_cuts_is_the_one_checked(sets, tmp_path, capsys):
     assert "data.augment.affine.size=[8, 8, 6]" in line and "divisor [4, 4, 4]" in line
     assert main([*argv, "--out", str(tmp_path / "good"), "--set", "data.augment.affine={size: [8, 8, 8]}",
                  "--set", "task.args.sliding_window.roi_size=[8,8,8]"]) == 0
+
+
+@pytest.mark.parametrize("setting, needle", [
+    ("task.args.sliding_window.overlap=1.5", "task.args.sliding_window.overlap: a fraction in [0, 1), got 1.5"),
+    ("task.args.sliding_window.mode=gauss", "task.args.sliding_window.mode: gaussian or constant, got 'gauss'"),
+    ("task.args.sliding_window.overlapp=0.5", "unknown key task.args.sliding_window.overlapp; valid keys: roi_size"),
+    ("task.args.sliding_window.sw_batch_size=0", "task.args.sliding_window.sw_batch_size: an integer >= 1, got 0"),
+    ("task.args.sliding_window.roi_size=[8,8,6]",
+     "task.args.sliding_window.roi_size=[8, 8, 6]: each side must be a multiple of the model's divisor [4, 4, 4]"),
+    ("task.args.sliding_window.roi_size=[8,8]", "task.args.sliding_window.roi_size=[8, 8]: 2 sides for a model of 3"),
+])
+def test_a_validation_window_the_run_cannot_use_is_one_line_before_training(sets, tmp_path, capsys, setting, needle):
+    """A bad sliding window (an overlap of 1.5, a mode ``gauss``, a ROI the network cannot take) trained the first
+    epoch, then stopped the first validation with a traceback (exit 1) in a run folder; now one line naming the
+    key, exit 2, no run folder."""
+    argv = ["train", "unet3d-spleen-fast", "--data", str(sets["spleen"]), "--epochs", "1", "--device", "cpu",
+            "--amp", "off", "--set", "data.args.num_folds=2", "--set", "model.args.filters=[4,8,16]",
+            "--set", "data.args.patch_size=[8,8,8]", "--set", "task.args.sliding_window.roi_size=[8,8,8]"]
+    assert main([*argv, "--out", str(tmp_path / "bad"), "--set", setting]) == 2
+    assert needle in _one_line(capsys)
+    assert not (tmp_path / "bad").exists()
