@@ -132,14 +132,14 @@ def host_dataset(samples: list[tuple[str, int]], train: bool, *, image_size: int
 
 def host_loader(dataset, train: bool, *, batch_size: int, shard_id: int, num_shards: int, seed: int, threads: int):
     """This rank's host batches (:func:`collate_encoded`) in the Pillow path's order: training by the
-    ``(seed, epoch)`` :class:`TrainSampler` (a partial last batch dropped when the shard holds a
-    whole one), validation by contiguous unpadded :class:`EvalSampler` shards."""
+    ``(seed, epoch)`` :class:`TrainSampler` of whole global batches (``full_batches``, as
+    ``engine.build.train_sampler``), validation by contiguous unpadded :class:`EvalSampler` shards."""
     from fastvision.data.loader import ThreadLoader
     from fastvision.distributed import EvalSampler, TrainSampler
 
     if train:
         sampler = TrainSampler(len(dataset), num_replicas=num_shards, rank=shard_id, seed=seed, shuffle=True,
-                               batch_size=batch_size)
+                               batch_size=batch_size, full_batches=True)
         drop_last = len(sampler) >= batch_size
     else:
         sampler, drop_last = EvalSampler(len(dataset), num_replicas=num_shards, rank=shard_id), False

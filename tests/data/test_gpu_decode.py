@@ -106,6 +106,18 @@ def test_weights_hand_computed():
     assert torch.equal(G.to_uint8(out)[0], img[:, 1:4, 2:5])
 
 
+def test_host_batches_of_two_ranks_read_each_file_once(photos):
+    """5 files over 2 ranks at batch 3: the padded shards (3 each) read one file twice in the epoch, where the
+    Pillow path's sampler (engine.build.train_sampler) shares them out 3 + 2."""
+    data = G.host_dataset(photos, True, image_size=S, resize_size=RESIZE, seed=3, **KW)
+    ids = []
+    for r in range(2):
+        loader = G.host_loader(data, True, batch_size=3, shard_id=r, num_shards=2, seed=3, threads=1)
+        loader.set_epoch(0)
+        ids += [p for b in loader for p in b["id"]]
+    assert sorted(ids) == sorted(p for p, _ in photos)
+
+
 def test_host_batches_follow_the_pillow_order(photos):
     """Training batches are the TrainSampler's (seed, epoch) order, full batches only, with each
     file's bytes, and a mid-epoch start continues them; validation shards cover the set once."""
