@@ -235,6 +235,7 @@ def inspect_imagefolder(path: Path, header_limit: int = 5000, val_labels: str | 
         EXTENSIONS,
         find_classes,
         list_samples,
+        loose_images,
     )
     from fastvision.data.formats.imagenet_val import flat_val_layout, flat_val_samples
 
@@ -262,6 +263,7 @@ def inspect_imagefolder(path: Path, header_limit: int = 5000, val_labels: str | 
                 if missing:
                     anomalies[f"{split}: {train_dir}/ classes without a {split} folder (not validated)"] = missing
             samples = list_samples(d, names)
+            anomalies[f"{split}: image files beside the class folders (not read)"] = loose_images(d)[:1000]
         anomalies[f"{split}: macOS ._ companion files (ignored)"] = [
             str(p.relative_to(path)) for p in sorted(d.rglob("._*"))][:1000]
         per_class = Counter(names[i] for _, i in samples)

@@ -28,7 +28,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from fastvision.data.formats.anomalies import drop_unreadable, image_decodes, image_header
+from fastvision.data.formats.anomalies import drop_unreadable, handle_invalid, image_decodes, image_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.imagenet_val import flat_val_layout, flat_val_samples
 from fastvision.data.transforms import (  # noqa: F401  (random_resized_box: also the DALI path's)
@@ -104,6 +104,13 @@ def _images_under(folder: Path, extensions: tuple[str, ...]) -> list[str]:
         log.warning("%s: %d linked folder(s) not read, they lead to a folder read already (a link loop, or a "
                     "second link to one): %s", folder, len(loops), ", ".join(loops[:3]))
     return out
+
+
+def loose_images(split_dir: Path) -> list[str]:
+    """Image files lying in ``split_dir`` itself, beside its class folders: no folder labels them, so
+    they are not read (an ImageNet ``valprep.sh`` stopped half-way leaves the rest of val so)."""
+    return sorted(p.name for p in split_dir.iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in EXTENSIONS)
 
 
 def check_crop_args(image_size: int = 224, resize_size: int = 256, scale: tuple[float, float] = (0.08, 1.0),
@@ -350,6 +357,10 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
     train = list_samples(root / train_dir, classes)
     val_root = root / val_dir
     val, val_layout = _val_split(root, val_root, classes, train_dir, val_labels, invalid)
+    for split in (root / train_dir, val_root if val_layout == "class folders" else None):
+        if split is not None:  # one warning (invalid=error: stop), never dropped without a word
+            handle_invalid(split, {"image files beside the class folders": loose_images(split)}, invalid,
+                           what="images not read (no class folder labels them)")
     # a file without a readable header or its end (a truncated download): skipped, with one warning
     train = drop_unreadable(train, lambda s: [s[0]], image_decodes, skip_unreadable, root / train_dir)
     val = drop_unreadable(val, lambda s: [s[0]], image_decodes, skip_unreadable, val_root)
