@@ -42,6 +42,7 @@ def write_nifti(array: np.ndarray | Tensor, reference_nifti_path: str | Path, ou
     header.set_data_dtype(data.dtype)
     img = nib.Nifti1Image(data, ref.affine, header=header)
     img.header.set_slope_inter(1.0, 0.0)  # labels must not inherit the image's intensity scaling
+    img.header["cal_min"] = img.header["cal_max"] = 0  # nor its display range (0: unset; FSLeyes reads it)
     img.set_qform(ref.header.get_qform(), code=int(ref.header["qform_code"]))
     img.set_sform(ref.header.get_sform(), code=int(ref.header["sform_code"]))
     out_path = Path(out_path)

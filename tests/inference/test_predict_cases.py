@@ -74,3 +74,23 @@ def test_bad_cases_stop_before_the_output_folder(tmp_path):
     with pytest.raises(DataError, match=r"five\.nii\.gz: expected a 3-D or 4-D NIfTI image, got shape \(6, 5, 4, 4, 1"):
         _predict([five], out)
     assert not out.exists()
+
+
+def test_written_labels_drop_the_images_intensity_header_fields(tmp_path):
+    """The label map keeps the image's geometry and descriptive header, not its intensity meaning: a scaled
+    int16 MR (``scl_slope`` 0.01, ``cal_max`` 300, its display range) gave labels a display window of 0..300
+    (FSLeyes shows 0..3 as black); now unset (0), and read back as the label values themselves."""
+    from fastvision.inference.nifti import write_nifti
+
+    affine = np.diag([1.2, 0.9, 2.0, 1.0])
+    img = nib.Nifti1Image(np.arange(120, dtype=np.int16).reshape(6, 5, 4), affine)
+    img.header.set_slope_inter(0.01, 5.0)
+    img.header["cal_min"], img.header["cal_max"], img.header["descrip"] = 5.0, 300.0, b"scanner T1"
+    nib.save(img, str(tmp_path / "t1.nii.gz"))
+    labels = (np.arange(120).reshape(6, 5, 4) % 4).astype(np.uint8)
+    back = nib.load(str(write_nifti(labels, tmp_path / "t1.nii.gz", tmp_path / "seg.nii.gz")))
+    assert float(back.header["cal_min"]) == float(back.header["cal_max"]) == 0.0
+    assert back.header.get_slope_inter() == (None, None) and back.get_data_dtype() == np.uint8
+    np.testing.assert_array_equal(back.get_fdata(), labels)
+    assert bytes(back.header["descrip"]).rstrip(b"\0") == b"scanner T1"
+    np.testing.assert_allclose(back.affine, affine)
