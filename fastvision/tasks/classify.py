@@ -45,6 +45,21 @@ def beta_symmetric(n: int, alpha: float, generator: torch.Generator | None, devi
     return torch.where(ok.any(1), lam, torch.full_like(lam, 0.5))
 
 
+def check_mean_std(mean, std) -> None:
+    """``task.args.mean`` / ``std``: three numbers each, in 0-255 units, std above 0. torchvision's and
+    timm's 0-1 values (0.485, 0.456, 0.406 / 0.229, 0.224, 0.225) are refused with the 0-255 ones:
+    taken as 0-255 values they subtract no mean and scale the images up 255 times, without a word."""
+    for key, values in (("mean", mean), ("std", std)):
+        if len(values) != 3:
+            raise ConfigError(f"task.args.{key}={list(values)}: one value per RGB channel (3), in 0-255 units")
+    if min(std) <= 0:
+        raise ConfigError(f"task.args.std={list(std)}: each above 0 (0-255 units, seed 004: 58.395, 57.12, 57.385)")
+    if max(*mean, *std) <= 1:
+        raise ConfigError(f"task.args.mean={list(mean)}, std={list(std)}: in 0-255 units, as the images arrive "
+                          f"(torchvision's 0-1 values times 255: mean={[round(m * 255, 3) for m in mean]}, "
+                          f"std={[round(v * 255, 3) for v in std]})")
+
+
 @TASKS.register("classification")
 class ClassificationTask(Task):
     """Single-label classification.
@@ -79,6 +94,7 @@ class ClassificationTask(Task):
         if mixup < 0:
             raise ConfigError(f"task.args.mixup={mixup}: the Beta(a, a) parameter of MixUp, > 0 (seed 004's "
                               "250 epochs: 0.2), or 0 for none")
+        check_mean_std(mean, std)
         self.num_classes, self.mixup, self.image_size = num_classes, float(mixup), image_size
         self.consts = DeviceConstants(mean=torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) / 255,
                                       std=torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1) / 255)

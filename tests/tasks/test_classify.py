@@ -420,3 +420,18 @@ def test_predict_reads_slides_at_the_trained_level_and_records_level0_pixels(tmp
     tifffile.imwrite(tmp_path / "heat" / "n_heatmap.tif", fp)
     res = froc_files(tmp_path / "heat", tmp_path / "masks", threshold=0.55, nms_radius=0)
     assert res["lesions"] == 1 and res["sens@0.5"] == 1.0  # the lesion's cell lands on it at the recorded stride
+
+
+@pytest.mark.parametrize("kw, needle", [
+    # torchvision's / timm's 0-1 values: taken as 0-255 ones they subtracted no mean and scaled by 255
+    ({"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
+     r"in 0-255 units, as the images arrive \(torchvision's 0-1 values times 255: mean=\[123.675, 116.28, 103.53\]"),
+    ({"mean": [1.0, 2.0]}, r"task.args.mean=\[1.0, 2.0\]: one value per RGB channel \(3\)"),  # was a RuntimeError
+    ({"std": [58.0, 0.0, 57.0]}, r"task.args.std=\[58.0, 0.0, 57.0\]: each above 0"),
+])
+def test_mean_and_std_outside_0_255_units_are_one_line(kw, needle):
+    from fastvision.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        _task(num_classes=3, **kw)
+    assert _task(num_classes=3, mean=[128.0, 128.0, 128.0], std=[64.0, 64.0, 64.0]).num_classes == 3

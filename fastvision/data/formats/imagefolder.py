@@ -124,7 +124,7 @@ def check_crop_args(image_size: int = 224, resize_size: int = 256, scale: tuple[
     lo, hi = scale
     if not 0 < lo <= hi <= 1:
         raise ConfigError(f"data.args.scale={[lo, hi]}: the crop's area fraction [min, max], "
-                          "0 < min <= max <= 1 (seed 004: [0.08, 1.0])")
+                          "0 < min <= max <= 1 (seed 004's code: [0.05, 1.0]; its README: [0.08, 1.0])")
     lo, hi = ratio
     if not 0 < lo <= hi:
         raise ConfigError(f"data.args.ratio={[lo, hi]}: the crop's aspect (width / height) [min, max], "
