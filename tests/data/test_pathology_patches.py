@@ -34,3 +34,13 @@ def test_patch_folders_skip_companions_and_read_16_bit_and_cmyk_as_imagefolder(t
 def test_a_negative_subsampling_seed_is_one_line_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.args.seed=-1: the seed of the normal-patch subsampling"):
         DATASETS.build("pathology", {"path": str(tmp_path), "seed": -1})  # was numpy's message, no key
+
+
+def test_a_patch_folder_spelt_otherwise_is_named_with_the_folders_there(tmp_path):
+    from fastvision.errors import DataError
+
+    for name in ("normal", "Tumour"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "train" / name / "a.png")
+    with pytest.raises(DataError, match=r"train/tumor: missing .*US spelling; there: Tumour, normal\)"):
+        DATASETS.build("pathology", {"path": str(tmp_path), "patch_size": 8})

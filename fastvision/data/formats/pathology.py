@@ -220,7 +220,9 @@ def folder_samples(split_dir: Path) -> list[tuple]:
     for label, name in enumerate(CLASSES):
         d = split_dir / name
         if not d.is_dir():
-            raise DataError(f"{d}: missing (patch layout needs {split_dir}/normal and {split_dir}/tumor)")
+            there = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+            raise DataError(f"{d}: missing (patch layout needs {split_dir}/normal and {split_dir}/tumor, in lower "
+                            f"case and US spelling; there: {', '.join(there) or 'no folders'})")
         files = sorted(str(p) for p in d.iterdir()
                        if p.suffix.lower() in PATCH_EXTENSIONS and not p.name.startswith("."))
         if not files:
