@@ -340,9 +340,14 @@ def froc_files(heat_dir: str | Path, mask_dir: str | Path, *, stride: int | None
             step = stride or record.get("stride") or full_h // heat.shape[0]
             if step < 1 or heat.shape[0] * step > full_h:
                 raise DataError(f"{mask_path}: mask height {full_h} px cannot hold heat map {heat_path.name} "
-                                f"of {heat.shape[0]} rows at stride {step}")
+                                f"of {heat.shape[0]} rows at stride {step} (masks at another resolution than the "
+                                "slides': give --stride, their pixels per heat-map cell)")
             scales.append(step / mask_downsample)
-            centres.append((patch or record.get("patch") or step) / 2 / mask_downsample)
+            if not patch and record.get("patch") and record.get("stride"):  # the recorded patch, in these masks' pixels
+                side = record["patch"] * step / record["stride"]  # (--stride for masks at another resolution)
+            else:
+                side = patch or step
+            centres.append(side / 2 / mask_downsample)
         else:
             scales.append(None)
             centres.append(None)
