@@ -127,7 +127,7 @@ class SegResNet(nn.Module):
         if len(blocks_up) != len(blocks_down) - 1:
             raise ValueError(f"blocks_up {blocks_up} needs one entry fewer than blocks_down {blocks_down}")
         st, ks = _level_geometry(spatial_dims, len(blocks_down), strides, kernel_size)
-        self.strides, self.kernels = st, ks
+        self.strides, self.kernels, self.out_channels = st, ks, out_channels  # out_channels: Task.check_model
         self.divisor = tuple(math.prod(s[a] for s in st) for a in range(spatial_dims))
         conv_t, f = conv(spatial_dims), init_filters
         self.stem = conv_t(in_channels, f, ks[0], padding=_same(ks[0]), bias=False)

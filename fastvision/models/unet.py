@@ -234,7 +234,7 @@ class UNet(nn.Module):
     ):
         super().__init__()
         self.strides, self.kernels = stage_geometry(spatial_dims, filters, strides, kernel_size, residual)
-        self.spatial_dims, self.filters = spatial_dims, tuple(filters)
+        self.spatial_dims, self.filters, self.out_channels = spatial_dims, tuple(filters), out_channels
         self.divisor = tuple(math.prod(s[a] for s in self.strides) for a in range(spatial_dims))
         opts = dict(norm=norm, act=act, act_slope=act_slope, norm_groups=norm_groups, norm_eps=norm_eps, bias=bias,
                     dropout=dropout)

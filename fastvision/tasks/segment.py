@@ -112,6 +112,23 @@ class SegmentationTask(Task):
         self.spacing = tuple(float(s) for s in spacing) if spacing else None  # the voxel size the overlays draw
 
     # -- training ------------------------------------------------------------------
+    def check_model(self, model: nn.Module) -> None:
+        """The model's logits (a U-Net's or SegResNet's ``out_channels``) are what the task reads: one per class
+        (softmax), per region (``mode: regions``) or one (sigmoid). Before any step or run folder, one line
+        naming both keys: ``task.args.num_classes: 3`` beside a 4-channel BraTS model trained and scored
+        without a word (the argmax's label 3 was never scored)."""
+        from fastvision.errors import ConfigError
+
+        have = getattr(model, "out_channels", None)
+        if self.mode == "regions":
+            want, key = len(self.regions), f"task.args.regions ({len(self.regions)} regions, mode regions)"
+        elif self.mode == "sigmoid":
+            want, key = 1, "task.args.mode=sigmoid (one logit)"
+        else:
+            want, key = self.num_classes, f"task.args.num_classes={self.num_classes} (mode softmax)"
+        if isinstance(have, int) and have != want:
+            raise ConfigError(f"model.args.out_channels={have} but {key} reads {want} channel(s); set them alike")
+
     def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         """``default_collate``; an item holding several patches of one volume (``data.args.num_samples``:
         :data:`~fastvision.data.transforms.SAMPLES_KEY`) gives them as consecutive rows."""

@@ -180,3 +180,18 @@ def test_a_validation_window_the_run_cannot_use_is_one_line_before_training(sets
     assert main([*argv, "--out", str(tmp_path / "bad"), "--set", setting]) == 2
     assert needle in _one_line(capsys)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("setting, needle", [
+    ("task.args.num_classes=3", "model.args.out_channels=2 but task.args.num_classes=3 (mode softmax) reads 3"),
+    ("model.args.out_channels=3", "model.args.out_channels=3 but task.args.num_classes=2 (mode softmax) reads 2"),
+])
+def test_a_model_of_other_outputs_than_the_task_is_one_line_before_training(sets, tmp_path, capsys, setting,
+                                                                            needle):
+    """``task.args.num_classes`` beside a model of another number of logits trained and scored without a word
+    (classes past the task's never scored); now one line naming both keys, exit 2, no run folder."""
+    argv = ["train", "unet3d-spleen-fast", "--data", str(sets["spleen"]), "--epochs", "1", "--device", "cpu",
+            "--set", "data.args.num_folds=2", "--set", "model.args.filters=[4,8,16]", "--set", setting]
+    assert main([*argv, "--out", str(tmp_path / "bad")]) == 2
+    assert needle in _one_line(capsys)
+    assert not (tmp_path / "bad").exists()

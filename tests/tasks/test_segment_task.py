@@ -102,3 +102,31 @@ def test_a_target_override_sets_the_primary_metric(target, primary, higher):
 
     task, _ = build_components(load("unet3d-spleen-fast", [{"train": {"target": target}}]), {}, "meta", weights=False)
     assert (task.primary_metric, task.higher_is_better) == (primary, higher)
+
+
+@pytest.mark.parametrize("task_args, model, message", [
+    ({"num_classes": 4}, ("unet3d-nonewnet", {"out_channels": 4}), None),
+    ({"num_classes": 3}, ("unet3d-nonewnet", {"out_channels": 4}),
+     "model.args.out_channels=4 but task.args.num_classes=3"),
+    ({"num_classes": 4, "mode": "regions", "regions": [[1, 2, 3], [1, 3], [3]]}, ("segresnet", {"out_channels": 3}),
+     None),
+    ({"num_classes": 4, "mode": "regions", "regions": [[1, 2, 3], [1, 3], [3]]}, ("segresnet", {"out_channels": 4}),
+     "model.args.out_channels=4 but task.args.regions (3 regions, mode regions) reads 3"),
+    ({"mode": "sigmoid"}, ("unet2d-seed001", {}), None),
+    ({"mode": "sigmoid"}, ("unet2d", {"out_channels": 2}), "task.args.mode=sigmoid (one logit) reads 1"),
+])
+def test_check_model_outputs_against_the_task(task_args, model, message):
+    """The logits the model gives (counted here from the built model's last layer, by hand) against what the
+    task reads: one per class, per region, or one."""
+    from fastvision.errors import ConfigError
+    from fastvision.models import create_model
+
+    task = SegmentationTask(sample_shape=[1, 8, 8, 8], loss=DiceLoss(), **task_args)
+    net = create_model(model[0], **model[1])
+    last = [m for m in net.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))][-1]
+    assert last.out_channels == model[1].get("out_channels", 1)  # the model's real outputs
+    if message is None:
+        task.check_model(net)
+        return
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        task.check_model(net)
