@@ -357,10 +357,9 @@ def build(*, path: str, train_dir: str = "train", val_dir: str = "val", image_si
     train = list_samples(root / train_dir, classes)
     val_root = root / val_dir
     val, val_layout = _val_split(root, val_root, classes, train_dir, val_labels, invalid)
-    for split in (root / train_dir, val_root if val_layout == "class folders" else None):
-        if split is not None:  # one warning (invalid=error: stop), never dropped without a word
-            handle_invalid(split, {"image files beside the class folders": loose_images(split)}, invalid,
-                           what="images not read (no class folder labels them)")
+    for split in [root / train_dir] + ([val_root] if val_layout == "class folders" else []):  # never without a word
+        handle_invalid(split, {"image files beside the class folders": loose_images(split)}, invalid,
+                       what="images not read (no class folder labels them)")
     # a file without a readable header or its end (a truncated download): skipped, with one warning
     train = drop_unreadable(train, lambda s: [s[0]], image_decodes, skip_unreadable, root / train_dir)
     val = drop_unreadable(val, lambda s: [s[0]], image_decodes, skip_unreadable, val_root)
