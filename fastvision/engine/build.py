@@ -128,20 +128,22 @@ def check_patch(train_set: Any, model: nn.Module, cfg: RunConfig) -> None:
 
 
 def check_window(task: Any, model: nn.Module) -> None:
-    """The sliding window's ``roi_size`` (``task.args.sliding_window``) against the U-Net / SegResNet it feeds,
+    """The sliding window's ``roi_size`` (``task.args.sliding_window``), and with ``task.args.eval: crop`` the
+    ``eval_crop``, against the U-Net / SegResNet it feeds,
     before any step or run folder: each side a multiple of the model's divisor (it stopped the first validation
     with the model's traceback, after the first epoch had trained); a side <= 0 (the whole axis) is left to the
     volume."""
-    roi = (getattr(task, "sliding_window", None) or {}).get("roi_size")
     divisor = getattr(model, "divisor", None)
-    if not roi or not divisor:
-        return
-    if len(roi) != len(divisor):
-        raise ConfigError(f"task.args.sliding_window.roi_size={list(roi)}: {len(roi)} sides for a model of "
-                          f"{len(divisor)} spatial axes")
-    if any(r > 0 and r % d for r, d in zip(roi, divisor, strict=True)):
-        raise ConfigError(f"task.args.sliding_window.roi_size={list(roi)}: each side must be a multiple of the "
-                          f"model's divisor {list(divisor)} (the product of its strides, model.args)")
+    window = (getattr(task, "sliding_window", None) or {}).get("roi_size")
+    crop = getattr(task, "eval_crop", None) if getattr(task, "eval_mode", None) == "crop" else None
+    for key, roi in (("task.args.sliding_window.roi_size", window), ("task.args.eval_crop", crop)):
+        if not roi or not divisor:
+            continue
+        if len(roi) != len(divisor):
+            raise ConfigError(f"{key}={list(roi)}: {len(roi)} sides for a model of {len(divisor)} spatial axes")
+        if any(r > 0 and r % d for r, d in zip(roi, divisor, strict=True)):
+            raise ConfigError(f"{key}={list(roi)}: each side must be a multiple of the model's divisor "
+                              f"{list(divisor)} (the product of its strides, model.args)")
 
 
 def build(cfg: RunConfig, data_info: dict | None = None, *, train: bool = False, loaders: bool = True,

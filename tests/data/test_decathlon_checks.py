@@ -169,6 +169,8 @@ def test_the_patch_the_affine_cuts_is_the_one_checked(sets, tmp_path, capsys):
     ("task.args.sliding_window.roi_size=[8,8,6]",
      "task.args.sliding_window.roi_size=[8, 8, 6]: each side must be a multiple of the model's divisor [4, 4, 4]"),
     ("task.args.sliding_window.roi_size=[8,8]", "task.args.sliding_window.roi_size=[8, 8]: 2 sides for a model of 3"),
+    ("task.args.eval=crop --set task.args.eval_crop=[8,8,6]",
+     "task.args.eval_crop=[8, 8, 6]: each side must be a multiple of the model's divisor [4, 4, 4]"),
 ])
 def test_a_validation_window_the_run_cannot_use_is_one_line_before_training(sets, tmp_path, capsys, setting, needle):
     """A bad sliding window (an overlap of 1.5, a mode ``gauss``, a ROI the network cannot take) trained the first
@@ -177,7 +179,8 @@ def test_a_validation_window_the_run_cannot_use_is_one_line_before_training(sets
     argv = ["train", "unet3d-spleen-fast", "--data", str(sets["spleen"]), "--epochs", "1", "--device", "cpu",
             "--amp", "off", "--set", "data.args.num_folds=2", "--set", "model.args.filters=[4,8,16]",
             "--set", "data.args.patch_size=[8,8,8]", "--set", "task.args.sliding_window.roi_size=[8,8,8]"]
-    assert main([*argv, "--out", str(tmp_path / "bad"), "--set", setting]) == 2
+    sets = [x for part in setting.split(" --set ") for x in ("--set", part)]
+    assert main([*argv, "--out", str(tmp_path / "bad"), *sets]) == 2
     assert needle in _one_line(capsys)
     assert not (tmp_path / "bad").exists()
 
