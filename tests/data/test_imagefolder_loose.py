@@ -33,3 +33,16 @@ def test_images_beside_the_class_folders_are_one_warning_or_an_error(tmp_path, c
     report = inspect_path(tmp_path)
     row = report["anomalies"]["val: image files beside the class folders (not read)"]
     assert row.startswith("2 (ILSVRC2012_val_00000003.JPEG")
+
+
+@pytest.mark.usefixtures("fresh_logging")
+def test_training_classes_without_a_val_folder_are_one_warning(tmp_path, caplog):
+    for split, classes in (("train", ("ant", "bee", "cat")), ("val", ("bee",))):
+        for c in classes:
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / split / c / "0.png")
+    with caplog.at_level(logging.WARNING):
+        splits = build(path=str(tmp_path), image_size=8, resize_size=8)
+    assert [label for _, label in splits.val.samples] == [1]  # bee keeps its training index
+    warned = [r.getMessage() for r in caplog.records if "not validated" in r.getMessage()]
+    assert len(warned) == 1 and "2 of the 3 train/ classes have no folder here" in warned[0] and "ant, cat" in warned[0]

@@ -28,7 +28,13 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from fastvision.data.formats.anomalies import drop_unreadable, handle_invalid, image_decodes, image_header
+from fastvision.data.formats.anomalies import (
+    drop_unreadable,
+    first_few,
+    handle_invalid,
+    image_decodes,
+    image_header,
+)
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.imagenet_val import flat_val_layout, flat_val_samples
 from fastvision.data.transforms import (  # noqa: F401  (random_resized_box: also the DALI path's)
@@ -285,6 +291,10 @@ def _class_folder_val(val_root: Path, classes: list[str], train_dir: str) -> lis
     extra = sorted(set(val_classes) - set(classes))
     if extra:
         raise DataError(f"{val_root}: classes not in {train_dir}/: {', '.join(extra[:5])}")
+    missing = [c for c in classes if c not in set(val_classes)]
+    if missing:  # the metrics then leave these classes out: said once, as data inspect says it
+        log.warning("%s: %d of the %d %s/ classes have no folder here and are not validated: %s", val_root,
+                    len(missing), len(classes), train_dir, first_few(missing))
     index = {c: i for i, c in enumerate(classes)}
     return [(p, index[val_classes[j]]) for p, j in list_samples(val_root, val_classes)]
 
