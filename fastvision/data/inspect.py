@@ -8,6 +8,7 @@ folder reports on it.
 """
 from __future__ import annotations
 
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -256,10 +257,11 @@ def inspect_imagefolder(path: Path, header_limit: int = 5000, val_labels: str | 
         else:
             names = find_classes(d)
             if split == val_dir:
-                extra = sorted(set(names) - set(classes))
+                nfc = lambda c: unicodedata.normalize("NFC", c)  # noqa: E731  (as the reader matches them)
+                extra = sorted(set(map(nfc, names)) - set(map(nfc, classes)))
                 if extra:
                     unusable[f"{split}: class folders not in {train_dir}/"] = extra
-                missing = sorted(set(classes) - set(names))
+                missing = sorted(set(map(nfc, classes)) - set(map(nfc, names)))
                 if missing:
                     anomalies[f"{split}: {train_dir}/ classes without a {split} folder (not validated)"] = missing
             samples = list_samples(d, names)

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import platform
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,7 +242,8 @@ def classes_differ(trained: dict, given: dict) -> str | None:
     if not old or not new:
         return None
     old, new = [str(c) for c in old], [str(c) for c in new]
-    if old[:len(new)] == new:
+    nfc = lambda names: [unicodedata.normalize("NFC", c) for c in names]  # noqa: E731  (macOS: decomposed names)
+    if nfc(old[:len(new)]) == nfc(new):
         return None
     i = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
     at = lambda names: repr(names[i]) if i < len(names) else "none"  # noqa: E731

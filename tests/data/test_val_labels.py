@@ -74,3 +74,25 @@ def test_a_file_labelled_twice_differently_is_one_line(tmp_path, name, text, nee
         _labels(root, name)
     (root / name).write_text(text.replace("b 1 1 2 2\n", "a 1 1 2 2\n").replace("v0.JPEG b", "v0.JPEG a"))
     assert _labels(root, name)["v0"] == "a"  # the same label twice is no conflict
+
+
+def test_class_names_written_decomposed_match_their_composed_form(tmp_path):
+    """macOS writes file names decomposed ('café' as 'cafe' + U+0301); a val/ (or a copy evaluated on
+    another machine) in the composed form is the same class, in the same place of the sorted list."""
+    import unicodedata
+
+    from fastvision.engine.state import classes_differ
+
+    nfd, nfc = unicodedata.normalize("NFD", "café"), unicodedata.normalize("NFC", "café")
+    for split, name in (("train", nfd), ("val", nfc)):
+        for c in (name, "cafz"):
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / split / c / "a.png")
+    splits = build(path=str(tmp_path), image_size=8, resize_size=8)
+    assert splits.info["classes"] == ["cafz", nfd]  # sorted as composed: é (U+00E9) after z, as the val copy
+    assert sorted(label for _, label in splits.val.samples) == [0, 1]
+    label = {Path(p).parent.name: i for p, i in splits.val.samples}
+    assert label[nfc] == 1 and label["cafz"] == 0
+    assert classes_differ({"classes": ["cafz", nfd]}, {"classes": ["cafz", nfc]}) is None
+    assert classes_differ({"classes": ["cafz", nfd]}, {"classes": [nfc, "cafz"]}) is not None
+    assert main(["data", "inspect", str(tmp_path)]) == 0  # no "val: class folders not in train/"

@@ -20,6 +20,7 @@ import io
 import logging
 import math
 import os
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,7 +57,8 @@ def find_classes(root: Path) -> list[str]:
     """Sorted class folder names under ``root``; DataError if ``root`` is missing or has none."""
     if not root.is_dir():
         raise DataError(f"image folder not found: {root}")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    classes = sorted((p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                     key=lambda name: unicodedata.normalize("NFC", name))  # a macOS (decomposed) copy sorts alike
     if not classes:
         raise DataError(f"{root}: no class folders (expected {root}/<class>/<image>)")
     return classes
@@ -288,15 +290,16 @@ class ImageFolderDataset(Dataset):
 def _class_folder_val(val_root: Path, classes: list[str], train_dir: str) -> list[tuple[str, int]]:
     """``val/<class>/*`` samples labelled by the training class list (val may lack a class)."""
     val_classes = find_classes(val_root)
-    extra = sorted(set(val_classes) - set(classes))
+    nfc = functools.partial(unicodedata.normalize, "NFC")  # macOS writes names decomposed: 'café' is 'cafe' + U+0301
+    extra = sorted(set(map(nfc, val_classes)) - set(map(nfc, classes)))
     if extra:
         raise DataError(f"{val_root}: classes not in {train_dir}/: {', '.join(extra[:5])}")
-    missing = [c for c in classes if c not in set(val_classes)]
+    missing = [c for c in classes if nfc(c) not in set(map(nfc, val_classes))]
     if missing:  # the metrics then leave these classes out: said once, as data inspect says it
         log.warning("%s: %d of the %d %s/ classes have no folder here and are not validated: %s", val_root,
                     len(missing), len(classes), train_dir, first_few(missing))
-    index = {c: i for i, c in enumerate(classes)}
-    return [(p, index[val_classes[j]]) for p, j in list_samples(val_root, val_classes)]
+    index = {nfc(c): i for i, c in enumerate(classes)}
+    return [(p, index[nfc(val_classes[j])]) for p, j in list_samples(val_root, val_classes)]
 
 
 def _train_classes(root: Path, train_dir: str, val_dir: str) -> list[str]:
