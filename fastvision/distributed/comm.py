@@ -79,7 +79,7 @@ def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> 
         if backend == "nccl":
             kwargs["device_id"] = dev  # binds the communicator to our GPU: no guessing in barrier()
             nccl_flight_recorder_env()  # read when the group is made: the hang report's NCCL half
-        with _port_in_use(env):
+        with _rendezvous_errors(env):
             if env.launcher == "torchrun":
                 kwargs["store"] = _attempt_store(env, timeout_s)
             else:
@@ -95,9 +95,10 @@ def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> 
 
 
 @contextlib.contextmanager
-def _port_in_use(env: DistEnv) -> Iterator[None]:
-    """Rank 0's rendezvous store could not listen on ``MASTER_PORT`` (another job or process holds it):
-    one line naming the port, where it was torch's 30-line traceback."""
+def _rendezvous_errors(env: DistEnv) -> Iterator[None]:
+    """One line, where each was torch's 30-line traceback on every rank: rank 0's rendezvous store could not
+    listen on ``MASTER_PORT`` (another job or process holds it), or ``GLOO_SOCKET_IFNAME`` names no interface
+    of this host."""
     try:
         yield
     except dist.DistNetworkError as e:
@@ -105,6 +106,15 @@ def _port_in_use(env: DistEnv) -> Iterator[None]:
             raise
         raise ConfigError(f"MASTER_PORT {env.master_port} on {env.master_addr} is in use (another job or process "
                           "listens there): set MASTER_PORT to a free port") from e
+    except RuntimeError as e:
+        name = os.environ.get("GLOO_SOCKET_IFNAME")
+        if not name or "Unable to find address for" not in str(e):
+            raise
+        import socket
+
+        have = ", ".join(n for _, n in socket.if_nameindex())
+        raise ConfigError(f"GLOO_SOCKET_IFNAME={name}: no such network interface on this host (it has {have})"
+                          ) from e
 
 
 def _attempt_store(env: DistEnv, timeout_s: float) -> dist.Store:

@@ -131,6 +131,22 @@ def test_a_rendezvous_port_in_use_is_one_line(launch, monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.dist
+def test_a_gloo_interface_this_host_lacks_is_one_line():
+    """GLOO_SOCKET_IFNAME=eth9 on a host without it: was gloo's enforce-fail traceback on every rank."""
+    code = ("import sys\nfrom fastvision import distributed\nfrom fastvision.errors import ConfigError\n"
+            "try:\n    distributed.init('cpu', timeout_s=60)\nexcept ConfigError as e:\n"
+            "    print(e, file=sys.stderr)\n    sys.exit(2)\n")
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env=clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                       MASTER_PORT=port, GLOO_SOCKET_IFNAME="fvnoif9"))
+             for r in range(2)]
+    for p, (_, err) in zip(procs, communicate_all(procs, timeout=120), strict=True):
+        assert p.returncode == 2, err[-2000:]
+        assert err.strip().startswith("GLOO_SOCKET_IFNAME=fvnoif9: no such network interface on this host"), err
+
+
 @pytest.mark.parametrize("environ", [{"RANK": "0"}, {"WORLD_SIZE": "1"}, {"RANK": "0", "WORLD_SIZE": "1"}])
 def test_a_single_process_pair_half_is_harmless(environ):
     assert distributed.detect_env(environ).world_size == 1
