@@ -251,4 +251,8 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
                 "srun (no SLURM_PROCID/SLURM_STEP_ID): launch with `srun fastvision train ...` "
                 "(see scripts/slurm/train.sbatch), or with torchrun"
             )
+    elif under_srun and _int(environ, "SLURM_NTASKS", 1) > 1:  # srun always sets the job id: a hand-made half
+        raise ConfigError(f"SLURM_PROCID={environ['SLURM_PROCID']} and SLURM_NTASKS={environ['SLURM_NTASKS']} set "
+                          "without SLURM_JOB_ID: this process would train alone on the whole data set; launch with "
+                          "srun, or set torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
     return DistEnv()

@@ -100,6 +100,7 @@ _TR = {"MASTER_ADDR": "h", "MASTER_PORT": "29500"}
     ({**_SRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n[2-1]"}, "range '2-1'"),  # IndexError
     ({**_SRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n[1-2"}, "unbalanced"),  # host 'n1-2'
     ({**_SRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n[1-]"}, "range '1-'"),  # host 'n1'
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, "without SLURM_JOB_ID"),  # trained alone
 ])
 def test_inconsistent_launch_variables_are_one_line(environ, says):
     with pytest.raises(ConfigError) as e:
