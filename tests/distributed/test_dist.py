@@ -844,9 +844,9 @@ def test_job_key_names_the_job_from_the_launch_environment(environ, expected):
 
 
 def test_torchrun_restart_count_is_read():
-    env = distributed.detect_env({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2"})
+    env = distributed.detect_env({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2", **_TR})
     assert (env.rank, env.world_size, env.restart) == (1, 2, 2)
-    assert distributed.detect_env({"RANK": "0", "WORLD_SIZE": "2"}).restart == 0
+    assert distributed.detect_env({"RANK": "0", "WORLD_SIZE": "2", **_TR}).restart == 0
 
 
 @pytest.mark.parametrize("environ, job", [({"SLURM_JOB_ID": "77"}, "77"), ({"SLURM_JOBID": "77"}, "77"),
