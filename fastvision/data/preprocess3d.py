@@ -196,6 +196,20 @@ def check_channel_file(path: str | Path, shape: Sequence[int], affine: np.ndarra
         raise DataError(f"{path}: grid (shape/affine) differs from {first[0]}")
 
 
+def check_label_values(label: torch.Tensor, num_classes: int, path: str | Path | None) -> None:
+    """A preprocessed label's values are classes ``0 .. num_classes - 1`` (after the dataset's label map).
+
+    Raises:
+        DataError: naming the file and the value; a value past the classes was read as no class at all
+            (trained as background by some losses, never scored), e.g. BraTS 2024's resection cavity 4.
+    """
+    lo, hi = (int(v) for v in torch.stack(label.aminmax()).tolist())
+    if lo < 0 or hi >= num_classes:
+        bad = lo if lo < 0 else hi
+        raise DataError(f"{path}: label value {bad} is not a class of this dataset (0..{num_classes - 1}, after its "
+                        "label map); remap it in the file (BraTS 2024's resection cavity 4: to 0, or to a class)")
+
+
 def _read_channels(paths: Sequence[str | Path], finite: NonFinite) -> tuple[np.ndarray, np.ndarray, Any]:
     """Stack image files into (X, Y, Z, C); a 4-D file contributes its last axis as channels;
     ``finite`` checks each file for NaN / Inf (after the float32 cast, which can overflow to Inf)."""

@@ -198,3 +198,39 @@ def test_a_model_of_other_outputs_than_the_task_is_one_line_before_training(sets
     assert main([*argv, "--out", str(tmp_path / "bad")]) == 2
     assert needle in _one_line(capsys)
     assert not (tmp_path / "bad").exists()
+
+
+def _as_brats2023(raw, out):
+    """A 2017-2021 raw BraTS folder renamed to 2023-2024's names (t2f, t1n, t1c, t2w; labels as they are)."""
+    names = {"flair": "t2f", "t1": "t1n", "t1ce": "t1c", "t2": "t2w", "seg": "seg"}
+    for f in sorted(raw.rglob("*_*.nii.gz")):
+        case, mod = f.name[: -len(".nii.gz")].rsplit("_", 1)
+        new = f"BraTS-GLI-{case.replace('_', '')[-6:]}"
+        (out / new).mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, out / new / f"{new}-{names[mod]}.nii.gz")
+    return out
+
+
+def test_a_label_value_past_the_classes_stops_the_case(tmp_path):
+    """BraTS 2024's post-treatment label 4 (resection cavity) in a 2023-2024 folder, whose labels load as they
+    are (0..3): the case trained with that region as no class at all, silently; now the cache fill stops with
+    one line naming the label file and the value. The same files with 4 remapped to 3 load."""
+    from fastvision.data.formats import DATASETS
+    from fastvision.errors import DataError
+
+    raw = load_all().get("brats")(tmp_path / "raw", seed=1, cases=4, size=12, layout="brats")
+    new = _as_brats2023(raw, tmp_path / "gli")
+    segs = sorted(new.rglob("*-seg.nii.gz"))
+    assert len(segs) == 4 and any(4 in np.unique(np.asarray(nib.load(str(s)).dataobj)) for s in segs)
+    splits = DATASETS.build("brats", {"path": str(new), "num_folds": 2, "crop_foreground": False})
+    with pytest.raises(DataError, match=r"-seg\.nii\.gz: label value 4 is not a class of this dataset \(0\.\.3"):
+        for part in (splits.train, splits.val):
+            for i in range(len(part)):
+                part[i]
+    for s in segs:  # what the docs tell the user to do: remap it
+        img = nib.load(str(s))
+        lab = np.asarray(img.dataobj).copy()
+        lab[lab == 4] = 3
+        nib.save(nib.Nifti1Image(lab, img.affine, img.header), str(s))
+    splits = DATASETS.build("brats", {"path": str(new), "num_folds": 2, "crop_foreground": False})
+    assert max(int(splits.train[i]["label"].max()) for i in range(len(splits.train))) == 3

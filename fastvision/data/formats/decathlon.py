@@ -32,7 +32,7 @@ from fastvision.data.formats.anomalies import check_channels, drop_unreadable, f
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.patches import RandPatch, random_patch  # noqa: F401 (re-exported)
 from fastvision.data.nonfinite import NonFinite
-from fastvision.data.preprocess3d import PreprocessParams, preprocess_case
+from fastvision.data.preprocess3d import PreprocessParams, check_label_values, preprocess_case
 from fastvision.data.transforms import SAMPLES_KEY, SLOT_KEY, RandomTransform, Transform
 from fastvision.errors import ConfigError, DataError
 from fastvision.registry import DATASETS
@@ -92,7 +92,8 @@ class VolumeDataset(Dataset):
     def __init__(self, cases: list[dict[str, Any]], params: PreprocessParams, *,
                  patch_size: Sequence[int] | None = None, pos_fraction: float = 0.5,
                  oversample: str = "random", placement: str = "monai", num_samples: int = 1,
-                 compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]] = preprocess_case):
+                 compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]] = preprocess_case,
+                 num_classes: int | None = None):
         self.cases = cases
         self.params, self.compute = params, compute
         self.patch_size = tuple(patch_size) if patch_size else None
@@ -102,7 +103,7 @@ class VolumeDataset(Dataset):
             self.crop = MultiPatch(self.crop, num_samples)
         # Cached labels are uint8 when a crop follows (an 8th of int64's bytes; the crop widens
         # only the patch), int64 when the volume itself is the item.
-        self._prefix = [_Preprocess(params, compute, "uint8" if self.patch_size else "int64")]
+        self._prefix = [_Preprocess(params, compute, "uint8" if self.patch_size else "int64", num_classes)]
 
     def __len__(self) -> int:
         return len(self.cases)
@@ -196,8 +197,9 @@ class _Preprocess(Transform):
     """
 
     def __init__(self, params: PreprocessParams, compute: Callable[[dict[str, Any], PreprocessParams], dict[str, Any]],
-                 label_dtype: str = "int64"):
+                 label_dtype: str = "int64", num_classes: int | None = None):
         self.params, self.compute, self.label_dtype = params, compute, label_dtype
+        self.num_classes = num_classes  # a label value past the classes stops the case (not in the signature)
         # one NaN / Inf check per dataset, so that ``nonfinite: zero`` warns once per file
         takes = "finite" in inspect.signature(compute).parameters
         self._finite = {"finite": NonFinite(params.nonfinite)} if takes else {}
@@ -206,6 +208,8 @@ class _Preprocess(Transform):
         out = self.compute({"image": item["image"], "label": item.get("label")}, self.params, **self._finite)
         image = out["image"]
         label = out["label"] if "label" in out else torch.zeros(image.shape[1:], dtype=torch.long)
+        if self.num_classes and "label" in out and label.numel():
+            check_label_values(label, self.num_classes, item.get("label"))
         res = {"image": image, "label": label.to(getattr(torch, self.label_dtype)), "id": item["id"]}
         return res
 
@@ -316,10 +320,11 @@ def build_splits(cases: list[dict[str, Any]], params: PreprocessParams, info: di
     ``data.cache``'s job)."""
     train_ids, val_ids = kfold_split([c["id"] for c in cases], fold, num_folds, split_seed)
     by_id = {c["id"]: c for c in cases}
+    classes = info.get("num_classes")
     train = VolumeDataset([by_id[i] for i in train_ids], params, patch_size=patch_size,
                           pos_fraction=pos_fraction, oversample=oversample, placement=placement,
-                          num_samples=num_samples)
-    val = VolumeDataset([by_id[i] for i in val_ids], params)
+                          num_samples=num_samples, num_classes=classes)
+    val = VolumeDataset([by_id[i] for i in val_ids], params, num_classes=classes)
     info = {**info, "train_cases": len(train), "val_cases": len(val), "fold": fold, "num_folds": num_folds,
             "spatial_dims": 3, "axis_order": "C,X,Y,Z (RAS voxel axes)"}
     return DatasetSplits(train, val, info)
