@@ -168,6 +168,9 @@ def _torchrun_env(environ: Mapping[str, str]) -> DistEnv:
                   restart=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0))
     _check(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if world > 1 and not environ.get(k)]
+    if missing and _srun_task(environ) and (_int(environ, "SLURM_PROCID"), _srun_world(environ)) == (env.rank, world):
+        # RANK / WORLD_SIZE copied from srun's variables (seed 001's setup_dist_env.sh): srun's rendezvous
+        return _srun_env(environ)
     if missing:  # torchrun sets both; a hand-made environment without them was torch's traceback (env://)
         raise ConfigError(f"RANK={env.rank} WORLD_SIZE={world} set but not {' or '.join(missing)}: set "
                           "MASTER_ADDR (rank 0's host) and MASTER_PORT (a free port on it) on every rank, or "
@@ -192,10 +195,20 @@ def _check(env: DistEnv, rank: str, world: str, local_rank: str, local_world: st
         raise ConfigError(f"environment variable MASTER_PORT={env.master_port}: must be a port in [1, 65535]")
 
 
+def _srun_task(environ: Mapping[str, str]) -> bool:
+    """This process is a task of an ``srun`` job step (not the batch script's shell)."""
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
+    return _job_id(environ) is not None and "SLURM_PROCID" in environ and step not in (None, _SLURM_BATCH_STEP)
+
+
+def _srun_world(environ: Mapping[str, str]) -> int:
+    return _int(environ, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS", 1)
+
+
 def _srun_env(environ: Mapping[str, str]) -> DistEnv:
     """A task started by ``srun``: rank, node and rendezvous from the SLURM step variables."""
     world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
-    world = _int(environ, world_key, 1)
+    world = _srun_world(environ)
     per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     hosts = expand_nodelist(nodelist) if nodelist else ["127.0.0.1"]

@@ -50,6 +50,12 @@ ENV_CASES = [
                         "SLURM_STEP_ID": "0", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "40000"},
      distributed.DistEnv(1, 1, 2, 2, "slurm", "127.0.0.1", 40000)),
+    # RANK / LOCAL_RANK / WORLD_SIZE copied from srun's variables, no MASTER_*: srun's rendezvous (was torch's
+    # env:// traceback: seed 001's setup_dist_env.sh exports exactly these)
+    ("srun-with-copied-ranks", {"SLURM_JOB_ID": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2",
+                                "SLURM_STEP_ID": "0", "SLURM_NODELIST": "n[1-2]", "RANK": "1", "LOCAL_RANK": "1",
+                                "WORLD_SIZE": "2"},
+     distributed.DistEnv(1, 1, 2, 2, "slurm", "n1", 12001)),
     # one-task allocation run straight from the batch script: a legitimate single process
     ("sbatch-one-task", {"SLURM_JOB_ID": "5", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
                          "SLURM_NODELIST": "n1"}, distributed.DistEnv()),
