@@ -387,9 +387,12 @@ def inspect_brats(path: Path) -> dict[str, Any]:
     shapes, values = Counter(), set()
     labelled = [c for c in layout.cases if c["label"] is not None]
     unusable = {NONFINITE_FILES: [b for c in labelled for b in nifti_nonfinite([*c["image"], c["label"]], path)]}
-    for case in labelled[:10]:
+    past = unusable["label values past the classes 0..3, first 10 (BraTS 2024's cavity 4? remap it)"] = []
+    for case in labelled[:10]:  # training stops at them (preprocess3d.check_label_values)
         shapes[str(nib.load(str(case["image"][0])).shape)] += 1
-        values |= set(np.unique(np.asarray(nib.load(str(case["label"])).dataobj)).tolist())
+        values |= (found := set(np.unique(np.asarray(nib.load(str(case["label"])).dataobj)).tolist()))
+        if max(dict(layout.label_map).get(v, v) for v in found) > 3:
+            past.append(str(case["label"].relative_to(path)))
     return {"detected": f"BraTS {layout.year} ({layout.name})", "cases": len(layout.cases),
             "labelled cases": len(labelled), "label convention": layout.convention(),
             "shapes (first 10)": dict(shapes), "label values (first 10)": sorted(int(v) for v in values),

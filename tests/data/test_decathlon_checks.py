@@ -211,7 +211,7 @@ def _as_brats2023(raw, out):
     return out
 
 
-def test_a_label_value_past_the_classes_stops_the_case(tmp_path):
+def test_a_label_value_past_the_classes_stops_the_case(tmp_path, capsys):
     """BraTS 2024's post-treatment label 4 (resection cavity) in a 2023-2024 folder, whose labels load as they
     are (0..3): the case trained with that region as no class at all, silently; now the cache fill stops with
     one line naming the label file and the value. The same files with 4 remapped to 3 load."""
@@ -222,6 +222,8 @@ def test_a_label_value_past_the_classes_stops_the_case(tmp_path):
     new = _as_brats2023(raw, tmp_path / "gli")
     segs = sorted(new.rglob("*-seg.nii.gz"))
     assert len(segs) == 4 and any(4 in np.unique(np.asarray(nib.load(str(s)).dataobj)) for s in segs)
+    assert main(["data", "inspect", str(new)]) == 2  # it lists the files training stops on
+    assert "label values past the classes 0..3" in _one_line(capsys)
     splits = DATASETS.build("brats", {"path": str(new), "num_folds": 2, "crop_foreground": False})
     with pytest.raises(DataError, match=r"-seg\.nii\.gz: label value 4 is not a class of this dataset \(0\.\.3"):
         for part in (splits.train, splits.val):
@@ -234,3 +236,4 @@ def test_a_label_value_past_the_classes_stops_the_case(tmp_path):
         nib.save(nib.Nifti1Image(lab, img.affine, img.header), str(s))
     splits = DATASETS.build("brats", {"path": str(new), "num_folds": 2, "crop_foreground": False})
     assert max(int(splits.train[i]["label"].max()) for i in range(len(splits.train))) == 3
+    assert main(["data", "inspect", str(new)]) == 0
