@@ -48,7 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from fastvision.api import run_training
     from fastvision.config import parse_override
 
-    single = distributed.detect_env().launcher == "single"
+    single = distributed.outer_launcher(args.nproc) == "single"
     distributed.check_nproc(args.nproc if single else 1, args.device)  # under torchrun / srun --nproc is unused
     if args.pretrained:
         args.set.append(f"model.args.pretrained={args.pretrained}")
@@ -131,7 +131,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from fastvision.api import expand_inputs, is_volume_input, predict, refuse_overwrite
     from fastvision.inference.folds import is_folds_dir, predict_volumes
 
-    distributed.check_nproc(args.nproc if distributed.detect_env().launcher == "single" else 1, args.device)
+    distributed.check_nproc(args.nproc if distributed.outer_launcher(args.nproc) == "single" else 1, args.device)
     volume_flags = bool(args.folds or args.tta or args.tta_axes or args.nproc > 1 or args.postprocess != "auto")
     try:
         volumes = is_folds_dir(args.checkpoint) or is_volume_input(expand_inputs(args.inputs))
@@ -146,7 +146,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         return 0
     if args.coco_ids != "auto":
         raise ConfigError("--coco-ids applies to a detection run's images, not to NIfTI volumes")
-    if args.nproc > 1 and distributed.detect_env().launcher == "single":
+    if args.nproc > 1 and distributed.outer_launcher(args.nproc) == "single":
         # one process per shard of the cases, under torch's launcher (as train --nproc)
         return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv))
     tta = args.tta_axes if args.tta_axes else args.tta

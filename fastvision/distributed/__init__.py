@@ -31,7 +31,7 @@ from fastvision.distributed.comm import (
                                   joined,
                                   shutdown,
 )
-from fastvision.distributed.env import DistEnv, detect_env, expand_nodelist, job_key
+from fastvision.distributed.env import DistEnv, detect_env, expand_nodelist, job_key, outer_launcher
 from fastvision.distributed.group import alone, rank, world_size
 from fastvision.distributed.launch import (
     check_nproc,
@@ -54,6 +54,6 @@ from fastvision.distributed.wrap import (
 __all__ = ["DistEnv", "EvalSampler", "TrainSampler", "all_reduce_sum", "alone", "barrier", "broadcast_object",
            "broadcast_buffers", "broadcast_state", "check_nproc",
            "detect_env", "exit_process", "expand_nodelist", "gather_objects", "horovod", "horovodrun_command", "init",
-           "is_main", "job_key", "joined", "launch_local", "no_sync", "rank", "relaunch_argv", "shutdown",
-           "strip_option",
+           "is_main", "job_key", "joined", "launch_local", "no_sync", "outer_launcher", "rank", "relaunch_argv",
+           "shutdown", "strip_option",
            "synchronized", "unwrap", "world_size", "wrap_model", "wrap_optimizer"]

@@ -262,10 +262,22 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
             raise ConfigError(
                 f"SLURM job {job_id} has {ntasks} tasks (SLURM_NTASKS) but this process was not started by "
                 "srun (no SLURM_PROCID/SLURM_STEP_ID): launch with `srun fastvision train ...` "
-                "(see scripts/slurm/train.sbatch), or with torchrun"
+                "(see scripts/slurm/train.sbatch), with torchrun, or on this node with --nproc N"
             )
     elif under_srun and _int(environ, "SLURM_NTASKS", 1) > 1:  # srun always sets the job id: a hand-made half
         raise ConfigError(f"SLURM_PROCID={environ['SLURM_PROCID']} and SLURM_NTASKS={environ['SLURM_NTASKS']} set "
                           "without SLURM_JOB_ID: this process would train alone on the whole data set; launch with "
                           "srun, or set torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
     return DistEnv()
+
+
+def outer_launcher(nproc: int, environ: Mapping[str, str] = os.environ) -> str:
+    """The launcher a command with ``--nproc nproc`` runs under (:func:`detect_env`'s). With ``nproc`` > 1 the
+    shell of a multi-task SLURM allocation (``salloc -n 4``, the batch script) is ``"single"``: ``--nproc``
+    starts the tasks itself, through torchrun, so none trains alone (without it the command is refused there)."""
+    try:
+        return detect_env(environ).launcher
+    except ConfigError:
+        if nproc > 1 and _job_id(environ) is not None and not _srun_task(environ) and "RANK" not in environ:
+            return "single"
+        raise

@@ -85,7 +85,7 @@ def _cmd_profile(args) -> int:
     flat = {k: v for k, v in {"data": args.data, "device": args.device, "batch_size": args.batch_size,
                               "amp": args.amp}.items() if v is not None}
     cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])
-    if args.nproc > 1 and distributed.detect_env().launcher == "single":
+    if args.nproc > 1 and distributed.outer_launcher(args.nproc) == "single":
         distributed.check_nproc(args.nproc, cfg.train.device)
         # this very command under torch's launcher, one process per worker (as train --nproc): every rank
         # profiles the same steps and rank 0 writes the report

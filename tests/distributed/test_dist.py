@@ -154,6 +154,20 @@ def test_a_gloo_interface_this_host_lacks_is_one_line():
         assert err.strip().startswith("GLOO_SOCKET_IFNAME=fvnoif9: no such network interface on this host"), err
 
 
+def test_nproc_from_the_shell_of_a_multi_task_allocation_launches_its_own_workers():
+    """``salloc -n 2`` then ``fastvision train --nproc 2``: refused as 'not started by srun' (the line itself
+    suggested torchrun, which --nproc is); --nproc starts the tasks, so none trains alone. Without --nproc, or
+    inside an srun task, the rules stay."""
+    shell = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n1"}
+    assert distributed.outer_launcher(2, shell) == "single"
+    with pytest.raises(ConfigError, match="--nproc N"):
+        distributed.outer_launcher(1, shell)
+    task = {**shell, "SLURM_PROCID": "1", "SLURM_STEP_ID": "0"}
+    assert distributed.outer_launcher(2, task) == "slurm"  # under srun --nproc is unused, as before
+    with pytest.raises(ConfigError, match="SLURM_PROCID=3"):
+        distributed.outer_launcher(2, {**task, "SLURM_PROCID": "3"})
+
+
 @pytest.mark.parametrize("environ", [{"RANK": "0"}, {"WORLD_SIZE": "1"}, {"RANK": "0", "WORLD_SIZE": "1"}])
 def test_a_single_process_pair_half_is_harmless(environ):
     assert distributed.detect_env(environ).world_size == 1

@@ -123,7 +123,7 @@ def cmd_tune(args) -> int:
     from fastvision.api import overrides_to_dicts
 
     check_keep(args.keep)
-    single = distributed.detect_env().launcher == "single"
+    single = distributed.outer_launcher(args.nproc) == "single"
     distributed.check_nproc(args.nproc if single else 1, args.device)  # 0, or 99 workers on 2 cores: one line
     budget_s = parse_budget(args.budget)
     if args.rounds < 2:
