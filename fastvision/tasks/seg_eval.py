@@ -72,12 +72,24 @@ class SegEvaluator(Evaluator):
             self.parts[f"{group}.dice"].update(case_scores(tp, fp, fn, "dice", self.task.empty))
             self.parts[f"{group}.iou"].update(case_scores(tp, fp, fn, "iou", self.task.empty))
             if self.task.hd95:
-                self.parts[f"{group}.hd95"].update(_hd95_cases(pred, truth))
+                self.parts[f"{group}.hd95"].update(_hd95_cases(pred, truth, self._spacings(batch, pred)))
             self.parts[f"{group}.pooled"].add(tp.sum(0), fp.sum(0), fn.sum(0))  # the same counts, pooled
         if self.task.val_loss:
             n = label.shape[0]
             loss = self.task.loss(outputs.float(), batch).detach().double()
             self.loss_sum += torch.stack([loss * n, loss.new_tensor(float(n))])
+
+    def _spacings(self, batch: dict[str, Any], pred: Tensor) -> list | None:
+        """Each case's voxel size in mm, for HD95 in mm as MONAI's ``compute_hausdorff_distance(spacing=...)``
+        and the BraTS challenge give it: the preprocessing's target spacing (every case is resampled to
+        it), else the case's own (``batch["spacing"]``); None (voxels) where the data has no voxel size."""
+        nd = pred.dim() - 2
+        if self.task.spacing is not None and len(self.task.spacing) == nd:
+            return [self.task.spacing] * pred.shape[0]
+        given = batch.get("spacing")
+        if isinstance(given, Tensor) and given.dim() == 2 and given.shape == (pred.shape[0], nd):
+            return [tuple(float(v) for v in row) for row in given.tolist()]
+        return None
 
     def state(self) -> Tensor:
         return torch.cat([p.state() for p in self.parts.values()] + [self.loss_sum])
@@ -132,13 +144,14 @@ def foreground_of_two(logits: Tensor) -> Tensor:
     return win
 
 
-def _hd95_cases(pred: Tensor, truth: Tensor) -> Tensor:
-    """``(B, C)`` float64 HD95 in voxels; NaN where either mask is empty (left out of the mean)."""
+def _hd95_cases(pred: Tensor, truth: Tensor, spacings: list | None = None) -> Tensor:
+    """``(B, C)`` float64 HD95, in mm with each case's ``spacings`` (voxels without); NaN where either mask
+    is empty (left out of the mean)."""
     b, c = pred.shape[:2]
     out = torch.full((b, c), math.nan, dtype=torch.float64, device=pred.device)
     for i in range(b):
         for j in range(c):
-            d = hd95(pred[i, j], truth[i, j])
+            d = hd95(pred[i, j], truth[i, j], spacings[i] if spacings else None)
             if torch.isfinite(d):
                 out[i, j] = d
     return out

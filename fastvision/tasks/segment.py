@@ -60,8 +60,9 @@ class SegmentationTask(Task):
         empty: score of a case whose truth is empty for a class: ``ignore`` (MONAI
             ``ignore_empty``: left out), ``one`` (BraTS: 1 if the prediction is empty too, else 0)
             or ``zero`` (seed 000's TF code).
-        hd95: also the per-case 95th-percentile Hausdorff distance (voxels); cases where the
-            prediction or the truth is empty are left out of it.
+        hd95: also the per-case 95th-percentile Hausdorff distance, in mm where the data has a voxel
+            size (the preprocessing's target spacing, else the case's own), else in voxels (pixels);
+            cases where the prediction or the truth is empty are left out of it.
         val_loss: also compute the loss in validation (``val_loss``). ``false`` saves the loss on
             every validation volume (~5 ms per 50x50x36 volume on one CPU thread); nothing
             else reads it unless the recipe targets it (``train.target=val_loss=...``, then refused
@@ -73,7 +74,7 @@ class SegmentationTask(Task):
 
     primary_metric = "iou"
     higher_is_better = True
-    # fractions in [0, 1], per class too (dice/WT): --target dice=90 is refused (hd95 is in voxels)
+    # fractions in [0, 1], per class too (dice/WT): --target dice=90 is refused (hd95 is a distance)
     unit_metrics = ("dice", "iou", "dice_case", "iou_case", "dice_pooled", "iou_pooled")
 
     def __init__(self, *, num_classes: int = 2, mode: Literal["softmax", "sigmoid", "regions"] = "softmax",

@@ -175,6 +175,41 @@ def test_crop_evaluation_predicts_background_outside():
     assert (out[:, :, [0, 5]].argmax(1) == 0).all()
 
 
+def test_hd95_is_in_mm_with_the_datas_voxel_size_as_monai_gives_it():
+    """An anisotropic set (spleen: 2.5 mm slices): HD95 was in voxels, 2.5x off along z. With the preprocessing's
+    target spacing, or a case's own spacing where there is none, it is MONAI's compute_hausdorff_distance(spacing=...);
+    without a voxel size it stays in voxels."""
+    from monai.metrics import compute_hausdorff_distance
+
+    from fastvision.engine import evaluate, runtime
+
+    g = torch.Generator().manual_seed(3)
+    label = torch.zeros(2, 12, 10, 8, dtype=torch.long)
+    label[0, 3:9, 2:7, 2:6] = 1
+    label[1, 1:6, 4:9, 1:7] = 1
+    logits = torch.randn(2, 2, 12, 10, 8, generator=g)
+    logits[:, 1] += 2.5 * (label == 1)  # mostly right, with noise at the edges
+    cpu = torch.device("cpu")
+    onehot = lambda t: torch.stack([t == 0, t == 1], 1).float()  # noqa: E731
+
+    def ours(info, batch_extra):
+        task = SegmentationTask(num_classes=2, hd95=True, loss=DiceLoss(softmax=True), info=info)
+        loader = [{"image": logits, "label": label, **batch_extra}]
+        return evaluate(torch.nn.Identity(), task, loader, cpu, runtime.Precision("off", cpu))["hd95"]
+
+    spacing = (2.5, 0.8, 0.8)
+    pred = logits.argmax(1)
+    theirs = compute_hausdorff_distance(onehot(pred), onehot(label), percentile=95, spacing=list(spacing))
+    assert ours({"preprocess": {"target_spacing": list(spacing)}}, {}) == pytest.approx(float(theirs.mean()), rel=1e-6)
+    own = torch.tensor([[2.0, 1.0, 1.0], [1.0, 1.0, 3.0]])
+    theirs = [float(compute_hausdorff_distance(onehot(pred[i:i + 1]), onehot(label[i:i + 1]), percentile=95,
+                                               spacing=own[i].tolist())) for i in range(2)]
+    assert ours({}, {"spacing": own}) == pytest.approx(sum(theirs) / 2, rel=1e-6)
+    voxels = compute_hausdorff_distance(onehot(pred), onehot(label), percentile=95)
+    assert ours({}, {}) == pytest.approx(float(voxels.mean()), rel=1e-6)
+    assert float(voxels.mean()) != pytest.approx(float(theirs[0]))  # the spacing does change it here
+
+
 # --------------------------------------------------------------------------- 2 ranks vs 1
 
 
