@@ -78,7 +78,7 @@ def monai_3d(data: Path, tmp: Path, bs: int) -> dict[str, Callable[[], tuple[Any
               M.Spacingd(keys, pixdim=(1.5, 1.5, 2.0), mode=("bilinear", "nearest")),
               M.ScaleIntensityRanged("image", a_min=-57, a_max=164, b_min=0.0, b_max=1.0, clip=True),
               M.CropForegroundd(keys, source_key="image"), M.SpatialPadd(keys, spatial_size=PATCH),
-              M.FgBgToIndicesd("label"),  # seed 003: the crop's candidate voxels, cached
+              M.FgBgToIndicesd("label", image_key="image"),  # seed 003: the crop's candidate voxels (body only), cached
               M.EnsureTyped(keys, track_meta=False)]
     crop = M.RandCropByPosNegLabeld(keys, "label", spatial_size=PATCH, pos=1, neg=1, num_samples=1,
                                     fg_indices_key="label_fg_indices", bg_indices_key="label_bg_indices")

@@ -144,7 +144,7 @@ def monai_run(data: Path, a: argparse.Namespace, filters: list[int]) -> dict:
             CropForegroundd(["image", "label"], source_key="image", allow_smaller=True)]
     rand = [SpatialPadd(["image", "label"], spatial_size=a.patch),
             RandCropByPosNegLabeld(["image", "label"], label_key="label", spatial_size=a.patch, pos=1, neg=1,
-                                   num_samples=1)]
+                                   num_samples=1, image_key="image", image_threshold=0)]  # the tutorials' crop
     train_ds = CacheDataset([files[i] for i in train_ids], Compose(prep + rand), num_workers=2, progress=False)
     val_ds = CacheDataset([files[i] for i in val_ids], Compose(prep), num_workers=2, progress=False)
     loader = ThreadDataLoader(train_ds, batch_size=4, shuffle=True, num_workers=0, drop_last=True)

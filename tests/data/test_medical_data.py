@@ -233,6 +233,41 @@ def test_random_patch_foreground_bias():
     assert im.shape == (2, 6, 6, 6)  # padded when the volume is smaller
 
 
+def test_negative_patches_centre_in_the_body_as_monai_pos_neg_crop_with_its_image():
+    """seed 003's spleen tutorials crop with ``RandCropByPosNegLabeld(..., image_key="image", image_threshold=0)``
+    (``FgBgToIndicesd(image_key="image")`` in the fast one): a negative centre is a background voxel of the
+    body, not of the air the CT window maps to 0. fastvision's negatives drew any voxel: with 1-voxel patches
+    (the patch is its centre) they reached the air; now their support is MONAI's background indices, each
+    voxel about equally often, and a volume without such a voxel falls back to foreground centres."""
+    from monai.transforms.utils import map_binary_to_indices
+
+    n = (7, 6, 5)
+    g = torch.Generator().manual_seed(1)
+    image = torch.rand(2, *n, generator=g)
+    image[:, :3] = 0.0  # air in both channels
+    image[1, :3, 0] = 0.5  # ... except where the second channel sees something: body for MONAI (any channel)
+    label = torch.zeros(n, dtype=torch.long)
+    label[4:6, 2:4, 1:3] = 1
+    image[:, 5, 3, 2] = 0.0  # a foreground voxel in air stays a positive centre
+    where = -1.0 - torch.arange(float(np.prod(n))).reshape(1, *n)  # a third channel, never above 0: the voxel
+    image = torch.cat([image, where])
+    _, bg = map_binary_to_indices(label[None], image, image_threshold=0)
+    theirs = {int(i) for i in np.asarray(bg)}
+    counts: dict[int, int] = {}
+    for _ in range(3000):
+        im, lab = random_patch(image, label, (1, 1, 1), pos_fraction=0.0, generator=g)
+        hit = int(-1.0 - im[2, 0, 0, 0])
+        counts[hit] = counts.get(hit, 0) + 1
+        assert int(lab) == 0
+    assert set(counts) == theirs  # the same support as MONAI's background indices
+    expected = 3000 / len(theirs)
+    assert max(abs(c - expected) for c in counts.values()) < 5 * np.sqrt(expected)
+    no_body = torch.zeros(1, *n)  # nothing above 0: the negative draw falls back to a foreground centre
+    for _ in range(20):
+        _, lab = random_patch(no_body, label, (1, 1, 1), pos_fraction=0.0, generator=g)
+        assert int(lab) == 1
+
+
 def test_uniform_placement_is_monai_random_spatial_crop():
     """``placement: uniform`` (both BraTS recipes): the start uniform over ``[0, n - s]`` per axis whatever
     the label, as MONAI's ``RandSpatialCrop(random_size=False)`` (seed 003) and seed 000's ``RandomCrop3D``;

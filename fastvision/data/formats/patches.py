@@ -2,8 +2,10 @@
 
 Three placements (``data.args.placement``):
 
-* ``monai`` (:func:`random_patch`): the centre is a random foreground voxel (any class) or a uniform
-  voxel; the patch is then moved inside the volume (MONAI ``RandCropByPosNegLabel``).
+* ``monai`` (:func:`random_patch`): the centre is a random foreground voxel (any class) or a random
+  background voxel inside the body (label 0, image above 0 in some channel); the patch is then moved
+  inside the volume (MONAI ``RandCropByPosNegLabel`` with ``image_key="image", image_threshold=0``, as
+  seed 003's spleen tutorials crop).
 * ``nnunet`` (:func:`nnunet_patch`): ``nnUNetDataLoader.get_bbox``. A foreground patch picks one of
   the classes present with equal probability, then one of its voxels, and puts it at the patch centre
   (start ``voxel - size // 2``, held above ``-need_to_pad // 2`` only: the patch may reach past the
@@ -46,9 +48,13 @@ def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], 
                  force: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Crop a ``size`` patch centred on a foreground voxel with probability ``pos_fraction``.
 
-    Otherwise the centre is uniform, as MONAI's ``RandCropByPosNegLabel`` does. Volumes smaller than
-    ``size`` are zero-padded first. The tensors may live on any device; the random numbers come
-    from ``generator`` (a CPU generator), so a crop on the GPU equals the crop on the CPU.
+    Otherwise the centre is a background voxel whose image is above 0 in some channel, uniform over
+    those: MONAI's ``RandCropByPosNegLabel(image_key="image", image_threshold=0)`` (``FgBgToIndicesd``'s
+    background indices), the crop of seed 003's spleen tutorials, whose CT window maps air to 0; a
+    uniform voxel put half the negative patches in the air around the body. A volume with no such voxel
+    takes a foreground centre, then a uniform one. Volumes smaller than ``size`` are zero-padded first.
+    The tensors may live on any device; the random numbers come from ``generator`` (a CPU generator),
+    so a crop on the GPU equals the crop on the CPU.
 
     Args:
         image: (C, *S) float tensor; label: (*S) integer tensor.
@@ -61,17 +67,36 @@ def random_patch(image: torch.Tensor, label: torch.Tensor, size: Sequence[int], 
     """
     image, label = _pad_to(image, label, size)
     shape = label.shape
-    centre = None
     want = float(torch.rand((), generator=generator)) < pos_fraction
-    if want if force is None else force:
-        fg = torch.nonzero(label > 0)
-        if len(fg):  # one host sync per item, as MONAI's crop has on the GPU
-            centre = fg[int(torch.randint(len(fg), (), generator=generator))].tolist()
+    fg = want if force is None else force
+    centre = _voxel_in(label > 0, generator) if fg else _background_voxel(image, label, generator)
+    if centre is None:  # none of that kind: the other kind, then anywhere
+        centre = _background_voxel(image, label, generator) if fg else _voxel_in(label > 0, generator)
     if centre is None:
         centre = [int(torch.randint(n, (), generator=generator)) for n in shape]
     start = [min(max(0, c - s // 2), n - s) for c, s, n in zip(centre, size, shape, strict=True)]
     sl = tuple(slice(a, a + s) for a, s in zip(start, size, strict=True))
     return image[(slice(None),) + sl], label[sl]
+
+
+def _voxel_in(mask: torch.Tensor, generator: torch.Generator | None) -> list[int] | None:
+    """A voxel of ``mask``, uniform over its true voxels (None where it has none): one host sync, as MONAI's
+    crop has on the GPU."""
+    where = torch.nonzero(mask)
+    return where[int(torch.randint(len(where), (), generator=generator))].tolist() if len(where) else None
+
+
+def _background_voxel(image: torch.Tensor, label: torch.Tensor, generator: torch.Generator | None,
+                      tries: int = 16) -> list[int] | None:
+    """A voxel with label 0 and the image above 0 in some channel, uniform over them (None where there is
+    none). Uniform draws until one is such a voxel (the body is most of a foreground-cropped volume: one
+    or two draws, no index list), the index list after ``tries`` misses: both are uniform over the set."""
+    shape = label.shape
+    for _ in range(tries):
+        v = [int(torch.randint(n, (), generator=generator)) for n in shape]
+        if int(label[tuple(v)]) == 0 and bool((image[(slice(None), *v)] > 0).any()):
+            return v
+    return _voxel_in((label == 0) & (image > 0).any(0), generator)
 
 
 def _pad_to(image: torch.Tensor, label: torch.Tensor, size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
