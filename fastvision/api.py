@@ -327,11 +327,10 @@ def predict(ckpt: str | Path, inputs: list[str], out_dir: str | Path, device: st
     run, _ = load_run(ckpt, device, with_data=False)
     if not hasattr(run.task, "predict_files"):
         raise ConfigError(f"task {run.cfg.task.name!r} has no file prediction")
-    options = {}
-    if coco_ids != "auto" or run.cfg.task.name == "detection":
-        if run.cfg.task.name != "detection":
-            raise ConfigError(f"--coco-ids applies to detection runs; {ckpt} is a {run.cfg.task.name} run")
-        options["coco_ids"] = coco_ids
+    detection = run.cfg.task.name == "detection"
+    if coco_ids != "auto" and not detection:
+        raise ConfigError(f"--coco-ids applies to detection runs; {ckpt} is a {run.cfg.task.name} run")
+    options = {"coco_ids": coco_ids} if detection else {}
     expanded = expand_inputs(inputs, tree=getattr(run.task, "predicts_tree", False))
     from fastvision.inference.inputs import check_input_kind
 

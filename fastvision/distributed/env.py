@@ -201,14 +201,18 @@ def _srun_task(environ: Mapping[str, str]) -> bool:
     return _job_id(environ) is not None and "SLURM_PROCID" in environ and step not in (None, _SLURM_BATCH_STEP)
 
 
+def _srun_world_key(environ: Mapping[str, str]) -> str:
+    return "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+
+
 def _srun_world(environ: Mapping[str, str]) -> int:
-    return _int(environ, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS", 1)
+    return _int(environ, _srun_world_key(environ), 1)
 
 
 def _srun_env(environ: Mapping[str, str]) -> DistEnv:
     """A task started by ``srun``: rank, node and rendezvous from the SLURM step variables."""
-    world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
-    world = _srun_world(environ)
+    world_key = _srun_world_key(environ)
+    world = _int(environ, world_key, 1)
     per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     hosts = expand_nodelist(nodelist) if nodelist else ["127.0.0.1"]

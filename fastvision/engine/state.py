@@ -241,9 +241,9 @@ def classes_differ(trained: dict, given: dict) -> str | None:
     old, new = (trained or {}).get("classes"), (given or {}).get("classes")
     if not old or not new:
         return None
-    old, new = [str(c) for c in old], [str(c) for c in new]
-    nfc = lambda names: [unicodedata.normalize("NFC", c) for c in names]  # noqa: E731  (macOS: decomposed names)
-    if nfc(old[:len(new)]) == nfc(new):
+    # compared in NFC: macOS writes names decomposed ('cafe' + U+0301), other systems composed
+    old, new = ([unicodedata.normalize("NFC", str(c)) for c in names] for names in (old, new))
+    if old[:len(new)] == new:
         return None
     i = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
     at = lambda names: repr(names[i]) if i < len(names) else "none"  # noqa: E731

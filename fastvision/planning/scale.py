@@ -196,13 +196,9 @@ def epoch_seconds(items: int, gpus: int, batch: int, items_per_s: float) -> floa
     return rank_batches(items, gpus, batch) * batch * gpus / items_per_s
 
 
-def _shard(items: int, gpus: int) -> int:
-    return -(-items // gpus)  # TrainSampler pads the permutation to a multiple of the world size
-
-
 def shard_note(items: int, gpus: int, batch: int) -> str | None:
     """The plan's note where a GPU's shard of the epoch is under its batch (None where it is not)."""
-    shard = _shard(items, gpus)
+    shard = -(-items // gpus)  # under one global batch the sampler shares the set out: the largest shard
     if shard >= batch:
         return None
     return (f"{items} items over {gpus} GPUs: a GPU's shard is {shard} items, under its batch of {batch}, so an "

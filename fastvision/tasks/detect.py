@@ -260,8 +260,9 @@ def predict_image_ids(files: list[Path], coco_ids: str = "auto") -> list[int]:
                             f"{len(files)} inputs are not; it lists {len(names)} files)")
         return [names[f.name] for f in files]
     folders = {f.parent for f in files}
-    ann = next(iter(folders)).parent / "annotations" / f"instances_{next(iter(folders)).name}.json"
-    if len(folders) == 1 and ann.is_file():
+    folder = folders.pop() if len(folders) == 1 else None
+    ann = folder.parent / "annotations" / f"instances_{folder.name}.json" if folder else None
+    if ann is not None and ann.is_file():
         try:
             names = image_ids(ann)
         except DataError as e:

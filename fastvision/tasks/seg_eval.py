@@ -179,8 +179,10 @@ def check_sliding_window(window: dict | None) -> dict | None:
     Raises:
         ConfigError: naming the key.
     """
+    import inspect
+
     from fastvision.errors import ConfigError
-    from fastvision.inference.window import STYLES
+    from fastvision.inference.window import STYLES, sliding_window_inference
 
     if window is None:
         return None
@@ -188,7 +190,7 @@ def check_sliding_window(window: dict | None) -> dict | None:
         raise ConfigError(f"task.args.sliding_window: expected a mapping such as {{roi_size: [96, 96, 96]}}, got "
                           f"{window!r}")
     key = "task.args.sliding_window"
-    valid = ("roi_size", "overlap", "mode", "sigma_scale", "sw_batch_size", "tta_flips", "style", "device")
+    valid = [k for k in inspect.signature(sliding_window_inference).parameters if k not in ("inputs", "model")]
     for k in window:
         if k not in valid:
             raise ConfigError(f"unknown key {key}.{k}; valid keys: {', '.join(valid)}")

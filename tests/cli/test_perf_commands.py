@@ -247,8 +247,8 @@ def test_monitor_checks_its_numbers_before_nvml(tmp_path, capsys, flag, value, s
 
 @pytest.mark.parametrize("items, gpus, batch, batches", [
     (896, 8, 16, 7), (896, 16, 16, 3),  # 56 a GPU: 3 batches, the last 8 dropped
-    (900, 16, 16, 3),  # 57 a GPU (the sampler pads 900 to 912)
-    (32, 16, 4, 1), (32, 64, 2, 1),  # a shard under the batch (1 item: 32 padded to 64): one short step
+    (900, 16, 16, 3),  # 3 whole global batches of 256 (768 items), the last 132 dropped
+    (32, 16, 4, 1), (32, 64, 2, 1),  # under one global batch (64 ranks: 32 padded to 64): one short step
     (31, 2, 4, 3),  # a padded shard of 16 held a 4th batch with a repeated item; training drops it
 ])
 def test_rank_batches_count_as_the_training_loader_does(items, gpus, batch, batches):

@@ -97,9 +97,9 @@ def _images_under(folder: Path, extensions: tuple[str, ...]) -> list[str]:
         seen.add(os.path.realpath(here))
         keep = []
         for d in dirs:
-            real = os.path.realpath(os.path.join(here, d))
             if d.startswith("."):
                 continue
+            real = os.path.realpath(os.path.join(here, d))
             if real in seen or real == top or top.startswith(real.rstrip(os.sep) + os.sep):
                 loops.append(os.path.join(here, d))
                 continue
@@ -291,10 +291,11 @@ def _class_folder_val(val_root: Path, classes: list[str], train_dir: str) -> lis
     """``val/<class>/*`` samples labelled by the training class list (val may lack a class)."""
     val_classes = find_classes(val_root)
     nfc = functools.partial(unicodedata.normalize, "NFC")  # macOS writes names decomposed: 'café' is 'cafe' + U+0301
-    extra = sorted(set(map(nfc, val_classes)) - set(map(nfc, classes)))
+    present = set(map(nfc, val_classes))
+    extra = sorted(present - set(map(nfc, classes)))
     if extra:
         raise DataError(f"{val_root}: classes not in {train_dir}/: {', '.join(extra[:5])}")
-    missing = [c for c in classes if nfc(c) not in set(map(nfc, val_classes))]
+    missing = [c for c in classes if nfc(c) not in present]
     if missing:  # the metrics then leave these classes out: said once, as data inspect says it
         log.warning("%s: %d of the %d %s/ classes have no folder here and are not validated: %s", val_root,
                     len(missing), len(classes), train_dir, first_few(missing))
