@@ -264,25 +264,11 @@ def ssd_loss(outputs: dict[str, Tensor], boxes: Tensor, labels: Tensor, iscrowd:
     return {"loss": cls_loss + box_loss, "cls_loss": cls_loss, "box_loss": box_loss, "num_matches": num}
 
 
-@torch.no_grad()
-def postprocess(outputs: dict[str, Tensor], image_size: tuple[int, int], score_threshold: float = 1e-8,
-                iou_threshold: float = 0.6, max_detections: int = 100, pre_nms_top_k: int = 1000,
-                coder: BoxCoder | None = None) -> dict[str, Tensor]:
-    """Sigmoid scores, top-k candidates, decode, clip, batched NMS, best ``max_detections``.
-
-    Args:
-        outputs: :meth:`SSD.forward` outputs.
-        image_size: ``(H, W)`` of the network input, for clipping.
-
-    Returns:
-        Fixed-shape ``{"boxes": (B, D, 4) xyxy, "scores": (B, D), "labels": (B, D) int64}`` with
-        ``D = max_detections``; empty slots have score 0 and label -1.
-    """
-    coder = coder or BoxCoder()
-    logits, codes, anchors = outputs["cls_logits"].float(), outputs["box_codes"].float(), outputs["anchors"]
+def _detect(logits: Tensor, codes: Tensor, anchors: Tensor, image_size: tuple[int, int], score_threshold: float,
+            iou_threshold: float, max_detections: int, k: int, coder: BoxCoder) -> tuple[dict[str, Tensor], Tensor]:
+    """Detections from the ``k`` best (anchor, class) candidates of each image, and how many survived NMS."""
     B, A, K = logits.shape
     scores = torch.sigmoid(logits).reshape(B, A * K)
-    k = min(pre_nms_top_k, A * K)
     top_scores, top_idx = scores.topk(k, dim=1)
     anchor_idx, classes = top_idx // K, top_idx % K
     cand_codes = codes.gather(1, anchor_idx[..., None].expand(B, k, 4))
@@ -301,6 +287,50 @@ def postprocess(outputs: dict[str, Tensor], image_size: tuple[int, int], score_t
         pad = max_detections - d
         out = {"boxes": F.pad(out["boxes"], (0, 0, 0, pad)), "scores": F.pad(out["scores"], (0, pad)),
                "labels": F.pad(out["labels"], (0, pad), value=-1)}
+    return out, keep.sum(1)
+
+
+@torch.no_grad()
+def postprocess(outputs: dict[str, Tensor], image_size: tuple[int, int], score_threshold: float = 1e-8,
+                iou_threshold: float = 0.6, max_detections: int = 100, pre_nms_top_k: int = 1000,
+                coder: BoxCoder | None = None, max_candidates: int = 8000) -> dict[str, Tensor]:
+    """Sigmoid scores, top-k candidates, decode, clip, batched NMS, best ``max_detections``.
+
+    The seed (TF's ``batch_multiclass_non_max_suppression``: per class, NMS over every anchor above the
+    threshold, 100 per class, then the best 100) has no candidate limit. The ``pre_nms_top_k`` best
+    (anchor, class) pairs give its result exactly whenever ``max_detections`` of them survive NMS: per
+    class they are that class's best, greedy NMS decides each box from better ones only, and any box
+    left out scores below all of them. An image where fewer survive (NMS suppressed most of its top
+    candidates) is run again with twice the candidates, up to ``max_candidates`` (the NMS is
+    quadratic in them), or until no candidate above the threshold is left out.
+
+    Args:
+        outputs: :meth:`SSD.forward` outputs.
+        image_size: ``(H, W)`` of the network input, for clipping.
+
+    Returns:
+        Fixed-shape ``{"boxes": (B, D, 4) xyxy, "scores": (B, D), "labels": (B, D) int64}`` with
+        ``D = max_detections``; empty slots have score 0 and label -1.
+    """
+    coder = coder or BoxCoder()
+    logits, codes, anchors = outputs["cls_logits"].float(), outputs["box_codes"].float(), outputs["anchors"]
+    B, A, K = logits.shape
+    k = min(pre_nms_top_k, A * K)
+    out, kept = _detect(logits, codes, anchors, image_size, score_threshold, iou_threshold, max_detections, k, coder)
+    above = (torch.sigmoid(logits) > score_threshold).reshape(B, -1).sum(1)
+    cap = min(max_candidates, A * K)
+    # host reads: evaluation only (the NMS itself syncs once a sweep)
+    short = ((kept < max_detections) & (above > k)).nonzero().flatten().tolist() if k < cap else []
+    for i in short:  # one image at a time: the NMS's memory grows with the square of the candidates
+        ki = k
+        while ki < cap and ki < int(above[i]):
+            ki = min(2 * ki, cap)
+            one, n = _detect(logits[i:i + 1], codes[i:i + 1], anchors, image_size, score_threshold, iou_threshold,
+                             max_detections, ki, coder)
+            if int(n) >= max_detections:
+                break
+        for key in out:
+            out[key][i] = one[key][0]
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,75 @@ def test_postprocess_decodes_thresholds_and_suppresses():
     assert det["labels"][0].tolist() == [1, 0, 2, -1, -1]
     torch.testing.assert_close(det["boxes"][0, :3], target[[0, 2, 3]], atol=1e-4, rtol=0)
     assert det["scores"][0, 3:].eq(0).all()
+
+
+def tf_multiclass_nms(outputs, image_size, score_threshold, iou_threshold, max_detections, per_class=None):
+    """The seed's post-processing written plainly, as TF's ``multiclass_non_max_suppression``: per class,
+    greedy NMS over every anchor above the threshold (clipped to the image, empty boxes dropped), at
+    most ``per_class`` kept, then the best ``max_detections`` over all classes. One image."""
+    per_class = per_class or max_detections
+    H, W = image_size
+    boxes = BoxCoder().decode(outputs["box_codes"][0], outputs["anchors"]).numpy().astype(np.float64)
+    boxes[:, 0::2] = boxes[:, 0::2].clip(0, W)
+    boxes[:, 1::2] = boxes[:, 1::2].clip(0, H)
+    scores = torch.sigmoid(outputs["cls_logits"][0]).numpy()
+    found = []
+    for c in range(scores.shape[1]):
+        kept = []
+        for i in sorted(range(len(boxes)), key=lambda i: -scores[i, c]):
+            b = boxes[i]
+            if scores[i, c] <= score_threshold or b[2] <= b[0] or b[3] <= b[1]:
+                continue
+            def iou(j, b=b):
+                o = boxes[j]
+                iw, ih = min(b[2], o[2]) - max(b[0], o[0]), min(b[3], o[3]) - max(b[1], o[1])
+                inter = max(iw, 0) * max(ih, 0)
+                return inter / ((b[2] - b[0]) * (b[3] - b[1]) + (o[2] - o[0]) * (o[3] - o[1]) - inter)
+            if all(iou(j) <= iou_threshold for j in kept):
+                kept.append(i)
+            if len(kept) == per_class:
+                break
+        found += [(float(scores[i, c]), c, i) for i in kept]
+    return sorted(found, reverse=True)[:max_detections]
+
+
+def test_postprocess_equals_the_seeds_per_class_nms_when_top_candidates_are_suppressed():
+    # 1,200 near-copies of one box lead class 0; 150 separate boxes of class 1 score lower. The 1,000
+    # best candidates hold one survivor, the seed's NMS (no candidate limit) gives 1 + 99.
+    g = torch.Generator().manual_seed(0)
+    dup = torch.tensor([[100.0, 100, 140, 140]]) + torch.rand(1200, 1, generator=g)
+    xy = torch.stack(torch.meshgrid(torch.arange(15), torch.arange(10), indexing="ij"), -1).reshape(-1, 2) * 20.0
+    grid = torch.cat([xy, xy + 12], 1)
+    anchors = torch.cat([dup, grid])
+    logits = torch.full((1, len(anchors), 2), -30.0)
+    logits[0, :1200, 0] = torch.linspace(6, 4, 1200)
+    logits[0, 1200:, 1] = torch.linspace(3, 1, 150)
+    out = {"cls_logits": logits, "box_codes": torch.zeros(1, len(anchors), 4), "anchors": anchors}
+    det = postprocess(out, (320, 320), score_threshold=0.5, iou_threshold=0.6, max_detections=100)
+    ref = tf_multiclass_nms(out, (320, 320), 0.5, 0.6, 100)
+    assert len(ref) == 100 and int((det["labels"][0] >= 0).sum()) == 100
+    assert det["labels"][0].tolist() == [c for _, c, _ in ref]
+    torch.testing.assert_close(det["scores"][0], torch.tensor([s for s, _, _ in ref]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_postprocess_equals_the_seeds_per_class_nms_on_random_outputs(seed):
+    # Few candidates to start from (pre_nms_top_k 8) so that most images take the doubling path.
+    g = torch.Generator().manual_seed(seed)
+    A, K = 300, 3
+    ctr = torch.rand(A, 2, generator=g) * 64
+    wh = 4 + torch.rand(A, 2, generator=g) * 20
+    anchors = torch.cat([ctr - wh / 2, ctr + wh / 2], 1)
+    out = {"cls_logits": torch.randn(2, A, K, generator=g) * 3, "box_codes": torch.randn(2, A, 4, generator=g) * 0.5,
+           "anchors": anchors}
+    det = postprocess(out, (64, 64), score_threshold=0.3, iou_threshold=0.5, max_detections=30, pre_nms_top_k=8)
+    for b in range(2):
+        one = {"cls_logits": out["cls_logits"][b:b + 1], "box_codes": out["box_codes"][b:b + 1], "anchors": anchors}
+        ref = tf_multiclass_nms(one, (64, 64), 0.3, 0.5, 30)
+        n = int((det["labels"][b] >= 0).sum())
+        assert n == len(ref)
+        assert det["labels"][b, :n].tolist() == [c for _, c, _ in ref]
+        torch.testing.assert_close(det["scores"][b, :n], torch.tensor([s for s, _, _ in ref]))
 
 
 def test_frozen_batchnorm_matches_eval_bn_and_has_no_parameters():
