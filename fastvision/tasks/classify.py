@@ -216,7 +216,8 @@ class ClassificationTask(Task):
 
 
 class ClassEvaluator(Evaluator):
-    """Sums: [top-1 hits, top-5 hits, count, loss * count] (+ two AUC score histograms).
+    """Sums: [top-1 hits, top-5 hits, count, loss * count] (+ two AUC score histograms). ``top5`` is
+    reported only with more than 5 classes (timm's reads 1 with 5 or fewer).
 
     The sums live on the device of the first batch, so updates never copy to the host.
     """
@@ -247,6 +248,8 @@ class ClassEvaluator(Evaluator):
         n = float(s[2])
         out = {"top1": float(s[0]) / n if n else float("nan"), "top5": float(s[1]) / n if n else float("nan"),
                "val_loss": float(s[3]) / n if n else float("nan")}
+        if self.task.num_classes <= 5:  # every label is among the 5 best: top-5 would always read 1
+            del out["top5"]
         if self.task.auc:
             out["auc"] = histogram_auc(s[4:4 + AUC_BINS].numpy(), s[4 + AUC_BINS:].numpy())
         return out

@@ -81,6 +81,23 @@ def test_topk_exact_on_crafted_cases():
     assert out["val_loss"] == pytest.approx(F.cross_entropy(logits, label).item())
 
 
+@pytest.mark.parametrize("classes", [2, 5])
+def test_top5_is_not_reported_with_five_classes_or_fewer(classes, capsys):
+    # every label is among the 5 best there, so top-5 would read 1 for any model
+    task = _task(num_classes=classes, smoothing=0.0)
+    ev = task.evaluator()
+    logits = torch.zeros(3, classes)
+    logits[:, 0] = 1.0
+    ev.update(logits, {"label": torch.tensor([classes - 1, 1, 0])})
+    out = ev.compute()
+    assert "top5" not in out and out["top1"] == pytest.approx(1 / 3)
+    from fastvision.engine.loop import check_target_metric
+    from fastvision.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--target top5: not a metric of this run"):
+        check_target_metric(task, "top5=0.9")
+
+
 def test_auc_matches_mann_whitney():
     rng = np.random.default_rng(0)
     n = 300
