@@ -205,8 +205,8 @@ class DetectionTask(Task):
 
         Image ids in the JSON are those of ``coco_ids`` (:func:`predict_image_ids`: a COCO file's ids, so
         pycocotools scores the JSON against that file, or the files' positions in ``files``);
-        ``images.json`` maps them to the files (a COCO ``images`` list). Category ids follow the dataset's
-        mapping.
+        ``images.json`` maps them to the files (a COCO ``images`` list: ``file_name`` the file's name, as in
+        COCO, and ``path`` the file, absolute). Category ids follow the dataset's mapping.
         """
         from PIL import Image
 
@@ -224,7 +224,10 @@ class DetectionTask(Task):
         for k, f in zip(ids, files, strict=True):
             img = open_image(str(f))  # as the dataset reads its images (16-bit grey scaled, not clipped)
             w, h = img.size
-            images.append({"id": k, "file_name": str(f), "width": w, "height": h})
+            # COCO's file_name is the name in the image folder (as the --coco-ids lookup reads it); path: the
+            # file itself, absolute, so the mapping holds from any working directory
+            images.append({"id": k, "file_name": Path(f).name, "width": w, "height": h,
+                           "path": str(Path(f).resolve())})
             x = torch.from_numpy(np.asarray(img.resize((S, S), Image.BILINEAR)).copy())
             x = x.permute(2, 0, 1)[None].to(device)
             det = self.eval_forward(model, {"image": x})

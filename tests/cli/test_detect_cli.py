@@ -62,7 +62,9 @@ def test_train_evaluate_predict_from_the_cli(tmp_path, monkeypatch):
     files = sorted((data / "val2017").iterdir())
     assert main(["predict", str(run), str(data / "val2017"), "--out", str(tmp_path / "pred"), "--device", "cpu"]) == 0
     index = json.loads((tmp_path / "pred" / "images.json").read_text())
-    assert [e["file_name"] for e in index] == [str(f) for f in files]
+    # COCO's file_name (the name in the image folder) and the file itself, absolute
+    assert [e["file_name"] for e in index] == [f.name for f in files]
+    assert [e["path"] for e in index] == [str(f.resolve()) for f in files]
     # val2017/ of a COCO root: the ids are the annotation file's, so pycocotools scores predict's JSON against it
     # (before, the positions 0..2: "Results do not correspond to current coco set"), and predict is evaluate
     by_name = {im["file_name"]: im["id"] for im in json.loads(ann.read_text())["images"]}
