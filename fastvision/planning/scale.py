@@ -197,13 +197,14 @@ def epoch_seconds(items: int, gpus: int, batch: int, items_per_s: float) -> floa
 
 
 def shard_note(items: int, gpus: int, batch: int) -> str | None:
-    """The plan's note where a GPU's shard of the epoch is under its batch (None where it is not)."""
-    shard = -(-items // gpus)  # under one global batch the sampler shares the set out: the largest shard
-    if shard >= batch:
+    """The plan's note where the set holds no whole global batch, so an epoch is one short step per GPU
+    (:func:`rank_batches`; None where it holds one)."""
+    if items >= gpus * batch:
         return None
-    return (f"{items} items over {gpus} GPUs: a GPU's shard is {shard} items, under its batch of {batch}, so an "
-            "epoch is one short step per GPU (the epoch time is that of one step); fewer GPUs or a smaller batch "
-            "use them better")
+    shard = -(-items // gpus)  # under one global batch the sampler shares the set out: the largest shard
+    return (f"{items} items over {gpus} GPUs: under one global batch of {gpus} x {batch}, so an epoch is one step "
+            f"per GPU (a GPU's shard is at most {shard} items of its batch of {batch}; the epoch time is that of one "
+            "step); fewer GPUs or a smaller batch use them better")
 
 
 def check_split(gpus: int, nodes: int | None) -> None:

@@ -268,8 +268,24 @@ def test_plan_epoch_of_a_small_dataset_on_many_gpus_is_a_step_not_a_fraction_of_
     e = plan["estimate"]
     for scale, epoch in zip(e["scale"], e["epoch_s"], strict=True):  # 40 / 16 -> 3 items a GPU, under 4
         assert epoch == pytest.approx(scale["step_s"])  # was 40 / rate: 0.625 of a step
-    assert any("a GPU's shard is 3 items, under its batch of 4" in n for n in plan["notes"])
-    assert "a GPU's shard is 3 items" in capsys.readouterr().out
+    assert any("under one global batch of 16 x 4" in n and "at most 3 items" in n for n in plan["notes"])
+    assert "a GPU's shard is at most 3 items" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("items, gpus, batch, noted", [
+    (15, 2, 8, True),  # shards of 8 and 7: the largest equals the batch, still one short step (was no note)
+    (16, 2, 8, False), (31, 2, 4, False),  # whole global batches
+    (3, 16, 4, True),
+])
+def test_shard_note_where_an_epoch_is_one_short_step(items, gpus, batch, noted):
+    from fastvision.distributed import TrainSampler
+    from fastvision.planning.scale import shard_note
+
+    assert (shard_note(items, gpus, batch) is not None) == noted
+    # what the training sampler gives the ranks: less than one global batch in all, so one step each
+    shards = [len(TrainSampler(items, num_replicas=gpus, rank=r, batch_size=batch, full_batches=True))
+              for r in range(gpus)]
+    assert noted == (sum(shards) < gpus * batch) and (not noted or max(shards) <= batch)
 
 
 @pytest.mark.parametrize("extra, says", [
