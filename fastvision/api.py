@@ -5,6 +5,7 @@ directory, and continuing one needs ``--resume``.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -275,6 +276,10 @@ def _load_for(path, device: str, data: str | None):
     run, ckpt_path = load_run(path, device, with_data=False)
     cfg = run.cfg
     cfg.data.args["path"] = data
+    if other := brats_layout_of(cfg.data.name, data):  # BraTS in the other layout: read it with that reader
+        keep = inspect.signature(DATASETS.get(other)).parameters
+        log.info("--data %s: BraTS in the %s layout, read as data.name %s", data, other, other)
+        cfg.data.name, cfg.data.args = other, {k: v for k, v in cfg.data.args.items() if k in keep}
     splits = DATASETS.build(cfg.data.name, cfg.data.args, where="data.args")
     check_same_classes(run.info, splits.info, data, ckpt_path)
     weights = run.model.state_dict()
@@ -284,6 +289,20 @@ def _load_for(path, device: str, data: str | None):
     run.model.eval()
     run.train_set, run.val_set = splits.train, splits.val
     return run, ckpt_path
+
+
+def brats_layout_of(name: str, data: str) -> str | None:
+    """The dataset builder for ``evaluate --data`` where ``data`` is BraTS in the other layout than the run's
+    (a raw challenge folder given to a run trained on MSD Task01, or the reverse), else None. Both read
+    to the same classes and channel order (:mod:`fastvision.data.formats.brats`), as ``predict`` takes either."""
+    from fastvision.data.formats.decathlon import looks_like_brats
+
+    folder = Path(data)
+    if name == "decathlon" and not (folder / "dataset.json").is_file() and looks_like_brats(folder):
+        return "brats"
+    if name == "brats" and (folder / "dataset.json").is_file() and not looks_like_brats(folder):
+        return "decathlon"
+    return None
 
 
 def check_same_classes(trained: dict, given: dict, data: str, ckpt: str | Path) -> None:

@@ -226,6 +226,14 @@ class _Preprocess(Transform):
                            "code": hashlib.sha256(code.encode()).hexdigest()}, sort_keys=True)
 
 
+def looks_like_brats(root: str | Path) -> bool:
+    """``root`` holds raw BraTS case folders (FLAIR files of 2017-2021 or 2023-24 names, one or two levels
+    down), not a Decathlon task."""
+    root = Path(root)
+    return root.is_dir() and any(next(root.glob(d + p), None) for p in ("*_flair.nii*", "*-t2f.nii*")
+                                 for d in ("*/", "*/*/"))
+
+
 def read_dataset_json(root: str | Path, missing: list[str] | None = None) -> dict[str, Any]:
     """Parse ``root/dataset.json`` and resolve its paths.
 
@@ -243,10 +251,7 @@ def read_dataset_json(root: str | Path, missing: list[str] | None = None) -> dic
     root = Path(root)
     f = root / "dataset.json"
     if not f.is_file():
-        hint = ""
-        if root.is_dir() and any(next(root.glob(d + p), None) for p in ("*_flair.nii*", "*-t2f.nii*")
-                                 for d in ("*/", "*/*/")):
-            hint = "; this looks like a BraTS challenge folder: --set data.name=brats"
+        hint = "; this looks like a BraTS challenge folder: --set data.name=brats" if looks_like_brats(root) else ""
         raise DataError(f"{f} not found: a Decathlon folder holds dataset.json, imagesTr/, labelsTr/{hint}")
     try:
         meta = json.loads(f.read_text())
