@@ -317,20 +317,21 @@ def postprocess(outputs: dict[str, Tensor], image_size: tuple[int, int], score_t
     B, A, K = logits.shape
     k = min(pre_nms_top_k, A * K)
     out, kept = _detect(logits, codes, anchors, image_size, score_threshold, iou_threshold, max_detections, k, coder)
-    above = (torch.sigmoid(logits) > score_threshold).reshape(B, -1).sum(1)
     cap = min(max_candidates, A * K)
     # host reads: evaluation only (the NMS itself syncs once a sweep)
-    short = ((kept < max_detections) & (above > k)).nonzero().flatten().tolist() if k < cap else []
+    short = (kept < max_detections).nonzero().flatten().tolist() if k < cap else []
     for i in short:  # one image at a time: the NMS's memory grows with the square of the candidates
-        ki = k
-        while ki < cap and ki < int(above[i]):
+        above = int((torch.sigmoid(logits[i]) > score_threshold).sum())  # candidates that can take part
+        ki, one = k, None
+        while ki < cap and ki < above:
             ki = min(2 * ki, cap)
             one, n = _detect(logits[i:i + 1], codes[i:i + 1], anchors, image_size, score_threshold, iou_threshold,
                              max_detections, ki, coder)
             if int(n) >= max_detections:
                 break
-        for key in out:
-            out[key][i] = one[key][0]
+        if one is not None:
+            for key in out:
+                out[key][i] = one[key][0]
     return out
 
 
