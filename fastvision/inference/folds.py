@@ -202,7 +202,10 @@ def _identity(ckpt: dict[str, Any]) -> dict[str, Any]:
     return {"recipe": cfg.get("recipe"), "model": cfg.get("model"),
             "labels": {"num_classes": task.get("num_classes"), "mode": task.get("mode"), "regions": task.get("regions"),
                        "class_names": info.get("class_names")},
-            "preprocessing": {k: data.get(k) for k in ("target_spacing", "intensity", "window", "crop_foreground")}}
+            "preprocessing": {**{k: data.get(k) for k in ("target_spacing", "intensity", "window", "crop_foreground")},
+                              # nnU-Net's order or MONAI's, and the crop's margin: other arrays (defaults as read)
+                              "resample": data.get("resample", "monai"),
+                              "crop_margin": int(data.get("crop_margin", 0))}}
 
 
 def fold_checkpoints(root: str | Path, spec: str | None) -> list[Path]:

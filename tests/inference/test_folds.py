@@ -72,6 +72,7 @@ def _test_image(data):
     ("unfinished", "fold-1: unfinished"),
     ("recipe", "another recipe"),
     ("labels", "another label set"),
+    ("resample", "another preprocessing"),  # nnU-Net's order: other arrays than MONAI's (was ensembled)
 ])
 def test_bad_folds_folder(spleen_folds, tmp_path, capsys, damage, words):
     data, out, _ = spleen_folds
@@ -86,6 +87,8 @@ def test_bad_folds_folder(spleen_folds, tmp_path, capsys, damage, words):
         state = torch.load(ckpt, weights_only=True)
         if damage == "recipe":
             state["config"]["recipe"] = "unet3d-spleen-fast"
+        elif damage == "resample":
+            state["config"]["data"]["args"]["resample"] = "nnunet"
         else:
             state["config"]["task"]["args"]["num_classes"] = 3
             state["data_info"]["class_names"] = ["background", "spleen", "tumour"]
