@@ -240,7 +240,15 @@ def test_truncated_jpeg_is_reported_by_inspect_and_skipped_on_request(coco_root,
     (lambda d: d["images"].append(dict(d["images"][0])), "images[2]: image id 9 listed twice"),
     (lambda d: d["images"][1].update(id="25"), "images[1] has no integer id"),
     (lambda d: d.pop("categories"), "no 'categories' list"),
-], ids=["no-file-name", "image-id-twice", "string-image-id", "no-categories"])
+    # scored 0 silently: the results' category_id is an int, the ground truth's the string "1"
+    (lambda d: [c.update(id=str(c["id"])) for c in d["categories"]], "categories[0] ('person'): id '1' is not"),
+    # pycocotools' getCatIds listed id 3 twice: 3 classes for 2 categories, one of them never trained
+    (lambda d: d["categories"].append(dict(d["categories"][1])), "categories[2] ('car'): category id 3 listed"),
+    # a traceback from torch.tensor(image ids) in the first batch's collate (int64 overflow)
+    (lambda d: [x.update(**{k: x[k] + 2**63}) for k, xs in (("id", d["images"]), ("image_id", d["annotations"]))
+                for x in xs], "images[0]: image id 9223372036854775817 does not fit a 64-bit integer"),
+], ids=["no-file-name", "image-id-twice", "string-image-id", "no-categories", "string-category-id",
+        "category-id-twice", "image-id-past-int64"])
 def test_malformed_instances_file_is_one_line_in_train_and_inspect(coco_root, tmp_path, capsys, defect, where):
     """A file that is not COCO in its structure: one line naming the file and the first bad entry, exit 2,
     from train and from data inspect (an image without file_name was a KeyError traceback in both)."""

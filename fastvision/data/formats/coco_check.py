@@ -38,8 +38,9 @@ def read_instances(ann_file: str | Path) -> dict[str, Any]:
     Raises:
         DataError: one line naming the file and the first entry that is not COCO: not JSON, not an
             object with ``images``, ``annotations`` and ``categories`` lists, an image without an integer
-            ``id`` or a ``file_name``, an image id listed twice, a category without ``id`` or ``name``,
-            an annotation that is not an object.
+            ``id`` (one that fits a 64-bit integer, as the batches and results carry it) or a ``file_name``,
+            an image id listed twice, a category without an integer ``id`` or a ``name``, a category id
+            listed twice, an annotation that is not an object.
     """
     def bad(why: str) -> DataError:
         return DataError(f"{ann_file}: not a COCO instances file ({why})")
@@ -55,16 +56,20 @@ def read_instances(ann_file: str | Path) -> dict[str, Any]:
             raise bad(f"no {key!r} list")
     seen: set[int] = set()
     for k, im in enumerate(data["images"]):
-        if not isinstance(im, dict) or not isinstance(im.get("id"), int) or isinstance(im.get("id"), bool):
-            raise bad(f"images[{k}] has no integer id")
-        if not isinstance(im.get("file_name"), str) or not im["file_name"]:
-            raise bad(f"images[{k}] (id {im['id']}) has no file_name")
+        if why := _image_problem(k, im):
+            raise bad(why)
         if im["id"] in seen:
             raise bad(f"images[{k}]: image id {im['id']} listed twice")
         seen.add(im["id"])
+    cats: set[int] = set()
     for k, c in enumerate(data["categories"]):
         if not isinstance(c, dict) or "id" not in c or "name" not in c:
             raise bad(f"categories[{k}] has no id or name")
+        if not _is_int(c["id"]):  # a string id ("1") matches no integer category_id of the results
+            raise bad(f"categories[{k}] ({c['name']!r}): id {c['id']!r} is not an integer")
+        if c["id"] in cats:  # pycocotools' getCatIds lists it twice: one class too many, never trained
+            raise bad(f"categories[{k}] ({c['name']!r}): category id {c['id']} listed twice")
+        cats.add(c["id"])
     for k, a in enumerate(data["annotations"]):
         if not isinstance(a, dict):
             raise bad(f"annotations[{k}] is not an object")
@@ -94,15 +99,31 @@ def image_ids(ann_file: str | Path) -> dict[str, int]:
         raise bad("no 'images' list")
     ids: dict[str, int] = {}
     for k, im in enumerate(data["images"]):
-        if not isinstance(im, dict) or not isinstance(im.get("id"), int) or isinstance(im.get("id"), bool):
-            raise bad(f"images[{k}] has no integer id")
-        if not isinstance(im.get("file_name"), str) or not im["file_name"]:
-            raise bad(f"images[{k}] (id {im['id']}) has no file_name")
+        if why := _image_problem(k, im):
+            raise bad(why)
         name = Path(im["file_name"]).name
         if name in ids:
             raise bad(f"images[{k}]: file name {name} listed twice")
         ids[name] = im["id"]
     return ids
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+INT64 = 2**63  # image ids travel in int64 tensors (batches, detections): |id| must stay below
+
+
+def _image_problem(k: int, im: Any) -> str | None:
+    """Why ``images[k]`` is not a COCO image entry (no integer id in int64's range, no file_name), else None."""
+    if not isinstance(im, dict) or not _is_int(im.get("id")):
+        return f"images[{k}] has no integer id"
+    if not -INT64 <= im["id"] < INT64:
+        return f"images[{k}]: image id {im['id']} does not fit a 64-bit integer"
+    if not isinstance(im.get("file_name"), str) or not im["file_name"]:
+        return f"images[{k}] (id {im['id']}) has no file_name"
+    return None
 
 
 def check_annotations(dataset: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
