@@ -313,7 +313,7 @@ def check_same_classes(trained: dict, given: dict, data: str, ckpt: str | Path) 
     where = classes_differ(trained, given)
     if where:
         raise DataError(f"--data {data}: its classes are not those {ckpt} was trained on {where}: each image "
-                        "would be scored against another class; give a folder with the training class folders")
+                        "would be scored against another class; give a folder of the training classes, in order")
 
 
 def expand_inputs(inputs: list[str], tree: bool = False) -> list[Path]:

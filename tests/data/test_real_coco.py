@@ -391,3 +391,26 @@ def test_every_listed_image_missing_is_not_called_unreadable(coco_root):
     with pytest.raises(DataError, match=r"val2017: none of the 5 images listed in instances_val2017.json is there "
                                         r"\(first: 000000000139.jpg\)"):
         build(path=str(coco_root), image_size=32, skip_unreadable=True)
+
+
+def test_a_category_id_named_otherwise_in_val_or_in_evaluate_data_is_one_line(coco_root, tmp_path, capsys):
+    """An export numbering categories per file: val's id 1 is 'car', train's 'person'. The model's class for
+    id 1 was scored against the other category without a word (by id, COCOeval never sees the names); the
+    reader and data inspect refuse it, and evaluate --data compares the classes (by name) with the run's."""
+    from fastvision.api import check_same_classes
+
+    trained = build(path=str(coco_root), image_size=32).info
+    assert trained["classes"] == ["person", "car"]
+    swap = lambda d: [c.update(name=n) for c, n in zip(d["categories"], ("car", "person"), strict=True)]  # noqa: E731
+    _edit(coco_root / "annotations/instances_val2017.json", swap)
+    with pytest.raises(DataError, match=r"instances_val2017.json: category id 1 is 'car' there, 'person' in "
+                                        r"instances_train2017.json \(2 id\(s\) named otherwise"):
+        build(path=str(coco_root), image_size=32)
+    assert main(["data", "inspect", str(coco_root)]) == 2
+    assert inspect_path(coco_root)["anomalies"]["val2017: category ids named otherwise in train2017"] \
+        == "2 (1: 'car' ('person' in train2017), 3: 'person' ('car' in train2017))"
+    _edit(coco_root / "annotations/instances_train2017.json", swap)  # both files: another folder, consistent
+    given = build(path=str(coco_root), image_size=32).info
+    with pytest.raises(DataError, match=r"class 0 is 'car' there, 'person' in training"):
+        check_same_classes(trained, given, str(coco_root), "best.pt")
+    check_same_classes(given, given, str(coco_root), "best.pt")  # the same names pass

@@ -38,7 +38,7 @@ from fastvision.data.formats.anomalies import (
     undecodable,
 )
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
-from fastvision.data.formats.coco_check import check_annotations, read_instances
+from fastvision.data.formats.coco_check import check_annotations, read_instances, renamed_categories
 from fastvision.data.transforms import RandomTransform, Transform
 from fastvision.errors import ConfigError, DataError, check_range
 from fastvision.registry import DATASETS
@@ -356,8 +356,12 @@ def build(*, path: str, train_split: str = "train2017", val_split: str = "val201
         skip_unreadable: skip missing or undecodable images with a warning instead of stopping.
 
     Returns:
-        Splits; ``info`` holds ``num_classes``, ``cat_ids``, ``class_names``, ``val_ann_file`` and
+        Splits; ``info`` holds ``num_classes``, ``cat_ids``, ``class_names`` (also as ``classes``, which
+        ``evaluate --data`` and a resume compare with the checkpoint's), ``val_ann_file`` and
         ``image_size`` for the model, the evaluator and result files.
+
+    Raises:
+        DataError: also where the validation file names a category id otherwise than the training file.
     """
     check_range("data.args.image_size", image_size, 1)
     check_range("data.args.color_jitter", color_jitter, 0.0, 1.0)
@@ -368,9 +372,15 @@ def build(*, path: str, train_split: str = "train2017", val_split: str = "val201
                           crop=crop, flip=flip, jitter=color_jitter, **checks)
     val = CocoDetection(ann / f"instances_{val_split}.json", root / val_split, image_size, train=False,
                         cat_ids=train.cat_ids, **checks)
+    renamed = renamed_categories(train.coco.dataset["categories"], val.coco.dataset["categories"])
+    if renamed:
+        i, v, t = renamed[0]
+        raise DataError(f"{val.ann_file}: category id {i} is {v!r} there, {t!r} in {train.ann_file.name} "
+                        f"({len(renamed)} id(s) named otherwise; the model's class for an id would be scored "
+                        "against another category): give both files the same categories")
     names = [train.coco.cats[c]["name"] for c in train.cat_ids]
     return DatasetSplits(train, val, {
-        "num_classes": len(train.cat_ids), "cat_ids": train.cat_ids, "class_names": names,
+        "num_classes": len(train.cat_ids), "cat_ids": train.cat_ids, "class_names": names, "classes": names,
         "val_ann_file": str(ann / f"instances_{val_split}.json"), "image_size": image_size,
         "train_images": len(train), "val_images": len(val),
     })

@@ -195,6 +195,14 @@ def _problem(a: dict[str, Any], images: dict[Any, dict], cats: set[Any]) -> str 
     return None
 
 
+def renamed_categories(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> list[tuple[Any, Any, Any]]:
+    """``[(id, val name, train name)]`` of the category ids two ``categories`` lists name differently: an
+    export that numbers the categories per file (in order of appearance) gives a validation box of one
+    category another's id, and the model's class for that id is scored against it."""
+    names = {c["id"]: c["name"] for c in train}
+    return [(c["id"], c["name"], names[c["id"]]) for c in val if c["id"] in names and c["name"] != names[c["id"]]]
+
+
 def missing_images(dataset: dict[str, Any], image_dir: Path) -> list[str]:
     """File names listed in ``images`` that are not files under ``image_dir``."""
     return [im.get("file_name", "?") for im in dataset.get("images", [])
@@ -244,7 +252,7 @@ def inspect_folder(path: Path) -> tuple[dict[str, Any], dict[str, list[Any]], di
         ``(facts, anomalies, unusable)``: per split image and box counts, boxes per category, image
         formats and modes; ``{kind: [ids or names]}`` of what the reader skips with a warning; and of
         what training stops on (an image folder or listed images missing, images that do not decode,
-        validation categories the training file lacks), which makes ``data inspect`` exit 2.
+        validation categories the training file lacks or names otherwise), which makes ``data inspect`` exit 2.
     """
     from collections import Counter
 
@@ -252,11 +260,12 @@ def inspect_folder(path: Path) -> tuple[dict[str, Any], dict[str, list[Any]], di
     anomalies: dict[str, list[Any]] = {}
     unusable: dict[str, list[Any]] = {}
     cat_ids: dict[str, list[Any]] = {}
+    categories: dict[str, list[dict[str, Any]]] = {}
     for ann in sorted((path / "annotations").glob("instances_*.json")):
         data = read_instances(ann)  # one line naming the file where it is not COCO
         images, cats = data["images"], data["categories"]
         split = ann.stem.removeprefix("instances_")
-        cat_ids[split] = [c["id"] for c in cats]
+        cat_ids[split], categories[split] = [c["id"] for c in cats], cats
         usable, bad = check_annotations(data)
         names = {c["id"]: c["name"] for c in cats}
         with_boxes = {a["image_id"] for a in usable}
@@ -285,4 +294,8 @@ def inspect_folder(path: Path) -> tuple[dict[str, Any], dict[str, list[Any]], di
         extra = sorted(set(cat_ids[val]) - set(cat_ids[train[0]]), key=str)
         if extra:  # the reader refuses them: the model has no class for them
             unusable[f"{val}: category ids not in {train[0]}'s categories"] = extra
+        renamed = renamed_categories(categories[train[0]], categories[val])
+        if renamed:  # the reader refuses them too: the model's class for the id is another category
+            unusable[f"{val}: category ids named otherwise in {train[0]}"] = [
+                f"{i}: {v!r} ({t!r} in {train[0]})" for i, v, t in renamed]
     return report, anomalies, unusable
