@@ -59,11 +59,11 @@ def shard_dir(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def serve(directory: Path):
+def serve(directory: Path, port: int = 0):
     """``http://127.0.0.1:PORT`` serving ``directory`` (GETs counted in ``_Handler.gets``)."""
     _Handler.gets.clear()
     _Handler.delay, _Handler.fail = 0.0, {}
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(directory)))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(_Handler, directory=str(directory)))
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -186,3 +186,18 @@ def test_data_inspect_reports_a_shard_set_from_its_url(server, shard_dir, tmp_pa
     remote, local = inspect_path(server), inspect_path(shard_dir)
     assert remote["layout"] == local["layout"] == "shards" and remote["path"] == server
     assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}
+
+
+def test_a_set_rewritten_at_the_same_url_is_fetched_again_not_read_from_the_stale_cache(tmp_path):
+    site, port, make = tmp_path / "site", 0, load_all().get("imagenet")
+    for seed in (0, 1):  # the same URL and names (train-000000.tar, ...), other images: not seed 0's from the cache
+        src = make(tmp_path / f"src{seed}", seed=seed, classes=2, per_class=6, val_per_class=1, size=32)
+        for old in site.glob("*"):
+            old.unlink()
+        write_shards(src, site, "14KB")
+        with serve(site, port) as url:
+            port = int(url.rsplit(":", 1)[1])
+            remote, local = _split(url, tmp_path / "c"), build_shards(str(site), "imagefolder", ITEM)
+            items = [(remote.train[i], local.train[i]) for i in range(len(local.train))]
+        assert all(torch.equal(a["image"], b["image"]) and a["label"] == b["label"] for a, b in items)
+        assert remote.train.reader.store.downloads == len(local.train.reader.shards)

@@ -7,7 +7,9 @@ itself for a folder; for ``http(s)://`` and ``s3://`` a copy in a node-local cac
 evicted first. A download goes to a temporary file, is checked against the index's sha256 (a
 TFRecord file, which has no index: against its size) while it streams, and is renamed into place;
 an exclusive file lock per shard makes every rank of a node wait for one download instead of
-starting its own. Errors and timeouts are retried ``shard_retries`` times with a doubling pause,
+starting its own. A sidecar ``.<name>.sha256`` records what a cached copy was checked against: a
+copy serves only an index naming the same sha256 and size (a set rewritten at the same URL is fetched
+again). Errors and timeouts are retried ``shard_retries`` times with a doubling pause,
 then reported as one line naming the URL (:mod:`.remote`).
 """
 from __future__ import annotations
@@ -130,18 +132,31 @@ class ShardStore:
         assert self.cache is not None
         self.cache.mkdir(parents=True, exist_ok=True)
         path = self.cache / shard.url
-        if path.is_file():
+        if self._cached(shard, path):
             os.utime(path)  # the LRU clock: eviction takes the oldest access first
             return path
         with open(self.cache / f".{shard.url}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one download per node: the other ranks wait here
             try:
-                if not path.is_file():
+                if not self._cached(shard, path):
                     self._make_room(shard)
                     self._download(shard, path)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return path
+
+    @staticmethod
+    def _tag(shard: Shard) -> str:
+        return f"{shard.sha256} {shard.filesize}"
+
+    def _cached(self, shard: Shard, path: Path) -> bool:
+        """``path`` holds this index's ``shard``: its sidecar names the sha256 and size the copy was
+        checked against. A copy of an earlier index's shard of the same name (the set rewritten at the
+        same URL) is not, and is fetched again instead of being read as this one."""
+        try:
+            return path.is_file() and (path.parent / f".{path.name}.sha256").read_text() == self._tag(shard)
+        except OSError:
+            return False
 
     def _make_room(self, shard: Shard) -> None:
         """Evict cached shards, least recently used first, until ``shard`` fits under the limit."""
@@ -158,6 +173,7 @@ class ShardStore:
             with contextlib.suppress(FileNotFoundError):  # another process evicted it first
                 used -= old.stat().st_size
                 old.unlink()  # a reader holding it open keeps reading (POSIX)
+                (old.parent / f".{old.name}.sha256").unlink()
 
     def _download(self, shard: Shard, path: Path) -> None:
         url = self.name(shard.url)
@@ -187,8 +203,11 @@ class ShardStore:
                 raise DataError(f"{url}: {n} bytes arrived, expected {shard.filesize}: a truncated transfer "
                                 f"or a replaced file")
 
+        tag = path.parent / f".{path.name}.sha256"
         try:
+            tag.unlink(missing_ok=True)  # a replaced copy is this index's only once its tag says so
             atomic_write(path, save)
+            atomic_write(tag, lambda f: f.write(self._tag(shard).encode()))
         except OSError as e:
             raise DataError(f"{url}: cannot write to the shard cache {self.cache} ({e.strerror or e})") from e
         self.downloads += 1
