@@ -159,6 +159,27 @@ def fold_table(cases: Sequence[dict[str, Any]], names: Sequence[str], empty: str
     return out
 
 
+_TABLE_KEYS = ("targets", "cases", "mean", "pooled", "dice", "dice_pooled")
+
+
+def read_fold_table(path: Path) -> dict[str, Any]:
+    """A ``crossval.json`` as :func:`fold_table` wrote it; a one-line DataError naming the file when it is not."""
+    try:
+        res = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not JSON ({e})") from e
+    tables = [res, res.get("postprocessed") or {}] if isinstance(res, dict) else [res]
+    for tab in tables:
+        missing = [k for k in _TABLE_KEYS if k not in tab] if isinstance(tab, dict) else list(_TABLE_KEYS)
+        bad = not missing and not all(isinstance(c, dict) and {"fold", "id", "dice", "mean_dice"} <= set(c)
+                                      for c in tab["cases"])
+        if missing or bad:
+            what = f"no {', '.join(missing)}" if missing else "a case row without fold, id, dice or mean_dice"
+            raise DataError(f"{path}: not a train --folds cross-validation table ({what}); rerun it with: "
+                            f"fastvision train RECIPE --folds ... --out {path.parent}")
+    return res
+
+
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.4f}"
 
@@ -198,10 +219,7 @@ def _main(args) -> int:
         refuse_overwrite(args.json, args.force, "--json", file=True)
     if len(args.runs) == 1 and (Path(args.runs[0]) / "crossval.json").is_file():  # a train --folds folder
         f = Path(args.runs[0]) / "crossval.json"
-        try:
-            res = json.loads(f.read_text())
-        except ValueError as e:
-            raise DataError(f"{f}: not JSON ({e})") from e
+        res = read_fold_table(f)
         print_fold_table(res, f"{args.runs[0]}: out-of-fold predictions, folds {res.get('folds')}")
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2))

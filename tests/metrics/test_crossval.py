@@ -54,3 +54,19 @@ def test_cli(tmp_path, capsys):
     assert args.func(args) == 0
     assert json.loads((tmp_path / "cv.json").read_text())["mean"]["dice"] == pytest.approx(0.7)
     assert "0.7000" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,words", [
+    ("{}", "no targets"),                       # JSON, but no table (was KeyError: 'targets')
+    ("[1, 2]", "no targets"),                   # not an object (was AttributeError)
+    ('{"targets": ["1"], "cases": [3], "mean": {}, "pooled": {}, "dice": 1, "dice_pooled": 1}', "case row"),
+    ("{not json", "not JSON"),
+])
+def test_cv_of_a_damaged_crossval_json_is_one_line(tmp_path, capsys, text, words):
+    from fastvision import cli
+
+    (tmp_path / "cv").mkdir()
+    (tmp_path / "cv" / "crossval.json").write_text(text)
+    assert cli.main(["cv", str(tmp_path / "cv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and str(tmp_path / "cv" / "crossval.json") in err
