@@ -414,3 +414,26 @@ def test_a_category_id_named_otherwise_in_val_or_in_evaluate_data_is_one_line(co
     with pytest.raises(DataError, match=r"class 0 is 'car' there, 'person' in training"):
         check_same_classes(trained, given, str(coco_root), "best.pt")
     check_same_classes(given, given, str(coco_root), "best.pt")  # the same names pass
+
+
+def test_iscrowd_null_is_0_and_a_string_iscrowd_is_an_anomaly(coco_root, caplog):
+    """iscrowd null (a labelling tool's 'not set') stopped COCOeval with int(None)'s TypeError traceback; "0"
+    (a string) is true, so every such box was a crowd region the matcher and COCOeval ignore (a training file
+    of them had 'no usable box'): null reads as 0, a value other than 0 or 1 is skipped and reported."""
+    from fastvision.data.formats.coco import collate_detection
+    from fastvision.metrics.coco import COCOEvaluator, ground_truth_as_detections
+
+    def edit(d):
+        for a in d["annotations"]:
+            a["iscrowd"] = None if a["id"] in (1, 2) else a["iscrowd"]
+        d["annotations"][3]["iscrowd"] = "0"  # id 4, image 724
+    _edit(coco_root / "annotations/instances_val2017.json", edit)
+    with caplog.at_level(logging.WARNING):
+        splits = build(path=str(coco_root), image_size=32)
+    assert any("1 iscrowd not 0 or 1 (4)" in r.getMessage() for r in caplog.records)
+    items = {splits.val[i]["image_id"]: splits.val[i] for i in range(len(splits.val))}
+    assert items[139]["iscrowd"].tolist() == [False, True] and items[724]["labels"].tolist() == []
+    ev = COCOEvaluator(splits.info["val_ann_file"], splits.info["cat_ids"], (32, 32))
+    batch = collate_detection(list(items.values()))
+    ev.update(ground_truth_as_detections(batch), batch)
+    assert ev.compute()["map"] == pytest.approx(1.0)

@@ -28,6 +28,7 @@ UNKNOWN_IMAGE = "unknown image_id"
 UNKNOWN_CATEGORY = "unknown category_id"
 BAD_BBOX = "missing or malformed bbox"
 DEGENERATE = "degenerate box (width or height <= 0)"
+BAD_CROWD = "iscrowd not 0 or 1"
 OUTSIDE = "box outside its image"
 UNREADABLE = "unreadable image file (header or pixels do not decode, e.g. a truncated download)"
 
@@ -163,13 +164,14 @@ def check_annotations(dataset: dict[str, Any]) -> tuple[list[dict[str, Any]], di
 
 
 def _with_defaults(a: dict[str, Any]) -> dict[str, Any]:
-    """``a`` with the fields COCOeval reads that exports often leave out: ``iscrowd`` 0, and ``area`` (missing
-    or not a number) the box's, as pycocotools gives detections (``loadRes``); the original dict if complete."""
+    """``a`` with the fields COCOeval reads that exports often leave out: ``iscrowd`` 0 (also for ``null``, on
+    which COCOeval's ``int()`` fails), and ``area`` (missing or not a number) the box's, as pycocotools gives
+    detections (``loadRes``); the original dict if complete."""
     area = a.get("area")
     has_area = isinstance(area, (int, float)) and not isinstance(area, bool) and math.isfinite(area)
-    if "iscrowd" in a and has_area:
+    if a.get("iscrowd") is not None and has_area:
         return a
-    fixed = {**a, "iscrowd": a.get("iscrowd", 0)}
+    fixed = {**a, "iscrowd": a.get("iscrowd") or 0}
     if not has_area:
         fixed["area"] = float(a["bbox"][2]) * float(a["bbox"][3])
     return fixed
@@ -181,6 +183,8 @@ def _problem(a: dict[str, Any], images: dict[Any, dict], cats: set[Any]) -> str 
         return UNKNOWN_IMAGE
     if a.get("category_id") not in cats:
         return UNKNOWN_CATEGORY
+    if a.get("iscrowd") not in (0, 1, None):  # "0" is true: pycocotools would ignore the box as a crowd
+        return BAD_CROWD
     box = a.get("bbox")
     if not isinstance(box, (list, tuple)) or len(box) != 4 or \
             not all(isinstance(v, (int, float)) and math.isfinite(v) for v in box):
