@@ -279,3 +279,25 @@ def test_images_that_do_not_decode_stop_the_writer_before_it_writes(inet, tmp_pa
     assert [sum(s["nsamples"] for s in index["splits"][k]["shardlist"]) for k in ("train", "val")] == [18, 6]
     splits = DATASETS.build("imagefolder", {"path": str(out), "image_size": 16, "resize_size": 16})
     assert len(splits.train) == 18 and splits.train[0]["image"].shape == (3, 16, 16)
+
+
+def test_an_out_inside_a_folder_the_source_is_read_from_is_refused_and_the_source_kept(inet, tmp_path, capsys):
+    """OUT under SRC/train (or a class folder, or COCO's image folder) made the shards a class of no
+    images: the source stopped reading. One line, nothing written; SRC/shards beside the splits is fine."""
+    import shutil
+
+    from fastvision.cli import main
+
+    src = tmp_path / "src"
+    shutil.copytree(inet, src)
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    for out in (src / "train" / "shards", src / "val" / "class001" / "x"):
+        assert main(["data", "shard", str(src), str(out), "--shard-size", SIZE]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"fastvision: error: {out}: inside ") and "read from" in err[0]
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before
+    assert main(["data", "shard", str(src), str(src / "shards"), "--shard-size", SIZE]) == 0
+    assert len(DATASETS.build("imagefolder", {"path": str(src), "image_size": 16, "resize_size": 16}).train) == 18
+    coco = load_all().get("coco")(tmp_path / "coco", train=3, val=2)
+    assert main(["data", "shard", str(coco), str(coco / "train2017" / "s"), "--shard-size", "1MB"]) == 2
+    assert "read from" in capsys.readouterr().err and not (coco / "train2017" / "s").exists()

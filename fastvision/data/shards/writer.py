@@ -49,6 +49,7 @@ class Member:
     ext: str
     size: int
     read: Callable[[], bytes]
+    path: Path | None = None  # the source file (None: a generated member)
 
 
 def _file(path: str | Path, ext: str | None = None) -> Member:
@@ -57,7 +58,7 @@ def _file(path: str | Path, ext: str | None = None) -> Member:
         size = p.stat().st_size
     except OSError as e:
         raise DataError(f"{p}: cannot read ({e})") from e
-    return Member(ext or p.suffix.lower().lstrip(".") or "bin", size, p.read_bytes)
+    return Member(ext or p.suffix.lower().lstrip(".") or "bin", size, p.read_bytes, p)
 
 
 def _text(data: bytes, ext: str) -> Member:
@@ -256,6 +257,20 @@ def check_out(out: Path, src: Path, source: str, info: dict[str, Any], force: bo
                             f"{index.info.get('num_classes', '?')} classes); choose a new output folder")
 
 
+def check_apart(out: Path, src: Path, splits: dict[str, list[list[Member]]]) -> None:
+    """Refuse an ``out`` inside a folder the source's images are read from (``SRC/train`` or a class
+    folder, COCO's image folders): the shards would become part of the dataset (an ImageFolder class
+    of no images, a source that no longer reads). Beside them (``SRC/shards``) is fine."""
+    top = src.resolve()
+    folders = {m.path.parent for rows in splits.values() for row in rows for m in row if m.path is not None}
+    read = {d for f in folders for r in [f.resolve()] for d in (r, *r.parents) if top in d.parents}
+    target = out.resolve()
+    hit = next((d for d in (target, *target.parents) if d in read), None)
+    if hit is not None:
+        raise DataError(f"{out}: inside {hit}, a folder the dataset {src} is read from (the shards would "
+                        f"become part of it); choose an output folder outside it")
+
+
 def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256MB",
                  source: str | None = None, force: bool = False, skip_unreadable: bool = False) -> ShardIndex:
     """Shard dataset ``src`` into ``out`` (see the module docstring); returns the written index.
@@ -276,6 +291,7 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256M
     if source not in SOURCES:
         raise ConfigError(f"data shard --format {source!r}: one of {', '.join(SOURCES)}")
     info, splits, files = SOURCES[source](src, skip_unreadable)
+    check_apart(out, src, splits)
     check_out(out, src, source, info, force)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".*.tmp*"):  # a killed writer's partial shard: never one a reader sees
