@@ -232,3 +232,40 @@ def test_cached_validation_items_are_the_evaluation_view(tmp_path, cache):
         for _ in range(2):  # first read fills, second reads the cache
             assert torch.equal(wrapped[i]["image"], ds[i]["image"])
             assert int(wrapped[i]["label"]) == int(ds[i]["label"])
+
+
+def _read_only(monkeypatch, folder: Path) -> None:
+    """``folder`` refuses new files, as a read-only mount or another user's folder does (root ignores
+    chmod, so the refusal is made where files are created when the test runs as root)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o500)
+        return
+    import tempfile
+
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):  # noqa: A002 - tempfile's own keyword
+        if dir is not None and Path(dir) == folder:
+            raise PermissionError(13, "Permission denied", str(folder))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+@pytest.mark.parametrize("cache", ["disk", "ram", "gpu"])
+@pytest.mark.parametrize("place", ["under a file", "read-only"])
+def test_a_cache_dir_that_takes_no_entries_is_one_config_error_at_build(tmp_path, monkeypatch, cache, place):
+    """Before, the build passed and the first entry written (mid-epoch, after the run folder was made) raised
+    an OSError naming a temp file, or a traceback; now the wrap names data.cache_dir before any entry."""
+    if place == "under a file":
+        (tmp_path / "f").write_text("x")
+        folder = tmp_path / "f" / "cache"
+    else:
+        folder = tmp_path / "ro"
+        folder.mkdir()
+        _read_only(monkeypatch, folder)
+    with pytest.raises(ConfigError, match=r"data\.cache_dir: cannot write cache entries in .*(ro|cache)"):
+        wrap_train_set(Counted(), cache=cache, cache_dir=str(folder))
+    writable = tmp_path / "ok"
+    a = wrap_train_set(Counted(), cache=cache, cache_dir=str(writable))
+    assert torch.equal(a[1]["image"], Counted()[1]["image"]) and not list(writable.glob(".write-probe.*"))
