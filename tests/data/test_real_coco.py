@@ -437,3 +437,31 @@ def test_iscrowd_null_is_0_and_a_string_iscrowd_is_an_anomaly(coco_root, caplog)
     batch = collate_detection(list(items.values()))
     ev.update(ground_truth_as_detections(batch), batch)
     assert ev.compute()["map"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name, listed, stored, hint", [
+    ("000000000724.png", (32, 32), (16, 16), "a resized copy"),
+    ("000000000632.jpg", (32, 16), (16, 32), "the transposed size")], ids=["resized", "exif-turned"])
+def test_an_image_stored_at_another_size_than_listed_is_one_line(coco_root, capsys, name, listed, stored, hint):
+    """Boxes are in the grid of the file's width/height: a val image resized since (or stored turned, its boxes
+    drawn on the picture as EXIF shows it) was scored against boxes of another grid, and a training image
+    taught them, without a word (data inspect listed it as an anomaly and exited 0). As detectron2, the
+    reader stops: a validation image when the dataset is built, a training image when it is read."""
+    w, h = stored
+    Image.fromarray(np.full((h, w, 3), 90, np.uint8)).save(coco_root / "val2017" / name)
+    with pytest.raises(DataError, match=rf"{name}: stored {w}x{h}, but instances_val2017.json lists it "
+                                        rf"as {listed[0]}x{listed[1]}, the grid of its boxes \({hint}"):
+        build(path=str(coco_root), image_size=32)
+    report = inspect_path(coco_root)
+    assert report["anomalies"]["val2017: " + "stored size differs from width/height in the file (the grid of its "
+                               "boxes)"] == f"1 ({name})"
+    assert main(["data", "inspect", str(coco_root)]) == 2
+    capsys.readouterr()
+    (coco_root / "val2017" / name).unlink()
+    _edit(coco_root / "annotations/instances_val2017.json",
+          lambda d: d.update(images=[im for im in d["images"] if im["file_name"] != name]))
+    _jpeg(coco_root / "train2017/000000000025.jpg", np.full((h, w, 3), 90, np.uint8))
+    train = build(path=str(coco_root), image_size=32).train
+    with pytest.raises(DataError, match=rf"000000000025.jpg: stored {w}x{h}, but instances_train2017.json"):
+        train.decode(1)
+    assert train.decode(0)["orig_size"] == (32, 32)

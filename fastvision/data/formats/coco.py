@@ -35,10 +35,15 @@ from fastvision.data.formats.anomalies import (
     first_few,
     handle_invalid,
     image_decodes,
-    undecodable,
 )
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
-from fastvision.data.formats.coco_check import check_annotations, read_instances, renamed_categories
+from fastvision.data.formats.coco_check import (
+    check_annotations,
+    check_images,
+    other_size,
+    read_instances,
+    renamed_categories,
+)
 from fastvision.data.transforms import RandomTransform, Transform
 from fastvision.errors import ConfigError, DataError, check_range
 from fastvision.registry import DATASETS
@@ -236,24 +241,12 @@ class CocoDetection(Dataset):
         ids = [i for i in ids if i not in gone]
         kept = drop_unreadable(ids, lambda i: [self.image_dir / self.coco.imgs[i]["file_name"]], image_decodes,
                                skip_unreadable, self.image_dir)
-        if not self.train and not skip_unreadable:
-            self._check_decodes(kept, ann_file)
+        if not self.train:
+            check_images([self.coco.imgs[i] for i in kept], self.image_dir, ann_file.name, decode=not skip_unreadable)
         if missing:
             log.warning("%s: skipped %d images listed in %s but not found: %s", self.image_dir, len(missing),
                         ann_file.name, first_few([self.coco.imgs[i]["file_name"] for i in missing]))
         return kept
-
-    def _check_decodes(self, ids: list[int], ann_file: Path) -> None:
-        """A validation split's images all decode (header, end marker or a full decode), checked when the
-        dataset is built: a truncated one stopped the run at the first validation, after a training epoch
-        (a training split's image stops the run when first read, as the docs say)."""
-        names = [self.coco.imgs[i]["file_name"] for i in ids]
-        failed = set(undecodable([self.image_dir / n for n in names]))
-        bad = [n for n in names if self.image_dir / n in failed]
-        if bad:
-            raise DataError(f"{self.image_dir / bad[0]}: image listed in {ann_file.name} does not decode "
-                            f"({len(bad)} such: {first_few(bad)}; a truncated download? "
-                            "data.args.skip_unreadable=true skips them)")
 
     def targets(self, image_id: int) -> tuple[Tensor, Tensor, Tensor]:
         """Original-pixel ``(boxes (N, 4) xyxy, labels (N,), iscrowd (N,))`` of the usable
@@ -278,9 +271,12 @@ class CocoDetection(Dataset):
         from fastvision.data.formats.imagefolder import open_image
 
         try:  # grey, 16-bit grey (scaled, not clipped at 255), CMYK, palette -> RGB, as ImageFolder reads them
-            return open_image(str(self.path(i)))
+            img = open_image(str(self.path(i)))
         except DataError as e:
             raise DataError(f"cannot read image {e}") from e
+        if why := other_size(self.coco.imgs[self.ids[i]], img.size, self.image_dir, self.ann_file.name):
+            raise DataError(why)
+        return img
 
     def _item(self, i: int, image: Tensor, boxes: Tensor, labels: Tensor, crowd: Tensor, h: int, w: int) -> dict:
         return {"image": image, "boxes": boxes, "labels": labels, "iscrowd": crowd,

@@ -6,7 +6,8 @@ with one warning or a one-line error, per ``data.args.invalid``) and by ``fastvi
 
 Image files follow what pycocotools and the COCO evaluation assume: pixels as stored. An EXIF
 orientation tag is not applied, because COCO's ``width``/``height`` and boxes describe the stored
-bitmap; an image whose stored size differs from the file's ``width``/``height`` is reported.
+bitmap; an image whose stored size differs from the file's ``width``/``height`` (a resized copy, or boxes
+drawn on an EXIF-turned picture) is reported, and the reader stops on it.
 
 A file whose structure cannot be read as COCO (not JSON, no ``images`` list, an image without
 ``id`` or ``file_name``, an image id listed twice) is one :class:`DataError` naming the file and the
@@ -31,6 +32,7 @@ DEGENERATE = "degenerate box (width or height <= 0)"
 BAD_CROWD = "iscrowd not 0 or 1"
 OUTSIDE = "box outside its image"
 UNREADABLE = "unreadable image file (header or pixels do not decode, e.g. a truncated download)"
+OTHER_SIZE = "stored size differs from width/height in the file (the grid of its boxes)"
 
 
 def read_instances(ann_file: str | Path) -> dict[str, Any]:
@@ -207,6 +209,57 @@ def renamed_categories(train: list[dict[str, Any]], val: list[dict[str, Any]]) -
     return [(c["id"], c["name"], names[c["id"]]) for c in val if c["id"] in names and c["name"] != names[c["id"]]]
 
 
+def other_size(image: dict[str, Any], size: tuple[int, int], image_dir: Path, ann_name: str) -> str | None:
+    """The one-line reason where ``image`` (an ``images`` entry) is stored at ``size`` but lists another
+    ``width`` x ``height``, the grid of its boxes (a resized copy, or boxes drawn on an EXIF-turned
+    picture; detectron2 refuses it too), else None (also where the file gives no integer width/height)."""
+    listed = (image.get("width"), image.get("height"))
+    if not all(type(v) is int for v in listed) or listed == tuple(size):
+        return None
+    why = ("the transposed size: boxes drawn on the picture as its EXIF orientation turns it? COCO's boxes "
+           "refer to the stored pixels" if listed == tuple(size)[::-1] else "a resized copy of the images?")
+    return (f"{image_dir / image['file_name']}: stored {size[0]}x{size[1]}, but {ann_name} lists it as "
+            f"{listed[0]}x{listed[1]}, the grid of its boxes ({why}); give the images as annotated, or correct "
+            "width/height")
+
+
+def check_images(images: list[dict[str, Any]], image_dir: Path, ann_name: str, decode: bool = True) -> None:
+    """A validation split's ``images`` all decode (header, end marker or a full decode; with ``decode``) and
+    are stored at their ``width`` x ``height``, checked when the dataset is built: a truncated one stopped
+    the run at the first validation, after a training epoch, and one of another size was scored against
+    boxes of another grid (a training split's image is checked when first read, as the docs say).
+
+    Raises:
+        DataError: one line naming the first such image and the count.
+    """
+    from PIL import Image
+
+    from fastvision.data.formats.anomalies import first_few
+    from fastvision.data.formats.anomalies import image_facts as read_facts
+
+    bad, wrong = [], []
+    for im in images:
+        path = image_dir / im["file_name"]
+        if decode:
+            facts = read_facts(path)  # None: the header or the pixels do not decode
+            if facts is None:
+                bad.append(im["file_name"])
+                continue
+            size = facts.size
+        else:  # skip_unreadable: the reader decoded it already
+            with Image.open(path) as f:
+                size = f.size
+        if why := other_size(im, size, image_dir, ann_name):
+            wrong.append((why, im["file_name"]))
+    if bad:
+        raise DataError(f"{image_dir / bad[0]}: image listed in {ann_name} does not decode "
+                        f"({len(bad)} such: {first_few(bad)}; a truncated download? "
+                        "data.args.skip_unreadable=true skips them)")
+    if wrong:
+        raise DataError(wrong[0][0] + (f" ({len(wrong)} such: {first_few([n for _, n in wrong])})"
+                                       if len(wrong) > 1 else ""))
+
+
 def missing_images(dataset: dict[str, Any], image_dir: Path) -> list[str]:
     """File names listed in ``images`` that are not files under ``image_dir``."""
     return [im.get("file_name", "?") for im in dataset.get("images", [])
@@ -244,8 +297,9 @@ def image_facts(dataset: dict[str, Any], image_dir: Path, limit: int = 2000) -> 
             anomalies.setdefault(f"{facts.format} file named {Path(name).suffix}", []).append(name)
         if facts.orientation not in (1, None):
             anomalies.setdefault("EXIF orientation tag (not applied: boxes refer to stored pixels)", []).append(name)
-        if (im.get("width"), im.get("height")) != facts.size:
-            anomalies.setdefault("stored size differs from width/height in the file", []).append(name)
+        listed = (im.get("width"), im.get("height"))
+        if all(type(v) is int for v in listed) and listed != facts.size:  # the reader stops on it
+            anomalies.setdefault(OTHER_SIZE, []).append(name)
     return {"checked": checked, "formats": dict(formats), "modes": dict(modes), "anomalies": anomalies}
 
 
@@ -255,8 +309,9 @@ def inspect_folder(path: Path) -> tuple[dict[str, Any], dict[str, list[Any]], di
     Returns:
         ``(facts, anomalies, unusable)``: per split image and box counts, boxes per category, image
         formats and modes; ``{kind: [ids or names]}`` of what the reader skips with a warning; and of
-        what training stops on (an image folder or listed images missing, images that do not decode,
-        validation categories the training file lacks or names otherwise), which makes ``data inspect`` exit 2.
+        what training stops on (an image folder or listed images missing, images that do not decode or
+        whose stored size is not the file's width/height, validation categories the training file lacks
+        or names otherwise), which makes ``data inspect`` exit 2.
     """
     from collections import Counter
 
@@ -292,7 +347,7 @@ def inspect_folder(path: Path) -> tuple[dict[str, Any], dict[str, list[Any]], di
         report[f"{split} image formats (headers of {facts['checked']})"] = facts["formats"]
         report[f"{split} image modes"] = facts["modes"]
         for kind, files in facts["anomalies"].items():
-            (unusable if kind == UNREADABLE else anomalies)[f"{split}: {kind}"] = files
+            (unusable if kind in (UNREADABLE, OTHER_SIZE) else anomalies)[f"{split}: {kind}"] = files
     train = [s for s in cat_ids if "train" in s]
     for val in (s for s in cat_ids if "val" in s and len(train) == 1):
         extra = sorted(set(cat_ids[val]) - set(cat_ids[train[0]]), key=str)
