@@ -465,3 +465,7 @@ def test_an_image_stored_at_another_size_than_listed_is_one_line(coco_root, caps
     with pytest.raises(DataError, match=rf"000000000025.jpg: stored {w}x{h}, but instances_train2017.json"):
         train.decode(1)
     assert train.decode(0)["orig_size"] == (32, 32)
+    out = coco_root.parent / "shards"  # data shard reads every image: stops before a shard is written
+    assert main(["data", "shard", str(coco_root), str(out)]) == 2
+    err = [e for e in capsys.readouterr().err.strip().splitlines() if "invalid annotations skipped" not in e]
+    assert len(err) == 1 and f"000000000025.jpg: stored {w}x{h}" in err[0] and not out.exists()

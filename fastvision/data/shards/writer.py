@@ -127,13 +127,19 @@ def coco_source(src: Path, skip_unreadable: bool = False
                 ) -> tuple[dict[str, Any], dict[str, list[list[Member]]], dict[str, Path]]:
     """COCO layout: each image with a JSON member of its record and usable annotations. Images that are
     missing or do not decode are one DataError before a shard is written or, with ``skip_unreadable``,
-    left out with one warning (the reader's)."""
+    left out with one warning (the reader's); an image stored at another size than its width/height is one
+    DataError (the reader's)."""
     from fastvision.data.formats.coco import build
+    from fastvision.data.formats.coco_check import check_images
 
     train_split, val_split = _coco_splits(src)
     splits = build(path=str(src), train_split=train_split, val_split=val_split, skip_unreadable=skip_unreadable)
     if not skip_unreadable:
         _check_decodes(src, [ds.path(i) for ds in (splits.train, splits.val) for i in range(len(ds))])
+    # the training images' sizes too (the reader checks the validation ones when it is built, a training
+    # image only when read: a shard set would carry it to training)
+    check_images([splits.train.coco.imgs[i] for i in splits.train.ids], splits.train.image_dir,
+                 splits.train.ann_file.name, decode=False)
     out = {}
     for name, ds in (("train", splits.train), ("val", splits.val)):
         rows = []
