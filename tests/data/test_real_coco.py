@@ -469,3 +469,21 @@ def test_an_image_stored_at_another_size_than_listed_is_one_line(coco_root, caps
     assert main(["data", "shard", str(coco_root), str(out)]) == 2
     err = [e for e in capsys.readouterr().err.strip().splitlines() if "invalid annotations skipped" not in e]
     assert len(err) == 1 and f"000000000025.jpg: stored {w}x{h}" in err[0] and not out.exists()
+
+
+@pytest.mark.parametrize("renumber", [lambda i: i - 1, lambda i: f"ann-{i}"], ids=["from-0", "strings"])
+def test_annotation_ids_from_0_or_strings_are_scored_as_coco_scores_them(coco_root, renumber):
+    """COCOeval keeps the matched ground truth's id in a float array where 0 means unmatched: with an export's
+    ids starting at 0, the detection of annotation 0 was a false positive (the reader's own boxes scored
+    below 1), and string ids (which the reader takes) stopped the first validation with a ValueError."""
+    from fastvision.data.formats.coco import collate_detection
+    from fastvision.metrics.coco import COCOEvaluator, ground_truth_as_detections
+
+    _edit(coco_root / "annotations/instances_val2017.json",
+          lambda d: [a.update(id=renumber(a["id"])) for a in d["annotations"]])
+    splits = build(path=str(coco_root), image_size=32)
+    ev = COCOEvaluator(splits.info["val_ann_file"], splits.info["cat_ids"], (32, 32))
+    batch = collate_detection([splits.val[i] for i in range(len(splits.val))])
+    ev.update(ground_truth_as_detections(batch), batch)
+    metrics = ev.compute()
+    assert metrics["map"] == pytest.approx(1.0) and metrics["ap50"] == pytest.approx(1.0)

@@ -68,6 +68,11 @@ def load_coco(ann_file: str | Path):
         raise DataError(f"COCO annotation file not found: {ann_file}")
     data = read_instances(ann_file)
     usable, anomalies = check_annotations(data)
+    if not all(type(a["id"]) is int and a["id"] > 0 for a in usable):
+        # COCOeval keeps the matched ground truth's id in a float array where 0 is "unmatched": the match of
+        # an annotation with id 0 counted as a false positive (perfect detections scored 0.25 for ids 0, 1),
+        # and a string id stopped it (ValueError); the index numbers them 1..N in file order instead
+        usable = [{**a, "id": k} for k, a in enumerate(usable, 1)]
     coco = COCO()
     coco.dataset = {**data, "annotations": usable}
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools reports by print
