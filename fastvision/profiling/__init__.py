@@ -79,9 +79,9 @@ def _cmd_profile(args) -> int:
     for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--nproc", args.nproc, 1)):
         check_low(flag, value, low)
     if args.out:  # checked before profiling: a refusal costs nothing
-        refuse_overwrite(args.out, args.force)
+        refuse_overwrite(args.out, args.force, folder=True)  # a file there is refused even with --force
     if args.trace:  # a trace folder holds the rank files of one run: another run's are not replaced unasked
-        refuse_overwrite(args.trace, args.force, "--trace")
+        refuse_overwrite(args.trace, args.force, "--trace", folder=True)
     flat = {k: v for k, v in {"data": args.data, "device": args.device, "batch_size": args.batch_size,
                               "amp": args.amp}.items() if v is not None}
     cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *[config.parse_override(s) for s in args.set]])

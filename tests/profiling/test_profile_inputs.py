@@ -21,6 +21,19 @@ def test_profile_refuses_step_counts_out_of_range(flag, value, tiny_microscopy, 
     assert not (tmp_path / "p0").exists()
 
 
+@pytest.mark.parametrize("flag", ["--out", "--trace"])
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_profile_refuses_a_file_as_its_report_or_trace_folder(flag, force, tiny_microscopy, tmp_path, capsys):
+    """A file where the folder is to be: one line, even with --force (which was a FileExistsError traceback
+    after the steps had run), the file kept."""
+    there = tmp_path / "notes.txt"
+    there.write_text("mine")
+    code, _, err = run_cli(capsys, "profile", "unet2d-microscopy", "--data", tiny_microscopy, "--device", "cpu",
+                           "--steps", "1", "--warmup", "0", flag, there, *force)
+    one_line_error(code, err, f"{flag} {there}: is a file")
+    assert there.read_text() == "mine"
+
+
 def test_monitor_replot_header_only_csv(tmp_path, capsys):
     hdr = tmp_path / "hdr.csv"
     hdr.write_text(EXAMPLE.read_text().splitlines()[0] + "\n")
