@@ -168,7 +168,7 @@ def read_fold_table(path: Path) -> dict[str, Any]:
         res = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: not JSON ({e})") from e
-    tables = [res, res.get("postprocessed") or {}] if isinstance(res, dict) else [res]
+    tables = [res, *([res["postprocessed"]] if res.get("postprocessed") else [])] if isinstance(res, dict) else [res]
     for tab in tables:
         missing = [k for k in _TABLE_KEYS if k not in tab] if isinstance(tab, dict) else list(_TABLE_KEYS)
         bad = not missing and not all(isinstance(c, dict) and {"fold", "id", "dice", "mean_dice"} <= set(c)

@@ -70,3 +70,19 @@ def test_cv_of_a_damaged_crossval_json_is_one_line(tmp_path, capsys, text, words
     assert cli.main(["cv", str(tmp_path / "cv")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and str(tmp_path / "cv" / "crossval.json") in err
+
+
+def test_cv_prints_a_crossval_json_with_and_without_postprocessing(tmp_path, capsys):
+    from fastvision import cli
+    from fastvision.metrics.crossval import fold_table
+
+    rows = [{"id": "a", "fold": 0, "tp": [3], "fp": [1], "fn": [0]},
+            {"id": "b", "fold": 1, "tp": [1], "fp": [0], "fn": [1]}]
+    res = fold_table(rows, ["1"])  # no "postprocessed" table: no step was kept
+    (tmp_path / "cv").mkdir()
+    (tmp_path / "cv" / "crossval.json").write_text(json.dumps(res))
+    assert cli.main(["cv", str(tmp_path / "cv")]) == 0
+    assert "0.8571" in capsys.readouterr().out  # case a: 2*3 / (2*3 + 1)
+    res["postprocessed"] = fold_table(rows[:1], ["1"])
+    (tmp_path / "cv" / "crossval.json").write_text(json.dumps(res))
+    assert cli.main(["cv", str(tmp_path / "cv")]) == 0 and "after postprocessing" in capsys.readouterr().out
