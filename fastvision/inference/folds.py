@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from fastvision import config, distributed
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import ConfigError, DataError, FastvisionError
 from fastvision.inference import postprocess
 from fastvision.utils.files import atomic_text
 
@@ -37,6 +37,8 @@ FOLDS_FILE, CROSSVAL_FILE, POSTPROCESSING_FILE = "folds.json", "crossval.json", 
 
 def parse_folds(spec: str, num_folds: int) -> list[int]:
     """``all`` -> 0..num_folds-1; ``K`` -> [K]; ``0,2,4`` -> [0, 2, 4] (each checked against num_folds)."""
+    if num_folds < 2:  # before folds.json: "all" of 0 folds trained nothing, 1 fold failed after writing it
+        raise ConfigError(f"data.args.num_folds must be >= 2 for --folds, got {num_folds}")
     if spec == "all":
         return list(range(num_folds))
     try:
@@ -108,7 +110,7 @@ def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | No
     (``--resume auto``). Every rank of a torchrun / srun job trains every fold; rank 0 then scores
     the out-of-fold predictions (:func:`cross_validate`). Returns the cross-validation (rank 0) or None.
     """
-    from fastvision.api import overrides_to_dicts, run_training
+    from fastvision.api import overrides_to_dicts
 
     if not out:
         raise ConfigError("train --folds needs --out DIR (the folder of the folds)")
@@ -117,12 +119,31 @@ def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | No
     folds = parse_folds(spec, int(cfg.data.args.get("num_folds", 5)))
     env, _ = distributed.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
     root = Path(out)
+    fresh = {"root": not root.exists(), "manifest": not (root / FOLDS_FILE).is_file()}
     if env.is_main:
         if root.exists() and not root.is_dir():
             raise DataError(f"{root}: is a file; --out must be a folder")
         manifest = _manifest(root, recipe, cfg, folds)
         root.mkdir(parents=True, exist_ok=True)
         _write_json(root / FOLDS_FILE, manifest)
+    try:
+        _train_each(root, folds, recipe, overrides, extra, env)
+    except FastvisionError:  # refused before any fold was made (too few cases for num_folds, ...): no folder left
+        if env.is_main and fresh["manifest"] and not any(root.glob("fold-[0-9]*")):
+            (root / FOLDS_FILE).unlink(missing_ok=True)
+            if fresh["root"] and not any(root.iterdir()):
+                root.rmdir()
+        raise
+    if not env.is_main:
+        return None
+    finished = [k for k in _read_json(root / FOLDS_FILE)["folds"] if (fold_dir(root, k) / "summary.json").is_file()]
+    return cross_validate(root, finished, postprocess_mode, cfg.train.device)
+
+
+def _train_each(root: Path, folds: list[int], recipe: str, overrides, extra, env) -> None:
+    """Each fold not finished yet, one after another (an interrupted one resumes from its last checkpoint)."""
+    from fastvision.api import run_training
+
     for k in folds:
         done = distributed.broadcast_object((fold_dir(root, k) / "summary.json").is_file() if env.is_main else None)
         if done:
@@ -131,10 +152,6 @@ def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | No
         log.info("fold %d of %s: training into %s", k, folds, fold_dir(root, k))
         run_training(recipe, out=str(fold_dir(root, k)), resume="auto", overrides=overrides,
                      extra=[*extra, {"data": {"args": {"fold": k}}}])
-    if not env.is_main:
-        return None
-    finished = [k for k in _read_json(root / FOLDS_FILE)["folds"] if (fold_dir(root, k) / "summary.json").is_file()]
-    return cross_validate(root, finished, postprocess_mode, cfg.train.device)
 
 
 def _oof_cases(root: Path, k: int, device: str) -> tuple[Any, list[dict[str, Any]]]:

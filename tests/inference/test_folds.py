@@ -147,3 +147,35 @@ def test_out_that_is_another_folder_refused(spleen_folds, tmp_path, capsys):
     err = _error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", "all",
                           "--out", str(run), *FOLD_FLAGS])
     assert "not a train --folds folder" in err and sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+
+
+def _last_error(capsys, argv) -> str:
+    """The error line of a command that logged the fold it started first (one error line, the last)."""
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [x for x in lines if x.startswith("fastvision: error:")] == lines[-1:], lines
+    return lines[-1]
+
+
+@pytest.mark.parametrize("num_folds,fold,words", [
+    (5, "4", "4 cases cannot be split into 5 folds"),  # the reader refuses: folds.json was left behind
+    (0, "all", "num_folds must be >= 2"),              # "all" of 0 folds: nothing trained, no cross-validation
+    (1, "all", "num_folds must be >= 2"),
+])
+def test_folds_refused_before_training_leave_no_folder(spleen_folds, tmp_path, capsys, num_folds, fold, words):
+    data, _, _ = spleen_folds
+    out = tmp_path / "cv"
+    err = _last_error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", fold, "--out",
+                               str(out), *FOLD_FLAGS, "--set", f"data.args.num_folds={num_folds}"])
+    assert words in err and not out.exists()  # so the corrected command is not refused as another split's folder
+
+
+def test_folds_folder_of_earlier_folds_kept_when_a_new_fold_is_refused(spleen_folds, tmp_path, capsys):
+    data, done, _ = spleen_folds
+    out = tmp_path / "cv"
+    shutil.copytree(done, out)
+    before = (out / "folds.json").read_text()
+    (out / "folds.json").write_text(before.replace('"num_folds": 2', '"num_folds": 5'))
+    err = _last_error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", "4", "--out",
+                               str(out), *FOLD_FLAGS, "--set", "data.args.num_folds=5"])
+    assert "cannot be split" in err and (out / "folds.json").is_file() and (out / "fold-0" / "summary.json").is_file()
