@@ -247,8 +247,11 @@ def test_truncated_jpeg_is_reported_by_inspect_and_skipped_on_request(coco_root,
     # a traceback from torch.tensor(image ids) in the first batch's collate (int64 overflow)
     (lambda d: [x.update(**{k: x[k] + 2**63}) for k, xs in (("id", d["images"]), ("image_id", d["annotations"]))
                 for x in xs], "images[0]: image id 9223372036854775817 does not fit a 64-bit integer"),
+    # two ids for one picture, each with part of its boxes: validation scored each against the same detections
+    (lambda d: d["images"].append({**d["images"][0], "id": 77}), "images[2] (id 77): file_name 000000000009.jpg "
+                                                                  "listed before, as image id 9"),
 ], ids=["no-file-name", "image-id-twice", "string-image-id", "no-categories", "string-category-id",
-        "category-id-twice", "image-id-past-int64"])
+        "category-id-twice", "image-id-past-int64", "file-name-twice"])
 def test_malformed_instances_file_is_one_line_in_train_and_inspect(coco_root, tmp_path, capsys, defect, where):
     """A file that is not COCO in its structure: one line naming the file and the first bad entry, exit 2,
     from train and from data inspect (an image without file_name was a KeyError traceback in both)."""

@@ -42,7 +42,7 @@ def read_instances(ann_file: str | Path) -> dict[str, Any]:
         DataError: one line naming the file and the first entry that is not COCO: not JSON, not an
             object with ``images``, ``annotations`` and ``categories`` lists, an image without an integer
             ``id`` (one that fits a 64-bit integer, as the batches and results carry it) or a ``file_name``,
-            an image id listed twice, a category without an integer ``id`` or a ``name``, a category id
+            an image id or file_name listed twice, a category without an integer ``id`` or a ``name``, a category id
             listed twice, an annotation that is not an object.
     """
     def bad(why: str) -> DataError:
@@ -58,12 +58,17 @@ def read_instances(ann_file: str | Path) -> dict[str, Any]:
         if not isinstance(data.get(key), list):
             raise bad(f"no {key!r} list")
     seen: set[int] = set()
+    files: dict[str, int] = {}
     for k, im in enumerate(data["images"]):
         if why := _image_problem(k, im):
             raise bad(why)
         if im["id"] in seen:
             raise bad(f"images[{k}]: image id {im['id']} listed twice")
+        if im["file_name"] in files:  # a merged export: each id holds part of the boxes, scored apart
+            raise bad(f"images[{k}] (id {im['id']}): file_name {im['file_name']} listed before, "
+                      f"as image id {files[im['file_name']]}")
         seen.add(im["id"])
+        files[im["file_name"]] = im["id"]
     cats: set[int] = set()
     for k, c in enumerate(data["categories"]):
         if not isinstance(c, dict) or "id" not in c or "name" not in c:
