@@ -249,34 +249,54 @@ def predict_image_ids(files: list[Path], coco_ids: str = "auto") -> list[int]:
     ``coco_ids`` is a COCO instances or image-info file (its ids by file name: every file must be in it),
     ``none`` (the positions 0..N-1), or ``auto``: the COCO layout's ``ROOT/annotations/instances_<folder>.json``
     of the files' one folder where it lists every file (``val2017/`` of a COCO root), else the positions.
-    A JSON whose ids are not the annotation file's cannot be scored by pycocotools against it.
+    A JSON whose ids are not the annotation file's cannot be scored by pycocotools against it, nor one of
+    inputs stored at another size than the file's width/height (a resized copy: its boxes are in the other
+    grid), which is one line, as the COCO reader refuses such an image.
     """
-    from fastvision.data.formats.coco_check import image_ids
+    from fastvision.data.formats.coco_check import image_entries
 
     if coco_ids == "none":
         return list(range(len(files)))
     if coco_ids != "auto":
-        names = image_ids(coco_ids)
+        names = image_entries(coco_ids)
         missing = [f for f in files if f.name not in names]
         if missing:
             raise DataError(f"--coco-ids {coco_ids}: {missing[0]} is not in its images list ({len(missing)} of "
                             f"{len(files)} inputs are not; it lists {len(names)} files)")
-        return [names[f.name] for f in files]
+        return _same_sizes(files, names, coco_ids)
     folders = {f.parent for f in files}
     folder = folders.pop() if len(folders) == 1 else None
     ann = folder.parent / "annotations" / f"instances_{folder.name}.json" if folder else None
     if ann is not None and ann.is_file():
         try:
-            names = image_ids(ann)
+            names = image_entries(ann)
         except DataError as e:
             log.warning("image ids are the inputs' positions: %s", e)
             return list(range(len(files)))
         if all(f.name in names for f in files):
             log.info("image ids from %s (COCO layout; --coco-ids none for positions)", ann)
-            return [names[f.name] for f in files]
+            return _same_sizes(files, names, ann)
         log.warning("image ids are the inputs' positions: %s does not list every input; pass --coco-ids FILE",
                     ann)
     return list(range(len(files)))
+
+
+def _same_sizes(files: list[Path], entries: dict[str, dict], source: str | Path) -> list[int]:
+    """The ids of ``files`` in ``entries`` (a COCO file's, by name), each file stored at its entry's
+    width x height where the entry gives them (DataError naming the first that is not)."""
+    from PIL import Image
+
+    for f in files:
+        im = entries[f.name]
+        listed = (im.get("width"), im.get("height"))
+        if all(type(v) is int for v in listed):
+            with Image.open(f) as pic:
+                size = pic.size
+            if size != listed:
+                raise DataError(f"{f}: stored {size[0]}x{size[1]}, but {source} lists it as {listed[0]}x{listed[1]}, "
+                                "the grid of its boxes (a resized copy?): pycocotools would score detections.json "
+                                "against boxes of another grid; predict the images as annotated, or --coco-ids none")
+    return [entries[f.name]["id"] for f in files]
 
 
 def check_images(files: list[Path]) -> None:

@@ -108,3 +108,26 @@ def test_predict_image_ids_from_a_coco_file_by_name(tmp_path):
             predict_image_ids(files, str(info))
     with pytest.raises(DataError, match=r"nothere.json: cannot read it"):
         predict_image_ids(files, str(tmp_path / "nothere.json"))
+
+
+def test_predict_ids_of_inputs_stored_at_another_size_than_listed_are_one_line(tmp_path):
+    """Inputs resized since they were annotated: detections.json took the COCO file's ids, and pycocotools
+    scored its boxes (in the resized pixels) against boxes of the file's grid without a word."""
+    from fastvision.errors import DataError
+    from fastvision.tasks.detect import predict_image_ids
+
+    folder = tmp_path / "coco" / "val2017"
+    folder.mkdir(parents=True)
+    (tmp_path / "coco" / "annotations").mkdir()
+    for name, size in (("a.jpg", (40, 30)), ("b.jpg", (20, 15))):
+        Image.new("RGB", size, (90, 90, 90)).save(folder / name)
+    ann = tmp_path / "coco" / "annotations" / "instances_val2017.json"
+    ann.write_text(json.dumps({"images": [{"id": 3, "file_name": "a.jpg", "width": 40, "height": 30},
+                                          {"id": 4, "file_name": "b.jpg", "width": 40, "height": 30}],
+                               "annotations": [], "categories": []}))
+    files = [folder / "a.jpg", folder / "b.jpg"]
+    assert predict_image_ids(files[:1], "auto") == [3] and predict_image_ids(files[:1], str(ann)) == [3]
+    for how in ("auto", str(ann)):
+        with pytest.raises(DataError, match=r"b.jpg: stored 20x15, but .*instances_val2017.json lists it as 40x30"):
+            predict_image_ids(files, how)
+    assert predict_image_ids(files, "none") == [0, 1]

@@ -85,7 +85,12 @@ def read_instances(ann_file: str | Path) -> dict[str, Any]:
 
 
 def image_ids(ann_file: str | Path) -> dict[str, int]:
-    """``{file name: image id}`` of a COCO file's ``images`` list: an instances file, or an image-info file
+    """``{file name: image id}`` of a COCO file's ``images`` list (:func:`image_entries`)."""
+    return {name: im["id"] for name, im in image_entries(ann_file).items()}
+
+
+def image_entries(ann_file: str | Path) -> dict[str, dict[str, Any]]:
+    """``{file name: images entry}`` of a COCO file's ``images`` list: an instances file, or an image-info file
     without annotations (test-dev's ``image_info_test-dev2017.json``), matched by the name's last part.
 
     Raises:
@@ -105,14 +110,14 @@ def image_ids(ann_file: str | Path) -> dict[str, int]:
         raise bad(f"not JSON: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("images"), list):
         raise bad("no 'images' list")
-    ids: dict[str, int] = {}
+    ids: dict[str, dict[str, Any]] = {}
     for k, im in enumerate(data["images"]):
         if why := _image_problem(k, im):
             raise bad(why)
         name = Path(im["file_name"]).name
         if name in ids:
             raise bad(f"images[{k}]: file name {name} listed twice")
-        ids[name] = im["id"]
+        ids[name] = im
     return ids
 
 
