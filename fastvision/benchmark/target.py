@@ -12,7 +12,9 @@ numbers most (MLPerf's 3D U-Net: 2-3x run to run). A seed that does not reach th
 recipe's epochs is reported as such and left out of the score, which then says so.
 
 A rerun with the same ``--out`` picks up where it stopped: a seed whose run finished is read from its
-``summary.json``, an interrupted one is resumed (``--resume auto``); ``--force`` starts over.
+``summary.json``, an interrupted one is resumed (``--resume auto``); ``--force`` starts over. Each seed's
+``train`` options are kept beside its run (``seed-S.argv.json``): a rerun with other settings (another
+``--set``, ``--data`` or ``--nproc``) is refused rather than scoring runs of two settings as one.
 """
 from __future__ import annotations
 
@@ -42,9 +44,17 @@ def seed_run(train_argv: list[str], run_dir: Path, seed: int, target: str, force
     (read back when the run finished earlier; an interrupted one is resumed)."""
     import subprocess
 
-    done = run_dir / "summary.json"
+    from fastvision.utils.files import atomic_text
+
+    done, record = run_dir / "summary.json", run_dir.with_name(f"{run_dir.name}.argv.json")
     if run_dir.exists() and force:
         shutil.rmtree(run_dir)
+    if force:
+        record.unlink(missing_ok=True)
+    if run_dir.exists() and record.is_file():  # read back or resumed: only a run of these very settings
+        if (ran := json.loads(record.read_text())) != train_argv:
+            raise ConfigError(f"{run_dir}: a run of other settings ({_changed(ran, train_argv)}); pass --force to "
+                              "start the seeds over, or another --out")
     if done.is_file():
         import yaml
 
@@ -54,12 +64,23 @@ def seed_run(train_argv: list[str], run_dir: Path, seed: int, target: str, force
                               f"seed {saved.get('seed')}); pass --force to start the seeds over, or another --out")
         return json.loads(done.read_text())
     resume = ["--resume", "auto"] if (run_dir / "checkpoints").is_dir() else []
+    atomic_text(record, json.dumps(train_argv) + "\n")  # what a rerun with this --out compares its own with
     cmd = [sys.executable, "-m", "fastvision.cli", *train_argv, "--out", str(run_dir), "--seed", str(seed),
            "--target", target, *resume]
     rc = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode  # its log on stderr, as train's
     if rc != 0 or not done.is_file():
         raise SeedFailed(rc or 1)
     return json.loads(done.read_text())
+
+
+def _changed(ran: list[str], now: list[str]) -> str:
+    """``train_argv`` of a seed's earlier run against this one's, as the options that differ."""
+    def options(argv: list[str]) -> list[str]:
+        return [f"recipe {argv[1]}", *(f"{a} {b}" for a, b in zip(argv[2::2], argv[3::2], strict=False))]
+
+    before, after = options(ran), options(now)
+    gone, added = [o for o in before if o not in after], [o for o in after if o not in before]
+    return f"it ran with {', '.join(gone) or 'no other option'}; this one has {', '.join(added) or 'none of them'}"
 
 
 class SeedFailed(Exception):

@@ -79,3 +79,22 @@ def test_a_bad_key_or_data_folder_is_one_line_and_exit_2(tmp_path, capfd):
         err = capfd.readouterr().err  # the seed's process writes to the file descriptor
         lines = [x for x in err.splitlines() if x.startswith("fastvision: error:")]
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+def test_a_rerun_with_other_settings_is_refused_not_scored_with_the_old_runs(tiny_microscopy, tmp_path, capsys):
+    """Before, a rerun into the same --out with another --set read the finished seeds back (target and seed
+    alike) and scored runs of the old settings as the new ones'; --force then trains them afresh."""
+    out = tmp_path / "bt"
+    one = [*TINY[:-1], "train.epochs=1"]
+    argv = ["benchmark", "unet2d-microscopy", "--mode", "target", "--data", str(tiny_microscopy), "--seeds", "1",
+            "--target", "iou=0.99", "--out", str(out)]
+    assert main([*argv, *one]) in (0, 1)
+    first = (out / "seed-0" / "summary.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main([*argv, *TINY]) == 2  # train.epochs=3 now
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other settings" in err[0] and "train.epochs=1" in err[0] and "train.epochs=3" in err[0]
+    assert (out / "seed-0" / "summary.json").stat().st_mtime_ns == first  # nothing trained, nothing lost
+    assert main([*argv, *TINY, "--force"]) in (0, 1)
+    saved = json.loads((out / "seed-0" / "summary.json").read_text())
+    assert saved["epochs"] == 3 or saved["target_reached"]
