@@ -286,6 +286,23 @@ def _tta_axes(tta: bool | str, cfg) -> list[int]:
     return axes
 
 
+def _models(path: Path, folds: str | None, device: str) -> tuple[Any, list[Path], list[Any], Path]:
+    """(the run of the first model, checkpoint files, the folds' weights or [] for one model, the
+    postprocessing.json that ``--postprocess auto`` reads) of a folds folder, a run or a checkpoint."""
+    from fastvision.api import load_run
+    from fastvision.engine.checkpoint import load
+
+    if is_folds_dir(path):
+        ckpts = fold_checkpoints(path, folds)
+        run, _ = load_run(ckpts[0], device, with_data=False)
+        return run, ckpts, [(lambda c: c.get("eval_model", c["model"]))(load(p)) for p in ckpts], \
+            path / POSTPROCESSING_FILE
+    if folds:
+        raise ConfigError(f"--folds: {path} is not a train --folds folder (no folds.json or fold-<k>/)")
+    run, ckpt = load_run(path, device, with_data=False)
+    return run, [ckpt], [], (path if path.is_dir() else ckpt.resolve().parent.parent) / POSTPROCESSING_FILE
+
+
 def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *, folds: str | None = None,
                     tta: bool | str = False, postprocess_mode: str = "auto", device: str = "auto",
                     force: bool = False) -> dict[str, Any]:
@@ -301,24 +318,20 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
     Returns:
         ``{"written": [paths], "skipped": n, "mine": n, "cases": n, "rank": r, "world": w}``.
     """
-    from fastvision.api import expand_inputs, load_run
-    from fastvision.engine.checkpoint import load
+    from fastvision.api import expand_inputs
     from fastvision.inference.inputs import check_input_kind
     from fastvision.inference.nifti import predict_cases, prediction_cases
-    from fastvision.inference.volumes import Ensemble, check_cases, input_channels, prepare_output, shard
+    from fastvision.inference.volumes import (
+        Ensemble,
+        check_cases,
+        input_channels,
+        prepare_output,
+        remove_if_empty,
+        shard,
+    )
 
     path, env = Path(model), distributed.detect_env()
-    if is_folds_dir(path):
-        ckpts = fold_checkpoints(path, folds)
-        run, _ = load_run(ckpts[0], device, with_data=False)
-        states = [(lambda c: c.get("eval_model", c["model"]))(load(p)) for p in ckpts]
-        pp_file = path / POSTPROCESSING_FILE
-    else:
-        if folds:
-            raise ConfigError(f"--folds: {path} is not a train --folds folder (no folds.json or fold-<k>/)")
-        run, ckpt = load_run(path, device, with_data=False)
-        ckpts, states = [ckpt], []
-        pp_file = (path if path.is_dir() else ckpt.resolve().parent.parent) / POSTPROCESSING_FILE
+    run, ckpts, states, pp_file = _models(path, folds, device)
     axes = _tta_axes(tta, run.cfg)
     if tta and not axes:
         log.warning("--tta: %s trains without flips (data.augment.flip), so nothing is mirrored", run.cfg.recipe)
@@ -331,9 +344,15 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
                 "checkpoints": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
                                 for p in ckpts]}
     out = Path(out)
+    fresh = not out.exists()
     prepare_output(out, manifest, force)
     ens = Ensemble(run.task, run.model, states, run.device, tta_axes=axes, autocast=run.precision.autocast)
-    written, skipped = predict_cases(ens, run.cfg, cases, out, steps=steps, force=force, rank=env.rank,
-                                     world=env.world_size)
+    try:
+        written, skipped = predict_cases(ens, run.cfg, cases, out, steps=steps, force=force, rank=env.rank,
+                                         world=env.world_size)
+    except FastvisionError:  # an input refused when read (NaN, truncated): a folder it made holds no case
+        if fresh and env.world_size == 1:
+            remove_if_empty(out)
+        raise
     return {"written": written, "skipped": skipped, "mine": len(shard(cases, env.rank, env.world_size)),
             "cases": len(cases), "rank": env.rank, "world": env.world_size}

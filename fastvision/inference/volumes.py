@@ -196,6 +196,16 @@ def prepare_output(out: Path, manifest: dict[str, Any] | None, force: bool) -> N
         atomic_write(found, lambda f: f.write(text))
 
 
+def remove_if_empty(out: Path) -> None:
+    """Remove ``out`` when it holds nothing but this predict's own files (no case written): a predict
+    stopped by a bad input leaves no folder whose record would refuse the next, different predict."""
+    out = Path(out)
+    if out.is_dir() and all(_ours(p) and p.is_file() for p in out.iterdir()):
+        for p in out.iterdir():
+            p.unlink(missing_ok=True)
+        out.rmdir()
+
+
 def shard(cases: Sequence[dict], rank: int, world: int) -> list[dict]:
     """Rank ``rank``'s cases: positions rank, rank + world, ... of the id-sorted list."""
     ordered = sorted(cases, key=lambda c: c["id"])

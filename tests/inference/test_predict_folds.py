@@ -208,6 +208,29 @@ def test_out_with_other_files_refused(spleen_folds, tmp_path, capsys):
     assert "another predict" in capsys.readouterr().err
 
 
+def test_input_refused_when_read_leaves_no_out_folder(spleen_folds, tmp_path, capsys):
+    data, out, _ = spleen_folds
+    src = nib.load(str(sorted((data / "imagesTs").glob("*.nii.gz"))[0]))
+    arr = np.asarray(src.dataobj).astype(np.float32)
+    arr[0, 0, 0] = np.nan  # found when the case is read, after --out was made
+    (tmp_path / "in").mkdir()
+    nan = tmp_path / "in" / "a_nan.nii.gz"
+    nib.save(nib.Nifti1Image(arr, src.affine), str(nan))
+    dest = tmp_path / "pred"
+    assert cli.main(["predict", str(out), str(nan), "--out", str(dest), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert str(nan) in err[-1] and "NaN" in err[-1]
+    assert not dest.exists()  # was a folder holding only the record, which refused the next predict with --tta
+    # a folder holding a written case keeps it and the record that resumes it
+    from fastvision.inference.volumes import MANIFEST, remove_if_empty
+
+    dest.mkdir()
+    (dest / MANIFEST).write_text("{}")
+    (dest / "b.nii.gz").write_bytes(b"x")
+    remove_if_empty(dest)
+    assert sorted(p.name for p in dest.iterdir()) == [MANIFEST, "b.nii.gz"]
+
+
 class _Threshold(torch.nn.Module):
     """Class 1 where the input exceeds 0.5 (a 1x1x1 convolution: the model's channel count is 1)."""
 
