@@ -265,7 +265,13 @@ def fold_checkpoints(root: str | Path, spec: str | None) -> list[Path]:
 def _postprocess_steps(mode: str, task, pp_file: Path) -> list[list[int]]:
     """``auto``: the folder's postprocessing.json (none without one); ``none``; ``lcc``: every target."""
     if mode == "auto":
-        return postprocess.load_steps(pp_file) if pp_file.is_file() else []
+        steps = postprocess.load_steps(pp_file) if pp_file.is_file() else []
+        labels = sorted({c for _, ids in postprocess.targets(task) for c in ids})
+        bad = next((s for s in steps if not s or not set(s) <= set(labels)), None)
+        if bad is not None:  # another run's file (more classes), or edited: it would keep nothing or do nothing
+            raise DataError(f"{pp_file}: step {bad} is not a set of this model's labels ({', '.join(map(str, labels))})"
+                            "; rerun the cross-validation, or predict with --postprocess none")
+        return steps
     return postprocess.fixed(task, mode)["steps"]
 
 

@@ -290,3 +290,19 @@ def test_a_3d_run_given_a_2d_image_is_one_line(spleen_folds, tiny_microscopy, tm
         one_line_error(code, capsys.readouterr().err, png, "unet3d-spleen-baseline", "is a 3-D run",
                        ".nii / .nii.gz files")
         assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("steps", [[[2]], [[]], [[1, 3]]])
+def test_postprocessing_json_of_other_labels_is_one_line(spleen_folds, tmp_path, capsys, steps):
+    import json
+    import shutil
+
+    data, out, _ = spleen_folds
+    cv = tmp_path / "cv"
+    shutil.copytree(out, cv)
+    (cv / "postprocessing.json").write_text(json.dumps({"steps": steps}))  # another run's (3 classes), or edited
+    image = sorted((data / "imagesTs").glob("*.nii.gz"))[0]
+    assert cli.main(["predict", str(cv), str(image), "--out", str(tmp_path / "pred"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(cv / "postprocessing.json") in err and "this model's labels (1)" in err
+    assert not (tmp_path / "pred").exists()
