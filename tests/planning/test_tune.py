@@ -185,6 +185,7 @@ def test_tune_writes_a_recipe_that_trains_as_is_and_reuses_its_result(tiny_micro
     (["--budget", "soon"], "--budget 'soon'"),
     (["--rounds", "1"], "--rounds 1: a trial needs at least 2 timed rounds"),
     (["--round-seconds", "0"], "--round-seconds 0.0: must be a positive"),
+    (["--round-seconds", "inf"], "--round-seconds inf: must be a positive, finite"),  # was a traceback
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tiny_microscopy, tmp_path, capsys, extra, message):
     out = tmp_path / "t"
@@ -329,3 +330,25 @@ def test_tune_from_auto_workers_keeps_auto_as_the_start(tiny_microscopy, tmp_pat
     assert all(isinstance(v, int) for v in tried)
     chosen = report["chosen"].get("data.num_workers", "auto")
     assert yaml.safe_load((out / "tuned.yaml").read_text()).get("data", {}).get("num_workers", "auto") == chosen
+
+
+def test_a_shard_set_at_a_url_is_fingerprinted_by_its_index_not_refused_as_a_missing_folder(tmp_path):
+    """``tune --data http://host/set`` took the URL for a folder (``http:/host/set: dataset folder not found``)
+    though train reads it; its stored result is keyed by the index, so a rewritten set is measured again."""
+    from fastvision.data.shards.writer import write_shards
+    from fastvision.data.synth import load_all
+    from fastvision.planning.tune.cli import data_fingerprint
+    from tests.data.test_shards_http import serve
+
+    site, make, prints = tmp_path / "site", load_all().get("imagenet"), []
+    for seed in (0, 1):
+        src = make(tmp_path / f"src{seed}", seed=seed, classes=2, per_class=4, val_per_class=1, size=32)
+        for old in site.glob("*"):
+            old.unlink()
+        write_shards(src, site, "14KB")
+        with serve(site) as url:
+            cfg = config.load("resnet18-imagefolder", [{"data": {"args": {"path": f"{url}/"}}}])
+            prints.append(data_fingerprint(cfg))
+            assert data_fingerprint(config.load("resnet18-imagefolder", [{"data": {"args": {"path": url}}}])) \
+                == prints[-1]
+    assert prints[0] != prints[1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -50,6 +51,10 @@ def data_fingerprint(cfg: config.RunConfig) -> str:
     path = cfg.data.args.get("path")
     if path is None:
         return "built-in sample"
+    from fastvision.data.shards.remote import is_remote
+
+    if is_remote(path):  # a shard set (or TFRecord folder) at a URL: its index names its shards' sha256
+        return remote_fingerprint(str(path))
     root = Path(path)
     if not root.exists():
         raise DataError(f"{root}: dataset folder not found (data.args.path; pass --data DIR)")
@@ -61,6 +66,20 @@ def data_fingerprint(cfg: config.RunConfig) -> str:
             st = p.stat()
             h.update(f"{p.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
+
+
+def remote_fingerprint(url: str) -> str:
+    """The URL and its ``shards.json`` (whose sha256s change with every rewrite of the set); the URL alone
+    where there is none to read (a TFRecord folder, an unreachable host: the build names that)."""
+    from fastvision.data.shards.remote import Remote
+    from fastvision.data.shards.store import INDEX
+
+    base = url.rstrip("/")
+    try:
+        index = Remote(base, 0, 10.0).get(f"{base}/{INDEX}")
+    except (DataError, OSError):
+        index = b""
+    return hashlib.sha256(base.encode() + b"\0" + index).hexdigest()
 
 
 def hardware(device: torch.device, world_size: int) -> dict[str, Any]:
@@ -128,8 +147,8 @@ def cmd_tune(args) -> int:
     budget_s = parse_budget(args.budget)
     if args.rounds < 2:
         raise ConfigError(f"--rounds {args.rounds}: a trial needs at least 2 timed rounds (their spread is the noise)")
-    if not args.round_seconds > 0:
-        raise ConfigError(f"--round-seconds {args.round_seconds}: must be a positive number of seconds")
+    if not 0 < args.round_seconds < math.inf:
+        raise ConfigError(f"--round-seconds {args.round_seconds}: must be a positive, finite number of seconds")
     if budget_s < MIN_BUDGET_S:
         raise ConfigError(f"--budget {args.budget}: cannot fit one trial (a trial builds and times two runs: "
                           f"give at least {MIN_BUDGET_S:.0f} s)")
