@@ -352,3 +352,25 @@ def test_a_shard_set_at_a_url_is_fingerprinted_by_its_index_not_refused_as_a_mis
             assert data_fingerprint(config.load("resnet18-imagefolder", [{"data": {"args": {"path": url}}}])) \
                 == prints[-1]
     assert prints[0] != prints[1]
+
+
+def test_dali_decoding_is_not_a_candidate_for_a_shard_set_which_the_builder_reads_with_pillow_only(tmp_path,
+                                                                                                  monkeypatch):
+    """Where DALI is installed, tune offered data.args.backend=dali for a shard set too: a trial of the budget
+    spent on a build that refuses it ("shard sets are read by the pillow backend")."""
+    import torch
+
+    from fastvision.data.shards.writer import write_shards
+    from fastvision.data.synth import load_all
+    from fastvision.errors import ConfigError
+    from fastvision.planning.tune import switches
+    from fastvision.registry import DATASETS
+
+    src = load_all().get("imagenet")(tmp_path / "src", classes=2, per_class=2, val_per_class=1, size=32)
+    write_shards(src, tmp_path / "sh", "1MB")
+    monkeypatch.setattr(switches, "_has_dali", lambda: True)
+    keys = lambda path: {s.key for s in switches.catalogue(  # noqa: E731
+        config.load("resnet18-imagefolder", [{"data": {"args": {"path": str(path)}}}]), torch.device("cpu"), 1, False)}
+    assert "data.args.backend" in keys(src) and "data.args.backend" not in keys(tmp_path / "sh")
+    with pytest.raises(ConfigError, match="pillow backend"):  # what the trial would have met
+        DATASETS.build("imagefolder", {"path": str(tmp_path / "sh"), "backend": "dali"})

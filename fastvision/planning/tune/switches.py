@@ -44,7 +44,8 @@ def catalogue(cfg: RunConfig, device: torch.device, world_size: int, allow_batch
     out = [] if smart_window(cfg) else [Switch("data.cache", caches, "exact", "input")]
     out += [Switch("data.loader", ("threads", "processes"), "exact", "input"),
            Switch("data.num_workers", workers, "exact", "input")]
-    if "backend" in _dataset_params(cfg) and _has_dali():  # DALI's import (0.4 s) only where it could apply
+    # DALI's import (0.4 s) only where it could apply: not to a shard set or TFRecords (the builder refuses it)
+    if "backend" in _dataset_params(cfg) and not _reads_shards(cfg) and _has_dali():
         out.append(Switch("data.args.backend", ("dali",), "numeric", "input"))
     out.append(Switch("train.channels_last", (True, False), "numeric", "compute"))
     # the model's GPU levers still at their stock value (models/levers.py): the same model up to rounding
@@ -130,6 +131,15 @@ def lr_line(cfg: RunConfig, batch: int, accum: int, world_size: int) -> str:
                 f"{o.ref_batch} = {o.lr * global_batch / o.ref_batch:g} at global batch {global_batch}")
     return (f"the recipe sets no optim.ref_batch: optim.lr stays {o.lr:g} at global batch {global_batch} "
             "(set optim.ref_batch to scale it)")
+
+
+def _reads_shards(cfg: RunConfig) -> bool:
+    """``data.args.path`` is a shard set (folder or URL) or a TFRecord folder: read by the pillow backend only."""
+    from fastvision.data.shards.store import is_shard_set
+    from fastvision.data.shards.tfrecord import is_tfrecord_set
+
+    path = cfg.data.args.get("path")
+    return path is not None and (is_shard_set(path) or is_tfrecord_set(path))
 
 
 def _has_dali() -> bool:
