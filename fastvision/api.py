@@ -220,6 +220,9 @@ def load_run(path: str | Path, device: str = "auto", with_data: bool = True):
     if path.is_dir():
         ckpt_path = next((p for p in (path / "checkpoints" / "best.pt", path / "checkpoints" / "last.pt")
                           if p.is_file()), None)
+        if ckpt_path is None and ((path / "folds.json").is_file() or any(path.glob("fold-[0-9]*"))):
+            raise DataError(f"{path}: a train --folds folder, not one run: give one fold's run (e.g. "
+                            f"{path / 'fold-0'}), or see its out-of-fold table with: fastvision cv {path}")
         if ckpt_path is None:
             raise DataError(f"{path}: no checkpoints/best.pt or checkpoints/last.pt")
     else:

@@ -179,3 +179,9 @@ def test_folds_folder_of_earlier_folds_kept_when_a_new_fold_is_refused(spleen_fo
     err = _last_error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", "4", "--out",
                                str(out), *FOLD_FLAGS, "--set", "data.args.num_folds=5"])
     assert "cannot be split" in err and (out / "folds.json").is_file() and (out / "fold-0" / "summary.json").is_file()
+
+
+def test_evaluate_of_a_folds_folder_names_a_fold_and_cv(spleen_folds, capsys):
+    _, out, _ = spleen_folds
+    err = _error(capsys, ["evaluate", str(out), "--device", "cpu"])  # was: no checkpoints/best.pt or last.pt
+    assert "train --folds folder" in err and str(out / "fold-0") in err and f"fastvision cv {out}" in err
