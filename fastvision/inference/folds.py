@@ -76,12 +76,14 @@ def _manifest(root: Path, recipe: str, cfg, folds: list[int]) -> dict[str, Any]:
     """folds.json: refuses a folder whose folds came from another recipe or split."""
     num = int(cfg.data.args.get("num_folds", 5))
     want = {"recipe": recipe, "recipe_name": cfg.recipe, "num_folds": num,
-            "split_seed": int(cfg.data.args.get("split_seed", 0))}
+            "split_seed": int(cfg.data.args.get("split_seed", 0)),
+            # the data set as `cv RUNS` compares it: reader and folder name (the folder may move, not change)
+            "data": f"{cfg.data.name} {Path(str(cfg.data.args.get('path'))).name}"}
     f = root / FOLDS_FILE
     if f.is_file():
         have = _read_json(f)
-        for key in ("recipe_name", "num_folds", "split_seed"):
-            if have.get(key) != want[key]:
+        for key in ("recipe_name", "num_folds", "split_seed", "data"):
+            if (key in have or key != "data") and have.get(key) != want[key]:  # folds.json before "data": kept
                 raise DataError(f"{f}: folds of {key} {have.get(key)!r}, this command trains {want[key]!r}; "
                                 "choose another --out")
         folds = sorted(set(have.get("folds", [])) | set(folds))

@@ -185,3 +185,22 @@ def test_evaluate_of_a_folds_folder_names_a_fold_and_cv(spleen_folds, capsys):
     _, out, _ = spleen_folds
     err = _error(capsys, ["evaluate", str(out), "--device", "cpu"])  # was: no checkpoints/best.pt or last.pt
     assert "train --folds folder" in err and str(out / "fold-0") in err and f"fastvision cv {out}" in err
+
+
+def test_folds_of_another_data_set_refused(spleen_folds, tmp_path, capsys):
+    data, out, _ = spleen_folds
+    other = tmp_path / "Task09_other"
+    shutil.copytree(data, other)
+    copy = tmp_path / "cv"
+    shutil.copytree(out, copy)
+    before = (copy / "folds.json").read_text()
+    # the next folds on another data set into the same folder: they were trained and mixed in
+    err = _error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(other), "--folds", "all",
+                          "--out", str(copy), *FOLD_FLAGS])
+    assert "folds.json" in err and "Task09_other" in err and (copy / "folds.json").read_text() == before
+    # the same data set moved elsewhere (same folder name) is the same data set
+    moved = tmp_path / "moved" / data.name
+    shutil.copytree(data, moved)
+    assert cli.main(["train", "unet3d-spleen-baseline", "--data", str(moved), "--folds", "all",
+                     "--out", str(copy), *FOLD_FLAGS, "--postprocess", "none"]) == 0
+    assert "fold 0: finished already" in capsys.readouterr().err
