@@ -201,3 +201,25 @@ def test_a_set_rewritten_at_the_same_url_is_fetched_again_not_read_from_the_stal
             items = [(remote.train[i], local.train[i]) for i in range(len(local.train))]
         assert all(torch.equal(a["image"], b["image"]) and a["label"] == b["label"] for a, b in items)
         assert remote.train.reader.store.downloads == len(local.train.reader.shards)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"shard_cache_gb": -1}, "data.args.shard_cache_gb: a positive number of GB, got -1"),
+    ({"shard_retries": -1}, "data.args.shard_retries: 0 or more, got -1"),  # was an AssertionError traceback
+    ({"shard_timeout_s": 0}, "data.args.shard_timeout_s: a positive number of seconds, got 0"),
+    ({"shard_window": 0}, "data.args.shard_window: at least 1, got 0"),
+    ({"shard_cache_dir": "FILE/x"}, "data.args.shard_cache_dir: cannot make the shard cache"),
+])
+def test_shard_arguments_out_of_range_are_one_line_when_the_set_is_built(server, tmp_path, args, message):
+    """Before, these failed only at the first shard fetched (the run folder made, a step begun): a cache
+    limit below 0 as 'cache full', a file as the cache as 'Not a directory', 0 s as an EINPROGRESS error."""
+    from fastvision.errors import ConfigError
+
+    (tmp_path / "FILE").write_text("a file")
+    args = {"shard_cache_dir": str(tmp_path / "c"), **args}
+    args["shard_cache_dir"] = args["shard_cache_dir"].replace("FILE", str(tmp_path / "FILE"))
+    _Handler.gets.clear()
+    with pytest.raises(ConfigError) as e:
+        DATASETS.build("imagefolder", {"path": server, **ITEM, **args})
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    assert not [p for p in _Handler.gets if p.endswith(".tar")]

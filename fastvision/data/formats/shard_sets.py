@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +88,34 @@ def _check_size(path: Path, size: int, name: str) -> None:
                         f"(the index disagrees with its shards)")
 
 
+def check_shard_args(shard_window: int = 2, shard_cache_gb: float = 100.0, shard_retries: int = 3,
+                     shard_timeout_s: float = 30.0) -> None:
+    """The shard arguments in range, one ConfigError naming the key: before, a negative cache limit or
+    retry count and a zero timeout failed at the first shard fetched (after the run folder was made), a
+    retry count below 0 as a traceback."""
+    for key, value, ok, want in (("shard_window", shard_window, shard_window >= 1, "at least 1"),
+                                 ("shard_cache_gb", shard_cache_gb, 0 < shard_cache_gb < math.inf,
+                                  "a positive number of GB"),
+                                 ("shard_retries", shard_retries, shard_retries >= 0, "0 or more"),
+                                 ("shard_timeout_s", shard_timeout_s, 0 < shard_timeout_s < math.inf,
+                                  "a positive number of seconds")):
+        if not ok:
+            raise ConfigError(f"data.args.{key}: {want}, got {value}")
+
+
 def build_shards(path: str, fmt: str, item_args: dict[str, Any], skip_unreadable: bool = False,
                  shard_cache_dir: str | None = None, shard_cache_gb: float = 100.0, shard_retries: int = 3,
                  shard_timeout_s: float = 30.0, shard_verify: bool = True, shard_window: int = 2,
                  tfrecord_label_offset: int = 1) -> DatasetSplits:
     """Train/val splits of the shard set at ``path`` for a ``fmt`` recipe (see the module docstring)."""
+    check_shard_args(shard_window, shard_cache_gb, shard_retries, shard_timeout_s)
     store = ShardStore(path, shard_cache_dir, shard_cache_gb, shard_retries, shard_timeout_s)
+    if store.cache is not None:  # a file where the cache is to be: one line now, not at the first shard
+        try:
+            store.cache.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"data.args.shard_cache_dir: cannot make the shard cache {store.cache} "
+                              f"({e.strerror or e})") from None
     try:
         index = store.index()
     except NotFound as missing:
@@ -108,8 +131,6 @@ def build_shards(path: str, fmt: str, item_args: dict[str, Any], skip_unreadable
                           f"reads {fmt}")
     if set(index.splits) != {"train", "val"}:
         raise DataError(f"{store.name('shards.json')}: splits {sorted(index.splits)}, expected train and val")
-    if shard_window < 1:
-        raise ConfigError(f"data.args.shard_window: at least 1, got {shard_window}")
     readers = _readers(store, index, shard_verify, skip_unreadable)
     kw = {ITEM_ARGS[fmt][k]: v for k, v in item_args.items() if k in ITEM_ARGS[fmt]}
     facts = {"shards": {s: len(r.shards) for s, r in readers.items()}, "shard_set": store.base,
@@ -131,6 +152,7 @@ def build_tfrecords(store: ShardStore, item_args: dict[str, Any], skip_unreadabl
     offsets come from one pass over its headers (a remote file fetched into the cache for it)."""
     from fastvision.data.shards import tfrecord
 
+    check_shard_args(shard_window)
     convert = functools.partial(imagenet_members, label_offset=tfrecord_label_offset)
     splits, bad = tfrecord.split_shards(store, shard_verify and store.remote, skip_unreadable)
     readers = {split: ShardReader(store, shards, shard_verify, scan=tfrecord.scan, convert=convert)
