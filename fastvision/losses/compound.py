@@ -68,11 +68,14 @@ class DiceCELoss(nn.Module):
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
         """Args: logits ``(B, C, *S)``; target int ``(B, *S)``/``(B, 1, *S)`` or float ``(B, C, *S)``."""
+        c = logits.shape[1]
+        if self.weight is not None and self.weight.numel() != c:  # before torch's "defined for all or no classes"
+            raise ValueError(f"dice_ce weight has {self.weight.numel()} values but the logits have {c} channels: "
+                             "one per class, background included")
         with _no_autocast(logits):
             x = _fp32(logits)
             dense = dense_target(logits, target)
             dice = self.dice.from_dense(x, dense)
-            c = x.shape[1]
             if c == 1 or self.sigmoid:
                 pos_weight = None if self.weight is None else self.weight.view(-1, *([1] * (x.dim() - 2)))
                 ce = F.binary_cross_entropy_with_logits(x, dense, pos_weight=pos_weight, reduction=self.reduction)

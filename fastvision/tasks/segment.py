@@ -129,6 +129,23 @@ class SegmentationTask(Task):
             want, key = self.num_classes, f"task.args.num_classes={self.num_classes} (mode softmax)"
         if isinstance(have, int) and have != want:
             raise ConfigError(f"model.args.out_channels={have} but {key} reads {want} channel(s); set them alike")
+        self._check_loss(want)
+
+    def _check_loss(self, channels: int) -> None:
+        """The loss once on a tiny all-background batch of ``channels`` logits: a setting it refuses only at its
+        first call (``loss.args.weight`` of another length than the channels, ``label_smoothing`` out of [0, 1])
+        is one line naming loss.args before any step or run folder, not the first step's error."""
+        from fastvision.errors import ConfigError
+
+        space = [2] * (len(self.sample_shape) - 1)
+        where = next((b.device for b in self.loss_fn.buffers()), torch.device("cpu"))  # its class weights' device
+        try:
+            with torch.no_grad():
+                label = torch.zeros(1, *space, dtype=torch.long, device=where)
+                self.loss_fn(torch.zeros(1, channels, *space, device=where), self.target(label))
+        except (ValueError, RuntimeError, IndexError) as e:
+            raise ConfigError(f"loss.args: {str(e).splitlines()[0]} (the loss on the model's {channels} "
+                              "channel(s))") from e
 
     def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         """``default_collate``; an item holding several patches of one volume (``data.args.num_samples``:

@@ -130,3 +130,42 @@ def test_check_model_outputs_against_the_task(task_args, model, message):
         return
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         task.check_model(net)
+
+
+@pytest.mark.parametrize("loss,args,task_args,message", [
+    ("dice_ce", {"softmax": True, "weight": [1.0, 2.0, 3.0]}, {}, "dice_ce weight has 3 values but the logits have 2"),
+    ("dice_ce", {"softmax": True, "weight": [1.0]}, {}, "dice_ce weight has 1 values"),
+    ("dice_ce", {"softmax": True, "include_background": False, "weight": [1.0, 5.0]}, {}, None),
+    ("dice_ce", {"softmax": True, "label_smoothing": 1.5}, {}, "label_smoothing"),
+    ("dice_focal", {"softmax": True, "include_background": False, "weight": [1.0, 2.0]}, {}, "weight has 2 values"),
+    ("dice_focal", {"softmax": True, "include_background": False, "weight": [2.0]}, {}, None),
+    ("dice", {"softmax": True, "weight": [1.0]}, {}, "weight has 1 values"),
+    ("dice_focal", {"sigmoid": True, "weight": [1.0, 1.0, 2.0]},
+     {"num_classes": 4, "mode": "regions", "regions": [[1, 2, 3], [1, 3], [3]]}, None),
+])
+def test_a_loss_setting_refused_at_its_first_call_is_one_line_at_build(loss, args, task_args, message):
+    """Before, a loss weight of another length than the model's channels (or CE label smoothing outside [0, 1])
+    built, made the run folder and stopped the first step with torch's "weight tensor should be defined either
+    for all or no classes"; now the model check names loss.args. A setting the loss takes passes."""
+    from fastvision.errors import ConfigError
+    from fastvision.models import create_model
+    from fastvision.registry import LOSSES
+
+    task_args = {"num_classes": 2, "mode": "softmax", **task_args}
+    channels = len(task_args["regions"]) if task_args["mode"] == "regions" else task_args["num_classes"]
+    task = SegmentationTask(sample_shape=[1, 8, 8], loss=LOSSES.build(loss, args), **task_args)
+    net = create_model("unet2d", out_channels=channels)
+    if message is None:
+        task.check_model(net)
+        return
+    with pytest.raises(ConfigError, match=rf"^loss\.args: .*{message}"):
+        task.check_model(net)
+
+
+def test_a_bad_loss_weight_leaves_no_run_folder(tiny_microscopy, tmp_path, capsys):
+    from tests.cli.input_checks import one_line_error, run_cli
+
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", tiny_microscopy, "--device", "cpu",
+                           "--set", "loss.args.weight=[1.0,2.0]", "--out", tmp_path / "r")
+    one_line_error(code, err, "loss.args: dice_ce weight has 2 values but the logits have 1 channels")
+    assert not (tmp_path / "r").exists()
