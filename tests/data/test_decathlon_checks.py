@@ -237,3 +237,21 @@ def test_a_label_value_past_the_classes_stops_the_case(tmp_path, capsys):
     splits = DATASETS.build("brats", {"path": str(new), "num_folds": 2, "crop_foreground": False})
     assert max(int(splits.train[i]["label"].max()) for i in range(len(splits.train))) == 3
     assert main(["data", "inspect", str(new)]) == 0
+
+
+def test_nnunet_v2_labels_read_as_msd_labels(sets, tmp_path):
+    """dataset.json's labels in nnU-Net v2's form ({name: value}, channel_names) train as MSD's form: data inspect
+    and configure read them so, training stopped with "invalid literal for int() with base 10: 'background'"."""
+    from fastvision.data.formats.decathlon import build_decathlon
+
+    v2 = _copy(sets["prostate"], tmp_path / "v2")
+    meta = json.loads((v2 / "dataset.json").read_text())
+    msd_labels = meta["labels"]
+    meta["labels"] = {name: int(value) for value, name in reversed(list(msd_labels.items()))}  # order need not be
+    meta["channel_names"] = meta.pop("modality")
+    (v2 / "dataset.json").write_text(json.dumps(meta))
+    want = [msd_labels[str(k)].lower() for k in sorted(map(int, msd_labels))]
+    for folder in (sets["prostate"], v2):
+        splits = build_decathlon(path=str(folder), num_folds=2, crop_foreground="nonzero", patch_size=(8, 8, 4))
+        assert splits.info["class_names"] == want and splits.info["num_classes"] == 3
+        assert splits.info["channels"] == ["T2", "ADC"]

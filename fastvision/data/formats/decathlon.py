@@ -374,7 +374,10 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     modalities = modality_names(meta)
     if intensity == "auto":
         intensity = auto_intensity(meta)
-    names = {int(k): str(v).lower() for k, v in meta.get("labels", {}).items()}
+    from fastvision.data.fingerprint import parse_labels  # here: fingerprint reads this module's helpers
+
+    # MSD's {"1": "spleen"} or nnU-Net v2's {"spleen": 1}, as data inspect and configure read them
+    names = {k: v.lower() for k, v in parse_labels(meta, Path(path))[0].items()}
     label_map: tuple[tuple[int, int], ...] = ()
     class_names = [names[k] for k in sorted(names)]
     convention = {"layout": "msd", "file_labels": ", ".join(f"{k} {v}" for k, v in sorted(names.items())),
