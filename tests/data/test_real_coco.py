@@ -490,3 +490,16 @@ def test_annotation_ids_from_0_or_strings_are_scored_as_coco_scores_them(coco_ro
     ev.update(ground_truth_as_detections(batch), batch)
     metrics = ev.compute()
     assert metrics["map"] == pytest.approx(1.0) and metrics["ap50"] == pytest.approx(1.0)
+
+
+def test_training_boxes_reaching_past_the_image_are_clipped_without_the_crop():
+    """COCO boxes may reach past the image (the synth set's do): the SSD crop clipped them to its window, but
+    with data.args.crop=false they went to the matcher and the box coder as they were (torchvision's reference
+    clamps them too); a box wholly outside, in a file without width/height, taught a box off the picture."""
+    from fastvision.data.formats.coco import SSDAugment
+
+    item = {"image": torch.zeros(3, 20, 40, dtype=torch.uint8), "orig_size": (20, 40),
+            "boxes": torch.tensor([[-5.0, 2.0, 10.0, 25.0], [45.0, 0.0, 60.0, 10.0]]),
+            "labels": torch.tensor([1, 0]), "iscrowd": torch.tensor([False, False])}
+    out = SSDAugment(20, crop=False, flip=False)(item, torch.Generator().manual_seed(0))
+    assert out["boxes"].tolist() == [[0.0, 2.0, 5.0, 20.0]] and out["labels"].tolist() == [1]  # x / 2, y / 1

@@ -110,6 +110,7 @@ def test_train_flip_mirrors_image_and_boxes(root):
     flips = 0
     for i in range(len(plain)):
         a, b = plain[i], aug[i]
+        a["boxes"] = a["boxes"].clamp(0, S)  # training clips the boxes to the image (the synth's reach past it)
         if torch.equal(a["image"], b["image"]):
             torch.testing.assert_close(a["boxes"], b["boxes"])
         else:

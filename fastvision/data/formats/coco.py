@@ -153,11 +153,11 @@ class SSDAugment(RandomTransform):
         # a host transform (PIL resampling): items of a device cache come back to the host
         image, boxes, labels, crowd = (item[k].cpu() for k in ("image", "boxes", "labels", "iscrowd"))
         h, w = image.shape[1:]
-        window = (0, 0, w, h)
-        if self.crop:
-            window = sample_crop(w, h, generator=generator)
-            boxes, keep = crop_boxes(boxes, window)
-            labels, crowd = labels[keep], crowd[keep]
+        window = sample_crop(w, h, generator=generator) if self.crop else (0, 0, w, h)
+        # clipped to the window, the whole image without the crop (a COCO box may reach past the image;
+        # one wholly outside, in a file without width/height, is dropped)
+        boxes, keep = crop_boxes(boxes, window)
+        labels, crowd = labels[keep], crowd[keep]
         S = self.image_size
         image, boxes = resize_to_square(Image.fromarray(image.permute(1, 2, 0).numpy()), window, S, boxes)
         if self.flip and bool(torch.rand((), generator=generator) < 0.5):
