@@ -264,7 +264,8 @@ def test_detection_task_end_to_end(tmp_path):
     index = json.loads(out[1].read_text())
     coco_id = {im["file_name"]: im["id"] for im in json.loads(
         (root / "annotations" / "instances_val2017.json").read_text())["images"]}[files[0].name]
-    assert index[0] == {"id": coco_id, "file_name": str(files[0]), "width": w, "height": h}  # the COCO layout's id
+    assert index[0] == {"id": coco_id, "file_name": files[0].name, "width": w, "height": h,  # the COCO layout's id
+                        "path": str(files[0].resolve())}
     assert Image.open(out[2]).size == (w, h)  # drawn on the original image
     syn = task.synthetic_batch(2, torch.device("cpu"))
     assert torch.isfinite(task.loss(task.forward(model.train(), syn), syn))
