@@ -146,6 +146,11 @@ def test_a_checksum_mismatch_or_a_full_cache_is_named_and_nothing_is_kept(server
         with pytest.raises(DataError, match=r"train-000000.tar: checksum mismatch"):
             ds[0]
         assert not [p for p in ds.reader.store.cache.iterdir() if not p.name.endswith(".lock")]
+        path.write_bytes(good[:-1024])  # truncated on the server: its size is named, not a checksum
+        with pytest.raises(DataError, match=rf"train-000000.tar: {len(good) - 1024} bytes arrived, expected "
+                                            rf"{len(good)}: a truncated transfer"):
+            ds[0]
+        assert not [p for p in ds.reader.store.cache.iterdir() if not p.name.endswith(".lock")]
     finally:
         path.write_bytes(good)
 

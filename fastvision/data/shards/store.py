@@ -195,13 +195,14 @@ class ShardStore:
 
             assert self.fetch is not None
             sha, n = self.fetch.request(url, consume)
-            # raised before the rename: the cache never holds a bad shard
-            if shard.sha256 and sha != shard.sha256:
-                raise DataError(f"{url}: checksum mismatch (sha256 {sha[:12]}..., the index says "
-                                f"{shard.sha256[:12]}...): a corrupt or replaced shard")
+            # raised before the rename: the cache never holds a bad shard. The size first: a truncated
+            # file also fails the checksum, but its size says what happened
             if n != shard.filesize:
                 raise DataError(f"{url}: {n} bytes arrived, expected {shard.filesize}: a truncated transfer "
                                 f"or a replaced file")
+            if shard.sha256 and sha != shard.sha256:
+                raise DataError(f"{url}: checksum mismatch (sha256 {sha[:12]}..., the index says "
+                                f"{shard.sha256[:12]}...): a corrupt or replaced shard")
 
         tag = path.parent / f".{path.name}.sha256"
         try:
