@@ -301,3 +301,18 @@ def test_an_out_inside_a_folder_the_source_is_read_from_is_refused_and_the_sourc
     coco = load_all().get("coco")(tmp_path / "coco", train=3, val=2)
     assert main(["data", "shard", str(coco), str(coco / "train2017" / "s"), "--shard-size", "1MB"]) == 2
     assert "read from" in capsys.readouterr().err and not (coco / "train2017" / "s").exists()
+
+
+def test_coco_images_missing_or_undecodable_name_the_commands_flag_not_trainings_key(tmp_path, capsys):
+    """`data shard` of a COCO set with a listed image missing said 'data.args.skip_unreadable=true skips
+    them', a key this command does not take; it is --skip-unreadable here."""
+    from fastvision.cli import main
+
+    coco = load_all().get("coco")(tmp_path / "coco", train=3, val=2)
+    first = sorted((coco / "train2017").iterdir())[0]
+    first.unlink()
+    assert main(["data", "shard", str(coco), str(tmp_path / "out"), "--shard-size", "1MB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and first.name in err[0] and "--skip-unreadable" in err[0], err
+    assert "data.args" not in err[0] and not (tmp_path / "out").exists()
+    assert main(["data", "shard", str(coco), str(tmp_path / "out"), "--shard-size", "1MB", "--skip-unreadable"]) == 0

@@ -296,7 +296,10 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256M
     source = source or detect_source(src)
     if source not in SOURCES:
         raise ConfigError(f"data shard --format {source!r}: one of {', '.join(SOURCES)}")
-    info, splits, files = SOURCES[source](src, skip_unreadable)
+    try:
+        info, splits, files = SOURCES[source](src, skip_unreadable)
+    except DataError as e:  # the readers' way out is training's key; this command's is its flag
+        raise DataError(str(e).replace("data.args.skip_unreadable=true", "--skip-unreadable")) from None
     check_apart(out, src, splits)
     check_out(out, src, source, info, force)
     out.mkdir(parents=True, exist_ok=True)
