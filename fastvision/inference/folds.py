@@ -249,8 +249,11 @@ def fold_checkpoints(root: str | Path, spec: str | None) -> list[Path]:
         d = fold_dir(root, k)
         if not d.is_dir():
             raise DataError(f"{d}: missing (fold {k} of {root} was never trained); train it with: {hint.format(k=k)}")
-        if not (d / "summary.json").is_file() or not (d / "checkpoints" / "last.pt").is_file():
+        if not (d / "summary.json").is_file():
             raise DataError(f"{d}: unfinished (no summary.json); finish it with: {hint.format(k=k)}")
+        if not (d / "checkpoints" / "last.pt").is_file():  # train --folds skips a finished fold: retrain it anew
+            raise DataError(f"{d / 'checkpoints' / 'last.pt'}: missing (fold {k} finished, its final weights are "
+                            f"gone); move {d} away and retrain it with: {hint.format(k=k)}")
         ident = _identity(load(d / "checkpoints" / "last.pt"))
         if first is None:
             first = (d, ident)

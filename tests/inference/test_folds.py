@@ -73,6 +73,7 @@ def _test_image(data):
     ("recipe", "another recipe"),
     ("labels", "another label set"),
     ("resample", "another preprocessing"),  # nnU-Net's order: other arrays than MONAI's (was ensembled)
+    ("weights", "last.pt: missing (fold 1 finished"),  # was "unfinished (no summary.json)": it has one
 ])
 def test_bad_folds_folder(spleen_folds, tmp_path, capsys, damage, words):
     data, out, _ = spleen_folds
@@ -83,6 +84,8 @@ def test_bad_folds_folder(spleen_folds, tmp_path, capsys, damage, words):
         shutil.rmtree(bad / "fold-1")
     elif damage == "unfinished":
         (bad / "fold-1" / "summary.json").unlink()
+    elif damage == "weights":
+        ckpt.unlink()
     else:  # fold 1 as if trained with another recipe / label set (a real checkpoint file, rewritten)
         state = torch.load(ckpt, weights_only=True)
         if damage == "recipe":
