@@ -65,6 +65,10 @@ def _impl_kwargs(impl: str, device: torch.device) -> dict:
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer:
     groups = param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias, cfg.no_decay_bias)
     betas = tuple(cfg.betas)
+    if cfg.name != "sgd" and (len(betas) != 2 or not all(0 <= b < 1 for b in betas)):  # NaN fails too
+        # before: one value stopped Novograd's first step naming the model, 1.0 was Adam's ValueError traceback,
+        # and Novograd took 1.5 and diverged
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(cfg.betas)}")
     first = next(model.parameters(), None)
     kw = _impl_kwargs(cfg.impl, first.device if first is not None else torch.device("cpu"))
     make = {"sgd": lambda **k: torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **k),

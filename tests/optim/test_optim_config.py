@@ -242,3 +242,21 @@ def test_an_error_in_a_recipe_file_names_the_file(tmp_path):
     # the same mistake in an override is the override's: no file named
     with pytest.raises(ConfigError, match=r"^unknown key train\.epoch"):
         config.load("unet2d-microscopy", [config.parse_override("train.epoch=1")])
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "novograd"])
+@pytest.mark.parametrize("betas,ok", [([0.9, 0.98], True), ([0.0, 0.0], True), ([0.9], False),
+                                      ([0.9, 0.99, 0.9], False), ([1.0, 0.9], False), ([0.9, 1.5], False),
+                                      ([-0.1, 0.9], False), ([0.9, float("nan")], False)])
+def test_betas_outside_two_values_in_0_1_are_one_config_error(name, betas, ok):
+    """Before: one value stopped Novograd's first step ("not enough values to unpack", blamed on the model),
+    Adam's beta 1.0 was torch's ValueError traceback, and Novograd took beta2 1.5 and diverged."""
+    model = nn.Linear(2, 2)
+    cfg = OptimConfig(name=name, betas=betas)
+    if ok:
+        opt = build_optimizer(model, cfg, 0.1)
+        assert tuple(opt.param_groups[0]["betas"]) == tuple(betas)
+        return
+    with pytest.raises(ConfigError, match=r"optim\.betas must be two numbers in \[0, 1\)"):
+        build_optimizer(model, cfg, 0.1)
+    build_optimizer(model, OptimConfig(name="sgd", betas=betas), 0.1)  # SGD reads no betas
