@@ -316,3 +316,22 @@ def test_coco_images_missing_or_undecodable_name_the_commands_flag_not_trainings
     assert len(err) == 1 and first.name in err[0] and "--skip-unreadable" in err[0], err
     assert "data.args" not in err[0] and not (tmp_path / "out").exists()
     assert main(["data", "shard", str(coco), str(tmp_path / "out"), "--shard-size", "1MB", "--skip-unreadable"]) == 0
+
+
+def test_only_the_writers_own_temporary_files_are_taken_for_its_and_removed(inet, tmp_path, capsys):
+    """Any dot-file with '.tmp' in its name passed for a killed writer's partial shard: an OUT holding only
+    a user's '.notes.tmp' was taken for a shard set and the file deleted (and so with --force)."""
+    from fastvision.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".notes.tmp").write_text("mine")
+    assert main(["data", "shard", str(inet), str(out), "--shard-size", SIZE]) == 2
+    assert "not a shard set (holds .notes.tmp)" in capsys.readouterr().err
+    (out / ".train-000001.tar.k3j4h5.tmp").write_bytes(b"partial")  # a killed writer's
+    assert main(["data", "shard", str(inet), str(out), "--shard-size", SIZE, "--force"]) == 0
+    assert (out / ".notes.tmp").read_text() == "mine" and not (out / ".train-000001.tar.k3j4h5.tmp").exists()
+    (out / ".notes.tmp").unlink()
+    (out / ".val-000000.tar.abc123.tmp").write_bytes(b"partial")
+    assert main(["data", "shard", str(inet), str(out), "--shard-size", SIZE]) == 0  # its own set: completed
+    assert not (out / ".val-000000.tar.abc123.tmp").exists()

@@ -40,6 +40,8 @@ from fastvision.utils.files import atomic_write
 log = logging.getLogger(__name__)
 WRITER_SEED = 0
 SHARD_NAME = re.compile(r"[a-z]+-\d{6}\.tar")  # write_split's names: <split>-NNNNNN.tar
+# atomic_write's partial file of one of them (or of the index, or a copied annotation file)
+TEMP_NAME = re.compile(r"\.(?:[a-z]+-\d{6}\.tar|shards\.json|instances_[^/]*\.json)\.[^/]+\.tmp")
 
 
 @dataclass
@@ -233,7 +235,7 @@ def write_split(out: Path, split: str, samples: list[list[Member]], shard_size: 
 def _is_writers(p: Path) -> bool:
     """A file ``data shard`` writes into OUT: the index, a shard, a killed writer's temporary file, or the
     ``annotations/`` folder of copied annotation files (COCO's)."""
-    temp = lambda q: q.name.startswith(".") and ".tmp" in q.name  # noqa: E731  (atomic_write's partial file)
+    temp = lambda q: TEMP_NAME.fullmatch(q.name) is not None  # noqa: E731  (atomic_write's partial file)
     if p.is_dir():
         return p.name == "annotations" and all(q.is_file() and (q.suffix == ".json" or temp(q)) for q in p.iterdir())
     return p.name == INDEX or SHARD_NAME.fullmatch(p.name) is not None or temp(p)
@@ -303,8 +305,9 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256M
     check_apart(out, src, splits)
     check_out(out, src, source, info, force)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".*.tmp*"):  # a killed writer's partial shard: never one a reader sees
-        stale.unlink()
+    for stale in out.glob(".*.tmp"):  # a killed writer's partial shard: never one a reader sees
+        if TEMP_NAME.fullmatch(stale.name):  # only the writer's own (with --force a user's files are beside)
+            stale.unlink()
     index = ShardIndex(str(out), source, info, {}, writer={"seed": WRITER_SEED, "shard_size": size})
     for split, samples in splits.items():
         index.splits[split] = write_split(out, split, samples, size)
