@@ -61,12 +61,13 @@ def test_missing_dataset_folder_names_it_and_the_flag(recipe, argv, needles, tmp
 
 def test_a_file_given_as_the_dataset_folder_says_so(tmp_path, capsys):
     """--data pointing at the COCO annotation file (not its folder) said 'folder not found' of a file
-    that exists; now it says it is a file and names its folder."""
+    that exists; now it says it is a file and names the dataset folder (the one above annotations/: it
+    named annotations/ itself)."""
     ann = tmp_path / "coco" / "annotations" / "instances_train2017.json"
     ann.parent.mkdir(parents=True)
     ann.write_text("{}")
     code, _, err = run_cli(capsys, "train", "ssd320-small-shapes", "--data", ann, "--out", tmp_path / "out")
-    one_line_error(code, err, f"{ann} is a file; --data takes the COCO dataset folder ({ann.parent}?)")
+    one_line_error(code, err, f"{ann} is a file; --data takes the COCO dataset folder ({ann.parent.parent}, which")
     assert not (tmp_path / "out").exists()
 
 

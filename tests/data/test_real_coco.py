@@ -503,3 +503,24 @@ def test_training_boxes_reaching_past_the_image_are_clipped_without_the_crop():
             "labels": torch.tensor([1, 0]), "iscrowd": torch.tensor([False, False])}
     out = SSDAugment(20, crop=False, flip=False)(item, torch.Generator().manual_seed(0))
     assert out["boxes"].tolist() == [[0.0, 2.0, 5.0, 20.0]] and out["labels"].tolist() == [1]  # x / 2, y / 1
+
+
+def test_data_given_inside_the_coco_folder_or_another_split_name_says_what_to_pass(coco_root, tmp_path):
+    """--data val2017/ or annotations/ said 'annotation file not found: val2017/annotations/instances_train2017.json',
+    an annotation file suggested annotations/ as the folder, and an export with instances_train.json named no
+    split option; each line now names the folder to pass or the split names the files give."""
+    cases = [(coco_root / "val2017", rf"--data takes {coco_root}, which holds annotations/"),
+             (coco_root / "annotations", rf"--data takes {coco_root}, which holds annotations/"),
+             (coco_root / "annotations/instances_val2017.json", rf"the COCO dataset folder \({coco_root}, which")]
+    for given, hint in cases:
+        with pytest.raises(DataError, match=hint):
+            build(path=str(given), image_size=32)
+    for split in ("train2017", "val2017"):
+        f = coco_root / f"annotations/instances_{split}.json"
+        f.rename(f.with_name(f"instances_{split[:-4]}.json"))
+    with pytest.raises(DataError, match=r"instances_train2017.json \(annotations/ holds instances_train.json, "
+                                        r"instances_val.json: --set data.args.train_split=.*e.g. train, val\)"):
+        build(path=str(coco_root), image_size=32)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"a COCO folder holds annotations/instances_<split>.json"):
+        build(path=str(tmp_path / "empty"), image_size=32)

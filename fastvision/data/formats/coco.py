@@ -40,6 +40,7 @@ from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.coco_check import (
     check_annotations,
     check_images,
+    layout_hint,
     other_size,
     read_instances,
     renamed_categories,
@@ -366,8 +367,15 @@ def build(*, path: str, train_split: str = "train2017", val_split: str = "val201
     """
     check_range("data.args.image_size", image_size, 1)
     check_range("data.args.color_jitter", color_jitter, 0.0, 1.0)
+    given = Path(path)
+    if given.is_file() and given.parent.name == "annotations":  # the root is the folder above annotations/
+        raise DataError(f"COCO dataset: {given} is a file; --data takes the COCO dataset folder "
+                        f"({given.parent.parent}, which holds annotations/ and the image folders)")
     root = dataset_folder(path, "COCO dataset")
     ann = root / "annotations"
+    for split in (train_split, val_split):
+        if not (ann / f"instances_{split}.json").is_file():
+            raise DataError(f"COCO annotation file not found: {ann / f'instances_{split}.json'}{layout_hint(root)}")
     checks = dict(invalid=invalid, skip_unreadable=skip_unreadable)
     train = CocoDetection(ann / f"instances_{train_split}.json", root / train_split, image_size, train=True,
                           crop=crop, flip=flip, jitter=color_jitter, **checks)

@@ -270,6 +270,19 @@ def check_images(images: list[dict[str, Any]], image_dir: Path, ann_name: str, d
                                        if len(wrong) > 1 else ""))
 
 
+def layout_hint(root: Path) -> str:
+    """Where a COCO folder lacks a split's instances file: the instances files it has (another split name),
+    or the folder above where ``root`` is its ``annotations/`` or an image folder."""
+    have = sorted(f.name for f in (root / "annotations").glob("instances_*.json"))
+    if have:
+        splits = [n.removeprefix("instances_").removesuffix(".json") for n in have]
+        return (f" (annotations/ holds {', '.join(have)}: --set data.args.train_split=... "
+                f"--set data.args.val_split=... name the splits, e.g. {', '.join(splits)})")
+    if root.name == "annotations" or any(root.parent.glob("annotations/instances_*.json")):
+        return f" ({root} is inside a COCO folder: --data takes {root.parent}, which holds annotations/)"
+    return " (a COCO folder holds annotations/instances_<split>.json and <split>/ image folders)"
+
+
 def missing_images(dataset: dict[str, Any], image_dir: Path) -> list[str]:
     """File names listed in ``images`` that are not files under ``image_dir``."""
     return [im.get("file_name", "?") for im in dataset.get("images", [])
