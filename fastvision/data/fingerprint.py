@@ -233,6 +233,12 @@ def parse_labels(meta: dict[str, Any], path: Path) -> tuple[dict[int, str], dict
     return dict(sorted(labels.items())), (regions if has_lists else None)
 
 
+def label_names(meta: dict[str, Any], root: Path) -> dict[int, str]:
+    """``{value: lower-case name}`` of dataset.json's labels in either form (:func:`parse_labels`): what the
+    Decathlon reader trains on, so it reads the labels as ``data inspect`` and ``configure`` do."""
+    return {k: v.lower() for k, v in parse_labels(meta, root)[0].items()}
+
+
 def summarize(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -> dict[str, Any]:
     """Pool per-case records into the dataset fingerprint; raise on label values dataset.json lacks."""
     labels, regions = parse_labels(meta, path)

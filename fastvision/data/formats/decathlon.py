@@ -372,12 +372,9 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
         log.info("%s: %d %s, e.g. %s", path, len(names), kind, first_few(names))
     meta, source = found["meta"], Path(path) / "dataset.json"
     modalities = modality_names(meta)
-    if intensity == "auto":
-        intensity = auto_intensity(meta)
-    from fastvision.data.fingerprint import parse_labels  # here: fingerprint reads this module's helpers
-
-    # MSD's {"1": "spleen"} or nnU-Net v2's {"spleen": 1}, as data inspect and configure read them
-    names = {k: v.lower() for k, v in parse_labels(meta, Path(path))[0].items()}
+    intensity = auto_intensity(meta) if intensity == "auto" else intensity
+    from fastvision.data.fingerprint import label_names  # here: fingerprint imports this module
+    names = label_names(meta, Path(path))  # MSD's {"1": "spleen"} or nnU-Net v2's {"spleen": 1}
     label_map: tuple[tuple[int, int], ...] = ()
     class_names = [names[k] for k in sorted(names)]
     convention = {"layout": "msd", "file_labels": ", ".join(f"{k} {v}" for k, v in sorted(names.items())),
