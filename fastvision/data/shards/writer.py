@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 WRITER_SEED = 0
 SHARD_NAME = re.compile(r"[a-z]+-\d{6}\.tar")  # write_split's names: <split>-NNNNNN.tar
 # atomic_write's partial file of one of them (or of the index, or a copied annotation file)
-TEMP_NAME = re.compile(r"\.(?:[a-z]+-\d{6}\.tar|shards\.json|instances_[^/]*\.json)\.[^/]+\.tmp")
+TEMP_NAME = re.compile(r"\.(?:[a-z]+-\d{6}\.tar|shards\.json|instances_[^/]*\.json)\.(?:[^/]+\.tmp|tmp[^/]*)")
 
 
 @dataclass
@@ -305,7 +305,7 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256M
     check_apart(out, src, splits)
     check_out(out, src, source, info, force)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".*.tmp"):  # a killed writer's partial shard: never one a reader sees
+    for stale in out.glob(".*tmp*"):  # a killed writer's partial shard: never one a reader sees
         if TEMP_NAME.fullmatch(stale.name):  # only the writer's own (with --force a user's files are beside)
             stale.unlink()
     index = ShardIndex(str(out), source, info, {}, writer={"seed": WRITER_SEED, "shard_size": size})
