@@ -219,6 +219,10 @@ def _main(args) -> int:
         refuse_overwrite(args.json, args.force, "--json", file=True)
     if len(args.runs) == 1 and (Path(args.runs[0]) / "crossval.json").is_file():  # a train --folds folder
         f = Path(args.runs[0]) / "crossval.json"
+        if args.metrics:  # the table has Dice per case, not the runs' metrics: said, not ignored
+            raise DataError(f"--metrics: {args.runs[0]} is a train --folds folder, whose out-of-fold table this "
+                            f"prints; average its folds' metrics with: fastvision cv {Path(args.runs[0]) / 'fold-*'} "
+                            "--metrics ...")
         res = read_fold_table(f)
         print_fold_table(res, f"{args.runs[0]}: out-of-fold predictions, folds {res.get('folds')}")
         if args.json:

@@ -86,3 +86,15 @@ def test_cv_prints_a_crossval_json_with_and_without_postprocessing(tmp_path, cap
     res["postprocessed"] = fold_table(rows[:1], ["1"])
     (tmp_path / "cv" / "crossval.json").write_text(json.dumps(res))
     assert cli.main(["cv", str(tmp_path / "cv")]) == 0 and "after postprocessing" in capsys.readouterr().out
+
+
+def test_cv_metrics_of_a_folds_folder_is_one_line(tmp_path, capsys):
+    from fastvision import cli
+    from fastvision.metrics.crossval import fold_table
+
+    (tmp_path / "cv").mkdir()
+    (tmp_path / "cv" / "crossval.json").write_text(json.dumps(fold_table(
+        [{"id": "a", "fold": 0, "tp": [3], "fp": [1], "fn": [0]}], ["1"])))
+    assert cli.main(["cv", str(tmp_path / "cv"), "--metrics", "iou"]) == 2  # was the Dice table, --metrics ignored
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--metrics" in err and "fold-*" in err
