@@ -62,7 +62,8 @@ def hd95(pred_mask: Tensor, gt_mask: Tensor, spacing: Sequence[float] | float | 
     ``compute_hausdorff_distance(percentile=95)``. Runs on the masks' device; reads the
     bounding box back to the host once (evaluation only, not a training hot path).
 
-    Edge cases (as MONAI): both masks empty -> NaN; exactly one empty -> inf.
+    Edge cases: both masks empty -> NaN (as MONAI); exactly one empty -> inf (older MONAI's value; MONAI 1.6
+    returns NaN with a warning). Validation leaves both out of the mean (``tasks.seg_eval``), so the means agree.
 
     Args:
         pred_mask: ``(*S)`` boolean (or 0/1) mask, 2-D ``(H, W)`` or 3-D ``(D, H, W)``.
