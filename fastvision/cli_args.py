@@ -122,7 +122,8 @@ def shard_args(p: argparse.ArgumentParser) -> None:
     """``fastvision data shard SRC OUT``."""
     p.add_argument("src", help="an ImageFolder/ImageNet or COCO dataset folder")
     p.add_argument("out", help="the shard set folder (an unfinished one is completed; finished shards are kept)")
-    p.add_argument("--shard-size", default="256MB", help="target bytes per shard, e.g. 256MB, 1GB (default 256MB)")
+    p.add_argument("--shard-size", default=None,
+                   help="target bytes per shard, e.g. 256MB, 1GB (default 256MB; rerun on a finished set: its own)")
     p.add_argument("--format", choices=("imagefolder", "coco"), help="the source layout (default: detected)")
     p.add_argument("--force", action="store_true", help="write into an existing folder that is not a shard set "
                                                         "(shards already there must still be this source's)")

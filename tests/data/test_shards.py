@@ -335,3 +335,17 @@ def test_only_the_writers_own_temporary_files_are_taken_for_its_and_removed(inet
     (out / ".val-000000.tar.abc123.tmp").write_bytes(b"partial")
     assert main(["data", "shard", str(inet), str(out), "--shard-size", SIZE]) == 0  # its own set: completed
     assert not (out / ".val-000000.tar.abc123.tmp").exists()
+
+
+def test_a_rerun_on_a_finished_set_without_shard_size_checks_it_at_its_own_size(inet, shards, tmp_path, capsys):
+    """Rerunning `data shard SRC OUT` on a finished set written with --shard-size X, without the flag,
+    stopped on the first shard ('N bytes where this input makes M'): 256MB was planned, not X."""
+    from fastvision.cli import main
+
+    again = _copy(shards, tmp_path / "again")
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in again.iterdir() if p.suffix == ".tar"}
+    assert main(["data", "shard", str(inet), str(again)]) == 0, capsys.readouterr().err
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in again.iterdir() if p.suffix == ".tar"} == before
+    assert _index(again) == _index(shards)
+    assert main(["data", "shard", str(inet), str(again), "--shard-size", "64KB"]) == 2  # another size: still refused
+    assert "--shard-size changed" in capsys.readouterr().err

@@ -279,7 +279,16 @@ def check_apart(out: Path, src: Path, splits: dict[str, list[list[Member]]]) -> 
                         f"become part of it); choose an output folder outside it")
 
 
-def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256MB",
+def _recorded_size(out: Path) -> int | str:
+    """The shard size a finished set at ``out`` was written with (its index's ``writer``), else 256MB: a
+    rerun without ``--shard-size`` checks the set as written instead of refusing each shard's size."""
+    try:
+        return int(json.loads((out / INDEX).read_bytes())["writer"]["shard_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "256MB"
+
+
+def write_shards(src: str | Path, out: str | Path, shard_size: int | str | None = None,
                  source: str | None = None, force: bool = False, skip_unreadable: bool = False) -> ShardIndex:
     """Shard dataset ``src`` into ``out`` (see the module docstring); returns the written index.
 
@@ -288,13 +297,14 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str = "256M
         out: the shard set folder: absent or empty, or a shard set of ``src`` (an unfinished one is
             completed, a finished one checked); any other folder is refused (:func:`check_out`).
         shard_size: target bytes per shard (``"256MB"``); a sample larger than it gets a shard alone.
+            None: a finished set's own (its index's), else 256MB.
         source: ``imagefolder`` or ``coco`` (default: detected from ``src``'s layout).
         force: write into any existing folder (shards already there must still be this input's).
         skip_unreadable: leave out, with one warning, images that are missing (COCO) or do not decode
             (else they are one error before anything is written).
     """
     src, out = Path(src), Path(out)
-    size = parse_size(shard_size)
+    size = parse_size(_recorded_size(out) if shard_size is None else shard_size)
     source = source or detect_source(src)
     if source not in SOURCES:
         raise ConfigError(f"data shard --format {source!r}: one of {', '.join(SOURCES)}")
