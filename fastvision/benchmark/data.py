@@ -127,6 +127,20 @@ def with_setting(cfg: RunConfig, setting: str) -> RunConfig:
     return from_dict(data)
 
 
+def check_data_args(caches: list[str], batches: int, rounds: int, variants: list[str] | None) -> None:
+    """``--cache``, ``--steps``, ``--rounds`` and ``--variant`` of ``--mode data``, before any output is
+    looked at or any path built: one ConfigError naming the flag."""
+    bad = [c for c in caches if c not in CACHES]
+    if bad or not caches:
+        raise ConfigError(f"--cache: unknown {', '.join(bad) or '(empty)'}; valid: {', '.join(CACHES)}")
+    if batches < 1 or rounds < 1:
+        raise ConfigError("--steps and --rounds must be >= 1")
+    for v in variants or []:  # each path's cache is --cache's: a variant's data.cache would be dropped unseen
+        if any(item.split("=", 1)[0].strip() == "data.cache" for item in split_setting(v)):
+            raise ConfigError(f"--variant {v}: the cache modes are --cache's (e.g. --cache none,gpu), timed under "
+                              "every variant; a variant sets other keys")
+
+
 def run_data_benchmark(cfg: RunConfig, caches: list[str], *, batches: int = 40, rounds: int = 4,
                        warmup: int | None = None, variants: list[str] | None = None) -> dict[str, Any]:
     """Items/s of the recipe's input path under each cache mode (and variant), interleaved.
@@ -146,11 +160,7 @@ def run_data_benchmark(cfg: RunConfig, caches: list[str], *, batches: int = 40, 
         "prefetch_untimed", "unsettled_chunks", "pipeline"}, ...]}``; ``cpu_s`` and ``items_per_cpu_s``
         are None where a worker process's CPU time cannot be read (no ``/proc``).
     """
-    bad = [c for c in caches if c not in CACHES]
-    if bad or not caches:
-        raise ConfigError(f"--cache: unknown {', '.join(bad) or '(empty)'}; valid: {', '.join(CACHES)}")
-    if batches < 1 or rounds < 1:
-        raise ConfigError("--steps and --rounds must be >= 1")
+    check_data_args(caches, batches, rounds, variants)
     paths = [_Path(with_setting(cfg, v), c, v) for v in (variants or [""]) for c in caches]
     try:
         for p in paths:

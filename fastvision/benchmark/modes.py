@@ -298,6 +298,10 @@ def cmd_benchmark(args) -> int:
     # the flags' values before the output's: a bad value is named, not hidden behind "file exists"
     given = int_list(args.batch_sizes) if args.batch_sizes and args.batch_sizes != "auto" else None
     check_settings(args.precision.split(",") if args.precision else [], args.steps, args.warmup or 0, given)
+    if args.mode == "data":
+        from fastvision.benchmark.data import check_data_args
+
+        check_data_args(data_caches(args, cfg), args.steps, args.rounds, args.variant)
     out_dir = args.out or Path("runs/benchmark")
     for suffix in (".json", ".md"):  # checked before the run: a refusal costs no benchmark time
         refuse_overwrite(out_dir / f"{cfg.recipe}-{args.mode}{suffix}", args.force)
@@ -330,6 +334,11 @@ def cmd_benchmark(args) -> int:
     return 0 if all("error" not in r for r in report["results"]) else 1
 
 
+def data_caches(args, cfg: RunConfig) -> list[str]:
+    """``--cache``'s modes, else the recipe's ``data.cache``."""
+    return [c.strip() for c in args.cache.split(",") if c.strip()] if args.cache else [cfg.data.cache]
+
+
 def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -342,7 +351,7 @@ def _cmd_data(args, cfg: RunConfig, device: torch.device) -> int:
         cfg.data.args["path"] = args.data
     if args.batch_sizes:
         cfg.train.batch_size = int_list(args.batch_sizes)[0]
-    caches = [c.strip() for c in args.cache.split(",") if c.strip()] if args.cache else [cfg.data.cache]
+    caches = data_caches(args, cfg)
     out = args.out or Path("runs/benchmark")
     try:
         report = run_data_benchmark(cfg, caches, batches=args.steps, rounds=args.rounds, warmup=args.warmup,

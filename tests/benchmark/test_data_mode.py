@@ -134,3 +134,26 @@ def test_plan_and_scale_take_the_per_core_rate_from_the_report(tmp_path, capsys)
     assert cli.main(["plan", "unet2d-microscopy", "--gpus", "8", "--no-switches", "--input-rate", str(path)]) == 2
     err = capsys.readouterr().err
     assert "'burn-blobs' input path of unet2d-microscopy" in err and "'microscopy'" in err, err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--variant", "data.cache=none"], "--variant data.cache=none: the cache modes are --cache's"),
+    (["--variant", "data.loader=threads,data.cache=ram"], "the cache modes are --cache's"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--cache", "none,ramm"], "--cache: unknown ramm"),
+])
+def test_a_bad_data_mode_flag_is_named_before_the_output_and_a_variant_cannot_set_the_cache(
+        tmp_path, capsys, extra, needle):
+    """Before, ``--variant data.cache=none`` was timed with the --cache mode in its place and reported under
+    the variant's name (a row claiming ``none`` measured ``ram``), and a bad --rounds / --cache / --variant was
+    hidden behind "file exists" when --out held an earlier report."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "unet2d-microscopy-data.json").write_text("{}")  # an earlier report, kept
+    argv = ["benchmark", "unet2d-microscopy", "--mode", "data", "--device", "cpu", "--batch-sizes", "4",
+            "--steps", "2", "--out", str(out), "--set", "data.name=burn-blobs", "--set", "data.augment={}",
+            "--cache", "ram", *extra]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert (out / "unet2d-microscopy-data.json").read_text() == "{}"
