@@ -374,3 +374,18 @@ def test_dali_decoding_is_not_a_candidate_for_a_shard_set_which_the_builder_read
     assert "data.args.backend" in keys(src) and "data.args.backend" not in keys(tmp_path / "sh")
     with pytest.raises(ConfigError, match="pillow backend"):  # what the trial would have met
         DATASETS.build("imagefolder", {"path": str(tmp_path / "sh"), "backend": "dali"})
+
+
+def test_the_charts_title_fits_inside_the_figure_with_few_trials(tmp_path):
+    """The one-line title of a chart of the start and two trials (a 5-inch figure) ran past its right edge."""
+    from fastvision.planning.tune.report import chart
+
+    trial = {"key": "train.channels_last", "value": True, "items_per_s": 8.6, "ratio": 1.6, "kept": False,
+             "reason": "not faster"}
+    result = {"recipe": "resnet18-imagefolder", "baseline": {"items_per_s": 4.5}, "trials": [trial],
+              "final": {**trial, "key": "final", "value": "tuned vs start"}}
+    fig = chart(result, tmp_path / "t.png")
+    renderer = fig.canvas.get_renderer()
+    box, frame = fig.axes[0].title.get_window_extent(renderer), fig.bbox
+    assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and box.y1 <= frame.y1
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

@@ -92,7 +92,7 @@ def tuned_yaml(result: dict[str, Any]) -> str:
     return "\n".join(head) + "\n" + yaml.safe_dump({"extends": result["extends"], **body}, sort_keys=False)
 
 
-def chart(result: dict[str, Any], path: Path) -> None:
+def chart(result: dict[str, Any], path: Path) -> Any:
     """Bar chart: items/s of the start and of every trial (kept green, dropped grey, errors red)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -110,9 +110,11 @@ def chart(result: dict[str, Any], path: Path) -> None:
     ax.bar_label(bars, labels, fontsize=7)  # the round ratio against the incumbent of the moment
     ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
     ax.set_ylabel("items/s (median of rounds)")
-    ax.set_title(f"tune {result['recipe']}: green kept, grey not faster / parity, red error", fontsize=9)
+    # two lines: on one, a 5-inch chart of few trials cut the legend off at the right edge
+    ax.set_title(f"tune {result['recipe']}\ngreen kept, grey not faster / parity, red error", fontsize=9)
     fig.tight_layout()
     save_figure(fig, path, dpi=100)
+    return fig
 
 
 def write_all(result: dict[str, Any], out: Path, json_path: Path | None) -> list[Path]:
