@@ -335,6 +335,7 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
     from fastvision.inference.volumes import (
         Ensemble,
         check_cases,
+        check_not_inputs,
         input_channels,
         prepare_output,
         remove_if_empty,
@@ -351,6 +352,7 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
     check_input_kind(files, run.cfg.data.name, f"{path} ({run.cfg.recipe})")  # not BraTS advice for a 2-D run
     cases = prediction_cases(files)
     check_cases(cases, input_channels(run.model))
+    check_not_inputs(cases, Path(out))
     manifest = {"model": str(path.resolve()), "tta_axes": axes, "postprocess": steps,
                 "checkpoints": [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
                                 for p in ckpts]}

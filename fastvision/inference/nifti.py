@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from fastvision.inference import postprocess
-from fastvision.inference.volumes import Ensemble, check_cases, input_channels, run_pipeline, shard
+from fastvision.inference.volumes import Ensemble, check_cases, check_not_inputs, input_channels, run_pipeline, shard
 from fastvision.utils.files import atomic_write
 
 Predictor = Callable[[Tensor], Tensor]
@@ -292,6 +292,7 @@ def predict_nifti_files(task, model: torch.nn.Module, files: Sequence[Path], out
     """
     cases = prediction_cases(files)
     check_cases(cases, input_channels(model))
+    check_not_inputs(cases, Path(out_dir))  # existing outputs are replaced: never an input
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written, _ = predict_cases(Ensemble(task, model, [], device), cfg, cases, out, force=True)

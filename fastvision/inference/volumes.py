@@ -196,6 +196,20 @@ def prepare_output(out: Path, manifest: dict[str, Any] | None, force: bool) -> N
         atomic_write(found, lambda f: f.write(text))
 
 
+def check_not_inputs(cases: Sequence[dict], out: Path) -> None:
+    """Before ``out`` is touched: no case's output file (``out/<case>.nii.gz``) is one of the inputs, which
+    ``--force`` would replace with its labels (``--out`` the input folder of ``.nii.gz`` files).
+
+    Raises:
+        DataError: naming the input and the way out.
+    """
+    inputs = {Path(p).resolve() for c in cases for p in c["image"]}
+    for c in cases:
+        target = (Path(out) / f"{c['id']}.nii.gz").resolve()
+        if target in inputs:
+            raise DataError(f"{target}: is an input, and its prediction would replace it; choose another --out")
+
+
 def remove_if_empty(out: Path) -> None:
     """Remove ``out`` when it holds nothing but this predict's own files (no case written): a predict
     stopped by a bad input leaves no folder whose record would refuse the next, different predict."""

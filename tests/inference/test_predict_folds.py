@@ -306,3 +306,16 @@ def test_postprocessing_json_of_other_labels_is_one_line(spleen_folds, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert str(cv / "postprocessing.json") in err and "this model's labels (1)" in err
     assert not (tmp_path / "pred").exists()
+
+
+def test_out_that_is_the_input_folder_is_refused_even_with_force(spleen_folds, tmp_path, capsys):
+    data, out, _ = spleen_folds
+    import shutil
+
+    folder = tmp_path / "imagesTs"
+    shutil.copytree(data / "imagesTs", folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert cli.main(["predict", str(out), str(folder), "--out", str(folder), "--force", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "is an input" in err and str(folder.resolve()) in err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # the images were replaced by labels
