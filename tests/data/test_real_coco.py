@@ -175,6 +175,12 @@ def test_inspect_counts_valid_boxes_and_lists_anomalies(coco_root, capsys):
     assert "unknown category_id" in out and "(-1)" not in out
 
 
+def _replica_warning(line: str) -> bool:
+    """The warnings every build of the replica logs: its val file's invalid annotations, and its training
+    file's category without a box (person: its one training box is a car)."""
+    return "invalid annotations skipped" in line or "without a box" in line
+
+
 def _edit(path: Path, fn) -> None:
     data = json.loads(path.read_text())
     fn(data)
@@ -207,7 +213,8 @@ def test_duplicate_annotation_id_is_reported_and_does_not_replace_the_first(coco
     items = {train[i]["image_id"]: train[i] for i in range(len(train))}
     assert items[9]["boxes"].tolist() == [[8, 4, 24, 20]] and items[9]["labels"].tolist() == [1]
     assert items[25]["boxes"].shape == (0, 4)
-    w = [r.getMessage() for r in caplog.records if "instances_train2017.json" in r.getMessage()]
+    w = [r.getMessage() for r in caplog.records if "instances_train2017.json" in r.getMessage()
+         and "without a box" not in r.getMessage()]
     assert len(w) == 1 and "1 annotation id used before in the file (100)" in w[0]
     with pytest.raises(DataError, match=r"instances_train2017.json: 1 invalid annotations"):
         build(path=str(coco_root), image_size=32, invalid="error")
@@ -326,7 +333,7 @@ def test_data_shard_checks_coco_images_before_writing(coco_root, tmp_path, caplo
     assert any("skipped 1 unreadable" in r.getMessage() for r in caplog.records)
     out = tmp_path / "shards"
     assert main(["data", "shard", str(coco_root), str(out)]) == 2
-    err = [e for e in capsys.readouterr().err.strip().splitlines() if "invalid annotations skipped" not in e]
+    err = [e for e in capsys.readouterr().err.strip().splitlines() if not _replica_warning(e)]
     assert len(err) == 1 and "1 image file(s) that do not decode (train2017/000000000025.jpg)" in err[0]  # the
     assert not out.exists()  # replica's val file also warns about its invalid annotations, as in training
 
@@ -361,7 +368,7 @@ def test_truncated_validation_image_stops_before_training(coco_root, tmp_path, c
     f.write_bytes(f.read_bytes()[: f.stat().st_size * 3 // 4])
     rc = main(["train", "ssd320-small-shapes", "--data", str(coco_root), "--out", str(tmp_path / "run"),
                "--device", "cpu", "--epochs", "1", "--batch-size", "1", "--set", "examples=0"])
-    err = [e for e in capsys.readouterr().err.strip().splitlines() if "invalid annotations skipped" not in e]
+    err = [e for e in capsys.readouterr().err.strip().splitlines() if not _replica_warning(e)]
     assert rc == 2 and len(err) == 1, err
     assert "000000000139.jpg: image listed in instances_val2017.json does not decode" in err[0]
     assert not (tmp_path / "run").exists()
@@ -470,7 +477,7 @@ def test_an_image_stored_at_another_size_than_listed_is_one_line(coco_root, caps
     assert train.decode(0)["orig_size"] == (32, 32)
     out = coco_root.parent / "shards"  # data shard reads every image: stops before a shard is written
     assert main(["data", "shard", str(coco_root), str(out)]) == 2
-    err = [e for e in capsys.readouterr().err.strip().splitlines() if "invalid annotations skipped" not in e]
+    err = [e for e in capsys.readouterr().err.strip().splitlines() if not _replica_warning(e)]
     assert len(err) == 1 and f"000000000025.jpg: stored {w}x{h}" in err[0] and not out.exists()
 
 
@@ -524,3 +531,17 @@ def test_data_given_inside_the_coco_folder_or_another_split_name_says_what_to_pa
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"a COCO folder holds annotations/instances_<split>.json"):
         build(path=str(tmp_path / "empty"), image_size=32)
+
+
+def test_a_training_category_without_a_box_is_one_warning_and_an_inspect_anomaly(coco_root, caplog):
+    """A Roboflow-style export's placeholder category 0 ('objects', no annotation), or a class filtered out:
+    the model got a class for it that no box trains, without a word (only the class count showed it)."""
+    _edit(coco_root / "annotations/instances_train2017.json",
+          lambda d: d["categories"].insert(0, {"supercategory": "none", "id": 0, "name": "objects"}))
+    with caplog.at_level(logging.WARNING):
+        splits = build(path=str(coco_root), image_size=32)
+    assert splits.info["num_classes"] == 3
+    warned = [r.getMessage() for r in caplog.records if "without a box" in r.getMessage()]
+    assert len(warned) == 1 and "2 categories without a box (0 'objects', 1 'person')" in warned[0]  # train has
+    assert inspect_path(coco_root)["anomalies"][  # one box, a car: person is never trained either
+        "train2017: categories without a box (classes never trained)"] == "2 (0 'objects', 1 'person')"

@@ -44,6 +44,7 @@ from fastvision.data.formats.coco_check import (
     other_size,
     read_instances,
     renamed_categories,
+    untrained_categories,
 )
 from fastvision.data.transforms import RandomTransform, Transform
 from fastvision.errors import ConfigError, DataError, check_range
@@ -387,6 +388,9 @@ def build(*, path: str, train_split: str = "train2017", val_split: str = "val201
         raise DataError(f"{val.ann_file}: category id {i} is {v!r} there, {t!r} in {train.ann_file.name} "
                         f"({len(renamed)} id(s) named otherwise; the model's class for an id would be scored "
                         "against another category): give both files the same categories")
+    if unused := untrained_categories(train.coco.dataset["categories"], train.coco.dataset["annotations"]):
+        log.warning("%s: %d categor%s without a box (%s): the model has a class for each that is never trained",
+                    train.ann_file, len(unused), "y" if len(unused) == 1 else "ies", first_few(unused))
     names = [train.coco.cats[c]["name"] for c in train.cat_ids]
     return DatasetSplits(train, val, {
         "num_classes": len(train.cat_ids), "cat_ids": train.cat_ids, "class_names": names, "classes": names,

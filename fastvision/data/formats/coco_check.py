@@ -283,6 +283,13 @@ def layout_hint(root: Path) -> str:
     return " (a COCO folder holds annotations/instances_<split>.json and <split>/ image folders)"
 
 
+def untrained_categories(categories: list[dict[str, Any]], usable: list[dict[str, Any]]) -> list[str]:
+    """``["0 'objects'", ...]``: the categories no usable non-crowd box of a training file has (an export's
+    placeholder category 0, a class filtered out): each is a class of the model that is never trained."""
+    used = {a["category_id"] for a in usable if not a.get("iscrowd")}
+    return [f"{c['id']} {c['name']!r}" for c in categories if c["id"] not in used]
+
+
 def missing_images(dataset: dict[str, Any], image_dir: Path) -> list[str]:
     """File names listed in ``images`` that are not files under ``image_dir``."""
     return [im.get("file_name", "?") for im in dataset.get("images", [])
@@ -355,6 +362,8 @@ def inspect_folder(path: Path) -> tuple[dict[str, Any], dict[str, list[Any]], di
         report[f"{split} images (without boxes)"] = f"{len(images)} ({boxless})"
         report[f"{split} boxes (crowd)"] = f"{len(usable)} ({sum(bool(a.get('iscrowd')) for a in usable)})"
         report[f"{split} boxes per category"] = dict(Counter(names[a["category_id"]] for a in usable))
+        if "train" in split and (unused := untrained_categories(cats, usable)):
+            anomalies[f"{split}: categories without a box (classes never trained)"] = unused
         for kind, ids in bad.items():
             anomalies[f"{split}: annotations with {kind} (skipped; ids)"] = ids
         if not images:
