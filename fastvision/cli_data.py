@@ -115,6 +115,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     settings = {}  # KEY=VALUE of data.args, parsed as train's --set parses them
     for item in args.set:
         settings.update(parse_override("data.args." + item.strip().removeprefix("data.args."))["data"]["args"])
+    from fastvision.data.shards.store import unfinished_set
+
+    if unfinished := unfinished_set(args.path):  # a stopped `data shard`: not 'unrecognised dataset layout'
+        raise DataError(unfinished)
     report = inspect_path(args.path if "://" in args.path else Path(args.path), settings)  # a URL: shards
     print_report(report)
     unusable = report.get("unusable") or {}

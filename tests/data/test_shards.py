@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -349,3 +350,20 @@ def test_a_rerun_on_a_finished_set_without_shard_size_checks_it_at_its_own_size(
     assert _index(again) == _index(shards)
     assert main(["data", "shard", str(inet), str(again), "--shard-size", "64KB"]) == 2  # another size: still refused
     assert "--shard-size changed" in capsys.readouterr().err
+
+
+def test_an_unfinished_set_is_named_as_one_by_training_and_inspect(shards, tmp_path, capsys):
+    """A `data shard` stopped before its index: training said 'no train/ folder', `data inspect`
+    'unrecognised dataset layout'; both now name the unfinished set and the rerun that finishes it."""
+    from fastvision.cli import main
+
+    cut = _copy(shards, tmp_path / "cut")
+    (cut / "shards.json").unlink()
+    n = len(list(cut.glob("*.tar")))
+    said = rf"cut: an unfinished shard set \({n} shard\(s\), no shards.json.*rerun `fastvision data shard SRC .*cut` "
+    for read in (lambda: DATASETS.build("imagefolder", {"path": str(cut)}),
+                 lambda: DATASETS.build("coco", {"path": str(cut)})):
+        with pytest.raises(DataError, match=said + "with the same --shard-size"):
+            read()
+    assert main(["data", "inspect", str(cut)]) == 2
+    assert re.search(said, capsys.readouterr().err)

@@ -34,7 +34,7 @@ from fastvision.data.formats.base import DatasetSplits
 from fastvision.data.formats.shards import ShardCoco, ShardImageFolder
 from fastvision.data.shards.reader import ShardReader
 from fastvision.data.shards.remote import NotFound
-from fastvision.data.shards.store import ShardIndex, ShardStore, is_shard_set
+from fastvision.data.shards.store import ShardIndex, ShardStore, is_shard_set, unfinished_set
 from fastvision.data.shards.tfrecord import imagenet_members, is_tfrecord_set
 from fastvision.errors import ConfigError, DataError
 from fastvision.utils.files import atomic_write
@@ -199,6 +199,8 @@ def recognise(registry, name: str) -> None:
             return build_tfrecords(ShardStore(path), kwargs, kwargs.get("skip_unreadable", False),
                                    **{k: v for k, v in shard.items() if k not in remote})
         if not is_shard_set(path):
+            if unfinished := unfinished_set(path):
+                raise DataError(unfinished)
             return fn(path=path, **kwargs)
         if kwargs.get("backend", "pillow") != "pillow":
             raise ConfigError(f"data.args.backend={kwargs['backend']}: shard sets are read by the pillow backend")

@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,22 @@ def is_shard_set(path: str | Path | None) -> bool:
     if path is None:
         return False
     return is_remote(path) or (Path(path) / INDEX).is_file()
+
+
+def unfinished_set(path: str | Path | None) -> str | None:
+    """The one-line error for a folder holding shards but no ``shards.json`` (a ``data shard`` that was
+    stopped: the index is written last) and no ``train/``, else None. Training and ``data inspect`` said
+    'no train/ folder' or 'unrecognised dataset layout' there."""
+    if path is None or is_remote(path):
+        return None
+    p = Path(path)
+    if not p.is_dir() or (p / INDEX).exists() or (p / "train").exists():
+        return None
+    n = sum(1 for q in p.iterdir() if re.fullmatch(r"[a-z]+-\d{6}\.tar", q.name))
+    if not n:
+        return None
+    return (f"{p}: an unfinished shard set ({n} shard(s), no {INDEX}: `fastvision data shard` was stopped before "
+            f"it ended); rerun `fastvision data shard SRC {p}` with the same --shard-size to finish it")
 
 
 def parse_index(doc: Any, base: str, where: str) -> ShardIndex:
