@@ -317,6 +317,9 @@ def test_coco_images_missing_or_undecodable_name_the_commands_flag_not_trainings
     assert len(err) == 1 and first.name in err[0] and "--skip-unreadable" in err[0], err
     assert "data.args" not in err[0] and not (tmp_path / "out").exists()
     assert main(["data", "shard", str(coco), str(tmp_path / "out"), "--shard-size", "1MB", "--skip-unreadable"]) == 0
+    assert main(["data", "shard", str(coco), str(tmp_path / "o2"), "--format", "imagefolder"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no train/ folder: SRC is the folder holding" in err and "data.args" not in err, err
 
 
 def test_only_the_writers_own_temporary_files_are_taken_for_its_and_removed(inet, tmp_path, capsys):

@@ -310,8 +310,9 @@ def write_shards(src: str | Path, out: str | Path, shard_size: int | str | None 
         raise ConfigError(f"data shard --format {source!r}: one of {', '.join(SOURCES)}")
     try:
         info, splits, files = SOURCES[source](src, skip_unreadable)
-    except DataError as e:  # the readers' way out is training's key; this command's is its flag
-        raise DataError(str(e).replace("data.args.skip_unreadable=true", "--skip-unreadable")) from None
+    except DataError as e:  # the readers' way out is training's key; this command's is its flag or SRC
+        said = str(e).replace("data.args.skip_unreadable=true", "--skip-unreadable")
+        raise DataError(said.replace("--data (data.args.path) is the folder", "SRC is the folder")) from None
     check_apart(out, src, splits)
     check_out(out, src, source, info, force)
     out.mkdir(parents=True, exist_ok=True)
