@@ -269,3 +269,19 @@ def test_a_cache_dir_that_takes_no_entries_is_one_config_error_at_build(tmp_path
     writable = tmp_path / "ok"
     a = wrap_train_set(Counted(), cache=cache, cache_dir=str(writable))
     assert torch.equal(a[1]["image"], Counted()[1]["image"]) and not list(writable.glob(".write-probe.*"))
+
+
+@pytest.mark.parametrize("cache", ["disk", "ram"])
+def test_a_read_only_cache_dir_that_holds_every_entry_is_read(tmp_path, monkeypatch, cache):
+    """A cache prepared once and shared read-only: nothing to write, so it serves its entries (no item
+    preprocessed again) instead of being refused."""
+    folder = tmp_path / "shared"
+    first = wrap_train_set(Counted(), cache=cache, cache_dir=str(folder))
+    want = [first[i]["image"] for i in range(6)]  # every entry written
+    entries = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.fvc")}
+    _read_only(monkeypatch, folder)
+    again = Counted()
+    b = wrap_train_set(again, cache=cache, cache_dir=str(folder))
+    reads = again.reads  # the determinism check's, where the cache makes one
+    assert all(torch.equal(b[i]["image"], want[i]) for i in range(6)) and again.reads == reads
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("*.fvc")} == entries

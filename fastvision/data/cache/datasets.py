@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 from fastvision.data import transforms as T
 from fastvision.data.cache.format import CorruptEntry, decode, read_item, write_item
 from fastvision.distributed.env import detect_env
-from fastvision.errors import DataWarning
+from fastvision.errors import ConfigError, DataWarning
 
 log = logging.getLogger(__name__)
 
@@ -276,10 +276,18 @@ class PersistentDataset(_Cached):
                  identity: Callable[[int], str] | None = None):
         super().__init__(base, pipeline)
         self.dir = Path(cache_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.identity = identity or getattr(base, "identity", None) or (lambda i: f"{i}/{len(base)}")
         self.num_cached = len(base)
         self.recomputed = 0
+        self.read_only = False  # a folder that takes no file but holds every entry: read, never written
+        if (cause := _unwritable(self.dir)) is not None:
+            missing = sum(not self.path(i).exists() for i in range(len(base)))
+            if missing:  # before: an OSError at the first entry written, mid-epoch, naming a temp file
+                raise ConfigError(f"data.cache_dir: cannot write cache entries in {self.dir} ({cause}), and {missing} "
+                                  f"of {len(base)} are not there; pass a writable folder (--set data.cache_dir=DIR), "
+                                  "or data.cache_dir=null with a memory cache (ram, shared, smart, gpu) to skip it")
+            self.read_only = True
+            log.info("data.cache_dir %s takes no new file (%s); every entry is there: read as is", self.dir, cause)
 
     def path(self, i: int) -> Path:
         key = hashlib.sha256(f"{self.identity(i)}\0{self.signature}".encode()).hexdigest()
@@ -295,12 +303,27 @@ class PersistentDataset(_Cached):
                 warnings.warn(f"cache entry {p} is corrupt ({e}); recomputing item {i}", DataWarning, stacklevel=2)
                 self.recomputed += 1
         item = self._compute(i)
-        write_item(p, item)
+        if not self.read_only:  # read-only: a corrupt entry is recomputed each time it is read
+            write_item(p, item)
         return item
 
     def warm(self, num_workers: int = 4, progress: bool = True) -> None:
         """Fill every missing entry now (threaded) instead of during the first epoch."""
         fill(self._cached, range(len(self)), num_workers, progress, "caching to disk")
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why no entry can be written in ``folder`` (made first; a temp file made and removed), None if one can."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:  # read-only, forbidden, under a file, a place that takes no folder
+        return e.strerror or str(e)
+    return None
 
 
 class SharedCacheDataset(_Cached):

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -334,20 +333,8 @@ def wrap_val_set(dataset: Dataset, *, cache: str, cache_dir: str | None = None) 
 
 
 def disk_dir(cache_dir: str | None) -> Path:
-    """``data.cache_dir``: a folder, or None / "auto" for :func:`default_cache_dir`, made and checked for
-    writing (a temp file made and removed) before any entry is: a place where entries cannot be written
-    is one ConfigError naming the key, at build, not an OSError at the first entry mid-epoch."""
-    folder = default_cache_dir() if cache_dir in (None, "", "auto") else Path(cache_dir)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"data.cache_dir: cannot write cache entries in {folder} ({e.strerror or e}); pass a "
-                          "writable folder (--set data.cache_dir=DIR), or data.cache_dir=null with a memory cache "
-                          "(data.cache ram, shared, smart, gpu) to skip the disk") from e
-    return folder
+    """``data.cache_dir``: a folder, or None / "auto" for :func:`default_cache_dir`."""
+    return default_cache_dir() if cache_dir in (None, "", "auto") else Path(cache_dir)
 
 
 def _through_disk(base: Dataset, pipeline: list, identity: Callable[[int], str] | None,
