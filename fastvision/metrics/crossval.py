@@ -36,6 +36,9 @@ def read_run(run: str | Path) -> tuple[dict[str, float], int | None, dict[str, A
         where ``metrics.jsonl`` has no config event).
     """
     path = Path(run)
+    if path.is_dir() and not (path / "metrics.jsonl").is_file() and list(path.glob("fold-[0-9]*/metrics.jsonl")):
+        raise DataError(f"{path}: a train --folds folder, not one fold's run: give it alone (fastvision cv {path}) "
+                        f"or its runs ({path / 'fold-*'})")
     path = path / "metrics.jsonl" if path.is_dir() else path
     if not path.is_file():
         raise DataError(f"{path}: not a run directory with metrics.jsonl")

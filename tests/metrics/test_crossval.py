@@ -98,3 +98,13 @@ def test_cv_metrics_of_a_folds_folder_is_one_line(tmp_path, capsys):
     assert cli.main(["cv", str(tmp_path / "cv"), "--metrics", "iou"]) == 2  # was the Dice table, --metrics ignored
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--metrics" in err and "fold-*" in err
+
+
+def test_cv_of_two_folds_folders_names_the_folds_folder(tmp_path, capsys):
+    from fastvision import cli
+
+    for name in ("a", "b"):
+        _run(tmp_path / name / "fold-0", 0, [], {"dice": 0.5})
+    assert cli.main(["cv", str(tmp_path / "a"), str(tmp_path / "b")]) == 2  # was "a/metrics.jsonl: not a run"
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train --folds folder" in err and f"fastvision cv {tmp_path / 'a'}" in err
