@@ -370,3 +370,17 @@ def test_an_unfinished_set_is_named_as_one_by_training_and_inspect(shards, tmp_p
             read()
     assert main(["data", "inspect", str(cut)]) == 2
     assert re.search(said, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("url", ["../../escaped.tar", "/abs/train-000000.tar", "sub/train-000000.tar", ".hidden.tar"])
+def test_an_index_naming_a_file_outside_the_set_is_refused(shards, tmp_path, url):
+    """A shards.json whose url was '../../x.tar' read a tar outside the set's folder (and over HTTP wrote
+    the cached copy, or failed with a FileNotFoundError traceback, outside the shard cache)."""
+    bad = _copy(shards, tmp_path / "set")
+    (tmp_path / "escaped.tar").write_bytes((bad / "train-000000.tar").read_bytes())
+    doc = _index(bad)
+    doc["splits"]["train"]["shardlist"][0]["url"] = url
+    (bad / "shards.json").write_text(json.dumps(doc))
+    with pytest.raises(DataError, match=rf"shards.json: not a fastvision shard index .*{re.escape(repr(url))} is not "
+                                        r"a file of the set"):
+        _train_split(bad)

@@ -83,12 +83,23 @@ def parse_index(doc: Any, base: str, where: str) -> ShardIndex:
     try:
         if doc.get("format") != FORMAT:
             raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT!r}")
-        splits = {name: [Shard(s["url"], int(s["nsamples"]), int(s["filesize"]), str(s["sha256"]))
+        splits = {name: [Shard(_name(s["url"], False), int(s["nsamples"]), int(s["filesize"]), str(s["sha256"]))
                          for s in entry["shardlist"]] for name, entry in doc["splits"].items()}
-        return ShardIndex(base, str(doc["source"]), dict(doc["info"]), splits, dict(doc.get("files", {})),
-                          dict(doc.get("writer", {})))
+        files = {k: _name(v, True) for k, v in dict(doc.get("files", {})).items()}
+        return ShardIndex(base, str(doc["source"]), dict(doc["info"]), splits, files, dict(doc.get("writer", {})))
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise DataError(f"{where}: not a fastvision shard index ({type(e).__name__}: {e})") from e
+
+
+def _name(rel: Any, folder: bool) -> str:
+    """A file of the set as the index names it: a plain file name (``folder``: one folder level, as the
+    copied ``annotations/x.json``), never absolute or with ``..``: the set's folder and the shard cache
+    hold what the index names, and ``../../x.tar`` read (and cached) a file outside them."""
+    parts = str(rel).split("/")
+    if not isinstance(rel, str) or len(parts) > (2 if folder else 1) or any(
+            not p or p.startswith(".") or "\\" in p for p in parts):
+        raise ValueError(f"{rel!r} is not a file of the set (a plain name inside its folder)")
+    return rel
 
 
 def index_doc(index: ShardIndex) -> dict[str, Any]:
