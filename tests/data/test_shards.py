@@ -163,6 +163,7 @@ def test_coco_items_are_the_folders(tmp_path):
     folder = coco_folder(path=str(src), image_size=48)
     sharded = DATASETS.build("coco", {"path": str(tmp_path / "out"), "image_size": 48})
     assert sharded.info["cat_ids"] == folder.info["cat_ids"] and Path(sharded.info["val_ann_file"]).is_file()
+    assert sharded.info["classes"] == folder.info["classes"]  # evaluate --data / a resume compare them
     pos = {image_id: i for i, image_id in enumerate(folder.val.ids)}
     for i in range(len(sharded.val)):
         a = sharded.val[i]

@@ -151,7 +151,7 @@ def coco_source(src: Path, skip_unreadable: bool = False
             rows.append([_file(ds.path(i)), _text(doc, "json")])
         out[name] = rows
     info = {"cat_ids": splits.info["cat_ids"], "class_names": splits.info["class_names"],
-            "num_classes": splits.info["num_classes"]}
+            "classes": splits.info["classes"], "num_classes": splits.info["num_classes"]}  # classes: as the reader's
     return info, out, {"val_ann_file": Path(splits.info["val_ann_file"])}
 
 
