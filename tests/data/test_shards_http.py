@@ -228,3 +228,20 @@ def test_shard_arguments_out_of_range_are_one_line_when_the_set_is_built(server,
         DATASETS.build("imagefolder", {"path": server, **ITEM, **args})
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
     assert not [p for p in _Handler.gets if p.endswith(".tar")]
+
+
+def test_the_cache_limit_holds_for_every_set_in_the_cache_together(shard_dir, tmp_path):
+    """Each set (URL) evicted only its own copies, so two sets in one shard_cache_dir held twice the limit."""
+    sizes = [s["filesize"] for s in json.loads((shard_dir / "shards.json").read_text())["splits"]["train"]["shardlist"]]
+    limit = 2 * max(sizes) + min(sizes) // 2  # room for two shards in all
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "mine.bin").write_bytes(b"\0" * 4096)  # a user's file beside: not the cache's to evict
+    with serve(shard_dir) as one, serve(shard_dir) as two:  # two URLs of the set: two sets to the cache
+        for url in (one, two):
+            ds = _split(url, tmp_path / "c", shard_cache_gb=limit / 1e9).train
+            ds.reader.keep_open = 1
+            for i in range(len(ds)):
+                ds[i]
+    cached = [p for p in (tmp_path / "c").rglob("*.tar")]
+    assert len({p.parent for p in cached}) == 1 and sum(p.stat().st_size for p in cached) <= limit
+    assert (tmp_path / "c" / "mine.bin").stat().st_size == 4096

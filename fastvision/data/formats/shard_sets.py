@@ -5,7 +5,7 @@
 (image size, crop, flip, ...), and adds the shard options to its ``data.args``:
 
   shard_cache_dir   node-local cache of shards fetched over HTTP (default ~/.cache/fastvision/shards)
-  shard_cache_gb    cache size limit; least recently used shards are evicted (default 100)
+  shard_cache_gb    cache size limit, every set's together; least recently used shards are evicted (default 100)
   shard_retries     extra tries after an HTTP error or timeout (default 3)
   shard_timeout_s   per-request timeout (default 30)
   shard_verify      check a local shard's sha256 when a process first opens it (default true)

@@ -29,6 +29,7 @@ from fastvision.errors import DataError
 from fastvision.utils.files import atomic_write
 
 INDEX = "shards.json"
+CACHE_DIR = re.compile(r"[0-9a-f]{16}")  # a set's folder in the cache: its URL's hash (ShardStore.cache)
 FORMAT = "fastvision-shards/v1"
 
 
@@ -115,7 +116,8 @@ class ShardStore:
     Args:
         base: the set's folder or ``http(s)://`` / ``s3://`` URL.
         cache_dir: node-local cache root for a URL (default ``~/.cache/fastvision/shards``).
-        cache_gb: cache size limit (GB, 1e9 bytes); least recently used shards are evicted.
+        cache_gb: cache size limit (GB, 1e9 bytes), every set's copies in ``cache_dir`` together; least
+            recently used shards are evicted.
         retries: extra tries after an HTTP / S3 error or timeout.
         timeout_s: per-request timeout (seconds).
     """
@@ -193,13 +195,21 @@ class ShardStore:
             raise DataError(f"{self.name(shard.url)}: shard cache {self.cache} full: the shard needs "
                             f"{shard.filesize / 1e9:.3g} GB, the limit is {self.limit / 1e9:.3g} GB "
                             f"(data.args.shard_cache_gb)")
-        files = [p for p in self.cache.iterdir() if p.is_file() and not p.name.startswith(".")]
-        used = sum(p.stat().st_size for p in files)
-        for old in sorted(files, key=lambda p: p.stat().st_mtime):
+        # the limit is the cache's, every set's copies together (each set has a folder of its URL's hash)
+        files = []
+        for d in self.cache.parent.iterdir():
+            if d.is_dir() and CACHE_DIR.fullmatch(d.name):
+                for p in d.iterdir():
+                    with contextlib.suppress(FileNotFoundError):  # another process evicted it meanwhile
+                        if not p.name.startswith(".") and p.is_file():
+                            st = p.stat()
+                            files.append((st.st_mtime, st.st_size, p))
+        used = sum(size for _, size, _ in files)
+        for _, size, old in sorted(files, key=lambda f: f[0]):
             if used + shard.filesize <= self.limit:
                 break
+            used -= size
             with contextlib.suppress(FileNotFoundError):  # another process evicted it first
-                used -= old.stat().st_size
                 old.unlink()  # a reader holding it open keeps reading (POSIX)
                 (old.parent / f".{old.name}.sha256").unlink()
 
