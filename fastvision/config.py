@@ -255,10 +255,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge; ``over`` wins. Lists and scalars are replaced, not merged."""
+    """Recursive dict merge; ``over`` wins. Lists, scalars and an empty mapping (``augment={}``) replace."""
     out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    for k, v in over.items():  # before, {} merged into the base's mapping and left it as it was
+        out[k] = merge(out[k], v) if isinstance(v, dict) and v and isinstance(out.get(k), dict) else v
     return out
 
 

@@ -260,3 +260,25 @@ def test_betas_outside_two_values_in_0_1_are_one_config_error(name, betas, ok):
     with pytest.raises(ConfigError, match=r"optim\.betas must be two numbers in \[0, 1\)"):
         build_optimizer(model, cfg, 0.1)
     build_optimizer(model, OptimConfig(name="sgd", betas=betas), 0.1)  # SGD reads no betas
+
+
+@pytest.mark.parametrize("sets,section,want", [
+    # an empty mapping clears: before, it merged into the recipe's and left it as it was (augmentation kept)
+    (["data.augment={}"], ("data", "augment"), {}),
+    (["data.augment.rot90={prob: 0.25}"], ("data", "augment"), {"flip": {"axes": [0, 1]}, "rot90": {"prob": 0.25}}),
+    # a loss switched with its recipe's arguments cleared first, then its own set
+    (["loss.name=dice_focal", "loss.args={}", "loss.args.sigmoid=true"], ("loss",), None),
+])
+def test_an_empty_mapping_override_replaces_the_recipes(sets, section, want):
+    cfg = config.load("unet2d-microscopy", [config.parse_override(s) for s in sets])
+    got = config.to_dict(cfg)
+    for key in section:
+        got = got[key]
+    if want is None:
+        assert got == {"name": "dice_focal", "args": {"sigmoid": True}}
+        import fastvision.losses  # noqa: F401 - registers the losses
+        from fastvision.registry import LOSSES
+
+        LOSSES.build(got["name"], got["args"], where="loss.args")  # the recipe's dice_ce keys are gone
+        return
+    assert got == want
