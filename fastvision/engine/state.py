@@ -232,13 +232,20 @@ def check_resumable(ckpt: dict[str, Any], cfg: RunConfig, path) -> None:
                           f"{cfg.recipe!r} ({mine}): resume it with its own recipe, or choose another --out")
 
 
+def _class_list(info: dict | None) -> list | None:
+    """``info["classes"]``; a COCO dataset's ``class_names`` in a checkpoint written before its info carried them
+    as ``classes`` (a detection run's categories in class order)."""
+    info = info or {}
+    return info.get("classes") or (info.get("class_names") if "cat_ids" in info else None)
+
+
 def classes_differ(trained: dict, given: dict) -> str | None:
     """Where dataset info ``given``'s class list (``info["classes"]``) is not ``trained``'s, as
     "(N classes there, M in training; class i is 'b' there, 'a' in training)", else None: labels are
     class indices, so another list (a class fewer, another order, other names) would make each
     image another class; the first classes of the training list alone keep their indices and pass.
     Datasets without a class list pass."""
-    old, new = (trained or {}).get("classes"), (given or {}).get("classes")
+    old, new = (_class_list(trained), _class_list(given))
     if not old or not new:
         return None
     # compared in NFC: macOS writes names decomposed ('cafe' + U+0301), other systems composed

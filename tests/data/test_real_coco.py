@@ -424,6 +424,9 @@ def test_a_category_id_named_otherwise_in_val_or_in_evaluate_data_is_one_line(co
     with pytest.raises(DataError, match=r"class 0 is 'car' there, 'person' in training"):
         check_same_classes(trained, given, str(coco_root), "best.pt")
     check_same_classes(given, given, str(coco_root), "best.pt")  # the same names pass
+    older = {k: v for k, v in trained.items() if k != "classes"}  # a checkpoint's info before it had classes
+    with pytest.raises(DataError, match=r"class 0 is 'car' there, 'person' in training"):
+        check_same_classes(older, given, str(coco_root), "best.pt")
 
 
 def test_iscrowd_null_is_0_and_a_string_iscrowd_is_an_anomaly(coco_root, caplog):
