@@ -548,3 +548,16 @@ def test_a_training_category_without_a_box_is_one_warning_and_an_inspect_anomaly
     assert len(warned) == 1 and "2 categories without a box (0 'objects', 1 'person')" in warned[0]  # train has
     assert inspect_path(coco_root)["anomalies"][  # one box, a car: person is never trained either
         "train2017: categories without a box (classes never trained)"] == "2 (0 'objects', 1 'person')"
+
+
+def test_an_area_of_0_or_below_is_the_box_area():
+    """An export writing area 0 (no segmentation measured) put every box in COCOeval's 'small' range (AP medium
+    and large read -1 or scored the wrong boxes), and a negative area left the box out of every range."""
+    from fastvision.data.formats.coco_check import check_annotations
+
+    data = {"images": [{"id": 1, "file_name": "a.jpg", "width": 100, "height": 100}],
+            "categories": [{"id": 1, "name": "x"}],
+            "annotations": [{"id": k, "image_id": 1, "category_id": 1, "bbox": [0, 0, 40, 50], "area": area,
+                             "iscrowd": 0} for k, area in ((1, 0), (2, -3.0), (3, 1234.5))]}
+    usable, bad = check_annotations(data)
+    assert not bad and [a["area"] for a in usable] == [2000.0, 2000.0, 1234.5]  # a positive area is kept

@@ -177,10 +177,12 @@ def check_annotations(dataset: dict[str, Any]) -> tuple[list[dict[str, Any]], di
 
 def _with_defaults(a: dict[str, Any]) -> dict[str, Any]:
     """``a`` with the fields COCOeval reads that exports often leave out: ``iscrowd`` 0 (also for ``null``, on
-    which COCOeval's ``int()`` fails), and ``area`` (missing or not a number) the box's, as pycocotools gives
+    which COCOeval's ``int()`` fails), and ``area`` (missing, not a number, or <= 0) the box's, as pycocotools gives
     detections (``loadRes``); the original dict if complete."""
     area = a.get("area")
-    has_area = isinstance(area, (int, float)) and not isinstance(area, bool) and math.isfinite(area)
+    # > 0: an export writing area 0 (no segmentation measured) put every box in COCOeval's small range, and a
+    # negative one left the box out of every range (ignored ground truth)
+    has_area = isinstance(area, (int, float)) and not isinstance(area, bool) and math.isfinite(area) and area > 0
     if a.get("iscrowd") is not None and has_area:
         return a
     fixed = {**a, "iscrowd": a.get("iscrowd") or 0}
