@@ -9,7 +9,8 @@ from the member sizes alone, so they are known before a byte is written.
 The writer is deterministic (same input and options, same bytes: fixed tar metadata and order)
 and resumable: a shard goes to a temporary file and is renamed into place when complete, so after
 an interruption every shard present is whole; the next run checks each one present (size, tar
-structure, sample count) and writes only the missing ones. A finished shard is never rewritten.
+structure, sample count, member names and sizes, the bytes of the members it made) and writes only
+the missing ones. A finished shard is never rewritten.
 The index is written last; a shard set without ``shards.json`` is unfinished.
 
 Members of sample ``<key>`` (WebDataset groups members by key):
@@ -183,17 +184,34 @@ def plan(samples: list[list[Member]], shard_size: int) -> list[list[int]]:
     return shards if shards[0] else []
 
 
-def _existing(path: Path, expected_size: int, n: int) -> Shard:
-    """The record of a shard a previous run finished; DataError if it is not the planned shard."""
+def _existing(path: Path, keys: list[str], rows: list[list[Member]]) -> Shard:
+    """The record of a shard a previous run finished; DataError if it is not the planned shard: its size,
+    its members' names and sizes, and the bytes of the members the writer made (labels, ids, COCO
+    records: a class or an annotation changed since, with every size the same) must be this input's."""
+    expected = sum(tario.member_bytes(m.size for m in r) for r in rows) + len(tario.END)
     size = path.stat().st_size
-    if size != expected_size:
-        raise DataError(f"{path}: {size} bytes where this input makes {expected_size}: the source or "
+    if size != expected:
+        raise DataError(f"{path}: {size} bytes where this input makes {expected}: the source or "
                         f"--shard-size changed since it was written (remove {path.parent} to start over)")
     table, sha = tario.scan(path, path.name, verify=True)
     found = len(tario.samples(table))
-    if found != n:
-        raise DataError(f"{path}: {found} samples where this input makes {n} (remove {path.parent} to start over)")
-    return Shard(path.name, n, size, sha or "")
+    if found != len(rows):
+        raise DataError(f"{path}: {found} samples where this input makes {len(rows)} (remove {path.parent} to "
+                        "start over)")
+    planned = [(f"{key}.{m.ext}", m) for key, members in zip(keys, rows, strict=True) for m in members]
+    if len(table) != len(planned):
+        raise DataError(f"{path}: {len(table)} members where this input makes {len(planned)} (remove "
+                        f"{path.parent} to start over)")
+    with open(path, "rb") as f:
+        for (name, m), (got, (offset, n)) in zip(planned, table.items(), strict=True):
+            same = got == name and n == m.size
+            if same and m.path is None:  # made by the writer: small, compared byte for byte
+                f.seek(offset)
+                same = f.read(n) == m.read()
+            if not same:
+                raise DataError(f"{path}: member {got} is not what this input makes ({name}): the source "
+                                f"changed since it was written (remove {path.parent} to start over)")
+    return Shard(path.name, len(rows), size, sha or "")
 
 
 def _write_shard(path: Path, keys: list[str], rows: list[list[Member]]) -> Shard:
@@ -224,8 +242,7 @@ def write_split(out: Path, split: str, samples: list[list[Member]], shard_size: 
         keys = [f"{j:08d}" for j in idx]  # the position in the written order: unique and dot-free
         rows = [samples[order[j]] for j in idx]
         if path.exists():
-            size = sum(tario.member_bytes(m.size for m in r) for r in rows) + len(tario.END)
-            done.append(_existing(path, size, len(rows)))
+            done.append(_existing(path, keys, rows))
         else:
             done.append(_write_shard(path, keys, rows))
             log.debug("%s: %d samples, %.1f MB", path, len(rows), done[-1].filesize / 1e6)
