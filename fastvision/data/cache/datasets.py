@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 
 from fastvision.data import transforms as T
 from fastvision.data.cache.format import CorruptEntry, decode, read_item, write_item
+from fastvision.data.cache.stale import remove_stale_shared
 from fastvision.distributed.env import detect_env
 from fastvision.errors import ConfigError, DataWarning
 
@@ -341,7 +342,8 @@ class SharedCacheDataset(_Cached):
             (:func:`fastvision.distributed.env.detect_env`).
         root: folder on a memory file system.
         timeout_s: how long to wait for the other ranks.
-        cleanup: local rank 0 deletes the folder at exit (mapped pages stay valid).
+        cleanup: local rank 0 deletes the folder at exit (mapped pages stay valid); it also removes the
+            folders of this user's ended jobs that a kill left behind (:func:`remove_stale_shared`).
     """
 
     def __init__(self, base: Dataset, pipeline: Sequence[T.TransformFn], name: str, *,
@@ -353,6 +355,8 @@ class SharedCacheDataset(_Cached):
         rank = env.local_rank if local_rank is None else local_rank
         world = env.local_world_size if local_world_size is None else local_world_size
         self.dir = Path(root) / f"fastvision-{name}-{self._content_key()}-{len(base)}"
+        if rank == 0:  # a killed job's copy would hold the node's memory until reboot
+            remove_stale_shared(root)
         self.dir.mkdir(parents=True, exist_ok=True)
         if cleanup and rank == 0:
             atexit.register(shutil.rmtree, self.dir, True)
