@@ -172,7 +172,8 @@ def trainer_choices(trainer: str, ov: dict[str, Any], n_cases: int, gpus: int = 
         ("train.clip_grad", ov["train"]["clip_grad"], "nnUNetTrainer.train_step: clip_grad_norm_(parameters, 12)"),
         ("train.epochs", ov["train"]["epochs"],
          f"nnU-Net's {NNUNET_EPOCHS} epochs x {NNUNET_ITERATIONS} iterations = {total} iterations, at {steps} "
-         f"steps per pass over fold 0's cases (batch {batch}" + (f" on each of {gpus} GPUs)" if gpus > 1 else ")")),
+         f"step{'' if steps == 1 else 's'} per pass over fold 0's cases (batch {batch}"
+         + (f" on each of {gpus} GPUs)" if gpus > 1 else ")")),
         ("train.val_every", ov["train"]["val_every"],
          f"sliding-window validation about every {VAL_EVERY_ITERATIONS} iterations (nnU-Net: 50 patches per "
          "epoch, whole cases only at the end)"),
