@@ -271,6 +271,8 @@ def _postprocess_steps(mode: str, task, pp_file: Path) -> list[list[int]]:
     """``auto``: the folder's postprocessing.json (none without one); ``none``; ``lcc``: every target."""
     if mode == "auto":
         steps = postprocess.load_steps(pp_file) if pp_file.is_file() else []
+        if not steps:  # nothing to check (a run of another task, which the input checks name, included)
+            return []
         labels = sorted({c for _, ids in postprocess.targets(task) for c in ids})
         bad = next((s for s in steps if not s or not set(s) <= set(labels)), None)
         if bad is not None:  # another run's file (more classes), or edited: it would keep nothing or do nothing

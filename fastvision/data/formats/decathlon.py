@@ -373,7 +373,7 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     meta, source = found["meta"], Path(path) / "dataset.json"
     modalities = modality_names(meta)
     intensity = auto_intensity(meta) if intensity == "auto" else intensity
-    from fastvision.data.fingerprint import label_names  # here: fingerprint imports this module
+    from fastvision.data.formats.dataset_labels import label_names
     names = label_names(meta, Path(path))  # MSD's {"1": "spleen"} or nnU-Net v2's {"spleen": 1}
     label_map: tuple[tuple[int, int], ...] = ()
     class_names = [names[k] for k in sorted(names)]
