@@ -95,6 +95,23 @@ def test_ram_cache_reports_prefix_and_reads_once():
     assert "6/6 items cached" in cached.report() and "Counted.__getitem__" in cached.report()
 
 
+@pytest.mark.parametrize("cache, kw, said", [
+    ("gpu", {"cache_rate": 0.5}, "data.cache_rate 0.5: not read by data.cache gpu, which holds every item"),
+    ("none", {"cache_rate": 0.5, "cache_num": 2},
+     "data.cache_rate 0.5 and data.cache_num 2: not read by data.cache none"),
+    ("ram", {"cache_num": 2}, "data.cache_num 2: not read by data.cache ram"),
+    ("ram", {"cache_rate": 0.5}, None),  # ram holds that share
+    ("smart", {"cache_rate": 0.5, "cache_num": 2}, None),  # the window
+])
+def test_cache_rate_or_num_a_tier_does_not_read_is_one_warning(cache, kw, said, caplog):
+    caplog.set_level("WARNING", logger="fastvision.data.cache.select")
+    out = wrap_train_set(Counted(), cache=cache, **kw)
+    lines = [r.getMessage() for r in caplog.records if "not read by data.cache" in r.getMessage()]
+    assert lines == ([] if said is None else [lines[0]]) and (said is None or lines[0].startswith(said))
+    if cache == "ram":  # what ram holds: that share of the items
+        assert out.num_cached == int(6 * kw.get("cache_rate", 1.0))
+
+
 def test_random_dataset_is_refused_not_frozen():
     with pytest.raises(ConfigError, match="different item on every read"):
         wrap_train_set(Noisy(), cache="ram")

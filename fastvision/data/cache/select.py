@@ -208,6 +208,7 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
     """
     if cache not in CACHES:  # auto is resolved to one of them before (data/cache/auto.py, the build)
         raise ConfigError(f"data.cache must be one of {', '.join(CACHES)} or auto, got {cache!r}")
+    _say_unused(cache, cache_rate, cache_num, env)
     if cache == "none":
         return _uncached(dataset, seed)
     src, identity = _source(dataset, cache, cache_dir, env, seed)
@@ -223,6 +224,19 @@ def wrap_train_set(dataset: Dataset, *, cache: str, cache_rate: float = 1.0, cac
         out = _gpu(src, device, share)
     out.seed = seed
     return out
+
+
+def _say_unused(cache: str, cache_rate: float, cache_num: int | None, env: Any) -> None:
+    """One warning (rank 0) where ``data.cache_rate`` / ``data.cache_num`` are set for a tier that does not read
+    them: a MONAI user's ``cache_rate: 0.5`` caches half the items with ``ram``, a window with ``smart``, and
+    every item (or none) with the others."""
+    unused = [f"data.cache_rate {cache_rate:g}" if cache_rate != 1.0 and cache not in ("ram", "smart") else "",
+              f"data.cache_num {cache_num}" if cache_num is not None and cache != "smart" else ""]
+    unused = [u for u in unused if u]
+    if unused and (env if env is not None else DistEnv()).rank == 0:
+        held = "no item" if cache == "none" else "every item"
+        log.warning("%s: not read by data.cache %s, which holds %s (data.cache_rate is the share data.cache ram "
+                    "holds; both size data.cache smart's window)", " and ".join(unused), cache, held)
 
 
 class _Source(NamedTuple):
