@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from fastvision import distributed
 from fastvision.errors import ConfigError
 from fastvision.metrics import topk_correct
 from fastvision.registry import TASKS
 from fastvision.tasks.base import DeviceConstants, Evaluator, Task
+
+log = logging.getLogger(__name__)
 
 AUC_BINS = 8192  # score histogram bins over the logit of class 1's probability, in [-AUC_LOGIT, AUC_LOGIT]
 AUC_LOGIT = 16.0  # beyond it float32 probabilities are 0 or 1 within 1.2e-7: ties for any AUC
@@ -104,16 +108,23 @@ class ClassificationTask(Task):
         if info.get("num_classes", 0) > num_classes:
             raise ConfigError(f"task.args.num_classes is {num_classes} but the dataset has {info['num_classes']} "
                               f"classes; set task.args.num_classes and model.args.num_classes to {info['num_classes']}")
+        self.data_classes = int(info.get("num_classes", 0))  # the dataset's, where the build knows them
         self.class_names = [str(c) for c in info.get("classes", [])] or [str(c) for c in range(num_classes)]
 
     def check_model(self, model: nn.Module) -> None:
         """The model's last linear layer (the head) gives ``num_classes`` scores, before any step or
         run folder: one line naming both keys (a smaller head stopped the first step with "Target 9
-        is out of bounds", a larger ``task.args.num_classes`` than the head trained without a word)."""
+        is out of bounds", a larger ``task.args.num_classes`` than the head trained without a word); a
+        head larger than the dataset's classes is one warning (timm trains it without a word)."""
         head = next((m for m in reversed(list(model.modules())) if isinstance(m, nn.Linear)), None)
         if head is not None and head.out_features != self.num_classes:
             raise ConfigError(f"model.args.num_classes gives a head of {head.out_features} classes but "
                               f"task.args.num_classes is {self.num_classes}; set both to the dataset's classes")
+        have = self.data_classes
+        if 0 < have < self.num_classes and distributed.is_main():  # scores no label names: only softmax mass
+            log.warning("task.args.num_classes is %d but the dataset has %d classes: the head scores %d classes no "
+                        "label names; set task.args.num_classes and model.args.num_classes to %d", self.num_classes,
+                        have, self.num_classes - have, have)
 
     # -- input ---------------------------------------------------------------------
     def to_device(self, batch: dict[str, Any], device: torch.device, channels_last: bool = False) -> dict[str, Any]:

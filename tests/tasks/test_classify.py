@@ -24,6 +24,17 @@ def _task(**kw) -> ClassificationTask:
     return ClassificationTask(loss=CrossEntropyLoss(label_smoothing=kw.pop("smoothing", 0.1)), **kw)
 
 
+@pytest.mark.parametrize("data_classes, warned", [(4, True), (10, False), (0, False)])  # 0: not known
+def test_a_head_larger_than_the_datasets_classes_is_one_warning(data_classes, warned, caplog):
+    """resnet18-imagefolder's 10-way head on a 4-class folder trained 6 classes no label names, without a word."""
+    caplog.set_level("WARNING", logger="fastvision.tasks.classify")
+    task = _task(num_classes=10, info={"num_classes": data_classes} if data_classes else None)
+    task.check_model(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 10)))
+    said = [r.getMessage() for r in caplog.records]
+    assert said == (["task.args.num_classes is 10 but the dataset has 4 classes: the head scores 6 classes no label "
+                     "names; set task.args.num_classes and model.args.num_classes to 4"] if warned else [])
+
+
 def test_label_smoothing_loss_equals_torch():
     torch.manual_seed(0)
     logits, label = torch.randn(6, 5), torch.randint(0, 5, (6,))
@@ -323,7 +334,7 @@ def test_settings_the_run_cannot_use_are_one_line_before_the_run_folder(tmp_path
     from fastvision.cli import main
     from fastvision.data.synth.imagenet import synth
 
-    data = synth(tmp_path / "d", classes=3, per_class=1, val_per_class=1, size=36)
+    data = synth(tmp_path / "d", classes=10, per_class=1, val_per_class=1, size=36)  # the recipe's 10
     out = tmp_path / "run"
     assert main(["train", "resnet18-imagefolder", "--data", str(data), "--out", str(out), "--device", "cpu",
                  "--epochs", "1", *args]) == 2
