@@ -160,6 +160,9 @@ def _check_numbers(cluster: Cluster, work: Workload, min_efficiency: float | Non
     """Refuse a batch, data set size, price or efficiency out of range, naming its option."""
     if min_efficiency is not None and not 0 < min_efficiency <= 1:
         raise ConfigError(f"--min-efficiency {min_efficiency}: must be in (0, 1], e.g. 0.8")
+    if work.data is not None and work.dataset_size is not None:  # one would be dropped without a word
+        raise ConfigError(f"--data {work.data} and --dataset-size {work.dataset_size}: give one "
+                          "(both set the epoch size)")
     for flag, value, low in (("--batch-size", work.batch, 1), ("--dataset-size", work.dataset_size, 1),
                              ("--price-per-gpu-hour", cluster.price, 0)):
         check_low(flag, value, low)

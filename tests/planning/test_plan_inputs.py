@@ -22,6 +22,16 @@ def test_plan_refuses_numbers_out_of_range(argv, needle, capsys, monkeypatch):
     assert out == ""
 
 
+def test_plan_refuses_data_and_dataset_size_together(tmp_path, capsys, monkeypatch):
+    """Both given, --data was dropped without a word (even a folder that does not exist): now one line."""
+    from fastvision.planning import estimate
+
+    monkeypatch.setattr(estimate, "trace", lambda *a, **k: pytest.fail("traced before the options were checked"))
+    code, out, err = run_cli(capsys, "plan", "resnet50-imagenet", "--data", tmp_path / "none", "--dataset-size", "9")
+    one_line_error(code, err, "--data", "--dataset-size 9", "give one")
+    assert out == ""
+
+
 @pytest.mark.parametrize("flag", ["--json", "--png"])
 def test_plan_refuses_a_folder_as_output_file_even_with_force(flag, tmp_path, capsys):
     code, _, err = run_cli(capsys, "plan", "unet2d-microscopy", "--no-switches", flag, tmp_path, "--force")
