@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -273,6 +274,13 @@ def _written_opset_is(path: Path, opset: int) -> None:
                           f"(it stays at opset {got}); choose a later --opset, or leave it out")
 
 
+def _not_the_checkpoint(path: Path, ckpt_path: Path) -> None:
+    """``--out`` is not the checkpoint being exported (nor another name of it, a hard link such as ``best.pt``
+    of ``last.pt``): ``--force`` replaced the run's checkpoint with the exported model."""
+    if path.exists() and os.path.samefile(path, ckpt_path):
+        raise ConfigError(f"--out {path}: is the checkpoint being exported; choose another --out")
+
+
 @contextlib.contextmanager
 def staged(path: Path) -> Iterator[Path]:
     """A path in a temp folder beside ``path``, for an exporter that writes files of its own (ONNX's external
@@ -308,8 +316,11 @@ def export_checkpoint(ckpt: str | Path, fmt: str, out: str | Path | None = None,
         is None when the check could not run (onnxruntime missing) or was switched off.
     """
     check_opset(fmt, opset)
+    if not math.isfinite(tolerance) or tolerance < 0:  # -1 or nan failed every export's check, after exporting
+        raise ConfigError(f"--tolerance {tolerance:g}: a finite number >= 0")
+    path = Path(out) if out else checkpoint_path(Path(ckpt)).with_suffix(SUFFIX[fmt])
+    _not_the_checkpoint(path, checkpoint_path(Path(ckpt)))
     model, task, ckpt_path = load_model(Path(ckpt))
-    path = Path(out) if out else ckpt_path.with_suffix(SUFFIX[fmt])
     example = model_input(model, task)
     diff = None
     with staged(path) as tmp:  # ``path`` is replaced only by a finished export: never a half-written file
@@ -349,6 +360,9 @@ def cmd_export(args) -> int:
     from fastvision.api import refuse_overwrite
 
     out = args.out
+    if out is not None and (out.endswith(("/", os.sep)) or out in (".", "..")):  # was written as a file of that name
+        raise ConfigError(f"--out {out}: names a folder; give a file path such as {Path(out) / 'best'}"
+                          f"{SUFFIX[args.format]}")
     if out is None:  # the default file beside the checkpoint (a run folder: best.pt, else last.pt)
         ckpt = Path(args.checkpoint)
         if ckpt.is_dir():

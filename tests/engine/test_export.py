@@ -105,16 +105,32 @@ def test_cli_exports_a_trained_run(trained_run, fmt, tmp_path, capsys):
     (["--opset", "0"], "--opset 0: must be >= 1"),  # torch wrote opset 18 and exited 0
     (["--opset", "17", "--format", "torchscript"], "--opset 17: an ONNX setting"),  # silently ignored
     pytest.param(["--opset", "999"], "knows opsets up to", marks=pytest.mark.skipif(not HAS_ORT, reason="needs onnx")),
+    (["--format", "torchscript", "--tolerance", "-1"], "--tolerance -1: a finite number >= 0"),  # exported, exit 1
+    (["--format", "torchscript", "--tolerance", "nan"], "--tolerance nan: a finite number >= 0"),  # every check failed
+    (["--format", "torchscript", "--out", "{new}/"], "names a folder"),  # wrote a file named new
 ])
 def test_bad_outputs_and_opsets_are_one_line_before_any_work(trained_run, args, needle, tmp_path, capsys):
     (tmp_path / "file").write_text("mine")
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "x").write_text("mine")
-    args = [a.format(file=tmp_path / "file", folder=tmp_path / "folder") for a in args]
+    args = [a.format(file=tmp_path / "file", folder=tmp_path / "folder", new=tmp_path / "new") for a in args]
     out = [] if "--out" in args else ["--out", str(tmp_path / "m.onnx")]
     code = main(["export", str(trained_run), *args, *out])
     one_line_error(code, capsys.readouterr().err, needle)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
+
+
+@pytest.mark.parametrize("name", ["best.pt", "last.pt"])  # last.pt: best.pt's hard link where the epoch improved
+def test_out_over_the_checkpoint_being_exported_is_refused_even_with_force(trained_run, name, capsys):
+    """``--out RUN/checkpoints/best.pt --force`` replaced the run's checkpoint with the exported model."""
+    ckpt = trained_run / "checkpoints" / "best.pt"
+    before = ckpt.read_bytes()
+    if name == "last.pt" and not (trained_run / "checkpoints" / "last.pt").samefile(ckpt):
+        pytest.skip("this run's last.pt is not best.pt's hard link")
+    code = main(["export", str(trained_run), "--format", "torchscript", "--force",
+                 "--out", str(trained_run / "checkpoints" / name)])
+    one_line_error(code, capsys.readouterr().err, "is the checkpoint being exported")
+    assert ckpt.read_bytes() == before
 
 
 @pytest.mark.skipif(not HAS_ORT, reason="needs onnx, onnxscript and onnxruntime")
