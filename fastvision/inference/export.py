@@ -231,11 +231,20 @@ def load_model(path: Path) -> tuple[nn.Module, Task, Path]:
 
 
 def image_input_shape(cfg, task: Task) -> tuple[int, ...] | None:
-    """``(C, H, W)`` a 2-D segmentation run over image files predicts at (``data.args.channels`` x
-    ``data.args.image_size``, as ``predict`` feeds its model), or None for other runs.
+    """The model input shape export traces at: ``(C, H, W)`` a 2-D segmentation run over image files predicts
+    at (``data.args.channels`` x ``data.args.image_size``, as ``predict`` feeds its model), the window of a volume
+    run (below), or None for other runs.
     ``task.args.sample_shape`` is benchmark mode's synthetic size: a run trained at
-    ``image_size=[512,512]`` or on RGB (``channels: 3``) never saw the recipe's ``[1, 128, 128]``."""
+    ``image_size=[512,512]`` or on RGB (``channels: 3``) never saw the recipe's ``[1, 128, 128]``.
+    A volume run with a sliding window: ``(C, *task.args.sliding_window.roi_size)``, the windows ``predict``
+    feeds the model (unet3d-spleen-fast's 160^3; it exported at the 96^3 training patch, a file no sliding
+    window of the run's could use); a roi side <= 0 (the whole axis) keeps ``sample_shape``."""
     shape, size = getattr(task, "sample_shape", None), cfg.data.args.get("image_size")
+    roi = (getattr(task, "sliding_window", None) or {}).get("roi_size")
+    if cfg.data.name != "microscopy" and shape is not None and isinstance(roi, (list, tuple)) \
+            and len(roi) == len(shape) - 1 and all(r > 0 for r in roi):
+        # a volume run: predict feeds the model sliding windows of roi_size (a smaller volume padded up to it)
+        return (int(shape[0]), *(int(r) for r in roi))
     if cfg.data.name != "microscopy" or shape is None or not isinstance(size, (list, tuple)) \
             or len(size) != len(shape) - 1:
         return None
