@@ -214,13 +214,20 @@ def checkpoint_path(path: Path) -> Path:
 
 def load_model(path: Path) -> tuple[nn.Module, Task, Path]:
     """The checkpoint's model (weights loaded, eval, CPU) and task, built without its dataset."""
+    import fastvision
     from fastvision import engine
     from fastvision.engine import checkpoint
 
     ckpt_path = checkpoint_path(path)
     ckpt, cfg = checkpoint.load_run_checkpoint(ckpt_path)
     cfg.train.device, cfg.train.compile, cfg.train.backend = "cpu", False, "ddp"  # one process, eager, on CPU
-    run = engine.build(cfg, data_info=ckpt.get("data_info", {}))  # the engine's build, without the dataset
+    try:
+        run = engine.build(cfg, data_info=ckpt.get("data_info", {}))  # the engine's build, without the dataset
+    except ConfigError as e:  # a model, task or setting of another version: it named neither file nor version
+        saved = ckpt.get("fastvision")
+        by = f" (saved by fastvision {saved}, this is {fastvision.__version__})" \
+            if saved and saved != fastvision.__version__ else ""
+        raise ConfigError(f"{ckpt_path}: its model does not build{by}: {e}") from e
     model, task = run.model, run.task
     # EMA weights when trained with EMA
     checkpoint.load_model_weights(model, ckpt.get("eval_model", ckpt["model"]), ckpt_path, cfg.model.name)

@@ -196,3 +196,17 @@ def test_ssd_exports_without_setting_its_anchor_cache():
     assert model._anchor_cache == {}
     with torch.no_grad():
         assert torch.equal(program.module()(x)["anchors"], model(x)["anchors"]) and len(model._anchor_cache) == 1
+
+
+def test_a_checkpoint_of_another_version_names_the_file_and_version(trained_run, tmp_path, capsys):
+    """A checkpoint whose saved model this version does not have: ``unknown model 'unet9'`` named neither the
+    file nor that another fastvision wrote it."""
+    state = checkpoint.load(trained_run / "checkpoints" / "best.pt")
+    state["fastvision"], state["config"]["model"]["name"] = "99.0", "unet9"
+    other = tmp_path / "other.pt"
+    torch.save(state, other)
+    code = main(["export", str(other), "--format", "torchscript", "--out", str(tmp_path / "m.pt")])
+    err = capsys.readouterr().err
+    one_line_error(code, err, str(other))
+    assert "fastvision 99.0" in err and "unet9" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.pt"]
