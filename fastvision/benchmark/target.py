@@ -64,11 +64,16 @@ def seed_run(train_argv: list[str], run_dir: Path, seed: int, target: str, force
                               f"seed {saved.get('seed')}); pass --force to start the seeds over, or another --out")
         return json.loads(done.read_text())
     resume = ["--resume", "auto"] if (run_dir / "checkpoints").is_dir() else []
+    made = not run_dir.parent.exists()
     atomic_text(record, json.dumps(train_argv) + "\n")  # what a rerun with this --out compares its own with
     cmd = [sys.executable, "-m", "fastvision.cli", *train_argv, "--out", str(run_dir), "--seed", str(seed),
            "--target", target, *resume]
     rc = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode  # its log on stderr, as train's
     if rc != 0 or not done.is_file():
+        if not run_dir.exists():  # refused before it began (a bad --target): leave no record, no empty --out
+            record.unlink(missing_ok=True)
+            if made and not any(run_dir.parent.iterdir()):
+                run_dir.parent.rmdir()
         raise SeedFailed(rc or 1)
     return json.loads(done.read_text())
 

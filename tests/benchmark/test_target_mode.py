@@ -68,17 +68,20 @@ def test_target_mode_without_a_target_names_the_way(tiny_microscopy, tmp_path, c
     assert "has no train.target" in capsys.readouterr().err
 
 
-def test_a_bad_key_or_data_folder_is_one_line_and_exit_2(tmp_path, capfd):
-    """An unknown --set key is refused before any run; a missing --data is the seed's own one line, not
-    followed by a second one of the benchmark's."""
-    base = ["benchmark", "unet2d-microscopy", "--mode", "target", "--target", "iou=0.5", "--seeds", "2",
+def test_a_bad_key_or_data_folder_is_one_line_and_exit_2(tiny_microscopy, tmp_path, capfd):
+    """An unknown --set key is refused before any run; a missing --data or a --target metric the run has not
+    is the seed's own one line, not followed by a second one of the benchmark's, and leaves no --out (it kept
+    a seed-0.argv.json there)."""
+    base = ["benchmark", "unet2d-microscopy", "--mode", "target", "--seeds", "2",
             "--out", str(tmp_path / "bt"), "--device", "cpu"]
-    for extra, needle in ((["--set", "bogus.key=1"], "unknown key bogus.key"),
-                          (["--data", str(tmp_path / "nope")], "dataset folder not found")):
+    for extra, needle in ((["--target", "iou=0.5", "--set", "bogus.key=1"], "unknown key bogus.key"),
+                          (["--target", "iou=0.5", "--data", str(tmp_path / "nope")], "dataset folder not found"),
+                          (["--target", "nope=0.5", "--data", str(tiny_microscopy)], "--target nope")):
         assert main([*base, *extra]) == 2
         err = capfd.readouterr().err  # the seed's process writes to the file descriptor
         lines = [x for x in err.splitlines() if x.startswith("fastvision: error:")]
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+        assert not (tmp_path / "bt").exists(), sorted(p.name for p in (tmp_path / "bt").iterdir())
 
 
 def test_a_rerun_with_other_settings_is_refused_not_scored_with_the_old_runs(tiny_microscopy, tmp_path, capsys):
