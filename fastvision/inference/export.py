@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from fastvision.errors import ConfigError, DataError, check_low
 from fastvision.tasks.base import Task
+from fastvision.utils.files import term_exits
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +239,8 @@ def load_model(path: Path) -> tuple[nn.Module, Task, Path]:
 
 
 def image_input_shape(cfg, task: Task) -> tuple[int, ...] | None:
-    """The model input shape export traces at: ``(C, H, W)`` a 2-D segmentation run over image files predicts
-    at (``data.args.channels`` x ``data.args.image_size``, as ``predict`` feeds its model), the window of a volume
-    run (below), or None for other runs.
+    """The input export traces: ``(C, H, W)`` a 2-D run over image files predicts at (``data.args.channels``
+    x ``data.args.image_size``, as ``predict`` feeds its model), a volume run's window (below), else None.
     ``task.args.sample_shape`` is benchmark mode's synthetic size: a run trained at
     ``image_size=[512,512]`` or on RGB (``channels: 3``) never saw the recipe's ``[1, 128, 128]``.
     A volume run with a sliding window: ``(C, *task.args.sliding_window.roi_size)``, the windows ``predict``
@@ -303,15 +303,16 @@ def staged(path: Path) -> Iterator[Path]:
     weights beside the model): when the block ends without an error, what it wrote there is fsynced and
     renamed into ``path``'s folder; after an error nothing is (``path`` keeps what it held)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        yield tmp / path.name
-        for f in sorted(tmp.iterdir(), key=lambda f: f.name == path.name):  # the model last: its data first
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(f, path.parent / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with term_exits():  # a kill while exporting or fsyncing exits through the finally
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            yield tmp / path.name
+            for f in sorted(tmp.iterdir(), key=lambda f: f.name == path.name):  # the model last: its data first
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+                os.replace(f, path.parent / f.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def export_checkpoint(ckpt: str | Path, fmt: str, out: str | Path | None = None, opset: int | None = None,

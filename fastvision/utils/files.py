@@ -1,6 +1,7 @@
 """Files written atomically (temp file, fsync, rename) and checkpoints loaded without pickle."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -8,7 +9,7 @@ import secrets
 import tempfile
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -223,3 +224,37 @@ def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
                 k = k[len(prefix):]
         out[k] = v
     return out
+
+
+@contextlib.contextmanager
+def term_exits() -> Iterator[None]:
+    """SIGTERM / SIGHUP (``kill``, ``timeout``, a closed terminal) exit with 128 + the signal through the ``finally``
+    blocks: they ended the process on the spot and left a half-written file (``export``'s ONNX, the model's
+    size, in a ``.NAME.xxxx`` folder beside ``--out``); also where the block wraps the exit in an error of its own.
+    Only the main thread can set handlers; elsewhere a no-op."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    got: list[int] = []
+
+    def stop(signum, _frame):
+        got.append(signum)
+        raise SystemExit(128 + signum)
+
+    sigs = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    before = {s: signal.signal(s, stop) for s in sigs}
+    try:
+        yield
+        if got:  # the block swallowed the exit
+            raise SystemExit(128 + got[0])
+    except BaseException:
+        if got:  # torch's exporter wraps it in an error of its own, with a traceback
+            raise SystemExit(128 + got[0]) from None
+        raise
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
