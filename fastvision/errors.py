@@ -31,9 +31,12 @@ def did_you_mean(name: str, names, prefix: str = "") -> str:
 
 def check_low(flag: str, value: float | None, low: float, inclusive: bool = True) -> None:
     """A command-line number at or above ``low`` (above it with ``inclusive`` False), else one line naming
-    the option: ``--batch 0: must be >= 1``. None (not given) passes."""
+    the option: ``--batch 0: must be >= 1``; an infinite one too (``--compute-ms inf`` was a
+    ZeroDivisionError traceback). None (not given) passes."""
     if value is not None and not (value >= low if inclusive else value > low):
         raise ConfigError(f"{flag} {value:g}: must be {'>=' if inclusive else '>'} {low}")
+    if value is not None and value == float("inf"):
+        raise ConfigError(f"{flag} {value:g}: must be a finite number {'>=' if inclusive else '>'} {low}")
 
 
 # the optional extras of pyproject.toml, by the top-level module each provides

@@ -163,6 +163,7 @@ def _check_numbers(cluster: Cluster, work: Workload, min_efficiency: float | Non
     if work.data is not None and work.dataset_size is not None:  # one would be dropped without a word
         raise ConfigError(f"--data {work.data} and --dataset-size {work.dataset_size}: give one "
                           "(both set the epoch size)")
+    sc.check_given(work.fixed_ms, work.input_rate)  # before the trace
     for flag, value, low in (("--batch-size", work.batch, 1), ("--dataset-size", work.dataset_size, 1),
                              ("--price-per-gpu-hour", cluster.price, 0)):
         check_low(flag, value, low)

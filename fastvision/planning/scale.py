@@ -121,6 +121,18 @@ def host_cores_for(gpu: GPU, gpus_per_node: int) -> tuple[int | None, str]:
     return None, "no node preset for this GPU: give --hardware"
 
 
+def check_given(fixed_ms: float | None, input_rate: float | str | None) -> None:
+    """``--fixed-ms`` and a number given as ``--input-rate`` in range (a benchmark JSON is read later)."""
+    if fixed_ms is not None:
+        fixed_step_ms(fixed_ms)
+    try:
+        rate = float(input_rate) if input_rate is not None else None
+    except ValueError:
+        return
+    if rate is not None and not 0 < rate < float("inf"):  # nan slipped through a `<= 0` check
+        raise ConfigError(f"--input-rate {rate}: items/s per host core must be a finite number > 0")
+
+
 def fixed_step_ms(given: float | None = None) -> tuple[float, str]:
     """``(ms, source)``: the per-step cost that does not shrink with the batch (launches, optimizer,
     host). Given, or the value fitted on the PyTorch DDP implementation among the anchors (MLPerf v4.0
@@ -129,8 +141,8 @@ def fixed_step_ms(given: float | None = None) -> tuple[float, str]:
     for an eager step, whose launches are not graphed (measure two batch sizes with ``fastvision
     benchmark``); MLPerf's MXNet ResNet-50 gets by with less (``--fixed-ms 2.97``)."""
     if given is not None:
-        if given < 0:
-            raise ConfigError(f"--fixed-ms {given}: must be >= 0")
+        if not 0 <= given < float("inf"):  # nan or inf planned every time as nan
+            raise ConfigError(f"--fixed-ms {given}: must be a finite number >= 0")
         return float(given), "--fixed-ms"
     return fitted()["overhead_ms"]["mlperf-retinanet-pytorch"], "fitted on MLPerf RetinaNet, PyTorch DDP"
 
@@ -165,8 +177,7 @@ def input_rate_of(cfg: RunConfig, given: float | str | None = None) -> tuple[flo
 
             return read_input_rate(given, "--input-rate", cfg.data.cache, cfg.data.name)
     if given is not None:
-        if given <= 0:
-            raise ConfigError(f"--input-rate {given}: items/s per host core must be > 0")
+        check_given(None, given)
         return float(given), "--input-rate (measured)"
     if cfg.data.name != "imagefolder":
         return None, (f"not known for {cfg.data.name!r}, so the efficiency is a bound that ignores the host "

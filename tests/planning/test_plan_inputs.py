@@ -12,6 +12,10 @@ from tests.cli.input_checks import one_line_error, run_cli
     (["--batch-size", "0", "--no-switches"], "--batch-size 0"),
     (["--dataset-size", "0"], "--dataset-size 0"),
     (["--price-per-gpu-hour", "-1"], "--price-per-gpu-hour -1"),
+    (["--price-per-gpu-hour", "inf"], "--price-per-gpu-hour inf: must be a finite"),  # cost 'inf'
+    (["--fixed-ms", "inf"], "--fixed-ms inf: must be a finite"),  # nan or inf: a plan of nan s
+    (["--fixed-ms", "nan"], "--fixed-ms nan: must be a finite"),
+    (["--input-rate", "nan"], "--input-rate nan: items/s per host core must be a finite"),
 ])
 def test_plan_refuses_numbers_out_of_range(argv, needle, capsys, monkeypatch):
     from fastvision.planning import estimate

@@ -16,6 +16,7 @@ SIM = ["scale", "--simulate", "--compute-ms", "100", "--batch", "32", "--grad-mb
     ("--bucket-mb", "0"), ("--batch", "0"), ("--batch", "-3"), ("--grad-mb", "-1"), ("--input-rate", "0"),
     ("--compute-ms", "-5"), ("--compute-ms", "0"), ("--input-workers", "0"), ("--gpus-per-node", "0"),
     ("--epochs", "0"),
+    ("--compute-ms", "inf"), ("--grad-mb", "inf"),  # inf: a ZeroDivisionError traceback (exit 1)
 ])
 def test_scale_refuses_numbers_out_of_range(flag, value, tmp_path, capsys):
     code, _, err = run_cli(capsys, *SIM, flag, value, "--out", tmp_path / "o")
