@@ -121,7 +121,7 @@ def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | No
     folds = parse_folds(spec, int(cfg.data.args.get("num_folds", 5)))
     env, _ = distributed.init(cfg.train.device, timeout_s=cfg.train.dist_timeout_s, backend=cfg.train.backend)
     root = Path(out)
-    fresh = {"root": not root.exists(), "manifest": not (root / FOLDS_FILE).is_file()}
+    new_root, new_manifest = not root.exists(), not (root / FOLDS_FILE).is_file()
     if env.is_main:
         if root.exists() and not root.is_dir():
             raise DataError(f"{root}: is a file; --out must be a folder")
@@ -131,9 +131,9 @@ def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | No
     try:
         _train_each(root, folds, recipe, overrides, extra, env)
     except FastvisionError:  # refused before any fold was made (too few cases for num_folds, ...): no folder left
-        if env.is_main and fresh["manifest"] and not any(root.glob("fold-[0-9]*")):
+        if env.is_main and new_manifest and not any(root.glob("fold-[0-9]*")):
             (root / FOLDS_FILE).unlink(missing_ok=True)
-            if fresh["root"] and not any(root.iterdir()):
+            if new_root and not any(root.iterdir()):
                 root.rmdir()
         raise
     if not env.is_main:

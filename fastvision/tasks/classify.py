@@ -105,10 +105,10 @@ class ClassificationTask(Task):
         self.auc, self.heatmap_patch, self.heatmap_stride = auc, heatmap_patch, heatmap_stride or heatmap_patch
         self.loss_fn, self.augment_fn = loss, augment
         info = info or {}
-        if info.get("num_classes", 0) > num_classes:
-            raise ConfigError(f"task.args.num_classes is {num_classes} but the dataset has {info['num_classes']} "
-                              f"classes; set task.args.num_classes and model.args.num_classes to {info['num_classes']}")
         self.data_classes = int(info.get("num_classes", 0))  # the dataset's, where the build knows them
+        if self.data_classes > num_classes:
+            raise ConfigError(f"task.args.num_classes is {num_classes} but the dataset has {self.data_classes} "
+                              f"classes; set task.args.num_classes and model.args.num_classes to {self.data_classes}")
         self.class_names = [str(c) for c in info.get("classes", [])] or [str(c) for c in range(num_classes)]
 
     def check_model(self, model: nn.Module) -> None:

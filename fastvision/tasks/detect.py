@@ -286,16 +286,16 @@ def _same_sizes(files: list[Path], entries: dict[str, dict], source: str | Path)
     width x height where the entry gives them (DataError naming the first that is not)."""
     from PIL import Image
 
+    from fastvision.data.formats.coco_check import other_size
+
     for f in files:
         im = entries[f.name]
-        listed = (im.get("width"), im.get("height"))
-        if all(type(v) is int for v in listed):
+        if all(type(im.get(k)) is int for k in ("width", "height")):  # else nothing to compare: no file read
             with Image.open(f) as pic:
                 size = pic.size
-            if size != listed:
-                raise DataError(f"{f}: stored {size[0]}x{size[1]}, but {source} lists it as {listed[0]}x{listed[1]}, "
-                                "the grid of its boxes (a resized copy?): pycocotools would score detections.json "
-                                "against boxes of another grid; predict the images as annotated, or --coco-ids none")
+            if why := other_size(im, size, f, str(source), "pycocotools would score detections.json against boxes "
+                                 "of another grid; predict the images as annotated, or --coco-ids none"):
+                raise DataError(why)
     return [entries[f.name]["id"] for f in files]
 
 

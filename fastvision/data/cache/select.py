@@ -230,9 +230,11 @@ def _say_unused(cache: str, cache_rate: float, cache_num: int | None, env: Any) 
     """One warning (rank 0) where ``data.cache_rate`` / ``data.cache_num`` are set for a tier that does not read
     them: a MONAI user's ``cache_rate: 0.5`` caches half the items with ``ram``, a window with ``smart``, and
     every item (or none) with the others."""
-    unused = [f"data.cache_rate {cache_rate:g}" if cache_rate != 1.0 and cache not in ("ram", "smart") else "",
-              f"data.cache_num {cache_num}" if cache_num is not None and cache != "smart" else ""]
-    unused = [u for u in unused if u]
+    unused = []
+    if cache_rate != 1.0 and cache not in ("ram", "smart"):
+        unused.append(f"data.cache_rate {cache_rate:g}")
+    if cache_num is not None and cache != "smart":
+        unused.append(f"data.cache_num {cache_num}")
     if unused and (env if env is not None else DistEnv()).rank == 0:
         held = "no item" if cache == "none" else "every item"
         log.warning("%s: not read by data.cache %s, which holds %s (data.cache_rate is the share data.cache ram "

@@ -281,7 +281,7 @@ class CocoDetection(Dataset):
             img = open_image(str(self.path(i)))
         except DataError as e:
             raise DataError(f"cannot read image {e}") from e
-        if why := other_size(self.coco.imgs[self.ids[i]], img.size, self.image_dir, self.ann_file.name):
+        if why := other_size(self.coco.imgs[self.ids[i]], img.size, self.path(i), self.ann_file.name):
             raise DataError(why)
         return img
 

@@ -221,18 +221,19 @@ def renamed_categories(train: list[dict[str, Any]], val: list[dict[str, Any]]) -
     return [(c["id"], c["name"], names[c["id"]]) for c in val if c["id"] in names and c["name"] != names[c["id"]]]
 
 
-def other_size(image: dict[str, Any], size: tuple[int, int], image_dir: Path, ann_name: str) -> str | None:
-    """The one-line reason where ``image`` (an ``images`` entry) is stored at ``size`` but lists another
-    ``width`` x ``height``, the grid of its boxes (a resized copy, or boxes drawn on an EXIF-turned
-    picture; detectron2 refuses it too), else None (also where the file gives no integer width/height)."""
+def other_size(image: dict[str, Any], size: tuple[int, int], path: Path, ann_name: str,
+               remedy: str = "give the images as annotated, or correct width/height") -> str | None:
+    """The one-line reason where ``image`` (an ``images`` entry; its file ``path``) is stored at ``size`` but
+    lists another ``width`` x ``height``, the grid of its boxes (a resized copy, or boxes drawn on an EXIF-turned
+    picture; detectron2 refuses it too), ending with ``remedy``; else None (also where the file gives no
+    integer width/height)."""
     listed = (image.get("width"), image.get("height"))
     if not all(type(v) is int for v in listed) or listed == tuple(size):
         return None
     why = ("the transposed size: boxes drawn on the picture as its EXIF orientation turns it? COCO's boxes "
            "refer to the stored pixels" if listed == tuple(size)[::-1] else "a resized copy of the images?")
-    return (f"{image_dir / image['file_name']}: stored {size[0]}x{size[1]}, but {ann_name} lists it as "
-            f"{listed[0]}x{listed[1]}, the grid of its boxes ({why}); give the images as annotated, or correct "
-            "width/height")
+    return (f"{path}: stored {size[0]}x{size[1]}, but {ann_name} lists it as {listed[0]}x{listed[1]}, the grid of "
+            f"its boxes ({why}); {remedy}")
 
 
 def check_images(images: list[dict[str, Any]], image_dir: Path, ann_name: str, decode: bool = True) -> None:
@@ -261,7 +262,7 @@ def check_images(images: list[dict[str, Any]], image_dir: Path, ann_name: str, d
         else:  # skip_unreadable: the reader decoded it already
             with Image.open(path) as f:
                 size = f.size
-        if why := other_size(im, size, image_dir, ann_name):
+        if why := other_size(im, size, path, ann_name):
             wrong.append((why, im["file_name"]))
     if bad:
         raise DataError(f"{image_dir / bad[0]}: image listed in {ann_name} does not decode "

@@ -29,6 +29,7 @@ from fastvision.errors import DataError
 from fastvision.utils.files import atomic_write
 
 INDEX = "shards.json"
+SHARD_NAME = re.compile(r"[a-z]+-\d{6}\.tar")  # the writer's shard names: <split>-NNNNNN.tar
 CACHE_DIR = re.compile(r"[0-9a-f]{16}")  # a set's folder in the cache: its URL's hash (ShardStore.cache)
 FORMAT = "fastvision-shards/v1"
 
@@ -72,7 +73,7 @@ def unfinished_set(path: str | Path | None) -> str | None:
     p = Path(path)
     if not p.is_dir() or (p / INDEX).exists() or (p / "train").exists():
         return None
-    n = sum(1 for q in p.iterdir() if re.fullmatch(r"[a-z]+-\d{6}\.tar", q.name))
+    n = sum(1 for q in p.iterdir() if SHARD_NAME.fullmatch(q.name))
     if not n:
         return None
     return (f"{p}: an unfinished shard set ({n} shard(s), no {INDEX}: `fastvision data shard` was stopped before "

@@ -34,15 +34,14 @@ from typing import Any
 import torch
 
 from fastvision.data.shards import tario
-from fastvision.data.shards.store import INDEX, Shard, ShardIndex, index_doc, parse_index
+from fastvision.data.shards.store import INDEX, SHARD_NAME, Shard, ShardIndex, index_doc, parse_index
 from fastvision.errors import ConfigError, DataError
 from fastvision.utils.files import atomic_write
 
 log = logging.getLogger(__name__)
 WRITER_SEED = 0
-SHARD_NAME = re.compile(r"[a-z]+-\d{6}\.tar")  # write_split's names: <split>-NNNNNN.tar
-# atomic_write's partial file of one of them (or of the index, or a copied annotation file)
-TEMP_NAME = re.compile(r"\.(?:[a-z]+-\d{6}\.tar|shards\.json|instances_[^/]*\.json)\.(?:[^/]+\.tmp|tmp[^/]*)")
+# atomic_write's partial file of a shard (SHARD_NAME: write_split's names), of the index, or of a copied annotation file
+TEMP_NAME = re.compile(rf"\.(?:{SHARD_NAME.pattern}|shards\.json|instances_[^/]*\.json)\.(?:[^/]+\.tmp|tmp[^/]*)")
 
 
 @dataclass
