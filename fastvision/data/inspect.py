@@ -381,6 +381,7 @@ def _looks_brats(path: Path) -> bool:
 def inspect_brats(path: Path) -> dict[str, Any]:
     import nibabel as nib
 
+    from fastvision.data.formats.anomalies import case_grid_problems
     from fastvision.data.formats.brats_layouts import detect
 
     layout = detect(path)
@@ -388,6 +389,7 @@ def inspect_brats(path: Path) -> dict[str, Any]:
     labelled = [c for c in layout.cases if c["label"] is not None]
     unusable = {NONFINITE_FILES: [b for c in labelled for b in nifti_nonfinite([*c["image"], c["label"]], path)]}
     past = unusable["label values past the classes 0..3, first 10 (BraTS 2024's cavity 4? remap it)"] = []
+    unusable["cases whose modality files are not one 4-channel image (headers)"] = case_grid_problems(labelled, 4, path)
     for case in labelled[:10]:  # training stops at them (preprocess3d.check_label_values)
         shapes[str(nib.load(str(case["image"][0])).shape)] += 1
         values |= (found := set(np.unique(np.asarray(nib.load(str(case["label"])).dataobj)).tolist()))

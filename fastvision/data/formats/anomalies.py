@@ -127,6 +127,38 @@ def check_channels(cases: Sequence[dict[str, Any]], names: Sequence[str], source
                         + (f"; {len(bad) - 1} more image(s) alike" if len(bad) > 1 else ""))
 
 
+def case_grid_problems(cases: Sequence[dict[str, Any]], channels: int | None,
+                       root: Path | None = None) -> list[str]:
+    """One line per case whose image files (a BraTS case's modalities) are not one image, from the headers:
+    a file not 3-D or 4-D, a file on another grid (shape or affine) than the case's first, or ``channels``
+    other than the model's (a 4-D modality file of two volumes). Files are named relative to ``root`` when
+    given. Cases whose headers do not read are left to the reader, which names the file."""
+    import nibabel as nib
+
+    from fastvision.data.preprocess3d import check_channel_file
+
+    out = []
+    for case in cases:
+        first, counts = None, {}
+        try:
+            for path in case["image"]:
+                img = nib.load(str(path))
+                p = Path(path).relative_to(root) if root is not None else path
+                check_channel_file(p, img.shape, img.affine, first)
+                first = first or (p, img.shape, img.affine)
+                counts[p] = int(np.prod(img.shape[3:])) if len(img.shape) > 3 else 1
+        except DataError as e:
+            out.append(str(e))
+            continue
+        except Exception:  # noqa: BLE001  (an unreadable header: drop_unreadable or the reader names it)
+            continue
+        if channels is not None and sum(counts.values()) != channels:
+            many = next((p for p, n in counts.items() if n > 1), next(iter(counts)))
+            out.append(f"{many}: {counts[many]} volume(s); case {case['id']} holds {sum(counts.values())} "
+                       f"channels in its {len(counts)} files, not {channels}")
+    return out
+
+
 def image_header(path: Path) -> None:
     """Raise if Pillow cannot identify ``path`` (its header)."""
     from PIL import Image

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fastvision.data.formats.anomalies import drop_unreadable, nifti_header
+from fastvision.data.formats.anomalies import case_grid_problems, drop_unreadable, nifti_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.brats_layouts import detect
 from fastvision.data.formats.decathlon import BRATS_CLASS_NAMES, build_splits
@@ -69,6 +69,10 @@ def build_brats(*, path: str, fold: int = 0, num_folds: int = 5, split_seed: int
         raise DataError(f"{path}: training cases need a segmentation (*_seg.nii.gz); missing for "
                         f"{len(unlabelled)} case(s): {', '.join(unlabelled[:3])}")
     cases = drop_unreadable(cases, lambda c: [*c["image"], c["label"]], nifti_header, skip_unreadable, path)
+    bad = case_grid_problems(cases, len(MODALITIES))  # headers: before the run folder and any case is read
+    if bad:
+        raise DataError(bad[0] + (f" ({len(bad) - 1} more case(s) alike: `fastvision data inspect {path}` "
+                                  "lists them)" if len(bad) > 1 else ""))
     params = PreprocessParams(
         target_spacing=tuple(map(float, target_spacing)) if target_spacing else None, intensity="mri",
         crop_foreground=crop_foreground, crop_margin=crop_margin, label_map=layout.label_map,

@@ -1,0 +1,63 @@
+"""A raw BraTS case whose modality files are not one 4-channel image: found from the headers by
+``data inspect`` (exit 2, every case listed) and by ``train`` before its run folder is made (one line
+naming the file). Training used to stop in the cache fill after the run folder was made (a modality on
+another grid), or with a torch.stack traceback in the first batch (a 4-D modality file of two volumes)."""
+from __future__ import annotations
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from fastvision.cli import main
+from fastvision.data.inspect import inspect_path
+from tests.data.test_real_medical import make_brats
+
+pytestmark = pytest.mark.usefixtures("fresh_logging")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTVISION_CACHE", str(tmp_path / "cache"))
+
+
+def _rewrite(path, fn) -> None:
+    img = nib.load(str(path))
+    nib.save(nib.Nifti1Image(fn(np.asarray(img.dataobj)), img.affine), str(path))
+
+
+def _cropped(base):
+    bad = base / "BraTS2021_00001" / "BraTS2021_00001_t2.nii.gz"
+    _rewrite(bad, lambda a: a[:, :, :-3])  # shape (16, 16, 13) beside the flair's (16, 16, 16)
+    return bad
+
+
+def _two_volumes(base):
+    bad = base / "BraTS2021_00002" / "BraTS2021_00002_t1.nii.gz"
+    _rewrite(bad, lambda a: np.stack([a, a], axis=-1))  # 4-D, two volumes: 5 channels in the case
+    return bad
+
+
+@pytest.mark.parametrize("damage,says", [(_cropped, "grid (shape/affine) differs from"),
+                                         (_two_volumes, "2 volume(s); case BraTS2021_00002 holds 5 channels")])
+def test_train_refuses_the_case_before_the_run_folder(tmp_path, capsys, damage, says):
+    base = make_brats(tmp_path, "2021", n=3)
+    bad = damage(base)
+    out = tmp_path / "run"
+    rc = main(["train", "unet3d-brats", "--data", str(base), "--out", str(out), "--epochs", "1", "--device", "cpu",
+               "--set", "data.name=brats", "--set", "data.args.num_folds=3", "--set", "data.num_workers=0",
+               "--set", "data.args.patch_size=[16,16,16]", "--set", "model.args.filters=[4,8,16]",
+               "--set", "task.args.sliding_window.roi_size=[16,16,16]"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and str(bad) in err[0] and says in err[0], err
+    assert not out.exists()
+
+
+def test_inspect_lists_every_such_case(tmp_path, capsys):
+    base = make_brats(tmp_path, "2021", n=4)
+    cropped, doubled = _cropped(base), _two_volumes(base)
+    assert main(["data", "inspect", str(base)]) == 2
+    err = capsys.readouterr().err
+    assert "2 file(s) would stop training" in err and "not one 4-channel image" in err
+    row = next(v for k, v in inspect_path(base)["anomalies"].items() if "not one 4-channel image" in k)
+    assert row.startswith("2 (") and str(cropped.relative_to(base)) in row and str(doubled.relative_to(base)) in row
+    assert "holds 5 channels" in row and str(base) not in row
