@@ -61,3 +61,12 @@ def test_inspect_lists_every_such_case(tmp_path, capsys):
     row = next(v for k, v in inspect_path(base)["anomalies"].items() if "not one 4-channel image" in k)
     assert row.startswith("2 (") and str(cropped.relative_to(base)) in row and str(doubled.relative_to(base)) in row
     assert "holds 5 channels" in row and str(base) not in row
+
+
+def test_missing_modality_is_named_with_the_case_files_extension(tmp_path, capsys):
+    """BraTS 2020 as on Kaggle holds .nii files: the missing modality is named as .nii (it said .nii.gz)."""
+    base = make_brats(tmp_path, "2020", n=2)
+    (base / "BraTS20_Training_354" / "BraTS20_Training_354_t1ce.nii").unlink()
+    assert main(["data", "inspect", str(base)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("lacks BraTS20_Training_354_t1ce.nii"), err

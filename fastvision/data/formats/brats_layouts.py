@@ -103,8 +103,8 @@ def detect(root: str | Path) -> Layout:
             continue  # a lone seg file: not a case
         for m in mods:
             if m not in files:
-                sep = "-" if new else "_"
-                raise DataError(f"BraTS case {folder} lacks {case}{sep}{m}.nii.gz")
+                sep, ext = "-" if new else "_", ".nii" if all(p.suffix == ".nii" for p in files.values()) else ".nii.gz"
+                raise DataError(f"BraTS case {folder} lacks {case}{sep}{m}{ext}")
         label = files.get("seg") or _odd_segmentation(folder, set(files.values()))
         if label is not None and "seg" not in files:
             anomalies["segmentation under another name (used)"].append(str(label.relative_to(root)))
