@@ -148,7 +148,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise ConfigError("--coco-ids applies to a detection run's images, not to NIfTI volumes")
     if args.nproc > 1 and distributed.outer_launcher(args.nproc) == "single":
         # one process per shard of the cases, under torch's launcher (as train --nproc)
-        return distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv))
+        from fastvision.inference.volumes import remove_if_empty
+
+        fresh = not Path(args.out).exists()
+        rc = distributed.launch_local(args.nproc, distributed.relaunch_argv(args.argv))
+        if rc and fresh:  # an input refused when read: the --out this job made holds no case, not even its record
+            remove_if_empty(Path(args.out))
+        return rc
     tta = args.tta_axes if args.tta_axes else args.tta
     res = predict_volumes(args.checkpoint, args.inputs, args.out, folds=args.folds, tta=tta,
                           postprocess_mode=args.postprocess, device=args.device, force=args.force)

@@ -294,13 +294,26 @@ def run_pipeline(items: Sequence[Any], prepare: Callable[[Any], Any], infer: Cal
     """``export(item, prepared, infer(prepared))`` for every item, in order, with ``prepare`` of the
     next items (a thread) and ``export`` of the previous ones (another thread) beside ``infer``
     (this thread). Bounded queues of ``depth``; the first error stops all three and is raised.
+    A SIGTERM / SIGHUP (``kill``; torchrun stopping the other ranks after one failed) stops reading too, and
+    exits 128 + the signal after the writer has written the cases already through the network: it
+    killed the process mid-write, which dropped a finished case and left its temp file.
     ``overlap=False`` runs the three one after another in this thread (the baseline of
     ``benchmarks/predict_pipeline.py``)."""
-    if not overlap:
-        for it in items:
-            pre = prepare(it)
-            export(it, pre, infer(pre))
-        return
+    from fastvision.utils.files import term_exits
+
+    with term_exits():
+        if not overlap:
+            for it in items:
+                pre = prepare(it)
+                export(it, pre, infer(pre))
+            return
+        _overlapped(items, prepare, infer, export, depth)
+
+
+def _overlapped(items: Sequence[Any], prepare: Callable[[Any], Any], infer: Callable[[Any], Any],
+                export: Callable[[Any, Any, Any], None], depth: int) -> None:
+    """:func:`run_pipeline`'s three threads; on an error (or the signal's exit) in this thread the writer
+    still writes what is in its queue, then all are joined."""
     stop, errors = threading.Event(), []
     q_in: queue.Queue = queue.Queue(depth)
     q_out: queue.Queue = queue.Queue(depth)

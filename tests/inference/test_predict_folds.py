@@ -143,6 +143,22 @@ def test_two_processes_write_each_case_once_same_bytes(spleen_folds, one_process
     assert not [p.name for p in dest.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.dist
+def test_sharded_predict_of_a_refused_input_leaves_no_folder(spleen_folds, tmp_path, sharded_here):
+    # the rank that reads the NaN case refuses it (one line, exit 2); the job's --out holds no case, so the
+    # folder it made goes, record and all: a next, different predict into it is not refused as "another predict"
+    data, out, _ = spleen_folds
+    image = sorted((data / "imagesTs").glob("*.nii.gz"))[0]
+    ref = nib.load(str(image))
+    bad = np.asarray(ref.dataobj, np.float32).copy()
+    bad[0, 0, 0] = np.nan
+    nib.save(nib.Nifti1Image(bad, ref.affine), str(tmp_path / "nan_case.nii.gz"))
+    dest = tmp_path / "pred"
+    rc, _, stderr = sharded_here(_predict_cmd(out, [tmp_path / "nan_case.nii.gz"], dest, "--nproc", "2"))
+    assert rc == 2 and "nan_case.nii.gz: 1 NaN/Inf value(s)" in stderr
+    assert not dest.exists()
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (torchrun starts its workers in sessions of their own, so a
     process-group kill would miss them), from /proc."""

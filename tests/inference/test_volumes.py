@@ -75,3 +75,43 @@ def test_out_rule(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(DataError, match="is a file"):
         prepare_output(tmp_path / "file", {"model": "a"}, force=True)
+
+
+_KILLED_MID_WRITE = r"""
+import os, signal, sys, time
+from pathlib import Path
+from fastvision.inference.volumes import run_pipeline
+from fastvision.utils.files import atomic_write
+
+out = Path(sys.argv[1])
+
+def slow_write(f):
+    time.sleep(0.4)
+    f.write(b"case")
+
+def infer(p):
+    if p == 2:  # case 2 in the network while case 0 is being written and case 1 waits for the writer
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    return p
+
+run_pipeline(range(4), lambda i: i, infer, lambda i, p, y: atomic_write(out / f"case{i}", slow_write))
+"""
+
+
+def test_a_kill_mid_predict_keeps_the_finished_cases_and_no_temp_file(tmp_path):
+    # torchrun stops the other ranks with SIGTERM when one refused an input: the cases already through the
+    # network are written, nothing half-written stays, and the exit is 128 + SIGTERM
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "kill.py"
+    script.write_text(_KILLED_MID_WRITE)
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = subprocess.run([sys.executable, str(script), str(out)], timeout=60).returncode
+    assert rc == 128 + signal.SIGTERM
+    assert sorted(p.name for p in out.iterdir()) == ["case0", "case1"]
+    assert all(p.read_bytes() == b"case" for p in out.iterdir())
