@@ -282,7 +282,10 @@ def _report(cfg: RunConfig, per: dict[str, list[float]], launch: list[float], wa
             device: torch.device, sampler: Any, cache_line: str, precision: str) -> dict[str, Any]:
     phases = {p: percentiles_ms(v) for p, v in per.items()}
     step_s = float(np.median(walls))
-    shares = {"input": float(np.median(per["data"])) / step_s, "communication": float(np.median(per["comm"])) / step_s}
+    # Shares of the profiled time (totals, not medians): a prefetching loader waits in bursts (most steps
+    # find a batch ready, every few steps wait for several), so the median wait says ~0 of an input-bound run.
+    total_s = max(float(np.sum(walls)), 1e-12)
+    shares = {"input": float(np.sum(per["data"])) / total_s, "communication": float(np.sum(per["comm"])) / total_s}
     device_s = sum(float(np.median(per[p])) for p in DEVICE_PHASES)
     gpu = sampler.summary() if sampler is not None else None
     if device.type == "cuda":

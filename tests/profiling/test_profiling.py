@@ -54,13 +54,30 @@ def _profile(tmp_path, name, *extra):
 
 
 def test_slow_transform_is_input_bound(tmp_path):
-    report = _profile(tmp_path, "slow", "--set", "data.args.delay=0.25", "--set", "data.args.image_size=[16,16]")
-    assert report["verdict"] == "input-bound"
+    report = _profile(tmp_path, "slow", "--set", "data.args.delay=0.25", "--set", "data.args.image_size=[16,16]",
+                      "--set", "train.cpu_threads=1")
+    assert report["verdict"] == "input-bound", report["shares"]
     assert report["advice"].startswith("set data.cache: ram and data.loader: threads")
     # two threads sleep 4 x 250 ms per batch (~500 ms per step) while compute takes ~15 ms on an
     # idle machine: a margin that survives a heavily loaded CI machine
     assert report["phases"]["data"]["mean"] > 200
     assert report["shares"]["input"] > 0.5 and report["phases"]["comm"]["p99"] == 0.0
+
+
+def test_bursty_input_wait_counts_by_its_total():
+    """A prefetching loader: three steps in four find a batch ready, the fourth waits 900 ms. The median
+    wait is 0, but 900 of the 1,200 ms profiled are input: the verdict is input-bound (hand-computed shares)."""
+    from fastvision import config
+    from fastvision.profiling.profiler import PHASES, _report
+
+    walls = [0.1, 0.1, 0.1, 0.9 + 0.1]
+    per = {p: [0.0] * 4 for p in PHASES}
+    per["data"] = [0.0, 0.0, 0.0, 0.9]
+    per["forward"] = [0.1] * 4
+    cfg = config.load("unet2d-microscopy")
+    r = _report(cfg, per, [0.01] * 4, walls, 4, torch.device("cpu"), None, "test", "fp32")
+    assert r["shares"]["input"] == pytest.approx(0.9 / 1.3) and r["verdict"] == "input-bound"
+    assert r["shares"]["compute"] == pytest.approx(0.4 / 1.3)
 
 
 @pytest.mark.parametrize("extra", [(), ("--synthetic", "--set", "task.args.sample_shape=[1,64,64]")])
