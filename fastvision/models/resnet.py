@@ -280,8 +280,11 @@ def load_pretrained(model: nn.Module, path: str | Path | dict, strict_head: bool
             raise DataError(f"pretrained weights not found: {path}")
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # corrupt file or pickled objects beyond tensors
-            raise DataError(f"{path}: cannot load weights ({e})") from e
+        except Exception as e:  # corrupt file or pickled objects beyond tensors: a few words, not torch's advice
+            from fastvision.utils.files import load_failure
+
+            why = load_failure(path, e, "a state dict (torch.save(model.state_dict(), PATH))")
+            raise DataError(f"{path}: cannot load weights ({why})") from e
         state = _unwrap_state_dict(obj, path)
     own = model.state_dict()
     skipped = [k for k in state if k in own and state[k].shape != own[k].shape]

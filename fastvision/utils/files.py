@@ -185,15 +185,15 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]
             warnings.simplefilter("ignore", UserWarning)
             ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # corrupt, truncated, empty, or contains non-tensor pickled objects
-        raise DataError(f"{path}: not a loadable fastvision checkpoint ({_load_failure(path, e)})") from e
+        raise DataError(f"{path}: not a loadable fastvision checkpoint ({load_failure(path, e)})") from e
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise DataError(f"{path}: not a fastvision checkpoint (no 'model' entry)")
     return ckpt
 
 
-def _load_failure(path: Path, e: Exception) -> str:
+def load_failure(path: Path, e: Exception, wanted: str = "a file fastvision wrote") -> str:
     """Why ``torch.load(weights_only=True)`` refused ``path``, in a few words (not torch's advice to
-    load it unsafely: fastvision never unpickles code)."""
+    load it unsafely: fastvision never unpickles code); ``wanted`` names what the file should have been."""
     text = str(e).strip()
     if path.stat().st_size == 0:
         return "the file is empty"
@@ -210,7 +210,7 @@ def _load_failure(path: Path, e: Exception) -> str:
         why = why.split(" was not an allowed global")[0] or next(
             (ln.strip() for ln in text.splitlines() if ln.strip().startswith("Unsupported")), "")
         return ("it holds pickled Python objects" + (f" ({why[:120]})" if why else "")
-                + ", which fastvision does not unpickle: not a file fastvision wrote")
+                + f", which fastvision does not unpickle: not {wanted}")
     # some loaders raise with an empty message: say what it was
     return (text.splitlines() or [type(e).__name__])[0][:200]
 

@@ -118,6 +118,28 @@ def test_load_pretrained_errors(tmp_path):
         R.load_pretrained(R.resnet18(), tmp_path / "junk.pth")
 
 
+@pytest.mark.parametrize("kind, why", [
+    ("jpeg", "not a file torch.save wrote"),  # an image given as the weights
+    ("empty", "the file is empty"),
+    ("pickled_model", r"pickled Python objects .*not a state dict \(torch.save\(model.state_dict\(\)"),
+])
+def test_load_pretrained_unloadable_file_is_one_line_without_torchs_advice(tmp_path, kind, why):
+    """A file torch.load(weights_only=True) refuses: one line saying what it is, never torch's
+    multi-line advice to rerun with weights_only=False (fastvision does not unpickle code)."""
+    path = tmp_path / "w.pth"
+    if kind == "jpeg":
+        from PIL import Image
+        Image.new("RGB", (8, 8)).save(path, format="JPEG")
+    elif kind == "empty":
+        path.write_bytes(b"")
+    else:  # torch.save(model): the whole module pickled, as many shared checkpoints are
+        torch.save(torch.nn.Linear(2, 2), path)
+    with pytest.raises(DataError, match=why) as info:
+        R.load_pretrained(R.resnet18(), path)
+    msg = str(info.value)
+    assert "\n" not in msg and "weights_only" not in msg and msg.startswith(f"{path}: cannot load weights")
+
+
 @pytest.mark.parametrize("name", sorted(PARAMS))
 def test_forward_backward_every_depth(name):
     torch.manual_seed(0)
