@@ -247,7 +247,9 @@ def inspect_imagefolder(path: Path, header_limit: int = 5000, val_labels: str | 
     classes = find_classes(path / train_dir)
     for split in (train_dir, val_dir):
         d = path / split
-        if not d.is_dir():
+        if not d.is_dir():  # only val/ gets here (no train/ is an error above): training stops on it
+            unusable[f"{split}/ missing (training validates on it; a folder of another name: data.args.val_dir)"] = [
+                str(d)]
             continue
         flat = flat_val_layout(d, EXTENSIONS) if split == val_dir else None
         if flat:

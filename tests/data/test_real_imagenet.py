@@ -245,3 +245,23 @@ def test_tiny_imagenet_as_downloaded(tmp_path, capsys):
     (root / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn01440764\t1\n")  # not the 6 columns
     with pytest.raises(DataError, match="val_annotations.txt:1"):
         DATASETS.build("imagefolder", {"path": str(root)})
+
+
+def test_no_val_folder_names_the_key_and_inspect_says_training_stops(tmp_path, capsys):
+    """train/ + validation/ (Kaggle's and others' name): training said 'image folder not found: .../val'
+    and data inspect found no anomaly, exit 0; now training names the folders there and data.args.val_dir,
+    inspect lists it as what training stops on (exit 2), and val_dir trains on it."""
+    root = make_imagenet(tmp_path / "imagenet")
+    (root / "val").rename(root / "validation")
+    with pytest.raises(DataError, match=r"imagenet/val: no validation folder \(folders in .*imagenet: train/, "
+                                        r"validation/\); name yours with --set data.args.val_dir=NAME$"):
+        DATASETS.build("imagefolder", {"path": str(root)})
+    report = inspect_path(root)
+    assert list(report["unusable"]) == ["val/ missing (training validates on it; a folder of another name: "
+                                        "data.args.val_dir)"]
+    assert main(["data", "inspect", str(root)]) == 2
+    assert "would stop training (val/ missing" in capsys.readouterr().err
+    (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(
+        f"{Path(n).stem},{w} 1 2 3 4\n" for n, w in VAL))
+    splits = DATASETS.build("imagefolder", {"path": str(root), "val_dir": "validation"})
+    assert splits.info["val_images"] == len(VAL)

@@ -322,6 +322,10 @@ def _train_classes(root: Path, train_dir: str, val_dir: str) -> list[str]:
 def _val_split(root: Path, val_root: Path, classes: list[str], train_dir: str, val_labels: str | None,
                invalid: str) -> tuple[list, str]:
     """(samples, layout) of the validation split: a flat folder and its labels file, or class folders."""
+    if not val_root.is_dir():  # Kaggle's and others' validation/, valid/, test/: name the key that picks it
+        here = ", ".join(sorted(p.name + "/" for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")))
+        raise DataError(f"{val_root}: no validation folder (folders in {root}: {here}); name yours with "
+                        f"--set data.args.val_dir=NAME")
     flat = flat_val_layout(val_root, EXTENSIONS)
     if flat:  # ImageNet's val as distributed (one folder + a labels file), or Tiny-ImageNet's
         return flat_val_samples(flat[0], classes, root, EXTENSIONS, val_labels or flat[1], invalid)
