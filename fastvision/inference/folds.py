@@ -78,18 +78,45 @@ def _manifest(root: Path, recipe: str, cfg, folds: list[int]) -> dict[str, Any]:
     want = {"recipe": recipe, "recipe_name": cfg.recipe, "num_folds": num,
             "split_seed": int(cfg.data.args.get("split_seed", 0)),
             # the data set as `cv RUNS` compares it: reader and folder name (the folder may move, not change)
-            "data": f"{cfg.data.name} {Path(str(cfg.data.args.get('path'))).name}"}
+            "data": f"{cfg.data.name} {Path(str(cfg.data.args.get('path'))).name}",
+            # the training length: a fold of other epochs is another trainer (nnU-Net's nnUNetTrainer_<N>epochs)
+            **_length(cfg.train.epochs, cfg.train.steps_per_epoch)}
     f = root / FOLDS_FILE
     if f.is_file():
         have = _read_json(f)
-        for key in ("recipe_name", "num_folds", "split_seed", "data"):
-            if (key in have or key != "data") and have.get(key) != want[key]:  # folds.json before "data": kept
-                raise DataError(f"{f}: folds of {key} {have.get(key)!r}, this command trains {want[key]!r}; "
+        if "epochs" not in have:  # folds.json before the training length: the folds' own saved configs say it
+            have = {**have, **_trained_length(root, want)}
+        for key in ("recipe_name", "num_folds", "split_seed", "data", *_LENGTH):
+            if (key in have or key not in ("data", *_LENGTH)) and have.get(key) != want[key]:  # older folds.json: kept
+                hint = " (a fold trained for other epochs is another trainer, as in nnU-Net)" if key in _LENGTH else ""
+                raise DataError(f"{f}: folds of {key} {have.get(key)!r}, this command trains {want[key]!r}{hint}; "
                                 "choose another --out")
         folds = sorted(set(have.get("folds", [])) | set(folds))
     elif root.is_dir() and any(root.iterdir()):
         raise DataError(f"{root}: exists and is not a train --folds folder (no {FOLDS_FILE}); choose another --out")
     return {**want, "folds": folds}
+
+
+_LENGTH = ("epochs", "steps_per_epoch")
+
+
+def _length(epochs: Any, steps_per_epoch: Any) -> dict[str, Any]:
+    return {"epochs": int(epochs), "steps_per_epoch": None if steps_per_epoch is None else int(steps_per_epoch)}
+
+
+def _trained_length(root: Path, want: dict[str, Any]) -> dict[str, Any]:
+    """The training length of the first fold (its ``config.yaml``) that differs from ``want``'s, else {}."""
+    import yaml
+
+    for cfg_file in sorted(root.glob("fold-[0-9]*/config.yaml")):
+        try:
+            train = (yaml.safe_load(cfg_file.read_text()) or {}).get("train", {})
+            have = _length(train["epochs"], train.get("steps_per_epoch"))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError):
+            continue  # not readable: the fold's own resume names it
+        if have != {k: want[k] for k in _LENGTH}:
+            return have
+    return {}
 
 
 def _check_reader_folds(cfg) -> None:
@@ -218,7 +245,9 @@ def _identity(ckpt: dict[str, Any]) -> dict[str, Any]:
     cfg, info = ckpt.get("config", {}), ckpt.get("data_info", {}) or {}
     task = cfg.get("task", {}).get("args", {})
     data = cfg.get("data", {}).get("args", {})
+    train = cfg.get("train", {})
     return {"recipe": cfg.get("recipe"), "model": cfg.get("model"),
+            "training": {k: train.get(k) for k in _LENGTH},
             "labels": {"num_classes": task.get("num_classes"), "mode": task.get("mode"), "regions": task.get("regions"),
                        "class_names": info.get("class_names")},
             "preprocessing": {**{k: data.get(k) for k in ("target_spacing", "intensity", "window", "crop_foreground")},
@@ -257,12 +286,13 @@ def fold_checkpoints(root: str | Path, spec: str | None) -> list[Path]:
         ident = _identity(load(d / "checkpoints" / "last.pt"))
         if first is None:
             first = (d, ident)
-        for key in ("recipe", "labels", "model", "preprocessing"):
+        for key in ("recipe", "labels", "model", "preprocessing", "training"):
             if ident[key] != first[1][key]:
                 what = {"recipe": "recipe", "labels": "label set", "model": "network",
-                        "preprocessing": "preprocessing"}[key]
+                        "preprocessing": "preprocessing", "training": "training length"}[key]
                 raise DataError(f"{d}: trained with another {what} than {first[0]} ({ident[key]} vs "
-                                f"{first[1][key]}): the folds of one ensemble need one recipe and label set")
+                                f"{first[1][key]}): the folds of one ensemble need one recipe, label set and "
+                                "training length")
         paths.append(d / "checkpoints" / "last.pt")
     return paths
 

@@ -74,6 +74,7 @@ def _test_image(data):
     ("labels", "another label set"),
     ("resample", "another preprocessing"),  # nnU-Net's order: other arrays than MONAI's (was ensembled)
     ("weights", "last.pt: missing (fold 1 finished"),  # was "unfinished (no summary.json)": it has one
+    ("epochs", "another training length"),  # fold 1 trained for other epochs: another trainer (was ensembled)
 ])
 def test_bad_folds_folder(spleen_folds, tmp_path, capsys, damage, words):
     data, out, _ = spleen_folds
@@ -92,6 +93,8 @@ def test_bad_folds_folder(spleen_folds, tmp_path, capsys, damage, words):
             state["config"]["recipe"] = "unet3d-spleen-fast"
         elif damage == "resample":
             state["config"]["data"]["args"]["resample"] = "nnunet"
+        elif damage == "epochs":
+            state["config"]["train"]["epochs"] = 2
         else:
             state["config"]["task"]["args"]["num_classes"] = 3
             state["data_info"]["class_names"] = ["background", "spleen", "tumour"]
@@ -207,3 +210,22 @@ def test_folds_of_another_data_set_refused(spleen_folds, tmp_path, capsys):
     assert cli.main(["train", "unet3d-spleen-baseline", "--data", str(moved), "--folds", "all",
                      "--out", str(copy), *FOLD_FLAGS, "--postprocess", "none"]) == 0
     assert "fold 0: finished already" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("record", ["folds.json", "older folds.json"])
+def test_folds_of_other_epochs_refused(spleen_folds, tmp_path, capsys, record):
+    # the finished folds (1 epoch) were skipped and the command's new folds trained for 2 epochs: one ensemble
+    # of two trainers; nnU-Net keeps another epoch count in another folder (nnUNetTrainer_<N>epochs)
+    data, out, _ = spleen_folds
+    copy = tmp_path / "cv"
+    shutil.copytree(out, copy)
+    listed = json.loads((copy / "folds.json").read_text())
+    assert (listed["epochs"], listed["steps_per_epoch"]) == (1, None)
+    if record == "older folds.json":  # written before the training length was: the folds' configs say it
+        (copy / "folds.json").write_text(json.dumps({k: v for k, v in listed.items()
+                                                     if k not in ("epochs", "steps_per_epoch")}))
+    before = {p: p.stat().st_mtime_ns for p in copy.rglob("*")}
+    err = _error(capsys, ["train", "unet3d-spleen-baseline", "--data", str(data), "--folds", "all",
+                          "--out", str(copy), *FOLD_FLAGS, "--epochs", "2"])
+    assert "folds.json: folds of epochs 1, this command trains 2" in err and "another --out" in err
+    assert {p: p.stat().st_mtime_ns for p in copy.rglob("*")} == before  # nothing trained or rewritten
