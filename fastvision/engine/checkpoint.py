@@ -262,8 +262,43 @@ def load_run_checkpoint(path: Path, map_location: str | torch.device = "cpu"):
     try:
         cfg = config.from_dict(ckpt["config"])
     except ConfigError as e:
-        raise ConfigError(f"{path}: its saved config does not load: {e}") from e
+        raise ConfigError(f"{path}: its saved config does not load{saved_by(ckpt)}: {e}") from e
+    check_saved_components(path, ckpt, cfg)
     return ckpt, cfg
+
+
+def saved_by(ckpt: dict[str, Any]) -> str:
+    """`` (saved by fastvision X, this is Y)`` where the checkpoint names another version than this one."""
+    import fastvision
+
+    saved = ckpt.get("fastvision")
+    return f" (saved by fastvision {saved}, this is {fastvision.__version__})" \
+        if saved and saved != fastvision.__version__ else ""
+
+
+def check_saved_components(path: Path, ckpt: dict[str, Any], cfg) -> None:
+    """The saved config's model, task and loss are builders this version has, with arguments they take:
+    one line naming ``path``, the component and its name, the version that saved it, and what this version
+    knows (the registry's valid names or keys), not a bare ``unknown model 'X'`` after a build began.
+
+    Raises:
+        ConfigError: naming ``path``.
+    """
+    import fastvision.losses  # noqa: F401  (register the builders)
+    import fastvision.models  # noqa: F401
+    import fastvision.tasks  # noqa: F401
+    from fastvision.errors import ConfigError
+    from fastvision.registry import LOSSES, MODELS, TASKS, check_kwargs
+
+    by_code = {"loss", "augment", "info"}  # the task's arguments the build passes, not the config
+    for kind, registry, name, args, extra in (("model", MODELS, cfg.model.name, cfg.model.args, set()),
+                                              ("task", TASKS, cfg.task.name, cfg.task.args, by_code),
+                                              ("loss", LOSSES, cfg.loss.name, cfg.loss.args, set())):
+        try:
+            check_kwargs(registry.get(name), dict(args or {}), f"{kind}.args", exclude=extra)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: its {kind} {name!r} does not build in this version{saved_by(ckpt)}: "
+                              f"{e}") from e
 
 
 def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: Path, what: str = "") -> None:

@@ -215,7 +215,6 @@ def checkpoint_path(path: Path) -> Path:
 
 def load_model(path: Path) -> tuple[nn.Module, Task, Path]:
     """The checkpoint's model (weights loaded, eval, CPU) and task, built without its dataset."""
-    import fastvision
     from fastvision import engine
     from fastvision.engine import checkpoint
 
@@ -224,11 +223,8 @@ def load_model(path: Path) -> tuple[nn.Module, Task, Path]:
     cfg.train.device, cfg.train.compile, cfg.train.backend = "cpu", False, "ddp"  # one process, eager, on CPU
     try:
         run = engine.build(cfg, data_info=ckpt.get("data_info", {}))  # the engine's build, without the dataset
-    except ConfigError as e:  # a model, task or setting of another version: it named neither file nor version
-        saved = ckpt.get("fastvision")
-        by = f" (saved by fastvision {saved}, this is {fastvision.__version__})" \
-            if saved and saved != fastvision.__version__ else ""
-        raise ConfigError(f"{ckpt_path}: its model does not build{by}: {e}") from e
+    except ConfigError as e:  # a setting of another version: it named neither file nor version
+        raise ConfigError(f"{ckpt_path}: its model does not build{checkpoint.saved_by(ckpt)}: {e}") from e
     model, task = run.model, run.task
     # EMA weights when trained with EMA
     checkpoint.load_model_weights(model, ckpt.get("eval_model", ckpt["model"]), ckpt_path, cfg.model.name)

@@ -211,3 +211,31 @@ def test_a_resume_adopts_rollback_pt_unless_it_is_ahead_of_the_resumed_step(tmp_
     policy = CheckpointPolicy(tmp_path, Every(None), 0)
     policy.resumed(12, checkpoint.saved_step)
     assert policy.good is None
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"model": {"name": "unet5d"}}, "its model 'unet5d' does not build in this version (saved by fastvision 99.0"),
+    ({"model": {"args": {"new_knob": 1}}}, "its model 'unet3d-spleen' does not build in this version"),
+    ({"task": {"name": "tracking"}}, "its task 'tracking' does not build in this version"),
+])
+@pytest.mark.parametrize("command", ["evaluate", "predict", "export"])
+def test_a_checkpoint_of_another_version_names_the_file_model_and_what_this_version_knows(tmp_path, capsys,
+                                                                                          change, words, command):
+    # evaluate / predict printed a bare "unknown model 'unet5d'; valid: ..." (export named the file alone)
+    from fastvision import cli, config
+
+    saved = config.to_dict(config.load("unet3d-spleen-baseline"))
+    for section, values in change.items():
+        for key, value in values.items():
+            saved[section][key] = {**saved[section][key], **value} if isinstance(value, dict) else value
+    path = tmp_path / "other.pt"
+    torch.save({"config": saved, "model": {}, "fastvision": "99.0"}, path)
+    argv = {"evaluate": ["evaluate", str(path), "--device", "cpu"],
+            "predict": ["predict", str(path), str(path), "--out", str(tmp_path / "p"), "--device", "cpu"],
+            "export": ["export", str(path), "--out", str(tmp_path / "m.onnx")]}[command]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"fastvision: error: {path}: ") and words in err, err
+    known = {"model": "valid: " if "name" in change.get("model", {}) else "valid keys: ", "task": "valid: "}
+    assert next(known[s] for s in change) in err  # what this version builds
+    assert not (tmp_path / "p").exists() and not (tmp_path / "m.onnx").exists()
