@@ -80,7 +80,7 @@ def _manifest(root: Path, recipe: str, cfg, folds: list[int]) -> dict[str, Any]:
             # the data set as `cv RUNS` compares it: reader and folder name (the folder may move, not change)
             "data": f"{cfg.data.name} {Path(str(cfg.data.args.get('path'))).name}",
             # the training length: a fold of other epochs is another trainer (nnU-Net's nnUNetTrainer_<N>epochs)
-            **_length(cfg.train.epochs, cfg.train.steps_per_epoch)}
+            **{k: getattr(cfg.train, k) for k in _LENGTH}}
     f = root / FOLDS_FILE
     if f.is_file():
         have = _read_json(f)
@@ -100,10 +100,6 @@ def _manifest(root: Path, recipe: str, cfg, folds: list[int]) -> dict[str, Any]:
 _LENGTH = ("epochs", "steps_per_epoch")
 
 
-def _length(epochs: Any, steps_per_epoch: Any) -> dict[str, Any]:
-    return {"epochs": int(epochs), "steps_per_epoch": None if steps_per_epoch is None else int(steps_per_epoch)}
-
-
 def _trained_length(root: Path, want: dict[str, Any]) -> dict[str, Any]:
     """The training length of the first fold (its ``config.yaml``) that differs from ``want``'s, else {}."""
     import yaml
@@ -111,8 +107,8 @@ def _trained_length(root: Path, want: dict[str, Any]) -> dict[str, Any]:
     for cfg_file in sorted(root.glob("fold-[0-9]*/config.yaml")):
         try:
             train = (yaml.safe_load(cfg_file.read_text()) or {}).get("train", {})
-            have = _length(train["epochs"], train.get("steps_per_epoch"))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError):
+            have = {k: train.get(k) for k in _LENGTH}
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
             continue  # not readable: the fold's own resume names it
         if have != {k: want[k] for k in _LENGTH}:
             return have
