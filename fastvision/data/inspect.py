@@ -327,11 +327,11 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
     import nibabel as nib
 
     from fastvision.data.formats.anomalies import channel_mismatches
-    from fastvision.data.formats.decathlon import modality_names, read_dataset_json
+    from fastvision.data.formats.decathlon import modality_names, read_dataset_json, task01_label_map
     from fastvision.data.spatial3d import label_off_grid
 
-    unusable: dict[str, list[str]] = {"files dataset.json lists that do not exist": []}
-    ds = read_dataset_json(path, missing=unusable["files dataset.json lists that do not exist"])
+    ds = read_dataset_json(path, missing=(missing := []))  # nnU-Net v2's folder: its own kinds in "unusable"
+    unusable = {"files dataset.json lists that do not exist": missing, **ds.get("unusable", {})}
     meta, grids = ds["meta"], []
     unusable[f"images whose channel count is not dataset.json's modality count ({len(modality_names(meta))})"] = [
         f"{p.relative_to(path)} ({n})" for p, n in channel_mismatches(ds["training"], modality_names(meta))]
@@ -357,12 +357,10 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
                 classes[int(v)] += c
         read += 1
     total = sum(classes.values()) or 1
-    labels = {str(v).lower() for v in meta.get("labels", {}).values()}
-    task01 = {"edema", "non-enhancing tumor", "enhancing tumour"} <= labels
-    return {"detected": "Medical Segmentation Decathlon" + (" Task01 (MSD label ids, loaded as BraTS ids)"
-                                                              if task01 else ""),
-            "name": meta.get("name", "?"), "modality": meta.get("modality", {}), "labels": meta.get("labels", {}),
-            "training cases": len(ds["training"]), "test cases": len(ds["test"]),
+    kind = ds.get("kind", "Medical Segmentation Decathlon")
+    return {"detected": kind + (" Task01 (MSD label ids, loaded as BraTS ids)" if task01_label_map(meta) else ""),
+            "name": meta.get("name", "?"), "modality": meta.get("modality") or meta.get("channel_names", {}),
+            "labels": meta.get("labels", {}), "training cases": len(ds["training"]), "test cases": len(ds["test"]),
             "shapes (first 10)": dict(shapes), "spacing mm (first 10)": dict(spacings),
             "label values (first 10)": sorted(classes),
             "label voxels (first 10)": {v: f"{c / total:.2%}" for v, c in sorted(classes.items())},

@@ -11,7 +11,15 @@ import torch
 from torch import Tensor
 
 from fastvision.inference import postprocess
-from fastvision.inference.volumes import Ensemble, check_cases, check_not_inputs, input_channels, run_pipeline, shard
+from fastvision.inference.volumes import (
+    Ensemble,
+    check_cases,
+    check_not_inputs,
+    input_channels,
+    output_name,
+    run_pipeline,
+    shard,
+)
 from fastvision.utils.files import atomic_write
 
 Predictor = Callable[[Tensor], Tensor]
@@ -126,14 +134,19 @@ def save_segmentation(label: np.ndarray, reference_nifti_path: str | Path, out_p
 
 
 # ----------------------------------------------------------------------------- NIfTI prediction
-def prediction_cases(files: Sequence[str | Path]) -> list[dict]:
+def prediction_cases(files: Sequence[str | Path], channel_files: str | None = None) -> list[dict]:
     """Group prediction inputs into cases ``{"id": str, "image": [paths]}``.
 
     A NIfTI file is one case (a 4-D file carries its channels). A folder holds raw BraTS cases
     (``<case>_{flair,t1,t1ce,t2}.nii.gz`` or 2023-2024's ``<case>-{t2f,t1n,t1c,t2w}.nii.gz``, any nesting).
     Loose files named like BraTS modalities (what a case folder expands to) are grouped into their case
-    in FLAIR, T1, T1ce, T2 order; ``seg`` files are skipped.
+    in FLAIR, T1, T1ce, T2 order; ``seg`` files are skipped. ``channel_files``: an nnU-Net v2 run's
+    ``file_ending``: files named ``<case>_XXXX.nii[.gz]`` are that case's channels in XXXX order (as
+    ``nnUNetv2_predict`` reads ``imagesTs``), its prediction ``<case><file_ending>`` (``out_name``).
     """
+    if channel_files:
+        files, cases = _group_channel_files(list(map(Path, files)), channel_files)
+        return cases + (prediction_cases(files) if files else [])
     from fastvision.data.formats.brats import find_cases
     from fastvision.data.formats.brats_layouts import case_files
     from fastvision.errors import DataError
@@ -154,6 +167,31 @@ def prediction_cases(files: Sequence[str | Path]) -> list[dict]:
         name = f.name
         cases.append({"id": name[: -len(".nii.gz")] if name.endswith(".nii.gz") else f.stem, "image": [f]})
     return cases
+
+
+def _group_channel_files(files: list[Path], ending: str) -> tuple[list[Path], list[dict]]:
+    """``(the other inputs, cases of the <case>_XXXX files)``; a case lacking a channel below its highest is a
+    DataError naming the missing file (check_cases then compares the count with the model's)."""
+    import re
+
+    from fastvision.errors import DataError
+
+    groups: dict[tuple[Path, str], dict[int, Path]] = {}
+    rest = []
+    for f in files:
+        m = None if f.is_dir() else re.fullmatch(r"(.+)_(\d{4})(\.nii\.gz|\.nii)", f.name)
+        if m is None:
+            rest.append(f)
+            continue
+        groups.setdefault((f.parent, m.group(1)), {})[int(m.group(2))] = f
+    cases = []
+    for (folder, case), channels in groups.items():
+        for c in range(max(channels)):
+            if c not in channels:
+                raise DataError(f"{folder / f'{case}_{c:04d}{ending}'}: not among the inputs (channel {c} of case "
+                                f"{case}; an nnU-Net v2 run reads <case>_XXXX{ending}, one file per channel)")
+        cases.append({"id": case, "image": [channels[c] for c in sorted(channels)], "out_name": f"{case}{ending}"})
+    return rest, cases
 
 
 def _brats_release_uses_4(data_args: dict) -> bool:
@@ -240,7 +278,7 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
 
     params, ids = prediction_preprocessing(ensemble.task, cfg.data.name, cfg.data.args)
     mine = shard(cases, rank, world)
-    todo = [c for c in mine if force or not (out / f"{c['id']}.nii.gz").is_file()]
+    todo = [c for c in mine if force or not (out / output_name(c)).is_file()]
     written: list[Path] = []
 
     def prepare(case: dict) -> dict:
@@ -254,11 +292,11 @@ def predict_cases(ensemble, cfg, cases: Sequence[dict], out: Path, *, steps: Seq
     def export(case: dict, pre: dict, probs: Tensor) -> None:
         label = postprocess.apply(labels_on_input(probs, pre["meta"], ensemble.labels, softmax,
                                                   logits=ensemble.nnunet), steps)
-        written.append(save_segmentation(label, case["image"][0], out / f"{case['id']}.nii.gz", ids=ids))
+        written.append(save_segmentation(label, case["image"][0], out / output_name(case), ids=ids))
 
     run_pipeline(todo, prepare, infer, export, overlap=overlap)
     for c in mine:  # temp files that a killed earlier writer of this rank's cases left behind
-        for tmp in out.glob(f".{c['id']}.nii.gz.*.tmp"):
+        for tmp in out.glob(f".{output_name(c)}.*.tmp"):
             tmp.unlink(missing_ok=True)
     return written, len(mine) - len(todo)
 
@@ -290,7 +328,7 @@ def predict_nifti_files(task, model: torch.nn.Module, files: Sequence[Path], out
     Returns:
         Written segmentation paths, one per case, in case-id order.
     """
-    cases = prediction_cases(files)
+    cases = prediction_cases(files, getattr(task, "channel_files", None))
     check_cases(cases, input_channels(model))
     check_not_inputs(cases, Path(out_dir))  # existing outputs are replaced: never an input
     out = Path(out_dir)

@@ -196,6 +196,11 @@ def prepare_output(out: Path, manifest: dict[str, Any] | None, force: bool) -> N
         atomic_write(found, lambda f: f.write(text))
 
 
+def output_name(case: dict) -> str:
+    """The file a case's prediction is written to: ``<case>.nii.gz``, or an nnU-Net v2 run's ``<case><file_ending>``."""
+    return case.get("out_name") or f"{case['id']}.nii.gz"
+
+
 def check_not_inputs(cases: Sequence[dict], out: Path) -> None:
     """Before ``out`` is touched: no case's output file (``out/<case>.nii.gz``) is one of the inputs, which
     ``--force`` would replace with its labels (``--out`` the input folder of ``.nii.gz`` files).
@@ -205,7 +210,7 @@ def check_not_inputs(cases: Sequence[dict], out: Path) -> None:
     """
     inputs = {Path(p).resolve() for c in cases for p in c["image"]}
     for c in cases:
-        target = (Path(out) / f"{c['id']}.nii.gz").resolve()
+        target = (Path(out) / output_name(c)).resolve()
         if target in inputs:
             raise DataError(f"{target}: is an input, and its prediction would replace it; choose another --out")
 
@@ -243,7 +248,7 @@ def check_cases(cases: Sequence[dict], channels: int | None) -> None:
         first = Path(c["image"][0])
         if c["id"] in seen:
             raise DataError(f"{first}: same case name {c['id']!r} as {seen[c['id']]}: both would write "
-                            f"{c['id']}.nii.gz")
+                            f"{output_name(c)}")
         seen[c["id"]] = first
         have, grid = 0, None
         for p in c["image"]:

@@ -111,6 +111,8 @@ class SegmentationTask(Task):
         self.sliding_window = check_sliding_window(sliding_window or None)
         spacing = ((info or {}).get("preprocess") or {}).get("target_spacing") or (info or {}).get("spacing")
         self.spacing = tuple(float(s) for s in spacing) if spacing else None  # the voxel size the overlays draw
+        # an nnU-Net v2 run: predict groups {case}_XXXX channel files by case and writes {case}{file_ending}
+        self.channel_files = ((info or {}).get("label_convention") or {}).get("file_ending")
 
     # -- training ------------------------------------------------------------------
     def check_model(self, model: nn.Module) -> None:

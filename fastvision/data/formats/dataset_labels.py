@@ -46,3 +46,24 @@ def label_names(meta: dict[str, Any], root: Path) -> dict[int, str]:
     """``{value: lower-case name}`` of dataset.json's labels in either form (:func:`parse_labels`): what the
     Decathlon reader trains on, so it reads the labels as ``data inspect`` and ``configure`` do."""
     return {k: v.lower() for k, v in parse_labels(meta, root)[0].items()}
+
+
+# Task01's label names -> fastvision's BraTS class; predict writes each class back as the file's id
+MSD_BRAIN_LABELS = {"edema": 2, "non-enhancing tumor": 1, "enhancing tumour": 3}
+# nnU-Net v2's BraTS regions (its Dataset137 conversion, region-based training): the file ids they are
+# built from are MSD Task01's (1 edema, 2 non-enhancing, 3 enhancing)
+_BRATS_REGIONS = {"whole tumor": [1, 2, 3], "tumor core": [2, 3], "enhancing tumor": [3]}
+
+
+def task01_label_map(meta: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """``((file id, BraTS class), ...)`` of a Task01 BrainTumour dataset.json, the renumbering loading applies;
+    ``()`` for any other task. Its ``labels`` name edema, non-enhancing and enhancing tumour, in MSD's form
+    (``{"1": "edema"}``) or nnU-Net v2's (``{"edema": 1}``, what ``nnUNetv2_convert_MSD_dataset`` writes, the
+    ids unchanged), or are v2's BraTS regions (whole tumor [1, 2, 3], tumor core [2, 3], enhancing tumor 3)."""
+    labels, regions = parse_labels(meta, Path("dataset.json"))
+    if regions and {k.lower(): sorted(v) for k, v in regions.items()} == _BRATS_REGIONS:
+        return ((1, 2), (2, 1), (3, 3))
+    names = {k: v.lower() for k, v in labels.items()}
+    if not set(MSD_BRAIN_LABELS) <= set(names.values()):
+        return ()
+    return tuple((k, MSD_BRAIN_LABELS[v]) for k, v in names.items() if v in MSD_BRAIN_LABELS)

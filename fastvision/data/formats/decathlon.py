@@ -30,6 +30,8 @@ from torch.utils.data import Dataset
 from fastvision.data import nnunet_resampling, spatial3d
 from fastvision.data.formats.anomalies import check_channels, drop_unreadable, first_few, nifti_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
+from fastvision.data.formats.dataset_labels import MSD_BRAIN_LABELS, label_names, task01_label_map  # noqa: F401
+from fastvision.data.formats.nnunetv2 import is_v2, read_raw
 from fastvision.data.formats.patches import RandPatch, random_patch  # noqa: F401 (re-exported)
 from fastvision.data.nonfinite import NonFinite
 from fastvision.data.preprocess3d import PreprocessParams, check_label_values, preprocess_case
@@ -41,8 +43,6 @@ log = logging.getLogger(__name__)
 
 # Class names of the BraTS ids 0..3, as seed 000 names its per-label Dice.
 BRATS_CLASS_NAMES = ["background", "tumor_core", "peritumoral_edema", "enhancing_tumor"]
-# Task01's label names -> fastvision's BraTS class; predict writes each class back as the file's id
-MSD_BRAIN_LABELS = {"edema": 2, "non-enhancing tumor": 1, "enhancing tumour": 3}
 
 
 def kfold_split(ids: Sequence[str], fold: int, num_folds: int, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -235,7 +235,8 @@ def looks_like_brats(root: str | Path) -> bool:
 
 
 def read_dataset_json(root: str | Path, missing: list[str] | None = None) -> dict[str, Any]:
-    """Parse ``root/dataset.json`` and resolve its paths.
+    """Parse ``root/dataset.json`` and resolve its paths; nnU-Net v2's raw layout (no ``training`` list, one
+    file per channel) is read by :func:`~fastvision.data.formats.nnunetv2.read_raw` into the same cases.
 
     A listed file that does not exist is an error naming it, or, with a ``missing`` list (``data
     inspect``: every problem listed), its path is appended there and its case left out.
@@ -255,6 +256,8 @@ def read_dataset_json(root: str | Path, missing: list[str] | None = None) -> dic
         raise DataError(f"{f} not found: a Decathlon folder holds dataset.json, imagesTr/, labelsTr/{hint}")
     try:
         meta = json.loads(f.read_text())
+        if is_v2(meta):  # nnU-Net v2's raw layout: the cases are the files
+            return read_raw(root, meta, missing)
         training = [
             {"id": _case_id(e["image"]), "image": [root / e["image"]], "label": root / e["label"]}
             for e in meta["training"]
@@ -286,15 +289,6 @@ def _folder_anomalies(root: Path, training: list[dict[str, Any]], test: list[Pat
             elif p.name.endswith((".nii", ".nii.gz")) and p.resolve() not in listed:
                 out["volumes not in dataset.json (ignored)"].append(f"{sub}/{p.name}")
     return {k: v for k, v in out.items() if v}
-
-
-def task01_label_map(meta: dict[str, Any]) -> tuple[tuple[int, int], ...]:
-    """``((file id, BraTS class), ...)`` of a Task01 BrainTumour dataset.json (its ``labels`` name edema,
-    non-enhancing and enhancing tumour), the renumbering loading applies; ``()`` for any other task."""
-    names = {int(k): str(v).lower() for k, v in meta.get("labels", {}).items() if str(k).lstrip("-").isdigit()}
-    if not set(MSD_BRAIN_LABELS) <= set(names.values()):
-        return ()
-    return tuple((k, MSD_BRAIN_LABELS[v]) for k, v in names.items() if v in MSD_BRAIN_LABELS)
 
 
 def auto_intensity(meta: dict[str, Any]) -> str:
@@ -373,16 +367,16 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     meta, source = found["meta"], Path(path) / "dataset.json"
     modalities = modality_names(meta)
     intensity = auto_intensity(meta) if intensity == "auto" else intensity
-    from fastvision.data.formats.dataset_labels import label_names
     names = label_names(meta, Path(path))  # MSD's {"1": "spleen"} or nnU-Net v2's {"spleen": 1}
     label_map: tuple[tuple[int, int], ...] = ()
     class_names = [names[k] for k in sorted(names)]
-    convention = {"layout": "msd", "file_labels": ", ".join(f"{k} {v}" for k, v in sorted(names.items())),
-                  "label_map": "none"}
+    layout = found.get("layout", "msd")  # nnunetv2: its file_ending names predict's outputs too
+    convention = {"layout": layout, "file_labels": ", ".join(f"{k} {v}" for k, v in sorted(names.items())),
+                  "label_map": "none", **({"file_ending": meta["file_ending"]} if layout == "nnunetv2" else {})}
     if task01_label_map(meta):  # Task01: renumber to BraTS ids
         label_map = task01_label_map(meta)
         class_names = BRATS_CLASS_NAMES
-        convention = {**convention, "layout": "msd-task01", "label_map": {str(a): b for a, b in label_map}}
+        convention = {**convention, "layout": f"{layout}-task01", "label_map": {str(a): b for a, b in label_map}}
     training = drop_unreadable(found["training"], _case_files, nifti_header, skip_unreadable, source)
     check_channels(training, modalities, source)  # headers: a model for the wrong channel count stops here
     params = PreprocessParams(

@@ -13,6 +13,7 @@ tumour core whose outer shell enhances and whose centre is necrotic.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,24 @@ def write_decathlon_case(out: Path, case: str, image: np.ndarray, label: np.ndar
     _nifti(image, affine, out / f"imagesTr/{case}.nii.gz")
     _nifti(label, affine, out / f"labelsTr/{case}.nii.gz")
     training.append({"image": f"./imagesTr/{case}.nii.gz", "label": f"./labelsTr/{case}.nii.gz"})
+
+
+def as_nnunetv2(out: Path, write_msd: Callable[[Path], Path]) -> Path:
+    """``--layout nnunetv2``: the Decathlon folder ``write_msd`` writes (into a staging folder beside ``out``),
+    converted into ``out`` as ``nnUNetv2_convert_MSD_dataset`` converts it: the same cases, one file per channel."""
+    import shutil
+    import tempfile
+
+    from fastvision.data.formats.nnunetv2 import from_msd
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.msd-") as tmp:
+        from_msd(write_msd(Path(tmp) / "msd"), Path(tmp) / "v2")
+        out.mkdir(exist_ok=True)
+        for p in (Path(tmp) / "v2").iterdir():
+            shutil.move(str(p), str(out / p.name))
+    return out
 
 
 def _smooth_noise(rng: np.random.Generator, shape: tuple[int, ...], cells: int = 4) -> np.ndarray:
@@ -108,14 +127,17 @@ def synth_brats(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 2
         cases: labelled (training) cases.
         test_cases: unlabelled cases (Decathlon ``imagesTs``; ignored for the raw layout).
         size: edge of the cubic volume in voxels (1 mm isotropic).
-        layout: "decathlon" (Task01 with dataset.json) or "brats" (raw per-case folders).
+        layout: "decathlon" (Task01 with dataset.json), "brats" (raw per-case folders) or "nnunetv2" (the
+            Task01 folder as nnU-Net v2's converter writes it: one file per channel, the MSD label ids).
 
     Returns:
         ``out``.
     """
     require("brats", cases=(cases, 1), test_cases=(test_cases, 0), size=(size, 8))
-    if layout not in ("decathlon", "brats"):
-        raise ConfigError(f"data synth brats --layout {layout!r}: must be decathlon or brats")
+    if layout not in ("decathlon", "brats", "nnunetv2"):
+        raise ConfigError(f"data synth brats --layout {layout!r}: must be decathlon, brats or nnunetv2")
+    if layout == "nnunetv2":
+        return as_nnunetv2(out, lambda msd: synth_brats(msd, seed=seed, cases=cases, test_cases=test_cases, size=size))
     out = Path(out)
     rng = np.random.default_rng(seed)
     ras = np.diag([1.0, 1.0, 1.0, 1.0])
@@ -177,8 +199,9 @@ def spleen_volume(rng: np.random.Generator, shape: tuple[int, int, int],
 
 @SYNTH.register("spleen")
 def synth_spleen(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 2, size: int = 64,
-                 zoom: float = 1.0) -> Path:
-    """Write synthetic spleen CT in the Decathlon Task09 layout.
+                 zoom: float = 1.0, layout: str = "decathlon") -> Path:
+    """Write synthetic spleen CT in the Decathlon Task09 layout (``layout: nnunetv2``: nnU-Net v2's raw
+    layout of the same cases, ``imagesTr/spleen_1_0000.nii.gz``, as its MSD converter writes them).
 
     In-plane spacing is drawn in [1.2, 1.8] mm and slice spacing in [1.5, 3.0] mm per case; the
     slice count is chosen so every case covers about ``1.5 * size`` mm, as real scans vary in both.
@@ -195,6 +218,11 @@ def synth_spleen(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 
         ``out``.
     """
     require("spleen", cases=(cases, 1), test_cases=(test_cases, 0), size=(size, 8), zoom=(zoom, ">0"))
+    if layout not in ("decathlon", "nnunetv2"):
+        raise ConfigError(f"data synth spleen --layout {layout!r}: must be decathlon or nnunetv2")
+    if layout == "nnunetv2":
+        return as_nnunetv2(out, lambda msd: synth_spleen(msd, seed=seed, cases=cases, test_cases=test_cases,
+                                                         size=size, zoom=zoom))
     out = Path(out)
     rng = np.random.default_rng(seed)
     training, test = [], []
