@@ -14,7 +14,7 @@ from typing import Any
 
 from fastvision import config, distributed
 from fastvision.engine import checkpoint
-from fastvision.errors import ConfigError, DataError, FastvisionError, Preempted, ReportedByPeer
+from fastvision.errors import ConfigError, DataError, FastvisionError, Preempted, ReportedByPeer, peer_lost
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,14 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
         # or stops with its refusal (an existing --out): rank 0 prints it, the others exit quietly
         run_dir, ckpt = _agree_run_dir(env, cfg.recipe, out, resume)
         in_run_dir(cfg, run_dir)
-        summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
+        made = env.is_main and not run_dir.exists()  # (an empty --out the user made is kept, emptied)
+        fresh = env.is_main and (made or not any(run_dir.iterdir()))
+        try:
+            summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
+        except Exception as e:  # a user error here, or on another rank (this rank's collective then broke)
+            if fresh and not isinstance(e, Preempted) and (isinstance(e, FastvisionError) or peer_lost(e)):
+                _remove_unstarted(run_dir, made)
+            raise
         if env.is_main:  # atomic: a reader (cv, benchmark --mode target, a rerun) never sees half of it
             text = json.dumps(summary, indent=2, default=str).encode()
             checkpoint.atomic_write(run_dir / "summary.json", lambda f: f.write(text))
@@ -195,6 +202,22 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
         if joined:  # leave the process group this call joined, also after an error or a stop signal
             distributed.shutdown(join_threads=clean)
     return summary
+
+
+def _remove_unstarted(run_dir: Path, made: bool) -> None:
+    """What a run that stopped on a user error before its first checkpoint wrote in a folder that was
+    new or empty (a mask or image refused when first read, as a colour mask or a page stack is): removed,
+    so a refused run leaves no half-made ``runs/<recipe>-<time>/`` behind; the folder itself too where
+    this run ``made`` it."""
+    import shutil
+
+    if not run_dir.is_dir() or not _only_run_files(run_dir):
+        return
+    if made:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for p in run_dir.iterdir():
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def in_run_dir(cfg: Any, run_dir: Path) -> None:

@@ -23,6 +23,7 @@ from fastvision.errors import (
     ReportedByPeer,
     first_report,
     missing_extra,
+    peer_lost,
 )
 
 # Every subcommand is one hop from here. ``train``, ``evaluate``, ``predict``, ``recipes`` and ``data``
@@ -318,7 +319,7 @@ def entry() -> None:
     except Exception as e:
         if "fastvision.distributed.comm" not in sys.modules:
             raise
-        lost = _peer_lost(e)
+        lost = peer_lost(e)
         if lost and "--debug" not in sys.argv:
             # a consequence, not the cause: the rank that stopped first said why (its error line, or the
             # launcher's line naming it); a traceback of the broken collective here would bury that
@@ -333,18 +334,6 @@ def entry() -> None:
     if comm is not None:
         comm.exit_process(code)
     sys.exit(code)
-
-
-# what gloo says on a rank whose peer's process ended (its sockets closed) in the middle of a collective
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def _peer_lost(e: BaseException) -> str | None:
-    """The gloo message's own words when ``e`` is a collective that failed because a peer process ended."""
-    text = str(e)
-    if isinstance(e, RuntimeError) and "gloo" in text:
-        return next((m for m in _PEER_GONE if m in text), None)
-    return None
 
 
 if __name__ == "__main__":

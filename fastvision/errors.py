@@ -39,6 +39,18 @@ def check_low(flag: str, value: float | None, low: float, inclusive: bool = True
         raise ConfigError(f"{flag} {value:g}: must be a finite number {'>=' if inclusive else '>'} {low}")
 
 
+# what gloo says on a rank whose peer's process ended (its sockets closed) in the middle of a collective
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_lost(e: BaseException) -> str | None:
+    """The gloo message's own words when ``e`` is a collective that failed because a peer process ended."""
+    text = str(e)
+    if isinstance(e, RuntimeError) and "gloo" in text:
+        return next((m for m in PEER_GONE if m in text), None)
+    return None
+
+
 # the optional extras of pyproject.toml, by the top-level module each provides
 EXTRAS = {"nibabel": "medical", "scipy": "medical", "pycocotools": "detection", "pynvml": "gpu",
           "onnx": "export", "onnxscript": "export", "onnxruntime": "export", "webdataset": "shards",

@@ -40,7 +40,7 @@ from fastvision.engine.state import (
     restore,
 )
 from fastvision.engine.step import StepResult, _first_line, step_failure, train_step
-from fastvision.errors import ConfigError, DataError
+from fastvision.errors import ConfigError, DataError, peer_lost
 from fastvision.tasks.base import Task
 from fastvision.utils.files import atomic_write
 
@@ -304,6 +304,8 @@ def first_step(run: Run, batches: Iterator[Any], wait: DataWait) -> StepResult:
                           f"{run.cfg.train.batch_size}: lower it, set train.batch_size: auto, or turn on "
                           f"train.activation_checkpointing ({_first_line(e)})") from e
     except (RuntimeError, ValueError, IndexError) as e:
+        if peer_lost(e):  # another rank stopped (a file it read): its line says why
+            raise
         raise step_failure(e, run.cfg, "the first training step") from e
 
 

@@ -1,0 +1,72 @@
+"""Seed 001's microscopy walk: what a user of DLE's UNet_Medical meets with real folders, through the CLI."""
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.cli.input_checks import one_line_error, run_cli
+
+TINY = ["--epochs", "1", "--batch-size", "4", "--device", "cpu", "--set", "data.args.image_size=[32,32]",
+        "--set", "model.args.filters=[4,8,16]", "--set", "data.num_workers=0"]
+
+
+def _colour_masks(src, dst):
+    """``src``'s pairs with every mask saved as RGB whose channels differ (training refuses it when it reads it)."""
+    shutil.copytree(src, dst)
+    for m in (dst / "masks").iterdir():
+        a = np.asarray(Image.open(m))
+        Image.fromarray(np.stack([a, 255 - a, a], -1).astype(np.uint8)).save(m)
+    return dst
+
+
+@pytest.mark.parametrize("out", ["default", "empty", "new"])
+def test_a_mask_refused_when_read_leaves_no_run_folder(out, tiny_microscopy, tmp_path, monkeypatch, capsys):
+    """A mask training refuses only when it reads it (a colour mask, a page stack read as channels) stopped
+    the run after its folder was made: every attempt left runs/<recipe>-<time>/ with config.yaml,
+    metrics.jsonl and an empty checkpoints/. The folder goes (an empty --out the user made is kept, empty)."""
+    data = _colour_masks(tiny_microscopy, tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    where = {"default": [], "empty": ["--out", tmp_path / "mine"], "new": ["--out", tmp_path / "new"]}[out]
+    if out == "empty":
+        (tmp_path / "mine").mkdir()
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", data, *where, *TINY)
+    one_line_error(code, err, "colour mask", str(data / "masks"))
+    assert not any((tmp_path / "runs").glob("*")), list((tmp_path / "runs").iterdir())
+    assert not (tmp_path / "new").exists()
+    if out == "empty":
+        assert list((tmp_path / "mine").iterdir()) == []
+
+
+def test_a_run_that_stops_after_its_first_checkpoint_keeps_its_folder(tiny_microscopy, tmp_path, capsys):
+    """The clean-up is for runs that wrote nothing to keep: a finished run's folder stays."""
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", tiny_microscopy, "--out", tmp_path / "r",
+                           *TINY)
+    assert code == 0 and (tmp_path / "r" / "checkpoints" / "last.pt").is_file(), err
+
+
+def test_a_first_step_whose_peer_left_is_not_blamed_on_the_model(monkeypatch):
+    """--nproc 2 with a bad mask on rank 1: rank 0's first step broke in gloo ('Connection closed by peer')
+    and its line read 'the first training step failed: ... Check model unet2d-seed001 (model.args)'. The
+    broken collective goes up as it is, so the CLI says another rank left first."""
+    from fastvision.engine import loop
+    from fastvision.errors import ConfigError
+
+    def broken(*_):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+    monkeypatch.setattr(loop, "train_step", broken)
+    run = SimpleNamespace(step=None, cfg=SimpleNamespace(model=SimpleNamespace(name="m")))
+    with pytest.raises(RuntimeError, match="closed by peer") as info:
+        loop.first_step(run, iter(()), None)
+    assert not isinstance(info.value, ConfigError)
+
+    def shape(*_):
+        raise RuntimeError("Given groups=1, weight of size [8, 1, 3, 3], expected input to have 1 channels")
+
+    monkeypatch.setattr(loop, "train_step", shape)
+    with pytest.raises(ConfigError, match="Check model 'm'"):
+        loop.first_step(run, iter(()), None)
