@@ -382,19 +382,16 @@ def inspect_brats(path: Path) -> dict[str, Any]:
     import nibabel as nib
 
     from fastvision.data.formats.anomalies import case_grid_problems
-    from fastvision.data.formats.brats_layouts import detect
+    from fastvision.data.formats.brats_layouts import detect, scan_labels
 
     layout = detect(path)
-    shapes, values = Counter(), set()
     labelled = [c for c in layout.cases if c["label"] is not None]
+    shapes = Counter(str(nib.load(str(c["image"][0])).shape) for c in labelled[:10])
     unusable = {NONFINITE_FILES: [b for c in labelled for b in nifti_nonfinite([*c["image"], c["label"]], path)]}
-    past = unusable["label values past the classes 0..3, first 10 (BraTS 2024's cavity 4? remap it)"] = []
     unusable["cases whose modality files are not one 4-channel image (headers)"] = case_grid_problems(labelled, 4, path)
-    for case in labelled[:10]:  # training stops at them (preprocess3d.check_label_values)
-        shapes[str(nib.load(str(case["image"][0])).shape)] += 1
-        values |= (found := set(np.unique(np.asarray(nib.load(str(case["label"])).dataobj)).tolist()))
-        if max(dict(layout.label_map).get(v, v) for v in found) > 3:
-            past.append(str(case["label"].relative_to(path)))
+    values, found = scan_labels(labelled[:10], layout, path)  # training stops at them (preprocess3d)
+    unusable.update(found["unusable"])
+    layout.anomalies.update(found["anomalies"])
     return {"detected": f"BraTS {layout.year} ({layout.name})", "cases": len(layout.cases),
             "labelled cases": len(labelled), "label convention": layout.convention(),
             "shapes (first 10)": dict(shapes), "label values (first 10)": sorted(int(v) for v in values),

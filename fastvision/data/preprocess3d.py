@@ -210,6 +210,19 @@ def check_label_values(label: torch.Tensor, num_classes: int, path: str | Path |
                         "label map); remap it in the file (BraTS 2024's resection cavity 4: to 0, or to a class)")
 
 
+def whole_labels(label: np.ndarray, path: str | Path) -> np.ndarray:
+    """A label file's values as int16 class ids: a float file's values rounded (float noise within 1e-3 of a
+    whole number); a value farther from one (a label resampled with interpolation) is an error naming the
+    file, as the cast truncated it to a class silently (1.9999 edema read as 1, 0.9999 core as background)."""
+    if np.issubdtype(label.dtype, np.floating):
+        off = ~(np.abs(label - np.rint(label)) <= 1e-3)  # NaN too
+        if off.any():
+            raise DataError(f"{path}: label value {float(label[off].flat[0]):.6g} is not a whole number: a label file "
+                            "holds class ids (was it resampled by interpolation? resample it by nearest neighbour)")
+        label = np.rint(label)
+    return label.astype(np.int16)
+
+
 def _read_channels(paths: Sequence[str | Path], finite: NonFinite) -> tuple[np.ndarray, np.ndarray, Any]:
     """Stack image files into (X, Y, Z, C); a 4-D file contributes its last axis as channels;
     ``finite`` checks each file for NaN / Inf (after the float32 cast, which can overflow to Inf)."""
@@ -238,7 +251,8 @@ def _load_case(paths: dict[str, Any], params: PreprocessParams, finite: NonFinit
         lab = finite(lab[..., 0] if lab.ndim == 4 and lab.shape[3] == 1 else lab, paths["label"])
         if lab.ndim != 3:
             raise DataError(f"{paths['label']}: expected a 3-D NIfTI label, got shape {lab.shape}")
-        lab, lab_affine = reorient(np.asarray(lab).astype(np.int16), lab_affine, orientation_to_ras(lab_affine))
+        lab, lab_affine = reorient(whole_labels(np.asarray(lab), paths["label"]), lab_affine,
+                                   orientation_to_ras(lab_affine))
         lab = label_onto_image(lab, lab_affine, affine, data.shape[:3], str(paths["label"]))
         case["label"] = remap_labels(torch.from_numpy(np.ascontiguousarray(lab)), params.label_map)[None]  # int16
     return case

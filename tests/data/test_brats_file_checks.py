@@ -70,3 +70,56 @@ def test_missing_modality_is_named_with_the_case_files_extension(tmp_path, capsy
     assert main(["data", "inspect", str(base)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("lacks BraTS20_Training_354_t1ce.nii"), err
+
+
+def _float_labels(base, fn) -> list:
+    segs = sorted(base.rglob("*_seg.nii.gz"))
+    for p in segs:
+        _rewrite(p, lambda a: fn(a.astype(np.float32)))
+    return segs
+
+
+def test_float_label_files_round_to_their_classes(tmp_path):
+    """A float label file with rounding noise (1.99999 for edema) reads as its classes; the int16 cast
+    truncated 1.99999 to 1 (edema trained as core) and 0.99999 to background."""
+    import torch
+
+    from fastvision.registry import DATASETS
+
+    base = make_brats(tmp_path, "2021", n=2)
+    truth = {p.parent.name: np.asarray(nib.load(str(p)).dataobj).copy() for p in base.rglob("*_seg.nii.gz")}
+    _float_labels(base, lambda a: np.where(a > 0, a - 1e-5, a))
+    splits = DATASETS.build("brats", {"path": str(base), "num_folds": 2, "crop_foreground": False})
+    for ds in (splits.train, splits.val):
+        item = ds[0]
+        want = np.where(truth[item["id"]] == 4, 3, truth[item["id"]])  # the release's 4 -> class 3
+        assert set(np.unique(want).tolist()) == {0, 1, 2, 3}
+        assert torch.equal(item["label"].reshape(want.shape).long(), torch.from_numpy(want).long())
+
+
+def test_interpolated_label_file_is_one_line(tmp_path, capsys):
+    base = make_brats(tmp_path, "2021", n=3)
+    seg = _float_labels(base, lambda a: np.where(a == 2, 1.5, a))[1]
+    assert main(["data", "inspect", str(base)]) == 2
+    assert "not whole numbers" in capsys.readouterr().err
+    row = next(v for k, v in inspect_path(base)["anomalies"].items() if "not whole numbers" in k)
+    assert row.startswith("3 (") and str(seg.relative_to(base)) in row
+    out = tmp_path / "run"
+    rc = main(["train", "unet3d-brats", "--data", str(base), "--out", str(out), "--epochs", "1", "--device", "cpu",
+               "--set", "data.name=brats", "--set", "data.args.num_folds=3", "--set", "data.num_workers=0",
+               "--set", "data.args.patch_size=[16,16,16]", "--set", "model.args.filters=[4,8,16]",
+               "--set", "task.args.sliding_window.roi_size=[16,16,16]", "--set", "data.cache=none"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fastvision: error")]
+    assert rc == 2 and len(err) == 1 and "_seg.nii.gz: label value 1.5 is not a whole number" in err[0], err
+
+
+def test_inspect_names_a_3_in_a_2017_2021_release(tmp_path, capsys):
+    """2017-2021 files mark ET as 4; a file holding 3 (converted by hand?) trains as ET while predict
+    writes 4: inspect says so (exit 0, it trains); a 2023 folder's 3 is its own ET, no anomaly."""
+    base = make_brats(tmp_path / "a", "2021", n=2)
+    seg = sorted(base.rglob("*_seg.nii.gz"))[0]
+    _rewrite(seg, lambda a: np.where(a == 4, 3, a))
+    assert main(["data", "inspect", str(base)]) == 0
+    rows = inspect_path(base)["anomalies"]
+    assert any("holding 3" in k and str(seg.relative_to(base)) in v for k, v in rows.items()), rows
+    assert not any("holding 3" in k for k in inspect_path(make_brats(tmp_path / "b", "2023", n=2))["anomalies"])

@@ -144,3 +144,35 @@ def _year(case: str) -> str:
         if case.startswith(prefix):
             return year
     return "2017-2021"
+
+
+def scan_labels(cases: list[dict[str, Any]], layout: Layout, root: Path) -> tuple[set[int], dict[str, dict]]:
+    """The label values of ``cases``' files (as stored) and what ``data inspect`` reports of them:
+    ``{"unusable": {kind: [files]}, "anomalies": {kind: [files]}}``. Unusable (training stops at them):
+    values that are not whole numbers (:func:`~fastvision.data.preprocess3d.whole_labels`), values past the
+    classes 0..3 after the release's map. An anomaly: a 2017-2021 file holding 3, which that release does
+    not use (ET is 4); it trains as ET and ``predict`` writes ET as 4."""
+    import nibabel as nib
+    import numpy as np
+
+    from fastvision.data.preprocess3d import whole_labels
+
+    values: set[int] = set()
+    fractions, past, threes = [], [], []
+    for case in cases:
+        name = str(Path(case["label"]).relative_to(root))
+        try:
+            found = set(np.unique(whole_labels(np.asarray(nib.load(str(case["label"])).dataobj), name)).tolist())
+        except DataError:
+            fractions.append(name)
+            continue
+        values |= found
+        if max(dict(layout.label_map).get(v, v) for v in found) > 3:
+            past.append(name)
+        if layout.label_map and 3 in found:
+            threes.append(name)
+    return values, {
+        "unusable": {"label files of values that are not whole numbers, first 10 (interpolated?)": fractions,
+                     "label values past the classes 0..3, first 10 (BraTS 2024's cavity 4? remap it)": past},
+        "anomalies": {"label files holding 3, first 10 (this release's ET is 4; 3 trains as ET, predict "
+                      "writes ET as 4)": threes}}
