@@ -70,3 +70,26 @@ def test_a_first_step_whose_peer_left_is_not_blamed_on_the_model(monkeypatch):
     monkeypatch.setattr(loop, "train_step", shape)
     with pytest.raises(ConfigError, match="Check model 'm'"):
         loop.first_step(run, iter(()), None)
+
+
+@pytest.mark.parametrize("imagej", [False, True])
+def test_a_multi_page_mask_says_pages_not_colour(imagej, tiny_microscopy, tmp_path, capsys):
+    """ISBI 2012 ships its labels as one multi-page TIFF (train-labels.tif). As a mask it stopped the run
+    with 'colour mask; expected a single-channel mask', which its pages are not; an RGB-saved TIFF mask
+    whose channels agree still reads as one plane."""
+    import tifffile
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_microscopy, data)
+    masks = sorted((data / "masks").iterdir())
+    planes = np.stack([np.asarray(Image.open(m)) for m in masks[:5]])  # (4 or 3 pages: tifffile writes RGB(A))
+    masks[0].unlink()
+    tifffile.imwrite(data / "masks" / (masks[0].stem + ".tif"), planes, imagej=imagej)
+    rgb = np.asarray(Image.open(masks[1]))
+    masks[1].unlink()
+    tifffile.imwrite(data / "masks" / (masks[1].stem + ".tif"), np.stack([rgb] * 3, -1), photometric="rgb")
+    code, _, err = run_cli(capsys, "data", "inspect", data)
+    assert code == 2 and "colour mask" not in err
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", data, "--out", tmp_path / "r", *TINY)
+    line = one_line_error(code, err, masks[0].stem + ".tif", "a mask of 5 pages or channels", "one page per file")
+    assert masks[1].stem not in line

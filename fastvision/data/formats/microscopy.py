@@ -65,7 +65,11 @@ def read_array(path: Path, mask: bool = False) -> np.ndarray:
                     arr = np.take(arr, range(3), axis=axes.index("S"))
         except Exception as e:
             arr, axes = _without_codec(path, e)
-        return _to_hwc(arr, axes, path)
+        arr = _to_hwc(arr, axes, path)
+        if mask and arr.ndim == 3 and "S" not in axes:  # pages or channels, not an RGB-saved mask
+            raise DataError(f"{path}: a mask of {arr.shape[2]} pages or channels (TIFF axes {axes}); a mask is one "
+                            "plane of class indices: save one page per file, as its image")
+        return arr
     try:
         with Image.open(path) as im:
             if mask and im.mode in ("P", "PA"):
