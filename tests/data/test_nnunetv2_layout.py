@@ -180,3 +180,36 @@ def test_predict_groups_channel_files_by_case_and_names_a_missing_one(tmp_path):
     assert [c["id"] for c in prediction_cases(files[:2])] == ["b_0001", "b_0000"]  # an MSD run: one file, one case
     with pytest.raises(DataError, match=r"c_0001\.nii: not among the inputs \(channel 1 of case c"):
         prediction_cases([tmp_path / "c_0000.nii", tmp_path / "c_0002.nii"], ".nii")
+
+
+def test_a_4d_channel_file_is_named_and_a_refused_cases_label_is_not_without_images(tmp_path, capsys):
+    _, v2 = _two_layouts(tmp_path)
+    two = np.zeros((12, 10, 8, 2), np.float32)  # a 4-D file as channel 1: the case holds 3 channels
+    _save(two, v2 / "imagesTr/prostate_01_0001.nii.gz", np.diag([0.8, 0.8, 2.5, 1.0]))
+    with pytest.raises(DataError, match=r"prostate_01_0001\.nii\.gz: 3 channel\(s\) in its case, but .* names 2"):
+        DATASETS.build("decathlon", {"path": str(v2), "num_folds": 2})
+    (v2 / "imagesTr/prostate_02_0002.nii.gz").write_bytes((v2 / "imagesTr/prostate_02_0001.nii.gz").read_bytes())
+    (v2 / "imagesTr/prostate_00_0000.nii.gz").unlink()
+    (v2 / "imagesTr/prostate_00_0001.nii.gz").unlink()
+    assert main(["data", "inspect", str(v2)]) == 2
+    out = capsys.readouterr().out
+    # prostate_00 has no images left; prostate_02 has (it is refused for its channel 2): only 00 is "without"
+    assert "labelsTr/prostate_00.nii.gz" in out and "labelsTr/prostate_02.nii.gz" not in out
+
+
+def test_v2s_dataset_entry_lists_the_files(tmp_path):
+    _, v2 = _two_layouts(tmp_path, cases=2)
+    (v2 / "imagesTr/prostate_00_0001.nii.gz").rename(v2 / "adc_of_00.nii.gz")
+    meta = json.loads((v2 / "dataset.json").read_text())
+    meta["dataset"] = {"prostate_00": {"images": ["imagesTr/prostate_00_0000.nii.gz", "adc_of_00.nii.gz"],
+                                       "label": "labelsTr/prostate_00.nii.gz"}}
+    (v2 / "dataset.json").write_text(json.dumps(meta))
+    from fastvision.data.formats.decathlon import read_dataset_json
+
+    found = read_dataset_json(v2)
+    assert [(c["id"], [p.name for p in c["image"]]) for c in found["training"]] == [
+        ("prostate_00", ["prostate_00_0000.nii.gz", "adc_of_00.nii.gz"])]
+    meta["dataset"]["prostate_00"]["images"][1] = "gone.nii.gz"
+    (v2 / "dataset.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=r"gone\.nii\.gz: does not exist"):
+        read_dataset_json(v2)

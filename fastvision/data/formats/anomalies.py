@@ -109,12 +109,14 @@ def image_channels(path: str | Path) -> int | None:
 def channel_mismatches(cases: Sequence[dict[str, Any]], names: Sequence[str]) -> list[tuple[Path, int]]:
     """``[(image, channels)]``: training images whose channel count is not the number of modalities
     ``names`` (dataset.json's; nnU-Net's ``verify_dataset_integrity`` refuses them: a model would be
-    built for the wrong number of input channels). Header reads only; no names, no check."""
+    built for the wrong number of input channels). Header reads only; no names, no check. The image named is
+    the case's file, or of a case of one file per channel (nnU-Net v2's), its first file of more than one."""
     out = []
     for case in cases if names else []:
         counts = [image_channels(p) for p in case["image"]]
         if None not in counts and sum(counts) != len(names):
-            out.append((Path(case["image"][0]), sum(counts)))
+            many = [p for p, n in zip(case["image"], counts, strict=True) if n > 1] if len(counts) > 1 else []
+            out.append((Path((many or case["image"])[0]), sum(counts)))
     return out
 
 
@@ -122,7 +124,7 @@ def check_channels(cases: Sequence[dict[str, Any]], names: Sequence[str], source
     """One line naming the first training image whose channels are not the modalities ``names`` of ``source``."""
     bad = channel_mismatches(cases, names)
     if bad:
-        raise DataError(f"{bad[0][0]}: {bad[0][1]} channel(s), but {source} names {len(names)} "
+        raise DataError(f"{bad[0][0]}: {bad[0][1]} channel(s) in its case, but {source} names {len(names)} "
                         f"modalit{'y' if len(names) == 1 else 'ies'} ({', '.join(names)})"
                         + (f"; {len(bad) - 1} more image(s) alike" if len(bad) > 1 else ""))
 

@@ -139,9 +139,12 @@ def _shown(p: Path, root: Path) -> str:
 
 def _anomalies(root: Path, meta: dict[str, Any], training: list[dict[str, Any]], ending: str) -> dict[str, list[str]]:
     have = {c["label"].resolve() for c in training}
+    # a refused case's label has images: not "without images"
+    cases = {m.group(1) for p in ((root / "imagesTr").iterdir() if (root / "imagesTr").is_dir() else [])
+             if p.name.endswith(ending) and (m := _CHANNEL.fullmatch(p.name[: -len(ending)]))}
     labels = sorted((root / "labelsTr").glob(f"*{ending}")) if (root / "labelsTr").is_dir() else []
-    out = {"labels without images (ignored)": [f"labelsTr/{p.name}" for p in labels
-                                               if not p.name.startswith(".") and p.resolve() not in have],
+    out = {"labels without images (ignored)": [f"labelsTr/{p.name}" for p in labels if not p.name.startswith(".")
+                                               and p.resolve() not in have and p.name[: -len(ending)] not in cases],
            "macOS ._ companion files (ignored)": [f"{d}/{p.name}" for d in ("imagesTr", "labelsTr", "imagesTs")
                                                   for p in sorted((root / d).glob("._*")) if (root / d).is_dir()]}
     stated = meta.get("numTraining")
