@@ -28,14 +28,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fastvision.errors import ConfigError, DataError, check_low
+from fastvision.errors import ConfigError, DataError
+from fastvision.inference.export_checks import (  # noqa: F401  (check_opset: part of this module's API)
+    SUFFIX,
+    check_opset,
+    check_out_format,
+    not_the_checkpoint,
+    written_opset_is,
+)
 from fastvision.tasks.base import Task
 from fastvision.utils.files import term_exits
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("onnx", "torchscript")
-SUFFIX = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}
 _ONNX_SINGLE_FILE_LIMIT = 1.5e9  # bytes of weights; protobuf files cannot exceed 2 GB
 
 
@@ -254,45 +260,6 @@ def image_input_shape(cfg, task: Task) -> tuple[int, ...] | None:
     return (int(cfg.data.args.get("channels", 1)), *(int(s) for s in size))
 
 
-def check_opset(fmt: str, opset: int | None) -> None:
-    """``--opset`` is ONNX's and a version the installed ``onnx`` knows (checked before any work).
-
-    Raises:
-        ConfigError: naming ``--opset``.
-    """
-    if opset is None:
-        return
-    if fmt != "onnx":
-        raise ConfigError(f"--opset {opset}: an ONNX setting; --format {fmt} has no opset")
-    check_low("--opset", opset, 1)
-    try:
-        import onnx
-    except ImportError:  # export_model names the missing packages
-        return
-    newest = onnx.defs.onnx_opset_version()
-    if opset > newest:
-        raise ConfigError(f"--opset {opset}: the installed onnx {onnx.__version__} knows opsets up to {newest}")
-
-
-def _written_opset_is(path: Path, opset: int) -> None:
-    """The ONNX file at ``path`` is of ``opset``: torch's exporter keeps its own opset, with a logged
-    traceback, where it cannot convert the model to the one asked for."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    got = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
-    if got != opset:
-        raise ConfigError(f"--opset {opset}: the exporter could not convert this model to opset {opset} "
-                          f"(it stays at opset {got}); choose a later --opset, or leave it out")
-
-
-def _not_the_checkpoint(path: Path, ckpt_path: Path) -> None:
-    """``--out`` is not the checkpoint being exported (nor another name of it, a hard link such as ``best.pt``
-    of ``last.pt``): ``--force`` replaced the run's checkpoint with the exported model."""
-    if path.exists() and os.path.samefile(path, ckpt_path):
-        raise ConfigError(f"--out {path}: is the checkpoint being exported; choose another --out")
-
-
 @contextlib.contextmanager
 def staged(path: Path) -> Iterator[Path]:
     """A path in a temp folder beside ``path``, for an exporter that writes files of its own (ONNX's external
@@ -329,17 +296,18 @@ def export_checkpoint(ckpt: str | Path, fmt: str, out: str | Path | None = None,
         is None when the check could not run (onnxruntime missing) or was switched off.
     """
     check_opset(fmt, opset)
+    check_out_format(fmt, out)
     if not math.isfinite(tolerance) or tolerance < 0:  # -1 or nan failed every export's check, after exporting
         raise ConfigError(f"--tolerance {tolerance:g}: a finite number >= 0")
     path = Path(out) if out else checkpoint_path(Path(ckpt)).with_suffix(SUFFIX[fmt])
-    _not_the_checkpoint(path, checkpoint_path(Path(ckpt)))
+    not_the_checkpoint(path, checkpoint_path(Path(ckpt)))
     model, task, ckpt_path = load_model(Path(ckpt))
     example = model_input(model, task)
     diff = None
     with staged(path) as tmp:  # ``path`` is replaced only by a finished export: never a half-written file
         export_model(model, example, tmp, fmt, opset)
         if fmt == "onnx" and opset is not None:
-            _written_opset_is(tmp, opset)
+            written_opset_is(tmp, opset)
         if check:
             g = torch.Generator().manual_seed(seed)
             x = torch.randn(3, *example.shape[1:], generator=g, dtype=example.dtype)  # another batch size
@@ -376,6 +344,7 @@ def cmd_export(args) -> int:
     if out is not None and (out.endswith(("/", os.sep)) or out in (".", "..")):  # was written as a file of that name
         raise ConfigError(f"--out {out}: names a folder; give a file path such as {Path(out) / 'best'}"
                           f"{SUFFIX[args.format]}")
+    check_out_format(args.format, out)  # before the overwrite check: a refusal names the real mistake
     if out is None:  # the default file beside the checkpoint (a run folder: best.pt, else last.pt)
         ckpt = Path(args.checkpoint)
         if ckpt.is_dir():

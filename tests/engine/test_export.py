@@ -114,7 +114,8 @@ def test_bad_outputs_and_opsets_are_one_line_before_any_work(trained_run, args, 
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "x").write_text("mine")
     args = [a.format(file=tmp_path / "file", folder=tmp_path / "folder", new=tmp_path / "new") for a in args]
-    out = [] if "--out" in args else ["--out", str(tmp_path / "m.onnx")]
+    out = [] if "--out" in args else ["--out", str(tmp_path / f"m{export.SUFFIX[args[args.index('--format') + 1]]}"
+                                                   if "--format" in args else tmp_path / "m.onnx")]
     code = main(["export", str(trained_run), *args, *out])
     one_line_error(code, capsys.readouterr().err, needle)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
@@ -230,3 +231,18 @@ def test_sigterm_mid_export_leaves_no_partial_file(tmp_path):
     assert stopped.value.code == 128 + signal.SIGTERM
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"] and out.read_text() == "earlier export"
     assert signal.getsignal(signal.SIGTERM) is handler  # the handler from before is back
+
+
+@pytest.mark.parametrize("fmt,out,fit", [
+    ("torchscript", "x.onnx", "x.torchscript.pt"),
+    ("onnx", "m.pt", "m.onnx"),  # the default format, a TorchScript name
+    ("onnx", "m.torchscript.pt", "m.onnx"),
+])
+def test_an_out_named_as_the_other_format_is_one_line(tmp_path, capsys, fmt, out, fit):
+    # was exported in the format asked for under the other format's name: onnxruntime / torch.jit.load then fail on it
+    ckpt = tmp_path / "run.pt"
+    ckpt.write_bytes(b"never read")  # refused before the checkpoint is opened
+    assert main(["export", str(ckpt), "--format", fmt, "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--out {tmp_path / out}" in err and f"--format {fmt}" in err, err
+    assert str(tmp_path / fit) in err and sorted(p.name for p in tmp_path.iterdir()) == ["run.pt"]
