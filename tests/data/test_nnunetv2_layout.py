@@ -213,3 +213,14 @@ def test_v2s_dataset_entry_lists_the_files(tmp_path):
     (v2 / "dataset.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match=r"gone\.nii\.gz: does not exist"):
         read_dataset_json(v2)
+
+
+def test_nifti_files_of_another_ending_are_an_anomaly_not_a_case(tmp_path):
+    _, v2 = _two_layouts(tmp_path, ".nii")
+    _save(np.zeros((12, 10, 8), np.float32), v2 / "imagesTr/prostate_09_0000.nii.gz", np.eye(4))
+    from fastvision.data.formats.decathlon import read_dataset_json
+
+    found = read_dataset_json(v2)
+    assert [c["id"] for c in found["training"]] == ["prostate_00", "prostate_01", "prostate_02"]
+    kind = "NIfTI files not ending in file_ending .nii (ignored)"
+    assert found["anomalies"] == {kind: ["imagesTr/prostate_09_0000.nii.gz"]}

@@ -146,7 +146,12 @@ def _anomalies(root: Path, meta: dict[str, Any], training: list[dict[str, Any]],
     out = {"labels without images (ignored)": [f"labelsTr/{p.name}" for p in labels if not p.name.startswith(".")
                                                and p.resolve() not in have and p.name[: -len(ending)] not in cases],
            "macOS ._ companion files (ignored)": [f"{d}/{p.name}" for d in ("imagesTr", "labelsTr", "imagesTs")
-                                                  for p in sorted((root / d).glob("._*")) if (root / d).is_dir()]}
+                                                  for p in sorted((root / d).glob("._*")) if (root / d).is_dir()],
+           # a .nii among .nii.gz files (or the reverse): nnU-Net reads only file_ending's, so does this reader
+           f"NIfTI files not ending in file_ending {ending} (ignored)": [
+               f"{d}/{p.name}" for d in ("imagesTr", "labelsTr", "imagesTs") if (root / d).is_dir()
+               for p in sorted((root / d).iterdir()) if p.name.endswith(ENDINGS) and not p.name.endswith(ending)
+               and not p.name.startswith(".")]}
     stated = meta.get("numTraining")
     if stated is not None and stated != len(training):  # nnU-Net's verify_dataset_integrity refuses this
         out[f"dataset.json's numTraining is {stated}; cases found"] = [str(len(training))]
