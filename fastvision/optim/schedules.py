@@ -1,6 +1,7 @@
 """Learning-rate schedules: warm-up, then step / cosine / poly / linear / constant."""
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -9,6 +10,8 @@ from torch.optim import Optimizer
 
 from fastvision.config import SchedConfig
 from fastvision.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def lr_lambda(cfg: SchedConfig, steps_per_epoch: int, epochs: int) -> Callable[[int], float]:
@@ -43,4 +46,20 @@ def lr_lambda(cfg: SchedConfig, steps_per_epoch: int, epochs: int) -> Callable[[
 
 
 def build_scheduler(opt: Optimizer, cfg: SchedConfig, steps_per_epoch: int, epochs: int):
-    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, steps_per_epoch, epochs))
+    fn = lr_lambda(cfg, steps_per_epoch, epochs)
+    if cfg.warmup_epochs < epochs or cfg.name == "constant":
+        return torch.optim.lr_scheduler.LambdaLR(opt, fn)
+    # resnet50-imagenet's 8 warm-up epochs under --epochs 5: said when step 1's rate is asked for, i.e.
+    # once the run's first step went through (a run refused before it prints its one line alone; a resume
+    # past step 1 does not say it again)
+    note = (f"sched.warmup_epochs={cfg.warmup_epochs:g} is not below train.epochs={epochs}: the learning rate "
+            f"rises for the whole run, to {fn(max(1, steps_per_epoch * epochs) - 1):.3g} of its peak at the last "
+            f"step, and the {cfg.name} decay never starts; set sched.warmup_epochs below it "
+            f"(--set sched.warmup_epochs={round(epochs / 10, 3):g})")
+
+    def warned(s: int) -> float:
+        if s == 1 and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):  # once a job
+            log.warning(note)
+        return fn(s)
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, warned)

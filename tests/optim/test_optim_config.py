@@ -64,6 +64,30 @@ def test_schedule_multiplier(sched, step, expected):
     assert fn(step) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("warmup,epochs,warns", [(8, 5, True), (8, 8, True), (8, 90, False), (0, 1, False)])
+def test_warmup_as_long_as_the_run_is_one_warning(caplog, warmup, epochs, warns):
+    """resnet50-imagenet's 8 warm-up epochs under --epochs 5: the LR rose all run, to 5/8 of its peak
+    (from 0, 10 steps an epoch: the last step's multiplier 49/80), and never decayed, without a word."""
+    import logging
+
+    from fastvision.optim import build_scheduler
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    with caplog.at_level(logging.WARNING, logger="fastvision.optim.schedules"):
+        sched = build_scheduler(opt, SchedConfig(name="cosine", warmup_epochs=warmup, warmup_start_factor=0.0), 10,
+                                epochs)
+        assert not caplog.records  # not before the first step (a run refused there prints its error alone)
+        for _ in range(3):
+            opt.step()
+            sched.step()
+    said = [r.getMessage() for r in caplog.records if "warmup_epochs" in r.getMessage()]
+    assert len(said) == int(warns)  # once
+    if warns:
+        last = (epochs * 10 - 1) / (warmup * 10)  # the multiplier of the run's last step, by hand
+        assert f"sched.warmup_epochs={warmup} is not below train.epochs={epochs}" in said[0]
+        assert f"to {last:.3g} of its peak" in said[0] and "cosine decay never starts" in said[0]
+
+
 def test_no_weight_decay_on_norms_and_biases():
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Linear(2, 2), nn.GroupNorm(1, 2))
     decay, no_decay = param_groups(model, 1e-4, True)
