@@ -224,3 +224,13 @@ def test_nifti_files_of_another_ending_are_an_anomaly_not_a_case(tmp_path):
     assert [c["id"] for c in found["training"]] == ["prostate_00", "prostate_01", "prostate_02"]
     kind = "NIfTI files not ending in file_ending .nii (ignored)"
     assert found["anomalies"] == {kind: ["imagesTr/prostate_09_0000.nii.gz"]}
+
+
+@pytest.mark.parametrize("given", ["nnUNet_raw", "nnUNet_raw/Dataset005_Prostate/imagesTr"])
+def test_the_raw_folder_or_an_imagesTr_given_for_the_dataset_names_the_dataset_folder(tmp_path, capsys, given):
+    _two_layouts(tmp_path / "nnUNet_raw")  # nnUNet_raw/Dataset005_Prostate and .../Task05_Prostate
+    assert main(["train", "unet3d-spleen-baseline", "--data", str(tmp_path / given), "--out", str(tmp_path / "run"),
+                 *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"--data {tmp_path / 'nnUNet_raw' / 'Dataset005_Prostate'}") and "\n" not in err
+    assert not (tmp_path / "run").exists()

@@ -31,7 +31,7 @@ from fastvision.data import nnunet_resampling, spatial3d
 from fastvision.data.formats.anomalies import check_channels, drop_unreadable, first_few, nifti_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
 from fastvision.data.formats.dataset_labels import MSD_BRAIN_LABELS, label_names, task01_label_map  # noqa: F401
-from fastvision.data.formats.nnunetv2 import is_v2, read_raw
+from fastvision.data.formats.nnunetv2 import folder_hint, is_v2, read_raw
 from fastvision.data.formats.patches import RandPatch, random_patch  # noqa: F401 (re-exported)
 from fastvision.data.nonfinite import NonFinite
 from fastvision.data.preprocess3d import PreprocessParams, check_label_values, preprocess_case
@@ -253,6 +253,7 @@ def read_dataset_json(root: str | Path, missing: list[str] | None = None) -> dic
     f = root / "dataset.json"
     if not f.is_file():
         hint = "; this looks like a BraTS challenge folder: --set data.name=brats" if looks_like_brats(root) else ""
+        hint = hint or folder_hint(root)  # nnUNet_raw (its Dataset folders inside) or an imagesTr
         raise DataError(f"{f} not found: a Decathlon folder holds dataset.json, imagesTr/, labelsTr/{hint}")
     try:
         meta = json.loads(f.read_text())

@@ -28,6 +28,15 @@ UNUSABLE = "images not usable as nnU-Net v2 channel files"
 ABSENT = "channel or label files that do not exist"
 
 
+def folder_hint(root: Path) -> str:
+    """``root`` lacks dataset.json: the folder the user likely meant, as a hint (nnU-Net's ``nnUNet_raw`` with
+    ``DatasetNNN_Name`` folders in it, or a dataset's ``imagesTr``), else ``""``."""
+    if root.name in ("imagesTr", "labelsTr", "imagesTs") and (root.parent / "dataset.json").is_file():
+        return f"; it is a dataset's {root.name}: --data {root.parent}"
+    inner = sorted(p.parent.name for p in root.glob("*/dataset.json")) if root.is_dir() else []
+    return f"; it holds {len(inner)} dataset folder(s), e.g. {inner[0]}: --data {root / inner[0]}" if inner else ""
+
+
 def is_v2(meta: Any) -> bool:
     """A dataset.json without MSD's ``training`` list: nnU-Net v2's (checked further by :func:`read_raw`)."""
     return isinstance(meta, dict) and "training" not in meta
