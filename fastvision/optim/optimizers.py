@@ -62,6 +62,21 @@ def _impl_kwargs(impl: str, device: torch.device) -> dict:
     return {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
 
 
+def _check_read(cfg: OptimConfig) -> None:
+    """A setting the chosen optimizer does not read is one line naming the key (it was ignored): momentum and
+    nesterov are SGD's (Adam's and Novograd's momentum is ``optim.betas[0]``, as MONAI's Novograd takes it);
+    ``optim.impl`` fused / foreach are torch's SGD / Adam / AdamW kernels, Novograd is one loop over the tensors."""
+    defaults = OptimConfig()
+    if cfg.name != "sgd":
+        for key in ("momentum", "nesterov"):
+            if getattr(cfg, key) != getattr(defaults, key):
+                raise ConfigError(f"optim.{key} {getattr(cfg, key)}: read by optim.name sgd alone; {cfg.name}'s "
+                                  f"momentum is optim.betas[0] (now {cfg.betas[0]})")
+    if cfg.name == "novograd" and cfg.impl not in ("auto", "loop"):
+        raise ConfigError(f"optim.impl {cfg.impl}: novograd has one implementation, a loop over the tensors (auto or "
+                          "loop); fused and foreach are torch's sgd / adam / adamw kernels")
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer:
     groups = param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias, cfg.no_decay_bias)
     betas = tuple(cfg.betas)
@@ -69,6 +84,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float) -> Optimizer:
         # before: one value stopped Novograd's first step naming the model, 1.0 was Adam's ValueError traceback,
         # and Novograd took 1.5 and diverged
         raise ConfigError(f"optim.betas must be two numbers in [0, 1) (beta1, beta2), got {list(cfg.betas)}")
+    _check_read(cfg)
     first = next(model.parameters(), None)
     kw = _impl_kwargs(cfg.impl, first.device if first is not None else torch.device("cpu"))
     make = {"sgd": lambda **k: torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **k),

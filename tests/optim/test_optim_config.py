@@ -306,3 +306,20 @@ def test_an_empty_mapping_override_replaces_the_recipes(sets, section, want):
         LOSSES.build(got["name"], got["args"], where="loss.args")  # the recipe's dice_ce keys are gone
         return
     assert got == want
+
+
+@pytest.mark.parametrize("name,setting,key", [
+    ("novograd", dict(momentum=0.95), "optim.momentum 0.95"), ("novograd", dict(nesterov=True), "optim.nesterov True"),
+    ("adam", dict(momentum=0.5), "optim.momentum 0.5"), ("adamw", dict(nesterov=True), "optim.nesterov True"),
+    ("novograd", dict(impl="fused"), "optim.impl fused"), ("novograd", dict(impl="foreach"), "optim.impl foreach"),
+])
+def test_a_setting_the_optimizer_does_not_read_is_one_line(name, setting, key):
+    # Novograd (and Adam) stepped as if momentum / nesterov / impl were not set: a silent no-op of the user's key
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: ") as e:
+        build_optimizer(nn.Linear(2, 2), OptimConfig(name=name, **setting), 0.1)
+    assert "\n" not in str(e.value)
+    # what they do read is taken as before: SGD's momentum, Novograd's betas[0] and its loop
+    assert build_optimizer(nn.Linear(2, 2), OptimConfig(name="sgd", momentum=0.95, nesterov=True),
+                           0.1).param_groups[0]["momentum"] == 0.95
+    opt = build_optimizer(nn.Linear(2, 2), OptimConfig(name="novograd", betas=[0.95, 0.98], impl="loop"), 0.1)
+    assert opt.param_groups[0]["betas"] == (0.95, 0.98)
