@@ -71,7 +71,8 @@ def _check_read(cfg: OptimConfig) -> None:
         for key in ("momentum", "nesterov"):
             if getattr(cfg, key) != getattr(defaults, key):
                 raise ConfigError(f"optim.{key} {getattr(cfg, key)}: read by optim.name sgd alone; {cfg.name}'s "
-                                  f"momentum is optim.betas[0] (now {cfg.betas[0]})")
+                                  f"momentum is optim.betas[0] (now {cfg.betas[0]}): drop optim.{key} from the recipe "
+                                  f"or set it to {getattr(defaults, key)}")
     if cfg.name == "novograd" and cfg.impl not in ("auto", "loop"):
         raise ConfigError(f"optim.impl {cfg.impl}: novograd has one implementation, a loop over the tensors (auto or "
                           "loop); fused and foreach are torch's sgd / adam / adamw kernels")
