@@ -378,7 +378,7 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
     steps = _postprocess_steps(postprocess_mode, run.task, pp_file)
     files = expand_inputs(list(inputs))
     check_input_kind(files, run.cfg.data.name, f"{path} ({run.cfg.recipe})")  # not BraTS advice for a 2-D run
-    cases = prediction_cases(files, getattr(run.task, "channel_files", None))
+    cases = prediction_cases(files, getattr(run.task, "channel_files", None), input_channels(run.model))
     check_cases(cases, input_channels(run.model))
     check_not_inputs(cases, Path(out))
     manifest = {"model": str(path.resolve()), "tta_axes": axes, "postprocess": steps,

@@ -134,7 +134,8 @@ def save_segmentation(label: np.ndarray, reference_nifti_path: str | Path, out_p
 
 
 # ----------------------------------------------------------------------------- NIfTI prediction
-def prediction_cases(files: Sequence[str | Path], channel_files: str | None = None) -> list[dict]:
+def prediction_cases(files: Sequence[str | Path], channel_files: str | None = None,
+                     channels: int | None = None) -> list[dict]:
     """Group prediction inputs into cases ``{"id": str, "image": [paths]}``.
 
     A NIfTI file is one case (a 4-D file carries its channels). A folder holds raw BraTS cases
@@ -142,9 +143,12 @@ def prediction_cases(files: Sequence[str | Path], channel_files: str | None = No
     Loose files named like BraTS modalities (what a case folder expands to) are grouped into their case
     in FLAIR, T1, T1ce, T2 order; ``seg`` files are skipped. ``channel_files``: an nnU-Net v2 run's
     ``file_ending``: files named ``<case>_XXXX.nii[.gz]`` are that case's channels in XXXX order (as
-    ``nnUNetv2_predict`` reads ``imagesTs``), its prediction ``<case><file_ending>`` (``out_name``).
+    ``nnUNetv2_predict`` reads ``imagesTs``), its prediction ``<case><file_ending>`` (``out_name``). Any other
+    run of a model of ``channels`` > 1 (an MSD Task01 run given the v2 copy's ``imagesTs``) groups them too
+    where a case's files start at ``_0000`` and are more than one (else each file is a case, as before),
+    writing ``<case>.nii.gz``.
     """
-    if channel_files:
+    if channel_files or (channels or 1) > 1:
         files, cases = _group_channel_files(list(map(Path, files)), channel_files)
         return cases + (prediction_cases(files) if files else [])
     from fastvision.data.formats.brats import find_cases
@@ -169,9 +173,10 @@ def prediction_cases(files: Sequence[str | Path], channel_files: str | None = No
     return cases
 
 
-def _group_channel_files(files: list[Path], ending: str) -> tuple[list[Path], list[dict]]:
+def _group_channel_files(files: list[Path], ending: str | None) -> tuple[list[Path], list[dict]]:
     """``(the other inputs, cases of the <case>_XXXX files)``; a case lacking a channel below its highest is a
-    DataError naming the missing file (check_cases then compares the count with the model's)."""
+    DataError naming the missing file (check_cases then compares the count with the model's). ``ending`` None
+    (not a v2 run): only files from ``_0000`` on, more than one, are grouped; the others stay single cases."""
     import re
 
     from fastvision.errors import DataError
@@ -186,11 +191,16 @@ def _group_channel_files(files: list[Path], ending: str) -> tuple[list[Path], li
         groups.setdefault((f.parent, m.group(1)), {})[int(m.group(2))] = f
     cases = []
     for (folder, case), channels in groups.items():
+        if ending is None and (0 not in channels or len(channels) < 2):
+            rest += channels.values()
+            continue
         for c in range(max(channels)):
             if c not in channels:
-                raise DataError(f"{folder / f'{case}_{c:04d}{ending}'}: not among the inputs (channel {c} of case "
-                                f"{case}; an nnU-Net v2 run reads <case>_XXXX{ending}, one file per channel)")
-        cases.append({"id": case, "image": [channels[c] for c in sorted(channels)], "out_name": f"{case}{ending}"})
+                shown = ending or channels[0].name[len(case) + 5:]
+                raise DataError(f"{folder / f'{case}_{c:04d}{shown}'}: not among the inputs (channel {c} of case "
+                                f"{case}; nnU-Net v2's layout: <case>_XXXX{shown}, one file per channel)")
+        named = {"out_name": f"{case}{ending}"} if ending else {}
+        cases.append({"id": case, "image": [channels[c] for c in sorted(channels)], **named})
     return rest, cases
 
 
@@ -328,7 +338,7 @@ def predict_nifti_files(task, model: torch.nn.Module, files: Sequence[Path], out
     Returns:
         Written segmentation paths, one per case, in case-id order.
     """
-    cases = prediction_cases(files, getattr(task, "channel_files", None))
+    cases = prediction_cases(files, getattr(task, "channel_files", None), input_channels(model))
     check_cases(cases, input_channels(model))
     check_not_inputs(cases, Path(out_dir))  # existing outputs are replaced: never an input
     out = Path(out_dir)

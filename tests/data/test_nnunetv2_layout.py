@@ -234,3 +234,14 @@ def test_the_raw_folder_or_an_imagesTr_given_for_the_dataset_names_the_dataset_f
     err = capsys.readouterr().err.strip()
     assert err.endswith(f"--data {tmp_path / 'nnUNet_raw' / 'Dataset005_Prostate'}") and "\n" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_multichannel_msd_run_groups_channel_files_from_0000_and_leaves_other_names_alone(tmp_path):
+    files = [tmp_path / n for n in ("x_0000.nii.gz", "x_0001.nii.gz", "case_0001.nii.gz", "case_0002.nii.gz",
+                                    "solo_0000.nii.gz", "BRATS_001.nii.gz")]
+    cases = prediction_cases(files, None, 2)  # no file_ending: an MSD run of a 2-channel model
+    assert sorted((c["id"], len(c["image"]), c.get("out_name")) for c in cases) == [
+        ("BRATS_001", 1, None), ("case_0001", 1, None), ("case_0002", 1, None), ("solo_0000", 1, None), ("x", 2, None)]
+    assert [c["id"] for c in prediction_cases(files[:2], None, 1)] == ["x_0000", "x_0001"]  # one channel: as before
+    with pytest.raises(DataError, match=r"y_0001\.nii\.gz: not among the inputs"):
+        prediction_cases([tmp_path / "y_0000.nii.gz", tmp_path / "y_0002.nii.gz"], None, 3)
