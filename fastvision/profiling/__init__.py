@@ -56,10 +56,13 @@ def render(report: dict[str, Any]) -> Any:
     if report.get("top_ops"):
         kind = "kernels (self GPU time)" if report["device"].startswith("cuda") else "ops (self CPU time)"
         ops = Table(title=f"top {kind}, from --trace")
-        for c, j in (("op", "left"), ("calls / step", "right"), ("ms / step", "right"), ("share", "right")):
+        # calls counted over the profiled steps (a per-step count printed 1.5 for an op of some steps only)
+        for c, j in (("op", "left"), (f"calls in {report['steps']} steps", "right"), ("ms / step", "right"),
+                     ("share", "right")):
             ops.add_column(c, justify=j, overflow="fold")
         for o in report["top_ops"]:
-            ops.add_row(o["name"][:90], f"{o['calls_per_step']:g}", f"{o['ms_per_step']:.2f}",
+            ops.add_row(o["name"][:90], str(o.get("calls", round(o["calls_per_step"] * report["steps"]))),
+                        f"{o['ms_per_step']:.2f}",
                         f"{100 * o['share']:.1f}%")
         parts.append(ops)
     if len(report.get("ranks") or ()) > 1:

@@ -230,8 +230,9 @@ def _batches(run: engine.Run) -> tuple[Iterator[Any], str]:
 def top_ops(prof: Any, device: torch.device, steps: int, n: int = 12) -> list[dict[str, Any]]:
     """The ``n`` operations that took the most self time in a torch.profiler run of ``steps`` steps:
     on CUDA the device kernels (self device time: which convolution or elementwise kernels the step
-    is), on a CPU the aten ops (self CPU time). Each: name, calls and ms per step, share of the total
-    self time of its kind."""
+    is), on a CPU the aten ops (self CPU time). Each: name, calls (over the ``steps``: a whole number; per step
+    an op of some steps only, or of the loader, is a fraction), calls and ms per step, share of the total self
+    time of its kind."""
     cuda = device.type == "cuda"
 
     def self_us(e: Any) -> float:
@@ -244,8 +245,8 @@ def top_ops(prof: Any, device: torch.device, steps: int, n: int = 12) -> list[di
     events = [x for x in events if x[2] > 0]
     total = sum(us for _, _, us in events) or 1.0
     events.sort(key=lambda x: -x[2])
-    return [{"name": name, "calls_per_step": count / steps, "ms_per_step": us / 1e3 / steps, "share": us / total}
-            for name, count, us in events[:n]]
+    return [{"name": name, "calls": int(count), "calls_per_step": count / steps, "ms_per_step": us / 1e3 / steps,
+             "share": us / total} for name, count, us in events[:n]]
 
 
 def _trace_context(trace: str | Path | None, device: torch.device) -> Any:

@@ -40,3 +40,19 @@ def test_speedups_same_batch_only():
     assert rows[1]["speedup_vs_fp32"] == pytest.approx(2.0)
     assert rows[2]["speedup_vs_fp32"] == pytest.approx(5.0) and rows[2]["speedup_vs_tf32"] == pytest.approx(2.5)
     assert "speedup_vs_fp32" not in rows[0] and "speedup_vs_fp32" not in rows[3] and "speedup_vs_fp32" not in rows[4]
+
+
+def test_the_table_pairs_items_per_s_with_the_median_step_not_the_mean():
+    # one slow step (0.4 s of 0.1, 0.2, 0.4): the median step is 200 ms = 4 items / 20 items/s; the table printed
+    # 20.0 items/s beside a mean 233.33 ms, two statistics in one row
+    row = {"batch_size": 4, "precision": "fp32", **report.step_stats([0.1, 0.2, 0.4], batch_size=4)}
+    rep = {"recipe": "r", "mode": "train", "gpu": None, "device": "cpu", "cpu_threads": 2, "compile": False,
+           "channels_last": False, "augment": False, "steps": 3, "warmup": 1, "torch": "x", "date": "d",
+           "notes": [], "results": [row]}
+    md = report.markdown(rep)
+    head = next(line for line in md.splitlines() if line.startswith("| batch"))
+    cells = next(line for line in md.splitlines() if line.startswith("| 4 "))
+    table = dict(zip(head.strip("| ").split(" | "), cells.strip("| ").split(" | "), strict=True))
+    assert table["items/s"] == "20.0" and table["median ms"] == "200.00" and "mean ms" not in table
+    assert float(table["items/s"]) * float(table["median ms"]) / 1000 == pytest.approx(4)
+    assert "median step" in md  # the table says which statistic

@@ -79,7 +79,7 @@ def test_cli_writes_json_and_markdown(mode, tmp_path, capsys):
         assert r["latency_p90_ms"] <= r["latency_p95_ms"] <= r["latency_p99_ms"]
     assert all(r["speedup_vs_fp32"] > 0 for r in rows if r["precision"] == "bf16")
     md = (tmp_path / f"unet2d-microscopy-{mode}.md").read_text()
-    assert "| batch | precision | items/s | mean ms | p90 ms | p95 ms | p99 ms | x fp32 |" in md
+    assert "| batch | precision | items/s | median ms | p90 ms | p95 ms | p99 ms | x fp32 |" in md
     assert md.count("| bf16 |") == 2 and "fp16 skipped" in md
     assert "items/s" in capsys.readouterr().out
 

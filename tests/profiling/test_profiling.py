@@ -252,3 +252,28 @@ def test_profile_reports_the_number_workers_auto_resolved_to(tmp_path):
     report = _profile(tmp_path, "auto", "--set", "data.num_workers=auto")
     n = report["config"]["data.num_workers"]
     assert isinstance(n, int) and report["pipeline"].endswith(f"; loader threads x {n}")
+
+
+def test_top_ops_count_calls_over_the_profiled_steps_as_whole_numbers():
+    # an op of some steps only (7 calls in 2 steps) printed "3.5" calls per step
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from fastvision.profiling import render
+    from fastvision.profiling.profiler import top_ops
+
+    events = [SimpleNamespace(key="aten::conv2d", count=7, self_cpu_time_total=3000.0),
+              SimpleNamespace(key="aten::add_", count=3, self_cpu_time_total=1000.0)]
+    ops = top_ops(SimpleNamespace(key_averages=lambda: events), torch.device("cpu"), steps=2)
+    assert [(o["calls"], o["ms_per_step"], o["share"]) for o in ops] == [(7, 1.5, 0.75), (3, 0.5, 0.25)]
+    phase = {"p50": 1.0, "p90": 1.0, "p99": 1.0, "mean": 1.0}
+    report = {"config": {"recipe": "r"}, "device": "cpu", "steps": 2, "global_batch": 4,
+              "phases": dict.fromkeys(("data", "h2d", "augment", "forward", "backward", "optimizer", "comm"), phase),
+              "step_ms": phase, "images_per_s": 1.0, "pipeline": "p", "verdict": "v", "advice": "a", "top_ops": ops}
+    console = Console(width=200, record=True)
+    console.print(render(report))
+    text = console.export_text()
+    assert "calls in 2 steps" in text and "3.5" not in text
+    row = next(line for line in text.splitlines() if "aten::conv2d" in line)
+    assert [c.strip() for c in row.split("│")][1:4] == ["aten::conv2d", "7", "1.50"], row
