@@ -67,10 +67,12 @@ def read_run(run_dir: Path, metric: str | None = None) -> dict[str, Any]:
     checkpoint (floating-point tensors that are not BatchNorm statistics).
     """
     run_dir = Path(run_dir)
-    epochs, summary = [], {}
+    epochs, summary, device = [], {}, None
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         ev = json.loads(line)
-        if isinstance(ev.get("step"), list) and len(ev["step"]) == 1:
+        if ev.get("step") == "PARAMETER" and isinstance(ev.get("data", {}).get("environment"), dict):
+            device = ev["data"]["environment"].get("device")  # what measured the step (--simulate says)
+        elif isinstance(ev.get("step"), list) and len(ev["step"]) == 1:
             epochs.append(ev["data"])
         elif ev.get("step") == []:
             summary = ev["data"]
@@ -82,7 +84,7 @@ def read_run(run_dir: Path, metric: str | None = None) -> dict[str, Any]:
     last_metric = next((e[metric] for e in reversed(epochs) if metric and e.get(metric) is not None), None)
     out = {"time_per_epoch_s": statistics.median(e["epoch_time_s"] for e in timed),
            "images_per_s": statistics.median(e["images_per_s"] for e in timed),
-           "metric_name": metric or "", "metric": last_metric}
+           "metric_name": metric or "", "metric": last_metric, **({"device": device} if device else {})}
     ckpt = run_dir / "checkpoints" / "last.pt"
     if ckpt.exists():
         import torch
@@ -303,10 +305,25 @@ def _step_profile(args, results: list[dict[str, Any]]) -> StepProfile:
                        buckets=bucket_count(grad, args.bucket_mb), overhead_s=overhead, jitter_s=jitter / 1e3)
 
 
+def _not_a_gpu_step(args, results: list[dict[str, Any]], prof: StepProfile) -> str:
+    """The warning where ``--simulate`` takes its step from a sweep's 1-worker run that was not on a GPU
+    (a CPU sweep): the GPU profiles then scale a CPU step, whose length hides the communication."""
+    devices = {r.get("device") for r in results if r["workers"] == 1} if args.compute_ms is None else set()
+    other = sorted(str(d) for d in devices if d and not str(d).startswith("cuda"))
+    if not other:
+        return ""
+    note = (f"the simulated step ({(prof.compute_s + prof.overhead_s) * 1e3:.0f} ms at batch {prof.batch:g}) is the "
+            f"1-worker run's on {', '.join(other)}, not a GPU's: the GPU profiles' speed-ups assume that step, so the "
+            "all-reduce looks smaller than it is; sweep on the GPU, or give --compute-ms and --grad-mb of a GPU step")
+    log.warning("scale --simulate: %s", note)
+    return note
+
+
 def _simulate_cli(args, results: list[dict[str, Any]], targets: list[Hardware | Link], out: Path) -> None:
     """``scale --simulate``: write and print ``simulation.md/json/png``, and give each sweep result
     its ``predicted_speedup`` on the first target."""
     prof = _step_profile(args, results)
+    note = _not_a_gpu_step(args, results, prof)
     pipe = _pipeline(args)
     counts = _counts(args.gpus)
     published = _published(args.anchors, max(counts), {getattr(t, "name", "") for t in targets}) \
@@ -314,7 +331,7 @@ def _simulate_cli(args, results: list[dict[str, Any]], targets: list[Hardware | 
     rows = [r for t in targets for r in simulate(prof, t, counts, mode=args.mode, gpus_per_node=args.gpus_per_node,
                                                  pipeline=pipe, backend=args.sync, algo=args.algo)]
     out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "simulation.md", simulation_markdown(rows))
+    write_text(out / "simulation.md", simulation_markdown(rows) + (f"\n**{note}**\n" if note else ""))
     write_text(out / "simulation.json", json.dumps(
         {"profile": prof.__dict__, "pipeline": pipe.__dict__ if pipe else None, "sync": args.sync,
          "hardware": [t.__dict__ if isinstance(t, Link) else _hw_dict(t) for t in targets], "rows": rows},

@@ -93,3 +93,19 @@ def test_a_multi_page_mask_says_pages_not_colour(imagej, tiny_microscopy, tmp_pa
     code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", data, "--out", tmp_path / "r", *TINY)
     line = one_line_error(code, err, masks[0].stem + ".tif", "a mask of 5 pages or channels", "one page per file")
     assert masks[1].stem not in line
+
+
+def test_scale_simulate_from_a_cpu_sweep_says_the_step_is_not_a_gpus(tiny_microscopy, tmp_path, capsys):
+    """``scale unet2d-microscopy --simulate`` on a laptop: the 1-worker run's CPU step (hundreds of ms) was
+    drawn as a DGX A100's, 100% efficiency to 1024 GPUs, without a word. simulation.md and stderr say whose
+    step it is; a step given as numbers (--compute-ms, --grad-mb) has no such line."""
+    code, _, err = run_cli(capsys, "scale", "unet2d-microscopy", "--workers", "1", "--epochs", "2", "--simulate",
+                           "--hardware", "dgx-a100", "--gpus", "8", "--data", tiny_microscopy, "--out", tmp_path / "s",
+                           "--device", "cpu", *TINY[6:])
+    assert code == 0, err
+    md = (tmp_path / "s" / "simulation.md").read_text()
+    assert "1-worker run's on cpu, not a GPU's" in md and "--compute-ms" in md
+    assert "1-worker run's on cpu" in err
+    code, _, err = run_cli(capsys, "scale", "--simulate", "--compute-ms", "100", "--batch", "16", "--grad-mb", "2",
+                           "--hardware", "dgx-a100", "--gpus", "8", "--out", tmp_path / "n")
+    assert code == 0 and "not a GPU's" not in (tmp_path / "n" / "simulation.md").read_text() + err
