@@ -42,7 +42,7 @@ import torch
 
 from fastvision.data.cache.select import default_cache_dir, files_identity
 from fastvision.data.formats.anomalies import check_channels
-from fastvision.data.formats.dataset_labels import parse_labels
+from fastvision.data.formats.dataset_labels import parse_labels, task01_label_map
 from fastvision.data.formats.decathlon import modality_names, read_dataset_json
 from fastvision.data.preprocess3d import (
     foreground_box,
@@ -204,6 +204,8 @@ def _modalities(meta: dict[str, Any], n: int) -> list[str]:
 def summarize(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -> dict[str, Any]:
     """Pool per-case records into the dataset fingerprint; raise on label values dataset.json lacks."""
     labels, regions = parse_labels(meta, path)
+    if regions and (to := dict(task01_label_map(meta))):  # v2's BraTS regions: in the ids the reader trains on
+        regions = {name: sorted(to.get(v, v) for v in values) for name, values in regions.items()}
     for r in records:
         extra = sorted(set(map(int, r["label_counts"])) - set(labels)) if labels else []
         if extra:

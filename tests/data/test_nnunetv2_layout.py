@@ -245,3 +245,23 @@ def test_a_multichannel_msd_run_groups_channel_files_from_0000_and_leaves_other_
     assert [c["id"] for c in prediction_cases(files[:2], None, 1)] == ["x_0000", "x_0001"]  # one channel: as before
     with pytest.raises(DataError, match=r"y_0001\.nii\.gz: not among the inputs"):
         prediction_cases([tmp_path / "y_0000.nii.gz", tmp_path / "y_0002.nii.gz"], None, 3)
+
+
+def test_configure_of_v2_brats_regions_writes_them_in_the_ids_the_reader_trains_on(tmp_path, capsys):
+    import yaml
+
+    v2 = load_all().get("brats")(tmp_path / "Dataset137", seed=4, cases=3, test_cases=0, size=16, layout="nnunetv2")
+    meta = json.loads((v2 / "dataset.json").read_text())
+    meta["labels"] = {"background": 0, "whole tumor": [1, 2, 3], "tumor core": [2, 3], "enhancing tumor": 3}
+    (v2 / "dataset.json").write_text(json.dumps(meta))
+    assert main(["configure", str(v2), "--out", str(tmp_path / "plan.yaml")]) == 0
+    capsys.readouterr()
+    task = yaml.safe_load((tmp_path / "plan.yaml").read_text())["task"]["args"]
+    assert task["mode"] == "regions" and task["region_names"] == ["whole tumor", "tumor core", "enhancing tumor"]
+    splits = DATASETS.build("decathlon", {"path": str(v2), "num_folds": 3, "crop_foreground": False})
+    item, case = splits.train[0], splits.train.cases[0]
+    raw = np.asarray(nib.load(str(case["label"])).dataobj)
+    # each region of the plan, on the label training reads, is dataset.json's region of the file's ids
+    for region, file_ids in zip(task["regions"], ([1, 2, 3], [2, 3], [3]), strict=True):
+        assert np.isin(raw, file_ids).any()
+        assert np.array_equal(np.isin(item["label"].numpy(), region), np.isin(raw, file_ids)), region
