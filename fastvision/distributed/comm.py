@@ -79,7 +79,7 @@ def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> 
         if backend == "nccl":
             kwargs["device_id"] = dev  # binds the communicator to our GPU: no guessing in barrier()
             nccl_flight_recorder_env()  # read when the group is made: the hang report's NCCL half
-        with _rendezvous_errors(env):
+        with _rendezvous_errors(env, timeout_s):
             if env.launcher == "torchrun":
                 kwargs["store"] = _attempt_store(env, timeout_s)
             else:
@@ -95,17 +95,30 @@ def init(device: str = "auto", timeout_s: float = 300, backend: str = "ddp") -> 
 
 
 @contextlib.contextmanager
-def _rendezvous_errors(env: DistEnv) -> Iterator[None]:
+def _rendezvous_errors(env: DistEnv, timeout_s: float) -> Iterator[None]:
     """One line, where each was torch's 30-line traceback on every rank: rank 0's rendezvous store could not
-    listen on ``MASTER_PORT`` (another job or process holds it), or ``GLOO_SOCKET_IFNAME`` names no interface
-    of this host."""
+    listen on ``MASTER_PORT`` (another job or process holds it), the ranks did not all meet there within
+    ``train.dist_timeout_s`` (a rank that never started or stopped first, a MASTER_ADDR / MASTER_PORT that is not
+    rank 0's), or ``GLOO_SOCKET_IFNAME`` names no interface of this host."""
+    where = f"the rendezvous at {env.master_addr}:{env.master_port}"
+    said = lambda e: str(e).splitlines()[0].rstrip(".")  # noqa: E731  (torch's own first line)
     try:
         yield
     except dist.DistNetworkError as e:
-        if "EADDRINUSE" not in str(e):
+        if "EADDRINUSE" in str(e):
+            raise ConfigError(f"MASTER_PORT {env.master_port} on {env.master_addr} is in use (another job or "
+                              "process listens there): set MASTER_PORT to a free port") from e
+        if env.rank == 0:
             raise
-        raise ConfigError(f"MASTER_PORT {env.master_port} on {env.master_addr} is in use (another job or process "
-                          "listens there): set MASTER_PORT to a free port") from e
+        raise ConfigError(f"rank {env.rank} could not reach {where} within {timeout_s:g} s (train.dist_timeout_s: "
+                          f"{said(e)}): rank 0 did not start it (its line says why), or MASTER_ADDR / "
+                          "MASTER_PORT are not rank 0's") from e
+    except dist.DistStoreError as e:
+        if env.rank != 0 or "waiting for clients" not in str(e):
+            raise
+        raise ConfigError(f"rank 0: not every rank joined {where} within {timeout_s:g} s (train.dist_timeout_s: "
+                          f"{said(e)}): the others did not start, stopped first (their lines say why) "
+                          "or cannot reach this host") from e
     except RuntimeError as e:
         name = os.environ.get("GLOO_SOCKET_IFNAME")
         if not name or "Unable to find address for" not in str(e):

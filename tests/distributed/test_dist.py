@@ -138,6 +138,26 @@ def test_a_rendezvous_port_in_use_is_one_line(launch, monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.parametrize("rank, says", [
+    (1, "rank 1 could not reach the rendezvous at 127.0.0.1:{port} within 1 s (train.dist_timeout_s"),
+    (0, "rank 0: not every rank joined the rendezvous at 127.0.0.1:{port} within 1 s (train.dist_timeout_s"),
+])
+def test_a_rendezvous_the_other_ranks_never_reach_is_one_line(rank, says, monkeypatch):
+    """An srun task whose peers never came (rank 0 stopped on a taken MASTER_PORT, a rank that never started):
+    after train.dist_timeout_s it was torch's DistNetworkError (rank 1: nobody listens) or DistStoreError (rank 0:
+    '1/2 clients joined') traceback, exit 1."""
+    port = free_port()
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {**_SRUN, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_NODELIST": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError) as e:
+        distributed.init("cpu", timeout_s=1)
+    assert str(e.value).startswith(says.format(port=port)) and "\n" not in str(e.value), str(e.value)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.dist
 def test_a_gloo_interface_this_host_lacks_is_one_line():
     """GLOO_SOCKET_IFNAME=eth9 on a host without it: was gloo's enforce-fail traceback on every rank."""
