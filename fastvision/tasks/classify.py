@@ -99,6 +99,10 @@ class ClassificationTask(Task):
             raise ConfigError(f"task.args.mixup={mixup}: the Beta(a, a) parameter of MixUp, > 0 (seed 004's "
                               "250 epochs: 0.2), or 0 for none")
         check_mean_std(mean, std)
+        if getattr(loss, "reduction", "mean") != "mean":  # 'sum' scaled the LR by the batch, val_loss by it twice
+            raise ConfigError(f"loss.args.reduction={loss.reduction}: classification trains on each batch's mean "
+                              "loss (the LR is per image, at optim.ref_batch) and reports val_loss per image; "
+                              "leave it 'mean'")
         self.num_classes, self.mixup, self.image_size = num_classes, float(mixup), image_size
         self.consts = DeviceConstants(mean=torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) / 255,
                                       std=torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1) / 255)

@@ -329,6 +329,10 @@ def test_dataset_with_more_classes_than_the_task_is_a_config_error(tmp_path):
     (["--set", "loss.args.label_smoothing=1.5"], "loss.args.label_smoothing=1.5"),  # was the first step's error
     (["--set", "model.args.num_classes=5"], "model.args.num_classes gives a head of 5"),  # was "Target 9 is out of ..."
     (["--set", "task.args.num_classes=20"], "task.args.num_classes is 20"),  # was trained against a 10-class head
+    # was the first step's "grad can be implicitly created only for scalar outputs ... Check model 'resnet18'"
+    (["--set", "loss.args.reduction=none"], "loss.args.reduction=none: classification trains on each batch's mean"),
+    # was a loss summed over the batch (the LR times the batch) and a val_loss of the batch sum times its size
+    (["--set", "loss.args.reduction=sum"], "loss.args.reduction=sum: classification trains on each batch's mean"),
 ])
 def test_settings_the_run_cannot_use_are_one_line_before_the_run_folder(tmp_path, capsys, args, key):
     from fastvision.cli import main
