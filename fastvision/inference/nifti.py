@@ -234,9 +234,7 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
         (:class:`~fastvision.data.preprocess3d.PreprocessParams`, ``{class: value written}`` or None
         for the class indices themselves).
     """
-    import json
-
-    from fastvision.data.formats.decathlon import auto_intensity, task01_label_map
+    from fastvision.data.formats.decathlon import auto_intensity, read_meta, task01_label_map
     from fastvision.data.preprocess3d import PreprocessParams
     from fastvision.errors import ConfigError
 
@@ -251,7 +249,7 @@ def prediction_preprocessing(task, data_name: str, data_args: dict) -> tuple[Any
     if data_name == "brats":
         return PreprocessParams(intensity="mri", **common), ({3: 4} if _brats_release_uses_4(data_args) else None)
     meta_file = Path(str(data_args.get("path", ""))) / "dataset.json"
-    meta = json.loads(meta_file.read_text()) if data_args.get("path") and meta_file.is_file() else None
+    meta = read_meta(meta_file) if data_args.get("path") and meta_file.is_file() else None
     intensity = data_args.get("intensity", "auto")
     if intensity == "auto":
         if meta is None:

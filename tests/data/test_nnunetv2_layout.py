@@ -265,3 +265,16 @@ def test_configure_of_v2_brats_regions_writes_them_in_the_ids_the_reader_trains_
     for region, file_ids in zip(task["regions"], ([1, 2, 3], [2, 3], [3]), strict=True):
         assert np.isin(raw, file_ids).any()
         assert np.array_equal(np.isin(item["label"].numpy(), region), np.isin(raw, file_ids)), region
+
+
+@pytest.mark.parametrize("text, why", [(b"", "not valid JSON"), ("{\"name\": \"Milz \xe9\"}".encode("latin-1"),
+                                                                    "not UTF-8 text")])
+def test_a_dataset_json_that_is_not_utf8_json_is_one_line_naming_it_and_a_bom_reads(tmp_path, capsys, text, why):
+    msd, v2 = _two_layouts(tmp_path)
+    (v2 / "dataset.json").write_bytes(b"\xef\xbb\xbf" + (v2 / "dataset.json").read_bytes())  # Windows' BOM: read
+    assert len(DATASETS.build("decathlon", {"path": str(v2), "num_folds": 3}).train) == 2
+    (msd / "dataset.json").write_bytes(text)  # an empty file of a stopped copy, a latin-1 name
+    assert main(["train", "unet3d-spleen-baseline", "--data", str(msd), "--out", str(tmp_path / "run"), *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fastvision: error: {msd / 'dataset.json'}: {why}") and "\n" not in err
+    assert not (tmp_path / "run").exists()

@@ -9,6 +9,19 @@ from typing import Any
 from fastvision.errors import DataError
 
 
+def read_meta(f: Path) -> Any:
+    """dataset.json's JSON (a UTF-8 BOM, as Windows editors write it, read as UTF-8); one line naming the file
+    where it is not UTF-8 or not JSON (an empty file of a stopped copy)."""
+    import json
+
+    try:
+        return json.loads(f.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{f}: not UTF-8 text ({e})") from e
+    except json.JSONDecodeError as e:
+        raise DataError(f"{f}: not valid JSON ({e})") from e
+
+
 def parse_labels(meta: dict[str, Any], path: Path) -> tuple[dict[int, str], dict[str, list[int]] | None]:
     """dataset.json ``labels``: ``({value: name}, regions or None)``.
 

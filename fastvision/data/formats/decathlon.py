@@ -30,7 +30,12 @@ from torch.utils.data import Dataset
 from fastvision.data import nnunet_resampling, spatial3d
 from fastvision.data.formats.anomalies import check_channels, drop_unreadable, first_few, nifti_header
 from fastvision.data.formats.base import DatasetSplits, dataset_folder
-from fastvision.data.formats.dataset_labels import MSD_BRAIN_LABELS, label_names, task01_label_map  # noqa: F401
+from fastvision.data.formats.dataset_labels import (  # noqa: F401 (MSD_BRAIN_LABELS, task01_label_map re-exported)
+    MSD_BRAIN_LABELS,
+    label_names,
+    read_meta,
+    task01_label_map,
+)
 from fastvision.data.formats.nnunetv2 import folder_hint, is_v2, read_raw
 from fastvision.data.formats.patches import RandPatch, random_patch  # noqa: F401 (re-exported)
 from fastvision.data.nonfinite import NonFinite
@@ -256,7 +261,7 @@ def read_dataset_json(root: str | Path, missing: list[str] | None = None) -> dic
         hint = hint or folder_hint(root)  # nnUNet_raw (its Dataset folders inside) or an imagesTr
         raise DataError(f"{f} not found: a Decathlon folder holds dataset.json, imagesTr/, labelsTr/{hint}")
     try:
-        meta = json.loads(f.read_text())
+        meta = read_meta(f)  # UTF-8 JSON, or one line naming the file
         if is_v2(meta):  # nnU-Net v2's raw layout: the cases are the files
             return read_raw(root, meta, missing)
         training = [
@@ -264,7 +269,7 @@ def read_dataset_json(root: str | Path, missing: list[str] | None = None) -> dic
             for e in meta["training"]
         ]
         test = [root / (e["image"] if isinstance(e, dict) else e) for e in meta.get("test", [])]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (KeyError, TypeError) as e:
         raise DataError(f"{f}: not a Decathlon dataset.json ({e})") from e
     absent = [(case, p) for case in training for p in case["image"] + [case["label"]] if not p.is_file()]
     if absent and missing is None:
