@@ -109,3 +109,35 @@ def test_scale_simulate_from_a_cpu_sweep_says_the_step_is_not_a_gpus(tiny_micros
     code, _, err = run_cli(capsys, "scale", "--simulate", "--compute-ms", "100", "--batch", "16", "--grad-mb", "2",
                            "--hardware", "dgx-a100", "--gpus", "8", "--out", tmp_path / "n")
     assert code == 0 and "not a GPU's" not in (tmp_path / "n" / "simulation.md").read_text() + err
+
+
+def test_microscopy_folds_split_every_stem_once_and_train_folds_runs(tiny_microscopy, tmp_path, capsys):
+    """DLE UNet_Medical's 5-fold cross-validation: ``train unet2d-microscopy --folds`` stopped with 'its reader has
+    no folds (data.args.fold)'. The microscopy reader splits its stems as the 3-D readers split cases: each stem
+    is validated in exactly one fold, train and val are disjoint, and the out-of-fold table holds fold k's
+    validation stems."""
+    import json
+
+    from fastvision.data.formats.microscopy import microscopy
+
+    stems = sorted(p.stem for p in (tiny_microscopy / "images").iterdir())
+    seen = []
+    for k in range(5):
+        s = microscopy(path=str(tiny_microscopy), image_size=[32, 32], fold=k, num_folds=5)
+        train, val = [p[0].stem for p in s.train.pairs], [p[0].stem for p in s.val.pairs]
+        assert not set(train) & set(val) and sorted(train + val) == stems
+        seen += val
+    assert sorted(seen) == stems
+    want = [p[0].stem for p in microscopy(path=str(tiny_microscopy), image_size=[32, 32], fold=1,
+                                          num_folds=3).val.pairs]
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", tiny_microscopy, "--folds", "1",
+                           "--out", tmp_path / "cv", "--set", "data.args.num_folds=3", *TINY)
+    assert code == 0, err
+    cases = json.loads((tmp_path / "cv" / "crossval.json").read_text())["cases"]
+    assert sorted(c["id"] for c in cases) == sorted(want) and {c["fold"] for c in cases} == {1}
+    (tmp_path / "t.txt").write_text(stems[0])
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", tiny_microscopy, "--folds", "all",
+                           "--out", tmp_path / "cv2", "--set", f"data.args.train_list={tmp_path / 't.txt'}",
+                           "--set", f"data.args.val_list={tmp_path / 't.txt'}", *TINY)
+    one_line_error(code, err, "data.args.fold", "train_list")
+    assert not (tmp_path / "cv2").exists()
