@@ -242,7 +242,15 @@ def read_input_rate(path: str | Path, flag: str = "--input-rate", cache: str | N
     own = [r for r in rows if not r.get("setting")] or rows
     row = next((r for r in own if r.get("cache") == cache), own[0])
     where = f"{path}: {data.get('recipe', '?')}, cache {row.get('cache', '?')}, {data.get('date', 'undated')}"
-    if row.get("items_per_cpu_s"):
-        return float(row["items_per_cpu_s"]), f"measured per core, {where}, {data.get('host_cpu') or 'host not named'}"
+    key = "items_per_cpu_s" if row.get("items_per_cpu_s") else "items_per_s"
+    try:
+        rate = float(row[key])
+    except (TypeError, ValueError):
+        rate = float("nan")
+    if not 0 < rate < float("inf"):  # Infinity planned "no host limit" (0.0 cores per GPU), a negative one nonsense
+        raise ConfigError(f"{flag} {path}: {key} {row[key]!r} is not a finite rate > 0; measure it again with "
+                          f"fastvision benchmark {data.get('recipe', 'RECIPE')} --mode data")
+    if key == "items_per_cpu_s":
+        return rate, f"measured per core, {where}, {data.get('host_cpu') or 'host not named'}"
     workers = next((int(d[k]) for d in (row, data) for k in ("num_workers", "workers") if d.get(k) is not None), 0)
-    return float(row["items_per_s"]) / max(1, workers), f"measured per loader process ({max(1, workers)}), {where}"
+    return rate / max(1, workers), f"measured per loader process ({max(1, workers)}), {where}"

@@ -192,6 +192,7 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
     if spec.peak_tflops(precision)[1] != precision:
         notes.append(f"{spec.name} has no {precision} tensor cores: timed at fp32 peak")
     target_runs = fc.load_report(work.epochs_from) if work.epochs_from else None  # checked before the trace
+    input_rate, input_source = sc.input_rate_of(cfg, work.input_rate)  # a benchmark JSON too: read before it
     t = est.trace(cfg, b)
     achieved, calibrated, source, fixed_ms, fixed_source = _achieved(work, cfg, t, spec, precision)
     items, items_source = _dataset(cfg, work, target_runs)
@@ -199,7 +200,6 @@ def make_plan(cfg: RunConfig, cluster: Cluster = Cluster(), work: Workload = Wor
         notes.append(f"dataset size {items_source}; epoch and train time left out")
     elif note := sc.shard_note(items, gpus, b):
         notes.append(note)
-    input_rate, input_source = sc.input_rate_of(cfg, work.input_rate)
     host_cores, host_source = (None, f"the {cluster.hardware} node") if cluster.hardware else \
         sc.host_cores_for(spec, per_node)
     args = dict(gpu=spec, gpus=gpus, gpus_per_node=per_node, link=link, hardware=cluster.hardware, items=items,

@@ -51,3 +51,27 @@ def test_plan_names_the_sample_shape_the_model_cannot_take(shape, needle, capsys
     code, _, err = run_cli(capsys, "plan", "unet2d-microscopy", "--no-switches", "--set",
                            f"task.args.sample_shape={shape}")
     one_line_error(code, err, "the traced training step failed", needle, "task.args.sample_shape")
+
+
+@pytest.mark.parametrize("row,key", [
+    ({"items_per_s": 100, "items_per_cpu_s": float("inf"), "cache": "none"}, "items_per_cpu_s inf"),
+    ({"items_per_s": float("inf"), "num_workers": 4}, "items_per_s inf"),
+    ({"items_per_s": -5}, "items_per_s -5"),
+])
+@pytest.mark.parametrize("command", ["plan", "scale"])
+def test_a_benchmark_json_of_an_infinite_or_negative_rate_is_one_line(tmp_path, capsys, monkeypatch, row, key,
+                                                                      command):
+    # --input-rate inf as a number was refused, the same rate read from a JSON (json writes it as Infinity) planned
+    # "0.0 host cores per GPU at inf items/s per core": no host limit, silently; -5 planned negative cores
+    import json
+
+    from fastvision.planning import estimate
+
+    monkeypatch.setattr(estimate, "trace", lambda *a, **k: pytest.fail("traced before the options were checked"))
+    report = tmp_path / "data.json"
+    report.write_text(json.dumps({"recipe": "resnet50-imagenet", "data": "imagefolder", "results": [row]}))
+    argv = (["plan", "resnet50-imagenet", "--gpus", "8", "--input-rate", str(report)] if command == "plan" else
+            ["scale", "--simulate", "--compute-ms", "100", "--grad-mb", "100", "--batch", "32", "--input-json",
+             str(report)])
+    code, out, err = run_cli(capsys, *argv)
+    one_line_error(code, err, f"{report}: {key} is not a finite rate > 0")
