@@ -278,3 +278,16 @@ def test_a_dataset_json_that_is_not_utf8_json_is_one_line_naming_it_and_a_bom_re
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"fastvision: error: {msd / 'dataset.json'}: {why}") and "\n" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_v2s_ignore_label_is_refused_not_trained_as_a_class(tmp_path, capsys):
+    _, v2 = _two_layouts(tmp_path)
+    meta = json.loads((v2 / "dataset.json").read_text())
+    meta["labels"] = {"background": 0, "PZ": 1, "ignore": 2}
+    (v2 / "dataset.json").write_text(json.dumps(meta))
+    for argv in (["train", "unet3d-spleen-baseline", "--data", str(v2), "--out", str(tmp_path / "run"), *TINY],
+                 ["configure", str(v2), "--out", str(tmp_path / "plan.yaml")], ["data", "inspect", str(v2)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"fastvision: error: {v2 / 'dataset.json'}: labels.ignore") and "\n" not in err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "plan.yaml").exists()

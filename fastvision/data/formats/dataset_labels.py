@@ -30,12 +30,17 @@ def parse_labels(meta: dict[str, Any], path: Path) -> tuple[dict[int, str], dict
     "tumor core": [2, 3], "enhancing tumor": 3}`` (each region the union of those values; v2 then
     also names ``regions_class_order``). Regions are returned by name, background left out; every
     value a region lists is a valid label value (named ``label <v>`` where no single entry names it).
+    v2's ``ignore`` label is refused (one line naming the file): fastvision has no partial loss.
     """
     raw = meta.get("labels") or {}
     if all(str(k).lstrip("-").isdigit() for k in raw):
         return {int(k): str(v) for k, v in raw.items()}, None
     labels: dict[int, str] = {}
     regions: dict[str, list[int]] = {}
+    if "ignore" in {str(k).lower() for k in raw}:  # trained as a class it would be learnt and scored as one
+        raise DataError(f"{path / 'dataset.json'}: labels.ignore: nnU-Net v2's ignore label (sparse annotation: "
+                        "voxels left out of the loss and the metrics) is not supported; fastvision would train it as "
+                        "a class")
     for name, value in raw.items():
         values = value if isinstance(value, (list, tuple)) else [value]
         try:

@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from fastvision.data.formats.dataset_labels import parse_labels
 from fastvision.errors import DataError
 
 ENDINGS = (".nii.gz", ".nii")  # the file endings fastvision reads (nibabel's NIfTI)
@@ -120,6 +121,7 @@ def read_raw(root: Path, meta: dict[str, Any], missing: list[str] | None = None)
     """
     f = root / "dataset.json"
     ending, names = file_ending(meta, f), channel_names(meta, f)
+    parse_labels(meta, root)  # its labels before any file: v2's ignore label, a value not an integer
     problems: list[str] | None = None if missing is None else []
     if "dataset" in meta:
         training = _listed(root, meta, f)
