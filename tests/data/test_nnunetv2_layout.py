@@ -291,3 +291,15 @@ def test_v2s_ignore_label_is_refused_not_trained_as_a_class(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"fastvision: error: {v2 / 'dataset.json'}: labels.ignore") and "\n" not in err
     assert not (tmp_path / "run").exists() and not (tmp_path / "plan.yaml").exists()
+
+
+def test_label_values_with_a_gap_are_refused_before_any_file_is_read(tmp_path, capsys):
+    _, v2 = _two_layouts(tmp_path)
+    meta = json.loads((v2 / "dataset.json").read_text())
+    meta["labels"] = {"background": 0, "PZ": 1, "TZ": 3}
+    (v2 / "dataset.json").write_text(json.dumps(meta))
+    assert main(["configure", str(v2), "--out", str(tmp_path / "plan.yaml")]) == 2  # it wrote a 3-class plan
+    err = capsys.readouterr().err.strip()
+    assert err == f"fastvision: error: {v2 / 'dataset.json'}: labels 0, 1, 3 are not consecutive from 0 (nnU-Net v2: " \
+                  "0, 1, 2, ...); renumber the label files and dataset.json's labels"
+    assert not (tmp_path / "plan.yaml").exists()

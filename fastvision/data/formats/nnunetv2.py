@@ -121,7 +121,10 @@ def read_raw(root: Path, meta: dict[str, Any], missing: list[str] | None = None)
     """
     f = root / "dataset.json"
     ending, names = file_ending(meta, f), channel_names(meta, f)
-    parse_labels(meta, root)  # its labels before any file: v2's ignore label, a value not an integer
+    values = sorted(parse_labels(meta, root)[0])  # before any file: v2's ignore label, a value not an integer
+    if values != list(range(len(values))):  # the values are the class indices (nnU-Net refuses gaps too)
+        raise DataError(f"{f}: labels {', '.join(map(str, values))} are not consecutive from 0 (nnU-Net v2: 0, 1, 2, "
+                        "...); renumber the label files and dataset.json's labels")
     problems: list[str] | None = None if missing is None else []
     if "dataset" in meta:
         training = _listed(root, meta, f)
