@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -203,10 +204,10 @@ class DetectionTask(Task):
                       min_score: float = 0.3, coco_ids: str = "auto") -> list[Path]:
         """Images -> ``detections.json`` (COCO results, original pixels) + one ``<name>_boxes.png`` each.
 
-        Image ids in the JSON are those of ``coco_ids`` (:func:`predict_image_ids`: a COCO file's ids, so
+        Image ids in the JSON are those of ``coco_ids`` (:func:`predict_images`: a COCO file's ids, so
         pycocotools scores the JSON against that file, or the files' positions in ``files``);
-        ``images.json`` maps them to the files (a COCO ``images`` list: ``file_name`` the file's name, as in
-        COCO, and ``path`` the file, absolute). Category ids follow the dataset's mapping.
+        ``images.json`` maps them to the files (a COCO ``images`` list: ``file_name`` COCO's, the path under
+        the image root, and ``path`` the file, absolute). Category ids follow the dataset's mapping.
         """
         from PIL import Image
 
@@ -216,17 +217,17 @@ class DetectionTask(Task):
         out_dir = Path(out_dir)
         check_unique_names([Path(f) for f in files], "{0}_boxes.png")  # before any file is written
         check_images(files)
-        ids = predict_image_ids(files, coco_ids)
+        ids, names = predict_images(files, coco_ids)
         out_dir.mkdir(parents=True, exist_ok=True)
         S = self.image_size
         model.eval()
         results, written, images = [], [], []
-        for k, f in zip(ids, files, strict=True):
+        for k, f, name in zip(ids, files, names, strict=True):
             img = open_image(str(f))  # as the dataset reads its images (16-bit grey scaled, not clipped)
             w, h = img.size
-            # COCO's file_name is the name in the image folder (as the --coco-ids lookup reads it); path: the
-            # file itself, absolute, so the mapping holds from any working directory
-            images.append({"id": k, "file_name": Path(f).name, "width": w, "height": h,
+            # COCO's file_name is the path under the image root (predict_images); path: the file itself,
+            # absolute, so the mapping holds from any working directory
+            images.append({"id": k, "file_name": name, "width": w, "height": h,
                            "path": str(Path(f).resolve())})
             x = torch.from_numpy(np.asarray(img.resize((S, S), Image.BILINEAR)).copy())
             x = x.permute(2, 0, 1)[None].to(device)
@@ -244,26 +245,43 @@ class DetectionTask(Task):
 
 
 def predict_image_ids(files: list[Path], coco_ids: str = "auto") -> list[int]:
-    """The image id of each of ``files`` in ``predict``'s ``detections.json``.
+    """The image id of each of ``files`` in ``predict``'s ``detections.json`` (:func:`predict_images`)."""
+    return predict_images(files, coco_ids)[0]
+
+
+def predict_images(files: list[Path], coco_ids: str = "auto") -> tuple[list[int], list[str]]:
+    """(the image id, the COCO ``file_name``) of each of ``files`` in ``predict``'s ``detections.json`` and
+    ``images.json``.
 
     ``coco_ids`` is a COCO instances or image-info file (its ids by file name: every file must be in it),
     ``none`` (the positions 0..N-1), or ``auto``: the COCO layout's ``ROOT/annotations/instances_<folder>.json``
     of the files' one folder where it lists every file (``val2017/`` of a COCO root), else the positions.
     A JSON whose ids are not the annotation file's cannot be scored by pycocotools against it, nor one of
     inputs stored at another size than the file's width/height (a resized copy: its boxes are in the other
-    grid), which is one line, as the COCO reader refuses such an image.
+    grid), which is one line, as the COCO reader refuses such an image. ``file_name`` is the COCO file's own
+    (``patch0/x.jpg`` of a file listing sub-folders); without one COCO's form, the path relative to the image
+    root, the inputs' common folder (``a/x.jpg`` and ``b/y.jpg``; the bare name for one folder).
     """
+    entries, source = _coco_entries(files, coco_ids)
+    if entries is None:
+        root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files]) if files else ""
+        return list(range(len(files))), [Path(os.path.relpath(os.path.abspath(f), root)).as_posix() for f in files]
+    return _same_sizes(files, entries, source), [str(entries[f.name]["file_name"]) for f in files]
+
+
+def _coco_entries(files: list[Path], coco_ids: str) -> tuple[dict[str, dict] | None, str | Path]:
+    """(the COCO ``images`` entries by file name that ``coco_ids`` gives the files, its file) or (None, "")."""
     from fastvision.data.formats.coco_check import image_entries
 
     if coco_ids == "none":
-        return list(range(len(files)))
+        return None, ""
     if coco_ids != "auto":
         names = image_entries(coco_ids)
         missing = [f for f in files if f.name not in names]
         if missing:
             raise DataError(f"--coco-ids {coco_ids}: {missing[0]} is not in its images list ({len(missing)} of "
                             f"{len(files)} inputs are not; it lists {len(names)} files)")
-        return _same_sizes(files, names, coco_ids)
+        return names, coco_ids
     folders = {f.parent for f in files}
     folder = folders.pop() if len(folders) == 1 else None
     ann = folder.parent / "annotations" / f"instances_{folder.name}.json" if folder else None
@@ -272,13 +290,13 @@ def predict_image_ids(files: list[Path], coco_ids: str = "auto") -> list[int]:
             names = image_entries(ann)
         except DataError as e:
             log.warning("image ids are the inputs' positions: %s", e)
-            return list(range(len(files)))
+            return None, ""
         if all(f.name in names for f in files):
             log.info("image ids from %s (COCO layout; --coco-ids none for positions)", ann)
-            return _same_sizes(files, names, ann)
+            return names, ann
         log.warning("image ids are the inputs' positions: %s does not list every input; pass --coco-ids FILE",
                     ann)
-    return list(range(len(files)))
+    return None, ""
 
 
 def _same_sizes(files: list[Path], entries: dict[str, dict], source: str | Path) -> list[int]:

@@ -446,3 +446,35 @@ def test_coco_jitter_and_size_out_of_range_are_one_line(tiny_shapes, tmp_path, c
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and err == [f"fastvision: error: {line}"], err
     assert not (tmp_path / "run").exists()
+
+
+def test_images_json_names_a_sub_folder_input_by_its_path_under_the_image_root(tmp_path):
+    # images.json's file_name was the bare name ("x.jpg") of root/a/x.jpg: COCO's form is the path under the
+    # image root ("a/x.jpg"), and a COCO file that lists sub-folders (Objects365's patch0/...) keeps its own
+    import json
+
+    from PIL import Image
+
+    from fastvision.tasks.detect import DetectionTask
+
+    rng = np.random.default_rng(1)
+    files = []
+    for rel in ("a/x.jpg", "b/c/y.png"):
+        (tmp_path / "root" / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(tmp_path / "root" / rel)
+        files.append(tmp_path / "root" / rel)
+    task = DetectionTask(image_size=64, num_classes=4)
+    torch.manual_seed(0)
+    model = MODELS.build("ssd320-small", {"num_classes": 4}).eval()
+    task.predict_files(model, files, tmp_path / "pred", None, torch.device("cpu"))
+    index = json.loads((tmp_path / "pred" / "images.json").read_text())
+    assert [(im["id"], im["file_name"]) for im in index] == [(0, "a/x.jpg"), (1, "b/c/y.png")]
+    assert [im["path"] for im in index] == [str(f.resolve()) for f in files]
+    info = tmp_path / "info.json"
+    info.write_text(json.dumps({"images": [{"id": 5, "file_name": "patch1/y.png", "width": 48, "height": 40},
+                                           {"id": 8, "file_name": "patch0/x.jpg", "width": 48, "height": 40}]}))
+    task.predict_files(model, files, tmp_path / "pred2", None, torch.device("cpu"), coco_ids=str(info))
+    index = json.loads((tmp_path / "pred2" / "images.json").read_text())
+    assert [(im["id"], im["file_name"]) for im in index] == [(8, "patch0/x.jpg"), (5, "patch1/y.png")]
+    one = task.predict_files(model, files[:1], tmp_path / "pred3", None, torch.device("cpu"))  # one folder: the name
+    assert json.loads(one[1].read_text())[0]["file_name"] == "x.jpg"
