@@ -90,6 +90,13 @@ class SegmentationTask(Task):
         self.regions = [list(r) for r in regions] if regions else None
         if mode == "regions" and not self.regions:
             raise ConfigError("task.args.regions is required with task.args.mode=regions")
+        # the label classes: the data's (any mode), else the softmax model's; an id past them is a region never
+        # present (scored 1 or left out, without a word), 0 puts the background in the region
+        known = (info or {}).get("num_classes") or (num_classes if mode == "softmax" else None)
+        if any(not r or not all(0 < int(i) < (known or 2**15) for i in r) for r in self.regions or ()):
+            raise ConfigError(f"task.args.regions {self.regions}: each region a non-empty list of class ids "
+                              + (f"1..{known - 1} (the data's classes: {known}, background 0)" if known else
+                                 "above 0 (the background)"))
         if self.regions and mode == "sigmoid":
             raise ConfigError("task.args.regions: use mode=regions (one sigmoid per region) or mode=softmax")
         if region_names is not None and (not self.regions or len(region_names) != len(self.regions)):
