@@ -199,8 +199,11 @@ class RunLogger:
         if self._progress is not None and self._task is not None:
             self._progress.stop()
         if self._file:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:  # only the unwritten rest of a write that failed (event flushes each): that write's
+                pass  # error, naming the file, is already on its way; this one, nameless, would replace it
         if self._tb:
             self._tb.close()
 

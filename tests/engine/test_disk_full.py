@@ -79,9 +79,9 @@ TRAIN = ["--epochs", "2", "--device", "cpu", "--batch-size", "4", "--set", "data
          "--set", "model.args.filters=[4,8,16]", "--set", "data.num_workers=0", "--set", "examples=0"]
 
 
-def _train(data: Path, out: Path) -> subprocess.CompletedProcess:
+def _train(data: Path, out: Path, *more: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fastvision", "train", "unet2d-microscopy", "--data", str(data),
-                           "--out", str(out), *TRAIN], capture_output=True, text=True, timeout=300)
+                           "--out", str(out), *TRAIN, *more], capture_output=True, text=True, timeout=300)
 
 
 def test_train_on_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tiny_microscopy, small_tmpfs):
@@ -99,10 +99,13 @@ def test_train_on_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tiny_mic
     assert not [p for p in out.rglob("*.tmp")]
 
 
-def test_train_whose_log_cannot_be_written_names_the_log(tiny_microscopy, small_tmpfs):
-    """One page: the config is written, the first metrics.jsonl line is not (a plain append, not atomic_write)."""
-    out = small_tmpfs("4k") / "run"
-    r = _train(tiny_microscopy, out)
+@pytest.mark.parametrize("size", ["4k", "8k"])
+def test_train_whose_log_cannot_be_written_names_the_log(tiny_microscopy, small_tmpfs, size):
+    """One page: the config is written, the first metrics.jsonl line is not (a plain append, not atomic_write).
+    Two: the log fills its page, and a later line is written in part, its rest left in the file's buffer: closing
+    the log tried to flush that rest and raised a nameless ENOSPC over the first ('a file: No space left')."""
+    out = small_tmpfs(size) / "run"
+    r = _train(tiny_microscopy, out, "--batch-size", "1", "--set", "train.log_every=1")  # lines before a checkpoint
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == (f"fastvision: error: {out / 'metrics.jsonl'}: "
                                                  f"{os.strerror(errno.ENOSPC)}"), r.stderr
