@@ -231,15 +231,18 @@ class ClassificationTask(Task):
 
 
 class ClassEvaluator(Evaluator):
-    """Sums: [top-1 hits, top-5 hits, count, loss * count] (+ two AUC score histograms). ``top5`` is
-    reported only with more than 5 classes (timm's reads 1 with 5 or fewer).
+    """Sums: [top-1 hits, top-5 hits, count, loss * weight, weight] (+ two AUC score histograms), the
+    weight of a batch its count, or with ``loss.args.weight`` its labels' class weights: ``val_loss`` is then
+    the weighted mean over the whole set, as torch's over all of it (not a mean of batch means, which
+    moved with the validation batch size). ``top5`` is reported only with more than 5 classes (timm's
+    reads 1 with 5 or fewer).
 
     The sums live on the device of the first batch, so updates never copy to the host.
     """
 
     def __init__(self, task: ClassificationTask):
         self.task = task
-        self._size = 4 + (2 * AUC_BINS if task.auc else 0)
+        self._size = 5 + (2 * AUC_BINS if task.auc else 0)
         self.sums = torch.zeros(self._size, dtype=torch.float64)
 
     def update(self, outputs: Tensor, batch: dict[str, Any]) -> None:
@@ -249,24 +252,25 @@ class ClassEvaluator(Evaluator):
         n = label.shape[0]
         hits = topk_correct(outputs, label, (1, 5)).double()
         loss = self.task.loss_fn(outputs.float(), label).detach().double()
-        head = torch.stack([hits[0], hits[1], loss.new_tensor(float(n)), loss * n])
-        self.sums[:4] += head
+        weight = getattr(self.task.loss_fn, "weight", None)  # a weighted mean divides by its labels' weights
+        w = weight.double()[label].sum() if weight is not None else loss.new_tensor(float(n))
+        self.sums[:5] += torch.stack([hits[0], hits[1], loss.new_tensor(float(n)), loss * w, w])
         if self.task.auc:  # binned on the logit: a confident model's probabilities crowd into 0.999-1
             out = outputs.float()
             logit = out[:, 1] - torch.logsumexp(torch.cat([out[:, :1], out[:, 2:]], 1), 1)  # of softmax[:, 1]
             bins = ((logit.nan_to_num(0.0) + AUC_LOGIT) * (AUC_BINS / (2 * AUC_LOGIT))).clamp_(0, AUC_BINS - 1).long()
             bins += AUC_BINS * (label == 1).long()
-            self.sums[4:] += torch.bincount(bins, minlength=2 * AUC_BINS).double()
+            self.sums[5:] += torch.bincount(bins, minlength=2 * AUC_BINS).double()
 
     def compute(self) -> dict[str, float]:
         s = self.sums.cpu()
         n = float(s[2])
         out = {"top1": float(s[0]) / n if n else float("nan"), "top5": float(s[1]) / n if n else float("nan"),
-               "val_loss": float(s[3]) / n if n else float("nan")}
+               "val_loss": float(s[3]) / float(s[4]) if n else float("nan")}
         if self.task.num_classes <= 5:  # every label is among the 5 best: top-5 would always read 1
             del out["top5"]
         if self.task.auc:
-            out["auc"] = histogram_auc(s[4:4 + AUC_BINS].numpy(), s[4 + AUC_BINS:].numpy())
+            out["auc"] = histogram_auc(s[5:5 + AUC_BINS].numpy(), s[5 + AUC_BINS:].numpy())
         return out
 
 

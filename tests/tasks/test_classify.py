@@ -42,6 +42,23 @@ def test_label_smoothing_loss_equals_torch():
     torch.testing.assert_close(got, F.cross_entropy(logits, label, label_smoothing=0.1))
 
 
+@pytest.mark.parametrize("weight", [None, [1.0, 4.0, 0.5]])
+def test_val_loss_is_the_loss_over_the_whole_set_in_any_batches(weight):
+    """val_loss of a set cut into batches of different class mixes equals torch's loss over the whole set
+    at once; with loss.args.weight it was a mean of batch means (the batch's count times its weighted mean),
+    which moved with the validation batch size."""
+    torch.manual_seed(0)
+    logits, label = torch.randn(10, 3), torch.tensor([0, 0, 0, 1, 2, 1, 1, 1, 2, 0])
+    task = ClassificationTask(num_classes=3, loss=CrossEntropyLoss(weight=weight, label_smoothing=0.1))
+    ev = task.evaluator()
+    for lo, hi in ((0, 3), (3, 4), (4, 10)):
+        ev.update(logits[lo:hi], {"label": label[lo:hi]})
+    w = None if weight is None else torch.tensor(weight)
+    whole = F.cross_entropy(logits.double(), label, weight=None if w is None else w.double(), label_smoothing=0.1)
+    assert ev.compute()["val_loss"] == pytest.approx(float(whole), rel=1e-6)  # the loss is float32
+    assert ev.compute()["top1"] == float((logits.argmax(1) == label).double().mean())
+
+
 def test_mixup_loss_is_mixture_of_ces():
     torch.manual_seed(0)
     task = _task(num_classes=4, mixup=0.2)
