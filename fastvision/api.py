@@ -85,9 +85,10 @@ def prepare_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
 def _choose_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tuple[Path, Path | None]:
     if resume and resume != "auto":
         ckpt = Path(resume)
-        if ckpt.is_dir():  # a run folder: the two ways that say what to continue
-            raise DataError(f"--resume {ckpt}: a folder, not a checkpoint file; continue that run with --out {ckpt} "
-                            f"--resume auto, or pass --resume {ckpt / 'checkpoints' / 'last.pt'}")
+        if ckpt.is_dir():  # a run folder, or its checkpoints/: the two ways that say what to continue
+            run = ckpt.parent if ckpt.name == "checkpoints" and not (ckpt / "checkpoints").is_dir() else ckpt
+            raise DataError(f"--resume {ckpt}: a folder, not a checkpoint file; continue that run with --out {run} "
+                            f"--resume auto, or pass --resume {run / 'checkpoints' / 'last.pt'}")
         if not ckpt.is_file():
             raise DataError(f"--resume: checkpoint not found: {ckpt}")
         run_dir = Path(out) if out else ckpt.resolve().parent.parent

@@ -77,15 +77,17 @@ def test_resuming_another_recipes_run_is_one_line_and_leaves_it_as_it_was(runs, 
     assert _files(runs["cls"]) == before
 
 
-@pytest.mark.parametrize("kind", ["weights", "folder"])
+@pytest.mark.parametrize("kind", ["weights", "folder", "checkpoints"])
 def test_resume_from_weights_alone_or_a_run_folder_is_one_line(runs, kind, tmp_path, capsys):
-    """A checkpoint without optimizer state was a KeyError traceback; a run folder was "checkpoint not found"."""
+    """A checkpoint without optimizer state was a KeyError traceback; a run folder was "checkpoint not found";
+    its checkpoints/ folder was told to continue with --out RUN/checkpoints (RUN/checkpoints/checkpoints/last.pt)."""
     if kind == "weights":
         resume, words = tmp_path / "weights.pt", ["not a training checkpoint to resume", "no optimizer"]
         saved = torch.load(runs["seg"] / "checkpoints" / "best.pt", weights_only=True)
         torch.save({"model": saved["model"], "config": saved["config"]}, resume)
     else:
-        resume, words = runs["seg"], [f"--out {runs['seg']} --resume auto", runs["seg"] / "checkpoints" / "last.pt"]
+        resume = runs["seg"] / ("checkpoints" if kind == "checkpoints" else "")
+        words = [f"--out {runs['seg']} --resume auto", f"--resume {runs['seg'] / 'checkpoints' / 'last.pt'}"]
     code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", runs["micro"], "--out", tmp_path / "r",
                            "--resume", resume, *SEG)
     one_line_error(code, err, resume, *words)
