@@ -326,7 +326,7 @@ def inspect_coco(path: Path) -> dict[str, Any]:
 def inspect_decathlon(path: Path) -> dict[str, Any]:
     import nibabel as nib
 
-    from fastvision.data.formats.anomalies import channel_mismatches
+    from fastvision.data.formats.anomalies import channel_mismatches, nifti_complete
     from fastvision.data.formats.decathlon import modality_names, read_dataset_json, task01_label_map
     from fastvision.data.spatial3d import label_off_grid
 
@@ -340,6 +340,7 @@ def inspect_decathlon(path: Path) -> dict[str, Any]:
     for case in ds["training"]:  # every case's headers; label voxels of the first 10 readable ones
         try:
             img, label = (nib.load(str(p)) for p in (case["image"][0], case["label"]))
+            nifti_complete(Path(case["image"][0]), img) or nifti_complete(Path(case["label"]), label)  # truncated?
             if read < 10:
                 values, counts = np.unique(np.asarray(label.dataobj), return_counts=True)
         except Exception as e:  # noqa: BLE001  (any nibabel failure: the file is not a usable NIfTI)
@@ -381,19 +382,19 @@ def _looks_brats(path: Path) -> bool:
 def inspect_brats(path: Path) -> dict[str, Any]:
     import nibabel as nib
 
-    from fastvision.data.formats.anomalies import case_grid_problems
+    from fastvision.data.formats.anomalies import case_grid_problems, unreadable_files
     from fastvision.data.formats.brats_layouts import detect, scan_labels
 
     layout = detect(path)
     labelled = [c for c in layout.cases if c["label"] is not None]
     shapes = Counter(str(nib.load(str(c["image"][0])).shape) for c in labelled[:10])
     unusable = {NONFINITE_FILES: [b for c in labelled for b in nifti_nonfinite([*c["image"], c["label"]], path)]}
+    unusable["unreadable NIfTI files (truncated or damaged)"] = unreadable_files(labelled, path)
     unusable["cases whose modality files are not one 4-channel image (headers)"] = case_grid_problems(labelled, 4, path)
     values, found = scan_labels(labelled[:10], layout, path)  # training stops at them (preprocess3d)
     unusable.update(found["unusable"])
-    layout.anomalies.update(found["anomalies"])
     return {"detected": f"BraTS {layout.year} ({layout.name})", "cases": len(layout.cases),
             "labelled cases": len(labelled), "label convention": layout.convention(),
             "shapes (first 10)": dict(shapes), "label values (first 10)": sorted(int(v) for v in values),
-            "anomalies": anomaly_rows({**unusable, **layout.anomalies}),
+            "anomalies": anomaly_rows({**unusable, **layout.anomalies, **found["anomalies"]}),
             "unusable": {k: len(v) for k, v in unusable.items() if v}}

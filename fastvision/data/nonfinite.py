@@ -85,9 +85,11 @@ def nifti_nonfinite(files: Sequence[Path], root: Path) -> list[str]:
 
     out = []
     for f in files:
-        img = nib.load(str(f))
-        if img.get_data_dtype().kind in "fc":
-            n = count_nonfinite(np.asarray(img.dataobj))
-            if n:
-                out.append(f"{Path(f).relative_to(root) if Path(f).is_relative_to(root) else f} ({n})")
+        try:
+            img = nib.load(str(f))
+            n = count_nonfinite(np.asarray(img.dataobj)) if img.get_data_dtype().kind in "fc" else 0
+        except Exception:  # noqa: BLE001  (a truncated or damaged file: the unreadable check names it)
+            continue
+        if n:
+            out.append(f"{Path(f).relative_to(root) if Path(f).is_relative_to(root) else f} ({n})")
     return out

@@ -92,6 +92,48 @@ def nifti_header(path: Path) -> None:
     img = nib.load(str(path))
     if not all(int(n) > 0 for n in img.shape):
         raise ValueError(f"empty image {img.shape}")
+    nifti_complete(Path(path), img)
+
+
+def unreadable_files(cases: Sequence[dict[str, Any]], root: Path) -> list[str]:
+    """``["HGG/x/x_t1.nii.gz: file ends early ...", ...]``: the cases' image and label files that
+    :func:`nifti_header` refuses."""
+    out = []
+    for f in (f for c in cases for f in (*c["image"], c["label"]) if f is not None):
+        try:
+            nifti_header(Path(f))
+        except Exception as e:  # noqa: BLE001  (any nibabel failure: the file is not a usable NIfTI)
+            out.append(f"{Path(f).relative_to(root)}: {str(e).splitlines()[0][:120]}")
+    return out
+
+
+def nifti_complete(path: Path, img: Any) -> None:
+    """Raise if the voxel data of the NIfTI file ``path`` (``img``, loaded) ends early, e.g. a truncated
+    download: a ``.nii`` shorter than its header's data, a ``.nii.gz`` whose gzip trailer does not give the
+    size the header implies and whose stream does not decompress to it. Reads the last bytes of the file
+    (a full decompression only where the trailer disagrees, such as a multi-member gzip)."""
+    import gzip
+    import zlib
+
+    if not path.name.lower().endswith((".nii", ".nii.gz")):
+        return
+    offset = getattr(img.dataobj, "offset", None) or int(img.header.get_data_offset())  # vox_offset 0: after the header
+    want = int(offset) + int(np.prod(img.shape)) * img.get_data_dtype().itemsize
+    if path.name.lower().endswith(".nii"):
+        if path.stat().st_size < want:
+            raise ValueError(f"file ends early: {path.stat().st_size} bytes, its header needs {want}")
+        return
+    with open(path, "rb") as f:
+        f.seek(-4, 2)
+        if int.from_bytes(f.read(4), "little") == want % 2**32:
+            return
+    try:
+        with gzip.open(path, "rb") as g:
+            got = sum(len(b) for b in iter(lambda: g.read(1 << 24), b""))
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"compressed data ends early or is damaged ({e})") from None
+    if got < want:
+        raise ValueError(f"file ends early: {got} bytes decompressed, its header needs {want}")
 
 
 def image_channels(path: str | Path) -> int | None:

@@ -166,6 +166,8 @@ def scan_labels(cases: list[dict[str, Any]], layout: Layout, root: Path) -> tupl
         except DataError:
             fractions.append(name)
             continue
+        except Exception:  # noqa: BLE001  (a truncated or damaged file: listed as unreadable)
+            continue
         values |= found
         if max(dict(layout.label_map).get(v, v) for v in found) > 3:
             past.append(name)
