@@ -377,7 +377,7 @@ def predict_volumes(model: str | Path, inputs: Sequence[str], out: str | Path, *
         log.warning("--tta: %s trains without flips (data.augment.flip), so nothing is mirrored", run.cfg.recipe)
     steps = _postprocess_steps(postprocess_mode, run.task, pp_file)
     files = expand_inputs(list(inputs))
-    check_input_kind(files, run.cfg.data.name, f"{path} ({run.cfg.recipe})")  # not BraTS advice for a 2-D run
+    check_input_kind(files, run.cfg.data.name, f"{path} ({run.cfg.recipe})", is_folds_dir(path))  # 2-D: not BraTS
     cases = prediction_cases(files, getattr(run.task, "channel_files", None), input_channels(run.model))
     check_cases(cases, input_channels(run.model))
     check_not_inputs(cases, Path(out))

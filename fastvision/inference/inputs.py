@@ -48,15 +48,19 @@ def image_tree(folder: Path) -> list[Path]:
 VOLUME_DATA = ("decathlon", "brats")
 
 
-def check_input_kind(files: list[Path], data_name: str, run: str) -> None:
+def check_input_kind(files: list[Path], data_name: str, run: str, folds: bool = False) -> None:
     """Before anything is written: each input is what the run predicts (NIfTI volumes or case folders for a
     3-D run, image files for a 2-D one), so a classifier given volumes is not told about BraTS cases, and a
     3-D run given a PNG is no traceback of the sliding window.
 
     Raises:
-        DataError: naming the first input of the other kind and the run.
+        DataError: naming the first input of the other kind and the run, or the run where ``folds`` (a
+            ``train --folds`` folder) is a 2-D run's.
     """
     three_d = data_name in VOLUME_DATA
+    if folds and not three_d:  # (it said 'expected a NIfTI file' of the first image)
+        raise DataError(f"{run}: a train --folds folder of a 2-D run (data.name={data_name}); the folds' ensemble "
+                        "predicts 3-D volumes: predict with one fold's run (its fold-0/, say)")
     for f in files:
         volume = f.is_dir() or f.name.endswith((".nii", ".nii.gz"))
         if volume and not three_d:

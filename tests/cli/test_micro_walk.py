@@ -135,6 +135,10 @@ def test_microscopy_folds_split_every_stem_once_and_train_folds_runs(tiny_micros
     assert code == 0, err
     cases = json.loads((tmp_path / "cv" / "crossval.json").read_text())["cases"]
     assert sorted(c["id"] for c in cases) == sorted(want) and {c["fold"] for c in cases} == {1}
+    # the folds' ensemble is 3-D: a 2-D folds folder to predict said 'expected a NIfTI file' of the first image
+    code, _, err = run_cli(capsys, "predict", tmp_path / "cv", tiny_microscopy / "images", "--out", tmp_path / "p")
+    one_line_error(code, err, "a train --folds folder of a 2-D run", "fold-0")
+    assert not (tmp_path / "p").exists()
     (tmp_path / "t.txt").write_text(stems[0])
     code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", tiny_microscopy, "--folds", "all",
                            "--out", tmp_path / "cv2", "--set", f"data.args.train_list={tmp_path / 't.txt'}",
