@@ -4,7 +4,8 @@ Batches arrive as uint8 ``(B, 3, H, W)``: a quarter of float32's bytes on the ho
 link. ``to_device`` turns them into float in [0, 1] on the device (what the batched colour jitter
 of :mod:`fastvision.data.augment.spatial` expects); ``forward`` normalises with the seed-004 mean/std
 (DALI's CropMirrorNormalize values, in 0-255 units). MixUp (seed 004's 250-epoch recipe) mixes
-each sample with the batch reversed, with a per-sample Beta(a, a) weight drawn on the device.
+the batch with a random permutation of itself under one Beta(a, a) weight per batch, as DLE's
+``mixup.py`` does; weight and permutation are drawn on the device from the augmentation generator.
 
 Metrics are sums (top-k hits, count, loss, and for binary tasks score histograms giving AUC), so
 one all-reduce gives exact whole-set values across ranks.
@@ -154,12 +155,13 @@ class ClassificationTask(Task):
             keyed = {} if SAMPLE_KEY not in batch else {"keys": batch[SAMPLE_KEY]}  # train.augment_rng: sample
             image, _ = self.augment_fn(image, None, generator, **keyed)
         out = {**batch, "image": image}
-        if self.mixup > 0:
-            lam = beta_symmetric(image.shape[0], self.mixup, generator, image.device)
-            w = lam.view(-1, 1, 1, 1).to(image.dtype)
-            out["image"] = w * image + (1 - w) * image.flip(0)
+        if self.mixup > 0:  # DLE: c = Beta(a, a) once, perm = randperm(B); x' = c x + (1 - c) x[perm]
+            lam = beta_symmetric(1, self.mixup, generator, image.device)
+            perm = torch.randperm(image.shape[0], generator=generator, device=image.device)
+            w = lam.view(1, 1, 1, 1).to(image.dtype)
+            out["image"] = w * image + (1 - w) * image[perm]
             onehot = nn.functional.one_hot(batch["label"], self.num_classes).float()
-            out["soft_label"] = lam.view(-1, 1) * onehot + (1 - lam.view(-1, 1)) * onehot.flip(0)
+            out["soft_label"] = lam.view(1, 1) * onehot + (1 - lam.view(1, 1)) * onehot[perm]
         return out
 
     # -- model ---------------------------------------------------------------------

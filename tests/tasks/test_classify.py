@@ -60,18 +60,27 @@ def test_val_loss_is_the_loss_over_the_whole_set_in_any_batches(weight):
 
 
 def test_mixup_loss_is_mixture_of_ces():
+    """DLE's mixup.py: one Beta(a, a) weight c per batch and a random permutation; x' = c x + (1 - c) x[perm],
+    the one-hot targets mixed alike. The weight and the partners are read back from the soft labels."""
     torch.manual_seed(0)
-    task = _task(num_classes=4, mixup=0.2)
-    batch = {"image": torch.rand(4, 3, 8, 8), "label": torch.tensor([0, 1, 2, 3])}  # partners differ
+    task = _task(num_classes=8, mixup=0.2)
+    batch = {"image": torch.rand(8, 3, 8, 8), "label": torch.arange(8)}  # one class per image
     out = task.augment(batch, torch.Generator().manual_seed(3))
-    lam = out["soft_label"].gather(1, batch["label"].view(-1, 1)).squeeze(1)
-    partner = batch["label"].flip(0)
+    soft = out["soft_label"]
+    lam = soft.gather(1, batch["label"].view(-1, 1)).squeeze(1)
+    partner = torch.where(soft.diagonal() < 1, (soft - torch.diag(soft.diagonal())).argmax(1), batch["label"])
+    assert sorted(partner.tolist()) == list(range(8))  # a permutation
+    assert not torch.equal(partner, batch["label"].flip(0))  # not the reversed batch of before
+    one = lam[partner != batch["label"]]
+    torch.testing.assert_close(one, one[:1].expand_as(one))  # one weight for the batch
     w = lam.view(-1, 1, 1, 1)
-    torch.testing.assert_close(out["image"], w * batch["image"] + (1 - w) * batch["image"].flip(0))
-    logits = torch.randn(4, 4)
+    torch.testing.assert_close(out["image"], w * batch["image"] + (1 - w) * batch["image"][partner])
+    out2 = task.augment(batch, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(out2["image"], out["image"], rtol=0, atol=0)  # the generator decides
+    logits = torch.randn(8, 8)
     ref = torch.stack([lam[i] * F.cross_entropy(logits[i:i + 1], batch["label"][i:i + 1], label_smoothing=0.1)
                        + (1 - lam[i]) * F.cross_entropy(logits[i:i + 1], partner[i:i + 1], label_smoothing=0.1)
-                       for i in range(4)]).mean()
+                       for i in range(8)]).mean()
     torch.testing.assert_close(task.loss(logits, out), ref)
 
 
