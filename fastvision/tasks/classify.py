@@ -194,6 +194,7 @@ class ClassificationTask(Task):
         from fastvision.data.formats.heatmap import check_slides, slide_heatmap, write_heatmap
         from fastvision.data.formats.imagefolder import load_crop
         from fastvision.inference.inputs import check_unique_names
+        from fastvision.tasks.detect import check_images
         from fastvision.utils.files import atomic_write
 
         model.eval()
@@ -209,6 +210,8 @@ class ClassificationTask(Task):
         check_unique_names(slides, "{0}_heatmap.tif")  # the slides' heat maps, before any is written
         level = int(args.get("level", 0))  # slides are read at the level the model trained at
         downsample = check_slides(slides, self.heatmap_patch, level)  # each holds a patch: no half-written --out
+        # every image decodes to its end, before the first: a truncated JPEG after them dropped the rows predicted
+        check_images([f for f in files if f not in downsample])
         written, rows = [], []
         for f in files:
             if self.heatmap_patch and f.suffix.lower() in (".tif", ".tiff"):

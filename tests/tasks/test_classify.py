@@ -493,3 +493,33 @@ def test_mean_and_std_outside_0_255_units_are_one_line(kw, needle):
     with pytest.raises(ConfigError, match=needle):
         _task(num_classes=3, **kw)
     assert _task(num_classes=3, mean=[128.0, 128.0, 128.0], std=[64.0, 64.0, 64.0]).num_classes == 3
+
+
+def test_predict_with_a_truncated_image_after_good_ones_is_one_line_before_any_work(tmp_path):
+    # the rows of the images before it were computed, then dropped (predictions.csv is written at the end);
+    # every input is now checked to decode before the first, as detection's predict does
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from fastvision.errors import DataError
+
+    rng = np.random.default_rng(0)
+    files = []
+    for name in ("a.jpg", "b.jpg"):
+        Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(tmp_path / name)
+        files.append(tmp_path / name)
+    cut = files[1].read_bytes()
+    files[1].write_bytes(cut[: len(cut) * 3 // 4])
+    task = _task(num_classes=2, image_size=32)
+    calls = []
+    model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 2))
+    model.register_forward_hook(lambda *a: calls.append(1))
+    cfg = SimpleNamespace(data=SimpleNamespace(args={"image_size": 32}))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(DataError, match=r"cannot read image .*b\.jpg: .*nothing was written"):
+        task.predict_files(model, files, out, cfg, torch.device("cpu"))
+    assert calls == [] and list(out.iterdir()) == []  # no image predicted, none written
+    written = task.predict_files(model, files[:1], out, cfg, torch.device("cpu"))
+    assert [p.name for p in written] == ["predictions.csv"] and len(calls) == 1
