@@ -327,3 +327,26 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: Path
                   f"{tuple(mine[shapes[0]].shape)} in the model)") if shapes else ""]
         why = "; ".join(p for p in parts if p) or str(e).strip().splitlines()[-1].strip()[:200]
         raise DataError(f"{path}: its weights do not fit the model{f' ({what})' if what else ''}: {why}") from e
+
+
+def resume_data(cfg: Any, run_dir: Path, flat: dict[str, Any] | None, extra: Sequence[dict[str, Any]]) -> None:
+    """A resumed run reads the data it was trained on: unless the flat options (``--data``) or an override
+    (``--set data.args.path``) name a path, ``cfg``'s data path becomes the one in ``run_dir/config.yaml``.
+    Before, a resume without ``--data`` read the recipe's default folder, and trained on it where its
+    classes matched."""
+    import yaml
+
+    def names_path(d: dict[str, Any]) -> bool:
+        args = d["data"].get("args") if isinstance(d.get("data"), dict) else None
+        return isinstance(args, dict) and "path" in args
+
+    given = "data" in (flat or {}) or any(names_path(d) for d in extra)
+    if given or not isinstance(cfg.data.args, dict):
+        return
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["args"]["path"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return
+    if isinstance(saved, str) and saved != cfg.data.args.get("path"):
+        log.info("resuming on the run's data, %s (from its config.yaml; --data trains on other data)", saved)
+        cfg.data.args["path"] = saved

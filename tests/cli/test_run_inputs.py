@@ -184,3 +184,23 @@ def test_a_bad_image_part_way_says_what_is_written_and_how_to_go_on(runs, tmp_pa
                            "--device", "cpu")
     one_line_error(code, err, str(inputs / "b.png"), "cannot read image", f"are in {tmp_path / 'o'}", "--force")
     assert (tmp_path / "o" / "a_mask.png").is_file()
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_resume_without_data_continues_on_the_runs_data(runs, given, tmp_path, capsys):
+    """``train unet2d-microscopy --out RUN --resume auto`` without ``--data`` trained on the recipe's default
+    data (the built-in sample), not the run's; ``--data`` still names other data."""
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "seg"
+    shutil.copytree(runs["seg"], run)
+    other = tmp_path / "other"
+    shutil.copytree(runs["micro"], other)
+    args = ["--epochs", "2", *SEG[2:]] + (["--data", other] if given else [])
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--out", run, "--resume", "auto", *args)
+    assert code == 0, err
+    saved = yaml.safe_load((run / "config.yaml").read_text())["data"]["args"]["path"]
+    assert saved == str(other if given else runs["micro"])
+    assert json.loads((run / "summary.json").read_text())["epochs"] == 2  # the second epoch trained
