@@ -89,8 +89,8 @@ def _choose_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
             run = ckpt.parent if ckpt.name == "checkpoints" and not (ckpt / "checkpoints").is_dir() else ckpt
             raise DataError(f"--resume {ckpt}: a folder, not a checkpoint file; continue that run with --out {run} "
                             f"--resume auto, or pass --resume {run / 'checkpoints' / 'last.pt'}")
-        if not ckpt.is_file():
-            raise DataError(f"--resume: checkpoint not found: {ckpt}")
+        if not ckpt.is_file():  # a misspelt 'auto' too ('aut', 'Auto'): say the word
+            raise DataError(f"--resume: checkpoint not found: {ckpt} (--resume auto continues the newest run)")
         run_dir = Path(out) if out else ckpt.resolve().parent.parent
         return run_dir, ckpt
     if out:

@@ -204,3 +204,11 @@ def test_resume_without_data_continues_on_the_runs_data(runs, given, tmp_path, c
     saved = yaml.safe_load((run / "config.yaml").read_text())["data"]["args"]["path"]
     assert saved == str(other if given else runs["micro"])
     assert json.loads((run / "summary.json").read_text())["epochs"] == 2  # the second epoch trained
+
+
+def test_a_misspelt_resume_auto_names_the_word(runs, tmp_path, monkeypatch, capsys):
+    """``--resume aut`` said 'checkpoint not found: aut' and no more."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--data", runs["micro"], "--resume", "aut", *SEG)
+    one_line_error(code, err, "checkpoint not found: aut", "--resume auto")
+    assert not (tmp_path / "runs").exists()
