@@ -1,6 +1,7 @@
 """Parameter groups, SGD/Adam/AdamW/Novograd, and the recipe's linear LR scaling."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -9,6 +10,8 @@ from torch.optim import Optimizer
 
 from fastvision.config import OptimConfig
 from fastvision.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
 
@@ -63,16 +66,16 @@ def _impl_kwargs(impl: str, device: torch.device) -> dict:
 
 
 def _check_read(cfg: OptimConfig) -> None:
-    """A setting the chosen optimizer does not read is one line naming the key (it was ignored): momentum and
-    nesterov are SGD's (Adam's and Novograd's momentum is ``optim.betas[0]``, as MONAI's Novograd takes it);
-    ``optim.impl`` fused / foreach are torch's SGD / Adam / AdamW kernels, Novograd is one loop over the tensors."""
-    defaults = OptimConfig()
-    if cfg.name != "sgd":
-        for key in ("momentum", "nesterov"):
-            if getattr(cfg, key) != getattr(defaults, key):
-                raise ConfigError(f"optim.{key} {getattr(cfg, key)}: read by optim.name sgd alone; {cfg.name}'s "
-                                  f"momentum is optim.betas[0] (now {cfg.betas[0]}): drop optim.{key} from the recipe "
-                                  f"or set it to {getattr(defaults, key)}")
+    """A setting the chosen optimizer does not read (it was ignored without a word): momentum and nesterov
+    are SGD's (Adam's and Novograd's momentum is ``optim.betas[0]``, as MONAI's Novograd takes it), one
+    warning on rank 0, since ``--set optim.name=adam`` on an SGD recipe inherits its momentum; ``optim.impl``
+    fused / foreach, torch's SGD / Adam / AdamW kernels, is one line with Novograd, one loop over the tensors."""
+    base = OptimConfig()
+    unread = [f"optim.{k} {getattr(cfg, k)}" for k in ("momentum", "nesterov") if getattr(cfg, k) != getattr(base, k)]
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if cfg.name != "sgd" and unread and first:
+        log.warning("%s: read by optim.name sgd alone, not %s, whose momentum is optim.betas[0] (now %s)",
+                    " and ".join(unread), cfg.name, cfg.betas[0])
     if cfg.name == "novograd" and cfg.impl not in ("auto", "loop"):
         raise ConfigError(f"optim.impl {cfg.impl}: novograd has one implementation, a loop over the tensors (auto or "
                           "loop); fused and foreach are torch's sgd / adam / adamw kernels")
