@@ -122,9 +122,10 @@ def _check_reader_folds(cfg) -> None:
     import fastvision.data.formats  # noqa: F401  (registers the readers)
     from fastvision.registry import DATASETS
 
-    if "fold" not in inspect.signature(DATASETS.get(cfg.data.name)).parameters:
+    have = [n for n in DATASETS.names() if "fold" in inspect.signature(DATASETS.get(n)).parameters]
+    if cfg.data.name not in have:
         raise ConfigError(f"data.name={cfg.data.name}: its reader has no folds (data.args.fold); --folds needs "
-                          "one that splits by fold (decathlon, brats)")
+                          f"one that splits by fold ({', '.join(have)})")
 
 
 def train_folds(recipe: str, out: str, spec: str, overrides: dict[str, Any] | None = None,

@@ -140,9 +140,10 @@ def test_bad_folds_spec(spleen_folds, tmp_path, capsys, spec, error):
 
 
 def test_reader_without_folds_refused(tmp_path, capsys):
-    err = _error(capsys, ["train", "unet2d-microscopy", "--folds", "all", "--out", str(tmp_path / "x"),
+    err = _error(capsys, ["train", "resnet18-imagefolder", "--folds", "all", "--out", str(tmp_path / "x"),
                           "--device", "cpu"])
-    assert "data.name=microscopy" in err and "no folds" in err and not (tmp_path / "x").exists()
+    assert "data.name=imagefolder" in err and "no folds" in err and not (tmp_path / "x").exists()
+    assert all(name in err for name in ("decathlon", "brats", "microscopy"))  # the readers that have them
 
 
 def test_out_that_is_another_folder_refused(spleen_folds, tmp_path, capsys):
