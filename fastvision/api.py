@@ -100,8 +100,7 @@ def _choose_run_dir(recipe_name: str, out: str | None, resume: str | None) -> tu
             if resume == "auto" and found:
                 return run_dir, found
             if not found and _only_run_files(run_dir):
-                # an earlier attempt stopped before its first checkpoint (a setting it refused, a
-                # torchrun / Kubernetes restart): start afresh in the same folder, nothing to lose
+                # an earlier attempt stopped before its first checkpoint (a torchrun restart): start afresh here
                 log.info("%s holds no checkpoint yet (an attempt that stopped early): starting from scratch", run_dir)
                 old = run_dir / "metrics.jsonl"
                 if old.exists():
@@ -190,7 +189,7 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
             summary = fit(cfg, run_dir, resume=ckpt, progress=progress)
         except Exception as e:  # a user error here, or on another rank (this rank's collective then broke)
             if fresh and not isinstance(e, Preempted) and (isinstance(e, FastvisionError) or peer_lost(e)):
-                _remove_unstarted(run_dir, made)
+                _remove_unstarted(run_dir, made, restarts=not isinstance(e, FastvisionError))
             raise
         if env.is_main:  # atomic: a reader (cv, benchmark --mode target, a rerun) never sees half of it
             text = json.dumps(summary, indent=2, default=str).encode()
@@ -207,14 +206,15 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
     return summary
 
 
-def _remove_unstarted(run_dir: Path, made: bool) -> None:
-    """What a run that stopped on a user error before its first checkpoint wrote in a folder that was
-    new or empty (a mask or image refused when first read, as a colour mask or a page stack is): removed,
-    so a refused run leaves no half-made ``runs/<recipe>-<time>/`` behind; the folder itself too where
-    this run ``made`` it."""
+def _remove_unstarted(run_dir: Path, made: bool, restarts: bool = False) -> None:
+    """What a run stopped by a user error before its first checkpoint wrote in a new or empty folder (a mask
+    refused when first read): removed, and the folder where this run ``made`` it; kept for a lost peer
+    (``restarts``) under a torchrun with --max-restarts, whose next attempt starts afresh in it."""
+    import os
     import shutil
 
-    if not run_dir.is_dir() or not _only_run_files(run_dir):
+    elastic = restarts and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0
+    if elastic or not run_dir.is_dir() or not _only_run_files(run_dir):
         return
     if made:
         shutil.rmtree(run_dir, ignore_errors=True)
