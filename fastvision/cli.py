@@ -133,6 +133,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from fastvision.inference.folds import is_folds_dir, predict_volumes
 
     distributed.check_nproc(args.nproc if distributed.outer_launcher(args.nproc) == "single" else 1, args.device)
+    if args.tta_axes is not None and not args.tta_axes.strip(" ,"):  # '' predicted without mirroring, silently
+        raise ConfigError(f"--tta-axes {args.tta_axes!r}: names no axis; give them (e.g. 0,1,2) or use --tta")
     volume_flags = bool(args.folds or args.tta or args.tta_axes or args.nproc > 1 or args.postprocess != "auto")
     try:
         volumes = is_folds_dir(args.checkpoint) or is_volume_input(expand_inputs(args.inputs))

@@ -335,3 +335,13 @@ def test_out_that_is_the_input_folder_is_refused_even_with_force(spleen_folds, t
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "is an input" in err and str(folder.resolve()) in err
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # the images were replaced by labels
+
+
+@pytest.mark.parametrize("axes", ["", ","])
+def test_tta_axes_naming_no_axis_is_one_line(spleen_folds, tmp_path, capsys, axes):
+    """``--tta-axes ''`` (a script's empty variable) predicted without mirroring, as if it were not given."""
+    data, out, _ = spleen_folds
+    image = sorted((data / "imagesTs").glob("*.nii.gz"))[0]
+    assert cli.main(["predict", str(out), str(image), "--out", str(tmp_path / "p"), "--tta-axes", axes]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--tta-axes {axes!r}: names no axis" in err[0] and not (tmp_path / "p").exists()
