@@ -50,6 +50,7 @@ from fastvision.data.preprocess3d import (
     orientation_to_ras,
     reorient,
     spacing_of,
+    whole_labels,
 )
 from fastvision.data.spatial3d import label_onto_image
 from fastvision.errors import DataError
@@ -71,14 +72,12 @@ def _read_ras(path: Path) -> tuple[np.ndarray, np.ndarray]:
 def label_counts(label: np.ndarray, name: str) -> dict[int, int]:
     """Voxels per label value, by ``torch.bincount`` on the stored integer dtype (no int64 copy, no
     sort); a float label (many tools store labels as float32) must hold whole non-negative values
-    and is counted in the smallest unsigned type that holds its maximum."""
+    and is read as training reads it (:func:`~fastvision.data.preprocess3d.whole_labels`: int16 class ids,
+    float noise within 1e-3 of a whole number rounded, a value farther off an error naming the file)."""
     if label.dtype.kind == "b":
         label = label.view(np.uint8)
-    if label.dtype.kind == "f":
-        if not np.isfinite(label).all() or not (np.rint(label) == label).all():
-            raise DataError(f"{name}: label values must be whole numbers (this file stores fractions)")
-        top = float(label.max()) if label.size else 0.0
-        label = label.astype(np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.int32)
+    if label.dtype.kind == "f":  # as training reads it: float noise within 1e-3 rounded, farther (NaN too) an error
+        label = whole_labels(label, name)
     if label.dtype.kind not in "iu":
         raise DataError(f"{name}: label dtype {label.dtype} is not an integer or float type")
     if label.dtype.kind == "i" and label.size and int(label.min()) < 0:

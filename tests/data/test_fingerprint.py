@@ -163,11 +163,19 @@ def test_label_counts_make_no_wide_copy():
     assert peak < lab.nbytes
 
 
-@pytest.mark.parametrize("values,match", [([0.0, 1.5], "whole numbers"), ([0, -1], "negative")])
+@pytest.mark.parametrize("values,match", [([0.0, 1.5], "whole number"), ([0.0, float("nan")], "whole number"),
+                                          ([0, -1], "negative"), ([0.0, -1.0], "negative")])
 def test_label_counts_refuse_bad_values(values, match):
     dtype = np.float32 if isinstance(values[1], float) else np.int16
     with pytest.raises(DataError, match=f"lab.nii.gz: .*{match}"):
         fpm.label_counts(np.asarray(values, dtype), "lab.nii.gz")
+
+
+def test_label_counts_read_float_noise_as_training_does():
+    """configure refused a float label of 1.9999 (float noise of 2) that training rounds to class 2; it counts it
+    as training reads it (whole_labels), 0.9999 as 1, not truncated to 0."""
+    lab = np.asarray([0.0, 1.9999, 2.0001, 0.9999], np.float32)
+    assert fpm.label_counts(lab, "lab.nii.gz") == {0: 1, 1: 1, 2: 2}
 
 
 def test_region_labels_in_dataset_json(tmp_path):
