@@ -67,6 +67,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = config.load(args.recipe, [*overrides_to_dicts(flat), *extra])
         if cfg.train.emulate_workers > 1:  # said here once, not by every worker after the group is made
             raise ConfigError("--emulate-workers runs in one process; do not combine it with --nproc or a launcher")
+        from fastvision.distributed.watchdog import check_timeouts
+
+        check_timeouts(cfg.train.hang_timeout_s, cfg.train.dist_timeout_s)  # before the workers start
         if args.data and "://" not in args.data and not Path(args.data).exists():
             from fastvision.data.formats.base import dataset_folder
 

@@ -221,3 +221,15 @@ def test_nccl_flight_recorder_variables_keep_the_users_and_follow_the_run(monkey
     monkeypatch.setenv(DUMP_FILE[0], "/scratch/traces/rank_")
     point_dumps_at(tmp_path / "c" / "hang")
     assert os.environ[DUMP_FILE[0]] == "/scratch/traces/rank_"
+
+
+def test_nproc_refuses_the_timeouts_before_starting_workers(monkeypatch, tmp_path, capsys):
+    """``train --nproc 2`` with hang_timeout_s >= dist_timeout_s started both workers, which refused it after
+    the process group was made; the launcher refuses it first."""
+    from fastvision import cli, distributed
+
+    monkeypatch.setattr(distributed, "launch_local", lambda *a, **k: pytest.fail("workers started"))
+    code = cli.main(["train", "unet2d-microscopy", "--nproc", "2", "--device", "cpu", "--out", str(tmp_path / "r"),
+                     "--set", "train.hang_timeout_s=100", "--set", "train.dist_timeout_s=50"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "train.hang_timeout_s (100 s)" in err[0] and not (tmp_path / "r").exists()
