@@ -86,9 +86,8 @@ class TrainConfig:
     accum_steps: int = 1
     clip_grad: float | None = None  # max global grad norm
     amp: AmpMode = "off"  # auto: bf16 if native (GPU sm80+), else fp16 + scaling; CPU fp32
-    # fp16's loss scale: "dynamic" (torch's GradScaler: from 65536, x2 after 2000 clean steps) or a number: the
-    # static scale of DLE's --static-loss-scale (starts there, never grows; an overflowed step is still skipped
-    # and halves it). Unused by bf16 and fp32
+    # fp16's loss scale: "dynamic" (torch's GradScaler: from 65536, x2 after 2000 clean steps) or a number, DLE's
+    # --static-loss-scale (never grows; an overflowed step is still skipped and halves it). Unused by bf16, fp32
     loss_scale: float | Literal["dynamic"] = "dynamic"
     tf32: bool = True
     # true == default; auto: compiled, eager after a compile error or when the first steps are slower
@@ -207,8 +206,7 @@ def from_dict(data: dict[str, Any], cls: type = RunConfig, where: str = "") -> A
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
         if key not in names:
-            # Name the whole dotted key the user wrote (an override no.such=1 arrives here as
-            # {"no": {"such": 1}}) and the section it was looked up in.
+            # the whole dotted key the user wrote (no.such=1 arrives as {"no": {"such": 1}}) and its section
             full = _first_leaf(value, path)
             section = f"section {where}" if where else "the top level of the config"
             raise ConfigError(f"unknown key {full}: {section} has no {key!r}{did_you_mean(key, names, where)}; "
@@ -218,8 +216,10 @@ def from_dict(data: dict[str, Any], cls: type = RunConfig, where: str = "") -> A
             kwargs[key] = from_dict(value, hint, path)
         else:
             value = _coerce(value, hint)
-            if not type_ok(value, hint):
-                raise ConfigError(f"{path}: expected {type_name(hint)}, got {value!r}")
+            if not type_ok(value, hint):  # DLE's --data-backend dali-gpu is a decoder here, not a loader
+                dali = path == "data.loader" and "dali" in str(value)
+                raise ConfigError(f"{path}: expected {type_name(hint)}, got {value!r}"
+                                  + ("; DALI decodes with data.args.backend: dali" if dali else ""))
             check_range(path, value)
             kwargs[key] = value
     return cls(**kwargs)

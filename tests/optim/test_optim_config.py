@@ -332,3 +332,11 @@ def test_a_setting_the_optimizer_does_not_read_is_said(name, setting, key, caplo
                            0.1).param_groups[0]["momentum"] == 0.95
     opt = build_optimizer(nn.Linear(2, 2), OptimConfig(name="novograd", betas=[0.95, 0.98], impl="loop"), 0.1)
     assert opt.param_groups[0]["betas"] == (0.95, 0.98)
+
+
+@pytest.mark.parametrize("loader, dali", [("dali", True), ("dali-gpu", True), ("thread", False)])
+def test_a_dali_loader_names_the_decoder_key(loader, dali):
+    """DLE's --data-backend dali-gpu, tried as data.loader: dali, was told only the two loaders."""
+    with pytest.raises(ConfigError, match=rf"^data.loader: expected .*got '{loader}'") as e:
+        config.load("resnet18-imagefolder", [{"data": {"loader": loader}}])
+    assert ("DALI decodes with data.args.backend: dali" in str(e.value)) == dali
