@@ -75,6 +75,24 @@ def test_decathlon_and_raw_brats_load_identically(brats_pair):
     assert np.array_equal(raw_msd == 3, raw_brats == 4)
 
 
+def test_brats_2023_names_load_as_the_2019_names(brats_pair, tmp_path):
+    """``data synth brats --layout brats2023``: the same cases in BraTS 2023-24's folders (``-t2f``, ``-t1n``,
+    ``-t1c``, ``-t2w``; enhancing tumour stored as 3) load item for item as the 2019 folders (4)."""
+    _, raw = brats_pair
+    new = SYNTH.get("brats")(tmp_path / "b23", seed=3, cases=4, size=24, layout="brats2023")
+    case = sorted(new.iterdir())[0]
+    assert sorted(p.name.split("-")[-1] for p in case.iterdir()) == [
+        "seg.nii.gz", "t1c.nii.gz", "t1n.nii.gz", "t2f.nii.gz", "t2w.nii.gz"]
+    assert 3 in np.unique(np.asarray(nib.load(str(case / f"{case.name}-seg.nii.gz")).dataobj))
+    a = DATASETS.build("brats", {"path": str(raw), "num_folds": 2})
+    b = DATASETS.build("brats", {"path": str(new), "num_folds": 2})
+    for da, db in ((a.train, b.train), (a.val, b.val)):
+        assert len(da) == len(db) == 2
+        for i in range(len(da)):
+            torch.testing.assert_close(da[i]["image"], db[i]["image"], atol=0, rtol=0)
+            assert torch.equal(da[i]["label"], db[i]["label"])
+
+
 def test_brats_label_remap_round_trip_and_regions():
     raw = torch.tensor([[0, 1, 2, 4], [4, 2, 1, 0]])
     lab = from_brats_labels(raw)

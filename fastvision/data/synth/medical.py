@@ -24,6 +24,7 @@ from fastvision.errors import ConfigError
 # Internal BraTS label ids (after 4 -> 3): 1 necrotic/non-enhancing core, 2 edema, 3 enhancing.
 _INTERNAL_TO_MSD = np.array([0, 2, 1, 3], dtype=np.uint8)  # MSD Task01: 1 edema, 2 non-enh., 3 enh.
 _INTERNAL_TO_BRATS = np.array([0, 1, 2, 4], dtype=np.uint8)
+_INTERNAL_TO_BRATS2023 = np.array([0, 1, 2, 3], dtype=np.uint8)  # BraTS 2023-24: enhancing tumour is 3
 # Mean intensity per modality (flair, t1, t1ce, t2) for brain, edema, necrotic core, enhancing.
 _MRI_MEANS = np.array([
     [300.0, 420.0, 410.0, 340.0],  # normal brain
@@ -127,15 +128,17 @@ def synth_brats(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 2
         cases: labelled (training) cases.
         test_cases: unlabelled cases (Decathlon ``imagesTs``; ignored for the raw layout).
         size: edge of the cubic volume in voxels (1 mm isotropic).
-        layout: "decathlon" (Task01 with dataset.json), "brats" (raw per-case folders) or "nnunetv2" (the
-            Task01 folder as nnU-Net v2's converter writes it: one file per channel, the MSD label ids).
+        layout: "decathlon" (Task01 with dataset.json), "brats" (raw per-case folders of 2017-2021's names,
+            under HGG/ and LGG/ as 2019), "brats2023" (BraTS 2023-24's ``BraTS-GLI-NNNNN-000/...-t2f.nii.gz``
+            folders, enhancing tumour 3) or "nnunetv2" (the Task01 folder as nnU-Net v2's converter writes
+            it: one file per channel, the MSD label ids).
 
     Returns:
         ``out``.
     """
     require("brats", cases=(cases, 1), test_cases=(test_cases, 0), size=(size, 8))
-    if layout not in ("decathlon", "brats", "nnunetv2"):
-        raise ConfigError(f"data synth brats --layout {layout!r}: must be decathlon, brats or nnunetv2")
+    if layout not in ("decathlon", "brats", "brats2023", "nnunetv2"):
+        raise ConfigError(f"data synth brats --layout {layout!r}: must be decathlon, brats, brats2023 or nnunetv2")
     if layout == "nnunetv2":
         return as_nnunetv2(out, lambda msd: synth_brats(msd, seed=seed, cases=cases, test_cases=test_cases, size=size))
     out = Path(out)
@@ -154,11 +157,16 @@ def synth_brats(out: Path, *, seed: int = 0, cases: int = 8, test_cases: int = 2
             # Raw BraTS files are stored LPS: flip x and y (data and affine) so world positions match.
             lps = np.diag([-1.0, -1.0, 1.0, 1.0]) @ ras
             lps[:2, 3] = (size - 1) / 2
-            folder = out / ("HGG" if n % 2 == 0 else "LGG") / f"BraTS19_SYN_{n + 1:03d}_1"
             flip = (slice(None, None, -1), slice(None, None, -1))
-            for c, mod in enumerate(("flair", "t1", "t1ce", "t2")):
-                _nifti(image[c][flip].round().astype(np.int16), lps, folder / f"{folder.name}_{mod}.nii.gz")
-            _nifti(_INTERNAL_TO_BRATS[label][flip], lps, folder / f"{folder.name}_seg.nii.gz")
+            if layout == "brats":
+                folder = out / ("HGG" if n % 2 == 0 else "LGG") / f"BraTS19_SYN_{n + 1:03d}_1"
+                sep, mods, labels = "_", ("flair", "t1", "t1ce", "t2"), _INTERNAL_TO_BRATS
+            else:  # 2023-24: one folder per case, channels t2f (FLAIR), t1n, t1c, t2w
+                folder = out / f"BraTS-GLI-{n + 1:05d}-000"
+                sep, mods, labels = "-", ("t2f", "t1n", "t1c", "t2w"), _INTERNAL_TO_BRATS2023
+            for c, mod in enumerate(mods):
+                _nifti(image[c][flip].round().astype(np.int16), lps, folder / f"{folder.name}{sep}{mod}.nii.gz")
+            _nifti(labels[label][flip], lps, folder / f"{folder.name}{sep}seg.nii.gz")
     if layout == "decathlon":
         meta = {
             "name": "BRATS", "description": "synthetic gliomas (fastvision)", "tensorImageSize": "4D",
