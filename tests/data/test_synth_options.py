@@ -16,7 +16,7 @@ from fastvision.cli import main
     ("coco", ["--val", "0"], "--val 0: must be at least 1"),
     ("coco", ["--min-size", "0"], "--min-size 0: must be more than 0"),
     ("brats", ["--cases", "0"], "--cases 0: must be at least 1"),
-    ("brats", ["--layout", "nifti"], "--layout 'nifti': must be decathlon, brats or nnunetv2"),
+    ("brats", ["--layout", "nifti"], "--layout 'nifti': must be decathlon, brats, brats2023 or nnunetv2"),
     ("spleen", ["--cases", "0"], "--cases 0: must be at least 1"),
     ("spleen", ["--zoom", "0"], "--zoom 0: must be more than 0"),
     ("spleen", ["--test-cases", "-1"], "--test-cases -1: must be at least 0"),
