@@ -181,7 +181,7 @@ def run_training(recipe: str, out: str | None = None, resume: str | None = None,
         # or stops with its refusal (an existing --out): rank 0 prints it, the others exit quietly
         run_dir, ckpt = _agree_run_dir(env, cfg.recipe, out, resume)
         if ckpt is not None:  # the run's own data, unless --data / --set data.args.path names other
-            checkpoint.resume_data(cfg, run_dir, overrides, extra)
+            checkpoint.resume_data(cfg, run_dir, overrides, extra, ckpt)
         in_run_dir(cfg, run_dir)
         made = env.is_main and not run_dir.exists()  # (an empty --out the user made is kept, emptied)
         fresh = env.is_main and (made or not any(run_dir.iterdir()))

@@ -329,9 +329,11 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any], path: Path
         raise DataError(f"{path}: its weights do not fit the model{f' ({what})' if what else ''}: {why}") from e
 
 
-def resume_data(cfg: Any, run_dir: Path, flat: dict[str, Any] | None, extra: Sequence[dict[str, Any]]) -> None:
+def resume_data(cfg: Any, run_dir: Path, flat: dict[str, Any] | None, extra: Sequence[dict[str, Any]],
+                ckpt: str | Path | None = None) -> None:
     """A resumed run reads the data it was trained on: unless the flat options (``--data``) or an override
-    (``--set data.args.path``) name a path, ``cfg``'s data path becomes the one in ``run_dir/config.yaml``.
+    (``--set data.args.path``) name a path, ``cfg``'s data path becomes the one in ``run_dir/config.yaml``,
+    or, where that has none (``--resume PATH --out NEW``), in the config.yaml of ``ckpt``'s run folder.
     Before, a resume without ``--data`` read the recipe's default folder, and trained on it where its
     classes matched."""
     import yaml
@@ -343,10 +345,13 @@ def resume_data(cfg: Any, run_dir: Path, flat: dict[str, Any] | None, extra: Seq
     given = "data" in (flat or {}) or any(names_path(d) for d in extra)
     if given or not isinstance(cfg.data.args, dict):
         return
-    try:
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["args"]["path"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return
+    saved = None
+    for folder in [run_dir] + ([Path(ckpt).resolve().parent.parent] if ckpt is not None else []):
+        try:
+            saved = yaml.safe_load((folder / "config.yaml").read_text())["data"]["args"]["path"]
+            break
+        except (OSError, yaml.YAMLError, KeyError, TypeError):
+            continue
     if isinstance(saved, str) and saved != cfg.data.args.get("path"):
         log.info("resuming on the run's data, %s (from its config.yaml; --data trains on other data)", saved)
         cfg.data.args["path"] = saved

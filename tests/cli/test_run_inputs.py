@@ -206,6 +206,16 @@ def test_resume_without_data_continues_on_the_runs_data(runs, given, tmp_path, c
     assert json.loads((run / "summary.json").read_text())["epochs"] == 2  # the second epoch trained
 
 
+def test_resume_path_into_a_new_out_without_data_reads_the_checkpoints_data(runs, tmp_path, capsys):
+    """``--resume RUN/checkpoints/last.pt --out NEW`` without ``--data``: the data of the checkpoint's run."""
+    import yaml
+
+    code, _, err = run_cli(capsys, "train", "unet2d-microscopy", "--out", tmp_path / "new",
+                           "--resume", runs["seg"] / "checkpoints" / "last.pt", "--epochs", "2", *SEG[2:])
+    assert code == 0, err
+    assert yaml.safe_load((tmp_path / "new" / "config.yaml").read_text())["data"]["args"]["path"] == str(runs["micro"])
+
+
 def test_a_misspelt_resume_auto_names_the_word(runs, tmp_path, monkeypatch, capsys):
     """``--resume aut`` said 'checkpoint not found: aut' and no more."""
     monkeypatch.chdir(tmp_path)
