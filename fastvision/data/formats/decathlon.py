@@ -374,13 +374,12 @@ def build_decathlon(*, path: str, fold: int = 0, num_folds: int = 5, split_seed:
     modalities = modality_names(meta)
     intensity = auto_intensity(meta) if intensity == "auto" else intensity
     names = label_names(meta, Path(path))  # MSD's {"1": "spleen"} or nnU-Net v2's {"spleen": 1}
-    label_map: tuple[tuple[int, int], ...] = ()
+    label_map = task01_label_map(meta)  # Task01: renumbered to BraTS ids
     class_names = [names[k] for k in sorted(names)]
     layout = found.get("layout", "msd")  # nnunetv2: its file_ending names predict's outputs too
     convention = {"layout": layout, "file_labels": ", ".join(f"{k} {v}" for k, v in sorted(names.items())),
                   "label_map": "none", **({"file_ending": meta["file_ending"]} if layout == "nnunetv2" else {})}
-    if task01_label_map(meta):  # Task01: renumber to BraTS ids
-        label_map = task01_label_map(meta)
+    if label_map:
         class_names = BRATS_CLASS_NAMES
         convention = {**convention, "layout": f"{layout}-task01", "label_map": {str(a): b for a, b in label_map}}
     training = drop_unreadable(found["training"], _case_files, nifti_header, skip_unreadable, source)

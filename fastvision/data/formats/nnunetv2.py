@@ -197,13 +197,12 @@ def from_msd(src: Path, out: Path, ending: str = ".nii.gz") -> Path:
                 target = out / sub / f"{case}_{c:04d}{ending}"
                 nib.save(nib.Nifti1Image(np.ascontiguousarray(volume), img.affine, header), str(target))
     for e in meta["training"]:
-        label = nib.load(str(src / e["label"]))
         case = Path(e["label"]).name.split(".nii")[0]
         (out / "labelsTr").mkdir(parents=True, exist_ok=True)
         if ending == ".nii.gz" and e["label"].endswith(".nii.gz"):
             shutil.copyfile(src / e["label"], out / "labelsTr" / f"{case}{ending}")
         else:
-            nib.save(label, str(out / "labelsTr" / f"{case}{ending}"))
+            nib.save(nib.load(str(src / e["label"])), str(out / "labelsTr" / f"{case}{ending}"))
     v2 = {k: v for k, v in meta.items() if k not in ("training", "test", "modality", "labels", "numTest")}
     v2.update(channel_names=meta["modality"], labels={str(n): int(v) for v, n in meta["labels"].items()},
               numTraining=len(meta["training"]), file_ending=ending)
