@@ -72,8 +72,9 @@ def _check_read(cfg: OptimConfig) -> None:
     fused / foreach, torch's SGD / Adam / AdamW kernels, is one line with Novograd, one loop over the tensors."""
     base = OptimConfig()
     unread = [f"optim.{k} {getattr(cfg, k)}" for k in ("momentum", "nesterov") if getattr(cfg, k) != getattr(base, k)]
-    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    if cfg.name != "sgd" and unread and first:
+    from fastvision import distributed  # rank 0 of torch.distributed or Horovod
+
+    if cfg.name != "sgd" and unread and distributed.is_main():
         log.warning("%s: read by optim.name sgd alone, not %s, whose momentum is optim.betas[0] (now %s)",
                     " and ".join(unread), cfg.name, cfg.betas[0])
     if cfg.name == "novograd" and cfg.impl not in ("auto", "loop"):

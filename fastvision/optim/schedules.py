@@ -58,8 +58,11 @@ def build_scheduler(opt: Optimizer, cfg: SchedConfig, steps_per_epoch: int, epoc
             f"(--set sched.warmup_epochs={round(epochs / 10, 3):g})")
 
     def warned(s: int) -> float:
-        if s == 1 and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):  # once a job
-            log.warning(note)
+        if s == 1:
+            from fastvision import distributed
+
+            if distributed.is_main():  # once a job: rank 0 of torch.distributed or Horovod
+                log.warning(note)
         return fn(s)
 
     return torch.optim.lr_scheduler.LambdaLR(opt, warned)
