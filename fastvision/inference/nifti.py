@@ -177,18 +177,17 @@ def _group_channel_files(files: list[Path], ending: str | None) -> tuple[list[Pa
     """``(the other inputs, cases of the <case>_XXXX files)``; a case lacking a channel below its highest is a
     DataError naming the missing file (check_cases then compares the count with the model's). ``ending`` None
     (not a v2 run): only files from ``_0000`` on, more than one, are grouped; the others stay single cases."""
-    import re
-
+    from fastvision.data.formats.nnunetv2 import ENDINGS, channel_of
     from fastvision.errors import DataError
 
     groups: dict[tuple[Path, str], dict[int, Path]] = {}
     rest = []
     for f in files:
-        m = None if f.is_dir() else re.fullmatch(r"(.+)_(\d{4})(\.nii\.gz|\.nii)", f.name)
-        if m is None:
+        named = None if f.is_dir() else next(filter(None, (channel_of(f.name, e) for e in ENDINGS)), None)
+        if named is None:
             rest.append(f)
             continue
-        groups.setdefault((f.parent, m.group(1)), {})[int(m.group(2))] = f
+        groups.setdefault((f.parent, named[0]), {})[named[1]] = f
     cases = []
     for (folder, case), channels in groups.items():
         if ending is None and (0 not in channels or len(channels) < 2):

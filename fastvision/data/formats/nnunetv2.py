@@ -29,6 +29,12 @@ UNUSABLE = "images not usable as nnU-Net v2 channel files"
 ABSENT = "channel or label files that do not exist"
 
 
+def channel_of(name: str, ending: str) -> tuple[str, int] | None:
+    """``(case, channel)`` of a file named as nnU-Net v2's channel files, ``{case}_{XXXX}{ending}``, else None."""
+    m = _CHANNEL.fullmatch(name[: -len(ending)]) if name.endswith(ending) else None
+    return (m.group(1), int(m.group(2))) if m else None
+
+
 def folder_hint(root: Path) -> str:
     """``root`` lacks dataset.json: the folder the user likely meant, as a hint (nnU-Net's ``nnUNet_raw`` with
     ``DatasetNNN_Name`` folders in it, or a dataset's ``imagesTr``), else ``""``."""
@@ -84,12 +90,12 @@ def group_channels(folder: Path, ending: str, names: list[str], root: Path,
 
     files = sorted(p for p in folder.iterdir() if p.name.endswith(ending) and not p.name.startswith("."))
     for p in files:
-        m = _CHANNEL.fullmatch(p.name[: -len(ending)])
-        if m is None:
+        named = channel_of(p.name, ending)
+        if named is None:
             refuse(None, p, f"not named {{case}}_XXXX{ending} (nnU-Net v2: the channel's 4-digit number after "
                             "the case id)")
             continue
-        case, channel = m.group(1), int(m.group(2))
+        case, channel = named
         if channel >= len(names):
             refuse(case, p, f"channel {channel}, but dataset.json's channel_names has {len(names)} "
                             f"({', '.join(f'{i:04d} {n}' for i, n in enumerate(names))})")
@@ -154,8 +160,8 @@ def _shown(p: Path, root: Path) -> str:
 def _anomalies(root: Path, meta: dict[str, Any], training: list[dict[str, Any]], ending: str) -> dict[str, list[str]]:
     have = {c["label"].resolve() for c in training}
     # a refused case's label has images: not "without images"
-    cases = {m.group(1) for p in ((root / "imagesTr").iterdir() if (root / "imagesTr").is_dir() else [])
-             if p.name.endswith(ending) and (m := _CHANNEL.fullmatch(p.name[: -len(ending)]))}
+    cases = {named[0] for p in ((root / "imagesTr").iterdir() if (root / "imagesTr").is_dir() else [])
+             if (named := channel_of(p.name, ending))}
     labels = sorted((root / "labelsTr").glob(f"*{ending}")) if (root / "labelsTr").is_dir() else []
     out = {"labels without images (ignored)": [f"labelsTr/{p.name}" for p in labels if not p.name.startswith(".")
                                                and p.resolve() not in have and p.name[: -len(ending)] not in cases],
