@@ -244,11 +244,6 @@ class DetectionTask(Task):
         return written
 
 
-def predict_image_ids(files: list[Path], coco_ids: str = "auto") -> list[int]:
-    """The image id of each of ``files`` in ``predict``'s ``detections.json`` (:func:`predict_images`)."""
-    return predict_images(files, coco_ids)[0]
-
-
 def predict_images(files: list[Path], coco_ids: str = "auto") -> tuple[list[int], list[str]]:
     """(the image id, the COCO ``file_name``) of each of ``files`` in ``predict``'s ``detections.json`` and
     ``images.json``.
