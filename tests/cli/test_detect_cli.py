@@ -82,42 +82,44 @@ def test_train_evaluate_predict_from_the_cli(tmp_path, monkeypatch):
         assert Image.open(tmp_path / "pred" / f"{f.stem}_boxes.png").size == (e["width"], e["height"])
 
 
-def test_predict_image_ids_from_a_coco_file_by_name(tmp_path):
-    from fastvision.errors import DataError
+def _ids(files, coco_ids):
+    """The image ids of predict_images' (ids, COCO file names)."""
     from fastvision.tasks.detect import predict_images
 
-    def predict_image_ids(files, coco_ids):  # the ids of predict_images' (ids, file names)
-        return predict_images(files, coco_ids)[0]
+    return predict_images(files, coco_ids)[0]
+
+
+def test_predict_image_ids_from_a_coco_file_by_name(tmp_path):
+    from fastvision.errors import DataError
 
     root = tmp_path / "coco"
     (root / "annotations").mkdir(parents=True)
     files = [root / "val2017" / n for n in ("b.jpg", "a.jpg")]
-    assert predict_image_ids(files, "auto") == [0, 1]  # no annotations there: positions
+    assert _ids(files, "auto") == [0, 1]  # no annotations there: positions
     info = root / "annotations" / "image_info_test-dev2017.json"  # test-dev's: images, no annotations
     info.write_text(json.dumps({"images": [{"id": 7, "file_name": "a.jpg"}, {"id": 9, "file_name": "x/b.jpg"}]}))
-    assert predict_image_ids(files, str(info)) == [9, 7]
+    assert _ids(files, str(info)) == [9, 7]
     (root / "annotations" / "instances_val2017.json").write_text(json.dumps(
         {"images": [{"id": 3, "file_name": "a.jpg"}], "annotations": [], "categories": []}))
-    assert predict_image_ids(files, "auto") == [0, 1]  # b.jpg is not listed: positions (with a warning)
-    assert predict_image_ids(files[1:], "auto") == [3]
-    assert predict_image_ids(files[1:], "none") == [0]
+    assert _ids(files, "auto") == [0, 1]  # b.jpg is not listed: positions (with a warning)
+    assert _ids(files[1:], "auto") == [3]
+    assert _ids(files[1:], "none") == [0]
     with pytest.raises(DataError, match=r"--coco-ids .*instances_val2017.json: .*b.jpg is not in its images list"):
-        predict_image_ids(files, str(root / "annotations" / "instances_val2017.json"))
+        _ids(files, str(root / "annotations" / "instances_val2017.json"))
     for text, why in (("[]", "no 'images' list"), ('{"images": [{"id": "1", "file_name": "a.jpg"}]}', "integer id"),
                       ('{"images": [{"id": 1, "file_name": "a.jpg"}, {"id": 2, "file_name": "y/a.jpg"}]}',
                        "a.jpg listed twice")):
         info.write_text(text)
         with pytest.raises(DataError, match=why):
-            predict_image_ids(files, str(info))
+            _ids(files, str(info))
     with pytest.raises(DataError, match=r"nothere.json: cannot read it"):
-        predict_image_ids(files, str(tmp_path / "nothere.json"))
+        _ids(files, str(tmp_path / "nothere.json"))
 
 
 def test_predict_ids_of_inputs_stored_at_another_size_than_listed_are_one_line(tmp_path):
     """Inputs resized since they were annotated: detections.json took the COCO file's ids, and pycocotools
     scored its boxes (in the resized pixels) against boxes of the file's grid without a word."""
     from fastvision.errors import DataError
-    from fastvision.tasks.detect import predict_image_ids
 
     folder = tmp_path / "coco" / "val2017"
     folder.mkdir(parents=True)
@@ -129,8 +131,8 @@ def test_predict_ids_of_inputs_stored_at_another_size_than_listed_are_one_line(t
                                           {"id": 4, "file_name": "b.jpg", "width": 40, "height": 30}],
                                "annotations": [], "categories": []}))
     files = [folder / "a.jpg", folder / "b.jpg"]
-    assert predict_image_ids(files[:1], "auto") == [3] and predict_image_ids(files[:1], str(ann)) == [3]
+    assert _ids(files[:1], "auto") == [3] and _ids(files[:1], str(ann)) == [3]
     for how in ("auto", str(ann)):
         with pytest.raises(DataError, match=r"b.jpg: stored 20x15, but .*instances_val2017.json lists it as 40x30"):
-            predict_image_ids(files, how)
-    assert predict_image_ids(files, "none") == [0, 1]
+            _ids(files, how)
+    assert _ids(files, "none") == [0, 1]
